@@ -1,0 +1,1 @@
+"""Data: dummy tokens now; Nanoset and Hugging Face datasets later."""

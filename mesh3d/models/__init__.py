@@ -1,0 +1,1 @@
+"""Single-device model definitions. Nothing here imports torch.distributed."""

@@ -1,0 +1,1 @@
+"""Training: optimizer, LR schedule, loss, metrics and the step loop."""
