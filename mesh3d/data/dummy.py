@@ -1,0 +1,59 @@
+"""Dummy data for `dataset: null`, the same samples at every layout.
+
+Nanotron's dummy data draws input ids and, independently, label ids uniformly from the
+vocabulary. mesh3d keeps that distribution ("random") but seeds each *global sample index* on its
+own, so the global batch at step s is the same list of samples whatever dp/tp/pp is (Nanotron
+seeds per dp/pp rank, which ties the data to the layout). The "learnable" variant
+(`mesh3d.dummy_data: learnable`) makes sequences that follow a fixed next-token rule, so the
+loss visibly falls on a CPU smoke run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MIX = 0x9E3779B1  # odd constant to spread (seed, index) pairs over generator seeds
+
+
+class DummyTokens:
+    """Map-style dataset: `self[i]` -> (input_ids [S], label_ids [S]) for global sample i."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, kind: str = "random"):
+        if kind not in ("random", "learnable"):
+            raise ValueError(f"unknown dummy data kind {kind!r}; use 'random' or 'learnable'")
+        self.vocab_size, self.seq_len, self.seed, self.kind = vocab_size, seq_len, seed, kind
+
+    def _generator(self, index: int) -> torch.Generator:
+        return torch.Generator().manual_seed((self.seed * _MIX + index) % (2**63))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self._generator(index)
+        V, S = self.vocab_size, self.seq_len
+        if self.kind == "random":
+            inputs = torch.randint(0, V, (S,), generator=g)
+            labels = torch.randint(0, V, (S,), generator=g)
+            return inputs, labels
+        # learnable: x[t+1] = (5 * x[t] + 3) mod V from a random start; labels = next tokens
+        start = int(torch.randint(0, V, (1,), generator=g))
+        seq = [start]
+        for _ in range(S):
+            seq.append((5 * seq[-1] + 3) % V)
+        t = torch.tensor(seq, dtype=torch.long)
+        return t[:-1], t[1:]
+
+
+def microbatches(
+    dataset, step: int, global_batch_size: int, dp_rank: int, dp: int, micro_batch_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This dp rank's microbatches for training step `step` (1-based).
+
+    The global batch of step s is samples [(s-1)*GBS, s*GBS); dp rank r takes the contiguous
+    slice [r*GBS/dp, (r+1)*GBS/dp), cut into microbatches of `micro_batch_size` samples.
+    """
+    per_rank = global_batch_size // dp
+    first = (step - 1) * global_batch_size + dp_rank * per_rank
+    out = []
+    for m in range(per_rank // micro_batch_size):
+        rows = [dataset[first + m * micro_batch_size + j] for j in range(micro_batch_size)]
+        out.append((torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])))
+    return out

@@ -1,0 +1,38 @@
+"""The one mesh3d logger, with Nanotron's line prefix and per-rank levels.
+
+`setup_logging` runs once per process: world rank 0 logs at `logging.log_level`, the other
+ranks at `logging.log_level_replica` (Nanotron's rule), every line prefixed like Nanotron
+CLASSIC: `12/02/2026 12:00:00 [INFO|DP=0|PP=0|TP=0]: `. Code logs through `logger` and never
+checks ranks itself; the iteration line is only emitted on the one rank that owns the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger("mesh3d")
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+    "passive": logging.CRITICAL + 10,  # Nanotron accepts it and then crashes; we log nothing
+}
+
+
+def setup_logging(rank: int, coords: dict, level: str, replica_level: str) -> None:
+    """Configure `logger` for this process; `coords` holds its dp/pp/tp coordinates."""
+    prefix = f"DP={coords['dp']}|PP={coords['pp']}|TP={coords['tp']}"
+    if os.environ.get("SLURMD_NODENAME"):
+        prefix += f"|{os.environ['SLURMD_NODENAME']}"
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s [%(levelname)s|{prefix}]: %(message)s", "%m/%d/%Y %H:%M:%S")
+    )
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+    logger.setLevel(_LEVELS[level if rank == 0 else replica_level])

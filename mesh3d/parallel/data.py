@@ -1,0 +1,24 @@
+"""Data parallelism on the mesh's "dp" axis.
+
+zero_stage 0: every dp rank holds the full (tp-local) parameters and optimizer state; after the
+microbatches of a step, gradients are summed over dp with one flat all-reduce. The loss is
+already normalized by the global token count (mesh3d/train/loss.py), so a SUM (not an average)
+gives exactly the one-process gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def allreduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Sum every parameter gradient over `group` in one flat all-reduce."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)

@@ -1,0 +1,176 @@
+"""The training run: config -> mesh -> model -> optimizer -> data -> steps -> metrics.
+
+`train(cfg)` is what `recipes/train.py` calls on every rank after torchrun started it, and what
+tests call inside forked ranks. Every check that the config and the world size allow runs in
+`validate()` before the first collective.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mesh3d.config import global_batch_size, padded_vocab_size, validate
+from mesh3d.data.dummy import DummyTokens, microbatches
+from mesh3d.errors import UserError
+from mesh3d.log import logger, setup_logging
+from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, resolve_device
+from mesh3d.models.init import init_weights
+from mesh3d.models.llama import Llama
+from mesh3d.train.metrics import (
+    JsonlWriter,
+    format_iteration_line,
+    iteration_metrics,
+    llama_flops,
+    memory_metrics,
+)
+from mesh3d.train.optim import build_optimizer
+from mesh3d.train.step import train_step
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunResult:
+    """What a run returns to its caller (tests, benchmarks): one metrics dict per step."""
+
+    metrics: list[dict] = field(default_factory=list)
+    model: torch.nn.Module | None = None
+
+
+def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype or None) for `model.dtype` and fp32 accumulation.
+
+    bf16/fp16 with `accumulate_grad_in_fp32` keeps fp32 parameters (the master weights and
+    gradients Nanotron keeps beside bf16 copies) and runs the math under autocast.
+    """
+    dtype = _DTYPES.get(cfg.model.dtype)
+    if dtype is None:
+        raise UserError(
+            f"`model.dtype` {cfg.model.dtype!r} cannot train; use float32, bfloat16 or float16"
+        )
+    if dtype == torch.float32:
+        return torch.float32, None
+    if cfg.optimizer.accumulate_grad_in_fp32:
+        return torch.float32, dtype
+    return dtype, None
+
+
+def build_model(cfg, device: torch.device, dtype: torch.dtype) -> Llama:
+    """The Llama of `cfg`, built on meta, materialized on `device` and initialized."""
+    mc = cfg.model.model_config
+    with torch.device("meta"):
+        model = Llama(mc, vocab_size=padded_vocab_size(cfg), attention=cfg.mesh3d.attention)
+    model.to_empty(device=device)
+    model.tie_weights()
+    init = cfg.model.init_method
+    init_weights(
+        model,
+        std=init.std,
+        num_layers=mc.num_hidden_layers,
+        scaling_method=getattr(init, "scaling_method", "NUM_LAYERS"),
+        seed=cfg.general.seed,
+    )
+    return model.to(dtype)
+
+
+def _unsupported_layout(dims: ParallelDims) -> None:
+    if dims.tp > 1 or dims.pp > 1:
+        key = "parallelism.tp" if dims.tp > 1 else "parallelism.pp"
+        raise UserError(f"`{key}` > 1 is not supported by mesh3d yet; set it to 1")
+
+
+def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> RunResult:
+    """Train `cfg` on the current process group (started here if needed); rank-local result."""
+    device = resolve_device(cfg.mesh3d.device)
+    world = int(dist.get_world_size()) if dist.is_initialized() else None
+    if world is None:
+        init_distributed(device=cfg.mesh3d.device)
+        world = dist.get_world_size()
+    validate(cfg, world_size=world)
+    p = cfg.parallelism
+    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
+    _unsupported_layout(dims)
+    rank = dist.get_rank()
+    coords = dims.coords(rank)
+    setup_logging(rank, coords, cfg.logging.log_level, cfg.logging.log_level_replica)
+    mesh = build_mesh(dims, device.type)
+    torch.manual_seed(cfg.general.seed)
+
+    param_dtype, autocast_dtype = param_and_compute_dtypes(cfg)
+    model = build_model(cfg, device, param_dtype)
+    optimizer, scheduler = build_optimizer(model, cfg, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(f"Total number of parameters: {n_params} ({n_params * 4 / 2**20:.2f}MiB fp32)")
+
+    mc, tok = cfg.model.model_config, cfg.tokens
+    stage = cfg.data_stages[0].data if cfg.data_stages else None
+    seed = stage.seed if stage is not None and stage.seed is not None else cfg.general.seed
+    data = DummyTokens(mc.vocab_size, tok.sequence_length, seed, cfg.mesh3d.dummy_data)
+    gbs = global_batch_size(cfg)
+    step_flops = llama_flops(
+        mc.num_hidden_layers,
+        mc.hidden_size,
+        mc.num_attention_heads,
+        mc.num_key_value_heads or mc.num_attention_heads,
+        mc.intermediate_size,
+        padded_vocab_size(cfg),
+        tok.sequence_length,
+        gbs,
+    )
+    is_logger_rank = coords == {"pp": dims.pp - 1, "dp": 0, "tp": 0}
+    writer = JsonlWriter(metrics_file) if metrics_file and is_logger_rank else None
+    logger.info(
+        f"[Start training] mbs: {tok.micro_batch_size} | grad_accum: "
+        f"{tok.batch_accumulation_per_replica} | global_batch_size: {gbs} | sequence_length: "
+        f"{tok.sequence_length} | train_steps: {tok.train_steps} | start_iteration_step: 1"
+    )
+    result = RunResult()
+    dp_group = mesh["dp"].get_group()
+    consumed = 0
+    for step in range(1, tok.train_steps + 1):
+        t0 = time.time()
+        batches = microbatches(data, step, gbs, coords["dp"], dims.dp, tok.micro_batch_size)
+        loss, grad_norm = train_step(
+            model,
+            optimizer,
+            scheduler,
+            batches,
+            vocab_size=mc.vocab_size,
+            global_tokens=gbs * tok.sequence_length,
+            clip_grad=cfg.optimizer.clip_grad,
+            dp_group=dp_group,
+            autocast_dtype=autocast_dtype,
+            device=device,
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if world > 1:
+            dist.barrier()
+        consumed += gbs
+        m = iteration_metrics(
+            iteration=step,
+            consumed_samples=consumed,
+            seq_len=tok.sequence_length,
+            elapsed_s=time.time() - t0,
+            global_batch_size=gbs,
+            world_size=world,
+            lm_loss=loss,
+            lr=scheduler.get_last_lr()[0],
+            step_flops=step_flops,
+            grad_norm=grad_norm,
+        )
+        result.metrics.append(m)
+        if is_logger_rank and (step - 1) % cfg.logging.iteration_step_info_interval == 0:
+            extra = memory_metrics() if step < 5 else {}
+            logger.info(format_iteration_line({**m, **extra}, tok.train_steps))
+            if writer:
+                writer.write(m)
+    if writer:
+        writer.close()
+    if keep_model:
+        result.model = model
+    return result

@@ -1,0 +1,132 @@
+"""Per-iteration metrics: Nanotron's FLOPs formula, its number format and its log line.
+
+One `dict` per logged iteration is built once (`iteration_metrics`) and handed to every sink:
+the console line (`format_iteration_line`, Nanotron CLASSIC item order, spec §7.2) and the
+`--metrics-file` JSON lines (`JsonlWriter`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+_SUFFIXES = ["", "K", "M", "G", "T", "P", "E"]
+
+
+def human_format(x: float) -> str:
+    """Nanotron's `human_format` (CLASSIC suffixes): 1024 -> '1.02K', 0.00015 -> '0.00015'."""
+    if abs(x) < 1:
+        return f"{x:.3g}"
+    x = float(f"{x:.3g}")
+    i = 0
+    while abs(x) >= 1000 and i < len(_SUFFIXES) - 1:
+        x /= 1000.0
+        i += 1
+    return f"{x:f}".rstrip("0").rstrip(".") + _SUFFIXES[i]
+
+
+def llama_flops(
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    ffn_size: int,
+    vocab_size: int,
+    seq_len: int,
+    batch_size: int,
+) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward), spec §7.3.
+
+    `vocab_size` is the padded vocabulary; `batch_size` the global batch in samples.
+    """
+    L, h, nq, nkv, F, V, S, B = (
+        num_layers,
+        hidden_size,
+        num_heads,
+        num_kv_heads,
+        ffn_size,
+        vocab_size,
+        seq_len,
+        batch_size,
+    )
+    dh = h // nq
+    qkv = 2 * L * B * S * h * nq * dh + 2 * L * B * S * h * 2 * nkv * dh
+    attn = 2 * L * B * nq * S * dh * S + 2 * L * B * nq * S * S * dh
+    out = 2 * L * B * nq * S * dh * h
+    mlp = 4 * L * B * S * h * F + 2 * L * B * S * F * h
+    head = 2 * B * S * h * V
+    return 3.0 * (qkv + attn + out + mlp + head)
+
+
+def iteration_metrics(
+    *,
+    iteration: int,
+    consumed_samples: int,
+    seq_len: int,
+    elapsed_s: float,
+    global_batch_size: int,
+    world_size: int,
+    lm_loss: float,
+    lr: float,
+    step_flops: float,
+    grad_norm: float | None,
+) -> dict:
+    """The metrics record of one iteration, keys and order as Nanotron's CLASSIC log line."""
+    tokens_per_sec = global_batch_size * seq_len / elapsed_s
+    tflops = step_flops / (elapsed_s * world_size * 1e12)
+    m = {
+        "iteration": iteration,
+        "consumed_tokens": consumed_samples * seq_len,
+        "elapsed_time_per_iteration_ms": elapsed_s * 1000.0,
+        "tokens_per_sec": tokens_per_sec,
+        "tokens_per_sec_per_gpu": tokens_per_sec / world_size,
+        "global_batch_size": global_batch_size,
+        "lm_loss": lm_loss,
+        "lr": lr,
+        "model_tflops_per_gpu": tflops,
+        "hardware_tflops_per_gpu": tflops,
+    }
+    if grad_norm is not None:
+        m["grad_norm"] = grad_norm
+    return m
+
+
+def memory_metrics() -> dict:
+    """Nanotron's extra items for the first steps: CUDA memory (when on CUDA) and disk usage."""
+    import torch
+
+    m = {}
+    if torch.cuda.is_available():
+        m["cuda_memory_allocated"] = torch.cuda.memory_allocated()
+        m["cuda_max_memory_reserved"] = torch.cuda.max_memory_reserved()
+    du = shutil.disk_usage("/")
+    m.update(hd_total_memory_tb=du.total, hd_used_memory_tb=du.used, hd_free_memory_tb=du.free)
+    return m
+
+
+def format_iteration_line(m: dict, train_steps: int) -> str:
+    """`iteration: 3 / 15 | consumed_tokens: 3.07K | ...` (every value through human_format)."""
+    items = [f"iteration: {m['iteration']} / {train_steps}"]
+    for key, value in m.items():
+        if key == "iteration":
+            continue
+        items.append(f"{key}: {human_format(value) if math.isfinite(value) else value}")
+    return " | ".join(items)
+
+
+class JsonlWriter:
+    """Appends one JSON object per iteration to a file (the `--metrics-file`), flushed each line."""
+
+    def __init__(self, path: str | os.PathLike):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
