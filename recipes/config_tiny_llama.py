@@ -3,9 +3,10 @@
     python recipes/config_tiny_llama.py --output config_tiny_llama.yaml
 
 Same tiny Llama (hidden 16, 2 layers, 4 heads, vocab 256, tied embeddings), optimizer and
-2x2x2 layout as Nanotron's example. Two differences, both because mesh3d does not have them yet:
-the data stages use dummy data (`dataset: null`) instead of a Hugging Face dataset, and no
-`checkpoints` section is written.
+2x2x2 layout as Nanotron's example. Differences: the data stages use dummy data
+(`dataset: null`) instead of a Hugging Face dataset and no `checkpoints` section is written
+(mesh3d has neither yet), and `batch_accumulation_per_replica` is 2, not 1, because
+torch's 1F1B schedule needs at least as many microbatches as stages (Nanotron's needs pp-1).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def tiny_llama_config() -> dict:
             sequence_length=256,
             train_steps=15,
             micro_batch_size=2,
-            batch_accumulation_per_replica=1,
+            batch_accumulation_per_replica=2,  # torch's 1F1B needs microbatches >= pp
         ),
         data_stages=[stage("Stable Training Stage", 1), stage("Annealing Phase", 10)],
     )

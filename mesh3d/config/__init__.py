@@ -1,0 +1,101 @@
+"""Nanotron's YAML config, read strictly, with mesh3d's optional `mesh3d:` section.
+
+    cfg = load_config("config.yaml", ["parallelism.tp=2"])  # typed, derived values filled
+    validate(cfg, world_size=8)                             # one ConfigError naming every problem
+    save_config(cfg, "out.yaml")                            # all keys, sorted, like Nanotron
+
+Files: `schema.py` (the dataclasses), `typecheck.py` (strict mapping -> dataclass),
+`overrides.py` (dotted `key=value`), `load.py` (YAML in/out, Nanotron's forms and derived values),
+`validate.py` (cross-checks and "not supported by mesh3d yet"), `derive.py` (computed values).
+"""
+
+from mesh3d.config.derive import (
+    effective_pp_schedule,
+    expand_run_name,
+    global_batch_size,
+    padded_vocab_size,
+)
+from mesh3d.config.load import (
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    config_to_yaml,
+    load_config,
+    save_config,
+)
+from mesh3d.config.schema import (
+    PP_SCHEDULES,
+    AdamWOptimizerArgs,
+    CheckpointsArgs,
+    Config,
+    DataArgs,
+    DatasetStageArgs,
+    ExistingCheckpointInit,
+    GeneralArgs,
+    LlamaConfig,
+    LoggingArgs,
+    LRSchedulerArgs,
+    Mesh3dArgs,
+    MetricsLoggingArgs,
+    ModelArgs,
+    MoEConfig,
+    NanosetDatasetsArgs,
+    OptimizerArgs,
+    ParallelismArgs,
+    PretrainDatasetsArgs,
+    ProfilerArgs,
+    Qwen2Config,
+    RandomInit,
+    S3UploadArgs,
+    SFTDatasetsArgs,
+    SGDOptimizerArgs,
+    SpectralMupInit,
+    Starcoder2Config,
+    TokenizerArgs,
+    TokensArgs,
+)
+from mesh3d.config.validate import validate, validation_errors
+
+__all__ = [
+    "PP_SCHEDULES",
+    "AdamWOptimizerArgs",
+    "CheckpointsArgs",
+    "Config",
+    "DataArgs",
+    "DatasetStageArgs",
+    "ExistingCheckpointInit",
+    "GeneralArgs",
+    "LRSchedulerArgs",
+    "LlamaConfig",
+    "LoggingArgs",
+    "Mesh3dArgs",
+    "MetricsLoggingArgs",
+    "ModelArgs",
+    "MoEConfig",
+    "NanosetDatasetsArgs",
+    "OptimizerArgs",
+    "ParallelismArgs",
+    "PretrainDatasetsArgs",
+    "ProfilerArgs",
+    "Qwen2Config",
+    "RandomInit",
+    "S3UploadArgs",
+    "SFTDatasetsArgs",
+    "SGDOptimizerArgs",
+    "SpectralMupInit",
+    "Starcoder2Config",
+    "TokenizerArgs",
+    "TokensArgs",
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_yaml",
+    "effective_pp_schedule",
+    "expand_run_name",
+    "global_batch_size",
+    "load_config",
+    "padded_vocab_size",
+    "save_config",
+    "validate",
+    "validation_errors",
+]

@@ -1,0 +1,32 @@
+"""Values computed from a config: padded vocab, global batch, the pipeline schedule, the run name."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+from mesh3d.config.schema import Config
+
+
+def padded_vocab_size(cfg: Config) -> int:
+    """Vocab rounded up to a multiple of tp * make_vocab_size_divisible_by (spec §4.1)."""
+    multiple = cfg.parallelism.tp * cfg.model.make_vocab_size_divisible_by
+    vocab = cfg.model.model_config.vocab_size
+    return -(-vocab // multiple) * multiple
+
+
+def global_batch_size(cfg: Config) -> int:
+    """Samples per optimizer step: micro_batch_size * batch_accumulation_per_replica * dp."""
+    t = cfg.tokens
+    return t.micro_batch_size * t.batch_accumulation_per_replica * cfg.parallelism.dp
+
+
+def effective_pp_schedule(cfg: Config) -> str:
+    """`mesh3d.pp_schedule` when set, else Nanotron's `parallelism.pp_engine` (afab | 1f1b)."""
+    return cfg.mesh3d.pp_schedule or cfg.parallelism.pp_engine
+
+
+def expand_run_name(run: str) -> str:
+    """Nanotron HEAD's run placeholders: %date -> YYYYmmdd_HHMMSS, %jobid -> $SLURM_JOB_ID or local."""
+    run = run.replace("%date", datetime.datetime.now().strftime("%Y%m%d_%H%M%S"))
+    return run.replace("%jobid", os.environ.get("SLURM_JOB_ID", "local"))

@@ -1,0 +1,236 @@
+"""Nanotron YAML <-> `Config`: strict parsing, the forms found in real configs, derived values, saving.
+
+Parsing is strict like Nanotron's dacite mode (see `typecheck.py` for the exact rules). Unions
+are picked by their keys as Nanotron does, but with a clear error where Nanotron guesses wrong
+(`{name: adamW}` without Adam keys). Older forms found in Nanotron's own examples are rewritten
+first: flat Adam keys under `optimizer:` and a top-level `data:` (v0.1-v0.4, spec §1.17),
+`dataset_folder` as a string or a `{folder: weight}` mapping. After typing, the values Nanotron
+derives in `__post_init__` are filled in, so a saved config shows them. `general.run` keeps its
+`%date`/`%jobid` placeholders; the trainer calls `expand_run_name`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mesh3d.config.overrides import apply_to_dict
+from mesh3d.config.schema import (
+    AdamWOptimizerArgs,
+    Config,
+    ExistingCheckpointInit,
+    LlamaConfig,
+    Mesh3dArgs,
+    NanosetDatasetsArgs,
+    PretrainDatasetsArgs,
+    Qwen2Config,
+    RandomInit,
+    SFTDatasetsArgs,
+    SGDOptimizerArgs,
+    SpectralMupInit,
+    Starcoder2Config,
+)
+from mesh3d.config.typecheck import Pickers, build, join, show
+from mesh3d.errors import ConfigError
+
+_ADAM_KEYS = ("adam_eps", "adam_beta1", "adam_beta2", "torch_adam_is_fused")
+
+
+def _names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _need_mapping(value: Any, path: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"`{path}` must be a mapping of keys, got {show(value)}")
+    return value
+
+
+def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
+    d = _need_mapping(value, path)
+    llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
+    if "is_llama_config" in d:
+        return LlamaConfig, d
+    if "is_qwen2_config" in d:
+        return Qwen2Config, d
+    if "is_starcoder2_config" in d or d.keys() & (star - llama - qwen):
+        return Starcoder2Config, d
+    if d.keys() & (qwen - llama):
+        return Qwen2Config, d
+    return LlamaConfig, d
+
+
+def _pick_init_method(value: Any, path: str) -> tuple[type, dict]:
+    d = _need_mapping(value, path)
+    for key, cls in (
+        ("std", RandomInit),
+        ("use_mup", SpectralMupInit),
+        ("path", ExistingCheckpointInit),
+    ):
+        if key in d:
+            return cls, d
+    raise ConfigError(
+        f"`{path}` needs `std` (random init), `use_mup` (spectral muP) or `path` (weights of an "
+        f"existing checkpoint); got keys {sorted(map(str, d))}"
+    )
+
+
+def _pick_optimizer_factory(value: Any, path: str) -> tuple[type, dict]:
+    d = dict(_need_mapping(value, path))
+    name = d.get("name")
+    if name is None and d.keys() & set(_ADAM_KEYS):
+        name = "adamW"
+    if not isinstance(name, str) or name.lower() not in ("adamw", "sgd"):
+        got = "no `name`" if name is None else f"name {show(name)}"
+        raise ConfigError(f"`{join(path, 'name')}` must be adamW or sgd; got {got}")
+    if name.lower() == "sgd":
+        d["name"] = "sgd"
+        return SGDOptimizerArgs, d
+    d["name"] = "adamW"
+    missing = [k for k in _ADAM_KEYS if k not in d]
+    if missing:
+        raise ConfigError(
+            f"missing required key `{join(path, missing[0])}`: adamW needs all of "
+            f"{', '.join(_ADAM_KEYS)} (Nanotron would silently read this as SGD and then crash)"
+        )
+    return AdamWOptimizerArgs, d
+
+
+def _pick_dataset(value: Any, path: str) -> tuple[type, dict]:
+    d = _need_mapping(value, path)
+    if "dataset_folder" in d:
+        return NanosetDatasetsArgs, _nanoset_forms(d, path)
+    if "hf_dataset_or_datasets" in d:
+        sft_only = _names(SFTDatasetsArgs) - _names(PretrainDatasetsArgs)
+        return (SFTDatasetsArgs if d.keys() & sft_only else PretrainDatasetsArgs), d
+    raise ConfigError(
+        f"`{path}` needs `dataset_folder` (Nanoset) or `hf_dataset_or_datasets` (Hugging Face "
+        f"datasets), or write `dataset: null` for dummy data; got keys {sorted(map(str, d))}"
+    )
+
+
+def _nanoset_forms(d: dict, path: str) -> dict:
+    """`dataset_folder: str` -> [str] with weight 1; `{folder: weight}` -> folders + weights."""
+    d = dict(d)
+    folder = d["dataset_folder"]
+    if isinstance(folder, str):
+        d["dataset_folder"] = [folder]
+        if d.get("dataset_weights") is None:
+            d["dataset_weights"] = [1.0]
+    elif isinstance(folder, dict):
+        if d.get("dataset_weights") is not None:
+            raise ConfigError(
+                f"`{join(path, 'dataset_weights')}` is given and `{join(path, 'dataset_folder')}` "
+                "is a {folder: weight} mapping; give the weights in one place only"
+            )
+        d["dataset_folder"], d["dataset_weights"] = list(folder), list(folder.values())
+    if isinstance(d.get("dataset_read_path"), str):
+        d["dataset_read_path"] = [d["dataset_read_path"]]
+    return d
+
+
+_PICKERS: Pickers = {
+    frozenset({LlamaConfig, Qwen2Config, Starcoder2Config}): _pick_model_config,
+    frozenset({RandomInit, SpectralMupInit, ExistingCheckpointInit}): _pick_init_method,
+    frozenset({AdamWOptimizerArgs, SGDOptimizerArgs}): _pick_optimizer_factory,
+    frozenset({PretrainDatasetsArgs, NanosetDatasetsArgs, SFTDatasetsArgs}): _pick_dataset,
+}
+
+
+def _upgrade_legacy(raw: dict) -> dict:
+    """Rewrite v0.1-v0.4 forms (flat Adam keys, top-level `data:`) into the current schema."""
+    raw = dict(raw)
+    opt = raw.get("optimizer")
+    if isinstance(opt, dict) and "optimizer_factory" not in opt and opt.keys() & set(_ADAM_KEYS):
+        opt = dict(opt)
+        factory = {"name": "adamW"}
+        factory.update({k: opt.pop(k) for k in _ADAM_KEYS if k in opt})
+        raw["optimizer"] = dict(opt, optimizer_factory=factory)
+    if "data" in raw:
+        if raw.get("data_stages") is not None:
+            raise ConfigError(
+                "both `data` (the pre-v0.5 form) and `data_stages` are given; keep `data_stages`"
+            )
+        data = raw.pop("data")
+        raw["data_stages"] = [dict(name="Stable Training Stage", start_training_step=1, data=data)]
+    if raw.get("mesh3d", {}) is None:
+        del raw["mesh3d"]
+    return raw
+
+
+def _resolve(cfg: Config) -> Config:
+    """Fill what Nanotron derives in `__post_init__`, and normalize enum spellings."""
+    p = cfg.parallelism
+    p.tp_mode, p.pp_engine = p.tp_mode.upper(), p.pp_engine.lower()
+    if cfg.mesh3d.pp_schedule is not None:
+        cfg.mesh3d.pp_schedule = cfg.mesh3d.pp_schedule.lower()
+    mc = cfg.model.model_config
+    if isinstance(mc, (LlamaConfig, Qwen2Config)) and mc.num_key_value_heads is None:
+        mc.num_key_value_heads = mc.num_attention_heads
+    if isinstance(cfg.model.init_method, RandomInit):
+        cfg.model.init_method.scaling_method = cfg.model.init_method.scaling_method.upper()
+    if cfg.optimizer is not None:
+        s = cfg.optimizer.learning_rate_scheduler
+        if s.lr_decay_steps is None and cfg.tokens is not None:
+            s.lr_decay_steps = cfg.tokens.train_steps - s.lr_warmup_steps
+        if s.min_decay_lr is None:
+            s.min_decay_lr = s.learning_rate
+    if cfg.data_stages is not None:
+        cfg.data_stages.sort(key=lambda stage: stage.start_training_step)
+    return cfg
+
+
+def config_from_dict(d: dict) -> Config:
+    """A typed, resolved `Config` from a mapping in Nanotron's YAML schema (plus `mesh3d:`)."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"a config must be a mapping of sections, got {show(d)}")
+    return _resolve(build(Config, _upgrade_legacy(copy.deepcopy(d)), "", _PICKERS))
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain mapping of every field (Nanotron writes all of them); `mesh3d` only if not default."""
+    d = dataclasses.asdict(cfg)
+    if cfg.mesh3d == Mesh3dArgs():
+        del d["mesh3d"]
+    return d
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """YAML as Nanotron writes it: block style, keys sorted at every level."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=True, default_flow_style=False)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_to_yaml(cfg))
+
+
+def apply_overrides(d_or_cfg: dict | Config, overrides: Sequence[str]) -> dict | Config:
+    """Apply dotted `key=value` overrides; a mapping gives a new mapping, a Config a new Config."""
+    if isinstance(d_or_cfg, Config):
+        return config_from_dict(apply_to_dict(config_to_dict(d_or_cfg), overrides))
+    return apply_to_dict(_upgrade_legacy(copy.deepcopy(d_or_cfg)), overrides)
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a Nanotron YAML file, apply dotted overrides, type and resolve it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist or is not a file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {show(raw)}")
+    raw = apply_overrides(raw, overrides)
+    try:
+        return config_from_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

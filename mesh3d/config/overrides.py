@@ -1,0 +1,83 @@
+"""Dotted command-line overrides on the raw config mapping: `parallelism.tp=2`, `data_stages[0].data.seed=3`.
+
+The value after `=` is read with `yaml.safe_load`, so it is typed exactly as it would be in the
+file (`20` int, `3e-4` string-that-is-a-number, `false`, `null`). Overrides edit the mapping
+before it is typed, so an unknown key fails later with the same did-you-mean message as in a file.
+A missing or null section on the way is created (`profiler.profiler_export_path=x`).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from mesh3d.config.typecheck import join
+from mesh3d.errors import ConfigError
+
+_SEGMENT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")
+_EXAMPLE = "write key=value, e.g. parallelism.tp=2 or data_stages[0].data.seed=3"
+
+
+def parse_override(token: str) -> tuple[list[str | int], Any]:
+    """`a.b[1].c=v` -> (["a", "b", 1, "c"], yaml value of v)."""
+    if "=" not in token:
+        raise ConfigError(f"override `{token}` has no `=`; {_EXAMPLE}")
+    key, text = token.split("=", 1)
+    parts: list[str | int] = []
+    for segment in key.strip().split("."):
+        m = _SEGMENT.fullmatch(segment)
+        if m is None:
+            raise ConfigError(f"override `{token}`: `{key}` is not a dotted key; {_EXAMPLE}")
+        parts.append(m.group(1))
+        parts.extend(int(i) for i in re.findall(r"\d+", m.group(2)))
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override `{token}`: the value is not valid YAML ({e})") from None
+    return parts, value
+
+
+def _dotted(parts: Sequence[str | int]) -> str:
+    path = ""
+    for p in parts:
+        path = join(path, p)
+    return path
+
+
+def _set(root: dict, parts: list[str | int], value: Any, token: str) -> None:
+    node: Any = root
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        where = _dotted(parts[:i]) or "the config"
+        if isinstance(part, int):
+            if not isinstance(node, list) or part >= len(node):
+                size = f"a list of {len(node)}" if isinstance(node, list) else _kind(node)
+                raise ConfigError(
+                    f"override `{token}`: `{where}` has no item [{part}] (it is {size})"
+                )
+        elif not isinstance(node, dict):
+            raise ConfigError(
+                f"override `{token}`: `{where}` is {_kind(node)}, so it has no key `{part}`"
+            )
+        if last:
+            node[part] = value
+        elif isinstance(part, str) and node.get(part) is None and isinstance(parts[i + 1], str):
+            node[part] = {}
+        node = node[part] if isinstance(part, int) else node.get(part)
+
+
+def _kind(node: Any) -> str:
+    return "null" if node is None else f"{node!r} ({type(node).__name__}), not a mapping"
+
+
+def apply_to_dict(raw: dict, overrides: Sequence[str]) -> dict:
+    """A copy of `raw` with each `key=value` in `overrides` set, in order."""
+    out = copy.deepcopy(raw)
+    for token in overrides:
+        parts, value = parse_override(token)
+        _set(out, parts, value, token)
+    return out

@@ -1,0 +1,388 @@
+"""Nanotron's config schema (CLASSIC and HEAD keys, spec §1) as plain dataclasses, plus `mesh3d:`.
+
+Every section and key that Nanotron reads has a field here, so any Nanotron YAML parses with no
+edit; whether mesh3d *uses* a value is decided in `validate.py`. Fields hold plain values only:
+paths and dtypes are strings, enums are validated strings (`tp_mode` upper case, `pp_engine` lower
+case), the LightEval section is an opaque dict. Field order follows Nanotron's classes (it is the
+key order of `model_config.json`). Required fields have no default; `X | None` fields may be
+omitted; `null` for a key that has a default but is not `X | None` means that default (Nanotron
+fills most of those in `__post_init__`). Derived values (`lr_decay_steps`, `num_key_value_heads`,
+`min_decay_lr`) are filled by `load.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GeneralArgs:
+    project: str
+    run: str = "%date_%jobid"  # %date / %jobid are expanded by the trainer, not at load
+    seed: int = 42
+    step: int | None = None
+    consumed_train_samples: int | None = None
+    benchmark_csv_path: str | None = None
+    ignore_sanity_checks: bool = True
+
+
+@dataclass
+class ParallelismArgs:
+    dp: int
+    pp: int
+    tp: int
+    pp_engine: str = "afab"  # afab | 1f1b
+    tp_mode: str = "ALL_REDUCE"  # ALL_REDUCE | REDUCE_SCATTER
+    tp_linear_async_communication: bool | None = False
+    recompute_layer: bool = False
+    tp_recompute_allgather: bool = True
+    expert_parallel_size: int = 1
+    context_parallel_size: int = 1
+    moe_layer_recompute: bool = False
+
+
+@dataclass
+class LlamaConfig:
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    hidden_act: str = "silu"
+    hidden_size: int = 4096
+    initializer_range: float = 0.02
+    intermediate_size: int = 11008
+    is_llama_config: bool = True
+    max_position_embeddings: int = 2048
+    num_attention_heads: int = 32
+    num_hidden_layers: int = 32
+    attention_bias: bool = False
+    num_key_value_heads: int | None = None  # null -> num_attention_heads at load
+    pad_token_id: int | None = None
+    pretraining_tp: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_scaling: dict | None = None
+    rope_theta: float = 10000.0
+    rope_interleaved: bool = False
+    tie_word_embeddings: bool = False
+    use_cache: bool = True
+    vocab_size: int = 32000
+    _attn_implementation: str | None = "flash_attention_2"
+    z_loss_enabled: bool = False
+    z_loss_coefficient: float = 1e-4
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 1408
+    shared_expert_intermediate_size: int = 5632
+    router_aux_loss_coef: float = 0.01
+    layers: list[int] = field(default_factory=lambda: [-1])  # [-1] = every layer
+    enable_shared_expert: bool = False
+    token_dispatcher_type: str = "alltoall"  # alltoall | allgather
+
+
+@dataclass
+class Qwen2Config:
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+    hidden_act: str = "silu"
+    hidden_size: int = 4096
+    initializer_range: float = 0.02
+    intermediate_size: int = 11008
+    is_qwen2_config: bool = True
+    max_position_embeddings: int = 2048
+    num_attention_heads: int = 32
+    num_hidden_layers: int = 32
+    num_key_value_heads: int | None = None
+    pad_token_id: int | None = None
+    pretraining_tp: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_scaling: dict | None = None
+    rope_theta: float = 10000.0
+    rope_interleaved: bool = False
+    interleaved_rotary: bool | None = None  # appears in Nanotron's examples; unused
+    rope_seq_len_interpolation_factor: float | None = None
+    tie_word_embeddings: bool = False
+    use_cache: bool = True
+    vocab_size: int = 32000
+    _attn_implementation: str | None = "flash_attention_2"
+    flex_attention_mask: str | None = None
+    attention_bias: bool = False
+    sliding_window_size: int | None = None
+    z_loss_enabled: bool = False
+    z_loss_coefficient: float = 1e-4
+    no_rope_layer: int | None = None
+    _fused_rotary_emb: bool = False
+    _fused_rms_norm: bool = False
+    _use_qkv_packed: bool = False
+    _use_doc_masking: bool = False
+    log_attn_probs: bool = False
+    ring_attn_heads_k_stride: int | None = None
+    moe_config: MoEConfig | None = None
+
+
+@dataclass
+class Starcoder2Config:
+    activation_function: str = "gelu_pytorch_tanh"
+    attention_softmax_in_fp32: bool = True
+    attn_pdrop: float = 0.1
+    bos_token_id: int = 49152
+    embd_pdrop: float = 0.1
+    eos_token_id: int = 49152
+    global_attn_layers: list[int] = field(default_factory=list)
+    grouped_query: bool = False
+    hidden_size: int = 2048
+    initializer_range: float = 0.02
+    intermediate_size: int | None = None
+    is_starcoder2_config: bool = True
+    layer_norm_epsilon: float = 1e-5
+    max_position_embeddings: int = 4096
+    multi_query: bool = False
+    num_attention_heads: int = 16
+    num_hidden_layers: int = 24
+    num_kv_heads: int | None = None
+    resid_pdrop: float = 0.1
+    rope_theta: float | None = 10000.0
+    scale_attention_softmax_in_fp32: bool = True
+    scale_attn_weights: bool = True
+    sliding_window_size: int | None = None
+    use_position_embeddings: bool = False
+    use_rotary_embeddings: bool = True
+    vocab_size: int = 49280
+    _attn_implementation: str | None = "flash_attention_2"
+
+
+@dataclass
+class RandomInit:
+    std: float
+    scaling_method: str = "NUM_LAYERS"  # NONE | NUM_LAYERS | LAYER_INDEX | MODEL_SCALE
+
+
+@dataclass
+class SpectralMupInit:
+    use_mup: bool
+
+
+@dataclass
+class ExistingCheckpointInit:
+    path: str
+
+
+ModelConfig = LlamaConfig | Qwen2Config | Starcoder2Config
+InitMethod = RandomInit | SpectralMupInit | ExistingCheckpointInit
+
+
+@dataclass
+class ModelArgs:
+    model_config: ModelConfig
+    init_method: InitMethod
+    dtype: str = "bfloat16"
+    make_vocab_size_divisible_by: int = 1
+    ddp_bucket_cap_mb: int = 25
+
+
+@dataclass
+class TokenizerArgs:
+    tokenizer_name_or_path: str | None = None
+    tokenizer_revision: str | None = None
+    tokenizer_max_length: int | None = None
+
+
+@dataclass
+class CheckpointsArgs:
+    checkpoints_path: str
+    checkpoint_interval: int
+    save_initial_state: bool = False
+    save_final_state: bool = False
+    resume_checkpoint_path: str | None = None
+    load_lr_scheduler: bool = True
+    load_optimizer: bool = True
+    checkpoints_path_is_shared_file_system: bool = False
+
+
+@dataclass
+class LoggingArgs:
+    log_level: str = "info"  # debug | info | warning | error | critical | passive
+    log_level_replica: str = "info"
+    iteration_step_info_interval: int = 1
+
+
+@dataclass
+class MetricsLoggingArgs:
+    log_level: int = 0  # 0 basic | 1 full per-layer stats
+    log_detail_interval: int = 10
+
+
+@dataclass
+class TokensArgs:
+    sequence_length: int
+    train_steps: int  # the last step index, inclusive
+    micro_batch_size: int
+    batch_accumulation_per_replica: int  # microbatches per step per dp rank
+    val_check_interval: int = -1
+    limit_val_batches: int = 0
+    limit_test_batches: int = 0
+
+
+@dataclass
+class AdamWOptimizerArgs:
+    adam_eps: float
+    adam_beta1: float
+    adam_beta2: float
+    torch_adam_is_fused: bool
+    name: str = "adamW"
+
+
+@dataclass
+class SGDOptimizerArgs:
+    name: str = "sgd"
+
+
+@dataclass
+class LRSchedulerArgs:
+    """Nanotron's LR schedule keys (spec §1.10, §6.11).
+
+    Differs from Nanotron on purpose (its quirk §10.1): an omitted or null `lr_warmup_style`
+    means `linear` instead of an error, and null is accepted for `lr_decay_style` (-> linear)
+    and `min_decay_lr` (-> learning_rate).
+    """
+
+    learning_rate: float
+    lr_warmup_steps: int = 0
+    lr_warmup_style: str = "linear"  # linear | constant (Nanotron requires it, spec §10.1)
+    lr_decay_style: str = "linear"  # linear | cosine | 1-sqrt
+    lr_decay_steps: int | None = None  # null -> train_steps - lr_warmup_steps at load
+    lr_decay_starting_step: int | None = None  # null -> lr_warmup_steps (in the schedule)
+    min_decay_lr: float | None = None  # null -> learning_rate at load
+
+
+@dataclass
+class OptimizerArgs:
+    optimizer_factory: AdamWOptimizerArgs | SGDOptimizerArgs
+    zero_stage: int
+    weight_decay: float
+    accumulate_grad_in_fp32: bool
+    learning_rate_scheduler: LRSchedulerArgs
+    clip_grad: float | None = None
+    weight_decay_exclude_named_params: list[str] = field(default_factory=list)  # re.match
+
+
+@dataclass
+class PretrainDatasetsArgs:
+    hf_dataset_or_datasets: str | list[str] | dict[str, float]
+    hf_dataset_splits: str | list[str] = "train"
+    hf_dataset_config_name: str | None = None
+    dataset_processing_num_proc_per_process: int | None = 1
+    dataset_overwrite_cache: bool | None = False
+    text_column_name: str = "text"
+
+
+@dataclass
+class NanosetDatasetsArgs:
+    dataset_folder: list[str]  # a str or a {folder: weight} mapping is normalized at load
+    dataset_weights: list[float] | None = None
+    dataset_read_path: list[str] | None = None
+    dataset_max_tokens: list[int] | None = None
+    tokenizer_name: str | None = None
+    vocab_size: int | None = None
+    token_size_in_bytes: int | None = None
+    return_positions: bool = True
+    skip_in_stream: bool = False
+    pad_samples_to_global_batch_size: bool = False
+    shuffle_files: bool = False
+    use_old_brrr_dataloader: bool = False
+
+
+@dataclass
+class SFTDatasetsArgs:
+    hf_dataset_or_datasets: str | list[str] | dict[str, float]
+    hf_dataset_splits: str | list[str] = "train"
+    hf_dataset_config_name: str | None = None
+    dataset_processing_num_proc_per_process: int | None = 1
+    dataset_overwrite_cache: bool | None = False
+    sft_dataloader: bool | None = True
+    debug_max_samples: int | None = None
+
+
+Dataset = PretrainDatasetsArgs | NanosetDatasetsArgs | SFTDatasetsArgs
+
+
+@dataclass
+class DataArgs:
+    dataset: Dataset | None = None  # null -> dummy tokens
+    seed: int = 42
+    num_loading_workers: int = 1
+
+
+@dataclass
+class DatasetStageArgs:
+    name: str
+    start_training_step: int
+    data: DataArgs
+    sequence_length: int | None = None  # null -> tokens.sequence_length
+
+
+@dataclass
+class ProfilerArgs:
+    profiler_export_path: str | None = None
+    wait: int = 1
+    warmup: int = 1
+    active: int = 1
+    repeat: int = 1
+    skip_first: int = 3
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = True
+    export_chrome_trace: bool = False
+
+
+@dataclass
+class S3UploadArgs:
+    upload_s3_path: str
+    remove_after_upload: bool
+    s5cmd_numworkers: int | None = None
+    s5cmd_concurrency: int | None = None
+    s5cmd_path: str | None = None
+
+
+PP_SCHEDULES = (
+    "afab",
+    "1f1b",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "interleaved_zero_bubble",
+    "zbv_zero_bubble",
+    "dualpipev",
+)
+
+
+@dataclass
+class Mesh3dArgs:
+    """mesh3d's own settings, under `mesh3d:`; a config without the section loads in Nanotron."""
+
+    pp_schedule: str | None = None  # overrides parallelism.pp_engine; one of PP_SCHEDULES
+    pp_virtual_stages: int = 1  # stages per pp rank (2 for the V schedules)
+    full_shard: bool = False  # FSDP full sharding over dp instead of zero_stage semantics
+    device: str = "auto"  # auto | cpu | cuda
+    attention: str = "auto"  # auto | sdpa | flash
+    dummy_data: str = "random"  # random (Nanotron's uniform tokens) | learnable
+    compile: bool = False
+
+
+@dataclass
+class Config:
+    general: GeneralArgs
+    parallelism: ParallelismArgs
+    model: ModelArgs
+    tokenizer: TokenizerArgs | None = None
+    checkpoints: CheckpointsArgs | None = None
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+    metrics_logging: MetricsLoggingArgs | None = None
+    tokens: TokensArgs | None = None
+    optimizer: OptimizerArgs | None = None
+    data_stages: list[DatasetStageArgs] | None = None
+    profiler: ProfilerArgs | None = None
+    lighteval: dict[str, Any] | None = None  # parsed as an opaque mapping
+    s3_upload: S3UploadArgs | None = None
+    mesh3d: Mesh3dArgs = field(default_factory=Mesh3dArgs)

@@ -1,0 +1,180 @@
+"""Strict mapping -> dataclass conversion, with the dotted key in every error (dacite strict by hand).
+
+Rules, each a deliberate choice:
+- an unknown key at any level is an error that names the closest valid key (difflib);
+- a missing key without a default is an error unless its type is `X | None` (then null);
+- `null` for a key that has a default but is not `X | None` means that default;
+- bool is not an int; an int is a float; a string that reads as a number is a float (PyYAML
+  reads `3e-4` as a string, spec §1.1, which Nanotron rejects);
+- an empty mapping for a `dict | None` key is null (Nanotron writes `{}` as null);
+- a union of dataclasses is resolved by a caller-given picker that looks at the keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import re
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Union
+
+from mesh3d.errors import ConfigError
+
+# picker(value, dotted_path) -> (dataclass to build, mapping to build it from)
+Picker = Callable[[Any, str], tuple[type, dict]]
+Pickers = dict[frozenset, Picker]
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_NONE = type(None)
+
+
+def join(path: str, key: object) -> str:
+    """`a.b` + `c` -> `a.b.c`; an int key is a list index: `a[1]`."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+def show(value: Any) -> str:
+    """A value as the error message shows it: `'two' (str)`, `null`."""
+    return "null" if value is None else f"{value!r} ({type(value).__name__})"
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _members(tp: Any) -> tuple | None:
+    """The members of a union type, or None if `tp` is not a union."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return typing.get_args(tp)
+    return None
+
+
+def is_optional(tp: Any) -> bool:
+    members = _members(tp)
+    return members is not None and _NONE in members
+
+
+def describe(tp: Any) -> str:
+    """A type in words for error messages: `an int`, `a string or null`."""
+    members = _members(tp)
+    if members is not None:
+        return " or ".join(dict.fromkeys(describe(m) for m in members))
+    base = typing.get_origin(tp) or tp
+    words = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
+    if tp is _NONE:
+        return "null"
+    if base in words:
+        return words[base]
+    if base is list:
+        return "a list"
+    return "a mapping"  # dict and dataclasses
+
+
+def _has_default(f: dataclasses.Field) -> bool:
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def build(cls: type, data: Any, path: str, pickers: Pickers) -> Any:
+    """Build dataclass `cls` from mapping `data` found at dotted `path`, strictly."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"`{path}` must be a mapping of keys, got {show(data)}")
+    hints = _hints(cls)
+    fields = dataclasses.fields(cls)
+    names = [f.name for f in fields]
+    for key in data:
+        if key not in names:
+            raise ConfigError(unknown_key_message(path, key, names))
+    kwargs = {}
+    for f in fields:
+        key_path = join(path, f.name)
+        if f.name not in data:
+            if _has_default(f):
+                continue
+            if not is_optional(hints[f.name]):
+                raise ConfigError(f"missing required key `{key_path}`")
+            kwargs[f.name] = None
+        elif data[f.name] is None and _has_default(f) and not is_optional(hints[f.name]):
+            kwargs[f.name] = _default(f)
+        else:
+            kwargs[f.name] = convert(hints[f.name], data[f.name], key_path, pickers)
+    return cls(**kwargs)
+
+
+def closest_key(key: str, valid: list[str]) -> str | None:
+    """The valid key the user most likely meant: same letters in another case, a valid key plus a
+    suffix (`tp_size` -> `tp`), else the closest spelling."""
+    for name in valid:
+        if name.lower() == key.lower():
+            return name
+    prefixes = [name for name in valid if key.startswith(name + "_")]
+    if prefixes:
+        return max(prefixes, key=len)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def unknown_key_message(path: str, key: object, valid: list[str]) -> str:
+    close = closest_key(str(key), valid)
+    hint = f"did you mean `{join(path, close)}`?" if close else f"valid keys: {', '.join(valid)}"
+    return f"unknown key `{join(path, key)}`; {hint}"
+
+
+def convert(tp: Any, value: Any, path: str, pickers: Pickers) -> Any:
+    """`value` typed as `tp`, or a ConfigError naming `path`, the expected type and the value."""
+    if tp is Any:
+        return value
+    members = _members(tp)
+    if members is not None:
+        return _convert_union(tp, members, value, path, pickers)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, path, pickers)
+    base = typing.get_origin(tp) or tp
+    if base is bool and isinstance(value, bool):
+        return value
+    if base is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            return float(value)
+    if base is str and isinstance(value, str):
+        return value
+    if base is list and isinstance(value, list):
+        (item,) = typing.get_args(tp) or (Any,)
+        return [convert(item, v, join(path, i), pickers) for i, v in enumerate(value)]
+    if base is dict and isinstance(value, dict):
+        args = typing.get_args(tp)
+        if not args:
+            return value
+        return {k: convert(args[1], v, join(path, k), pickers) for k, v in value.items()}
+    raise ConfigError(f"`{path}` must be {describe(tp)}, got {show(value)}")
+
+
+def _convert_union(tp: Any, members: tuple, value: Any, path: str, pickers: Pickers) -> Any:
+    others = [m for m in members if m is not _NONE]
+    if value is None or (value == {} and _NONE in members and others in ([dict], [dict[str, Any]])):
+        if _NONE in members:
+            return None
+        raise ConfigError(f"`{path}` must be {describe(tp)}, got null")
+    classes = frozenset(m for m in others if dataclasses.is_dataclass(m))
+    if len(classes) > 1:
+        cls, data = pickers[classes](value, path)
+        return build(cls, data, path, pickers)
+    if len(others) == 1:
+        return convert(others[0], value, path, pickers)
+    for m in others:  # e.g. str | list[str]: the first member whose container type fits
+        base = typing.get_origin(m) or m
+        if isinstance(value, base) and not isinstance(value, bool):
+            return convert(m, value, path, pickers)
+    raise ConfigError(f"`{path}` must be {describe(tp)}, got {show(value)}")

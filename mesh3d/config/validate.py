@@ -1,0 +1,343 @@
+"""Cross-checks of a typed config, run on every rank before any process-group work.
+
+`validate` raises one ConfigError listing every problem found; each message names the key(s),
+the numbers involved and what to change. Settings that Nanotron has and mesh3d does not do yet
+are refused in `_unsupported`, one line per feature, so a change that adds a feature deletes
+its line there. No torch import: this runs before anything is set up.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from mesh3d.config.derive import effective_pp_schedule, padded_vocab_size
+from mesh3d.config.schema import (
+    PP_SCHEDULES,
+    AdamWOptimizerArgs,
+    Config,
+    ExistingCheckpointInit,
+    LlamaConfig,
+    NanosetDatasetsArgs,
+    PretrainDatasetsArgs,
+    Qwen2Config,
+    RandomInit,
+    SpectralMupInit,
+)
+from mesh3d.errors import ConfigError
+
+DTYPES = ("float32", "float64", "complex64", "complex128", "float16", "bfloat16")
+DTYPES += ("uint8", "int8", "int16", "int32", "int64", "bool")  # Nanotron's list, spec §1.1
+TRAIN_DTYPES = ("float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
+ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flex_attention", "sdpa", "ring_flash_triton", "ring")
+ATTN_IMPLEMENTATIONS += ("llama3_ring_attention",)
+SCALING_METHODS = ("NONE", "NUM_LAYERS", "LAYER_INDEX", "MODEL_SCALE")
+MICROBATCHES_GE_PP = ("1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
+MC = "model.model_config"
+LR = "optimizer.learning_rate_scheduler"
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Raise one ConfigError naming every problem; `world_size` None skips the layout product check."""
+    errors = validation_errors(cfg, world_size)
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} problems in the config:\n  - " + "\n  - ".join(errors))
+
+
+def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
+    """Every problem as one message; checks that would divide by a bad size run only if sizes are sane."""
+    errors = list(_sections(cfg))
+    if errors:
+        return errors
+    errors = list(_sizes(cfg))
+    if errors:
+        return errors
+    checks = (_model, _pipeline, _optimizer, _lr, _data_stages, _choices, _unsupported)
+    errors = list(_layout(cfg, world_size))
+    for check in checks:
+        errors.extend(check(cfg))
+    return errors
+
+
+def _sections(cfg: Config) -> Iterator[str]:
+    if cfg.tokens is None:
+        yield "section `tokens` is missing; mesh3d needs sequence_length, train_steps, micro_batch_size and batch_accumulation_per_replica"
+    if cfg.optimizer is None:
+        yield "section `optimizer` is missing; mesh3d needs optimizer_factory, zero_stage, weight_decay, accumulate_grad_in_fp32 and learning_rate_scheduler"
+
+
+def _sizes(cfg: Config) -> Iterator[str]:
+    p, t, mc = cfg.parallelism, cfg.tokens, cfg.model.model_config
+    sizes = {f"parallelism.{k}": getattr(p, k) for k in ("dp", "tp", "pp")}
+    sizes["mesh3d.pp_virtual_stages"] = cfg.mesh3d.pp_virtual_stages
+    sizes["model.make_vocab_size_divisible_by"] = cfg.model.make_vocab_size_divisible_by
+    for k in ("sequence_length", "train_steps", "micro_batch_size"):
+        sizes[f"tokens.{k}"] = getattr(t, k)
+    sizes["tokens.batch_accumulation_per_replica"] = t.batch_accumulation_per_replica
+    if isinstance(mc, (LlamaConfig, Qwen2Config)):
+        for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers"):
+            sizes[f"{MC}.{k}"] = getattr(mc, k)
+        sizes[f"{MC}.num_key_value_heads"] = mc.num_key_value_heads
+        sizes[f"{MC}.vocab_size"] = mc.vocab_size
+    for key, value in sizes.items():
+        if value < 1:
+            yield f"`{key}` must be >= 1, got {value}"
+
+
+def _layout(cfg: Config, world_size: int | None) -> Iterator[str]:
+    p = cfg.parallelism
+    product = p.dp * p.tp * p.pp
+    if world_size is not None and product != world_size:
+        yield (
+            f"parallelism.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}) = {product}, but the world size "
+            f"is {world_size}; change parallelism.dp/tp/pp so the product is {world_size}, or "
+            f"launch with --nproc_per_node={product}"
+        )
+    if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1:
+        yield from _divides(
+            "tokens.sequence_length",
+            cfg.tokens.sequence_length,
+            "parallelism.tp",
+            p.tp,
+            "tp_mode REDUCE_SCATTER splits the sequence over tp ranks; change one or use ALL_REDUCE",
+        )
+
+
+def _divides(key: str, value: int, by_key: str, by: int, fix: str) -> Iterator[str]:
+    if value % by:
+        yield f"`{key}` ({value}) must be divisible by `{by_key}` ({by}); {fix}"
+
+
+def _model(cfg: Config) -> Iterator[str]:
+    m, tp = cfg.model, cfg.parallelism.tp
+    if m.dtype not in DTYPES:
+        yield f"`model.dtype` {m.dtype!r} is not a dtype; use one of {', '.join(DTYPES)}"
+    elif m.dtype not in TRAIN_DTYPES:
+        yield f"`model.dtype` {m.dtype!r} cannot train; use float32, bfloat16 or float16"
+    init = m.init_method
+    if isinstance(init, RandomInit):
+        if init.std < 0:
+            yield f"`model.init_method.std` must be >= 0, got {init.std}"
+        if init.scaling_method not in SCALING_METHODS:
+            yield f"`model.init_method.scaling_method` {init.scaling_method!r} is not one of {', '.join(SCALING_METHODS)}"
+    mc = m.model_config
+    if not isinstance(mc, (LlamaConfig, Qwen2Config)):
+        return
+    heads, kv = mc.num_attention_heads, mc.num_key_value_heads
+    tp_fix = "choose a parallelism.tp that divides it"
+    yield from _divides(f"{MC}.num_attention_heads", heads, "parallelism.tp", tp, tp_fix)
+    yield from _divides(f"{MC}.num_key_value_heads", kv, "parallelism.tp", tp, tp_fix)
+    yield from _divides(
+        f"{MC}.intermediate_size", mc.intermediate_size, "parallelism.tp", tp, tp_fix
+    )
+    yield from _divides(
+        f"{MC}.hidden_size",
+        mc.hidden_size,
+        f"{MC}.num_attention_heads",
+        heads,
+        "the head dimension is hidden_size / num_attention_heads",
+    )
+    yield from _divides(
+        f"{MC}.num_attention_heads",
+        heads,
+        f"{MC}.num_key_value_heads",
+        kv,
+        "each key/value head serves a whole group of query heads",
+    )
+    if mc.hidden_size % heads == 0 and (mc.hidden_size // heads) % 2:
+        yield f"the head dimension {MC}.hidden_size / num_attention_heads = {mc.hidden_size // heads} must be even for rotary embeddings"
+    shard = padded_vocab_size(cfg) // tp
+    if mc.pad_token_id is not None and not 0 <= mc.pad_token_id < shard:
+        yield (
+            f"`{MC}.pad_token_id` ({mc.pad_token_id}) must be in [0, {shard}): each of the tp ({tp}) "
+            f"embedding shards holds {shard} rows of the padded vocab {padded_vocab_size(cfg)}; "
+            "use a smaller id or null"
+        )
+    if mc._attn_implementation is not None and mc._attn_implementation not in ATTN_IMPLEMENTATIONS:
+        yield f"`{MC}._attn_implementation` {mc._attn_implementation!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} (mesh3d picks attention from mesh3d.attention)"
+    if mc.rms_norm_eps <= 0:
+        yield f"`{MC}.rms_norm_eps` must be > 0, got {mc.rms_norm_eps}"
+
+
+def _pipeline(cfg: Config) -> Iterator[str]:
+    p, v = cfg.parallelism, cfg.mesh3d.pp_virtual_stages
+    if p.pp_engine not in ("afab", "1f1b"):
+        yield f"`parallelism.pp_engine` {p.pp_engine!r} must be afab or 1f1b (Nanotron's engines); set mesh3d.pp_schedule for the others"
+    sched = effective_pp_schedule(cfg)
+    if sched not in PP_SCHEDULES:
+        yield f"`mesh3d.pp_schedule` {sched!r} is not a pipeline schedule; use one of {', '.join(PP_SCHEDULES)}"
+        return
+    if sched in V_SCHEDULES and v != 2:
+        yield f"`mesh3d.pp_virtual_stages` ({v}) must be 2 for the V-shaped schedule {sched}"
+    if sched not in V_SCHEDULES + MULTI_STAGE and v != 1:
+        yield (
+            f"`mesh3d.pp_virtual_stages` ({v}) needs a schedule with several stages per rank; set "
+            f"mesh3d.pp_schedule to one of {', '.join(MULTI_STAGE + V_SCHEDULES)}, or pp_virtual_stages to 1"
+        )
+    stages, layers = p.pp * v, cfg.model.model_config.num_hidden_layers
+    if layers < stages:
+        yield (
+            f"`{MC}.num_hidden_layers` ({layers}) is less than the number of pipeline stages "
+            f"pp ({p.pp}) x mesh3d.pp_virtual_stages ({v}) = {stages}; every stage needs a layer"
+        )
+    n, key = cfg.tokens.batch_accumulation_per_replica, "tokens.batch_accumulation_per_replica"
+    if p.pp == 1:
+        return
+    need = stages if sched in V_SCHEDULES else p.pp if sched in MICROBATCHES_GE_PP else 1
+    if n < need:
+        what = "stages (pp x pp_virtual_stages)" if sched in V_SCHEDULES else "pp"
+        yield (
+            f"`{key}` ({n}) is the number of microbatches per step; the {sched} pipeline schedule "
+            f"needs at least {what} = {need}; raise it to {need} or use pp_engine: afab"
+        )
+    elif sched in ("interleaved_1f1b", "interleaved_zero_bubble") and n % max(1, n // p.pp):
+        yield (
+            f"`{key}` ({n}) must be a multiple of the number of rounds {n} // pp ({p.pp}) = "
+            f"{n // p.pp} for {sched}, which runs microbatches in rounds; use a multiple of pp"
+        )
+
+
+def _optimizer(cfg: Config) -> Iterator[str]:
+    o = cfg.optimizer
+    if o.clip_grad is not None and o.clip_grad <= 0:
+        yield f"`optimizer.clip_grad` must be > 0 or null (no clipping), got {o.clip_grad}"
+    if o.weight_decay < 0:
+        yield f"`optimizer.weight_decay` must be >= 0, got {o.weight_decay}"
+    if o.zero_stage < 0:
+        yield f"`optimizer.zero_stage` must be 0 (off) or 1 (ZeRO-1; Nanotron treats any value > 0 as 1), got {o.zero_stage}"
+    f = o.optimizer_factory
+    if isinstance(f, AdamWOptimizerArgs):
+        for k in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(f, k) < 1:
+                yield f"`optimizer.optimizer_factory.{k}` must be in [0, 1), got {getattr(f, k)}"
+        if f.adam_eps < 0:
+            yield f"`optimizer.optimizer_factory.adam_eps` must be >= 0, got {f.adam_eps}"
+    for i, pattern in enumerate(o.weight_decay_exclude_named_params):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            yield f"`optimizer.weight_decay_exclude_named_params[{i}]` {pattern!r} is not a regular expression: {e}"
+
+
+def _lr(cfg: Config) -> Iterator[str]:
+    s, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
+    if s.learning_rate <= 0:
+        yield f"`{LR}.learning_rate` must be > 0, got {s.learning_rate}"
+    if s.lr_warmup_style not in ("linear", "constant"):
+        yield f"`{LR}.lr_warmup_style` {s.lr_warmup_style!r} must be linear or constant"
+    if s.lr_decay_style not in ("linear", "cosine", "1-sqrt"):
+        yield f"`{LR}.lr_decay_style` {s.lr_decay_style!r} must be linear, cosine or 1-sqrt"
+    if s.lr_warmup_steps < 0:
+        yield f"`{LR}.lr_warmup_steps` must be >= 0, got {s.lr_warmup_steps}"
+    elif s.lr_warmup_steps > steps:
+        yield f"`{LR}.lr_warmup_steps` ({s.lr_warmup_steps}) is more than tokens.train_steps ({steps}); lower it"
+    if s.lr_decay_steps is not None and s.lr_decay_steps < 0:
+        yield (
+            f"`{LR}.lr_decay_steps` must be >= 0, got {s.lr_decay_steps} (when omitted it is "
+            "tokens.train_steps - lr_warmup_steps)"
+        )
+    start = s.lr_warmup_steps if s.lr_decay_starting_step is None else s.lr_decay_starting_step
+    if not 0 <= start <= steps:
+        yield f"`{LR}.lr_decay_starting_step` ({start}) must be in [0, tokens.train_steps ({steps})]"
+    if not 0 <= s.min_decay_lr <= s.learning_rate:
+        yield f"`{LR}.min_decay_lr` ({s.min_decay_lr}) must be in [0, learning_rate ({s.learning_rate})]"
+
+
+def _data_stages(cfg: Config) -> Iterator[str]:
+    stages = cfg.data_stages or []
+    if stages and not any(s.start_training_step == 1 for s in stages):
+        starts = [s.start_training_step for s in stages]
+        yield f"`data_stages` must have a stage with start_training_step: 1; the stages start at {starts}"
+    names = [s.name for s in stages]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        yield f"`data_stages` has two stages named {name!r}; stage names must be unique"
+    starts = [s.start_training_step for s in stages]
+    for start in sorted({s for s in starts if starts.count(s) > 1}):
+        yield f"`data_stages` has two stages with start_training_step {start}; each stage needs its own start step"
+    for i, s in enumerate(stages):
+        if s.start_training_step < 0:
+            yield f"`data_stages[{i}].start_training_step` must be >= 0, got {s.start_training_step}"
+        seq = cfg.tokens.sequence_length
+        if s.sequence_length is not None and s.sequence_length != seq:
+            yield f"`data_stages[{i}].sequence_length` ({s.sequence_length}) must equal tokens.sequence_length ({seq}) or be null"
+        if s.data.num_loading_workers < 0:
+            yield f"`data_stages[{i}].data.num_loading_workers` must be >= 0, got {s.data.num_loading_workers}"
+
+
+def _choices(cfg: Config) -> Iterator[str]:
+    choices = {
+        "parallelism.tp_mode": (cfg.parallelism.tp_mode, ("ALL_REDUCE", "REDUCE_SCATTER")),
+        "logging.log_level": (cfg.logging.log_level, LOG_LEVELS),
+        "logging.log_level_replica": (cfg.logging.log_level_replica, LOG_LEVELS),
+        "mesh3d.device": (cfg.mesh3d.device, ("auto", "cpu", "cuda")),
+        "mesh3d.attention": (cfg.mesh3d.attention, ("auto", "sdpa", "flash")),
+        "mesh3d.dummy_data": (cfg.mesh3d.dummy_data, ("random", "learnable")),
+    }
+    if cfg.metrics_logging is not None:
+        choices["metrics_logging.log_level"] = (cfg.metrics_logging.log_level, (0, 1))
+        if cfg.metrics_logging.log_detail_interval < 1:
+            yield f"`metrics_logging.log_detail_interval` must be >= 1, got {cfg.metrics_logging.log_detail_interval}"
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            yield f"`{key}` {value!r} is not one of {', '.join(map(str, allowed))}"
+    if cfg.logging.iteration_step_info_interval < 1:
+        yield f"`logging.iteration_step_info_interval` must be >= 1, got {cfg.logging.iteration_step_info_interval}"
+
+
+_DATASET_KINDS = {NanosetDatasetsArgs: "Nanoset", PretrainDatasetsArgs: "Hugging Face datasets"}
+
+
+def _not_yet(key: str, what: str) -> str:
+    return f"`{key}` is not supported by mesh3d yet ({what})"
+
+
+def _unsupported(cfg: Config) -> Iterator[str]:
+    """Nanotron settings mesh3d does not implement yet; delete a line when its feature lands."""
+    p, m, ck = cfg.parallelism, cfg.model, cfg.checkpoints
+    if cfg.s3_upload is not None:
+        yield _not_yet("s3_upload", "upload checkpoints yourself; set s3_upload: null")
+    if cfg.lighteval is not None:
+        yield _not_yet("lighteval", "run evaluations separately; set lighteval: null")
+    if p.expert_parallel_size > 1:
+        yield _not_yet("parallelism.expert_parallel_size", "there are no MoE models; set it to 1")
+    if p.context_parallel_size > 1:
+        yield _not_yet("parallelism.context_parallel_size", "set it to 1")
+    if not isinstance(m.model_config, LlamaConfig):
+        family = type(m.model_config).__name__.removesuffix("Config").lower()
+        yield f"`model.model_config` ({family}) is not supported by mesh3d yet; only Llama (is_llama_config: true)"
+    elif m.model_config.z_loss_enabled:
+        yield _not_yet(f"{MC}.z_loss_enabled", "set it to false")
+    if isinstance(m.init_method, SpectralMupInit):
+        yield _not_yet("model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}")
+    if isinstance(m.init_method, ExistingCheckpointInit):
+        yield _not_yet("model.init_method.path", "loading weights; use init_method: {std: 0.02}")
+    scaling = getattr(m.init_method, "scaling_method", None)
+    if scaling in ("LAYER_INDEX", "MODEL_SCALE"):
+        yield _not_yet("model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE")
+    for i, stage in enumerate(cfg.data_stages or []):
+        kind = stage.data.dataset
+        if kind is not None:
+            name = _DATASET_KINDS.get(type(kind), "SFT")
+            yield f"`data_stages[{i}].data.dataset` ({name}) is not supported by mesh3d yet; use `dataset: null` (dummy data)"
+    if cfg.mesh3d.compile:
+        yield _not_yet("mesh3d.compile", "set it to false")
+    if cfg.profiler is not None and cfg.profiler.profiler_export_path is not None:
+        yield _not_yet("profiler.profiler_export_path", "set profiler: null")
+    if ck is not None:
+        if ck.resume_checkpoint_path is not None:
+            yield _not_yet("checkpoints.resume_checkpoint_path", "resuming; set it to null")
+        if ck.save_initial_state:
+            yield _not_yet("checkpoints.save_initial_state", "saving checkpoints; set it to false")
+        if ck.save_final_state:
+            yield _not_yet("checkpoints.save_final_state", "saving checkpoints; set it to false")
+        if ck.checkpoint_interval <= cfg.tokens.train_steps:
+            yield _not_yet(
+                "checkpoints.checkpoint_interval",
+                f"saving checkpoints; raise checkpoints.checkpoint_interval ({ck.checkpoint_interval}) "
+                f"above tokens.train_steps ({cfg.tokens.train_steps})",
+            )

@@ -1,0 +1,416 @@
+"""The config package: Nanotron's real configs parse and round-trip, every bad config gets its message."""
+
+import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mesh3d.config import (
+    AdamWOptimizerArgs,
+    Config,
+    LlamaConfig,
+    Mesh3dArgs,
+    NanosetDatasetsArgs,
+    PretrainDatasetsArgs,
+    Qwen2Config,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    effective_pp_schedule,
+    expand_run_name,
+    global_batch_size,
+    load_config,
+    padded_vocab_size,
+    save_config,
+    validate,
+)
+from mesh3d.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures" / "nanotron"
+
+# A small valid Llama config: dp1 x tp1 x pp1, two dummy-data stages, nothing unsupported.
+BASE = dict(
+    general=dict(project="test", run="t_%date_%jobid", seed=42),
+    parallelism=dict(dp=1, tp=1, pp=1, pp_engine="1f1b", tp_mode="REDUCE_SCATTER"),
+    model=dict(
+        dtype="float32",
+        init_method=dict(std=0.02),
+        model_config=dict(
+            is_llama_config=True,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=4,
+            vocab_size=256,
+            max_position_embeddings=32,
+        ),
+    ),
+    checkpoints=dict(checkpoints_path="ckpt", checkpoint_interval=1000),
+    tokens=dict(
+        sequence_length=32, train_steps=20, micro_batch_size=2, batch_accumulation_per_replica=2
+    ),
+    optimizer=dict(
+        zero_stage=0,
+        weight_decay=0.01,
+        clip_grad=1.0,
+        accumulate_grad_in_fp32=True,
+        learning_rate_scheduler=dict(
+            learning_rate=1e-3, lr_warmup_steps=2, lr_decay_style="cosine"
+        ),
+        optimizer_factory=dict(
+            name="adamW", adam_eps=1e-8, adam_beta1=0.9, adam_beta2=0.95, torch_adam_is_fused=True
+        ),
+    ),
+    data_stages=[
+        dict(name="Stable Training Stage", start_training_step=1, data=dict(dataset=None)),
+        dict(name="Annealing Phase", start_training_step=10, data=dict(dataset=None)),
+    ],
+)
+
+
+def base() -> dict:
+    return copy.deepcopy(BASE)
+
+
+def check(d: dict, overrides=(), world_size=None) -> Config:
+    cfg = config_from_dict(apply_overrides(d, overrides))
+    validate(cfg, world_size)
+    return cfg
+
+
+def fixtures() -> list[Path]:
+    assert FIXTURES.is_dir(), f"missing fixture folder {FIXTURES}"
+    return sorted(FIXTURES.glob("*.yaml"))
+
+
+# ---- Nanotron's own configs -------------------------------------------------------------------
+
+
+def test_all_nine_fixtures_present():
+    assert len(fixtures()) == 9
+
+
+@pytest.mark.parametrize("path", fixtures(), ids=lambda p: p.name)
+def test_fixture_parses_and_round_trips(path, tmp_path):
+    cfg = load_config(path)
+    save_config(cfg, tmp_path / "saved.yaml")
+    again = load_config(tmp_path / "saved.yaml")
+    assert again == cfg
+    text = (tmp_path / "saved.yaml").read_text()
+    assert "dtype: bfloat16" in text
+    assert list(yaml.safe_load(text)) == sorted(yaml.safe_load(text))
+
+
+UNSUPPORTED_FIXTURES = {
+    "classic-config_nanoset.yaml": "`data_stages[0].data.dataset` (Nanoset) is not supported by mesh3d yet",
+    "classic-config_tiny_llama.yaml": "(Hugging Face datasets) is not supported by mesh3d yet",
+    "head-config_custom_dl.yaml": "`data_stages[1].data.dataset` (Hugging Face datasets) is not supported",
+    "head-config_nanoset.yaml": "`data_stages[2].data.dataset` (Nanoset) is not supported by mesh3d yet",
+    "head-config_qwen.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet; only Llama",
+    "head-config_resume_training.yaml": "`checkpoints.resume_checkpoint_path` is not supported by mesh3d yet",
+    "head-config_tiny_llama.yaml": "`profiler.profiler_export_path` is not supported by mesh3d yet",
+    "head-config_tiny_llama_with_s3_upload.yaml": "`s3_upload` is not supported by mesh3d yet",
+    "head-debug_config_tiny_llama.yaml": "`checkpoints.checkpoint_interval` is not supported by mesh3d yet",
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIXTURES))
+def test_fixture_asking_for_unsupported_fails_validation(name):
+    cfg = load_config(FIXTURES / name)
+    p = cfg.parallelism
+    with pytest.raises(ConfigError, match=re.escape(UNSUPPORTED_FIXTURES[name])):
+        validate(cfg, p.dp * p.tp * p.pp)
+
+
+def test_head_tiny_llama_with_overrides_validates_at_world_8():
+    overrides = ["checkpoints.checkpoint_interval=100000", "profiler=null"]
+    cfg = load_config(FIXTURES / "head-config_tiny_llama.yaml", overrides)
+    validate(cfg, world_size=8)
+    assert global_batch_size(cfg) == 12  # 3 x 1 x dp 4
+    assert padded_vocab_size(cfg) == 128256
+    assert cfg.model.model_config.num_key_value_heads == 2
+    assert cfg.parallelism.tp_mode == "REDUCE_SCATTER"
+    assert cfg.general.run == "tiny_llama_%date_%jobid"  # expanded by the trainer, not at load
+
+
+def test_fixture_forms_legacy_adam_and_dataset_folder():
+    cfg = load_config(FIXTURES / "head-debug_config_tiny_llama.yaml")  # flat Adam keys
+    assert cfg.optimizer.optimizer_factory == AdamWOptimizerArgs(1e-8, 0.9, 0.95, True, "adamW")
+    assert isinstance(cfg.data_stages[0].data.dataset, PretrainDatasetsArgs)
+    stages = load_config(FIXTURES / "classic-config_nanoset.yaml").data_stages
+    ds = [s.data.dataset for s in stages]
+    assert all(isinstance(d, NanosetDatasetsArgs) for d in ds)
+    assert (ds[0].dataset_folder, ds[0].dataset_weights) == (["datasets/c4-es/tokenized"], [1.0])
+    assert ds[1].dataset_weights is None and len(ds[1].dataset_folder) == 2
+    assert ds[2].dataset_weights == [0.8, 0.2]
+    qwen = load_config(FIXTURES / "head-config_resume_training.yaml").model.model_config
+    assert isinstance(qwen, Qwen2Config) and qwen.rope_theta == 100000.0
+
+
+def test_legacy_top_level_data_becomes_one_stage():
+    d = base()
+    d.pop("data_stages")
+    d["data"] = dict(dataset=None, seed=7)
+    (stage,) = check(d).data_stages
+    assert (stage.name, stage.start_training_step) == ("Stable Training Stage", 1)
+    assert stage.data.seed == 7
+
+
+# ---- derived values and typing ----------------------------------------------------------------
+
+
+def test_derived_values_filled_at_load():
+    d = base()
+    d["model"]["model_config"].pop("num_key_value_heads")
+    d["data_stages"].reverse()
+    cfg = check(d)
+    s = cfg.optimizer.learning_rate_scheduler
+    assert s.lr_decay_steps == 18  # train_steps 20 - warmup 2
+    assert s.lr_warmup_style == "linear"  # omitted: linear (Nanotron raises, spec §10.1)
+    assert s.min_decay_lr == s.learning_rate
+    assert cfg.model.model_config.num_key_value_heads == 4
+    assert [st.start_training_step for st in cfg.data_stages] == [1, 10]
+    assert isinstance(cfg.model.model_config, LlamaConfig) and cfg.mesh3d == Mesh3dArgs()
+    assert effective_pp_schedule(cfg) == "1f1b"
+    assert effective_pp_schedule(check(d, ["mesh3d.pp_schedule=Looped_BFS"])) == "looped_bfs"
+
+
+def test_float_accepts_yaml_string_and_int_but_int_rejects_bool():
+    d = base()
+    d["optimizer"]["learning_rate_scheduler"]["learning_rate"] = yaml.safe_load("3e-4")
+    assert d["optimizer"]["learning_rate_scheduler"]["learning_rate"] == "3e-4"  # YAML 1.1
+    d["optimizer"]["weight_decay"] = 0
+    cfg = check(d)
+    assert cfg.optimizer.learning_rate_scheduler.learning_rate == 3e-4
+    assert cfg.optimizer.weight_decay == 0.0 and isinstance(cfg.optimizer.weight_decay, float)
+    message = "`tokens.train_steps` must be an int, got True (bool)"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check(base(), ["tokens.train_steps=true"])
+
+
+def test_overrides_typed_like_yaml():
+    cfg = check(
+        base(),
+        [
+            "tokens.train_steps=30",
+            "optimizer.learning_rate_scheduler.learning_rate=3e-4",
+            "model.model_config.tie_word_embeddings=false",
+            "checkpoints.resume_checkpoint_path=null",
+            "general.project=other=name",
+            "data_stages[1].data.seed=3",
+            "model.init_method.std=0.05",
+            "mesh3d.pp_schedule=afab",
+        ],
+    )
+    assert cfg.tokens.train_steps == 30
+    assert cfg.optimizer.learning_rate_scheduler.learning_rate == 3e-4
+    assert cfg.model.model_config.tie_word_embeddings is False
+    assert cfg.checkpoints.resume_checkpoint_path is None
+    assert cfg.general.project == "other=name"
+    assert cfg.data_stages[1].data.seed == 3 and cfg.model.init_method.std == 0.05
+    assert cfg.mesh3d.pp_schedule == "afab"
+    assert apply_overrides(cfg, ["parallelism.dp=2"]).parallelism.dp == 2
+
+
+def test_save_writes_everything_sorted_and_mesh3d_only_when_set(tmp_path):
+    cfg = check(base())
+    d = config_to_dict(cfg)
+    assert "mesh3d" not in d and d["model"]["model_config"]["rope_theta"] == 10000.0
+    assert d["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] == 18
+    cfg = check(base(), ["mesh3d.dummy_data=learnable"])
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+    assert yaml.safe_load((tmp_path / "c.yaml").read_text())["mesh3d"]["dummy_data"] == "learnable"
+
+
+def test_padded_vocab_and_global_batch():
+    def vocab(v, tp, mult):
+        d = base()
+        d["model"]["model_config"]["vocab_size"] = v
+        d["model"]["make_vocab_size_divisible_by"] = mult
+        d["parallelism"]["tp"] = tp
+        return padded_vocab_size(config_from_dict(d))
+
+    assert vocab(256, 1, 1) == 256
+    assert vocab(50257, 2, 1) == 50258
+    assert vocab(50257, 2, 64) == 50304
+    assert vocab(32000, 8, 128) == 32768
+    assert global_batch_size(check(base(), ["parallelism.dp=3"])) == 2 * 2 * 3
+
+
+def test_expand_run_name(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    assert re.fullmatch(r"tiny_\d{8}_\d{6}_1234", expand_run_name("tiny_%date_%jobid"))
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert expand_run_name("%jobid") == "local"
+
+
+def test_load_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("general: [1,\n")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="list.yaml must hold a mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+# ---- bad configs: one message each ------------------------------------------------------------
+
+
+def _drop_seq(d):
+    del d["tokens"]["sequence_length"]
+
+
+def _qwen(d):
+    mc = d["model"]["model_config"]
+    mc["is_qwen2_config"] = mc.pop("is_llama_config")
+
+
+def _starcoder(d):
+    d["model"]["model_config"] = dict(is_starcoder2_config=True)
+
+
+TP2 = ["parallelism.tp=2"]
+PP2 = ["parallelism.pp=2"]
+LRS = "optimizer.learning_rate_scheduler"
+MC = "model.model_config"
+# (id, overrides, mutation, world size, expected fragment)
+BAD = [
+    ("unknown-key", ["parallelism.tp_size=2"], None, None, "unknown key `parallelism.tp_size`; did you mean `parallelism.tp`?"),
+    ("unknown-key-in-list", ["data_stages[0].data.sed=3"], None, None, "unknown key `data_stages[0].data.sed`; did you mean `data_stages[0].data.seed`?"),
+    ("unknown-override-section", ["parallelsm.tp=2"], None, None, "unknown key `parallelsm`; did you mean `parallelism`?"),
+    ("wrong-type", ["tokens.micro_batch_size=two"], None, None, "`tokens.micro_batch_size` must be an int, got 'two' (str)"),
+    ("wrong-type-float", [f"{LRS}.learning_rate=fast"], None, None, f"`{LRS}.learning_rate` must be a number, got 'fast' (str)"),
+    ("bool-for-int", ["parallelism.dp=true"], None, None, "`parallelism.dp` must be an int, got True (bool)"),
+    ("missing-key", [], _drop_seq, None, "missing required key `tokens.sequence_length`"),
+    ("override-no-equals", ["parallelism.tp"], None, None, "override `parallelism.tp` has no `=`"),
+    ("override-bad-index", ["data_stages[5].name=x"], None, None, "`data_stages` has no item [5] (it is a list of 2)"),
+    ("override-into-scalar", ["tokens.train_steps.x=1"], None, None, "`tokens.train_steps` is 20 (int), not a mapping"),
+    ("adamw-needs-keys", ["optimizer.optimizer_factory={name: adamW}"], None, None, "missing required key `optimizer.optimizer_factory.adam_eps`: adamW needs all of"),
+    ("optimizer-name", ["optimizer.optimizer_factory.name=adam"], None, None, "`optimizer.optimizer_factory.name` must be adamW or sgd"),
+    ("init-method-keys", ["model.init_method={stdev: 0.02}"], None, None, "`model.init_method` needs `std` (random init)"),
+    ("tokens-section", ["tokens=null"], None, None, "section `tokens` is missing"),
+    ("world-size", ["parallelism.dp=2", *TP2, *PP2], None, 4, "parallelism.dp (2) x tp (2) x pp (2) = 8, but the world size is 4; change parallelism.dp/tp/pp so the product is 4, or launch with --nproc_per_node=8"),
+    ("heads-tp", ["parallelism.tp=3", "tokens.sequence_length=33"], None, 3, f"`{MC}.num_attention_heads` (4) must be divisible by `parallelism.tp` (3)"),
+    ("kv-heads-tp", [*TP2, f"{MC}.num_key_value_heads=1"], None, 2, f"`{MC}.num_key_value_heads` (1) must be divisible by `parallelism.tp` (2)"),
+    ("hidden-heads", [f"{MC}.hidden_size=30"], None, None, f"`{MC}.hidden_size` (30) must be divisible by `{MC}.num_attention_heads` (4)"),
+    ("heads-kv", [f"{MC}.num_key_value_heads=3"], None, None, f"`{MC}.num_attention_heads` (4) must be divisible by `{MC}.num_key_value_heads` (3)"),
+    ("ffn-tp", [*TP2, f"{MC}.intermediate_size=63"], None, 2, f"`{MC}.intermediate_size` (63) must be divisible by `parallelism.tp` (2)"),
+    ("head-dim-odd", [f"{MC}.hidden_size=12"], None, None, "must be even for rotary embeddings"),
+    ("layers-pp", [*PP2, f"{MC}.num_hidden_layers=1"], None, 2, f"`{MC}.num_hidden_layers` (1) is less than the number of pipeline stages pp (2)"),
+    ("microbatches-1f1b", [*PP2, "tokens.batch_accumulation_per_replica=1"], None, 2, "the 1f1b pipeline schedule needs at least pp = 2"),
+    ("microbatches-dualpipev", [*PP2, "mesh3d.pp_schedule=dualpipev", "mesh3d.pp_virtual_stages=2"], None, 2, "the dualpipev pipeline schedule needs at least stages (pp x pp_virtual_stages) = 4"),
+    ("interleaved-rounds", [*PP2, "mesh3d.pp_schedule=interleaved_1f1b", "mesh3d.pp_virtual_stages=2", "tokens.batch_accumulation_per_replica=5"], None, 2, "(5) must be a multiple of the number of rounds 5 // pp (2) = 2 for interleaved_1f1b"),
+    ("zbv-virtual", ["mesh3d.pp_schedule=zbv_zero_bubble"], None, None, "`mesh3d.pp_virtual_stages` (1) must be 2 for the V-shaped schedule zbv_zero_bubble"),
+    ("virtual-needs-multistage", ["mesh3d.pp_virtual_stages=2"], None, None, "`mesh3d.pp_virtual_stages` (2) needs a schedule with several stages per rank"),
+    ("unknown-schedule", ["mesh3d.pp_schedule=gpipe"], None, None, "`mesh3d.pp_schedule` 'gpipe' is not a pipeline schedule; use one of afab, 1f1b"),
+    ("pp-engine", ["parallelism.pp_engine=gpipe"], None, None, "`parallelism.pp_engine` 'gpipe' must be afab or 1f1b"),
+    ("seq-tp", [*TP2, "tokens.sequence_length=33"], None, 2, "`tokens.sequence_length` (33) must be divisible by `parallelism.tp` (2); tp_mode REDUCE_SCATTER"),
+    ("warmup-steps", [f"{LRS}.lr_warmup_steps=50"], None, None, f"`{LRS}.lr_warmup_steps` (50) is more than tokens.train_steps (20)"),
+    ("warmup-style", [f"{LRS}.lr_warmup_style=cosine"], None, None, f"`{LRS}.lr_warmup_style` 'cosine' must be linear or constant"),
+    ("decay-style", [f"{LRS}.lr_decay_style=exp"], None, None, f"`{LRS}.lr_decay_style` 'exp' must be linear, cosine or 1-sqrt"),
+    ("learning-rate", [f"{LRS}.learning_rate=0"], None, None, f"`{LRS}.learning_rate` must be > 0, got 0.0"),
+    ("min-decay-lr", [f"{LRS}.min_decay_lr=1.0"], None, None, f"`{LRS}.min_decay_lr` (1.0) must be in [0, learning_rate (0.001)]"),
+    ("decay-steps", [f"{LRS}.lr_decay_steps=-3"], None, None, f"`{LRS}.lr_decay_steps` must be >= 0, got -3"),
+    ("decay-start", [f"{LRS}.lr_decay_starting_step=100"], None, None, f"`{LRS}.lr_decay_starting_step` (100) must be in [0, tokens.train_steps (20)]"),
+    ("stage-at-1", ["data_stages[0].start_training_step=2"], None, None, "`data_stages` must have a stage with start_training_step: 1"),
+    ("stage-names", ["data_stages[1].name=Stable Training Stage"], None, None, "`data_stages` has two stages named 'Stable Training Stage'"),
+    ("stage-starts", ["data_stages[1].start_training_step=1"], None, None, "`data_stages` has two stages with start_training_step 1"),
+    ("tokens-positive", ["tokens.micro_batch_size=0"], None, None, "`tokens.micro_batch_size` must be >= 1, got 0"),
+    ("clip-grad", ["optimizer.clip_grad=0"], None, None, "`optimizer.clip_grad` must be > 0 or null"),
+    ("weight-decay", ["optimizer.weight_decay=-0.1"], None, None, "`optimizer.weight_decay` must be >= 0, got -0.1"),
+    ("adam-beta", ["optimizer.optimizer_factory.adam_beta2=1.0"], None, None, "`optimizer.optimizer_factory.adam_beta2` must be in [0, 1), got 1.0"),
+    ("zero-stage", ["optimizer.zero_stage=-1"], None, None, "`optimizer.zero_stage` must be 0 (off) or 1"),
+    ("tp-mode", ["parallelism.tp_mode=sequence"], None, None, "`parallelism.tp_mode` 'SEQUENCE' is not one of ALL_REDUCE, REDUCE_SCATTER"),
+    ("dtype", ["model.dtype=fp8"], None, None, "`model.dtype` 'fp8' is not a dtype"),
+    ("dtype-train", ["model.dtype=int8"], None, None, "`model.dtype` 'int8' cannot train"),
+    ("log-level", ["logging.log_level=verbose"], None, None, "`logging.log_level` 'verbose' is not one of debug, info"),
+    ("device", ["mesh3d.device=tpu"], None, None, "`mesh3d.device` 'tpu' is not one of auto, cpu, cuda"),
+    ("attention", ["mesh3d.attention=xformers"], None, None, "`mesh3d.attention` 'xformers' is not one of auto, sdpa, flash"),
+    ("dummy-data", ["mesh3d.dummy_data=zeros"], None, None, "`mesh3d.dummy_data` 'zeros' is not one of random, learnable"),
+    ("pad-token", [*TP2, f"{MC}.pad_token_id=200"], None, 2, f"`{MC}.pad_token_id` (200) must be in [0, 128)"),
+    ("s3-upload", ["s3_upload={upload_s3_path: 's3://b/x', remove_after_upload: true}"], None, None, "`s3_upload` is not supported by mesh3d yet"),
+    ("lighteval", ["lighteval={slurm_script_dir: x}"], None, None, "`lighteval` is not supported by mesh3d yet"),
+    ("expert-parallel", ["parallelism.expert_parallel_size=2"], None, None, "`parallelism.expert_parallel_size` is not supported by mesh3d yet"),
+    ("context-parallel", ["parallelism.context_parallel_size=2"], None, None, "`parallelism.context_parallel_size` is not supported by mesh3d yet"),
+    ("qwen2", [], _qwen, None, "`model.model_config` (qwen2) is not supported by mesh3d yet; only Llama"),
+    ("starcoder2", [], _starcoder, None, "`model.model_config` (starcoder2) is not supported by mesh3d yet"),
+    ("spectral-mup", ["model.init_method={use_mup: true}"], None, None, "`model.init_method.use_mup` is not supported by mesh3d yet"),
+    ("existing-init", ["model.init_method={path: ckpt}"], None, None, "`model.init_method.path` is not supported by mesh3d yet"),
+    ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
+    ("z-loss", [f"{MC}.z_loss_enabled=true"], None, None, f"`{MC}.z_loss_enabled` is not supported by mesh3d yet"),
+    ("dataset", ["data_stages[0].data.dataset={dataset_folder: /data}"], None, None, "`data_stages[0].data.dataset` (Nanoset) is not supported by mesh3d yet; use `dataset: null`"),
+    ("profiler", ["profiler.profiler_export_path=tb"], None, None, "`profiler.profiler_export_path` is not supported by mesh3d yet"),
+    ("resume", ["checkpoints.resume_checkpoint_path=ckpt/10"], None, None, "`checkpoints.resume_checkpoint_path` is not supported by mesh3d yet"),
+    ("save-initial", ["checkpoints.save_initial_state=true"], None, None, "`checkpoints.save_initial_state` is not supported by mesh3d yet"),
+    ("save-final", ["checkpoints.save_final_state=true"], None, None, "`checkpoints.save_final_state` is not supported by mesh3d yet"),
+    ("checkpoint-interval", ["checkpoints.checkpoint_interval=10"], None, None, "raise checkpoints.checkpoint_interval (10) above tokens.train_steps (20)"),
+]  # fmt: skip
+
+
+def test_base_config_is_valid():
+    check(base(), world_size=1)
+    check(base(), [*TP2, *PP2, "parallelism.dp=2"], world_size=8)
+    interleaved = ["mesh3d.pp_schedule=interleaved_1f1b", "mesh3d.pp_virtual_stages=2"]
+    check(base(), [*PP2, *interleaved, "tokens.batch_accumulation_per_replica=3"], world_size=2)
+    cfg = check(base(), ["lighteval={}", "model.model_config.rope_scaling={}"])
+    assert cfg.lighteval is None and cfg.model.model_config.rope_scaling is None
+
+
+@pytest.mark.parametrize(
+    "overrides,mutate,world,fragment", [b[1:] for b in BAD], ids=[b[0] for b in BAD]
+)
+def test_bad_config_message(overrides, mutate, world, fragment):
+    d = base()
+    if mutate:
+        mutate(d)
+    with pytest.raises(ConfigError) as err:
+        check(d, overrides, world)
+    assert fragment in str(err.value)
+
+
+def test_bad_cases_are_many_and_distinct():
+    assert len(BAD) >= 25 and len({b[4] for b in BAD}) == len(BAD)
+
+
+# ---- the CLI ----------------------------------------------------------------------------------
+
+
+def _cli(tmp_path, d, *args):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(d))
+    cmd = [sys.executable, "-m", "mesh3d.config", str(cfg), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
+
+
+CLI_BAD = ["unknown-key", "override-no-equals", "world-size", "qwen2"]
+
+
+@pytest.mark.parametrize("case", CLI_BAD)
+def test_cli_exit_2_without_traceback(case, tmp_path):
+    _, overrides, mutate, world, fragment = next(b for b in BAD if b[0] == case)
+    d = base()
+    if mutate:
+        mutate(d)
+    r = _cli(tmp_path, d, *overrides, *(["--world-size", str(world)] if world else []))
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: ") and fragment in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_cli_prints_resolved_yaml(tmp_path):
+    r = _cli(tmp_path, base(), "--world-size", "2", "parallelism.dp=2")
+    assert r.returncode == 0, r.stderr
+    out = yaml.safe_load(r.stdout)
+    assert out["parallelism"]["dp"] == 2
+    assert out["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] == 18
+    code = "import sys, mesh3d.config; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
