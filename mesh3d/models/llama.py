@@ -1,0 +1,254 @@
+"""Single-device Llama, the model every layout trains (Nanotron's Llama, spec §4).
+
+Notable choices:
+- Module names follow Hugging Face (`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...), so HF
+  conversion is a key map and the tensor-parallel plan is a table keyed by these names.
+- q/k/v and gate/up are separate linears (Nanotron fuses them; `checkpoint/` fuses on write).
+- `layers` is a ModuleDict keyed "0", "1", ...: a pipeline stage deletes the layers it does not
+  own and the remaining names stay those of the full model. `forward` skips modules set to None.
+- Shapes come from tensors (`view(b, s, -1, head_dim)`), never from head counts in the config,
+  so the same code runs on tensor-parallel shards holding fewer heads.
+- No buffers: the RoPE frequencies are recomputed from the config, so building on the meta
+  device and `to_empty` need no fix-up (apart from re-tying embeddings, `tie_weights`).
+Activations are batch-first [B, S, h]. Nothing here imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mesh3d.errors import ConfigError
+
+try:
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "relu": F.relu,
+}
+ATTENTION_KINDS = ("auto", "sdpa", "flash")
+
+
+def activation(name: str):
+    """The activation function called `name` (`model.model_config.hidden_act`)."""
+    if name not in ACTIVATIONS:
+        raise ConfigError(
+            f"`model.model_config.hidden_act` {name!r} is not supported; "
+            f"use one of {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> Tensor:
+    """Inverse frequencies theta^(-2j/dh), j < dh/2, in fp32 on CPU; llama3 scaling as in HF."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponent)  # (dh/2,)
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))  # "type": older HF configs
+    if kind == "default":
+        return inv_freq
+    if kind != "llama3":
+        raise ConfigError(
+            f"`model.model_config.rope_scaling` type {kind!r} is not supported; "
+            "use rope_type 'llama3' or set rope_scaling to null"
+        )
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by `factor`, short ones kept, those in between interpolated.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary:
+    """Rotary position embedding on [B, S, H, dh] tensors, positions 0..S-1.
+
+    A plain object, not a Module: it holds no parameters or buffers. `interleaved` pairs
+    (2i, 2i+1) as GPT-J; otherwise (i, i + dh/2) as HF "rotate half" (spec §4.5).
+    """
+
+    def __init__(self, inv_freq: Tensor, interleaved: bool):
+        self.inv_freq = inv_freq  # (dh/2,) fp32 on CPU
+        self.interleaved = interleaved
+        self._on_device: dict[torch.device, Tensor] = {}  # no host-to-device copy per call
+
+    def _freqs(self, seq_len: int, device: torch.device) -> Tensor:
+        if device not in self._on_device:
+            self._on_device[device] = self.inv_freq.to(device)
+        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, self._on_device[device])  # (S, dh/2)
+        if self.interleaved:
+            return freqs.repeat_interleave(2, dim=-1)  # (S, dh)
+        return torch.cat((freqs, freqs), dim=-1)  # (S, dh)
+
+    def _rotate(self, x: Tensor) -> Tensor:
+        if self.interleaved:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((-x2, x1), dim=-1).flatten(-2)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        freqs = self._freqs(x.shape[1], x.device)[:, None, :]  # (S, 1, dh)
+        xf = x.float()
+        return (xf * freqs.cos() + self._rotate(xf) * freqs.sin()).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """weight * x / sqrt(mean(x^2) + eps), normalized in fp32 (HF LlamaRMSNorm numerics)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped kv heads, RoPE, no bias, no dropout."""
+
+    def __init__(self, h: int, n_q: int, n_kv: int, rotary: Rotary, attention: str):
+        super().__init__()
+        self.head_dim = h // n_q
+        self.q_proj = nn.Linear(h, n_q * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(h, n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(h, n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(n_q * self.head_dim, h, bias=False)
+        self.rotary = rotary
+        self.attention = attention
+
+    def _use_flash(self, q: Tensor) -> bool:
+        # flash-attn has no fp32 kernel: fp32 runs (CPU tests, parity checks) take SDPA.
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        return self.attention != "sdpa" and flash_attn_func is not None and q.is_cuda and half
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q = self.rotary(self.q_proj(x).view(b, s, -1, self.head_dim))  # (B, S, nq, dh)
+        k = self.rotary(self.k_proj(x).view(b, s, -1, self.head_dim))  # (B, S, nkv, dh)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nkv, dh)
+        if self._use_flash(q):
+            out = flash_attn_func(q, k, v, causal=True)  # (B, S, nq, dh), GQA native
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, dh)
+            group = q.shape[1] // k.shape[1]  # query heads per kv head
+            k = k.repeat_interleave(group, dim=1)  # (B, nq, S, dh)
+            v = v.repeat_interleave(group, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return self.o_proj(out.reshape(b, s, -1))  # (B, S, h)
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, h: int, ffn: int, act):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, ffn, bias=False)
+        self.up_proj = nn.Linear(h, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, h, bias=False)
+        self.act = act
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(x)) (pre-norm residual block)."""
+
+    def __init__(self, cfg, rotary: Rotary, attention: str):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.input_layernorm = RMSNorm(h, eps)
+        self.self_attn = Attention(h, cfg.num_attention_heads, n_kv, rotary, attention)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(h, cfg.intermediate_size, activation(cfg.hidden_act))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _check(cfg, attention: str) -> None:
+    n_q = cfg.num_attention_heads
+    n_kv = getattr(cfg, "num_key_value_heads", None) or n_q
+    if cfg.hidden_size % n_q or n_q % n_kv:
+        raise ConfigError(
+            f"`model.model_config.hidden_size` ({cfg.hidden_size}) must be a multiple of "
+            f"`num_attention_heads` ({n_q}), itself a multiple of `num_key_value_heads` ({n_kv})"
+        )
+    if attention not in ATTENTION_KINDS:
+        raise ConfigError(f"`mesh3d.attention` {attention!r} must be one of {ATTENTION_KINDS}")
+    if attention == "flash" and flash_attn_func is None:
+        raise ImportError(
+            "`mesh3d.attention: flash` needs flash-attn: `pip install flash-attn` "
+            "(or `pip install mesh3d[flash]`), or set `mesh3d.attention` to sdpa or auto"
+        )
+
+
+class Llama(nn.Module):
+    """Llama for causal LM: ids [B, S] -> logits [B, S, V] (V = padded `vocab_size`).
+
+    `cfg` has the attribute names of Nanotron's LlamaConfig. `attention` is "auto" (flash-attn
+    when installed and the tensors are half precision on CUDA, else SDPA), "sdpa" or "flash".
+    """
+
+    def __init__(self, cfg, vocab_size: int | None = None, attention: str = "auto"):
+        super().__init__()
+        _check(cfg, attention)
+        h, vocab = cfg.hidden_size, vocab_size or cfg.vocab_size
+        inv_freq = rope_inv_freq(
+            h // cfg.num_attention_heads,
+            getattr(cfg, "rope_theta", 10000.0),
+            getattr(cfg, "rope_scaling", None),
+        )
+        rotary = Rotary(inv_freq, getattr(cfg, "rope_interleaved", False))
+        self.attention = attention
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.embed_tokens = nn.Embedding(vocab, h)
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, rotary, attention) for i in range(cfg.num_hidden_layers)}
+        )
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, vocab, bias=False)
+        self.tie_weights()
+
+    @property
+    def tied_parameters(self) -> dict[str, str]:
+        """Alias name -> owner name of tied parameters (the alias is the same tensor)."""
+        return {"lm_head.weight": "embed_tokens.weight"} if self.tie_word_embeddings else {}
+
+    def tie_weights(self) -> None:
+        """Make `lm_head.weight` the embedding's Parameter when tied (and both are present)."""
+        if self.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Token ids [B, S] (or hidden states [B, S, h] on a later pipeline stage) -> logits."""
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, S, h)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h  # (B, S, V) or (B, S, h)
+
+
+def num_params(model: nn.Module) -> int:
+    """Number of parameters, tied ones counted once (full sizes for sharded DTensors)."""
+    return sum(p.numel() for p in model.parameters())
