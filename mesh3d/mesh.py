@@ -1,0 +1,148 @@
+"""The device mesh: parallel degrees -> one named `DeviceMesh` with axes ("pp", "dp", "tp").
+
+Global ranks fill the mesh shape (pp, dp, tp) in C order, tp fastest, as in Nanotron
+(`nanotron-format.md` §6.1):
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+so a tp group is a run of consecutive ranks and tensor parallelism, the chattiest axis, stays
+inside a node. dp=2, tp=2, pp=2 on 8 ranks:
+
+                  pp stage 0                        pp stage 1
+                tp 0     tp 1                     tp 0     tp 1
+        dp 0  [ rank 0   rank 1 ]         dp 0  [ rank 4   rank 5 ]
+        dp 1  [ rank 2   rank 3 ]         dp 1  [ rank 6   rank 7 ]
+
+    tp groups (a row):                         [0, 1] [2, 3] [4, 5] [6, 7]
+    dp groups (a column):                      [0, 2] [1, 3] [4, 6] [5, 7]
+    pp groups (one place in every stage):      [0, 4] [1, 5] [2, 6] [3, 7]
+
+`ParallelDims` computes coordinates and groups arithmetically, without a process group, for
+planning and tests; `build_mesh` makes the live mesh, whose `mesh["tp"]`, `mesh["dp"]` and
+`mesh["pp"]` are exactly these groups.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mesh3d.errors import ConfigError, UserError
+
+AXES = ("pp", "dp", "tp")  # mesh dimension names, outermost first; tp varies fastest
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The three parallel degrees; `dp * tp * pp` must equal the number of processes."""
+
+    dp: int
+    tp: int
+    pp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def validate(self, world_size: int) -> None:
+        """Raise `ConfigError` unless every degree is >= 1 and dp * tp * pp == world_size."""
+        numbers = f"dp={self.dp}, tp={self.tp}, pp={self.pp}, world size {world_size}"
+        for axis in AXES:
+            value = getattr(self, axis)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(
+                    f"`parallelism.{axis}` is {value!r} ({numbers}); every degree must be an "
+                    f"integer >= 1 and dp * tp * pp must equal the world size"
+                )
+        if self.world_size != world_size:
+            hint = ""
+            if world_size % (self.tp * self.pp) == 0:
+                hint = f" (e.g. dp={world_size // (self.tp * self.pp)})"
+            raise ConfigError(
+                f"`parallelism` dp * tp * pp = {self.dp} * {self.tp} * {self.pp} = "
+                f"{self.world_size}, but the world size is {world_size}; set dp, tp and pp so "
+                f"that their product is {world_size}{hint}, or launch {self.world_size} "
+                f"processes (torchrun --nproc_per_node={self.world_size})"
+            )
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """{"pp": ..., "dp": ..., "tp": ...}: where global `rank` sits in the mesh."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
+        return {
+            "pp": rank // (self.dp * self.tp),
+            "dp": rank // self.tp % self.dp,
+            "tp": rank % self.tp,
+        }
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """The global ranks of every `axis` group: ranks equal in the other two coordinates.
+
+        Groups are ordered by their first rank and each lists its ranks in ascending order, which
+        is also the order of their coordinate along `axis`.
+        """
+        if axis not in AXES:
+            raise ValueError(f"axis {axis!r} is not one of {AXES}")
+        others = [a for a in AXES if a != axis]
+        by_others: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            by_others.setdefault(tuple(c[a] for a in others), []).append(rank)
+        return list(by_others.values())
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """The torch device for `device`: "auto" (cuda if available, else cpu), "cpu" or "cuda".
+
+    Asking for "cuda" where torch sees no GPU is a `UserError`, not a silent CPU run.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(
+                f"device 'cuda' was asked for, but torch {torch.__version__} sees no CUDA GPU; "
+                f"set `mesh3d.device` to 'auto' or 'cpu' to run on the CPU"
+            )
+        return torch.device("cuda")
+    raise UserError(f"device {device!r} is not known; use 'auto', 'cpu' or 'cuda'")
+
+
+def init_distributed(timeout_s: float = 60, device: str = "auto") -> torch.device:
+    """Start the default process group (unless started) and return this rank's device.
+
+    Under torchrun (WORLD_SIZE set) the group comes from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT;
+    on CUDA the rank uses GPU LOCAL_RANK. A plain `python train.py` becomes a one-process world,
+    so that every code path is the same. nccl on CUDA, gloo on CPU; collectives time out after
+    `timeout_s` seconds instead of torch's default 30 minutes.
+    """
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    if dist.is_initialized():
+        return dev
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    options = {"timeout": timedelta(seconds=timeout_s)}
+    if dev.type == "cuda":
+        options["device_id"] = dev
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, **options)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
+    return dev
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The ("pp", "dp", "tp") mesh of shape (pp, dp, tp) over the started process group."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs a process group; call init_distributed() first")
+    dims.validate(dist.get_world_size())
+    return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
