@@ -36,3 +36,5 @@ def setup_logging(rank: int, coords: dict, level: str, replica_level: str) -> No
     logger.handlers[:] = [handler]
     logger.propagate = False
     logger.setLevel(_LEVELS[level if rank == 0 else replica_level])
+    # DTensor warns on every 2-D (dp x tp) norm reduction that two collectives run; expected here.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

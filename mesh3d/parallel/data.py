@@ -11,11 +11,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
 def allreduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
     """Sum every parameter gradient over `group` in one flat all-reduce."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = _flatten_dense_tensors(grads)

@@ -7,6 +7,7 @@ tests call inside forked ranks. Every check that the config and the world size a
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -18,8 +19,9 @@ from mesh3d.data.dummy import DummyTokens, microbatches
 from mesh3d.errors import UserError
 from mesh3d.log import logger, setup_logging
 from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, resolve_device
-from mesh3d.models.init import init_weights
+from mesh3d.models.init import llama_init_std
 from mesh3d.models.llama import Llama
+from mesh3d.parallel.parallelize import dp_mode, parallelize
 from mesh3d.train.metrics import (
     JsonlWriter,
     format_iteration_line,
@@ -59,38 +61,38 @@ def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     return dtype, None
 
 
-def build_model(cfg, device: torch.device, dtype: torch.dtype) -> Llama:
-    """The Llama of `cfg`, built on meta, materialized on `device` and initialized."""
-    mc = cfg.model.model_config
+def build_model(cfg, mesh, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The Llama of `cfg`: built on meta, parallelized on `mesh`, materialized, initialized."""
+    mc, init = cfg.model.model_config, cfg.model.init_method
     with torch.device("meta"):
         model = Llama(mc, vocab_size=padded_vocab_size(cfg), attention=cfg.mesh3d.attention)
-    model.to_empty(device=device)
-    model.tie_weights()
-    init = cfg.model.init_method
-    init_weights(
+    scaling = getattr(init, "scaling_method", "NUM_LAYERS")
+    model = parallelize(
         model,
-        std=init.std,
-        num_layers=mc.num_hidden_layers,
-        scaling_method=getattr(init, "scaling_method", "NUM_LAYERS"),
+        mesh,
+        device=device,
+        std_of=lambda name: llama_init_std(name, init.std, mc.num_hidden_layers, scaling),
         seed=cfg.general.seed,
+        valid_rows={"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size},
+        sequence_parallel=cfg.parallelism.tp_mode == "REDUCE_SCATTER",
+        recompute_layer=cfg.parallelism.recompute_layer,
+        dp=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),
     )
     return model.to(dtype)
 
 
 def _unsupported_layout(dims: ParallelDims) -> None:
-    if dims.tp > 1 or dims.pp > 1:
-        key = "parallelism.tp" if dims.tp > 1 else "parallelism.pp"
-        raise UserError(f"`{key}` > 1 is not supported by mesh3d yet; set it to 1")
+    if dims.pp > 1:
+        raise UserError("`parallelism.pp` > 1 is not supported by mesh3d yet; set it to 1")
 
 
 def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> RunResult:
     """Train `cfg` on the current process group (started here if needed); rank-local result."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    validate(cfg, world_size=world)  # before any process-group work: a bad config never hangs
     device = resolve_device(cfg.mesh3d.device)
-    world = int(dist.get_world_size()) if dist.is_initialized() else None
-    if world is None:
+    if not dist.is_initialized():
         init_distributed(device=cfg.mesh3d.device)
-        world = dist.get_world_size()
-    validate(cfg, world_size=world)
     p = cfg.parallelism
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
     _unsupported_layout(dims)
@@ -101,9 +103,9 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
     torch.manual_seed(cfg.general.seed)
 
     param_dtype, autocast_dtype = param_and_compute_dtypes(cfg)
-    model = build_model(cfg, device, param_dtype)
+    model = build_model(cfg, mesh, device, param_dtype)
     optimizer, scheduler = build_optimizer(model, cfg, device)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
     logger.info(f"Total number of parameters: {n_params} ({n_params * 4 / 2**20:.2f}MiB fp32)")
 
     mc, tok = cfg.model.model_config, cfg.tokens
@@ -143,6 +145,8 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
             global_tokens=gbs * tok.sequence_length,
             clip_grad=cfg.optimizer.clip_grad,
             dp_group=dp_group,
+            dp_mode=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),
+            tp_size=dims.tp,
             autocast_dtype=autocast_dtype,
             device=device,
         )

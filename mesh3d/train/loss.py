@@ -5,22 +5,42 @@ microbatches, all dp ranks). Summing these over microbatches and dp ranks gives 
 token loss, and backpropagating them gives the gradient of that mean, whatever the layout.
 Nothing else in mesh3d rescales the loss or the gradients (pipeline schedules get
 `scale_grads=False`; data-parallel averaging is compensated where it is applied).
+
+Under tensor parallelism the logits arrive as a vocab-sharded DTensor; the caller runs the loss
+*and its backward* under `loss_parallel()` (max and sum-exp reduced over tp; no full-vocab
+gather). Vocabulary
+padding columns are pushed to -inf so they never change the loss.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+
+def _padding_mask(logits: DTensor, vocab_size: int) -> DTensor:
+    """A [Vp] DTensor, sharded like the logits' vocab dim: 0 for real tokens, -inf for padding."""
+    mask = torch.zeros(logits.shape[-1], device=logits.device)
+    mask[vocab_size:] = float("-inf")
+    return distribute_tensor(mask, logits.device_mesh, [Shard(0)], src_data_rank=None)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Sum of cross-entropy over tokens. logits [B, S, Vp] (Vp >= vocab_size), labels [B, S].
 
-    Columns at and beyond `vocab_size` (vocabulary padding) are excluded, so padding never
-    changes the loss. Computed in fp32. Labels < 0 are ignored (no token in the sum).
+    Columns at and beyond `vocab_size` (vocabulary padding) are excluded. Computed in fp32.
+    Labels equal to -100 are ignored (no token in the sum).
     """
     logits = logits.float()
-    if logits.shape[-1] > vocab_size:
+    padded = logits.shape[-1] > vocab_size
+    if isinstance(logits, DTensor):
+        if padded:
+            logits = logits + _padding_mask(logits, vocab_size)
+        return F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100
+        )
+    if padded:
         logits = logits[..., :vocab_size]
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum", ignore_index=-100

@@ -1,0 +1,112 @@
+"""Turn a single-device model into its parallel form on the ("pp", "dp", "tp") mesh.
+
+Order (each step sees the result of the one before):
+1. tensor parallelism on mesh["tp"] (model on meta; no communication),
+2. activation checkpointing of each decoder layer (`parallelism.recompute_layer`),
+3. materialize on the device and initialize each *full* parameter from its own seed, keeping
+   this rank's shard — so the full weights after init are the same at every layout,
+4. data parallelism on mesh["dp"]: nothing to wrap for `zero_stage: 0` (gradients are summed
+   explicitly after the step's microbatches); FSDP2 `fully_shard` for `zero_stage: 1`
+   (`reshard_after_forward=False`: parameters gathered once per step, gradients
+   reduce-scattered, optimizer state sharded) and for `mesh3d.full_shard` (parameters resharded
+   after forward too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from mesh3d.models.init import init_full_tensor
+from mesh3d.parallel.tensor import apply_tp, llama_tp_plan
+
+
+def dp_mode(zero_stage: int, full_shard: bool) -> str:
+    """'replicate' (zero 0), 'zero1' or 'full' — how parameters live on the dp axis."""
+    if full_shard:
+        return "full"
+    return "zero1" if zero_stage > 0 else "replicate"
+
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """Wrap every decoder layer in activation checkpointing (recompute in backward)."""
+    for key, layer in list(model.layers.items()):
+        model.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def materialize(
+    model: nn.Module,
+    device: torch.device,
+    std_of: Callable[[str], float | None],
+    seed: int,
+    valid_rows: dict[str, int] | None = None,
+) -> None:
+    """Allocate `model` on `device` and fill every parameter from its full-tensor init.
+
+    Each rank generates the full tensor of a parameter (seeded by its name; a tied alias by its
+    owner's name) and keeps its own shard (`src_data_rank=None`: local slicing, no
+    communication). `valid_rows` maps names to the number of real rows: the vocabulary
+    padding rows (which depend on tp) are zeros, so the real rows are the same at any layout.
+    """
+    model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    tied = getattr(model, "tied_parameters", {})
+    valid_rows = valid_rows or {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            name = tied.get(canonical_name(name), canonical_name(name))
+            rows = min(valid_rows.get(name, p.shape[0]), p.shape[0])
+            full = torch.zeros(p.shape)
+            full[:rows] = init_full_tensor(name, (rows, *p.shape[1:]), std_of(name), seed)
+            full = full.to(device)
+            if isinstance(p, DTensor):
+                shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+                p.to_local().copy_(shard.to_local())
+            else:
+                p.copy_(full)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name in the unwrapped model (activation-checkpoint wrappers removed)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str) -> nn.Module:
+    """FSDP2 over the dp mesh for 'zero1' / 'full'; 'replicate' leaves the model as is."""
+    if mode == "replicate":
+        return model
+    reshard = mode == "full"
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+    return model
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    device: torch.device,
+    std_of: Callable[[str], float | None],
+    seed: int,
+    valid_rows: dict[str, int] | None = None,
+    sequence_parallel: bool,
+    recompute_layer: bool,
+    dp: str,
+) -> nn.Module:
+    """Steps 1-4 above on a model built on meta; returns the model ready to train."""
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"], llama_tp_plan(sequence_parallel))
+    if recompute_layer:
+        checkpoint_layers(model)
+    materialize(model, device, std_of, seed, valid_rows)
+    if mesh["dp"].size() > 1:
+        apply_dp(model, mesh["dp"], dp)
+    return model

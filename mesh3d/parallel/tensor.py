@@ -1,0 +1,134 @@
+"""Tensor parallelism as data: a plan `FQN pattern -> ParallelStyle`, applied on mesh["tp"].
+
+The model file stays single-device; this table says how each submodule is split (Megatron-style,
+as Nanotron's TP modes, spec §6.3):
+
+- ALL_REDUCE: q/k/v and gate/up column-wise, o/down row-wise (one all-reduce after each),
+  activations replicated between blocks; norms hold replicated weights.
+- REDUCE_SCATTER (sequence parallel): the residual stream and the norms are sharded on the
+  sequence dim; attention/MLP inputs are all-gathered, o/down outputs reduce-scattered.
+- Both: the embedding is vocab-parallel and the LM head produces vocab-sharded logits that the
+  loss consumes under `loss_parallel()` (no full-vocab gather).
+
+Every parameter ends up a DTensor on the tp mesh (replicated ones as `Replicate()`), which keeps
+foreach AdamW and gradient clipping working (FACTS.md: mixed plain + DTensor parameters break).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+TPPlan = dict[str, ParallelStyle]
+
+
+class ReplicateParallel(ParallelStyle):
+    """Keep a module's weights as `Replicate()` DTensors; local tensors in and out.
+
+    Used for the norms in ALL_REDUCE mode, where activations are replicated plain tensors.
+    The weight gradient is identical on every tp rank because the column-parallel consumers
+    all-reduce their input gradient.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate_params(_name, mod, mesh):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                dt = distribute_tensor(p, mesh, [Replicate()], src_data_rank=None)
+                mod.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+        def to_dtensor(_mod, inputs, mesh):
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        return distribute_module(
+            module,
+            device_mesh,
+            replicate_params,
+            input_fn=to_dtensor,
+            output_fn=lambda _mod, out, _mesh: out.to_local(),
+        )
+
+
+def llama_tp_plan(sequence_parallel: bool) -> TPPlan:
+    """The Llama plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False)."""
+    seq = Shard(1)  # activations are [B, S, h]: the sequence is dim 1
+    if sequence_parallel:
+        block_in = PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+        return {
+            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "layers.*.input_layernorm": SequenceParallel(),
+            "layers.*.self_attn": block_in,
+            "layers.*.self_attn.q_proj": ColwiseParallel(),
+            "layers.*.self_attn.k_proj": ColwiseParallel(),
+            "layers.*.self_attn.v_proj": ColwiseParallel(),
+            "layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=seq),
+            "layers.*.post_attention_layernorm": SequenceParallel(),
+            "layers.*.mlp": block_in,
+            "layers.*.mlp.gate_proj": ColwiseParallel(),
+            "layers.*.mlp.up_proj": ColwiseParallel(),
+            "layers.*.mlp.down_proj": RowwiseParallel(output_layouts=seq),
+            "norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(
+                input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
+            ),
+        }
+    return {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "layers.*.input_layernorm": ReplicateParallel(),
+        "layers.*.self_attn.q_proj": ColwiseParallel(),
+        "layers.*.self_attn.k_proj": ColwiseParallel(),
+        "layers.*.self_attn.v_proj": ColwiseParallel(),
+        "layers.*.self_attn.o_proj": RowwiseParallel(),
+        "layers.*.post_attention_layernorm": ReplicateParallel(),
+        "layers.*.mlp.gate_proj": ColwiseParallel(),
+        "layers.*.mlp.up_proj": ColwiseParallel(),
+        "layers.*.mlp.down_proj": RowwiseParallel(),
+        "norm": ReplicateParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
+    """Apply `plan` to `model` in place (on meta or real tensors; no communication).
+
+    Plan entries whose module a pipeline stage deleted (None) are skipped. Tied embeddings are
+    re-tied afterwards: parallelizing the embedding and the head separately would otherwise
+    give them two different parameters.
+    """
+    tied = getattr(model, "lm_head", None) is not None and (
+        getattr(model, "embed_tokens", None) is not None
+        and model.lm_head.weight is model.embed_tokens.weight
+    )
+    present = {k: v for k, v in plan.items() if _resolves(model, k)}
+    parallelize_module(model, tp_mesh, present, src_data_rank=None)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def _resolves(model: nn.Module, pattern: str) -> bool:
+    """Whether `pattern` (fnmatch per dotted token) names at least one existing submodule."""
+    from fnmatch import fnmatch
+
+    tokens = pattern.split(".")
+    for name, mod in model.named_modules():
+        parts = name.split(".") if name else []
+        if mod is not None and len(parts) == len(tokens) and all(map(fnmatch, parts, tokens)):
+            return True
+    return False

@@ -1,0 +1,120 @@
+"""Helpers for layout-parity tests: a tiny fp32 config, training inside ranks, comparisons."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.parallel.parallelize import canonical_name
+from mesh3d.train.loop import train
+
+VOCAB = 250  # not a multiple of 4: tp=4 pads the vocabulary
+
+TINY = dict(
+    general=dict(project="parity", run="parity", seed=7),
+    logging=dict(log_level="warning", log_level_replica="warning"),
+    model=dict(
+        dtype="float32",
+        init_method=dict(std=0.05),
+        make_vocab_size_divisible_by=1,
+        model_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_hidden_layers=2,
+            max_position_embeddings=16,
+            vocab_size=VOCAB,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            is_llama_config=True,
+        ),
+    ),
+    optimizer=dict(
+        zero_stage=0,
+        weight_decay=0.01,
+        clip_grad=0.05,
+        accumulate_grad_in_fp32=True,
+        learning_rate_scheduler=dict(
+            learning_rate=3e-3,
+            lr_warmup_steps=1,
+            lr_warmup_style="constant",
+            lr_decay_style="cosine",
+            min_decay_lr=3e-4,
+        ),
+        # eps 1e-6, not 1e-8: Adam's first update is g / (|g| + eps), so a weight whose gradient
+        # is ~1e-8 turns fp32 summation-order noise (~1e-7 relative, different at every layout)
+        # into ~1e-4 of its update. Real layout bugs show up at >= 1e-3 either way.
+        optimizer_factory=dict(
+            name="adamW", adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-6, torch_adam_is_fused=False
+        ),
+    ),
+    parallelism=dict(dp=1, tp=1, pp=1, tp_mode="ALL_REDUCE"),
+    tokens=dict(
+        sequence_length=16, train_steps=5, micro_batch_size=2, batch_accumulation_per_replica=4
+    ),
+    data_stages=[dict(name="s", start_training_step=1, data=dict(dataset=None, seed=3))],
+    mesh3d=dict(device="cpu", dummy_data="learnable"),
+)
+
+
+def layout_overrides(dp: int, tp: int, tp_mode: str, zero: int, tied: bool) -> list[str]:
+    """Overrides that keep the global batch (8 samples) and >= 2 microbatches at any dp."""
+    mbs, acc = {1: (2, 4), 2: (2, 2), 4: (1, 2)}[dp]
+    return [
+        f"parallelism.dp={dp}",
+        f"parallelism.tp={tp}",
+        f"parallelism.tp_mode={tp_mode}",
+        f"optimizer.zero_stage={zero}",
+        f"model.model_config.tie_word_embeddings={str(tied).lower()}",
+        f"tokens.micro_batch_size={mbs}",
+        f"tokens.batch_accumulation_per_replica={acc}",
+    ]
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as its full tensor (a collective for DTensors: call on every rank)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[canonical_name(name)] = t.detach().cpu().clone()
+    return out
+
+
+def train_runs(rank: int, world: int, runs: list[list[str]], base: dict = TINY) -> list[dict]:
+    """Inside a rank: train each override list in turn; losses, grad norms, rank-0 weights."""
+    results = []
+    for overrides in runs:
+        cfg = apply_overrides(config_from_dict(copy.deepcopy(base)), overrides)
+        res = train(cfg, keep_model=True)
+        weights = full_weights(res.model)
+        results.append(
+            dict(
+                loss=[m["lm_loss"] for m in res.metrics],
+                grad_norm=[m["grad_norm"] for m in res.metrics],
+                weights=weights if rank == 0 else None,
+            )
+        )
+    return results
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b| — the relative difference used by every parity assertion."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def max_rel_diff(run: dict, ref: dict, vocab: int = VOCAB) -> float:
+    """Largest relative difference over losses, grad norms and every weight (real vocab rows)."""
+    diffs = [rel(torch.tensor(run["loss"]), torch.tensor(ref["loss"]))]
+    diffs.append(rel(torch.tensor(run["grad_norm"]), torch.tensor(ref["grad_norm"])))
+    assert run["weights"].keys() == ref["weights"].keys()
+    for name, w in ref["weights"].items():
+        got = run["weights"][name]
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            w, got = w[:vocab], got[:vocab]
+        assert got.shape == w.shape, (name, got.shape, w.shape)
+        diffs.append(rel(got, w))
+    return max(diffs)
