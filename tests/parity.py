@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.parallel.parallelize import canonical_name
@@ -84,6 +85,31 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def replica_mismatches(model: torch.nn.Module, mesh) -> list[str]:
+    """Names of parameters whose replicas differ bitwise across the dp or tp ranks holding them.
+
+    A parameter is replicated over a mesh axis when it is not a DTensor on that axis, or is one
+    with a `Replicate()` placement there (norm weights under tensor parallelism, every
+    parameter under zero_stage 0 across dp).
+    """
+    bad = []
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        for axis in ("dp", "tp"):
+            if mesh[axis].size() == 1:
+                continue
+            if isinstance(p, DTensor) and axis in p.device_mesh.mesh_dim_names:
+                placement = p.placements[p.device_mesh.mesh_dim_names.index(axis)]
+                if not isinstance(placement, Replicate):
+                    continue
+            group = mesh[axis].get_group()
+            copies = [torch.empty_like(local) for _ in range(mesh[axis].size())]
+            dist.all_gather(copies, local.detach().contiguous(), group=group)
+            if not all(torch.equal(c, copies[0]) for c in copies):
+                bad.append(f"{name} across {axis}")
+    return bad
+
+
 def train_runs(rank: int, world: int, runs: list[list[str]], base: dict = TINY) -> list[dict]:
     """Inside a rank: train each override list in turn; losses, grad norms, rank-0 weights."""
     results = []
@@ -91,11 +117,13 @@ def train_runs(rank: int, world: int, runs: list[list[str]], base: dict = TINY) 
         cfg = apply_overrides(config_from_dict(copy.deepcopy(base)), overrides)
         res = train(cfg, keep_model=True)
         weights = full_weights(res.model)
+        mismatches = replica_mismatches(res.model, res.mesh)
         results.append(
             dict(
                 loss=[m["lm_loss"] for m in res.metrics],
                 grad_norm=[m["grad_norm"] for m in res.metrics],
                 weights=weights if rank == 0 else None,
+                replica_mismatches=mismatches,
             )
         )
     return results

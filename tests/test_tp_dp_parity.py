@@ -46,9 +46,13 @@ def test_tp_dp_layouts_match_one_process(world, references):
         f"dp={d} tp={t} {m} zero={z} tied={ti}: {v:.2e}" for (d, t, m, z, ti), v in table.items()
     )
     print(f"\nparity (max relative difference), world {world}:\n{report}")
-    # every rank reports the same (global) loss
+    # every rank reports the same (global) loss; replicated parameters (norms under TP, all
+    # parameters across dp with zero_stage 0) are bitwise identical on every rank holding them
     for other in results[1:]:
         for a, b in zip(rank0, other):
             assert a["loss"] == b["loss"]
+    for r, runs in enumerate(results):
+        for lay, run in zip(layouts, runs):
+            assert not run["replica_mismatches"], (r, lay, run["replica_mismatches"])
     bad = {k: v for k, v in table.items() if not v <= TOL}
     assert not bad, f"layouts off by more than {TOL}:\n{report}"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d.config import global_batch_size, padded_vocab_size, validate
 from mesh3d.data.dummy import DummyTokens, microbatches
@@ -41,6 +42,8 @@ class RunResult:
 
     metrics: list[dict] = field(default_factory=list)
     model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    mesh: DeviceMesh | None = None
 
 
 def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:
@@ -176,5 +179,5 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
     if writer:
         writer.close()
     if keep_model:
-        result.model = model
+        result.model, result.optimizer, result.mesh = model, optimizer, mesh
     return result
