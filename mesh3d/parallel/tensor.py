@@ -17,9 +17,17 @@ foreach AdamW and gradient clipping working (FACTS.md: mixed plain + DTensor par
 from __future__ import annotations
 
 import torch
+import torch.distributed
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -63,13 +71,51 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
+def _block_input(layout) -> PrepareModuleInput:
+    """Hand attention / MLP their input as one `Replicate()` DTensor (gathered from `layout`).
+
+    q/k/v (and gate/up) then share it: their input-gradient contributions add up locally and
+    are reduced once per sublayer on the way back (one all-reduce, or one reduce-scatter under
+    sequence parallelism), not once per projection.
+    """
+    return PrepareModuleInput(
+        input_layouts=(layout,), desired_input_layouts=(Replicate(),), use_local_output=False
+    )
+
+
+def reduce_partial_grads(params) -> None:
+    """Turn `Partial` gradients (norm weights under sequence parallelism) into `Replicate` ones.
+
+    DTensor leaves them partial after backward and would reduce them again each time they are
+    read (clipping once, AdamW three times). One flat all-reduce per (mesh, placements) group
+    right after backward does it once.
+    """
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+            groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(p)
+    for (mesh, placements), ps in groups.items():
+        locals_ = [p.grad.to_local() for p in ps]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for dim, pl in enumerate(placements):
+            if isinstance(pl, Partial):
+                torch.distributed.all_reduce(flat, group=mesh.get_group(dim))
+        done = [Replicate() if isinstance(pl, Partial) else pl for pl in placements]
+        offset = 0
+        for p, t in zip(ps, locals_):
+            local = flat[offset : offset + t.numel()].view_as(t)
+            offset += t.numel()
+            p.grad = DTensor.from_local(
+                local, mesh, done, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
+            )
+
+
 def llama_tp_plan(sequence_parallel: bool) -> TPPlan:
     """The Llama plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False)."""
     seq = Shard(1)  # activations are [B, S, h]: the sequence is dim 1
     if sequence_parallel:
-        block_in = PrepareModuleInput(
-            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
-        )
+        block_in = _block_input(seq)
         return {
             "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
             "layers.*.input_layernorm": SequenceParallel(),
@@ -88,14 +134,17 @@ def llama_tp_plan(sequence_parallel: bool) -> TPPlan:
                 input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
             ),
         }
+    block_in = _block_input(Replicate())
     return {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "layers.*.input_layernorm": ReplicateParallel(),
+        "layers.*.self_attn": block_in,
         "layers.*.self_attn.q_proj": ColwiseParallel(),
         "layers.*.self_attn.k_proj": ColwiseParallel(),
         "layers.*.self_attn.v_proj": ColwiseParallel(),
         "layers.*.self_attn.o_proj": RowwiseParallel(),
         "layers.*.post_attention_layernorm": ReplicateParallel(),
+        "layers.*.mlp": block_in,
         "layers.*.mlp.gate_proj": ColwiseParallel(),
         "layers.*.mlp.up_proj": ColwiseParallel(),
         "layers.*.mlp.down_proj": RowwiseParallel(),

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from mesh3d.parallel.data import allreduce_gradients
+from mesh3d.parallel.tensor import reduce_partial_grads
 from mesh3d.train.loss import normalized_loss
 
 
@@ -71,6 +72,7 @@ def train_step(
             allreduce_gradients(model, dp_group)
         dist.all_reduce(total, group=dp_group)
     params = [p for p in model.parameters() if p.grad is not None]
+    reduce_partial_grads(params)
     grad_norm = clip_grad_norm(params, clip_grad)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

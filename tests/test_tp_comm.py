@@ -1,0 +1,228 @@
+"""Collectives per transformer block under tensor parallelism, counted with `CommDebugMode`.
+
+A tiny Llama (2 layers) is split by `llama_tp_plan` on the tp axis (tp=2) of the 3-D mesh, for
+both tp modes. One launch measures, per mode: one decoder layer's forward and backward on its own
+(input in the layer's local layout: replicated [B, S, h] for ALL_REDUCE, this rank's sequence
+shard [B, S/2, h] for REDUCE_SCATTER), the whole model + `loss_parallel` cross-entropy (as
+mesh3d/train/step.py runs it), then gradient clipping and one AdamW step. Counts per block
+(AR all_reduce, AG all_gather_into_tensor, RS reduce_scatter_tensor):
+
+    mode            pass      measured = Megatron minimum
+    ALL_REDUCE      forward   2 AR
+    ALL_REDUCE      backward  2 AR
+    REDUCE_SCATTER  forward   2 AG + 2 RS
+    REDUCE_SCATTER  backward  2 AG + 2 RS
+
+Why the minimum: a block has two sublayers (attention, MLP), each a column-parallel group
+(q/k/v; gate/up) followed by a row-parallel linear (o; down); between them everything is local
+(attention is per head, SwiGLU per ffn column). Forward, the row-parallel output is a partial sum
+over tp that the residual add and the next (nonlinear) norm need whole: one all-reduce per
+sublayer, or with sequence parallelism one reduce-scatter back to sequence shards plus one
+all-gather of the sequence before the column-parallel group (same volume: AG + RS = AR).
+Backward mirrors it: the input gradient of a column-parallel group is a partial sum over tp (each
+rank holds some output columns) that needs one all-reduce (one reduce-scatter with sequence
+parallelism) per sublayer, and with sequence parallelism the sequence-sharded output gradient is
+all-gathered before the row-parallel backward. The forward is minimal in both modes; the sequence
+is gathered once per sublayer (PrepareModuleInput on self_attn / mlp), not once per projection.
+
+The backward is minimal because attention and MLP receive their input as one `Replicate()`
+DTensor (`PrepareModuleInput(..., use_local_output=False)` in both modes): the q/k/v (gate/up)
+input-gradient contributions add up locally and are reduced once per sublayer. Handing each
+projection a plain tensor instead costs 5 all-reduces per block (each projection reduces its own
+input gradient) — 2.5x the volume with ALL_REDUCE and 5x with REDUCE_SCATTER.
+
+Outside the blocks (whole model): the vocab-parallel embedding sums its partial lookups (1 AR,
+or 1 RS straight to sequence shards); with sequence parallelism the final norm's output is
+gathered for the column-parallel head (1 AG). The head keeps the logits vocab-sharded (no
+gather); the `loss_parallel` cross-entropy all-reduces the max, the sum of exponentials and the
+target logit (3 AR, as Megatron's vocab-parallel cross-entropy) and needs none in backward. The
+head's input gradient is a partial sum (1 AR, or 1 RS), and with sequence parallelism the
+embedding's sequence-sharded output gradient is gathered for its weight gradient (1 AG).
+
+Norm weights: in ALL_REDUCE mode their gradients are Replicate with no collective (their input
+gradients were already all-reduced). With sequence parallelism each rank's gradient covers only
+its sequence shard and backward leaves it `Partial(sum)`. Left so, DTensor reduces it wherever it
+is read (clipping once, AdamW three times: 4 small all-reduces per norm weight per step);
+`reduce_partial_grads` (run by train_step right after backward) reduces them all in one flat
+all-reduce, after which clipping needs only the total-norm all-reduce and AdamW none.
+"""
+
+import warnings
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from dist import run_ranks
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import loss_parallel
+
+from mesh3d.mesh import ParallelDims, build_mesh
+from mesh3d.models.init import llama_init_std
+from mesh3d.models.llama import Llama
+from mesh3d.parallel.parallelize import materialize
+from mesh3d.parallel.tensor import apply_tp, llama_tp_plan, reduce_partial_grads
+from mesh3d.train.loss import normalized_loss
+from mesh3d.train.step import clip_grad_norm
+
+MODES = ("ALL_REDUCE", "REDUCE_SCATTER")
+LAYERS, VOCAB, HIDDEN, B, S = 2, 64, 32, 2, 8
+CFG = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=LAYERS,
+    vocab_size=VOCAB,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    rope_interleaved=False,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
+AR, AG, RS = "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"
+
+# Per decoder layer (see the module docstring for the minimum and the fix).
+BLOCK = {
+    "ALL_REDUCE": {
+        "forward": {AR: 2},  # o_proj, down_proj partial sums
+        "backward": {AR: 2},  # input grads of the q/k/v and gate/up groups
+    },
+    "REDUCE_SCATTER": {
+        "forward": {AG: 2, RS: 2},  # gather before q/k/v and gate/up; scatter o, down
+        "backward": {AG: 2, RS: 2},  # mirror of the forward
+    },
+}
+# Outside the blocks: embedding, final norm + head, loss.
+EDGES = {
+    "ALL_REDUCE": {
+        "forward": {AR: 1},  # vocab-parallel embedding
+        "loss": {AR: 3},  # max, sum-exp, target logit
+        "backward": {AR: 1},  # lm_head input grad
+    },
+    "REDUCE_SCATTER": {
+        "forward": {RS: 1, AG: 1},  # embedding to sequence shards; gather for lm_head
+        "loss": {AR: 3},
+        "backward": {RS: 1, AG: 1},  # lm_head input grad; embedding output grad
+    },
+}
+NORMS = 2 * LAYERS + 1  # norm weights with Partial gradients under sequence parallelism
+OPTIM = {
+    "ALL_REDUCE": {"reduce_partial": {}, "clip": {AR: 1}, "adamw": {}},
+    "REDUCE_SCATTER": {
+        "reduce_partial": {"allreduce_": 1},
+        "clip": {AR: 1},
+        "adamw": {},
+    },  # c10d op
+}
+
+
+def _counts(mode: CommDebugMode) -> dict[str, int]:
+    """{collective name: count}, e.g. {"all_reduce": 2} (c10d_functional prefix dropped)."""
+    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items() if n}
+
+
+def _measure(tp_mode: str, rank: int, tp_mesh) -> dict:
+    sp = tp_mode == "REDUCE_SCATTER"
+    with torch.device("meta"):
+        model = Llama(SimpleNamespace(**CFG), attention="sdpa")
+    apply_tp(model, tp_mesh, llama_tp_plan(sequence_parallel=sp))
+    materialize(model, torch.device("cpu"), lambda n: llama_init_std(n, 0.02, LAYERS), seed=0)
+    gen = torch.Generator().manual_seed(0)  # the same inputs on every rank
+    out = {}
+
+    # (a) one decoder layer on its own, input in its local layout
+    x = torch.randn(B, S, HIDDEN, generator=gen)
+    if sp:
+        x = x.chunk(tp_mesh.size(), dim=1)[tp_mesh.get_local_rank()]
+    x.requires_grad_()
+    with CommDebugMode() as fwd:
+        y = model.layers["0"](x)
+    with CommDebugMode() as bwd:
+        y.sum().backward()
+    out["block"] = {"forward": _counts(fwd), "backward": _counts(bwd)}
+    out["block_out"] = (type(y).__name__, tuple(y.shape), tuple(x.grad.shape))
+    model.zero_grad(set_to_none=True)
+
+    # (b) the whole model + loss, as train_step runs them
+    ids = torch.randint(0, VOCAB, (B, S), generator=gen)
+    labels = torch.randint(0, VOCAB, (B, S), generator=gen)
+    with CommDebugMode() as fwd:
+        logits = model(ids)
+    with loss_parallel():
+        with CommDebugMode() as loss_fwd:
+            loss = normalized_loss(logits, labels, VOCAB, B * S)
+        with CommDebugMode() as bwd:
+            loss.backward()
+    out["model"] = {"forward": _counts(fwd), "loss": _counts(loss_fwd), "backward": _counts(bwd)}
+    out["partial_grads"] = sorted(
+        n
+        for n, p in model.named_parameters()
+        if isinstance(p.grad, DTensor) and any(isinstance(q, Partial) for q in p.grad.placements)
+    )
+
+    # (c) the Partial gradients are reduced once, then clipping and the optimizer step
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    with CommDebugMode() as partial:
+        reduce_partial_grads(params)
+    with CommDebugMode() as clip:
+        clip_grad_norm(params, 1e-3)
+    with CommDebugMode() as step:
+        optimizer.step()
+    out["optim"] = {
+        "reduce_partial": _counts(partial),
+        "clip": _counts(clip),
+        "adamw": _counts(step),
+    }
+    return out
+
+
+def _measure_all(rank: int, world: int) -> dict:
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")  # CommDebugMode's
+    mesh = build_mesh(ParallelDims(dp=1, tp=world, pp=1), "cpu")
+    return {m: _measure(m, rank, mesh["tp"]) for m in MODES}
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    results = run_ranks(2, _measure_all, timeout=60)
+    assert results[0] == results[1], "every tp rank issues the same collectives"
+    print(f"\ncollectives (tp=2): {results[0]}")
+    return results[0]
+
+
+@pytest.mark.parametrize("tp_mode", MODES)
+def test_block_collectives(measured, tp_mode):
+    got = measured[tp_mode]
+    assert got["block"] == BLOCK[tp_mode]
+    local_s = S // 2 if tp_mode == "REDUCE_SCATTER" else S
+    # the layer maps its local layout to the same local layout, as plain tensors
+    assert got["block_out"] == ("Tensor", (B, local_s, HIDDEN), (B, local_s, HIDDEN))
+
+
+@pytest.mark.parametrize("tp_mode", MODES)
+def test_model_collectives_are_blocks_plus_edges(measured, tp_mode):
+    got, block, edges = measured[tp_mode]["model"], BLOCK[tp_mode], EDGES[tp_mode]
+    for phase in ("forward", "backward"):
+        expected = Counter(edges[phase])
+        for _ in range(LAYERS):
+            expected.update(block[phase])
+        assert got[phase] == dict(expected), phase
+    assert got["loss"] == edges["loss"]
+
+
+@pytest.mark.parametrize("tp_mode", MODES)
+def test_norm_weight_grads_reduced_once(measured, tp_mode):
+    got = measured[tp_mode]
+    norms = [
+        f"layers.{i}.{n}.weight"
+        for i in range(LAYERS)
+        for n in ("input_layernorm", "post_attention_layernorm")
+    ]
+    expected = sorted([*norms, "norm.weight"]) if tp_mode == "REDUCE_SCATTER" else []
+    assert got["partial_grads"] == expected
+    assert len(expected) in (0, NORMS)
+    assert got["optim"] == OPTIM[tp_mode]
