@@ -62,9 +62,19 @@ TINY = dict(
 )
 
 
-def layout_overrides(dp: int, tp: int, tp_mode: str, zero: int, tied: bool) -> list[str]:
-    """Overrides that keep the global batch (8 samples) and >= 2 microbatches at any dp."""
-    mbs, acc = {1: (2, 4), 2: (2, 2), 4: (1, 2)}[dp]
+GLOBAL_BATCH = 8  # samples per step at every layout
+
+
+def layout_overrides(
+    dp: int, tp: int, tp_mode: str, zero: int, tied: bool, microbatches: int | None = None
+) -> list[str]:
+    """Overrides for a layout that keep the global batch (8 samples) the same at any dp.
+
+    `microbatches` per dp rank defaults to 4 // dp (at least 2); the microbatch size follows.
+    """
+    n = microbatches or max(2, 4 // dp)
+    mbs = GLOBAL_BATCH // (dp * n)
+    assert mbs * dp * n == GLOBAL_BATCH, (dp, n)
     return [
         f"parallelism.dp={dp}",
         f"parallelism.tp={tp}",
@@ -72,16 +82,30 @@ def layout_overrides(dp: int, tp: int, tp_mode: str, zero: int, tied: bool) -> l
         f"optimizer.zero_stage={zero}",
         f"model.model_config.tie_word_embeddings={str(tied).lower()}",
         f"tokens.micro_batch_size={mbs}",
-        f"tokens.batch_accumulation_per_replica={acc}",
+        f"tokens.batch_accumulation_per_replica={n}",
     ]
 
 
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as its full tensor (a collective for DTensors: call on every rank)."""
+def full_weights(model: torch.nn.Module, mesh=None) -> dict[str, torch.Tensor]:
+    """Every parameter as its full tensor, all pipeline stages merged (call on every rank).
+
+    `model` is one module or a ModuleList of this rank's stages. A tied head that is a separate
+    copy on another stage must equal the embedding bitwise, and is then dropped (the
+    one-process model has one tied parameter).
+    """
+    stages = list(model) if isinstance(model, torch.nn.ModuleList) else [model]
     out = {}
-    for name, p in model.named_parameters():
-        t = p.full_tensor() if isinstance(p, DTensor) else p
-        out[canonical_name(name)] = t.detach().cpu().clone()
+    for stage in stages:
+        for name, p in stage.named_parameters():
+            t = p.full_tensor() if isinstance(p, DTensor) else p
+            out[canonical_name(name)] = t.detach().cpu().clone()
+    if mesh is not None and mesh["pp"].size() > 1:
+        parts = [None] * mesh["pp"].size()
+        dist.all_gather_object(parts, out, group=mesh["pp"].get_group())
+        out = {k: v for part in parts for k, v in part.items()}
+    if getattr(stages[0], "tie_word_embeddings", False) and "lm_head.weight" in out:
+        assert torch.equal(out["lm_head.weight"], out["embed_tokens.weight"]), "tied copies differ"
+        del out["lm_head.weight"]
     return out
 
 
@@ -116,7 +140,7 @@ def train_runs(rank: int, world: int, runs: list[list[str]], base: dict = TINY) 
     for overrides in runs:
         cfg = apply_overrides(config_from_dict(copy.deepcopy(base)), overrides)
         res = train(cfg, keep_model=True)
-        weights = full_weights(res.model)
+        weights = full_weights(res.model, res.mesh)
         mismatches = replica_mismatches(res.model, res.mesh)
         results.append(
             dict(

@@ -65,3 +65,45 @@ def test_bad_config_exits_2_without_traceback():
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and r.stderr.startswith("error: ")
     assert "parallelism.tp" in r.stderr
+
+
+def _pp_args(engine: str) -> list[str]:
+    return [
+        "parallelism.dp=2",
+        "parallelism.tp=2",
+        "parallelism.pp=2",
+        f"parallelism.pp_engine={engine}",
+    ]
+
+
+def test_3d_torchrun_afab_and_1f1b_match_one_process(tmp_path):
+    steps = ["tokens.train_steps=6"]
+    one = tmp_path / "one.jsonl"
+    r1 = torchrun(1, "--metrics-file", str(one), *steps, "tokens.batch_accumulation_per_replica=4")
+    assert r1.returncode == 0, r1.stdout + r1.stderr
+    ref = read_metrics(one)
+    for engine in ("afab", "1f1b"):
+        out = tmp_path / f"{engine}.jsonl"
+        r = torchrun(8, "--metrics-file", str(out), *steps, *_pp_args(engine), timeout=400)
+        assert r.returncode == 0, r.stdout + r.stderr
+        # the iteration line comes from the rank (pp = last stage, dp 0, tp 0)
+        assert "[INFO|DP=0|PP=1|TP=0]: iteration: 6 / 6" in r.stdout
+        got = read_metrics(out)
+        assert len(got) == 6
+        for x, y in zip(ref, got):
+            for key in ("lm_loss", "grad_norm", "lr"):
+                assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]), (engine, key, x[key], y[key])
+
+
+def test_one_rank_failing_mid_step_ends_the_launch_quickly():
+    import time
+
+    env_fail = dict(os.environ, MESH3D_FAIL_AT="3:2")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           TRAIN, "tokens.train_steps=6", *_pp_args("1f1b")[:1], "parallelism.pp=2"]  # fmt: skip
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env_fail)
+    elapsed = time.monotonic() - t0
+    assert r.returncode != 0
+    assert elapsed < 60, elapsed
+    assert "injected failure on rank 3 at step 2" in r.stdout + r.stderr

@@ -36,6 +36,7 @@ SCALING_METHODS = ("NONE", "NUM_LAYERS", "LAYER_INDEX", "MODEL_SCALE")
 MICROBATCHES_GE_PP = ("1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 MC = "model.model_config"
 LR = "optimizer.learning_rate_scheduler"
 
@@ -188,6 +189,14 @@ def _pipeline(cfg: Config) -> Iterator[str]:
     n, key = cfg.tokens.batch_accumulation_per_replica, "tokens.batch_accumulation_per_replica"
     if p.pp == 1:
         return
+    if cfg.mesh3d.full_shard and sched in ZERO_BUBBLE:
+        yield (
+            f"`mesh3d.full_shard` with the {sched} pipeline schedule gives wrong gradients on torch "
+            "(parameters resharded between the input- and weight-gradient passes); use "
+            "optimizer.zero_stage: 1 with mesh3d.full_shard: false, or another schedule"
+        )
+    if layers >= stages:
+        yield from _stage_split(cfg, stages)
     need = stages if sched in V_SCHEDULES else p.pp if sched in MICROBATCHES_GE_PP else 1
     if n < need:
         what = "stages (pp x pp_virtual_stages)" if sched in V_SCHEDULES else "pp"
@@ -200,6 +209,21 @@ def _pipeline(cfg: Config) -> Iterator[str]:
             f"`{key}` ({n}) must be a multiple of the number of rounds {n} // pp ({p.pp}) = "
             f"{n // p.pp} for {sched}, which runs microbatches in rounds; use a multiple of pp"
         )
+
+
+def _stage_split(cfg: Config, stages: int) -> Iterator[str]:
+    """The layer split the trainer will use, so an empty stage fails here, not at build time."""
+    from mesh3d.parallel.pipeline import split_layers  # imports torch; only when pp > 1
+
+    mc = cfg.model.model_config
+    h, heads = mc.hidden_size, mc.num_attention_heads
+    try:
+        split_layers(
+            mc.num_hidden_layers, stages, h, mc.intermediate_size, heads, h // heads,
+            padded_vocab_size(cfg),
+        )  # fmt: skip
+    except ConfigError as e:
+        yield str(e)
 
 
 def _optimizer(cfg: Config) -> Iterator[str]:

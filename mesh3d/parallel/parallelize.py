@@ -100,6 +100,7 @@ def parallelize(
     sequence_parallel: bool,
     recompute_layer: bool,
     dp: str,
+    dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Steps 1-4 above on a model built on meta; returns the model ready to train."""
     if mesh["tp"].size() > 1:
@@ -107,6 +108,7 @@ def parallelize(
     if recompute_layer:
         checkpoint_layers(model)
     materialize(model, device, std_of, seed, valid_rows)
+    model.to(dtype)
     if mesh["dp"].size() > 1:
         apply_dp(model, mesh["dp"], dp)
     return model

@@ -17,12 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d.config import global_batch_size, padded_vocab_size, validate
 from mesh3d.data.dummy import DummyTokens, microbatches
-from mesh3d.errors import UserError
 from mesh3d.log import logger, setup_logging
 from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, resolve_device
-from mesh3d.models.init import llama_init_std
-from mesh3d.models.llama import Llama
-from mesh3d.parallel.parallelize import dp_mode, parallelize
+from mesh3d.parallel.parallelize import dp_mode
+from mesh3d.train.build import build_model_parts, param_and_compute_dtypes
 from mesh3d.train.metrics import (
     JsonlWriter,
     format_iteration_line,
@@ -33,60 +31,24 @@ from mesh3d.train.metrics import (
 from mesh3d.train.optim import build_optimizer
 from mesh3d.train.step import train_step
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class RunResult:
     """What a run returns to its caller (tests, benchmarks): one metrics dict per step."""
 
     metrics: list[dict] = field(default_factory=list)
-    model: torch.nn.Module | None = None
+    model: torch.nn.Module | None = None  # the model, or a ModuleList of this rank's stages
     optimizer: torch.optim.Optimizer | None = None
     mesh: DeviceMesh | None = None
 
 
-def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype or None) for `model.dtype` and fp32 accumulation.
-
-    bf16/fp16 with `accumulate_grad_in_fp32` keeps fp32 parameters (the master weights and
-    gradients Nanotron keeps beside bf16 copies) and runs the math under autocast.
-    """
-    dtype = _DTYPES.get(cfg.model.dtype)
-    if dtype is None:
-        raise UserError(
-            f"`model.dtype` {cfg.model.dtype!r} cannot train; use float32, bfloat16 or float16"
-        )
-    if dtype == torch.float32:
-        return torch.float32, None
-    if cfg.optimizer.accumulate_grad_in_fp32:
-        return torch.float32, dtype
-    return dtype, None
-
-
-def build_model(cfg, mesh, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """The Llama of `cfg`: built on meta, parallelized on `mesh`, materialized, initialized."""
-    mc, init = cfg.model.model_config, cfg.model.init_method
-    with torch.device("meta"):
-        model = Llama(mc, vocab_size=padded_vocab_size(cfg), attention=cfg.mesh3d.attention)
-    scaling = getattr(init, "scaling_method", "NUM_LAYERS")
-    model = parallelize(
-        model,
-        mesh,
-        device=device,
-        std_of=lambda name: llama_init_std(name, init.std, mc.num_hidden_layers, scaling),
-        seed=cfg.general.seed,
-        valid_rows={"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size},
-        sequence_parallel=cfg.parallelism.tp_mode == "REDUCE_SCATTER",
-        recompute_layer=cfg.parallelism.recompute_layer,
-        dp=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),
-    )
-    return model.to(dtype)
-
-
-def _unsupported_layout(dims: ParallelDims) -> None:
-    if dims.pp > 1:
-        raise UserError("`parallelism.pp` > 1 is not supported by mesh3d yet; set it to 1")
+def _fault_injection(rank: int) -> int | None:
+    """`MESH3D_FAIL_AT=RANK:STEP` makes that rank raise at that step (tests the no-hang path)."""
+    spec = os.environ.get("MESH3D_FAIL_AT")
+    if not spec:
+        return None
+    r, s = (int(x) for x in spec.split(":"))
+    return s if r == rank else None
 
 
 def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> RunResult:
@@ -98,17 +60,17 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
         init_distributed(device=cfg.mesh3d.device)
     p = cfg.parallelism
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
-    _unsupported_layout(dims)
     rank = dist.get_rank()
     coords = dims.coords(rank)
     setup_logging(rank, coords, cfg.logging.log_level, cfg.logging.log_level_replica)
     mesh = build_mesh(dims, device.type)
     torch.manual_seed(cfg.general.seed)
 
-    param_dtype, autocast_dtype = param_and_compute_dtypes(cfg)
-    model = build_model(cfg, mesh, device, param_dtype)
-    optimizer, scheduler = build_optimizer(model, cfg, device)
-    n_params = sum(p.numel() for p in model.parameters())  # DTensor numel is the full size
+    mode = dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard)
+    parts = build_model_parts(cfg, mesh, device, dp_scale=dims.dp if mode != "replicate" else 1)
+    _, autocast_dtype = param_and_compute_dtypes(cfg)
+    optimizer, scheduler = build_optimizer(parts.named_parameters(), cfg, device)
+    n_params = sum(p.numel() for p in parts.parameters())  # DTensor numel is the full size
     logger.info(f"Total number of parameters: {n_params} ({n_params * 4 / 2**20:.2f}MiB fp32)")
 
     mc, tok = cfg.model.model_config, cfg.tokens
@@ -126,7 +88,7 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
         tok.sequence_length,
         gbs,
     )
-    is_logger_rank = coords == {"pp": dims.pp - 1, "dp": 0, "tp": 0}
+    is_logger_rank = coords == {"pp": parts.head_rank, "dp": 0, "tp": 0}
     writer = JsonlWriter(metrics_file) if metrics_file and is_logger_rank else None
     logger.info(
         f"[Start training] mbs: {tok.micro_batch_size} | grad_accum: "
@@ -134,22 +96,23 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
         f"{tok.sequence_length} | train_steps: {tok.train_steps} | start_iteration_step: 1"
     )
     result = RunResult()
-    dp_group = mesh["dp"].get_group()
     consumed = 0
+    fail_at = _fault_injection(rank)
     for step in range(1, tok.train_steps + 1):
         t0 = time.time()
+        if step == fail_at:
+            raise RuntimeError(f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}")
         batches = microbatches(data, step, gbs, coords["dp"], dims.dp, tok.micro_batch_size)
         loss, grad_norm = train_step(
-            model,
+            parts,
             optimizer,
             scheduler,
             batches,
             vocab_size=mc.vocab_size,
             global_tokens=gbs * tok.sequence_length,
             clip_grad=cfg.optimizer.clip_grad,
-            dp_group=dp_group,
-            dp_mode=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),
-            tp_size=dims.tp,
+            mesh=mesh,
+            dp_mode=mode,
             autocast_dtype=autocast_dtype,
             device=device,
         )
@@ -179,5 +142,6 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
     if writer:
         writer.close()
     if keep_model:
+        model = parts.modules[0] if len(parts.modules) == 1 else torch.nn.ModuleList(parts.modules)
         result.model, result.optimizer, result.mesh = model, optimizer, mesh
     return result

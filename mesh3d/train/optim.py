@@ -13,10 +13,10 @@ import torch
 from mesh3d.train.lr_schedule import build_lr_scheduler
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float, exclude: list[str]) -> list[dict]:
+def param_groups(named_params, weight_decay: float, exclude: list[str]) -> list[dict]:
     """One group with weight decay and, if any name matches `exclude`, one group without."""
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for name, p in named_params:
         if not p.requires_grad:
             continue
         (no_decay if any(re.match(pat, name) for pat in exclude) else decay).append(p)
@@ -26,12 +26,14 @@ def param_groups(model: torch.nn.Module, weight_decay: float, exclude: list[str]
     return groups
 
 
-def build_optimizer(model: torch.nn.Module, cfg, device: torch.device):
-    """(optimizer, lr_scheduler) for `model` from `cfg.optimizer`."""
+def build_optimizer(named_params, cfg, device: torch.device):
+    """(optimizer, lr_scheduler) for the (name, parameter) pairs from `cfg.optimizer`."""
     o = cfg.optimizer
     f = o.optimizer_factory
     lr = o.learning_rate_scheduler.learning_rate
-    groups = param_groups(model, o.weight_decay, list(o.weight_decay_exclude_named_params or []))
+    groups = param_groups(
+        named_params, o.weight_decay, list(o.weight_decay_exclude_named_params or [])
+    )
     if f.name == "sgd":
         opt = torch.optim.SGD(groups, lr=lr)
     else:

@@ -1,4 +1,9 @@
-"""One optimizer step: microbatches forward/backward, gradient sync, clipping, update."""
+"""One optimizer step: forward/backward over the microbatches, gradient sync, clipping, update.
+
+Order after backward: dp gradient sum (zero_stage 0; FSDP reduced already), tied-embedding sum
+across pipeline stages, one reduction of `Partial` gradients (sequence-parallel norms), global
+norm and clipping, optimizer and LR-scheduler step.
+"""
 
 from __future__ import annotations
 
@@ -10,27 +15,90 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from mesh3d.parallel.data import allreduce_gradients
+from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings
 from mesh3d.parallel.tensor import reduce_partial_grads
+from mesh3d.train.build import ModelParts
 from mesh3d.train.loss import normalized_loss
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
-    """Pre-clip global L2 norm of the gradients; scale them down to `max_norm` if above.
+def clip_grad_norm(
+    params: list[torch.nn.Parameter],
+    max_norm: float | None,
+    norm_params: list[torch.nn.Parameter] | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+) -> float:
+    """Pre-clip global L2 norm of the gradients; scale all of `params` down to `max_norm`.
 
-    With DTensor gradients (tp shards, FSDP shards) the norm is the norm of the full tensors:
-    sharded parameters count their shards once, replicated ones once.
+    The norm is over `norm_params` (default `params`; a tied copy is left out so it counts once)
+    and, with `pp_group`, summed over the pipeline stages. With DTensor gradients (tp shards,
+    FSDP shards) it is the norm of the full tensors: shards count once, replicas once.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    grads = [p.grad for p in (params if norm_params is None else norm_params) if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
     if isinstance(total, DTensor):
         total = total.full_tensor()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        sq = total.double() ** 2
+        dist.all_reduce(sq, group=pp_group)
+        total = sq.sqrt().to(total.dtype)
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return float(total)
 
 
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def _loss_ctx(tp_size: int):
+    return loss_parallel() if tp_size > 1 else contextlib.nullcontext()
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def forward_backward(
+    parts: ModelParts,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    vocab_size: int,
+    global_tokens: int,
+    backward_scale: int,
+    tp_size: int,
+    autocast_dtype: torch.dtype | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Backward of this rank's microbatches; returns its part of the step loss (unscaled).
+
+    Without a pipeline, each microbatch runs forward and backward in turn. With one, the
+    schedule runs them all (the loss function was given to it at build time) and only the
+    rank holding the last stage gets losses.
+    """
+    total = torch.zeros((), device=device)
+    if parts.schedule is None:
+        model = parts.modules[0]
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(device), labels.to(device)
+            with _autocast(device, autocast_dtype):
+                logits = model(inputs)
+            with _loss_ctx(tp_size):
+                loss = normalized_loss(logits, labels, vocab_size, global_tokens)
+                (loss * backward_scale).backward()
+            total += _scalar(loss)
+        return total
+    inputs = torch.cat([x for x, _ in batches]).to(device) if parts.has_first else None
+    labels = torch.cat([y for _, y in batches]).to(device) if parts.has_last else None
+    with _autocast(device, autocast_dtype), _loss_ctx(tp_size):
+        losses = run_schedule(parts.schedule, parts.stages, inputs, labels)
+    for loss in losses:
+        total += _scalar(loss)
+    return total / backward_scale
+
+
 def train_step(
-    model: torch.nn.Module,
+    parts: ModelParts,
     optimizer: torch.optim.Optimizer,
     scheduler,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -38,9 +106,8 @@ def train_step(
     vocab_size: int,
     global_tokens: int,
     clip_grad: float | None,
-    dp_group: dist.ProcessGroup | None,
+    mesh,
     dp_mode: str,
-    tp_size: int,
     autocast_dtype: torch.dtype | None,
     device: torch.device,
 ) -> tuple[float, float]:
@@ -50,31 +117,48 @@ def train_step(
     'full') gradients are reduce-scattered *averaged* over dp, so the backward loss is scaled by
     the dp size to keep the one-process gradient (gloo has no PREMUL_SUM to do it in FSDP).
     """
-    dp = dist.get_world_size(dp_group) if dp_group is not None else 1
+    dp, tp, pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
+    dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
     backward_scale = dp if dp_mode != "replicate" else 1
-    total = torch.zeros((), device=device)
-    for inputs, labels in batches:
-        inputs, labels = inputs.to(device), labels.to(device)
-        amp = (
-            torch.autocast(device.type, dtype=autocast_dtype)
-            if autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with amp:
-            logits = model(inputs)
-        with loss_parallel() if tp_size > 1 else contextlib.nullcontext():
-            loss = normalized_loss(logits, labels, vocab_size, global_tokens)
-            (loss * backward_scale).backward()
-        loss = loss.detach()
-        total += loss.full_tensor() if isinstance(loss, DTensor) else loss
+    total = forward_backward(
+        parts,
+        batches,
+        vocab_size=vocab_size,
+        global_tokens=global_tokens,
+        backward_scale=backward_scale,
+        tp_size=tp,
+        autocast_dtype=autocast_dtype,
+        device=device,
+    )
+    if pp > 1:
+        dist.all_reduce(total, group=pp_group)  # only the last stage's ranks hold the loss
     if dp > 1:
         if dp_mode == "replicate":
-            allreduce_gradients(model, dp_group)
+            for m in parts.modules:
+                allreduce_gradients(m, dp_group)
         dist.all_reduce(total, group=dp_group)
-    params = [p for p in model.parameters() if p.grad is not None]
+    if pp > 1:
+        sync_tied_embeddings(parts.modules, pp_group, parts.embed_rank, parts.head_rank)
+    params = [p for p in parts.parameters() if p.grad is not None]
     reduce_partial_grads(params)
-    grad_norm = clip_grad_norm(params, clip_grad)
+    grad_norm = clip_grad_norm(
+        params, clip_grad, _counted_once(parts), pp_group if pp > 1 else None
+    )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return float(total), grad_norm
+
+
+def _counted_once(parts: ModelParts) -> list[torch.nn.Parameter]:
+    """Parameters for the norm: a tied head that is a separate copy of the embedding is left
+    out (after the tie sync its gradient equals the embedding's)."""
+    tied = any(getattr(m, "tie_word_embeddings", False) for m in parts.modules)
+    skip = set()
+    if tied and parts.embed_rank != parts.head_rank or tied and len(parts.modules) > 1:
+        for m in parts.modules:
+            if m.lm_head is not None and (
+                m.embed_tokens is None or m.lm_head.weight is not m.embed_tokens.weight
+            ):
+                skip.add(id(m.lm_head.weight))
+    return [p for p in parts.parameters() if p.grad is not None and id(p) not in skip]

@@ -1,0 +1,323 @@
+"""Pipeline parallelism on the mesh's "pp" axis, with torch.distributed.pipelining.
+
+The pieces, in the order a run uses them:
+- `split_layers`: which decoder layers each stage holds — Nanotron's cost-based walk, so the
+  pp rank of every layer matches the `pp-rank-P` of Nanotron's checkpoint files;
+- `stage_ids_of_rank`: which stages a pp rank runs (looped, or V for zbv/dualpipev);
+- `build_stage`: a copy of the (meta) model without what the stage does not own; parameter
+  names stay those of the full model ("layers.5.mlp.down_proj.weight");
+- `pipeline_stage`: a `PipelineStage` with explicit meta input/output shapes (no shape
+  inference, no communication at construction; shapes are fixed for the run);
+- `build_schedule` / `run_schedule`: a schedule by name, always `scale_grads=False` (the loss is
+  normalized over the global batch in mesh3d/train/loss.py, the one place);
+- `sync_tied_embeddings`: with tied embeddings on two stages, sum the embedding and head
+  gradients so both copies get the same update and stay bitwise equal.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import itertools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
+from torch.distributed.tensor import DTensor
+
+from mesh3d.errors import ConfigError
+from mesh3d.parallel.data import _local
+
+SCHEDULES: dict[str, type[_PipelineSchedule]] = {
+    "afab": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv_zero_bubble": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")  # 2 stages per rank, placed as a V
+
+
+def _schedule_class(name: str) -> type[_PipelineSchedule]:
+    if name not in SCHEDULES:
+        raise ConfigError(
+            f"pipeline schedule {name!r} is unknown; set `mesh3d.pp_schedule` (or "
+            f"`parallelism.pp_engine`) to one of {', '.join(SCHEDULES)}"
+        )
+    return SCHEDULES[name]
+
+
+def is_multi_stage(name: str) -> bool:
+    """Whether schedule `name` runs a list of stages per rank (virtual stages, V schedules)."""
+    return issubclass(_schedule_class(name), PipelineScheduleMulti)
+
+
+def is_v_schedule(name: str) -> bool:
+    """Whether `name` places exactly 2 stages per rank as a V (rank r: r and 2*pp-1-r)."""
+    _schedule_class(name)
+    return name in V_SCHEDULES
+
+
+def split_layers(
+    num_layers: int,
+    num_stages: int,
+    hidden_size: int,
+    ffn_size: int,
+    num_heads: int,
+    head_dim: int,
+    padded_vocab: int,
+) -> list[list[int]]:
+    """The decoder-layer indices of each stage: Nanotron's cost-based walk (spec §4.2).
+
+    Blocks in order: embedding (cost 0), decoders 0..L-1 (cost 4·nq·dh·h + 3·F·h each), final
+    norm (0), lm_head (V·h, V padded). With cumulative costs c_j and thresholds
+    t_s = total·(s+1)/num_stages, walk the blocks from stage s = 0: the block goes to stage s,
+    then if c_j > t_s, s += 1 — a block that crosses a threshold stays on the current stage.
+    The embedding is always on stage 0; the final norm and lm_head on the last stage (any split
+    where they are not leaves some stage empty, which is refused below).
+
+    Tiny config (hidden 16, ffn 64, 4 heads, 2 layers, vocab 256, pp 2): decoder cost
+    4·4·4·16 + 3·64·16 = 4096, lm_head 4096, total 12288, thresholds [6144, 12288]:
+    decoder 0 (c=4096) stays on stage 0, decoder 1 (c=8192 > 6144) stays on stage 0 and moves
+    the walk on, so stage 0 = {embedding, 0, 1} and stage 1 = {norm, lm_head}: `[[0, 1], []]`.
+
+    With num_stages = pp this is Nanotron's pp rank of each layer; virtual stages
+    (num_stages = pp·v) use the same walk. Raises ConfigError if a stage would hold nothing
+    (no decoder layer, no embedding, no lm_head).
+    """
+    assert num_stages >= 1 and num_layers >= 0, (num_stages, num_layers)
+    decoder = 4 * num_heads * head_dim * hidden_size + 3 * ffn_size * hidden_size
+    costs = [0] + [decoder] * num_layers + [0, padded_vocab * hidden_size]
+    cumulative = list(itertools.accumulate(costs))
+    thresholds = [cumulative[-1] * ((s + 1) / num_stages) for s in range(num_stages)]
+    stage_of, s = [], 0
+    for c in cumulative:  # float thresholds, as Nanotron computes them
+        stage_of.append(s)
+        if c > thresholds[s]:
+            s += 1
+    layers: list[list[int]] = [[] for _ in range(num_stages)]
+    for i in range(num_layers):
+        layers[stage_of[1 + i]].append(i)
+    head_stage = stage_of[-1]
+    for s, owned in enumerate(layers):
+        if not owned and s != 0 and s != head_stage:
+            raise ConfigError(
+                f"pipeline stage {s} of {num_stages} would hold nothing: Nanotron's cost-based "
+                f"split of {num_layers} decoder layers (cost {decoder} each) and the lm_head "
+                f"(cost {costs[-1]}) fills only stages {sorted(set(stage_of))}; use fewer "
+                "stages (parallelism.pp x mesh3d.pp_virtual_stages) or more layers "
+                "(model.model_config.num_hidden_layers)"
+            )
+    assert stage_of[-2] == head_stage == num_stages - 1, (stage_of, num_stages)
+    return layers
+
+
+def stage_ids_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """The stages pp rank `pp_rank` runs, in increasing order.
+
+    Looped placement (every schedule but the V ones): stage s on rank s % pp, so rank r holds
+    r, r+pp, ... (virtual stages each). V placement (zbv_zero_bubble, dualpipev; virtual = 2):
+    rank r holds r and 2·pp-1-r, so rank 0 holds the first and the last stage.
+    """
+    if is_v_schedule(schedule):
+        if virtual != 2:
+            raise ConfigError(f"`mesh3d.pp_virtual_stages` ({virtual}) must be 2 for {schedule}")
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    if not is_multi_stage(schedule) and virtual != 1:
+        raise ConfigError(
+            f"`mesh3d.pp_virtual_stages` ({virtual}) must be 1 for the single-stage schedule "
+            f"{schedule}"
+        )
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def rank_of_stage(stage_id: int, pp: int, schedule: str) -> int:
+    """The pp rank that runs stage `stage_id` (inverse of `stage_ids_of_rank`)."""
+    if is_v_schedule(schedule) and stage_id >= pp:
+        return 2 * pp - 1 - stage_id
+    return stage_id % pp
+
+
+def build_stage(model: nn.Module, stage_id: int, num_stages: int, layers: list[int]) -> nn.Module:
+    """A deep copy of `model` (meta or real) keeping only what stage `stage_id` owns.
+
+    Decoder layers not in `layers` are deleted from the `layers` ModuleDict (the kept keys, and
+    so the parameter names, are those of the full model). The embedding stays on stage 0 only,
+    the final norm and lm_head on the last stage only. With tied embeddings, a stage holding
+    both keeps them tied; otherwise the lm_head's weight becomes the stage's own parameter
+    (named "lm_head.weight"; `sync_tied_embeddings` keeps the two copies equal).
+    """
+    stage = copy.deepcopy(model)  # deepcopy keeps the tie (one Parameter, two owners)
+    keep = {str(i) for i in layers}
+    missing = keep - set(stage.layers.keys())
+    assert not missing, f"layers {sorted(missing)} are not in the model"
+    for key in list(stage.layers.keys()):
+        if key not in keep:
+            del stage.layers[key]
+    if stage_id != 0:
+        stage.embed_tokens = None
+    if stage_id != num_stages - 1:
+        stage.norm = None
+        stage.lm_head = None
+    return stage
+
+
+def pipeline_stage(
+    module: nn.Module,
+    stage_id: int,
+    num_stages: int,
+    device: torch.device,
+    pp_group: dist.ProcessGroup | None,
+    *,
+    microbatch_size: int,
+    seq_len: int,
+    seq_len_local: int,
+    hidden_size: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+    logits_dtype: torch.dtype | None = None,
+) -> PipelineStage:
+    """A `PipelineStage` for `module` with its exact per-microbatch shapes, as meta tensors.
+
+    Inputs: token ids [mbs, S] int64 on stage 0, else hidden states [mbs, S_local, h] in
+    `dtype` (S_local = S/tp under sequence parallelism, S otherwise). Outputs: logits
+    [mbs, S, V] (global shape, V = padded vocab; a vocab-sharded DTensor under TP has this
+    shape) in `logits_dtype` (default `dtype`) on the last stage, else [mbs, S_local, h]. Giving
+    both means no shape inference and no communication at construction (torch >= 2.4), and the
+    static path on torch 2.13. Hidden states carry requires_grad=True: torch 2.13 derives from it
+    whether a stage receives and sends gradients.
+    """
+
+    def meta(*shape: int, dtype: torch.dtype = dtype, grad: bool = True) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(grad)
+
+    mbs, hidden = microbatch_size, (microbatch_size, seq_len_local, hidden_size)
+    ids = meta(mbs, seq_len, dtype=torch.int64, grad=False)
+    logits = meta(mbs, seq_len, vocab_size, dtype=logits_dtype or dtype)
+    inputs = ids if stage_id == 0 else meta(*hidden)
+    outputs = logits if stage_id == num_stages - 1 else meta(*hidden)
+    io = {"input_args": (inputs,), "output_args": (outputs,)}
+    return PipelineStage(module, stage_id, num_stages, device, group=pp_group, **io)
+
+
+def build_schedule(
+    name: str,
+    stages: list[PipelineStage],
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> _PipelineSchedule:
+    """The schedule called `name` over this rank's `stages`, with `scale_grads=False`.
+
+    `loss_fn(logits, labels)` gets one microbatch on the last stage and must return that
+    microbatch's share of the normalized step loss (sum of token losses / global tokens).
+    """
+    cls = _schedule_class(name)
+    if is_multi_stage(name):
+        return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if len(stages) != 1:
+        raise ConfigError(
+            f"the {name} schedule runs one stage per rank, got {len(stages)}; set "
+            "`mesh3d.pp_virtual_stages` to 1 or pick a multi-stage schedule"
+        )
+    return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+_HAS_RETURN_OUTPUTS = "return_outputs" in inspect.signature(_PipelineSchedule.step).parameters
+
+
+def run_schedule(
+    schedule: _PipelineSchedule,
+    stages: list[PipelineStage],
+    inputs: torch.Tensor | None,
+    labels: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """One step of forward/backward over all microbatches; the per-microbatch losses.
+
+    `inputs` [n·mbs, S] (needed where this rank runs stage 0) and `labels` [n·mbs, S] (where it
+    runs the last stage) are split along dim 0 into the schedule's n microbatches. Returns
+    the n losses from `loss_fn` where this rank runs the last stage, [] elsewhere. Logits are
+    not kept (`return_outputs=False` where torch has it).
+    """
+    first = any(s.is_first for s in stages)
+    last = any(s.is_last for s in stages)
+    assert not first or inputs is not None, "the rank with stage 0 needs the input ids"
+    assert not last or labels is not None, "the rank with the last stage needs the labels"
+    losses: list[torch.Tensor] = []
+    kwargs = {"return_outputs": False} if _HAS_RETURN_OUTPUTS else {}
+    args = (inputs,) if first else ()
+    schedule.step(*args, target=labels if last else None, losses=losses, **kwargs)
+    return losses if last else []
+
+
+@torch.no_grad()
+def sync_tied_embeddings(
+    stage_modules: list[nn.Module],
+    pp_group: dist.ProcessGroup | None,
+    embed_rank: int,
+    head_rank: int,
+) -> None:
+    """Sum the embedding and lm_head gradients of a tied model split over stages.
+
+    Call on every pp rank after backward (after any dp gradient reduction, before clipping);
+    `embed_rank` / `head_rank` are the ranks in `pp_group` (None: the default group) running
+    the first / last stage (`rank_of_stage`). Both copies end with ge + gh: on one rank
+    (V placement) by a local sum, across two ranks by a point-to-point exchange of the local
+    gradient shards (IEEE addition is commutative: a + b on one side equals b + a on the
+    other, bitwise). Ranks holding neither do nothing, so no extra process group is needed
+    and middle stages pay nothing; each end sends and receives its (tp/dp-sharded) [V, h]
+    gradient once. DTensor gradients are first laid out like their parameters
+    (`_grad_shard`), then exchanged as local shards, which line up because both parameters
+    have the same shape and placements (tp Shard(0) on the vocab, FSDP shards on dp).
+    No-op for untied models or when one module holds both (the same Parameter).
+    """
+    if not any(getattr(m, "tie_word_embeddings", False) for m in stage_modules):
+        return
+    embed = next((m.embed_tokens for m in stage_modules if m.embed_tokens is not None), None)
+    head = next((m.lm_head for m in stage_modules if m.lm_head is not None), None)
+    if embed is not None and head is not None:
+        if embed.weight is not head.weight:
+            ge, gh = _grad_shard(embed.weight), _grad_shard(head.weight)
+            ge.add_(gh)
+            gh.copy_(ge)
+        return
+    if embed is None and head is None:
+        return
+    mine = _grad_shard(embed.weight if embed is not None else head.weight)
+    group = dist.group.WORLD if pp_group is None else pp_group
+    peer = dist.get_global_rank(group, head_rank if embed is not None else embed_rank)
+    theirs = torch.empty_like(mine)
+    ops = [
+        dist.P2POp(dist.isend, mine, peer, group=group),
+        dist.P2POp(dist.irecv, theirs, peer, group=group),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    mine.add_(theirs)
+
+
+def _grad_shard(param: nn.Parameter) -> torch.Tensor:
+    """`param.grad` as a local tensor laid out like `param` (in place of the gradient).
+
+    A DTensor gradient can come back with other placements than its parameter: the
+    vocab-parallel embedding's is `Replicate()` (the full [V, h] on every tp rank) while the
+    weight is `Shard(0)`. Re-sharding it (no communication from Replicate; a reduce-scatter
+    over tp from Partial) makes the embedding's and the head's local shards line up.
+    """
+    assert param.grad is not None, "sync_tied_embeddings runs after backward"
+    if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+        param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+    return _local(param.grad)

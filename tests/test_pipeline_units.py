@@ -1,0 +1,320 @@
+"""Pipeline building blocks: Nanotron's stage split, stage placement, stage copies of the model,
+and every schedule's gradients against one process (2 forked ranks, gloo, fp32; plus
+pp 2 x tp 2 with tied embeddings on 4 ranks)."""
+
+import contextlib
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from dist import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from mesh3d.errors import ConfigError
+from mesh3d.models.init import init_weights
+from mesh3d.models.llama import Llama
+from mesh3d.parallel.pipeline import (
+    SCHEDULES,
+    build_schedule,
+    build_stage,
+    is_multi_stage,
+    is_v_schedule,
+    pipeline_stage,
+    rank_of_stage,
+    run_schedule,
+    split_layers,
+    stage_ids_of_rank,
+    sync_tied_embeddings,
+)
+from mesh3d.parallel.tensor import apply_tp, llama_tp_plan
+from mesh3d.train.loss import normalized_loss
+
+# --- split_layers ----------------------------------------------------------------------------
+
+
+def test_split_matches_nanotron_tiny_example():
+    # spec §4.2: decoder cost 4096 each, lm_head 4096 -> PP0 = {emb, dec 0, dec 1}, PP1 = {norm, head}
+    assert split_layers(2, 2, 16, 64, 4, 4, 256) == [[0, 1], []]
+
+
+def test_split_1b_config_by_hand():
+    # hidden 2048, ffn 11008, 16 heads (dh 128), 28 layers, vocab 128256:
+    # decoder D = 4*16*128*2048 + 3*11008*2048 = 2048*(8192 + 33024) = 84,410,368
+    # lm_head   = 128256*2048 = 262,668,288; total T = 28*D + 262,668,288 = 2,626,158,592
+    # pp=2: t0 = T/2 = 1,313,079,296 = 15.56 D. Decoder k has c = (k+1) D; the first with c > t0
+    #   is k = 15 (16 D = 1,350,565,888), which stays on stage 0: stage 0 = 0..15, stage 1 = 16..27.
+    # pp=4: thresholds 7.78 D, 15.56 D, 23.33 D (T/4 = 656,539,648; 3T/4 = 1,969,618,944):
+    #   crossings at k = 7 (8 D), k = 15 (16 D), k = 23 (24 D = 2,025,848,832 > 3T/4):
+    #   stages 0..7, 8..15, 16..23, 24..27 (+ norm, lm_head).
+    args = (2048, 11008, 16, 128, 128256)
+    assert split_layers(28, 2, *args) == [list(range(16)), list(range(16, 28))]
+    assert split_layers(28, 4, *args) == [
+        list(range(0, 8)),
+        list(range(8, 16)),
+        list(range(16, 24)),
+        list(range(24, 28)),
+    ]
+
+
+@pytest.mark.parametrize("layers", [2, 4, 7, 16, 28])
+@pytest.mark.parametrize("stages", [1, 2, 4])
+@pytest.mark.parametrize("vocab", [64, 32000])
+def test_split_assigns_every_layer_once_in_order(layers, stages, vocab):
+    try:
+        split = split_layers(layers, stages, 64, 256, 4, 16, vocab)
+    except ConfigError:
+        return  # some (small model, big vocab) splits leave a stage empty; tested below
+    assert len(split) == stages
+    assert [i for owned in split for i in owned] == list(range(layers))
+
+
+def test_split_refuses_an_empty_stage():
+    # lm_head (65536) dwarfs the one decoder (4096): everything lands on stage 0.
+    with pytest.raises(ConfigError, match=r"stage 1 of 3 would hold nothing.*fewer"):
+        split_layers(1, 3, 16, 64, 4, 4, 4096)
+    # One huge decoder crosses two thresholds: stage 1 would hold only the final norm.
+    with pytest.raises(ConfigError, match=r"stage 1 of 4 would hold nothing.*more layers"):
+        split_layers(1, 4, 16, 64, 4, 4, 1)
+
+
+# --- placement and registry ------------------------------------------------------------------
+
+
+def test_stage_placement_looped_and_v():
+    assert [stage_ids_of_rank(r, 4, 1, "1f1b") for r in range(4)] == [[0], [1], [2], [3]]
+    assert [stage_ids_of_rank(r, 2, 2, "interleaved_1f1b") for r in range(2)] == [[0, 2], [1, 3]]
+    assert [stage_ids_of_rank(r, 2, 3, "looped_bfs") for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
+    assert [stage_ids_of_rank(r, 3, 2, "zbv_zero_bubble") for r in range(3)] == [
+        [0, 5],
+        [1, 4],
+        [2, 3],
+    ]
+    assert stage_ids_of_rank(1, 2, 2, "dualpipev") == [1, 2]
+    for name, pp, v in [("1f1b", 4, 1), ("interleaved_1f1b", 2, 3), ("zbv_zero_bubble", 3, 2)]:
+        for r in range(pp):
+            assert all(rank_of_stage(s, pp, name) == r for s in stage_ids_of_rank(r, pp, v, name))
+    with pytest.raises(ConfigError, match="must be 2"):
+        stage_ids_of_rank(0, 2, 1, "dualpipev")
+    with pytest.raises(ConfigError, match="must be 1"):
+        stage_ids_of_rank(0, 2, 2, "afab")
+
+
+def test_schedule_registry():
+    assert len(SCHEDULES) == 7
+    assert [n for n in SCHEDULES if is_multi_stage(n)] == [
+        "interleaved_1f1b",
+        "looped_bfs",
+        "interleaved_zero_bubble",
+        "zbv_zero_bubble",
+        "dualpipev",
+    ]
+    assert [n for n in SCHEDULES if is_v_schedule(n)] == ["zbv_zero_bubble", "dualpipev"]
+    with pytest.raises(ConfigError, match="gpipe.*afab, 1f1b, interleaved_1f1b"):
+        build_schedule("gpipe", [], 4, None)
+
+
+# --- build_stage -----------------------------------------------------------------------------
+
+
+def tiny_cfg(layers=4, tied=False) -> SimpleNamespace:
+    return SimpleNamespace(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=layers,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        rope_interleaved=False,
+        tie_word_embeddings=tied,
+        vocab_size=61,
+        hidden_act="silu",
+        max_position_embeddings=32,
+    )
+
+
+PADDED_VOCAB = 64  # > vocab_size 61: the loss must drop the padding columns
+
+
+def split_of(cfg, num_stages: int) -> list[list[int]]:
+    h, n = cfg.hidden_size, cfg.num_attention_heads
+    args = (h, cfg.intermediate_size, n, h // n, PADDED_VOCAB)
+    return split_layers(cfg.num_hidden_layers, num_stages, *args)
+
+
+def meta_llama(cfg) -> Llama:
+    with torch.device("meta"):
+        return Llama(cfg, vocab_size=PADDED_VOCAB, attention="sdpa")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("num_stages", [1, 2, 4])
+def test_build_stage_partitions_the_parameters(tied, num_stages):
+    cfg = tiny_cfg(tied=tied)
+    full = meta_llama(cfg)
+    split = split_of(cfg, num_stages)
+    stages = [build_stage(full, s, num_stages, split[s]) for s in range(num_stages)]
+    names = [[n for n, _ in m.named_parameters()] for m in stages]
+    flat = [n for ns in names for n in ns]
+    expected = {n for n, _ in full.named_parameters()}  # a tied head is the embedding here
+    if tied and num_stages > 1:
+        expected.add("lm_head.weight")  # the last stage's own copy
+        assert "lm_head.weight" in names[-1] and "embed_tokens.weight" not in names[-1]
+    assert len(flat) == len(set(flat)) and set(flat) == expected
+    for s, m in enumerate(stages):
+        assert list(m.layers.keys()) == [str(i) for i in split[s]]
+        assert (m.embed_tokens is not None) == (s == 0)
+        assert (m.lm_head is not None) == (m.norm is not None) == (s == num_stages - 1)
+        assert all(p.is_meta for p in m.parameters())
+    if tied and num_stages == 1:
+        assert stages[0].lm_head.weight is stages[0].embed_tokens.weight
+    assert len(full.layers) == 4 and full.embed_tokens is not None  # the original is untouched
+
+
+# --- schedules against one process (2 ranks; 4 ranks with tp 2) ------------------------------
+
+MBS, SEQ, N_MB, PP = 2, 8, 4, 2
+CASES = [(name, False, 1) for name in SCHEDULES] + [
+    ("1f1b", True, 1),  # tied copies on two ranks
+    ("interleaved_1f1b", True, 1),
+    ("zbv_zero_bubble", True, 1),  # tied copies on one rank (V placement)
+]
+# pp 2 x tp 2: vocab-parallel embedding (its gradient comes back Replicate, the head's Shard(0)),
+# vocab-sharded DTensor logits under loss_parallel; sequence parallel halves the hidden states.
+TP_CASES = [("1f1b", True, 2), ("zbv_zero_bubble", True, 2)]
+
+
+def _data(cfg):
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, cfg.vocab_size, (N_MB * MBS, SEQ), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (N_MB * MBS, SEQ), generator=gen)
+    labels[::3, :3] = -100  # ignored tokens: the global count is not simply B*S
+    return ids, labels
+
+
+def _full_model(cfg) -> Llama:
+    model = meta_llama(cfg)
+    model.to_empty(device="cpu")
+    init_weights(model, std=0.05, num_layers=cfg.num_hidden_layers, seed=11)
+    return model
+
+
+def _reference(cfg, loss_fn):
+    """Gradients (by parameter name, tied alias included) and loss of one process."""
+    model = _full_model(cfg)
+    ids, labels = _data(cfg)
+    total = 0.0
+    for mb_ids, mb_labels in zip(ids.chunk(N_MB), labels.chunk(N_MB)):
+        loss = loss_fn(model(mb_ids), mb_labels)
+        loss.backward()
+        total += loss.item()
+    tied = model.tied_parameters
+    grads = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+    return {n: grads[tied.get(n, n)] for n in grads}, total
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _stage_modules(name, cfg, num_stages, stage_ids, tp_mesh, sequence_parallel):
+    """This rank's stage modules, weights copied by name from the full model."""
+    split = split_of(cfg, num_stages)
+    weights = _full_model(cfg).state_dict()
+    modules = []
+    for s in stage_ids:
+        module = build_stage(meta_llama(cfg), s, num_stages, split[s])
+        if tp_mesh is not None:
+            apply_tp(module, tp_mesh, llama_tp_plan(sequence_parallel))
+        module.to_empty(device="cpu")
+        module.tie_weights()
+        with torch.no_grad():
+            for n, p in module.named_parameters():
+                if isinstance(p, DTensor):
+                    full = distribute_tensor(weights[n], tp_mesh, p.placements, src_data_rank=None)
+                    p.to_local().copy_(full.to_local())
+                else:
+                    p.copy_(weights[n])
+        modules.append(module)
+    return modules
+
+
+def _run_case(rank: int, name: str, tied: bool, tp: int) -> dict:
+    cfg = tiny_cfg(tied=tied)
+    ids, labels = _data(cfg)
+    tokens = int((labels != -100).sum())
+    loss_fn = functools.partial(normalized_loss, vocab_size=cfg.vocab_size, global_tokens=tokens)
+    ref_grads, ref_loss = _reference(cfg, loss_fn)
+
+    pp_group, pp_rank, tp_mesh = None, rank, None  # tp 1: the default group is the pp group
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (PP, tp), mesh_dim_names=("pp", "tp"))
+        pp_group, pp_rank, tp_mesh = mesh["pp"].get_group(), mesh["pp"].get_local_rank(), mesh["tp"]
+    sequence_parallel = name == "1f1b"  # (tp > 1 only) the other tp case runs ALL_REDUCE
+    virtual = 2 if is_multi_stage(name) else 1
+    num_stages = PP * virtual
+    stage_ids = stage_ids_of_rank(pp_rank, PP, virtual, name)
+    modules = _stage_modules(name, cfg, num_stages, stage_ids, tp_mesh, sequence_parallel)
+    seq_local = SEQ // tp if tp > 1 and sequence_parallel else SEQ
+    kw = dict(microbatch_size=MBS, seq_len=SEQ, seq_len_local=seq_local, hidden_size=32)
+    kw.update(vocab_size=PADDED_VOCAB, dtype=torch.float32)
+    cpu = torch.device("cpu")
+    stages = [
+        pipeline_stage(m, s, num_stages, cpu, pp_group, **kw) for m, s in zip(modules, stage_ids)
+    ]
+    schedule = build_schedule(name, stages, N_MB, loss_fn)
+    has_first, has_last = 0 in stage_ids, num_stages - 1 in stage_ids
+    with loss_parallel() if tp > 1 else contextlib.nullcontext():
+        losses = run_schedule(
+            schedule, stages, ids if has_first else None, labels if has_last else None
+        )
+    sync_tied_embeddings(modules, pp_group, 0, rank_of_stage(num_stages - 1, PP, name))
+
+    grads = {n: _full(p.grad) for m in modules for n, p in m.named_parameters()}
+    errors = {n: float((g - ref_grads[n]).norm() / ref_grads[n].norm()) for n, g in grads.items()}
+    out = {"errors": errors, "n_losses": len(losses)}
+    if losses:
+        out["loss"] = (float(_full(sum(loss.detach() for loss in losses))), ref_loss)
+    ends = ("embed_tokens.weight", "lm_head.weight")
+    out["tied_grads"] = {n: g for n, g in grads.items() if n in ends} if tied else {}
+    return out
+
+
+def _all_cases(rank: int, world: int, cases: list) -> dict:
+    return {case: _run_case(rank, *case) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def pipeline_results():
+    results = run_ranks(PP, _all_cases, CASES, timeout=120)
+    return results + run_ranks(PP * 2, _all_cases, TP_CASES, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "case",
+    CASES + TP_CASES,
+    ids=[f"{n}{'-tied' if t else ''}-tp{tp}" for n, t, tp in CASES + TP_CASES],
+)
+def test_schedule_gradients_and_loss_match_one_process(pipeline_results, case):
+    name, tied, tp = case
+    per_rank = [r[case] for r in pipeline_results if case in r]
+    assert len(per_rank) == PP * tp
+    names = [n for r in per_rank for n in r["errors"]]
+    expected = {n for n, _ in _full_model(tiny_cfg(tied=tied)).named_parameters()}
+    if tied:
+        expected.add("lm_head.weight")
+    assert sorted(set(names)) == sorted(expected)  # every parameter, on one pp rank (x tp)
+    assert len(names) == tp * len(expected)
+    worst = max((e, n) for r in per_rank for n, e in r["errors"].items())
+    assert worst[0] <= 1e-5, f"{name}: gradient of {worst[1]} differs by {worst[0]:.2e}"
+    last = [r for r in per_rank if "loss" in r]
+    assert len(last) == tp and all(r["n_losses"] == N_MB for r in last)
+    got, ref = last[0]["loss"]
+    assert abs(got - ref) <= 1e-5 * abs(ref)
+    if tied:  # both copies got the same summed gradient, bitwise
+        grads = {n: g for r in per_rank for n, g in r["tied_grads"].items()}
+        assert torch.equal(grads["embed_tokens.weight"], grads["lm_head.weight"])
