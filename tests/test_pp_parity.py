@@ -32,7 +32,11 @@ def _layers(pp: int) -> str:
 
 def _pp(pp: int, schedule: str) -> list[str]:
     v = SCHEDULES[schedule]
-    return [f"parallelism.pp={pp}", f"mesh3d.pp_schedule={schedule}", f"mesh3d.pp_virtual_stages={v}"]
+    return [
+        f"parallelism.pp={pp}",
+        f"mesh3d.pp_schedule={schedule}",
+        f"mesh3d.pp_virtual_stages={v}",
+    ]
 
 
 def _pp_only_runs(pp: int) -> list[tuple]:
