@@ -1,7 +1,7 @@
 """The one mesh3d logger, with Nanotron's line prefix and per-rank levels.
 
-`setup_logging` runs once per process: world rank 0 logs at `logging.log_level`, the other
-ranks at `logging.log_level_replica` (Nanotron's rule), every line prefixed like Nanotron
+`setup_logging` runs once per process: world rank 0 and the metrics-owning rank log at
+`logging.log_level`, the other ranks at `logging.log_level_replica`, every line prefixed like Nanotron
 CLASSIC: `12/02/2026 12:00:00 [INFO|DP=0|PP=0|TP=0]: `. Code logs through `logger` and never
 checks ranks itself; the iteration line is only emitted on the one rank that owns the metrics.
 """
@@ -24,8 +24,13 @@ _LEVELS = {
 }
 
 
-def setup_logging(rank: int, coords: dict, level: str, replica_level: str) -> None:
-    """Configure `logger` for this process; `coords` holds its dp/pp/tp coordinates."""
+def setup_logging(coords: dict, level: str) -> None:
+    """Configure `logger` for this process at `level`; `coords` holds its dp/pp/tp coordinates.
+
+    The caller picks the level: `logging.log_level` for world rank 0 and for the rank that
+    owns the metrics (the last pipeline stage's dp 0 / tp 0 rank), `log_level_replica` for
+    the others.
+    """
     prefix = f"DP={coords['dp']}|PP={coords['pp']}|TP={coords['tp']}"
     if os.environ.get("SLURMD_NODENAME"):
         prefix += f"|{os.environ['SLURMD_NODENAME']}"
@@ -35,6 +40,6 @@ def setup_logging(rank: int, coords: dict, level: str, replica_level: str) -> No
     )
     logger.handlers[:] = [handler]
     logger.propagate = False
-    logger.setLevel(_LEVELS[level if rank == 0 else replica_level])
+    logger.setLevel(_LEVELS[level])
     # DTensor warns on every 2-D (dp x tp) norm reduction that two collectives run; expected here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

@@ -29,7 +29,7 @@ from mesh3d.train.metrics import (
     memory_metrics,
 )
 from mesh3d.train.optim import build_optimizer
-from mesh3d.train.step import train_step
+from mesh3d.train.step import total_params, train_step
 
 
 @dataclass
@@ -62,7 +62,6 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
     rank = dist.get_rank()
     coords = dims.coords(rank)
-    setup_logging(rank, coords, cfg.logging.log_level, cfg.logging.log_level_replica)
     mesh = build_mesh(dims, device.type)
     torch.manual_seed(cfg.general.seed)
 
@@ -70,7 +69,12 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
     parts = build_model_parts(cfg, mesh, device, dp_scale=dims.dp if mode != "replicate" else 1)
     _, autocast_dtype = param_and_compute_dtypes(cfg)
     optimizer, scheduler = build_optimizer(parts.named_parameters(), cfg, device)
-    n_params = sum(p.numel() for p in parts.parameters())  # DTensor numel is the full size
+    # the metrics owner (pp = last stage, dp 0, tp 0) logs at `log_level` like rank 0, so the
+    # iteration line shows even when log_level_replica is quieter (Nanotron needs INFO there)
+    is_logger_rank = coords == {"pp": parts.head_rank, "dp": 0, "tp": 0}
+    primary = rank == 0 or is_logger_rank
+    setup_logging(coords, cfg.logging.log_level if primary else cfg.logging.log_level_replica)
+    n_params = total_params(parts, mesh)
     logger.info(f"Total number of parameters: {n_params} ({n_params * 4 / 2**20:.2f}MiB fp32)")
 
     mc, tok = cfg.model.model_config, cfg.tokens
@@ -88,7 +92,6 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
         tok.sequence_length,
         gbs,
     )
-    is_logger_rank = coords == {"pp": parts.head_rank, "dp": 0, "tp": 0}
     writer = JsonlWriter(metrics_file) if metrics_file and is_logger_rank else None
     logger.info(
         f"[Start training] mbs: {tok.micro_batch_size} | grad_accum: "

@@ -150,15 +150,24 @@ def train_step(
     return float(total), grad_norm
 
 
-def _counted_once(parts: ModelParts) -> list[torch.nn.Parameter]:
+def total_params(parts: ModelParts, mesh) -> int:
+    """Parameters of the whole model (all stages, full sizes of shards, a tied copy once)."""
+    n = torch.tensor(sum(p.numel() for p in _counted_once(parts, with_grad=False)))
+    if mesh["pp"].size() > 1:
+        dist.all_reduce(n, group=mesh["pp"].get_group())
+    return int(n)
+
+
+def _counted_once(parts: ModelParts, with_grad: bool = True) -> list[torch.nn.Parameter]:
     """Parameters for the norm: a tied head that is a separate copy of the embedding is left
     out (after the tie sync its gradient equals the embedding's)."""
-    tied = any(getattr(m, "tie_word_embeddings", False) for m in parts.modules)
-    skip = set()
-    if tied and parts.embed_rank != parts.head_rank or tied and len(parts.modules) > 1:
-        for m in parts.modules:
-            if m.lm_head is not None and (
-                m.embed_tokens is None or m.lm_head.weight is not m.embed_tokens.weight
-            ):
-                skip.add(id(m.lm_head.weight))
-    return [p for p in parts.parameters() if p.grad is not None and id(p) not in skip]
+    skip = {
+        id(m.lm_head.weight)
+        for m in parts.modules
+        if getattr(m, "tie_word_embeddings", False)
+        and m.lm_head is not None
+        and (m.embed_tokens is None or m.lm_head.weight is not m.embed_tokens.weight)
+    }
+    return [
+        p for p in parts.parameters() if (p.grad is not None or not with_grad) and id(p) not in skip
+    ]
