@@ -1,0 +1,363 @@
+"""Nanotron's model-weight files, written and read as full tensors (spec §3.3-3.5, §3.12, §4).
+
+Pure functions over full (unsharded) tensors keyed by our parameter names, so the layout is
+testable without process groups. One safetensors file per parameter and TP rank, tensor key
+`data`, metadata `version` / `unsharded_shape` / `local_global_slices_pairs` (all strings);
+RMSNorm weights once, without rank suffix and with empty metadata; tied embeddings once, under
+the embedding's path. `root` is a step's `model/` directory (`<step>/model`), so paths start
+with `model/` like Nanotron's names.
+
+Reading accepts any TP/PP layout: the shards of one parameter are placed with their slice
+metadata, the fused qkv / gate_up are split back into our q/k/v and gate/up.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from mesh3d.checkpoint import names as N
+from mesh3d.errors import UserError
+from mesh3d.parallel.pipeline import split_layers
+
+Slices = tuple[slice, ...]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The Llama sizes that fix every parameter's name, shape and pipeline rank."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    padded_vocab: int
+    tied: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_config(cls, cfg) -> ModelShape:
+        """From a loaded `Config` (vocab padded for its tp, spec §4.1)."""
+        from mesh3d.config import padded_vocab_size
+
+        m = cfg.model.model_config
+        return cls(
+            num_layers=m.num_hidden_layers,
+            hidden_size=m.hidden_size,
+            intermediate_size=m.intermediate_size,
+            num_heads=m.num_attention_heads,
+            num_kv_heads=m.num_key_value_heads or m.num_attention_heads,
+            padded_vocab=padded_vocab_size(cfg),
+            tied=m.tie_word_embeddings,
+        )
+
+
+@dataclass(frozen=True)
+class Param:
+    """One Nanotron parameter: its name, our tensors (dim-0 chunks), full shape, kind, pp rank."""
+
+    name: str
+    ours: tuple[str, ...]
+    chunks: tuple[int, ...]
+    shape: tuple[int, ...]
+    kind: N.Kind
+    pp_rank: int
+
+
+def _our_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
+    h, f, q, kv = (
+        s.hidden_size,
+        s.intermediate_size,
+        s.num_heads * s.head_dim,
+        s.num_kv_heads * s.head_dim,
+    )
+    layer = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+    }
+    shapes = {"embed_tokens.weight": (s.padded_vocab, h), "norm.weight": (h,)}
+    shapes["lm_head.weight"] = (s.padded_vocab, h)
+    for i in range(s.num_layers):
+        shapes.update({N.LAYER_PREFIX_OURS.format(i=i) + k: v for k, v in layer.items()})
+    return shapes
+
+
+def _param(name: str, ours: tuple[str, ...], kind: N.Kind, pp_rank: int, shapes) -> Param:
+    parts = [shapes[o] for o in ours]
+    shape = (sum(p[0] for p in parts), *parts[0][1:])
+    return Param(name, ours, tuple(p[0] for p in parts), shape, kind, pp_rank)
+
+
+def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
+    """Nanotron's parameters in module order; lm_head left out when tied (spec §3.5)."""
+    shapes = _our_shapes(s)
+    stage_layers = split_layers(
+        s.num_layers,
+        pp,
+        s.hidden_size,
+        s.intermediate_size,
+        s.num_heads,
+        s.head_dim,
+        s.padded_vocab,
+    )
+    stage_of = {i: st for st, owned in enumerate(stage_layers) for i in owned}
+    outer = {
+        k: (ours, kind, 0 if end == "first" else pp - 1)
+        for k, (ours, kind, end) in N.OUTER_PARAMS.items()
+    }
+    params = [_param(N.EMBEDDING, *outer[N.EMBEDDING], shapes)]
+    for i in range(s.num_layers):
+        for key, (ours, kind) in N.LAYER_PARAMS.items():
+            our_names = tuple(N.LAYER_PREFIX_OURS.format(i=i) + o for o in ours)
+            params.append(
+                _param(
+                    N.LAYER_PREFIX_NANOTRON.format(i=i) + key, our_names, kind, stage_of[i], shapes
+                )
+            )
+    for name, spec in outer.items():
+        if name != N.EMBEDDING and not (name == N.LM_HEAD and s.tied):
+            params.append(_param(name, *spec, shapes))
+    return params
+
+
+def _slice_pairs(p: Param, tp_rank: int, tp: int) -> list[tuple[Slices, Slices]]:
+    """(local slices, global slices) of TP rank `tp_rank`: one pair per chunk (spec §3.4)."""
+    dim, full = N.SPLIT_DIM[p.kind], (slice(None),) * len(p.shape)
+    chunks = p.chunks if p.kind == "column" else (p.shape[dim],)
+    pairs, offset = [], 0
+    for c in chunks:
+        if c % tp:
+            raise UserError(
+                f"{p.name}: size {c} on dim {dim} does not split over tp={tp}; use a tp that divides it"
+            )
+        n = c // tp
+        glob = (
+            full[:dim]
+            + (slice(offset + tp_rank * n, offset + (tp_rank + 1) * n),)
+            + full[dim + 1 :]
+        )
+        local = full if p.kind != "column" else (slice(offset // tp, offset // tp + n),) + full[1:]
+        pairs.append((local, glob))
+        offset += c
+    return pairs
+
+
+def _fmt(slices: Slices) -> str:
+    return "|".join(f"{s.start},{s.stop},{s.step}" for s in slices)
+
+
+def _parse(text: str) -> Slices:
+    return tuple(
+        slice(*(None if v == "None" else int(v) for v in d.split(","))) for d in text.split("|")
+    )
+
+
+def _path(p: Param, tp_rank: int, tp: int, pp: int) -> str:
+    *dirs, leaf = p.name.split(".")
+    if p.kind == "replicated":
+        return "/".join([*dirs, N.UNSHARDED_FILE.format(leaf=leaf)])
+    file = N.SHARDED_FILE.format(leaf=leaf, pp_rank=p.pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
+    return "/".join([*dirs, file])
+
+
+def nanotron_shards(
+    full: dict[str, Tensor], s: ModelShape, tp: int, pp: int
+) -> dict[str, tuple[Tensor, dict[str, str]]]:
+    """Relative path (under `<step>/model`) -> (the file's `data` tensor, its metadata)."""
+    out = {}
+    for p in nanotron_params(s, pp):
+        missing = [o for o in p.ours if o not in full]
+        if missing:
+            raise UserError(f"no weights for {missing} (needed for {p.name})")
+        fused = torch.cat([full[o] for o in p.ours]) if len(p.ours) > 1 else full[p.ours[0]]
+        if tuple(fused.shape) != p.shape:
+            raise UserError(
+                f"{p.name}: weights have shape {tuple(fused.shape)}, the model config says {p.shape}"
+            )
+        if p.kind == "replicated":
+            out[_path(p, 0, tp, pp)] = (fused.contiguous(), {})
+            continue
+        for t in range(tp):
+            pairs = _slice_pairs(p, t, tp)
+            data = torch.cat([fused[g] for _, g in pairs]).contiguous()
+            meta = {
+                "version": N.WRITE_VERSION,
+                "unsharded_shape": str(p.shape),
+                "local_global_slices_pairs": ";".join(f"{_fmt(lo)}#{_fmt(g)}" for lo, g in pairs),
+            }
+            out[_path(p, t, tp, pp)] = (data, meta)
+    return out
+
+
+def write_nanotron_weights(
+    root: str | Path, full: dict[str, Tensor], s: ModelShape, tp: int, pp: int
+) -> list[Path]:
+    """Write every file of the (tp, pp) layout under `root` (= `<step>/model`); return the paths."""
+    paths = []
+    for rel, (data, meta) in nanotron_shards(full, s, tp, pp).items():
+        path = Path(root) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({N.TENSOR_KEY: data}, str(path), metadata=meta or None)
+        paths.append(path)
+    return paths
+
+
+def _read_file(path: Path) -> tuple[Tensor, dict[str, str]]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(N.TENSOR_KEY), f.metadata() or {}
+    except Exception as e:  # safetensors raises several types for a damaged file
+        raise UserError(
+            f"cannot read weight file {path}: {e}; the file is truncated or corrupted, copy it again"
+        ) from None
+
+
+def _version(path: Path, text: str | None) -> None:
+    try:
+        version = tuple(int(x) for x in (text or "").split("."))
+    except ValueError:
+        version = ()
+    if not version:
+        raise UserError(
+            f"{path} has no valid checkpoint `version` in its metadata ({text!r}); checkpoints older than 1.2 are not supported"
+        )
+    if version > N.MAX_READ_VERSION:
+        max_v = ".".join(map(str, N.MAX_READ_VERSION))
+        raise UserError(
+            f"{path} is checkpoint version {text}, newer than the {max_v} mesh3d reads; convert it with that Nanotron version"
+        )
+
+
+def _shape(path: Path, text: str | None) -> tuple[int, ...]:
+    """`str(tuple)` of the full shape; numpy-2 writes `np.int64(48)` for some sizes (spec §3.4)."""
+    try:
+        shape = ast.literal_eval(re.sub(r"np\.\w+\((-?\d+)\)", r"\1", text or ""))
+        return tuple(int(d) for d in shape)
+    except (ValueError, SyntaxError, TypeError):
+        raise UserError(f"{path}: unreadable `unsharded_shape` metadata {text!r}") from None
+
+
+def _shard_files(directory: Path, p: Param) -> list[Path]:
+    """The sharded files of `p`, checking that every TP rank of the saved layout is there."""
+    leaf = p.name.rsplit(".", 1)[1]
+    regex = re.compile(N.SHARDED_FILE_REGEX.format(leaf=leaf))
+    found = (
+        {f: regex.fullmatch(f.name) for f in directory.glob(f"model_{leaf}*.safetensors")}
+        if directory.is_dir()
+        else {}
+    )
+    found = {f: m for f, m in found.items() if m}
+    if not found:
+        bad = list(directory.glob(N.BAD_NAMING_GLOB)) if directory.is_dir() else []
+        hint = (
+            " (doubled file names of checkpoint 1.3: run Nanotron's scripts/fix_checkpoint_bad_naming.py)"
+            if bad
+            else ""
+        )
+        tied = (
+            " (or the checkpoint has tied embeddings: set tie_word_embeddings: true)"
+            if p.name == N.LM_HEAD
+            else ""
+        )
+        raise UserError(
+            f"missing weights of {p.name}: no model_{leaf}_pp-rank-*_tp-rank-*.safetensors in {directory}{hint}{tied}"
+        )
+    layouts = {(int(m.group(2)), int(m.group(4))) for m in found.values()}
+    if len(layouts) > 1:
+        raise UserError(
+            f"{directory} mixes files of several (pp, tp) layouts {sorted(layouts)}; "
+            "remove the stale ones"
+        )
+    pp_rank, pp, _, tp = (int(g) for g in next(iter(found.values())).groups())
+    present = {int(m.group(3)) for m in found.values()}
+    for t in range(tp):
+        if t not in present:
+            name = N.SHARDED_FILE.format(leaf=leaf, pp_rank=pp_rank, pp=pp, tp_rank=t, tp=tp)
+            raise UserError(
+                f"missing shard {directory / name} of {p.name} (tp={tp} checkpoint); the checkpoint is incomplete"
+            )
+    return sorted(found)
+
+
+def _read_sharded(root: Path, p: Param) -> Tensor:
+    directory = root.joinpath(*p.name.split(".")[:-1])
+    full: Tensor | None = None
+    covered = torch.zeros(p.shape, dtype=torch.bool)
+    for path in _shard_files(directory, p):
+        local, meta = _read_file(path)
+        _version(path, meta.get("version"))
+        shape = _shape(path, meta.get("unsharded_shape"))
+        if shape != p.shape:
+            raise UserError(
+                f"{path}: full shape {shape} but the model config gives {p.shape} for {p.name}; check "
+                "hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, vocab_size "
+                "and make_vocab_size_divisible_by x tp"
+            )
+        full = torch.empty(p.shape, dtype=local.dtype) if full is None else full
+        try:
+            for pair in meta["local_global_slices_pairs"].split(";"):
+                lo, g = (_parse(x) for x in pair.split("#"))
+                full[g] = local[lo]
+                covered[g] = True
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise UserError(
+                f"{path}: bad `local_global_slices_pairs` metadata for shape {tuple(local.shape)}: {e}"
+            ) from None
+    if not covered.all():
+        first = tuple(int(i) for i in (~covered).nonzero()[0])
+        raise UserError(
+            f"missing shard of {p.name} in {directory}: element {first} of {p.shape} is in no file"
+        )
+    return full
+
+
+def read_nanotron_weights(root: str | Path, s: ModelShape) -> dict[str, Tensor]:
+    """Our name -> full tensor, from `root` (= `<step>/model`) saved with any TP/PP layout.
+
+    With tied embeddings only `embed_tokens.weight` is returned (lm_head is the same tensor).
+    """
+    root, out = Path(root), {}
+    for p in nanotron_params(s):
+        if p.kind == "replicated":
+            path = root / _path(p, 0, 1, 1)
+            if not path.is_file():
+                raise UserError(
+                    f"missing weight file {path} of {p.name}; the checkpoint is incomplete"
+                )
+            full, _ = _read_file(path)
+            if tuple(full.shape) != p.shape:
+                raise UserError(
+                    f"{path}: shape {tuple(full.shape)} but the model config gives {p.shape} for {p.name}"
+                )
+        else:
+            full = _read_sharded(root, p)
+        out.update(zip(p.ours, torch.split(full, p.chunks), strict=True))
+    return out
+
+
+def model_config_json(cfg) -> dict:
+    """`model_config.json` (spec §3.7): the model config's fields in order, vocab padded."""
+    from mesh3d.config import padded_vocab_size
+
+    d = dataclasses.asdict(cfg.model.model_config)
+    d["vocab_size"] = padded_vocab_size(cfg)
+    return d
