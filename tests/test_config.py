@@ -113,10 +113,10 @@ UNSUPPORTED_FIXTURES = {
     "head-config_custom_dl.yaml": "`data_stages[1].data.dataset` (Hugging Face datasets) is not supported",
     "head-config_nanoset.yaml": "`data_stages[2].data.dataset` (Nanoset) is not supported by mesh3d yet",
     "head-config_qwen.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet; only Llama",
-    "head-config_resume_training.yaml": "`checkpoints.resume_checkpoint_path` is not supported by mesh3d yet",
+    "head-config_resume_training.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet",
     "head-config_tiny_llama.yaml": "`profiler.profiler_export_path` is not supported by mesh3d yet",
     "head-config_tiny_llama_with_s3_upload.yaml": "`s3_upload` is not supported by mesh3d yet",
-    "head-debug_config_tiny_llama.yaml": "`checkpoints.checkpoint_interval` is not supported by mesh3d yet",
+    "head-debug_config_tiny_llama.yaml": "(Hugging Face datasets) is not supported by mesh3d yet",
 }
 
 
@@ -349,10 +349,6 @@ BAD = [
     ("z-loss", [f"{MC}.z_loss_enabled=true"], None, None, f"`{MC}.z_loss_enabled` is not supported by mesh3d yet"),
     ("dataset", ["data_stages[0].data.dataset={dataset_folder: /data}"], None, None, "`data_stages[0].data.dataset` (Nanoset) is not supported by mesh3d yet; use `dataset: null`"),
     ("profiler", ["profiler.profiler_export_path=tb"], None, None, "`profiler.profiler_export_path` is not supported by mesh3d yet"),
-    ("resume", ["checkpoints.resume_checkpoint_path=ckpt/10"], None, None, "`checkpoints.resume_checkpoint_path` is not supported by mesh3d yet"),
-    ("save-initial", ["checkpoints.save_initial_state=true"], None, None, "`checkpoints.save_initial_state` is not supported by mesh3d yet"),
-    ("save-final", ["checkpoints.save_final_state=true"], None, None, "`checkpoints.save_final_state` is not supported by mesh3d yet"),
-    ("checkpoint-interval", ["checkpoints.checkpoint_interval=10"], None, None, "raise checkpoints.checkpoint_interval (10) above tokens.train_steps (20)"),
 ]  # fmt: skip
 
 

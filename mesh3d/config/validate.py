@@ -322,7 +322,7 @@ def _not_yet(key: str, what: str) -> str:
 
 def _unsupported(cfg: Config) -> Iterator[str]:
     """Nanotron settings mesh3d does not implement yet; delete a line when its feature lands."""
-    p, m, ck = cfg.parallelism, cfg.model, cfg.checkpoints
+    p, m = cfg.parallelism, cfg.model
     if cfg.s3_upload is not None:
         yield _not_yet("s3_upload", "upload checkpoints yourself; set s3_upload: null")
     if cfg.lighteval is not None:
@@ -352,16 +352,3 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         yield _not_yet("mesh3d.compile", "set it to false")
     if cfg.profiler is not None and cfg.profiler.profiler_export_path is not None:
         yield _not_yet("profiler.profiler_export_path", "set profiler: null")
-    if ck is not None:
-        if ck.resume_checkpoint_path is not None:
-            yield _not_yet("checkpoints.resume_checkpoint_path", "resuming; set it to null")
-        if ck.save_initial_state:
-            yield _not_yet("checkpoints.save_initial_state", "saving checkpoints; set it to false")
-        if ck.save_final_state:
-            yield _not_yet("checkpoints.save_final_state", "saving checkpoints; set it to false")
-        if ck.checkpoint_interval <= cfg.tokens.train_steps:
-            yield _not_yet(
-                "checkpoints.checkpoint_interval",
-                f"saving checkpoints; raise checkpoints.checkpoint_interval ({ck.checkpoint_interval}) "
-                f"above tokens.train_steps ({cfg.tokens.train_steps})",
-            )

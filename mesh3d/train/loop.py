@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mesh3d.checkpoint.resume import load_checkpoint, save_checkpoint
 from mesh3d.config import global_batch_size, padded_vocab_size, validate
 from mesh3d.data.dummy import DummyTokens, microbatches
 from mesh3d.log import logger, setup_logging
@@ -99,9 +100,18 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
         f"{tok.sequence_length} | train_steps: {tok.train_steps} | start_iteration_step: 1"
     )
     result = RunResult()
-    consumed = 0
+    ck = cfg.checkpoints
+    start, consumed = 0, 0
+    if ck is not None and ck.resume_checkpoint_path is not None:
+        start, consumed = load_checkpoint(
+            ck.resume_checkpoint_path, parts, optimizer, scheduler, padded_vocab_size(cfg),
+            load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
+        )  # fmt: skip
+        logger.info(f"Resumed from {ck.resume_checkpoint_path} at step {start}")
+    elif ck is not None and ck.save_initial_state:
+        save_checkpoint(ck.checkpoints_path, 0, cfg, parts, optimizer, scheduler, mesh, 0)
     fail_at = _fault_injection(rank)
-    for step in range(1, tok.train_steps + 1):
+    for step in range(start + 1, tok.train_steps + 1):
         t0 = time.time()
         if step == fail_at:
             raise RuntimeError(f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}")
@@ -142,6 +152,14 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
             logger.info(format_iteration_line({**m, **extra}, tok.train_steps))
             if writer:
                 writer.write(m)
+        if ck is not None and step % ck.checkpoint_interval == 0:
+            save_checkpoint(
+                ck.checkpoints_path, step, cfg, parts, optimizer, scheduler, mesh, consumed
+            )
+    if ck is not None and ck.save_final_state and tok.train_steps % ck.checkpoint_interval:
+        save_checkpoint(
+            ck.checkpoints_path, tok.train_steps, cfg, parts, optimizer, scheduler, mesh, consumed
+        )
     if writer:
         writer.close()
     if keep_model:
