@@ -49,11 +49,21 @@ def runs(tmp_path_factory):
     four = run_ranks(
         4, train_runs, [_layout(2, 2, 1) + _ckpt(d / "r221", 100, 8, saved)], timeout=200
     )
-    one = run_ranks(
-        1, train_runs, [_layout(1, 1, 1) + _ckpt(d / "r111", 100, 8, saved)], timeout=200
-    )
+    fresh = ["checkpoints.load_optimizer=false", "checkpoints.load_lr_scheduler=false"]
+    ones = [
+        _layout(1, 1, 1) + _ckpt(d / "r111", 100, 8, saved),
+        _layout(1, 1, 1)
+        + _ckpt(d / "init", 100, 3)
+        + [f"model.init_method={{path: {saved / '4'}}}"],
+        _layout(1, 1, 1) + _ckpt(d / "weights", 100, 3, saved / "4") + fresh,
+    ]
+    one = run_ranks(1, train_runs, ones, timeout=200)[0]
     names = ["straight", "first4", "same", "(1,4,2)", "(4,1,2)"]
-    return dict(zip(names, out)) | {"(2,2,1)": four[0][0], "(1,1,1)": one[0][0], "dir": saved}
+    return (
+        dict(zip(names, out))
+        | {"(2,2,1)": four[0][0], "(1,1,1)": one[0], "dir": saved}
+        | {"init_path": one[1], "weights_only": one[2]}
+    )
 
 
 def test_exact_resume_same_layout_is_bitwise(runs):
@@ -69,6 +79,16 @@ def test_resume_at_another_layout(runs, layout):
     got = torch.tensor(runs[layout]["loss"])
     assert got.shape == ref.shape
     assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5, (layout, got, ref)
+
+
+def test_init_method_path_starts_from_checkpoint_weights(runs):
+    # init_method {path: <step>} (Nanotron's ExistingCheckpointInit, read from the Nanotron-layout
+    # weights at another layout) == resuming with load_optimizer/load_lr_scheduler false (the
+    # DCP state): the same weights, a fresh optimizer and schedule, step count from 1
+    a, b = runs["init_path"], runs["weights_only"]
+    assert len(a["loss"]) == 3
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    assert abs(a["loss"][0] - runs["straight"]["loss"][4]) > 1e-4  # other data at step 1
 
 
 def test_step_folder_contents(runs):

@@ -344,7 +344,6 @@ BAD = [
     ("qwen2", [], _qwen, None, "`model.model_config` (qwen2) is not supported by mesh3d yet; only Llama"),
     ("starcoder2", [], _starcoder, None, "`model.model_config` (starcoder2) is not supported by mesh3d yet"),
     ("spectral-mup", ["model.init_method={use_mup: true}"], None, None, "`model.init_method.use_mup` is not supported by mesh3d yet"),
-    ("existing-init", ["model.init_method={path: ckpt}"], None, None, "`model.init_method.path` is not supported by mesh3d yet"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
     ("z-loss", [f"{MC}.z_loss_enabled=true"], None, None, f"`{MC}.z_loss_enabled` is not supported by mesh3d yet"),
     ("dataset", ["data_stages[0].data.dataset={dataset_folder: /data}"], None, None, "`data_stages[0].data.dataset` (Nanoset) is not supported by mesh3d yet; use `dataset: null`"),

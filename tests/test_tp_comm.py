@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from mesh3d.mesh import ParallelDims, build_mesh
 from mesh3d.models.init import llama_init_std
 from mesh3d.models.llama import Llama
-from mesh3d.parallel.parallelize import materialize
+from mesh3d.parallel.parallelize import materialize, seeded_init
 from mesh3d.parallel.tensor import apply_tp, llama_tp_plan, reduce_partial_grads
 from mesh3d.train.loss import normalized_loss
 from mesh3d.train.step import clip_grad_norm
@@ -129,7 +129,9 @@ def _measure(tp_mode: str, rank: int, tp_mesh) -> dict:
     with torch.device("meta"):
         model = Llama(SimpleNamespace(**CFG), attention="sdpa")
     apply_tp(model, tp_mesh, llama_tp_plan(sequence_parallel=sp))
-    materialize(model, torch.device("cpu"), lambda n: llama_init_std(n, 0.02, LAYERS), seed=0)
+    materialize(
+        model, torch.device("cpu"), seeded_init(lambda n: llama_init_std(n, 0.02, LAYERS), 0)
+    )
     gen = torch.Generator().manual_seed(0)  # the same inputs on every rank
     out = {}
 

@@ -16,7 +16,6 @@ from mesh3d.config.schema import (
     PP_SCHEDULES,
     AdamWOptimizerArgs,
     Config,
-    ExistingCheckpointInit,
     LlamaConfig,
     NanosetDatasetsArgs,
     PretrainDatasetsArgs,
@@ -338,8 +337,6 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         yield _not_yet(f"{MC}.z_loss_enabled", "set it to false")
     if isinstance(m.init_method, SpectralMupInit):
         yield _not_yet("model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}")
-    if isinstance(m.init_method, ExistingCheckpointInit):
-        yield _not_yet("model.init_method.path", "loading weights; use init_method: {std: 0.02}")
     scaling = getattr(m.init_method, "scaling_method", None)
     if scaling in ("LAYER_INDEX", "MODEL_SCALE"):
         yield _not_yet("model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE")

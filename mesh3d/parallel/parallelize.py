@@ -3,8 +3,8 @@
 Order (each step sees the result of the one before):
 1. tensor parallelism on mesh["tp"] (model on meta; no communication),
 2. activation checkpointing of each decoder layer (`parallelism.recompute_layer`),
-3. materialize on the device and initialize each *full* parameter from its own seed, keeping
-   this rank's shard — so the full weights after init are the same at every layout,
+3. materialize on the device and fill each *full* parameter — from its own seed, or from a
+   checkpoint — keeping this rank's shard, so the full weights are the same at every layout,
 4. data parallelism on mesh["dp"]: nothing to wrap for `zero_stage: 0` (gradients are summed
    explicitly after the step's microbatches); FSDP2 `fully_shard` for `zero_stage: 1`
    (`reshard_after_forward=False`: parameters gathered once per step, gradients
@@ -40,32 +40,42 @@ def checkpoint_layers(model: nn.Module) -> None:
         model.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
-def materialize(
-    model: nn.Module,
-    device: torch.device,
-    std_of: Callable[[str], float | None],
-    seed: int,
-    valid_rows: dict[str, int] | None = None,
-) -> None:
-    """Allocate `model` on `device` and fill every parameter from its full-tensor init.
+FullSource = Callable[[str, tuple[int, ...]], torch.Tensor]
 
-    Each rank generates the full tensor of a parameter (seeded by its name; a tied alias by its
-    owner's name) and keeps its own shard (`src_data_rank=None`: local slicing, no
-    communication). `valid_rows` maps names to the number of real rows: the vocabulary
-    padding rows (which depend on tp) are zeros, so the real rows are the same at any layout.
+
+def seeded_init(
+    std_of: Callable[[str], float | None], seed: int, valid_rows: dict[str, int] | None = None
+) -> FullSource:
+    """Full initial tensors: each drawn from its own seed (the parameter's name).
+
+    `valid_rows` maps names to their number of real rows: vocabulary padding rows (which depend
+    on tp) are zeros, so the real rows are the same at every layout.
+    """
+    valid_rows = valid_rows or {}
+
+    def full(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        rows = min(valid_rows.get(name, shape[0]), shape[0])
+        out = torch.zeros(shape)
+        out[:rows] = init_full_tensor(name, (rows, *shape[1:]), std_of(name), seed)
+        return out
+
+    return full
+
+
+def materialize(model: nn.Module, device: torch.device, source: FullSource) -> None:
+    """Allocate `model` on `device` and fill every parameter from `source(name, full_shape)`.
+
+    Every rank gets the full tensor of a parameter (a tied alias under its owner's name) and
+    keeps its own shard (`src_data_rank=None`: local slicing, no communication).
     """
     model.to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     tied = getattr(model, "tied_parameters", {})
-    valid_rows = valid_rows or {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             name = tied.get(canonical_name(name), canonical_name(name))
-            rows = min(valid_rows.get(name, p.shape[0]), p.shape[0])
-            full = torch.zeros(p.shape)
-            full[:rows] = init_full_tensor(name, (rows, *p.shape[1:]), std_of(name), seed)
-            full = full.to(device)
+            full = source(name, tuple(p.shape)).to(device=device, dtype=torch.float32)
             if isinstance(p, DTensor):
                 shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
                 p.to_local().copy_(shard.to_local())
@@ -94,9 +104,7 @@ def parallelize(
     mesh: DeviceMesh,
     *,
     device: torch.device,
-    std_of: Callable[[str], float | None],
-    seed: int,
-    valid_rows: dict[str, int] | None = None,
+    source: FullSource,
     sequence_parallel: bool,
     recompute_layer: bool,
     dp: str,
@@ -107,7 +115,7 @@ def parallelize(
         apply_tp(model, mesh["tp"], llama_tp_plan(sequence_parallel))
     if recompute_layer:
         checkpoint_layers(model)
-    materialize(model, device, std_of, seed, valid_rows)
+    materialize(model, device, source)
     model.to(dtype)
     if mesh["dp"].size() > 1:
         apply_dp(model, mesh["dp"], dp)

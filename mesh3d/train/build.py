@@ -10,15 +10,18 @@ schedule named by `mesh3d.pp_schedule` or `parallelism.pp_engine`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.config import effective_pp_schedule, padded_vocab_size
+from mesh3d.checkpoint.nanotron_weights import ModelShape, read_nanotron_weights
+from mesh3d.config import ExistingCheckpointInit, effective_pp_schedule, padded_vocab_size
+from mesh3d.errors import UserError
 from mesh3d.models.init import llama_init_std
 from mesh3d.models.llama import Llama
-from mesh3d.parallel.parallelize import dp_mode, parallelize
+from mesh3d.parallel.parallelize import FullSource, dp_mode, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
     build_schedule,
     build_stage,
@@ -67,27 +70,47 @@ def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     return dtype, None
 
 
+def initial_weights(cfg, padded_vocab: int) -> FullSource:
+    """Where the first weights come from: `init_method: {std: ...}` draws each full tensor from
+    its own seed; `init_method: {path: ...}` reads them from a checkpoint in Nanotron's layout
+    (written by Nanotron, `mesh3d.convert from-hf`, or mesh3d), saved at any tp/pp."""
+    mc, init = cfg.model.model_config, cfg.model.init_method
+    if isinstance(init, ExistingCheckpointInit):
+        path = Path(init.path)
+        root = path / "model" if (path / "model").is_dir() else path
+        if not root.is_dir():
+            raise UserError(f"`model.init_method.path` {path} has no model/ folder of weights")
+        full = read_nanotron_weights(root, ModelShape.from_config(cfg))
+        tied = {"lm_head.weight": "embed_tokens.weight"} if mc.tie_word_embeddings else {}
+        return lambda name, shape: full[tied.get(name, name)]
+    scaling = getattr(init, "scaling_method", "NUM_LAYERS")
+    return seeded_init(
+        lambda name: llama_init_std(name, init.std, mc.num_hidden_layers, scaling),
+        cfg.general.seed,
+        {"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size},
+    )
+
+
 def build_model_parts(cfg, mesh: DeviceMesh, device: torch.device, dp_scale: int) -> ModelParts:
     """This rank's model parts for `cfg` on `mesh`, parallelized, initialized, ready to train.
 
     `dp_scale` multiplies the pipeline loss for backward (FSDP averages gradients over dp).
     """
-    mc, init, p = cfg.model.model_config, cfg.model.init_method, cfg.parallelism
+    mc, p = cfg.model.model_config, cfg.parallelism
     param_dtype, autocast_dtype = param_and_compute_dtypes(cfg)
     vocab = padded_vocab_size(cfg)
     with torch.device("meta"):
         full = Llama(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
-    scaling = getattr(init, "scaling_method", "NUM_LAYERS")
     sp = p.tp_mode == "REDUCE_SCATTER" and p.tp > 1
+
+    source = initial_weights(cfg, vocab)
 
     def finish(module: nn.Module) -> nn.Module:
         return parallelize(
             module,
             mesh,
             device=device,
-            std_of=lambda name: llama_init_std(name, init.std, mc.num_hidden_layers, scaling),
-            seed=cfg.general.seed,
-            valid_rows={"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size},
+            source=source,
             sequence_parallel=sp,
             recompute_layer=p.recompute_layer,
             dp=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),

@@ -1,0 +1,442 @@
+"""Convert Llama weights between Hugging Face `LlamaForCausalLM` folders and Nanotron's layout.
+
+    python -m mesh3d.convert to-hf --checkpoint <step dir> --output <hf dir>
+    python -m mesh3d.convert from-hf --model <hf dir> --output <dir> [--tp N] [--pp N]
+
+`to-hf` reads a step folder (`model_config.json` + `model/...`, saved at any tp/pp, by Nanotron
+or mesh3d) and writes `config.json` + `model.safetensors` that `LlamaForCausalLM.from_pretrained`
+loads. The vocabulary stays the padded one of `model_config.json` (lossless; the extra rows are
+the padding). Tied embeddings are written once, as `model.embed_tokens.weight`. A model trained
+with `rope_interleaved: true` has its q/k rows permuted per head into HF's rotate-half order.
+
+`from-hf` reads a local HF Llama folder (`config.json` in the transformers 4 form, top-level
+`rope_theta` / `rope_scaling`, or the transformers 5 form, `rope_parameters`; `*.safetensors`,
+sharded or not) and writes `<output>/model/...` (Nanotron's layout at the given tp/pp),
+`<output>/model_config.json` (padded vocab) and `<output>/config.yaml` whose `model:` section
+is the model with `init_method: {path: <output>}`: copy that section into a training config
+to start from these weights. No optimizer state is written.
+
+Weight math (spec §4.4): our names are HF's without the `model.` prefix, so the mapping is a
+prefix; `write_nanotron_weights` / `read_nanotron_weights` fuse and split qkv and gate_up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from mesh3d.config import LlamaConfig, config_from_dict, save_config
+from mesh3d.errors import UserError, exit_on_user_error
+from mesh3d.models.llama import ACTIVATIONS
+
+HF_PREFIX = "model."
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+# --- rotary layout -------------------------------------------------------------------------
+
+
+def interleave_permutation(head_dim: int) -> Tensor:
+    """Row order taking HF rotate-half rows to GPT-J interleaved rows, per head (spec §4.5):
+    new row 2i = old row i, new row 2i+1 = old row i + dh/2."""
+    half = torch.arange(head_dim // 2)
+    return torch.stack([half, half + head_dim // 2], dim=-1).flatten()
+
+
+def _permute_heads(w: Tensor, head_dim: int, perm: Tensor) -> Tensor:
+    return w.view(-1, head_dim, w.shape[-1])[:, perm].reshape(w.shape)
+
+
+def permute_qk(full: dict[str, Tensor], head_dim: int, to_interleaved: bool) -> dict[str, Tensor]:
+    """q/k projection rows moved between rotate-half (HF) and interleaved order, per head."""
+    perm = interleave_permutation(head_dim)
+    if not to_interleaved:
+        perm = torch.argsort(perm)
+    return {
+        k: _permute_heads(v, head_dim, perm)
+        if k.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
+        else v
+        for k, v in full.items()
+    }
+
+
+# --- HF config <-> Nanotron LlamaConfig ---------------------------------------------------
+
+
+def hf_rope(hf: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from either transformers 4 or 5 `config.json`."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise UserError(
+                f"rope scaling type {kind!r} in config.json is not supported by mesh3d; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)} (or no rope_scaling)"
+            )
+        if kind == "default":
+            scaling = None
+    return float(theta), scaling or None
+
+
+def llama_config_from_hf(hf: dict, where: Path) -> LlamaConfig:
+    """Nanotron's LlamaConfig for an HF Llama `config.json` (vocab unpadded, as in HF)."""
+    archs = hf.get("architectures") or []
+    if hf.get("model_type") != "llama" or (archs and "LlamaForCausalLM" not in archs):
+        raise UserError(
+            f"{where} is not a Llama config (model_type {hf.get('model_type')!r}, architectures "
+            f"{archs}); mesh3d.convert handles LlamaForCausalLM only"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise UserError(
+                f"{where}: `{key}: true` is not supported (mesh3d's Llama has no biases)"
+            )
+    act = hf.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise UserError(
+            f"{where}: hidden_act {act!r} is not supported; use one of {sorted(ACTIVATIONS)}"
+        )
+    missing = [
+        k
+        for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+        if k not in hf
+    ]
+    if missing or "vocab_size" not in hf:
+        raise UserError(
+            f"{where} lacks {missing or ['vocab_size']}; is it a complete Llama config?"
+        )
+    h, nq = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, h // nq):
+        raise UserError(
+            f"{where}: head_dim {hf['head_dim']} differs from hidden_size / num_attention_heads "
+            f"= {h // nq}; mesh3d's Llama does not support that"
+        )
+    theta, scaling = hf_rope(hf)
+    eos = hf.get("eos_token_id", 2)
+    if isinstance(eos, list):  # Llama 3.x instruct lists several; Nanotron keeps one int
+        eos = eos[0]
+    return LlamaConfig(
+        bos_token_id=hf.get("bos_token_id", 1),
+        eos_token_id=eos,
+        hidden_act=act,
+        hidden_size=h,
+        initializer_range=hf.get("initializer_range", 0.02),
+        intermediate_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        num_attention_heads=nq,
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_key_value_heads=hf.get("num_key_value_heads") or nq,
+        pad_token_id=hf.get("pad_token_id"),
+        pretraining_tp=hf.get("pretraining_tp", 1),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_scaling=scaling,
+        rope_theta=theta,
+        rope_interleaved=False,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        use_cache=hf.get("use_cache", True),
+        vocab_size=hf["vocab_size"],
+    )
+
+
+def hf_config_from_llama(mc: LlamaConfig, dtype: torch.dtype) -> dict:
+    """`config.json` of `LlamaForCausalLM`, in both the transformers 4 and 5 rope forms."""
+    scaling = dict(mc.rope_scaling) if mc.rope_scaling else None
+    rope_parameters = dict(scaling or {"rope_type": "default"}, rope_theta=mc.rope_theta)
+    if "type" in rope_parameters and "rope_type" not in rope_parameters:
+        rope_parameters["rope_type"] = rope_parameters.pop("type")
+    name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    nq = mc.num_attention_heads
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": mc.bos_token_id,
+        "eos_token_id": mc.eos_token_id,
+        "pad_token_id": mc.pad_token_id,
+        "head_dim": mc.hidden_size // nq,
+        "hidden_act": mc.hidden_act,
+        "hidden_size": mc.hidden_size,
+        "initializer_range": mc.initializer_range,
+        "intermediate_size": mc.intermediate_size,
+        "max_position_embeddings": mc.max_position_embeddings,
+        "mlp_bias": False,
+        "num_attention_heads": nq,
+        "num_hidden_layers": mc.num_hidden_layers,
+        "num_key_value_heads": mc.num_key_value_heads or nq,
+        "pretraining_tp": mc.pretraining_tp,
+        "rms_norm_eps": mc.rms_norm_eps,
+        "rope_theta": mc.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope_parameters,
+        "tie_word_embeddings": mc.tie_word_embeddings,
+        "torch_dtype": name,
+        "dtype": name,
+        "use_cache": mc.use_cache,
+        "vocab_size": mc.vocab_size,
+    }
+
+
+def read_model_config_json(step: Path) -> LlamaConfig:
+    """The LlamaConfig in `<step>/model_config.json` (Nanotron keys, padded vocab)."""
+    path = step / "model_config.json"
+    if not path.is_file():
+        raise UserError(f"{step} has no model_config.json; give a checkpoint step folder")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{path} must hold a JSON object")
+    if "is_starcoder2_config" in d or d.get("moe_config") or d.get("attention_bias"):
+        raise UserError(f"{path} is not a Llama model config; only Llama converts to HF")
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    mc = LlamaConfig(**{k: v for k, v in d.items() if k in fields})
+    mc.num_key_value_heads = mc.num_key_value_heads or mc.num_attention_heads
+    return mc
+
+
+def shape_of(mc: LlamaConfig):
+    """The `ModelShape` of `mc` (its vocab_size taken as the padded one)."""
+    from mesh3d.checkpoint.nanotron_weights import ModelShape  # heavy: torch.distributed
+
+    return ModelShape(
+        num_layers=mc.num_hidden_layers,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_heads=mc.num_attention_heads,
+        num_kv_heads=mc.num_key_value_heads or mc.num_attention_heads,
+        padded_vocab=mc.vocab_size,
+        tied=mc.tie_word_embeddings,
+    )
+
+
+# --- HF safetensors ------------------------------------------------------------------------
+
+
+def read_hf_weights(model_dir: Path) -> dict[str, Tensor]:
+    """HF name -> tensor from every `*.safetensors` of `model_dir` (the index's files if any)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"{index} names shards that are missing: {', '.join(missing)}")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        bins = list(model_dir.glob("*.bin")) + list(model_dir.glob("*.pt"))
+        hint = (
+            " (it has PyTorch .bin weights: re-save with `save_pretrained(..., "
+            "safe_serialization=True)`)"
+            if bins
+            else ""
+        )
+        raise UserError(f"{model_dir} has no *.safetensors weights{hint}")
+    out = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    out[k] = sf.get_tensor(k)
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise UserError(f"cannot read {f}: {e}; the file is truncated or corrupted") from None
+    return out
+
+
+def hf_to_ours(hf: dict[str, Tensor], mc: LlamaConfig, where: Path) -> dict[str, Tensor]:
+    """Our names (HF's without `model.`); rotary caches dropped, lm_head dropped when tied."""
+    ours = {}
+    for k, v in hf.items():
+        if k.endswith("rotary_emb.inv_freq"):
+            continue
+        name = k.removeprefix(HF_PREFIX)
+        if mc.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        ours[name] = v
+    if not mc.tie_word_embeddings and "lm_head.weight" not in ours:
+        raise UserError(
+            f"{where} has no lm_head.weight and config.json says tie_word_embeddings is false"
+        )
+    expected = set(_expected_names(mc))
+    extra = sorted(set(ours) - expected)
+    if extra:
+        raise UserError(f"{where} has weights mesh3d's Llama does not know: {extra[:5]}")
+    return ours
+
+
+def _expected_names(mc: LlamaConfig) -> list[str]:
+    names = ["embed_tokens.weight", "norm.weight"]
+    if not mc.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(mc.num_hidden_layers):
+        for part in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        ):
+            names.append(f"layers.{i}.{part}.weight")
+    return names
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+# --- the two directions --------------------------------------------------------------------
+
+
+def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) -> list[Path]:
+    """Write `output/config.json` + `output/model.safetensors` from a step folder; the paths."""
+    step, output = Path(checkpoint), Path(output)
+    if not step.is_dir():
+        raise UserError(f"checkpoint folder {step} does not exist")
+    mc = read_model_config_json(step)
+    if not (step / "model").is_dir():
+        raise UserError(f"{step} has no model/ folder of weights")
+    from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
+
+    full = read_nanotron_weights(step / "model", shape_of(mc))
+    if mc.rope_interleaved:
+        full = permute_qk(full, mc.hidden_size // mc.num_attention_heads, to_interleaved=False)
+    if mc.tie_word_embeddings:
+        full.pop("lm_head.weight", None)
+    if dtype is not None:
+        full = {k: v.to(_DTYPES[dtype]) for k, v in full.items()}
+    hf = {(k if k == "lm_head.weight" else HF_PREFIX + k): v.contiguous() for k, v in full.items()}
+    out_dtype = next(iter(hf.values())).dtype
+    output.mkdir(parents=True, exist_ok=True)
+    config = output / "config.json"
+    config.write_text(json.dumps(hf_config_from_llama(mc, out_dtype), indent=2) + "\n")
+    weights = output / "model.safetensors"
+    save_file(hf, str(weights), metadata={"format": "pt"})
+    return [config, weights]
+
+
+def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> list[Path]:
+    """Write a Nanotron-layout weights checkpoint of an HF Llama folder; the paths written."""
+    model_dir, output = Path(model), Path(output)
+    if tp < 1 or pp < 1:
+        raise UserError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
+    if not model_dir.is_dir():
+        raise UserError(f"model folder {model_dir} does not exist")
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise UserError(f"{model_dir} has no config.json; give a Hugging Face model folder")
+    try:
+        hf_cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg_path} is not valid JSON: {e}") from None
+    mc = llama_config_from_hf(hf_cfg, cfg_path)
+    if pp > mc.num_hidden_layers:
+        raise UserError(f"--pp {pp} is more than the model's {mc.num_hidden_layers} layers")
+    ours = hf_to_ours(read_hf_weights(model_dir), mc, model_dir)
+    vocab = mc.vocab_size
+    padded = -(-vocab // tp) * tp  # make_vocab_size_divisible_by 1 (spec §4.1)
+    if ours["embed_tokens.weight"].shape[0] != vocab:
+        raise UserError(
+            f"{model_dir}: embed_tokens has {ours['embed_tokens.weight'].shape[0]} rows, "
+            f"config.json says vocab_size {vocab}"
+        )
+    for k in ("embed_tokens.weight", "lm_head.weight"):
+        if k in ours:
+            ours[k] = _pad_rows(ours[k], padded)
+    shape = shape_of(dataclasses.replace(mc, vocab_size=padded))
+    from mesh3d.checkpoint.nanotron_weights import write_nanotron_weights
+
+    paths = write_nanotron_weights(output / "model", ours, shape, tp=tp, pp=pp)
+
+    model_json = dataclasses.asdict(mc)
+    model_json["vocab_size"] = padded
+    mcj = output / "model_config.json"
+    mcj.write_text(json.dumps(model_json))
+    dtypes = {t.dtype for t in ours.values()}
+    dtype = _DTYPE_NAMES.get(dtypes.pop(), "float32") if len(dtypes) == 1 else "float32"
+    tokenizer = None
+    if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = {"tokenizer_name_or_path": str(model_dir.resolve())}
+    cfg = config_from_dict(
+        {
+            "general": {"project": "converted", "run": model_dir.resolve().name or "model"},
+            "parallelism": {"dp": 1, "tp": tp, "pp": pp},
+            "model": {
+                "model_config": dataclasses.asdict(mc),  # unpadded: it pads to `padded` at tp
+                "init_method": {"path": str(output.resolve())},
+                "dtype": dtype,
+                "make_vocab_size_divisible_by": 1,
+            },
+            "tokenizer": tokenizer,
+        }
+    )
+    yaml_path = output / "config.yaml"
+    save_config(cfg, yaml_path)
+    return [*paths, mcj, yaml_path]
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m mesh3d.convert",
+        description="Convert Llama weights between Hugging Face and Nanotron's checkpoint layout.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    a = sub.add_parser(
+        "to-hf",
+        help="checkpoint step folder -> Hugging Face LlamaForCausalLM folder",
+        description="Write config.json + model.safetensors (LlamaForCausalLM) from a step folder "
+        "holding model_config.json and model/ (saved at any tp/pp). The padded vocabulary is kept.",
+    )
+    a.add_argument("--checkpoint", required=True, help="step folder, e.g. checkpoints/1000")
+    a.add_argument("--output", required=True, help="folder for the Hugging Face model")
+    a.add_argument("--dtype", choices=sorted(_DTYPES), help="cast weights (default: as stored)")
+    b = sub.add_parser(
+        "from-hf",
+        help="Hugging Face Llama folder -> Nanotron-layout weights checkpoint",
+        description="Write <output>/model/... (Nanotron layout at --tp/--pp), model_config.json "
+        "and config.yaml. To train from these weights, use its model: section (init_method: "
+        "{path: <output>}) in your training config. No optimizer state is written.",
+    )
+    b.add_argument("--model", required=True, help="local Hugging Face model folder")
+    b.add_argument("--output", required=True, help="folder for the converted checkpoint")
+    b.add_argument("--tp", type=int, default=1, help="tensor-parallel layout of the files")
+    b.add_argument("--pp", type=int, default=1, help="pipeline-parallel layout of the files")
+    args = ap.parse_args(argv)
+    if args.command == "to-hf":
+        paths = to_hf(args.checkpoint, args.output, args.dtype)
+    else:
+        paths = from_hf(args.model, args.output, args.tp, args.pp)
+    print(f"wrote {len(paths)} files under {args.output}:")
+    for p in paths:
+        print(f"  {p}")
+    if args.command == "from-hf":
+        print(f"train from it with `model.init_method: {{path: {Path(args.output).resolve()}}}`")
+
+
+if __name__ == "__main__":
+    main()
