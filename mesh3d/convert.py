@@ -214,15 +214,7 @@ def shape_of(mc: LlamaConfig):
     """The `ModelShape` of `mc` (its vocab_size taken as the padded one)."""
     from mesh3d.checkpoint.nanotron_weights import ModelShape  # heavy: torch.distributed
 
-    return ModelShape(
-        num_layers=mc.num_hidden_layers,
-        hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size,
-        num_heads=mc.num_attention_heads,
-        num_kv_heads=mc.num_key_value_heads or mc.num_attention_heads,
-        padded_vocab=mc.vocab_size,
-        tied=mc.tie_word_embeddings,
-    )
+    return ModelShape.from_model_config(mc, mc.vocab_size)
 
 
 # --- HF safetensors ------------------------------------------------------------------------

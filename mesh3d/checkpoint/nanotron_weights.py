@@ -52,14 +52,18 @@ class ModelShape:
         """From a loaded `Config` (vocab padded for its tp, spec §4.1)."""
         from mesh3d.config import padded_vocab_size
 
-        m = cfg.model.model_config
+        return cls.from_model_config(cfg.model.model_config, padded_vocab_size(cfg))
+
+    @classmethod
+    def from_model_config(cls, m, padded_vocab: int) -> ModelShape:
+        """From a `LlamaConfig` and the padded vocabulary size."""
         return cls(
             num_layers=m.num_hidden_layers,
             hidden_size=m.hidden_size,
             intermediate_size=m.intermediate_size,
             num_heads=m.num_attention_heads,
             num_kv_heads=m.num_key_value_heads or m.num_attention_heads,
-            padded_vocab=padded_vocab_size(cfg),
+            padded_vocab=padded_vocab,
             tied=m.tie_word_embeddings,
         )
 

@@ -1,1 +1,1 @@
-"""Single-device model definitions. Nothing here imports torch.distributed."""
+"""Single-device model definitions: no process groups, no parallel code in here."""

@@ -10,7 +10,7 @@ Notable choices:
   so the same code runs on tensor-parallel shards holding fewer heads.
 - No buffers: the RoPE frequencies are recomputed from the config, so building on the meta
   device and `to_empty` need no fix-up (apart from re-tying embeddings, `tie_weights`).
-Activations are batch-first [B, S, h]. Nothing here imports torch.distributed.
+Activations are batch-first [B, S, h]. No parallel code here: tensor and pipeline parallelism are applied from outside.
 """
 
 from __future__ import annotations
