@@ -14,16 +14,22 @@ padding columns are pushed to -inf so they never change the loss.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 
-def _padding_mask(logits: DTensor, vocab_size: int) -> DTensor:
-    """A [Vp] DTensor, sharded like the logits' vocab dim: 0 for real tokens, -inf for padding."""
-    mask = torch.zeros(logits.shape[-1], device=logits.device)
+@functools.lru_cache(maxsize=8)
+def _padding_mask(mesh, padded: int, vocab_size: int, device: torch.device) -> DTensor:
+    """A [Vp] DTensor sharded like the logits' vocab dim: 0 for real tokens, -inf for padding.
+
+    Built once per (mesh, sizes), not per microbatch.
+    """
+    mask = torch.zeros(padded, device=device)
     mask[vocab_size:] = float("-inf")
-    return distribute_tensor(mask, logits.device_mesh, [Shard(0)], src_data_rank=None)
+    return distribute_tensor(mask, mesh, [Shard(0)], src_data_rank=None)
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -36,7 +42,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) 
     padded = logits.shape[-1] > vocab_size
     if isinstance(logits, DTensor):
         if padded:
-            logits = logits + _padding_mask(logits, vocab_size)
+            logits = logits + _padding_mask(
+                logits.device_mesh, logits.shape[-1], vocab_size, logits.device
+            )
         return F.cross_entropy(
             logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100
         )
