@@ -96,9 +96,19 @@ def test_step_folder_contents(runs):
     assert (root / "latest.txt").read_text() == "4"
     step = root / "4"
     meta = json.loads((step / "checkpoint_metadata.json").read_text())
-    assert meta["metas"] == {"last_train_step": 4, "consumed_train_samples": 32}
-    sd = torch.load(step / "lr_scheduler" / "lr_scheduler.pt", weights_only=True)
-    assert sd["last_epoch"] == 4
+    assert meta["metas"] == {
+        "consumed_train_samples": 32,
+        "data_stages": [{"consumed_train_samples": 32, "name": "s", "start_training_step": 1}],
+        "last_stage_idx": 0,
+        "last_train_step": 4,
+    }
+    assert (meta["version"], meta["tp"], meta["dp"]) == ("1.4", 2, 2)
+    assert meta["custom_metas"] == {"writer": "mesh3d", "pp": 2, "zero_stage": 1}
+    for pp in range(2):
+        for tp in range(2):
+            name = f"lr_scheduler_pp-{pp}-of-2_tp-{tp}-of-2_exp-0-of-1.pt"
+            sd = torch.load(step / "lr_scheduler" / name, weights_only=True)
+            assert sd["last_epoch"] == 4
     assert not list(root.glob(".tmp-*")), "no temporary folder left behind"
     # the Nanotron-layout weights equal the model's weights after step 4
     from parity import TINY

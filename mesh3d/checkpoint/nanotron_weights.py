@@ -183,32 +183,68 @@ def _path(p: Param, tp_rank: int, tp: int, pp: int) -> str:
     return "/".join([*dirs, file])
 
 
+def local_shape(p: Param, tp: int) -> tuple[int, ...]:
+    """The shape of one TP rank's tensor of `p` (every rank's is the same for Llama)."""
+    dim = N.SPLIT_DIM[p.kind]
+    if dim is None:
+        return p.shape
+    return tuple(d // tp if i == dim else d for i, d in enumerate(p.shape))
+
+
+def shard_of(p: Param, fused: Tensor, tp_rank: int, tp: int) -> tuple[Tensor, dict[str, str]]:
+    """TP rank `tp_rank`'s tensor of `p` from its full (fused) tensor, and the file metadata."""
+    if p.kind == "replicated":
+        return fused.contiguous(), {}
+    pairs = _slice_pairs(p, tp_rank, tp)
+    parts = [fused[g] for _, g in pairs]
+    data = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+    meta = {
+        "version": N.WRITE_VERSION,
+        "unsharded_shape": str(p.shape),
+        "local_global_slices_pairs": ";".join(f"{_fmt(lo)}#{_fmt(g)}" for lo, g in pairs),
+    }
+    return data, meta
+
+
+def unshard(p: Param, shards: dict[int, Tensor], tp: int) -> Tensor:
+    """The full (fused) tensor of `p` from every TP rank's tensor {tp_rank: local tensor}."""
+    if p.kind == "replicated":
+        return shards[min(shards)]
+    first = next(iter(shards.values()))
+    full = torch.empty(p.shape, dtype=first.dtype)
+    for t in range(tp):
+        for lo, g in _slice_pairs(p, t, tp):
+            full[g] = shards[t][lo]
+    return full
+
+
+def fuse(p: Param, tensors: dict[str, Tensor]) -> Tensor:
+    """Our tensors of `p` concatenated into Nanotron's full (fused) tensor, shape-checked."""
+    missing = [o for o in p.ours if o not in tensors]
+    if missing:
+        raise UserError(f"no weights for {missing} (needed for {p.name})")
+    fused = torch.cat([tensors[o] for o in p.ours]) if len(p.ours) > 1 else tensors[p.ours[0]]
+    if tuple(fused.shape) != p.shape:
+        raise UserError(
+            f"{p.name}: weights have shape {tuple(fused.shape)}, the model config says {p.shape}"
+        )
+    return fused
+
+
+def weight_file(p: Param, tp_rank: int, tp: int, pp: int) -> str:
+    """Path of `p`'s file for `tp_rank`, relative to a step's `model/` folder (spec §3.3)."""
+    return _path(p, tp_rank, tp, pp)
+
+
 def nanotron_shards(
     full: dict[str, Tensor], s: ModelShape, tp: int, pp: int
 ) -> dict[str, tuple[Tensor, dict[str, str]]]:
     """Relative path (under `<step>/model`) -> (the file's `data` tensor, its metadata)."""
     out = {}
     for p in nanotron_params(s, pp):
-        missing = [o for o in p.ours if o not in full]
-        if missing:
-            raise UserError(f"no weights for {missing} (needed for {p.name})")
-        fused = torch.cat([full[o] for o in p.ours]) if len(p.ours) > 1 else full[p.ours[0]]
-        if tuple(fused.shape) != p.shape:
-            raise UserError(
-                f"{p.name}: weights have shape {tuple(fused.shape)}, the model config says {p.shape}"
-            )
-        if p.kind == "replicated":
-            out[_path(p, 0, tp, pp)] = (fused.contiguous(), {})
-            continue
-        for t in range(tp):
-            pairs = _slice_pairs(p, t, tp)
-            data = torch.cat([fused[g] for _, g in pairs]).contiguous()
-            meta = {
-                "version": N.WRITE_VERSION,
-                "unsharded_shape": str(p.shape),
-                "local_global_slices_pairs": ";".join(f"{_fmt(lo)}#{_fmt(g)}" for lo, g in pairs),
-            }
-            out[_path(p, t, tp, pp)] = (data, meta)
+        fused = fuse(p, full)
+        for t in range(1 if p.kind == "replicated" else tp):
+            out[_path(p, t, tp, pp)] = shard_of(p, fused, t, tp)
     return out
 
 
@@ -334,27 +370,30 @@ def _read_sharded(root: Path, p: Param) -> Tensor:
     return full
 
 
+def read_param(root: str | Path, p: Param) -> Tensor:
+    """The full (fused) tensor of `p` from `root` (= `<step>/model`), saved at any TP/PP."""
+    root = Path(root)
+    if p.kind != "replicated":
+        return _read_sharded(root, p)
+    path = root / _path(p, 0, 1, 1)
+    if not path.is_file():
+        raise UserError(f"missing weight file {path} of {p.name}; the checkpoint is incomplete")
+    full, _ = _read_file(path)
+    if tuple(full.shape) != p.shape:
+        raise UserError(
+            f"{path}: shape {tuple(full.shape)} but the model config gives {p.shape} for {p.name}"
+        )
+    return full
+
+
 def read_nanotron_weights(root: str | Path, s: ModelShape) -> dict[str, Tensor]:
     """Our name -> full tensor, from `root` (= `<step>/model`) saved with any TP/PP layout.
 
     With tied embeddings only `embed_tokens.weight` is returned (lm_head is the same tensor).
     """
-    root, out = Path(root), {}
+    out = {}
     for p in nanotron_params(s):
-        if p.kind == "replicated":
-            path = root / _path(p, 0, 1, 1)
-            if not path.is_file():
-                raise UserError(
-                    f"missing weight file {path} of {p.name}; the checkpoint is incomplete"
-                )
-            full, _ = _read_file(path)
-            if tuple(full.shape) != p.shape:
-                raise UserError(
-                    f"{path}: shape {tuple(full.shape)} but the model config gives {p.shape} for {p.name}"
-                )
-        else:
-            full = _read_sharded(root, p)
-        out.update(zip(p.ours, torch.split(full, p.chunks), strict=True))
+        out.update(zip(p.ours, torch.split(read_param(root, p), p.chunks), strict=True))
     return out
 
 

@@ -104,7 +104,7 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
     start, consumed = 0, 0
     if ck is not None and ck.resume_checkpoint_path is not None:
         start, consumed = load_checkpoint(
-            ck.resume_checkpoint_path, parts, optimizer, scheduler, padded_vocab_size(cfg),
+            ck.resume_checkpoint_path, parts, optimizer, scheduler, cfg,
             load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
         )  # fmt: skip
         logger.info(f"Resumed from {ck.resume_checkpoint_path} at step {start}")

@@ -1,0 +1,33 @@
+"""Data stages (Nanotron's `data_stages`, spec §1.11, §5.4): which one is active at a step.
+
+The stage active at step s is the last one (by `start_training_step`) that starts at or before
+s. Every step consumes one global batch from the active stage; each stage reads its dataset
+from its own beginning, offset by what it has consumed so far. Both counts follow from the step
+alone, so a resumed run (at any layout) continues each stage exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+
+def stage_index_at(starts: list[int], step: int) -> int:
+    """Index of the stage active at `step` (1-based), given each stage's start step in order."""
+    active = 0
+    for i, start in enumerate(starts):
+        if start <= step:
+            active = i
+    return active
+
+
+def consumed_in_stage(starts: list[int], step: int, global_batch_size: int) -> int:
+    """Samples the stage active at `step` consumed in the steps before it."""
+    i = stage_index_at(starts, step)
+    begin = max(starts[i], 1)
+    return max(step - begin, 0) * global_batch_size
+
+
+def stage_consumption(starts: list[int], last_step: int, global_batch_size: int) -> list[int]:
+    """Samples each stage consumed in steps 1..`last_step` (Nanotron's per-stage metadata)."""
+    counts = [0] * len(starts)
+    for step in range(1, last_step + 1):
+        counts[stage_index_at(starts, step)] += global_batch_size
+    return counts
