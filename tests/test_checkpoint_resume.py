@@ -34,6 +34,41 @@ def _ckpt(path, interval, steps, resume=None):
     return out
 
 
+V250 = ["model.model_config.vocab_size=250", "parallelism.tp_mode=ALL_REDUCE"]
+
+
+def _as_if_nanotron_wrote_it(src, dst):
+    """A copy of a (1,1,1) zero-0 step folder changed into what Nanotron 1.5 (HEAD) writes:
+    pickled random-state classes, an LR-scheduler state with one group per parameter, metadata
+    without mesh3d's custom_metas and with HEAD's extra fields."""
+    import pickle
+    import shutil
+
+    shutil.copytree(src, dst)
+    for f in (dst / "random").glob("*.pt"):
+        f.write_bytes(pickle.dumps(NanotronRandomStates(tp_synced=("state", 1))))
+    sched = dst / "lr_scheduler" / "lr_scheduler_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt"
+    sd = torch.load(sched, weights_only=True)
+    n = 11  # Nanotron builds one param group per parameter
+    torch.save(
+        {"base_lrs": [sd["base_lrs"][0]] * n, "last_epoch": sd["last_epoch"], "verbose": False,
+         "_step_count": sd["_step_count"], "_get_lr_called_within_step": False,
+         "_last_lr": [sd["_last_lr"][0]] * n, "lr_lambdas": [{}] * n},
+        sched,
+    )  # fmt: skip
+    meta_path = dst / "checkpoint_metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta.update(version="1.5", cp=1, custom_metas=None)
+    meta["metas"]["consumed_tokens_total"] = None
+    for stage in meta["metas"]["data_stages"]:
+        stage.update(sequence_length=16, consumed_tokens_per_dataset_folder={})
+    meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True))
+
+
+class NanotronRandomStates(dict):
+    """Stands for nanotron.random.RandomStates: a pickled class mesh3d must never unpickle."""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("ckpt")
@@ -46,9 +81,24 @@ def runs(tmp_path_factory):
         _layout(4, 1, 2, "ALL_REDUCE", 0) + _ckpt(d / "r412", 100, 8, resume=saved / "4"),
     ]
     out = run_ranks(8, train_runs, eight, timeout=400)[0]
+    # vocab 250 pads to 250 at tp 1 and to 252 at tp 4: resume across a padding change
+    v250 = _layout(1, 1, 1, zero=0) + V250
+    first = run_ranks(
+        1,
+        train_runs,
+        [v250 + _ckpt(d / "v250s", 100, 8), v250 + _ckpt(d / "v250", 4, 4)],
+        timeout=200,
+    )[0]
+    _as_if_nanotron_wrote_it(d / "v250" / "4", d / "nanotron" / "4")
     four = run_ranks(
-        4, train_runs, [_layout(2, 2, 1) + _ckpt(d / "r221", 100, 8, saved)], timeout=200
-    )
+        4,
+        train_runs,
+        [
+            _layout(2, 2, 1) + _ckpt(d / "r221", 100, 8, saved),
+            _layout(1, 4, 1, "ALL_REDUCE", 0) + V250 + _ckpt(d / "r141", 100, 8, d / "v250"),
+        ],
+        timeout=200,
+    )[0]
     fresh = ["checkpoints.load_optimizer=false", "checkpoints.load_lr_scheduler=false"]
     ones = [
         _layout(1, 1, 1) + _ckpt(d / "r111", 100, 8, saved),
@@ -56,13 +106,15 @@ def runs(tmp_path_factory):
         + _ckpt(d / "init", 100, 3)
         + [f"model.init_method={{path: {saved / '4'}}}"],
         _layout(1, 1, 1) + _ckpt(d / "weights", 100, 3, saved / "4") + fresh,
+        v250 + _ckpt(d / "from_nanotron", 100, 8, d / "nanotron" / "4"),
     ]
     one = run_ranks(1, train_runs, ones, timeout=200)[0]
     names = ["straight", "first4", "same", "(1,4,2)", "(4,1,2)"]
     return (
         dict(zip(names, out))
-        | {"(2,2,1)": four[0][0], "(1,1,1)": one[0], "dir": saved}
+        | {"(2,2,1)": four[0], "(1,1,1)": one[0], "dir": saved}
         | {"init_path": one[1], "weights_only": one[2]}
+        | {"v250_straight": first[0], "v250_tp4": four[1], "from_nanotron": one[3]}
     )
 
 
@@ -126,3 +178,60 @@ def test_resume_path_errors(tmp_path, runs):
     with pytest.raises(UserError, match="names step folder"):
         resolve_step_dir(tmp_path)
     assert resolve_step_dir(runs["dir"]) == runs["dir"] / "4"
+
+
+def test_resume_across_vocab_padding_change(runs):
+    # saved at tp 1 (250 rows), resumed at tp 4 (252 rows): padding rows are zero, never trained
+    ref = torch.tensor(runs["v250_straight"]["loss"][4:])
+    got = torch.tensor(runs["v250_tp4"]["loss"])
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-5, (got, ref)
+
+
+def test_resume_from_a_checkpoint_nanotron_wrote(runs):
+    # pickled random states ignored, per-parameter LR groups, version 1.5 metadata: still exact
+    assert runs["from_nanotron"]["loss"] == runs["v250_straight"]["loss"][4:]
+    assert runs["from_nanotron"]["grad_norm"] == runs["v250_straight"]["grad_norm"][4:]
+
+
+def test_training_state_files(runs):
+    step = runs["dir"] / "4"
+    opt = sorted(f.name for f in (step / "optimizer").iterdir())
+    expected = [
+        f"optimizer_pp-{p}-of-2_dp-{d}-of-2_tp-{t}-of-2_exp-0-of-1.pt"
+        for p in range(2) for d in range(2) for t in range(2)
+    ]  # fmt: skip
+    assert opt == sorted(expected + ["optimizer_config.json"])
+    rnd = sorted(f.name for f in (step / "random").iterdir())
+    assert rnd == sorted(
+        f"tp-{t}-of-2_dp-{d}-of-2_pp-{p}-of-2.pt"
+        for p in range(2)
+        for d in range(2)
+        for t in range(2)
+    )
+    config = json.loads((step / "optimizer" / "optimizer_config.json").read_text())
+    assert config["type"] == "ZeroDistributedOptimizer"
+    assert config["parallelism"] == {
+        "tp_size": "2", "dp_size": "2", "pp_size": "2", "expert_parallel_size": "1"
+    }  # fmt: skip
+    qkv = "model.decoder.0.pp_block.attn.qkv_proj.weight"  # tp-local (32+16+16, 64): 4096 each
+    assert config["configs"]["orig_param_shapes"][qkv] == ["64", "64"]
+    assert config["configs"]["param_name_to_dp_rank_offsets"][qkv] == {
+        "0": ["0", "2048"], "1": ["2048", "4096"]
+    }  # fmt: skip
+    payload = torch.load(step / "optimizer" / expected[0], weights_only=True)
+    names = payload["names"]
+    assert names[0] == "model.token_position_embeddings.pp_block.token_embedding.weight"
+    assert qkv in names.values()
+    assert len(payload["param_groups"]) == len(names)
+    assert all(g["params"] == [i] for i, g in enumerate(payload["param_groups"]))
+    i = next(k for k, v in names.items() if v == qkv)
+    assert set(payload["state"][i]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert payload["state"][i]["exp_avg"].shape == (2048,)  # this dp rank's flat slice
+    assert "gradient_accumulator" not in payload  # fp32 model: the weights are the masters
+    assert float(payload["state"][i]["step"]) == 4
+    # ZeRO-0 (dp rank 0 only, whole tp-local tensors) from the (1,1,1) zero-0 run
+    z0 = runs["dir"].parent / "v250" / "4" / "optimizer"
+    assert sorted(f.name for f in z0.iterdir()) == [
+        "optimizer_config.json", "optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt"
+    ]  # fmt: skip
+    assert json.loads((z0 / "optimizer_config.json").read_text())["configs"] == {}

@@ -83,6 +83,12 @@ def _group_hparams(optimizer) -> dict:
     return {k: g[k] for k in keys if k in g}
 
 
+def _writes_masters(cfg) -> bool:
+    """fp32 master weights go to the optimizer files (Nanotron's `gradient_accumulator`) when
+    they differ from the saved weights: fp32 accumulation with a bf16/fp16 model."""
+    return cfg.optimizer.accumulate_grad_in_fp32 and cfg.model.dtype != "float32"
+
+
 def _write_rank_files(tmp: Path, cfg, parts, optimizer, scheduler, coords: dict) -> None:
     """This rank's weight, optimizer, scheduler and random-state files (collectives inside)."""
     par = cfg.parallelism
@@ -90,7 +96,7 @@ def _write_rank_files(tmp: Path, cfg, parts, optimizer, scheduler, coords: dict)
     T, P, D = coords["tp"], coords["pp"], coords["dp"]
     shape, held = ModelShape.from_config(cfg), _held(parts)
     model_dtype = _DTYPES[cfg.model.dtype]
-    masters = cfg.optimizer.accumulate_grad_in_fp32
+    masters = _writes_masters(cfg)
     entries = []
     for p in _my_params(shape, held, pp):
         first = [held[o][0] for o in p.ours]
@@ -134,7 +140,7 @@ def _write_rank0_files(tmp: Path, cfg, optimizer, step: int, consumed: int) -> N
     (tmp / "model_config.json").write_text(json.dumps(model_config_json(cfg)))
     zero = cfg.optimizer.zero_stage > 0
     kind = "ZeroDistributedOptimizer" if zero else "NamedOptimizer"
-    if not zero and cfg.optimizer.accumulate_grad_in_fp32:
+    if not zero and _writes_masters(cfg):
         kind = "OptimizerFromGradientAccumulator"
     opt_cfg = S.optimizer_config(kind, par.tp, par.dp, par.pp, nanotron_params(shape), zero)
     (tmp / "optimizer" / "optimizer_config.json").write_text(json.dumps(opt_cfg))

@@ -1,0 +1,144 @@
+"""Checkpoint save and load throughput for a ~1B-parameter Llama on one process.
+
+    python benchmarks/checkpoint_io.py            # ~1.0B parameters (needs ~19 GiB of RAM)
+    python benchmarks/checkpoint_io.py --quick    # a 30M-parameter model, seconds
+
+The model (fp32 parameters, AdamW state filled with random values, as after some training) is
+saved with mesh3d's `save_checkpoint` — Nanotron's layout: weights, optimizer state with fp32
+masters, LR scheduler, random states — and loaded back into the same model with
+`load_checkpoint` (same code path as a resume at any layout). Reported: seconds, MB/s of files
+written/read, bytes on disk against the raw parameter bytes, and a check that the loaded state
+equals the saved one. The load reads files that are likely still in the page cache: it measures
+mesh3d's work, not the disk. Results go to `benchmarks/results/checkpoint_io[_quick].json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mesh3d.checkpoint.resume import load_checkpoint, save_checkpoint
+from mesh3d.config import load_config, validate
+from mesh3d.mesh import ParallelDims, build_mesh
+from mesh3d.train.build import build_model_parts
+from mesh3d.train.optim import build_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+# TinyLlama-1.1B's shapes with 18 layers, untied: 1.00B parameters
+FULL = ["model.model_config.hidden_size=2048", "model.model_config.intermediate_size=5632",
+        "model.model_config.num_attention_heads=32", "model.model_config.num_key_value_heads=4",
+        "model.model_config.num_hidden_layers=18", "model.model_config.vocab_size=32000",
+        "model.model_config.tie_word_embeddings=false"]  # fmt: skip
+QUICK = ["model.model_config.hidden_size=512", "model.model_config.intermediate_size=1376",
+         "model.model_config.num_attention_heads=8", "model.model_config.num_key_value_heads=4",
+         "model.model_config.num_hidden_layers=8", "model.model_config.vocab_size=8000",
+         "model.model_config.tie_word_embeddings=false"]  # fmt: skip
+COMMON = ["model.dtype=float32", "optimizer.accumulate_grad_in_fp32=true", "mesh3d.device=cpu",
+          "logging.log_level=warning"]  # fmt: skip
+MB = 1e6
+
+
+def _fill_state(parts, optimizer) -> float:
+    """Random AdamW state for every parameter; returns a checksum of params + state."""
+    g = torch.Generator().manual_seed(0)
+    total = 0.0
+    for p in parts.parameters():
+        with torch.no_grad():
+            p.add_(torch.randn(p.shape, generator=g) * 1e-3)
+        avg = torch.randn(p.shape, generator=g) * 1e-3
+        optimizer.state[p] = {"step": torch.tensor(10.0), "exp_avg": avg, "exp_avg_sq": avg * avg}
+        total += float(p.detach().double().sum() + avg.double().sum())
+    return total
+
+
+def _checksum(parts, optimizer) -> float:
+    return sum(
+        float(p.detach().double().sum() + optimizer.state[p]["exp_avg"].double().sum())
+        for p in parts.parameters()
+    )
+
+
+def _bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a 30M-parameter model")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    print("command:", "python", *map(shlex.quote, sys.argv))
+    print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
+
+    overrides = (QUICK if args.quick else FULL) + COMMON + args.overrides
+    cfg = load_config(ROOT / "recipes" / "configs" / "cpu_tiny.yaml", overrides)
+    validate(cfg, world_size=1)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="mesh3d-ckpt-io-"))
+    store = dist.FileStore(str(work / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    mesh = build_mesh(ParallelDims(1, 1, 1), "cpu")
+    parts = build_model_parts(cfg, mesh, torch.device("cpu"), dp_scale=1)
+    optimizer, scheduler = build_optimizer(parts.named_parameters(), cfg, torch.device("cpu"))
+    n_params = sum(p.numel() for p in parts.parameters())
+    before = _fill_state(parts, optimizer)
+    print(f"parameters: {n_params / 1e9:.3f}B ({n_params * 4 / 2**30:.2f} GiB fp32)")
+
+    t0 = time.perf_counter()
+    step_dir = save_checkpoint(work / "ckpt", 10, cfg, parts, optimizer, scheduler, mesh, 0)
+    save_s = time.perf_counter() - t0
+    written = _bytes(step_dir)
+
+    for p in parts.parameters():  # make sure the load really writes every value
+        with torch.no_grad():
+            p.zero_()
+    optimizer.state.clear()
+    t0 = time.perf_counter()
+    load_checkpoint(step_dir, parts, optimizer, scheduler, cfg)
+    load_s = time.perf_counter() - t0
+    after = _checksum(parts, optimizer)
+
+    raw = n_params * 4
+    result = {
+        "date": str(datetime.date.today()),
+        "torch": torch.__version__,
+        "cores": os.cpu_count(),
+        "parameters": n_params,
+        "raw_param_bytes_fp32": raw,
+        "bytes_written": written,
+        "written_over_raw": written / raw,
+        "save_s": save_s,
+        "save_MB_per_s": written / MB / save_s,
+        "load_s": load_s,
+        "load_MB_per_s": written / MB / load_s,
+        "state_equal_after_load": abs(after - before) <= 1e-9 * max(abs(before), 1.0),
+        "folders": {d.name: _bytes(d) for d in sorted(step_dir.iterdir()) if d.is_dir()},
+    }
+    print(f"{'':>6} {'seconds':>8} {'MB/s':>8}")
+    print(f"{'save':>6} {save_s:8.1f} {result['save_MB_per_s']:8.0f}")
+    print(f"{'load':>6} {load_s:8.1f} {result['load_MB_per_s']:8.0f}")
+    print(
+        f"written {written / 2**30:.2f} GiB = {result['written_over_raw']:.2f} x the fp32 parameters"
+        f" ({', '.join(f'{k} {v / 2**30:.2f}' for k, v in result['folders'].items())} GiB)"
+    )
+    print(f"state equal after load: {result['state_equal_after_load']}")
+    out = ROOT / "benchmarks" / "results" / f"checkpoint_io{'_quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    dist.destroy_process_group()
+    return 0 if result["state_equal_after_load"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
