@@ -28,7 +28,7 @@ from mesh3d.config import (
     save_config,
     validate,
 )
-from mesh3d.errors import ConfigError
+from mesh3d.errors import ConfigError, UserError
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures" / "nanotron"
@@ -108,15 +108,11 @@ def test_fixture_parses_and_round_trips(path, tmp_path):
 
 
 UNSUPPORTED_FIXTURES = {
-    "classic-config_nanoset.yaml": "`data_stages[0].data.dataset` (Nanoset) is not supported by mesh3d yet",
-    "classic-config_tiny_llama.yaml": "(Hugging Face datasets) is not supported by mesh3d yet",
-    "head-config_custom_dl.yaml": "`data_stages[1].data.dataset` (Hugging Face datasets) is not supported",
-    "head-config_nanoset.yaml": "`data_stages[2].data.dataset` (Nanoset) is not supported by mesh3d yet",
+    "classic-config_tiny_llama.yaml": "the 1f1b pipeline schedule needs at least pp = 2",
     "head-config_qwen.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet; only Llama",
     "head-config_resume_training.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet",
     "head-config_tiny_llama.yaml": "`profiler.profiler_export_path` is not supported by mesh3d yet",
     "head-config_tiny_llama_with_s3_upload.yaml": "`s3_upload` is not supported by mesh3d yet",
-    "head-debug_config_tiny_llama.yaml": "(Hugging Face datasets) is not supported by mesh3d yet",
 }
 
 
@@ -126,6 +122,27 @@ def test_fixture_asking_for_unsupported_fails_validation(name):
     p = cfg.parallelism
     with pytest.raises(ConfigError, match=re.escape(UNSUPPORTED_FIXTURES[name])):
         validate(cfg, p.dp * p.tp * p.pp)
+
+
+DATA_FIXTURES = {  # their configs validate; their data is not on this machine: a clear error
+    "classic-config_nanoset.yaml": "dataset_folder .* does not exist",
+    "head-config_nanoset.yaml": "dataset_folder .* does not exist",
+    "classic-config_tiny_llama.yaml": "is not a local file or folder; mesh3d runs offline",
+    "head-config_custom_dl.yaml": "is not a local file or folder; mesh3d runs offline",
+    "head-debug_config_tiny_llama.yaml": "is not a local file or folder; mesh3d runs offline",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATA_FIXTURES))
+def test_fixture_data_sections_are_supported_and_checked_before_training(name):
+    from mesh3d.data.build import StagedData
+
+    # torch's 1F1B needs microbatches >= pp (Nanotron's needs pp - 1): classic tiny_llama has 1
+    cfg = load_config(FIXTURES / name, ["tokens.batch_accumulation_per_replica=2"])
+    p = cfg.parallelism
+    validate(cfg, p.dp * p.tp * p.pp)
+    with pytest.raises(UserError, match=DATA_FIXTURES[name]):
+        StagedData(cfg)
 
 
 def test_head_tiny_llama_with_overrides_validates_at_world_8():
@@ -346,7 +363,9 @@ BAD = [
     ("spectral-mup", ["model.init_method={use_mup: true}"], None, None, "`model.init_method.use_mup` is not supported by mesh3d yet"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
     ("z-loss", [f"{MC}.z_loss_enabled=true"], None, None, f"`{MC}.z_loss_enabled` is not supported by mesh3d yet"),
-    ("dataset", ["data_stages[0].data.dataset={dataset_folder: /data}"], None, None, "`data_stages[0].data.dataset` (Nanoset) is not supported by mesh3d yet; use `dataset: null`"),
+    ("nanoset-read-path", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_read_path: [/m]}"], None, None, "`data_stages[0].data.dataset.dataset_read_path` is not supported by mesh3d yet (set it to null)"),
+    ("nanoset-skip", ["data_stages[0].data.dataset={dataset_folder: /data, skip_in_stream: true}"], None, None, "`data_stages[0].data.dataset.skip_in_stream` is not supported by mesh3d yet (set it to false)"),
+    ("stage-seq-len", ["data_stages[0].sequence_length=64"], None, None, "`data_stages[0].sequence_length` is not supported by mesh3d yet (a per-stage length (64)"),
     ("profiler", ["profiler.profiler_export_path=tb"], None, None, "`profiler.profiler_export_path` is not supported by mesh3d yet"),
 ]  # fmt: skip
 

@@ -341,11 +341,46 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     if scaling in ("LAYER_INDEX", "MODEL_SCALE"):
         yield _not_yet("model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE")
     for i, stage in enumerate(cfg.data_stages or []):
-        kind = stage.data.dataset
-        if kind is not None:
-            name = _DATASET_KINDS.get(type(kind), "SFT")
-            yield f"`data_stages[{i}].data.dataset` ({name}) is not supported by mesh3d yet; use `dataset: null` (dummy data)"
+        yield from _unsupported_data(i, stage, cfg.tokens)
     if cfg.mesh3d.compile:
         yield _not_yet("mesh3d.compile", "set it to false")
     if cfg.profiler is not None and cfg.profiler.profiler_export_path is not None:
         yield _not_yet("profiler.profiler_export_path", "set profiler: null")
+
+
+# HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".
+# (`shuffle_files` is not among them: files are always shuffled with seed 42, as CLASSIC does.)
+_NANOSET_OFF = {
+    "dataset_read_path": None,
+    "dataset_max_tokens": None,
+    "skip_in_stream": False,
+    "pad_samples_to_global_batch_size": False,
+    "use_old_brrr_dataloader": False,
+}
+
+
+def _unsupported_data(i: int, stage, tokens) -> Iterator[str]:
+    where = f"data_stages[{i}]"
+    if (
+        stage.sequence_length is not None
+        and tokens
+        and stage.sequence_length != tokens.sequence_length
+    ):
+        yield _not_yet(
+            f"{where}.sequence_length",
+            f"a per-stage length ({stage.sequence_length}) different from tokens.sequence_length; set it to null",
+        )
+    kind = stage.data.dataset
+    if kind is None or isinstance(kind, PretrainDatasetsArgs):
+        return
+    if not isinstance(kind, NanosetDatasetsArgs):
+        name = _DATASET_KINDS.get(type(kind), "SFT")
+        yield f"`{where}.data.dataset` ({name}) is not supported by mesh3d yet; use a Nanoset (dataset_folder), an HF dataset (hf_dataset_or_datasets) or `dataset: null`"
+        return
+    for key, off in _NANOSET_OFF.items():
+        value = getattr(kind, key)
+        if value != off:
+            yield _not_yet(
+                f"{where}.data.dataset.{key}",
+                f"set it to {off!r}".replace("None", "null").replace("False", "false"),
+            )

@@ -7,6 +7,7 @@ tests call inside forked ranks. Every check that the config and the world size a
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d.checkpoint.resume import load_checkpoint, save_checkpoint
 from mesh3d.config import global_batch_size, padded_vocab_size, validate
-from mesh3d.data.dummy import DummyTokens, microbatches
+from mesh3d.data.build import StagedData
 from mesh3d.log import logger, setup_logging
 from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, resolve_device
 from mesh3d.parallel.parallelize import dp_mode
@@ -41,6 +42,16 @@ class RunResult:
     model: torch.nn.Module | None = None  # the model, or a ModuleList of this rank's stages
     optimizer: torch.optim.Optimizer | None = None
     mesh: DeviceMesh | None = None
+    batch_hashes: list[str] = field(default_factory=list)  # this rank's input tokens, per step
+
+
+def batch_hash(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """A short digest of a step's microbatches (inputs and labels), to compare runs."""
+    h = hashlib.sha1()
+    for inputs, labels in batches:
+        h.update(inputs.numpy().tobytes())
+        h.update(labels.numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _fault_injection(rank: int) -> int | None:
@@ -56,6 +67,7 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
     """Train `cfg` on the current process group (started here if needed); rank-local result."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     validate(cfg, world_size=world)  # before any process-group work: a bad config never hangs
+    data = StagedData(cfg)  # every stage's dataset checked before the first collective too
     device = resolve_device(cfg.mesh3d.device)
     if not dist.is_initialized():
         init_distributed(device=cfg.mesh3d.device)
@@ -79,9 +91,6 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
     logger.info(f"Total number of parameters: {n_params} ({n_params * 4 / 2**20:.2f}MiB fp32)")
 
     mc, tok = cfg.model.model_config, cfg.tokens
-    stage = cfg.data_stages[0].data if cfg.data_stages else None
-    seed = stage.seed if stage is not None and stage.seed is not None else cfg.general.seed
-    data = DummyTokens(mc.vocab_size, tok.sequence_length, seed, cfg.mesh3d.dummy_data)
     gbs = global_batch_size(cfg)
     step_flops = llama_flops(
         mc.num_hidden_layers,
@@ -115,7 +124,8 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
         t0 = time.time()
         if step == fail_at:
             raise RuntimeError(f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}")
-        batches = microbatches(data, step, gbs, coords["dp"], dims.dp, tok.micro_batch_size)
+        batches = data.batches(step, coords["dp"], dims.dp, tok.micro_batch_size)
+        result.batch_hashes.append(batch_hash(batches))
         loss, grad_norm = train_step(
             parts,
             optimizer,

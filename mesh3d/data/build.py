@@ -1,0 +1,114 @@
+"""The training data of a config: one dataset per data stage, and the batches of each step.
+
+Every stage's dataset is built (and so checked: folders, files, token ids, tokenizer, size)
+before training starts, on every rank, from the config alone. The batches of step s come from
+the stage active at s (`mesh3d.data.stages`), at the stage-local step s - start + 1: the global
+batch is that stage's samples [(k-1)*GBS, k*GBS), each dp rank taking its contiguous slice. The
+samples of a step depend only on the step, so a resumed run — at any dp — continues with exactly
+the samples the uninterrupted run would have read; no loader state is needed beyond the step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mesh3d.config import global_batch_size
+from mesh3d.config.schema import NanosetDatasetsArgs, PretrainDatasetsArgs
+from mesh3d.data.dummy import DummyTokens, microbatches
+from mesh3d.data.stages import consumed_in_stage, stage_index_at
+from mesh3d.errors import UserError
+from mesh3d.log import logger
+
+
+def _tokenizer_path(cfg, required: bool) -> str | None:
+    """The local tokenizer path; a hub id fails when the data needs it (HF datasets) and is
+    skipped with a warning when it would only check the vocabulary size (Nanoset)."""
+    tok = cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None
+    if tok and not Path(tok).exists():
+        if not required:
+            logger.warning(
+                f"tokenizer {tok!r} is not a local path: its vocabulary size is not checked"
+            )
+            return None
+        raise UserError(
+            f"`tokenizer.tokenizer_name_or_path` {tok!r} is not a local file or folder; mesh3d "
+            "runs offline: download the tokenizer first and give its path"
+        )
+    return tok
+
+
+def _stage_steps(starts: list[int], index: int, train_steps: int) -> int:
+    end = starts[index + 1] - 1 if index + 1 < len(starts) else train_steps
+    return max(end - max(starts[index], 1) + 1, 1)
+
+
+def build_dataset(cfg, index: int):
+    """The dataset of `data_stages[index]` (dummy tokens when there are no stages)."""
+    mc, tok = cfg.model.model_config, cfg.tokens
+    stages = cfg.data_stages or []
+    if not stages:
+        return DummyTokens(
+            mc.vocab_size, tok.sequence_length, cfg.general.seed, cfg.mesh3d.dummy_data
+        )
+    stage, starts = stages[index], [s.start_training_step for s in stages]
+    data, gbs = stage.data, global_batch_size(cfg)
+    seed = data.seed if data.seed is not None else 42
+    num_samples = _stage_steps(starts, index, tok.train_steps) * gbs
+    where = f"data_stages[{index}] ({stage.name!r})"
+    if data.dataset is None:
+        return DummyTokens(mc.vocab_size, tok.sequence_length, seed, cfg.mesh3d.dummy_data)
+    tokenizer = _tokenizer_path(cfg, required=isinstance(data.dataset, PretrainDatasetsArgs))
+    if isinstance(data.dataset, NanosetDatasetsArgs):
+        from mesh3d.data.hf import check_tokenizer_vocab
+        from mesh3d.data.nanoset import Nanoset, check_enough
+
+        if tokenizer:
+            check_tokenizer_vocab(tokenizer, mc.vocab_size)
+        d = data.dataset
+        ds = Nanoset(d.dataset_folder, d.dataset_weights, tok.sequence_length, num_samples, seed,
+                     mc.vocab_size, token_size_in_bytes=d.token_size_in_bytes)  # fmt: skip
+        check_enough(ds.epoch_len, gbs, f"{where} dataset_folder {d.dataset_folder}")
+        return ds
+    if isinstance(data.dataset, PretrainDatasetsArgs):
+        from mesh3d.data.hf import load_pretrain_dataset
+        from mesh3d.data.nanoset import check_enough
+
+        ds = load_pretrain_dataset(
+            data.dataset, tokenizer, tok.sequence_length, seed, num_samples, mc.vocab_size
+        )
+        check_enough(ds.epoch_len, gbs, f"{where} hf_dataset_or_datasets")
+        return ds
+    raise UserError(
+        f"`{where}.data.dataset` of type {type(data.dataset).__name__} is not supported by mesh3d yet"
+    )
+
+
+class StagedData:
+    """Every stage's dataset, built up front; `batches(step, ...)` gives a rank's microbatches."""
+
+    def __init__(self, cfg):
+        stages = cfg.data_stages or []
+        self.names = [s.name for s in stages] or ["dummy"]
+        self.starts = [s.start_training_step for s in stages] or [1]
+        self.gbs = global_batch_size(cfg)
+        self.train_steps = cfg.tokens.train_steps
+        self.datasets = [build_dataset(cfg, i) for i in range(len(self.starts))]
+        self._logged: int | None = None
+
+    def stage_at(self, step: int) -> int:
+        return stage_index_at(self.starts, step)
+
+    def batches(self, step: int, dp_rank: int, dp: int, micro_batch_size: int) -> list:
+        """This dp rank's microbatches of `step` from the stage active at it."""
+        i = self.stage_at(step)
+        if i != self._logged:
+            self._logged = i
+            remaining = _stage_steps(self.starts, i, self.train_steps) - (
+                step - max(self.starts[i], 1)
+            )
+            logger.info(
+                f"[Training Plan] Stage {self.names[i]} has {remaining} remaining training steps "
+                f"and has consumed {consumed_in_stage(self.starts, step, self.gbs)} samples"
+            )
+        local_step = step - max(self.starts[i], 1) + 1
+        return microbatches(self.datasets[i], local_step, self.gbs, dp_rank, dp, micro_batch_size)
