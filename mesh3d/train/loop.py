@@ -124,7 +124,9 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
         t0 = time.time()
         if step == fail_at:
             raise RuntimeError(f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}")
-        batches = data.batches(step, coords["dp"], dims.dp, tok.micro_batch_size)
+        # middle pipeline stages take activations, not tokens: they read no data
+        reads = parts.has_first or parts.has_last
+        batches = data.batches(step, coords["dp"], dims.dp, tok.micro_batch_size) if reads else []
         result.batch_hashes.append(batch_hash(batches))
         loss, grad_norm = train_step(
             parts,
