@@ -12,8 +12,10 @@ import pytest
 import torch
 from dist import run_ranks
 from parity import layout_overrides, train_runs
+from safetensors import safe_open
 
-from mesh3d.checkpoint import ModelShape, read_nanotron_weights
+from mesh3d.checkpoint import ModelShape, nanotron_params, read_nanotron_weights
+from mesh3d.checkpoint.nanotron_weights import shard_of, weight_file
 from mesh3d.checkpoint.resume import resolve_step_dir
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.errors import UserError
@@ -166,7 +168,22 @@ def test_step_folder_contents(runs):
     from parity import TINY
 
     cfg = apply_overrides(config_from_dict(TINY), _layout(2, 2, 2))
-    weights = read_nanotron_weights(step / "model", ModelShape.from_config(cfg))
+    shape = ModelShape.from_config(cfg)
+    weights = read_nanotron_weights(step / "model", shape)
+    # the files the 8 ranks wrote are exactly the spec's tree (its listing is checked by hand in
+    # test_checkpoint_layout.py), with the same metadata strings
+    expected = {}
+    for p in nanotron_params(shape, 2):
+        for t in range(1 if p.kind == "replicated" else 2):
+            expected[weight_file(p, t, 2, 2)] = p
+    files = {str(f.relative_to(step / "model")): f for f in (step / "model").rglob("*")}
+    files = {k: v for k, v in files.items() if v.is_file()}
+    assert set(files) == set(expected)
+    for rel, p in expected.items():
+        t = int(rel.split("tp-rank-")[1].split("-")[0]) if "tp-rank-" in rel else 0
+        with safe_open(str(files[rel]), framework="pt") as f:
+            meta = f.metadata() or {}
+        assert meta == shard_of(p, torch.zeros(p.shape), t, 2)[1], rel
     for name, w in runs["first4"]["weights"].items():
         assert torch.equal(weights[name].to(w.dtype), w), name
 
