@@ -9,6 +9,12 @@
    dp rank's microbatches (`StagedData`-style: `microbatches` over the dataset) for many steps,
    side by side with `DummyTokens` (random) over the same steps, interleaved repetitions; median
    samples/s and tokens/s of each, and their ratio. The page cache is warm (files just written).
+3. The loader against the training step's need on the default CPU config (cpu_tiny.yaml:
+   sequence 128, global batch 16): Nanoset samples/s at those shapes over the samples/s that
+   `train()` reaches on this machine (median step time of a 12-step run in this process).
+4. Peak memory of reading a 1 GB folder (`--rss-gb`, random uint16 tokens): a fresh process
+   builds the Nanoset (which scans every token id) and reads every sample once; it reports
+   ru_maxrss and its anonymous / file-backed resident memory before and after.
 Results go to `benchmarks/results/data_io[_quick].json`.
 """
 
@@ -27,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from mesh3d.config import global_batch_size, load_config
 from mesh3d.data.dummy import DummyTokens, microbatches
 from mesh3d.data.nanoset import Nanoset
 from mesh3d.data.synthetic import make_documents, make_tokenizer
@@ -42,12 +49,77 @@ def _time_reads(ds, steps: int, gbs: int, mbs: int) -> float:
     return time.perf_counter() - t0
 
 
+def _rss() -> dict:
+    """Resident memory of this process from /proc (MB): anonymous and file-backed."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "VmHWM"):
+            out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def _rss_child(folder: str, seq: int) -> None:
+    """In a fresh process: build a Nanoset over `folder` and read every sample once."""
+    import resource
+
+    before = _rss()
+    ds = Nanoset([folder], None, seq, num_samples=1, seed=1, vocab_size=50_000)
+    n = ds.epoch_len
+    ds = Nanoset([folder], None, seq, num_samples=n, seed=1, vocab_size=50_000)
+    built = _rss()
+    t0 = time.perf_counter()
+    checksum = 0
+    for i in range(n):
+        checksum += int(ds[i][0][0])
+    seconds = time.perf_counter() - t0
+    after = _rss()
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"samples": n, "read_s": seconds, "before_MB": before, "after_build_MB": built,
+                      "after_read_MB": after, "ru_maxrss_MB": maxrss}))  # fmt: skip
+
+
+def _rss_of_reading(gigabytes: float, seq: int, work: Path) -> dict:
+    import subprocess
+
+    import numpy as np
+
+    folder = work / "big"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    tokens_left = int(gigabytes * 1e9) // 2
+    with open(folder / "00000_unshuffled.ds", "wb") as f:
+        while tokens_left:
+            n = min(tokens_left, 32 * 2**20)
+            rng.integers(0, 50_000, n, dtype=np.uint16).tofile(f)
+            tokens_left -= n
+    cmd = [sys.executable, __file__, "--rss-child", str(folder), "--seq", str(seq)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return {"gigabytes": gigabytes, **json.loads(out.strip().splitlines()[-1])}
+
+
+def _training_need(config: Path) -> dict:
+    """Loader samples/s at the config's shapes vs the samples/s `train()` reaches."""
+    from mesh3d.train.loop import train
+
+    cfg = load_config(config, ["tokens.train_steps=12", "logging.log_level=warning"])
+    ms = statistics.median(m["elapsed_time_per_iteration_ms"] for m in train(cfg).metrics[3:])
+    gbs, seq, mbs = global_batch_size(cfg), cfg.tokens.sequence_length, cfg.tokens.micro_batch_size
+    return {"config": config.name, "seq_len": seq, "global_batch": gbs, "micro_batch": mbs,
+            "train_samples_per_s": gbs / (ms / 1000)}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rss-gb", type=float, default=1.0, help="size of the folder for the RSS test")
+    ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.rss_child:
+        _rss_child(args.rss_child, args.seq)
+        return 0
     print("command:", "python", *map(shlex.quote, sys.argv))
     print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
     torch.set_num_threads(1)
@@ -103,6 +175,31 @@ def main(argv=None) -> int:
         result["nanoset"]["samples_per_s"] / result["dummy"]["samples_per_s"]
     )
     print(f"  nanoset / dummy: {result['nanoset_over_dummy']:.2f}")
+
+    need = _training_need(ROOT / "recipes" / "configs" / "cpu_tiny.yaml")
+    small = Nanoset(folders, [0.7, 0.3], need["seq_len"], 200 * need["global_batch"], 5, 800)
+    loader_s = statistics.median(
+        _time_reads(small, 200, need["global_batch"], need["micro_batch"]) for _ in range(args.reps)
+    )
+    need["loader_samples_per_s"] = 200 * need["global_batch"] / loader_s
+    need["loader_over_training"] = need["loader_samples_per_s"] / need["train_samples_per_s"]
+    result["training_need"] = need
+    print(
+        f"loader vs training on {need['config']} (seq {need['seq_len']}, batch "
+        f"{need['global_batch']}): {need['loader_samples_per_s']:,.0f} vs "
+        f"{need['train_samples_per_s']:,.1f} samples/s = {need['loader_over_training']:,.0f}x "
+        "what a step needs"
+    )
+    gb = 0.05 if args.quick else args.rss_gb
+    rss = _rss_of_reading(gb, args.seq, work)
+    result["rss"] = rss
+    print(
+        f"reading a {gb:g} GB folder ({rss['samples']} samples of {args.seq + 1} tokens, every one "
+        f"once, {rss['read_s']:.1f} s): ru_maxrss {rss['ru_maxrss_MB']:.0f} MB; anonymous RSS "
+        f"{rss['before_MB']['RssAnon']:.0f} -> {rss['after_read_MB']['RssAnon']:.0f} MB, "
+        f"file-backed {rss['before_MB']['RssFile']:.0f} -> {rss['after_read_MB']['RssFile']:.0f} MB "
+        "(mapped page cache, reclaimable)"
+    )
     out = ROOT / "benchmarks" / "results" / f"data_io{'_quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

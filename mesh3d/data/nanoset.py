@@ -116,19 +116,23 @@ class DatatroveFile:
         """Raise `UserError` at the first token id >= `vocab_size` (scans the file in blocks)."""
         if self.dtype.itemsize == 2 and vocab_size > 65535:
             return  # every uint16 id fits
-        tokens = self.tokens
-        for start in range(0, self.num_tokens, _SCAN_TOKENS):
-            block = tokens[start : start + _SCAN_TOKENS]
-            if int(block.max()) < vocab_size:
-                continue
-            offset = int(np.argmax(block >= vocab_size))
-            value = int(block[offset])
-            raise UserError(
-                f"{self.path}: token {start + offset} is id {value}, but the model's vocabulary "
-                f"has {vocab_size} ids (model.model_config.vocab_size). The folder was tokenized "
-                "with a different (larger) tokenizer: tokenize it again with the model's "
-                f"tokenizer, or set model.model_config.vocab_size to at least {value + 1}"
-            )
+        # read in blocks rather than through the memmap: the scan leaves no mapped pages behind
+        with open(self.path, "rb") as f:
+            for start in range(0, self.num_tokens, _SCAN_TOKENS):  # noqa: B007 (used below)
+                block = np.fromfile(f, dtype=self.dtype, count=_SCAN_TOKENS)
+                if int(block.max()) < vocab_size:
+                    continue
+                break
+            else:
+                return
+        offset = int(np.argmax(block >= vocab_size))
+        value = int(block[offset])
+        raise UserError(
+            f"{self.path}: token {start + offset} is id {value}, but the model's vocabulary "
+            f"has {vocab_size} ids (model.model_config.vocab_size). The folder was tokenized "
+            "with a different (larger) tokenizer: tokenize it again with the model's "
+            f"tokenizer, or set model.model_config.vocab_size to at least {value + 1}"
+        )
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
