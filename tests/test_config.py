@@ -111,7 +111,6 @@ UNSUPPORTED_FIXTURES = {
     "classic-config_tiny_llama.yaml": "the 1f1b pipeline schedule needs at least pp = 2",
     "head-config_qwen.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet; only Llama",
     "head-config_resume_training.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet",
-    "head-config_tiny_llama.yaml": "`profiler.profiler_export_path` is not supported by mesh3d yet",
     "head-config_tiny_llama_with_s3_upload.yaml": "`s3_upload` is not supported by mesh3d yet",
 }
 
@@ -366,7 +365,6 @@ BAD = [
     ("nanoset-read-path", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_read_path: [/m]}"], None, None, "`data_stages[0].data.dataset.dataset_read_path` is not supported by mesh3d yet (set it to null)"),
     ("nanoset-skip", ["data_stages[0].data.dataset={dataset_folder: /data, skip_in_stream: true}"], None, None, "`data_stages[0].data.dataset.skip_in_stream` is not supported by mesh3d yet (set it to false)"),
     ("stage-seq-len", ["data_stages[0].sequence_length=64"], None, None, "`data_stages[0].sequence_length` is not supported by mesh3d yet (a per-stage length (64)"),
-    ("profiler", ["profiler.profiler_export_path=tb"], None, None, "`profiler.profiler_export_path` is not supported by mesh3d yet"),
 ]  # fmt: skip
 
 

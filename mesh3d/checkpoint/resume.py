@@ -133,7 +133,7 @@ def _write_rank_files(tmp: Path, cfg, parts, optimizer, scheduler, coords: dict)
     torch.save(S.random_states(), tmp / "random" / S.random_file(T, tp, D, dp, P, pp))
 
 
-def _write_rank0_files(tmp: Path, cfg, optimizer, step: int, consumed: int) -> None:
+def _write_rank0_files(tmp: Path, cfg, step: int, consumed: int, extra: dict) -> None:
     par = cfg.parallelism
     shape = ModelShape.from_config(cfg)
     save_config(cfg, tmp / "config.yaml")
@@ -151,16 +151,27 @@ def _write_rank0_files(tmp: Path, cfg, optimizer, step: int, consumed: int) -> N
         {"name": s.name, "start_training_step": s.start_training_step, "consumed_train_samples": c}
         for s, c in zip(stages, counts)
     ]
-    extra = {"writer": "mesh3d", "pp": par.pp, "zero_stage": cfg.optimizer.zero_stage}
+    extra = {"writer": "mesh3d", "pp": par.pp, "zero_stage": cfg.optimizer.zero_stage, **extra}
     meta = S.metadata(par.tp, par.dp, step, consumed, stage_meta, extra)
     text = json.dumps(meta, indent=2, sort_keys=True)
     (tmp / "checkpoint_metadata.json").write_text(text)
 
 
 def save_checkpoint(
-    root: str | Path, step: int, cfg, parts, optimizer, scheduler, mesh, consumed_samples: int
+    root: str | Path,
+    step: int,
+    cfg,
+    parts,
+    optimizer,
+    scheduler,
+    mesh,
+    consumed_samples: int,
+    extra: dict | None = None,
 ) -> Path:
-    """Write `<root>/<step>/` (all ranks call this); returns the step folder."""
+    """Write `<root>/<step>/` (all ranks call this); returns the step folder.
+
+    `extra` goes into the metadata's `custom_metas` (e.g. the W&B run id to continue).
+    """
     root, rank = Path(root), dist.get_rank()
     final, tmp = root / str(step), root / f".tmp-{step}"
     logger.info(f"Saving checkpoint at {final}")
@@ -174,7 +185,7 @@ def save_checkpoint(
     _write_rank_files(tmp, cfg, parts, optimizer, scheduler, coords)
     dist.barrier()
     if rank == 0:
-        _write_rank0_files(tmp, cfg, optimizer, step, consumed_samples)
+        _write_rank0_files(tmp, cfg, step, consumed_samples, extra or {})
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -203,6 +214,11 @@ def resolve_step_dir(path: str | Path) -> Path:
         f"`checkpoints.resume_checkpoint_path` {path} is neither a step folder (with "
         "checkpoint_metadata.json) nor a checkpoints folder with latest.txt"
     )
+
+
+def checkpoint_custom_metas(path: str | Path) -> dict | None:
+    """The `custom_metas` of the step folder `path` resolves to (None for Nanotron's)."""
+    return S.read_metadata(resolve_step_dir(path)).get("custom_metas")
 
 
 def _fit_rows(t: torch.Tensor, p: Param, rows: int) -> torch.Tensor:
@@ -282,7 +298,9 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg,
                 _assign(q, ours["weight"])
                 if states:
                     optimizer.state[q] = {k: _place(ours[k], q) for k in states}
-                    optimizer.state[q]["step"] = torch.zeros(()) if step is None else step.float().clone()
+                    optimizer.state[q]["step"] = (
+                        torch.zeros(()) if step is None else step.float().clone()
+                    )
     rank = dist.get_rank() if dist.is_initialized() else 0
     par = cfg.parallelism
     coords = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp).coords(rank)

@@ -368,6 +368,8 @@ class Mesh3dArgs:
     attention: str = "auto"  # auto | sdpa | flash
     dummy_data: str = "random"  # random (Nanotron's uniform tokens) | learnable
     compile: bool = False
+    wandb: bool | None = None  # null: on when wandb is installed and can log without a prompt
+    tensorboard_dir: str | None = None  # TensorBoard scalars of every logged iteration
 
 
 @dataclass

@@ -344,8 +344,6 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         yield from _unsupported_data(i, stage, cfg.tokens)
     if cfg.mesh3d.compile:
         yield _not_yet("mesh3d.compile", "set it to false")
-    if cfg.profiler is not None and cfg.profiler.profiler_export_path is not None:
-        yield _not_yet("profiler.profiler_export_path", "set profiler: null")
 
 
 # HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".

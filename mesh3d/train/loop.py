@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.checkpoint.resume import load_checkpoint, save_checkpoint
+from mesh3d.checkpoint.resume import checkpoint_custom_metas, load_checkpoint, save_checkpoint
 from mesh3d.config import global_batch_size, padded_vocab_size, validate
 from mesh3d.data.build import StagedData
 from mesh3d.log import logger, setup_logging
@@ -24,13 +24,15 @@ from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, resolve_devi
 from mesh3d.parallel.parallelize import dp_mode
 from mesh3d.train.build import build_model_parts, param_and_compute_dtypes
 from mesh3d.train.metrics import (
-    JsonlWriter,
-    format_iteration_line,
     iteration_metrics,
     llama_flops,
     memory_metrics,
+    peak_memory,
+    peak_tflops,
 )
 from mesh3d.train.optim import build_optimizer
+from mesh3d.train.profiling import step_profiler
+from mesh3d.train.sinks import MetricSinks
 from mesh3d.train.step import total_params, train_step
 
 
@@ -63,8 +65,27 @@ def _fault_injection(rank: int) -> int | None:
     return s if r == rank else None
 
 
-def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> RunResult:
-    """Train `cfg` on the current process group (started here if needed); rank-local result."""
+@dataclass
+class _Run:
+    """What the step loop needs, built once by `_setup`."""
+
+    cfg: object
+    data: StagedData
+    device: torch.device
+    dims: ParallelDims
+    coords: dict
+    mesh: DeviceMesh
+    parts: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    mode: str
+    autocast_dtype: torch.dtype | None
+    logger_rank: int
+    step_flops: float = 0.0
+
+
+def _setup(cfg) -> _Run:
+    """Validate, read the data, start the process group, build model, optimizer, schedule."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     validate(cfg, world_size=world)  # before any process-group work: a bad config never hangs
     data = StagedData(cfg)  # every stage's dataset checked before the first collective too
@@ -73,25 +94,19 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
         init_distributed(device=cfg.mesh3d.device)
     p = cfg.parallelism
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
-    rank = dist.get_rank()
-    coords = dims.coords(rank)
+    coords = dims.coords(dist.get_rank())
     mesh = build_mesh(dims, device.type)
     torch.manual_seed(cfg.general.seed)
-
     mode = dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard)
     parts = build_model_parts(cfg, mesh, device, dp_scale=dims.dp if mode != "replicate" else 1)
-    _, autocast_dtype = param_and_compute_dtypes(cfg)
     optimizer, scheduler = build_optimizer(parts.named_parameters(), cfg, device)
     # the metrics owner (pp = last stage, dp 0, tp 0) logs at `log_level` like rank 0, so the
     # iteration line shows even when log_level_replica is quieter (Nanotron needs INFO there)
-    is_logger_rank = coords == {"pp": parts.head_rank, "dp": 0, "tp": 0}
-    primary = rank == 0 or is_logger_rank
+    owner = {"pp": parts.head_rank, "dp": 0, "tp": 0}
+    logger_rank = next(r for r in range(dims.world_size) if dims.coords(r) == owner)
+    primary = dist.get_rank() in (0, logger_rank)
     setup_logging(coords, cfg.logging.log_level if primary else cfg.logging.log_level_replica)
-    n_params = total_params(parts, mesh)
-    logger.info(f"Total number of parameters: {n_params} ({n_params * 4 / 2**20:.2f}MiB fp32)")
-
-    mc, tok = cfg.model.model_config, cfg.tokens
-    gbs = global_batch_size(cfg)
+    mc = cfg.model.model_config
     step_flops = llama_flops(
         mc.num_hidden_layers,
         mc.hidden_size,
@@ -99,82 +114,111 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
         mc.num_key_value_heads or mc.num_attention_heads,
         mc.intermediate_size,
         padded_vocab_size(cfg),
-        tok.sequence_length,
-        gbs,
+        cfg.tokens.sequence_length,
+        global_batch_size(cfg),
     )
-    writer = JsonlWriter(metrics_file) if metrics_file and is_logger_rank else None
+    _, autocast_dtype = param_and_compute_dtypes(cfg)
+    return _Run(cfg, data, device, dims, coords, mesh, parts, optimizer, scheduler, mode,
+                autocast_dtype, logger_rank, step_flops)  # fmt: skip
+
+
+def _resume(run: _Run) -> tuple[int, int, str | None]:
+    """(last step, consumed samples, W&B run id) from `resume_checkpoint_path`, or the start."""
+    cfg, ck = run.cfg, run.cfg.checkpoints
+    if ck is None or ck.resume_checkpoint_path is None:
+        if ck is not None and ck.save_initial_state:
+            _save(run, 0, 0, None)
+        return 0, 0, None
+    start, consumed = load_checkpoint(
+        ck.resume_checkpoint_path, run.parts, run.optimizer, run.scheduler, cfg,
+        load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
+    )  # fmt: skip
+    logger.info(f"Resumed from {ck.resume_checkpoint_path} at step {start}")
+    wandb_id = (checkpoint_custom_metas(ck.resume_checkpoint_path) or {}).get("wandb_id")
+    return start, consumed, wandb_id if ck.load_lr_scheduler else None
+
+
+def _save(run: _Run, step: int, consumed: int, wandb_id: str | None) -> None:
+    ck = run.cfg.checkpoints
+    extra = {"wandb_id": wandb_id} if wandb_id else {}
+    save_checkpoint(ck.checkpoints_path, step, run.cfg, run.parts, run.optimizer, run.scheduler,
+                    run.mesh, consumed, extra=extra)  # fmt: skip
+
+
+def _share(value, src: int):
+    """`value` of global rank `src`, on every rank."""
+    box = [value]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> RunResult:
+    """Train `cfg` on the current process group (started here if needed); rank-local result."""
+    run = _setup(cfg)
+    parts, rank, world = run.parts, dist.get_rank(), dist.get_world_size()
+    n_params = total_params(parts, run.mesh)
+    logger.info(f"Total number of parameters: {n_params} ({n_params * 4 / 2**20:.2f}MiB fp32)")
+    tok, ck, gbs = cfg.tokens, cfg.checkpoints, global_batch_size(cfg)
+    start, consumed, wandb_id = _resume(run)
     logger.info(
         f"[Start training] mbs: {tok.micro_batch_size} | grad_accum: "
         f"{tok.batch_accumulation_per_replica} | global_batch_size: {gbs} | sequence_length: "
-        f"{tok.sequence_length} | train_steps: {tok.train_steps} | start_iteration_step: 1"
+        f"{tok.sequence_length} | train_steps: {tok.train_steps} | start_iteration_step: "
+        f"{start + 1} | consumed_train_samples: {consumed}"
     )
-    result = RunResult()
-    ck = cfg.checkpoints
-    start, consumed = 0, 0
-    if ck is not None and ck.resume_checkpoint_path is not None:
-        start, consumed = load_checkpoint(
-            ck.resume_checkpoint_path, parts, optimizer, scheduler, cfg,
-            load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
-        )  # fmt: skip
-        logger.info(f"Resumed from {ck.resume_checkpoint_path} at step {start}")
-    elif ck is not None and ck.save_initial_state:
-        save_checkpoint(ck.checkpoints_path, 0, cfg, parts, optimizer, scheduler, mesh, 0)
+    logger.info("grad_norm in the iteration line is the global gradient norm before clipping")
+    sinks = MetricSinks(cfg, rank == run.logger_rank, metrics_file, wandb_id)
+    wandb_id = _share(sinks.wandb_id, src=run.logger_rank)
+    peak = peak_tflops(
+        torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None
+    )
+    result, step_seconds = RunResult(), []
     fail_at = _fault_injection(rank)
-    for step in range(start + 1, tok.train_steps + 1):
-        t0 = time.time()
-        if step == fail_at:
-            raise RuntimeError(f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}")
-        # middle pipeline stages take activations, not tokens: they read no data
-        reads = parts.has_first or parts.has_last
-        batches = data.batches(step, coords["dp"], dims.dp, tok.micro_batch_size) if reads else []
-        result.batch_hashes.append(batch_hash(batches))
-        loss, grad_norm = train_step(
-            parts,
-            optimizer,
-            scheduler,
-            batches,
-            vocab_size=mc.vocab_size,
-            global_tokens=gbs * tok.sequence_length,
-            clip_grad=cfg.optimizer.clip_grad,
-            mesh=mesh,
-            dp_mode=mode,
-            autocast_dtype=autocast_dtype,
-            device=device,
-        )
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if world > 1:
-            dist.barrier()
-        consumed += gbs
-        m = iteration_metrics(
-            iteration=step,
-            consumed_samples=consumed,
-            seq_len=tok.sequence_length,
-            elapsed_s=time.time() - t0,
-            global_batch_size=gbs,
-            world_size=world,
-            lm_loss=loss,
-            lr=scheduler.get_last_lr()[0],
-            step_flops=step_flops,
-            grad_norm=grad_norm,
-        )
-        result.metrics.append(m)
-        if is_logger_rank and (step - 1) % cfg.logging.iteration_step_info_interval == 0:
-            extra = memory_metrics() if step < 5 else {}
-            logger.info(format_iteration_line({**m, **extra}, tok.train_steps))
-            if writer:
-                writer.write(m)
-        if ck is not None and step % ck.checkpoint_interval == 0:
-            save_checkpoint(
-                ck.checkpoints_path, step, cfg, parts, optimizer, scheduler, mesh, consumed
-            )
+    with step_profiler(cfg.profiler, rank) as profiler:
+        for step in range(start + 1, tok.train_steps + 1):
+            t0 = time.time()
+            if step == fail_at:
+                raise RuntimeError(
+                    f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}"
+                )
+            # middle pipeline stages take activations, not tokens: they read no data
+            reads = parts.has_first or parts.has_last
+            dp_rank, dp = run.coords["dp"], run.dims.dp
+            batches = run.data.batches(step, dp_rank, dp, tok.micro_batch_size) if reads else []
+            result.batch_hashes.append(batch_hash(batches))
+            loss, grad_norm = train_step(
+                parts, run.optimizer, run.scheduler, batches,
+                vocab_size=cfg.model.model_config.vocab_size,
+                global_tokens=gbs * tok.sequence_length, clip_grad=cfg.optimizer.clip_grad,
+                mesh=run.mesh, dp_mode=run.mode, autocast_dtype=run.autocast_dtype,
+                device=run.device,
+            )  # fmt: skip
+            if run.device.type == "cuda":
+                torch.cuda.synchronize()
+            if world > 1:
+                dist.barrier()
+            profiler.step()
+            consumed += gbs
+            step_seconds.append(time.time() - t0)
+            m = iteration_metrics(
+                iteration=step, consumed_samples=consumed, seq_len=tok.sequence_length,
+                elapsed_s=step_seconds[-1], global_batch_size=gbs, world_size=world,
+                lm_loss=loss, lr=run.scheduler.get_last_lr()[0], step_flops=run.step_flops,
+                grad_norm=grad_norm, peak=peak,
+            )  # fmt: skip
+            m.update(peak_memory())
+            if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):
+                m.update(memory_metrics())  # Nanotron's extra items of the first steps
+            result.metrics.append(m)
+            if (step - 1) % cfg.logging.iteration_step_info_interval == 0:
+                sinks.write(m, step_seconds)
+            if ck is not None and step % ck.checkpoint_interval == 0:
+                _save(run, step, consumed, wandb_id)
     if ck is not None and ck.save_final_state and tok.train_steps % ck.checkpoint_interval:
-        save_checkpoint(
-            ck.checkpoints_path, tok.train_steps, cfg, parts, optimizer, scheduler, mesh, consumed
-        )
-    if writer:
-        writer.close()
+        _save(run, tok.train_steps, consumed, wandb_id)
+    sinks.close()
     if keep_model:
         model = parts.modules[0] if len(parts.modules) == 1 else torch.nn.ModuleList(parts.modules)
-        result.model, result.optimizer, result.mesh = model, optimizer, mesh
+        result.model, result.optimizer, result.mesh = model, run.optimizer, run.mesh
     return result

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -61,6 +62,33 @@ def llama_flops(
     return 3.0 * (qkv + attn + out + mlp + head)
 
 
+# Dense bf16 tensor-core peak, TFLOPs per device (vendor data sheets; no sparsity). Matched in
+# order against `torch.cuda.get_device_name()`; anything else (and the CPU) gets no MFU.
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    (r"H100.*PCIe", 756.0),
+    (r"H100.*NVL", 835.0),
+    (r"GH200", 989.4),
+    (r"H100|H800", 989.4),
+    (r"H200", 989.4),
+    (r"B200", 2250.0),
+    (r"A100|A800", 312.0),
+    (r"L40S", 362.1),
+    (r"\bL4\b", 121.0),
+    (r"MI300X", 1307.4),
+    (r"MI250X", 383.0),
+]
+
+
+def peak_tflops(device_name: str | None) -> float | None:
+    """The dense bf16 peak of a known accelerator, or None (unknown device, CPU)."""
+    if not device_name:
+        return None
+    for pattern, peak in PEAK_BF16_TFLOPS:
+        if re.search(pattern, device_name):
+            return peak
+    return None
+
+
 def iteration_metrics(
     *,
     iteration: int,
@@ -73,8 +101,13 @@ def iteration_metrics(
     lr: float,
     step_flops: float,
     grad_norm: float | None,
+    peak: float | None = None,
 ) -> dict:
-    """The metrics record of one iteration, keys and order as Nanotron's CLASSIC log line."""
+    """The metrics record of one iteration, keys and order as Nanotron's CLASSIC log line.
+
+    `mfu` (percent of `peak` TFLOPs per device, model FLOPs) is added only when `peak` is known.
+    `grad_norm` is the global norm before clipping.
+    """
     tokens_per_sec = global_batch_size * seq_len / elapsed_s
     tflops = step_flops / (elapsed_s * world_size * 1e12)
     m = {
@@ -91,7 +124,23 @@ def iteration_metrics(
     }
     if grad_norm is not None:
         m["grad_norm"] = grad_norm
+    if peak:
+        m["mfu"] = 100.0 * tflops / peak
     return m
+
+
+def peak_memory() -> dict:
+    """Peak memory of this process: CUDA allocated/reserved (MiB) on CUDA, peak RSS on CPU."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {
+            "peak_allocated_mib": torch.cuda.max_memory_allocated() / 2**20,
+            "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
+        }
+    return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def memory_metrics() -> dict:

@@ -1,0 +1,36 @@
+"""`mesh3d COMMAND ...`: one entry point for the command-line tools.
+
+mesh3d plan CONFIG [--world-size N] [--json] [key=value ...]    same as python -m mesh3d.plan
+mesh3d config CONFIG [--world-size N] [key=value ...]           same as python -m mesh3d.config
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from mesh3d.errors import USER_ERROR_EXIT_CODE
+
+COMMANDS = {  # command -> module whose main(argv) runs it
+    "plan": "mesh3d.plan",
+    "config": "mesh3d.config.__main__",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run `COMMAND` with the remaining arguments; no or an unknown command prints the usage."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
+        return
+    usage = __doc__.split("\n\n", 1)[1]
+    if argv and argv[0] in ("-h", "--help"):
+        sys.stdout.write(f"usage:\n{usage}")
+        return
+    what = f"unknown command {argv[0]!r}" if argv else "no command"
+    sys.stderr.write(f"error: {what}; use one of: {', '.join(COMMANDS)}\nusage:\n{usage}")
+    raise SystemExit(USER_ERROR_EXIT_CODE)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Where the per-iteration metrics go: one record, every sink, the same values.
+
+The metrics-owning rank (pp = last stage, dp 0, tp 0 — Nanotron's logger rank) builds one dict
+per logged iteration and hands it to `MetricSinks.write`, which sends it to
+- the console: Nanotron's CLASSIC line (`format_iteration_line`), plus an `eta` item;
+- `--metrics-file`: one JSON object per line;
+- Weights & Biases (`mesh3d.wandb`: null = Nanotron's rule, on when `wandb` imports — here also
+  only when it can log without asking: `WANDB_MODE` or `WANDB_API_KEY` set, or a saved login;
+  true = on; false = off). Project `general.project`, run name Nanotron's
+  `<dd/mm/YYYY_HH:MM:SS>_<general.run>` with `%date` / `%jobid` expanded; the run id is kept in
+  the checkpoint so a resumed run continues the same W&B run;
+- TensorBoard (`mesh3d.tensorboard_dir`): one scalar per key, step = iteration.
+Only the metrics-owning rank opens any sink, so each is written once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from pathlib import Path
+
+from mesh3d.config import config_to_dict, expand_run_name
+from mesh3d.log import logger
+from mesh3d.train.metrics import JsonlWriter, format_iteration_line
+
+
+def wandb_wanted(setting: bool | None) -> bool:
+    """`mesh3d.wandb`: True/False as given; None -> installed and able to log without a prompt."""
+    if setting is not None:
+        return setting
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return False
+    if os.environ.get("WANDB_MODE") == "disabled":
+        return False
+    netrc = Path.home() / ".netrc"
+    logged_in = netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+    return bool(os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY") or logged_in)
+
+
+def eta_text(seconds: float) -> str:
+    """HEAD's `eta` format: `str(timedelta(seconds=int(s)))`, e.g. `0:01:05`, `1 day, 1:15:30`."""
+    return str(datetime.timedelta(seconds=int(seconds)))
+
+
+class MetricSinks:
+    """The sinks of the metrics-owning rank (`active`); on other ranks every call is a no-op."""
+
+    def __init__(self, cfg, active: bool, metrics_file: str | None, wandb_id: str | None = None):
+        self.active, self.train_steps = active, cfg.tokens.train_steps
+        self.jsonl = JsonlWriter(metrics_file) if active and metrics_file else None
+        self.tb = self.wandb = None
+        self.wandb_id = wandb_id
+        if not active:
+            return
+        if cfg.mesh3d.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=cfg.mesh3d.tensorboard_dir)
+        if wandb_wanted(cfg.mesh3d.wandb):
+            import wandb
+
+            stamp = datetime.datetime.now().strftime("%d/%m/%Y_%H:%M:%S")
+            self.wandb = wandb.init(
+                project=cfg.general.project,
+                name=f"{stamp}_{expand_run_name(cfg.general.run)}",
+                config={"nanotron_config": config_to_dict(cfg)},
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
+            )
+            self.wandb_id = self.wandb.id
+            logger.info(f"Weights & Biases run {self.wandb.id} ({self.wandb.name})")
+
+    def write(self, record: dict, step_seconds: list[float]) -> None:
+        """Send one iteration's record everywhere; `step_seconds` (recent steps) gives the ETA."""
+        if not self.active:
+            return
+        recent = step_seconds[-10:]
+        eta = (self.train_steps - record["iteration"]) * sum(recent) / max(len(recent), 1)
+        logger.info(format_iteration_line(record, self.train_steps) + f" | eta: {eta_text(eta)}")
+        if self.jsonl:
+            self.jsonl.write(record)
+        numbers = {
+            k: v for k, v in record.items() if isinstance(v, int | float) and math.isfinite(v)
+        }
+        if self.tb:
+            for key, value in numbers.items():
+                if key != "iteration":
+                    self.tb.add_scalar(key, value, global_step=record["iteration"])
+            self.tb.flush()
+        if self.wandb:
+            self.wandb.log(
+                {**numbers, "iteration_step": record["iteration"]}, step=record["iteration"]
+            )
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()

@@ -1,0 +1,172 @@
+"""Metrics to every sink with the same values (metrics file, W&B offline, TensorBoard), MFU and
+its peak table, the profiler trace, the ETA, and a resumed run continuing its W&B run."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+from dist import run_ranks
+from parity import TINY
+
+from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.train.metrics import PEAK_BF16_TFLOPS, iteration_metrics, llama_flops, peak_tflops
+from mesh3d.train.sinks import eta_text
+
+
+def _run(rank: int, world: int, root: str, overrides: list[str]) -> list[dict]:
+    os.environ.update(WANDB_MODE="offline", WANDB_DIR=root, WANDB_SILENT="true")
+    from mesh3d.train.loop import train
+
+    cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
+    return train(cfg, metrics_file=str(Path(root) / "metrics.jsonl")).metrics
+
+
+def _wandb_history(run_file: Path) -> list[dict]:
+    """History rows of an offline W&B run file: a LevelDB-style log of protobuf `Record`s
+    (7-byte header `:W&B` + magic + version; 32 KiB blocks; records of crc32, length, type)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    rows, pos, pending = [], 7, b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a FULL record, or the LAST piece of one
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item
+                rows.append(
+                    {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+                )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def sinks(tmp_path_factory):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[dev]')")
+    pytest.importorskip(
+        "tensorboard", reason="tensorboard is not installed (pip install -e '.[dev]')"
+    )
+    root = tmp_path_factory.mktemp("sinks")
+    common = [
+        "mesh3d.wandb=true",
+        f"mesh3d.tensorboard_dir={root / 'tb'}",
+        f"checkpoints.checkpoints_path={root / 'ck'}",
+        "checkpoints.checkpoint_interval=2",
+        f"profiler.profiler_export_path={root / 'prof'}",
+        "profiler.skip_first=0",
+        "profiler.wait=0",
+        "profiler.warmup=1",
+        "profiler.active=1",
+    ]
+    first = run_ranks(1, _run, str(root), common + ["tokens.train_steps=2"], timeout=200)[0]
+    resumed = common + ["tokens.train_steps=4", f"checkpoints.resume_checkpoint_path={root / 'ck'}"]
+    second = run_ranks(1, _run, str(root), resumed, timeout=200)[0]
+    return root, first, second
+
+
+def test_every_sink_gets_the_same_values(sinks):
+    root, first, second = sinks
+    losses = [m["lm_loss"] for m in first + second]
+    lines = [json.loads(x) for x in (root / "metrics.jsonl").read_text().splitlines()]
+    assert [x["lm_loss"] for x in lines] == losses
+    assert [x["iteration"] for x in lines] == [1, 2, 3, 4]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(root / "tb"))
+    tb.Reload()
+    events = sorted(tb.Scalars("lm_loss"), key=lambda e: e.step)
+    assert [e.step for e in events] == [1, 2, 3, 4]
+    assert [e.value for e in events] == pytest.approx(losses, rel=1e-7)  # stored as float32
+
+    runs = sorted((root / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2
+    history = [row for run in runs for row in _wandb_history(next(run.glob("run-*.wandb")))]
+    assert [row["lm_loss"] for row in history] == losses
+    assert [row["iteration_step"] for row in history] == [1, 2, 3, 4]
+    assert {k for k in lines[0] if k != "iteration"} <= set(history[0])
+
+
+def test_resumed_run_continues_the_same_wandb_run(sinks):
+    root = sinks[0]
+    meta = json.loads((root / "ck" / "2" / "checkpoint_metadata.json").read_text())
+    run_id = meta["custom_metas"]["wandb_id"]
+    runs = sorted(p.name for p in (root / "wandb").glob("offline-run-*"))
+    assert [name.rsplit("-", 1)[1] for name in runs] == [run_id, run_id]
+
+
+def test_profiler_writes_a_trace(sinks):
+    traces = list((sinks[0] / "prof").glob("*.pt.trace.json"))
+    assert traces
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any("aten::" in e.get("name", "") for e in events)
+
+
+def test_no_mfu_on_cpu_and_memory_reported(sinks):
+    for m in sinks[1]:
+        assert "mfu" not in m
+        assert m["peak_rss_mib"] > 50
+
+
+def test_flops_tiny_and_1b_by_hand():
+    # cpu_tiny.yaml: L4 h256 nq8 nkv4 F688 V512 S128 B16, term by term (spec §7.3)
+    qkv = 2 * 4 * 16 * 128 * 256 * 256 + 2 * 4 * 16 * 128 * 256 * 256  # 2 * nkv * dh = 256
+    attn = 2 * (2 * 4 * 16 * 8 * 128 * 32 * 128)
+    out = 2 * 4 * 16 * 8 * 128 * 32 * 256
+    mlp = 6 * 4 * 16 * 128 * 256 * 688
+    head = 2 * 16 * 128 * 256 * 512
+    assert qkv + attn + out + mlp + head == 13_488_881_664
+    assert llama_flops(4, 256, 8, 4, 688, 512, 128, 16) == 3 * 13_488_881_664
+    # Nanotron's config_tiny_llama (HEAD): L28 h2048 nq16 nkv2 F11008 V128256 S4096, GBS 12,
+    # as 6 FLOPs per matmul weight per token + 12 L S h attention FLOPs per token
+    weights = 28 * (2048 * (16 + 2 * 2) * 128 + 2048 * 2048 + 3 * 2048 * 11008) + 2048 * 128256
+    per_token = 6 * weights + 12 * 28 * 4096 * 2048
+    assert llama_flops(28, 2048, 16, 2, 11008, 128256, 4096, 12) == 12 * 4096 * per_token
+
+
+def test_mfu_formula_and_peak_table():
+    flops = llama_flops(28, 2048, 16, 2, 11008, 128256, 4096, 12)  # 8.524e14 per step
+    m = iteration_metrics(
+        iteration=1, consumed_samples=12, seq_len=4096, elapsed_s=2.0, global_batch_size=12,
+        world_size=8, lm_loss=1.0, lr=1e-3, step_flops=flops, grad_norm=None, peak=989.4,
+    )  # fmt: skip
+    assert m["model_tflops_per_gpu"] == pytest.approx(8.52413569302528e14 / (2.0 * 8 * 1e12))
+    assert m["mfu"] == pytest.approx(100 * 53.275848081408 / 989.4)  # 5.38 %
+    cpu = iteration_metrics(
+        iteration=1, consumed_samples=12, seq_len=4096, elapsed_s=2.0, global_batch_size=12,
+        world_size=8, lm_loss=1.0, lr=1e-3, step_flops=flops, grad_norm=None, peak=None,
+    )  # fmt: skip
+    assert "mfu" not in cpu
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("NVIDIA L4") == 121.0 and peak_tflops("NVIDIA L40S") == 362.1
+    assert peak_tflops("NVIDIA GeForce RTX 4090") is None and peak_tflops(None) is None
+    # a step can never beat the peak: MFU <= 100 % whenever elapsed >= flops / (world * peak)
+    for _, peak in PEAK_BF16_TFLOPS:
+        fastest = flops / (8 * peak * 1e12)
+        m = iteration_metrics(
+            iteration=1, consumed_samples=12, seq_len=4096, elapsed_s=fastest,
+            global_batch_size=12, world_size=8, lm_loss=1.0, lr=1e-3, step_flops=flops,
+            grad_norm=None, peak=peak,
+        )  # fmt: skip
+        assert m["mfu"] == pytest.approx(100.0)
+
+
+def test_eta_format():
+    assert eta_text(65) == "0:01:05"
+    assert eta_text(91_530) == "1 day, 1:25:30"

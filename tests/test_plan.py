@@ -1,0 +1,325 @@
+"""`mesh3d.plan`: groups, stages and bubbles by hand; the CLI; memory numbers against real runs.
+
+- Unit checks: the 2x2x2 rank groups, the cost-based stage split, the bubble closed forms and the
+  in-flight microbatches of GPipe / 1F1B.
+- The CLI: a report and exit 0; `--json`; a bad world size prints `error: ...`, exits 2, no
+  traceback.
+- Real runs, 8 forked ranks at (dp, tp, pp) = (2, 2, 2), one launch, several configs: each rank's
+  parameter, gradient and optimizer-state bytes equal make_plan's, exactly.
+- Activations: saved-for-backward bytes measured with saved-tensor hooks on 2 ranks (pp=2 under
+  four schedules, with and without recompute; tp=2 with sequence parallelism) are within 25% of
+  the plan's estimate.
+"""
+
+import copy
+import json
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from dist import run_ranks
+from parity import TINY, layout_overrides
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from mesh3d import cli
+from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.mesh import ParallelDims
+from mesh3d.plan import bubble, format_plan, main, make_plan
+from mesh3d.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_TINY = str(ROOT / "recipes/configs/cpu_tiny.yaml")
+PP2 = ["parallelism.pp=2", "model.model_config.num_hidden_layers=4", "tokens.train_steps=2"]
+
+
+def _cfg(overrides: list[str]):
+    return apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
+
+
+def _pp(schedule: str, virtual: int = 1) -> list[str]:
+    return [f"mesh3d.pp_schedule={schedule}", f"mesh3d.pp_virtual_stages={virtual}"]
+
+
+def test_rank_groups_2x2x2_are_parallel_dims():
+    plan = make_plan(_cfg(layout_overrides(2, 2, "REDUCE_SCATTER", 0, False) + PP2), 8)
+    dims = ParallelDims(dp=2, tp=2, pp=2)
+    assert plan.groups == {axis: dims.groups(axis) for axis in ("tp", "pp", "dp")}
+    assert plan.groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan.groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert plan.groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [r.coords for r in plan.ranks] == [dims.coords(r) for r in range(8)]
+
+
+def test_stage_layers():
+    # TINY, 4 layers: decoder cost 4*8*8*64 + 3*128*64 = 40960, lm_head 250*64 = 16000, total
+    # 179840. pp=2, thresholds 89920 / 179840: decoder 2 (c=122880) crosses the first one and
+    # stays on stage 0.
+    plan = make_plan(_cfg(layout_overrides(1, 1, "ALL_REDUCE", 0, True) + PP2 + _pp("1f1b")))
+    got = [(s.stage, s.pp_rank, s.layers, s.embedding, s.head) for s in plan.stages]
+    assert got == [(0, 0, [0, 1, 2], True, False), (1, 1, [3], False, True)]
+    # 4 stages, thresholds 44960 / 89920 / 134880: [0, 1], [2], [3], [] (the head); V placement
+    ov = PP2 + _pp("zbv_zero_bubble", 2) + ["tokens.batch_accumulation_per_replica=4"]
+    plan = make_plan(_cfg(layout_overrides(1, 1, "ALL_REDUCE", 0, True) + ov))
+    got = [(s.stage, s.pp_rank, s.layers, s.embedding, s.head) for s in plan.stages]
+    assert got == [
+        (0, 0, [0, 1], True, False),
+        (1, 1, [2], False, False),
+        (2, 1, [3], False, False),
+        (3, 0, [], False, True),
+    ]
+    assert [r.stages for r in plan.ranks] == [[0, 3], [1, 2]]
+
+
+def test_bubble_formulas():
+    assert bubble("afab", 2, 1, 2).fraction == pytest.approx(1 / 3)  # (2-1)/(2+2-1)
+    assert bubble("1f1b", 4, 1, 8).fraction == pytest.approx(3 / 11)
+    assert bubble("interleaved_1f1b", 4, 2, 8).fraction == pytest.approx(3 / 19)  # 3/(16+3)
+    assert bubble("looped_bfs", 4, 2, 8).fraction == pytest.approx(3 / 19)
+    zb = bubble("interleaved_zero_bubble", 4, 2, 8)
+    assert zb.fraction == pytest.approx(3 / 51) and zb.kind == "approximate"  # 3/(3*2*8+3)
+    assert bubble("zbv_zero_bubble", 4, 2, 8).kind == "ideal"
+    assert bubble("dualpipev", 4, 2, 8).fraction is None
+    assert bubble("1f1b", 1, 1, 8).fraction == 0.0
+
+
+def test_microbatches_in_flight():
+    ov = ["parallelism.pp=4", "model.model_config.num_hidden_layers=8"]
+    ov += ["tokens.batch_accumulation_per_replica=8", "tokens.micro_batch_size=1"]
+    one_f_one_b = make_plan(_cfg(ov + _pp("1f1b")))
+    assert [r.microbatches_in_flight for r in one_f_one_b.ranks] == [4, 3, 2, 1]  # min(pp-r, m)
+    gpipe = make_plan(_cfg(ov + _pp("afab")))
+    assert [r.microbatches_in_flight for r in gpipe.ranks] == [8] * 4
+
+
+def test_cli_report_and_user_error():
+    good = [sys.executable, "-m", "mesh3d.plan", CPU_TINY, "parallelism.tp=2", "--world-size", "2"]
+    bad = good[:-1] + ["3"]  # dp * tp * pp = 2
+    procs = [  # both at once: most of each run is importing torch
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        for c in (good, bad)
+    ]
+    (out, err), (bad_out, bad_err) = (p.communicate(timeout=120) for p in procs)
+    assert procs[0].returncode == 0, err
+    for heading in ("1. Rank groups", "2. Pipeline stages", "3. Memory per rank", "5. Pipeline"):
+        assert heading in out
+    assert "tp: [0, 1]" in out
+    assert procs[1].returncode == 2
+    assert bad_err.startswith("error: ") and "world size is 3" in bad_err
+    assert "Traceback" not in bad_err + bad_out
+
+
+def test_json_output(capsys):
+    main([CPU_TINY, "--json", "parallelism.pp=2", "parallelism.dp=2"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 4 and len(data["ranks"]) == 4
+    assert data["groups"]["pp"] == [[0, 2], [1, 3]]
+    assert {"param_bytes", "grad_bytes", "optimizer_bytes", "comm"} <= data["ranks"][0].keys()
+
+
+def test_cli_dispatches_plan_and_refuses_unknown_commands(capsys):
+    cli.main(["plan", CPU_TINY, "--json"])
+    assert json.loads(capsys.readouterr().out)["world_size"] == 1
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plam", CPU_TINY])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: unknown command 'plam'")
+
+
+# --- real runs: memory held on each rank ------------------------------------------------------
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(tensors) -> int:
+    return sum(_local(t).numel() * t.element_size() for t in tensors)
+
+
+def _held(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
+    """Inside a rank: train each config; local bytes of params, grads (at the last optimizer
+    step, before zero_grad) and optimizer state (after it)."""
+    out = []
+    for overrides in runs:
+        grads: dict[str, int] = {}
+
+        def before_step(opt, args, kwargs, grads=grads):
+            ps = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            grads["bytes"] = _nbytes([p.grad for p in ps])
+
+        handle = register_optimizer_step_pre_hook(before_step)
+        try:
+            res = train(_cfg(overrides), keep_model=True)
+        finally:
+            handle.remove()
+        params = list(res.model.parameters())
+        state = [t for s in res.optimizer.state.values() for t in s.values()]
+        elements = sum(_local(p).numel() for p in params)
+        out.append(
+            dict(
+                elements=elements,
+                params=_nbytes(params),
+                grads=grads["bytes"],
+                optim=_nbytes(state),
+            )
+        )
+    return out
+
+
+RUNS_2X2X2 = {  # label -> overrides; TINY with 4 layers, 2 steps, global batch 8
+    "zero0 untied RS 1f1b": layout_overrides(2, 2, "REDUCE_SCATTER", 0, False) + _pp("1f1b"),
+    "zero1 untied AR afab": layout_overrides(2, 2, "ALL_REDUCE", 1, False) + _pp("afab"),
+    "zero0 tied AR zbv": layout_overrides(2, 2, "ALL_REDUCE", 0, True, microbatches=4)
+    + _pp("zbv_zero_bubble", 2),
+    "full_shard tied RS interleaved": layout_overrides(2, 2, "REDUCE_SCATTER", 1, True)
+    + _pp("interleaved_1f1b", 2)
+    + ["mesh3d.full_shard=true"],
+}
+
+
+def test_plan_memory_equals_a_real_2x2x2_run():
+    runs = [ov + PP2 for ov in RUNS_2X2X2.values()]
+    measured = run_ranks(8, _held, runs, timeout=240)
+    for i, (label, overrides) in enumerate(RUNS_2X2X2.items()):
+        plan = make_plan(_cfg(overrides + PP2), 8)
+        for rank, rp in enumerate(plan.ranks):
+            got = measured[rank][i]
+            want = dict(
+                elements=rp.param_elements,
+                params=rp.param_bytes,
+                grads=rp.grad_bytes,
+                optim=rp.optimizer_bytes,
+            )
+            assert got == want, f"{label}, rank {rank}: measured {got}, planned {want}"
+
+
+# --- real runs: activations saved for backward ------------------------------------------------
+
+
+class _Held:
+    """What the pack hook hands autograd: the tensor, and a weakref target that dies when the
+    graph releases it (after the backward that used it)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class SavedBytes:
+    """Peak of the bytes saved for backward that are alive at once.
+
+    How it is measured: a `saved_tensors_hooks` pack hook sees every tensor autograd saves (in
+    checkpointed layers, only the layer inputs: recomputation has its own hooks). Each is
+    unwrapped to its plain storages (DTensor local tensors, async collective results). A storage
+    counts once, by pointer, while any saved tensor uses it, with its full `nbytes`; it stops
+    counting when autograd drops the last packed handle that uses it (a weakref finalizer).
+    Parameters and views of them are left out (their storages are collected by a global
+    forward pre-hook before a module runs), so what remains are activations.
+    """
+
+    def __init__(self):
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [handles, nbytes]
+        self.params: set[int] = set()
+        self.current = self.peak = 0
+
+    def note_params(self, module: nn.Module, args) -> None:
+        for p in module.parameters(recurse=False):
+            self.params.update(s.data_ptr() for s in self._storages(p))
+
+    @staticmethod
+    def _storages(t: torch.Tensor):
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    yield from SavedBytes._storages(inner)
+        else:
+            yield t.untyped_storage()
+
+    def pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter):
+            return t
+        held = _Held(t.detach())  # no grad_fn: a saved output would hold its own node (a cycle)
+        for storage in self._storages(t):
+            key = storage.data_ptr()
+            if storage.nbytes() == 0 or key in self.params:
+                continue
+            entry = self.live.setdefault(key, [0, storage.nbytes()])
+            if entry[0] == 0:
+                self.current += entry[1]
+                self.peak = max(self.peak, self.current)
+            entry[0] += 1
+            weakref.finalize(held, self._release, key)
+        return held
+
+    def _release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[key]
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+
+def _saved_peaks(rank: int, world: int, runs: list[list[str]]) -> list[int]:
+    peaks = []
+    for overrides in runs:
+        meter = SavedBytes()
+        hook = nn.modules.module.register_module_forward_pre_hook(meter.note_params)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                train(_cfg(overrides))
+        finally:
+            hook.remove()
+        peaks.append(meter.peak)
+    return peaks
+
+
+ONE_STEP = ["tokens.train_steps=1", "tokens.micro_batch_size=2"]
+PP2_M4 = PP2[:2] + ONE_STEP + ["tokens.batch_accumulation_per_replica=4"]
+RUNS_ACTIVATIONS = {  # on 2 ranks
+    "pp2 1f1b m4": PP2_M4 + _pp("1f1b"),
+    "pp2 afab m4": PP2_M4 + _pp("afab"),
+    "pp2 interleaved_1f1b m4": PP2_M4 + _pp("interleaved_1f1b", 2),
+    "pp2 zbv m4": PP2_M4 + _pp("zbv_zero_bubble", 2),
+    "pp2 1f1b m4 recompute": PP2_M4 + _pp("1f1b") + ["parallelism.recompute_layer=true"],
+    "tp2 sequence parallel": ONE_STEP
+    + [
+        "parallelism.tp=2",
+        "parallelism.tp_mode=REDUCE_SCATTER",
+        "tokens.batch_accumulation_per_replica=2",
+    ],
+}
+
+
+def test_activation_estimate_matches_saved_tensors():
+    measured = run_ranks(2, _saved_peaks, list(RUNS_ACTIVATIONS.values()), timeout=120)
+    report, bad = [], []
+    for i, (label, overrides) in enumerate(RUNS_ACTIVATIONS.items()):
+        plan = make_plan(_cfg(overrides), 2)
+        for rank, rp in enumerate(plan.ranks):
+            got, want = measured[rank][i], rp.saved_activation_bytes
+            diff = got / want - 1
+            report.append(f"{label} rank {rank}: measured {got}, planned {want} ({diff:+.2%})")
+            if abs(diff) > 0.25:
+                bad.append(report[-1])
+    print("\n" + "\n".join(report))
+    assert not bad, "\n".join(bad)
+
+
+def test_format_plan_lists_every_rank():
+    plan = make_plan(_cfg(layout_overrides(2, 2, "REDUCE_SCATTER", 0, True) + PP2 + _pp("1f1b")), 8)
+    text = format_plan(plan)
+    assert "  0-3    0 " in text and "  4-7    1 " in text  # memory rows: one per pp stage
+    assert "ranks 0-3 send" in text and "ranks 4-7 send" in text
+    assert "Pipeline bubble: 33.3%" in text  # (2-1)/(2+2-1), 2 microbatches
