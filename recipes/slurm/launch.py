@@ -1,0 +1,93 @@
+"""Start `recipes/train.py` on every node of a multi-node job with torchrun's c10d rendezvous.
+
+    # on each node (Slurm does this for you, see train.sbatch):
+    python recipes/slurm/launch.py --config-file cfg.yaml --gpus-per-node 8 [overrides ...]
+    # anywhere, to see the command it runs:
+    python recipes/slurm/launch.py --config-file cfg.yaml --gpus-per-node 8 --nodes 2 --dry-run
+
+The node count is the config's world size (dp x tp x pp) / --gpus-per-node (checked against
+--nodes and $SLURM_NNODES when given). Every node runs the same torchrun command:
+`--nnodes N --nproc_per_node G --rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ID`,
+where HOST is --rdzv-host, else the first host of $SLURM_JOB_NODELIST (via scontrol), else
+this machine; ID is $SLURM_JOB_ID when set. A config or layout mistake exits with code 2 before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from mesh3d.config import load_config, validate
+from mesh3d.errors import UserError, exit_on_user_error
+
+TRAIN = Path(__file__).resolve().parents[1] / "train.py"
+
+
+def _first_slurm_host() -> str | None:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return None
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    )
+    return out.stdout.split()[0]
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command line every node runs (after checking the config and the sizes)."""
+    cfg = load_config(args.config_file, args.overrides)
+    p = cfg.parallelism
+    world = p.dp * p.tp * p.pp
+    validate(cfg, world_size=world)
+    if world % args.gpus_per_node:
+        raise UserError(
+            f"the config needs {world} processes (dp {p.dp} x tp {p.tp} x pp {p.pp}), not a "
+            f"multiple of --gpus-per-node {args.gpus_per_node}; change the layout or the node size"
+        )
+    nodes = world // args.gpus_per_node
+    for name, given in (("--nodes", args.nodes), ("$SLURM_NNODES", os.environ.get("SLURM_NNODES"))):
+        if given is not None and int(given) != nodes:
+            raise UserError(
+                f"{name} is {given}, but dp {p.dp} x tp {p.tp} x pp {p.pp} = {world} processes at "
+                f"{args.gpus_per_node} per node need {nodes} nodes; change the layout or the job size"
+            )
+    host = args.rdzv_host or _first_slurm_host() or socket.gethostname()
+    job = args.rdzv_id or os.environ.get("SLURM_JOB_ID", "mesh3d")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
+           f"--nproc_per_node={args.gpus_per_node}", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint={host}:{args.rdzv_port}", f"--rdzv_id={job}", str(TRAIN),
+           "--config-file", str(args.config_file)]  # fmt: skip
+    if args.metrics_file:
+        cmd += ["--metrics-file", args.metrics_file]
+    return cmd + list(args.overrides)
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config-file", required=True)
+    ap.add_argument("--gpus-per-node", type=int, required=True, help="processes per node")
+    ap.add_argument("--nodes", type=int, help="expected node count (checked)")
+    ap.add_argument(
+        "--rdzv-host", help="rendezvous host (default: first Slurm node, else this one)"
+    )
+    ap.add_argument("--rdzv-port", type=int, default=29500)
+    ap.add_argument("--rdzv-id", help="rendezvous id (default: $SLURM_JOB_ID)")
+    ap.add_argument("--metrics-file")
+    ap.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    cmd = torchrun_command(args)
+    print(" ".join(map(shlex.quote, cmd)), flush=True)
+    if not args.dry_run:
+        raise SystemExit(subprocess.call(cmd))
+
+
+if __name__ == "__main__":
+    main()
