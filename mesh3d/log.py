@@ -43,3 +43,37 @@ def setup_logging(coords: dict, level: str) -> None:
     logger.setLevel(_LEVELS[level])
     # DTensor warns on every 2-D (dp x tp) norm reduction that two collectives run; expected here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+class Progress:
+    """Progress of long work that is not a training step (checkpoint save/load, data indexing).
+
+    `update()` after each item logs `<what>: i/n (p%), <elapsed> s, eta <s> s` at most every
+    `every_s` seconds; `done()` logs the total once. Quiet work (under `every_s`) logs one line.
+    """
+
+    def __init__(self, what: str, total: int, every_s: float = 10.0):
+        import time
+
+        self._clock = time.monotonic
+        self.what, self.total, self.every_s = what, max(total, 1), every_s
+        self.count, self.start = 0, self._clock()
+        self._last = self.start
+
+    def update(self, n: int = 1) -> None:
+        self.count += n
+        now = self._clock()
+        if now - self._last >= self.every_s and self.count < self.total:
+            self._last = now
+            elapsed = now - self.start
+            eta = elapsed / self.count * (self.total - self.count)
+            logger.info(
+                f"{self.what}: {self.count}/{self.total} ({100 * self.count / self.total:.0f}%), "
+                f"{elapsed:.0f} s, eta {eta:.0f} s"
+            )
+
+    def done(self, detail: str = "") -> float:
+        """Log the total time (and `detail`); returns the seconds taken."""
+        elapsed = self._clock() - self.start
+        logger.info(f"{self.what}: {self.count}/{self.total} done in {elapsed:.1f} s{detail}")
+        return elapsed

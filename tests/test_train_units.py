@@ -119,3 +119,20 @@ def test_dummy_kinds():
     lrn = DummyTokens(vocab_size=64, seq_len=16, seed=0, kind="learnable")
     x, y = lrn[7]
     assert torch.equal(x[1:], y[:-1]) and torch.equal(y, (5 * x + 3) % 64)
+
+
+def test_progress_lines(caplog):
+    import logging
+
+    from mesh3d.log import Progress
+
+    caplog.set_level(logging.INFO, logger="mesh3d")
+    ticks = iter([5.0, 12.0, 13.0, 30.0])
+    p = Progress("Saving", 4, every_s=10.0)
+    p._clock, p.start, p._last = lambda: next(ticks), 0.0, 0.0
+    for _ in range(3):
+        p.update()  # at 5 s (quiet), 12 s (logs 2/4 with an eta), 13 s (quiet)
+    p.count += 1
+    assert p.done() == 30.0
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["Saving: 2/4 (50%), 12 s, eta 12 s", "Saving: 4/4 done in 30.0 s"]

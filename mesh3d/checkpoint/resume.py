@@ -49,7 +49,7 @@ from mesh3d.checkpoint.nanotron_weights import (
 from mesh3d.config import global_batch_size, save_config
 from mesh3d.data.stages import stage_consumption
 from mesh3d.errors import UserError
-from mesh3d.log import logger
+from mesh3d.log import Progress, logger
 from mesh3d.mesh import ParallelDims
 from mesh3d.parallel.parallelize import canonical_name
 
@@ -97,8 +97,9 @@ def _write_rank_files(tmp: Path, cfg, parts, optimizer, scheduler, coords: dict)
     shape, held = ModelShape.from_config(cfg), _held(parts)
     model_dtype = _DTYPES[cfg.model.dtype]
     masters = _writes_masters(cfg)
-    entries = []
-    for p in _my_params(shape, held, pp):
+    entries, mine = [], _my_params(shape, held, pp)
+    progress = Progress("Saving checkpoint (parameters of this rank)", len(mine))
+    for p in mine:
         first = [held[o][0] for o in p.ours]
         fused = fuse(p, {o: _full(held[o][0]) for o in p.ours})
         writes_weight = D == 0 and (p.kind != "replicated" or T == 0)
@@ -123,6 +124,7 @@ def _write_rank_files(tmp: Path, cfg, parts, optimizer, scheduler, coords: dict)
         if "step" in state:
             local["step"] = state["step"].detach().cpu().clone()
         entries.append((p.name, local))
+        progress.update()
     if zero or D == 0:
         name = S.optimizer_file(P, pp, T, tp, *((D, dp) if zero else ()))
         torch.save(
@@ -131,6 +133,7 @@ def _write_rank_files(tmp: Path, cfg, parts, optimizer, scheduler, coords: dict)
     if D == 0:
         torch.save(scheduler.state_dict(), tmp / "lr_scheduler" / S.lr_scheduler_file(P, pp, T, tp))
     torch.save(S.random_states(), tmp / "random" / S.random_file(T, tp, D, dp, P, pp))
+    progress.done()
 
 
 def _write_rank0_files(tmp: Path, cfg, step: int, consumed: int, extra: dict) -> None:
@@ -283,7 +286,9 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg,
     held = _held(parts)
     files = S.OptimizerFiles(step_dir / "optimizer") if load_optimizer else None
     adam = isinstance(optimizer, torch.optim.AdamW)
-    for p in _my_params(saved_shape, held, 1):
+    mine = _my_params(saved_shape, held, 1)
+    progress = Progress(f"Loading checkpoint {step_dir}", len(mine))
+    for p in mine:
         master = files.full(p, S.MASTER) if files is not None and files.has_master else None
         weights = master if master is not None else read_param(step_dir / "model", p)
         states, step = {}, None
@@ -301,6 +306,8 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg,
                     optimizer.state[q]["step"] = (
                         torch.zeros(()) if step is None else step.float().clone()
                     )
+        progress.update()
+    progress.done()
     rank = dist.get_rank() if dist.is_initialized() else 0
     par = cfg.parallelism
     coords = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp).coords(rank)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from mesh3d.errors import UserError
+from mesh3d.log import Progress
 
 DATATROVE_FILE_SEED = 42  # datatrove's default seed for the file-level shuffle
 TOKEN_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
@@ -189,8 +190,11 @@ class DatatroveFolder:
                 "add data or lower tokens.sequence_length"
             )
         if check_token_ids and vocab_size is not None:
+            progress = Progress(f"Checking token ids in {self.folder}", len(self.files))
             for f in self.files:
                 f.check_vocab(vocab_size)
+                progress.update()
+            progress.done(f" ({sum(f.num_tokens for f in self.files):,} tokens)")
 
     def _open(self, path: str, vocab_size: int | None, explicit: int | None) -> DatatroveFile:
         size = metadata_token_size(path)
