@@ -1,7 +1,98 @@
 """mesh3d: 3D-parallel LLM pretraining on PyTorch's own distributed primitives.
 
 Reads Nanotron YAML configs; one DeviceMesh ("pp", "dp", "tp"); tensor parallelism through
-DTensor plans, pipeline parallelism through torch.distributed.pipelining.
+DTensor plans, pipeline parallelism through torch.distributed.pipelining. Three ways to use it:
+`recipes/train.py` (a whole training run from a config), the benchmark scripts, and this
+package as a library for your own model and loop:
+
+    import mesh3d
+    mesh3d.init_distributed()
+    mesh = mesh3d.build_mesh(mesh3d.ParallelDims(dp=2, tp=2, pp=2), "cpu")
+    stage = mesh3d.build_stage(model, pp_rank, 2, layers, blocks="h", first=("wte",), last=("head",))
+    mesh3d.apply_tp(stage, mesh["tp"], MY_PLAN)                # {FQN pattern: ParallelStyle}
+    schedule = mesh3d.build_schedule("1f1b", [pipeline_stage], microbatches, loss_fn)
+    ...
+    mesh3d.allreduce_gradients(stage, mesh["dp"].get_group())
+    mesh3d.save_state("ckpt/100", stage, optimizer, mesh=mesh)
+
+Every name in `__all__` is public and stable; everything else is internal. See
+`recipes/custom_model.py` for a whole worked example and the README's API reference.
 """
 
+from mesh3d.checkpoint.nanotron_weights import (
+    ModelShape,
+    read_nanotron_weights,
+    write_nanotron_weights,
+)
+from mesh3d.checkpoint.state import load_state, save_state
+from mesh3d.config import apply_overrides, config_from_dict, load_config, validate
+from mesh3d.config.schema import Config
+from mesh3d.data.dummy import DummyTokens, microbatches
+from mesh3d.data.nanoset import Nanoset
+from mesh3d.errors import ConfigError, UserError
+from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, mesh_from_config
+from mesh3d.models.llama import Llama
+from mesh3d.parallel.data import allreduce_gradients
+from mesh3d.parallel.parallelize import apply_dp
+from mesh3d.parallel.pipeline import (
+    SCHEDULES,
+    build_schedule,
+    build_stage,
+    run_schedule,
+    split_layers,
+)
+from mesh3d.parallel.tensor import TPPlan, apply_tp, hf_llama_tp_plan, llama_tp_plan
+from mesh3d.plan import make_plan
+from mesh3d.train.loop import train
+from mesh3d.train.loss import normalized_loss
+from mesh3d.train.step import clip_grad_norm
+
 __version__ = "0.1.0"
+
+__all__ = [
+    # config
+    "Config",
+    "load_config",
+    "config_from_dict",
+    "apply_overrides",
+    "validate",
+    # mesh
+    "ParallelDims",
+    "init_distributed",
+    "build_mesh",
+    "mesh_from_config",
+    # tensor parallelism
+    "TPPlan",
+    "apply_tp",
+    "llama_tp_plan",
+    "hf_llama_tp_plan",
+    # data parallelism
+    "apply_dp",
+    "allreduce_gradients",
+    # pipeline parallelism
+    "SCHEDULES",
+    "split_layers",
+    "build_stage",
+    "build_schedule",
+    "run_schedule",
+    # loss and step
+    "normalized_loss",
+    "clip_grad_norm",
+    # checkpoints
+    "save_state",
+    "load_state",
+    "ModelShape",
+    "read_nanotron_weights",
+    "write_nanotron_weights",
+    # data
+    "Nanoset",
+    "DummyTokens",
+    "microbatches",
+    # the Llama trainer
+    "Llama",
+    "train",
+    "make_plan",
+    # errors
+    "UserError",
+    "ConfigError",
+]

@@ -19,11 +19,42 @@ F = TypeVar("F", bound=Callable)
 
 
 class UserError(ValueError):
-    """A mistake in what the user gave us; the message says what to change."""
+    """A mistake in what the user gave us; the message says what to change.
+
+
+
+    Example:
+
+
+
+        raise mesh3d.UserError("`tokens.sequence_length` 0 must be >= 1; raise it")
+
+
+    """
 
 
 class ConfigError(UserError):
-    """A config file or override that cannot be used as given."""
+    """A config file or override that cannot be used as given.
+
+
+
+    Example:
+
+
+
+        try:
+
+
+            mesh3d.validate(cfg, 8)
+
+
+        except mesh3d.ConfigError as e:
+
+
+            print(e)
+
+
+    """
 
 
 def exit_on_user_error(fn: F) -> F:

@@ -39,7 +39,13 @@ AXES = ("pp", "dp", "tp")  # mesh dimension names, outermost first; tp varies fa
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The three parallel degrees; `dp * tp * pp` must equal the number of processes."""
+    """The three parallel degrees; `dp * tp * pp` must equal the number of processes.
+
+    Example:
+
+        dims = mesh3d.ParallelDims(dp=2, tp=2, pp=2)
+        dims.coords(5)   # {'pp': 1, 'dp': 0, 'tp': 1}
+    """
 
     dp: int
     tp: int
@@ -122,6 +128,16 @@ def init_distributed(timeout_s: float = 60, device: str = "auto") -> torch.devic
     on CUDA the rank uses GPU LOCAL_RANK. A plain `python train.py` becomes a one-process world,
     so that every code path is the same. nccl on CUDA, gloo on CPU; collectives time out after
     `timeout_s` seconds instead of torch's default 30 minutes.
+
+
+
+    Example:
+
+
+
+        device = mesh3d.init_distributed()   # under torchrun, or a one-process world
+
+
     """
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -141,8 +157,26 @@ def init_distributed(timeout_s: float = 60, device: str = "auto") -> torch.devic
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The ("pp", "dp", "tp") mesh of shape (pp, dp, tp) over the started process group."""
+    """The ("pp", "dp", "tp") mesh of shape (pp, dp, tp) over the started process group.
+
+    Example:
+
+        init_distributed()
+        mesh = build_mesh(ParallelDims(dp=2, tp=2, pp=2), "cpu")   # 8 processes
+        mesh["tp"].get_group(), mesh["dp"].get_local_rank()
+    """
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs a process group; call init_distributed() first")
     dims.validate(dist.get_world_size())
     return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
+
+
+def mesh_from_config(cfg, device: str | None = None) -> DeviceMesh:
+    """The mesh of a loaded config's `parallelism` section, starting the process group if needed
+    (`device`: None = `mesh3d.device` of the config).
+
+        mesh = mesh_from_config(load_config("cfg.yaml"))
+    """
+    dev = init_distributed(device=device or cfg.mesh3d.device)
+    p = cfg.parallelism
+    return build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), dev.type)

@@ -418,7 +418,18 @@ def _transient(
 
 def make_plan(cfg, world_size: int | None = None) -> Plan:
     """The plan of `cfg` on `world_size` processes (default dp x tp x pp). A config training
-    would refuse raises the same ConfigError."""
+    would refuse raises the same ConfigError.
+
+
+
+    Example:
+
+
+
+        print(mesh3d.plan.format_plan(mesh3d.make_plan(cfg, world_size=8)))
+
+
+    """
     validate(cfg, world_size=world_size)
     z, mc = _Sizes.of(cfg), cfg.model.model_config
     dims = ParallelDims(dp=z.dp, tp=z.tp, pp=z.pp)

@@ -30,7 +30,7 @@ def _ckpt(root, steps, resume=None):
 def _train_and_die_in_save_of_step_4(root: str) -> None:
     """Child process: train with a save every 2 steps; SIGKILL itself inside step 4's save, after
     some of its weight files are on disk."""
-    import mesh3d.checkpoint.resume as resume
+    import mesh3d.checkpoint.state as resume
 
     torch.set_num_threads(1)
     os.environ.update(WORLD_SIZE="1", RANK="0")

@@ -33,7 +33,12 @@ Slices = tuple[slice, ...]
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The Llama sizes that fix every parameter's name, shape and pipeline rank."""
+    """The Llama sizes that fix every parameter's name, shape and pipeline rank.
+
+    Example:
+
+        shape = mesh3d.ModelShape.from_config(cfg)
+    """
 
     num_layers: int
     hidden_size: int
@@ -251,7 +256,18 @@ def nanotron_shards(
 def write_nanotron_weights(
     root: str | Path, full: dict[str, Tensor], s: ModelShape, tp: int, pp: int
 ) -> list[Path]:
-    """Write every file of the (tp, pp) layout under `root` (= `<step>/model`); return the paths."""
+    """Write every file of the (tp, pp) layout under `root` (= `<step>/model`); return the paths.
+
+
+
+    Example:
+
+
+
+        mesh3d.write_nanotron_weights("out/model", llama.state_dict(), shape, tp=2, pp=2)
+
+
+    """
     paths = []
     for rel, (data, meta) in nanotron_shards(full, s, tp, pp).items():
         path = Path(root) / rel
@@ -390,6 +406,16 @@ def read_nanotron_weights(root: str | Path, s: ModelShape) -> dict[str, Tensor]:
     """Our name -> full tensor, from `root` (= `<step>/model`) saved with any TP/PP layout.
 
     With tied embeddings only `embed_tokens.weight` is returned (lm_head is the same tensor).
+
+
+
+    Example:
+
+
+
+        full = mesh3d.read_nanotron_weights("ckpt/100/model", mesh3d.ModelShape.from_config(cfg))
+
+
     """
     out = {}
     for p in nanotron_params(s):

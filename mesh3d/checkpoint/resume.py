@@ -31,56 +31,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mesh3d.checkpoint import names as N
 from mesh3d.checkpoint import nanotron_state as S
 from mesh3d.checkpoint.nanotron_weights import (
     ModelShape,
-    Param,
-    fuse,
     model_config_json,
     nanotron_params,
-    read_param,
-    shard_of,
-    weight_file,
 )
+from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, write_rank_state
 from mesh3d.config import global_batch_size, save_config
 from mesh3d.data.stages import stage_consumption
 from mesh3d.errors import UserError
-from mesh3d.log import Progress, logger
+from mesh3d.log import logger
 from mesh3d.mesh import ParallelDims
-from mesh3d.parallel.parallelize import canonical_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _held(parts) -> dict[str, list[torch.nn.Parameter]]:
-    """Our parameter name -> this rank's parameters holding it (a tied head under the embedding)."""
-    out: dict[str, list] = {}
-    for m in parts.modules:
-        aliases = getattr(m, "tied_parameters", {})
-        for name, p in m.named_parameters():
-            name = canonical_name(name)
-            out.setdefault(aliases.get(name, name), []).append(p)
-    return out
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
-
-
-def _my_params(shape: ModelShape, held: dict, pp: int) -> list[Param]:
-    return [p for p in nanotron_params(shape, pp) if all(o in held for o in p.ours)]
-
-
-def _group_hparams(optimizer) -> dict:
-    g = optimizer.param_groups[0]
-    keys = ("lr", "weight_decay", "betas", "eps", "amsgrad", "foreach", "maximize")
-    keys += ("capturable", "differentiable", "fused", "momentum", "dampening", "nesterov")
-    return {k: g[k] for k in keys if k in g}
 
 
 def _writes_masters(cfg) -> bool:
@@ -92,48 +58,19 @@ def _writes_masters(cfg) -> bool:
 def _write_rank_files(tmp: Path, cfg, parts, optimizer, scheduler, coords: dict) -> None:
     """This rank's weight, optimizer, scheduler and random-state files (collectives inside)."""
     par = cfg.parallelism
-    tp, pp, dp, zero = par.tp, par.pp, par.dp, cfg.optimizer.zero_stage > 0
-    T, P, D = coords["tp"], coords["pp"], coords["dp"]
-    shape, held = ModelShape.from_config(cfg), _held(parts)
-    model_dtype = _DTYPES[cfg.model.dtype]
-    masters = _writes_masters(cfg)
-    entries, mine = [], _my_params(shape, held, pp)
-    progress = Progress("Saving checkpoint (parameters of this rank)", len(mine))
-    for p in mine:
-        first = [held[o][0] for o in p.ours]
-        fused = fuse(p, {o: _full(held[o][0]) for o in p.ours})
-        writes_weight = D == 0 and (p.kind != "replicated" or T == 0)
-        if p.name == N.EMBEDDING:
-            writes_weight &= parts.embed_rank == P
-        if writes_weight:
-            data, meta = shard_of(p, fused.to(model_dtype), T, tp)
-            path = tmp / "model" / weight_file(p, T, tp, pp)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({N.TENSOR_KEY: data}, str(path), metadata=meta or None)
-        tensors = {S.MASTER: fused.float()} if masters else {}
-        state = optimizer.state.get(first[0], {})
-        for k in S.ADAM_KEYS:
-            if k in state:
-                tensors[k] = fuse(
-                    p, {o: _full(optimizer.state[q][k]) for o, q in zip(p.ours, first)}
-                )
-        local = {k: shard_of(p, v, T, tp)[0] for k, v in tensors.items()}
-        if zero:
-            a, b = S.zero1_ranges(local[next(iter(local))].numel(), dp)[D] if local else (0, 0)
-            local = {k: v.reshape(-1)[a:b].clone() for k, v in local.items()}
-        if "step" in state:
-            local["step"] = state["step"].detach().cpu().clone()
-        entries.append((p.name, local))
-        progress.update()
-    if zero or D == 0:
-        name = S.optimizer_file(P, pp, T, tp, *((D, dp) if zero else ()))
-        torch.save(
-            S.optimizer_payload(entries, _group_hparams(optimizer)), tmp / "optimizer" / name
-        )
-    if D == 0:
-        torch.save(scheduler.state_dict(), tmp / "lr_scheduler" / S.lr_scheduler_file(P, pp, T, tp))
-    torch.save(S.random_states(), tmp / "random" / S.random_file(T, tp, D, dp, P, pp))
-    progress.done()
+    held = held_parameters(parts.modules)
+    params = [p for p in nanotron_params(ModelShape.from_config(cfg), par.pp)
+              if all(o in held for o in p.ours)]  # fmt: skip
+    P = coords["pp"]
+    write_rank_state(
+        tmp, params, held, optimizer, Layout(par.dp, par.tp, par.pp, coords),
+        zero=cfg.optimizer.zero_stage > 0, model_dtype=_DTYPES[cfg.model.dtype],
+        masters=_writes_masters(cfg),
+        writes_weight=lambda p: p.name != N.EMBEDDING or parts.embed_rank == P,
+    )  # fmt: skip
+    if coords["dp"] == 0:
+        name = S.lr_scheduler_file(P, par.pp, coords["tp"], par.tp)
+        torch.save(scheduler.state_dict(), tmp / "lr_scheduler" / name)
 
 
 def _write_rank0_files(tmp: Path, cfg, step: int, consumed: int, extra: dict) -> None:
@@ -224,34 +161,6 @@ def checkpoint_custom_metas(path: str | Path) -> dict | None:
     return S.read_metadata(resolve_step_dir(path)).get("custom_metas")
 
 
-def _fit_rows(t: torch.Tensor, p: Param, rows: int) -> torch.Tensor:
-    """Vocabulary tensors re-padded to `rows` (padding rows are zero and never trained)."""
-    if p.kind != "vocab" or t.shape[0] == rows:
-        return t
-    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
-    n = min(rows, t.shape[0])
-    out[:n] = t[:n]
-    return out
-
-
-def _place(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `full`, laid out like `like` (a DTensor or a plain tensor)."""
-    full = full.to(device=like.device, dtype=like.dtype)
-    if isinstance(like, DTensor):
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-    return full.clone()
-
-
-def _assign(param: torch.nn.Parameter, full: torch.Tensor) -> None:
-    """Copy this rank's piece of `full` into `param` in place."""
-    local = _place(full, param)
-    with torch.no_grad():
-        if isinstance(param, DTensor):
-            param.to_local().copy_(local.to_local())
-        else:
-            param.copy_(local)
-
-
 def _load_scheduler(step_dir: Path, scheduler, optimizer, coords: dict, cfg) -> None:
     folder = step_dir / "lr_scheduler"
     par = cfg.parallelism
@@ -283,31 +192,9 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg,
     saved = json.loads((step_dir / "model_config.json").read_text())
     shape = ModelShape.from_config(cfg)
     saved_shape = dataclasses.replace(shape, padded_vocab=int(saved["vocab_size"]))
-    held = _held(parts)
-    files = S.OptimizerFiles(step_dir / "optimizer") if load_optimizer else None
-    adam = isinstance(optimizer, torch.optim.AdamW)
-    mine = _my_params(saved_shape, held, 1)
-    progress = Progress(f"Loading checkpoint {step_dir}", len(mine))
-    for p in mine:
-        master = files.full(p, S.MASTER) if files is not None and files.has_master else None
-        weights = master if master is not None else read_param(step_dir / "model", p)
-        states, step = {}, None
-        if files is not None and adam:
-            states = {k: files.full(p, k) for k in S.ADAM_KEYS}
-            states = {k: v for k, v in states.items() if v is not None}
-            step = files.step(p)
-        for i, o in enumerate(p.ours):
-            ours = {k: _fit_rows(torch.split(v, p.chunks)[i], p, shape.padded_vocab)
-                    for k, v in {"weight": weights, **states}.items()}  # fmt: skip
-            for q in held[o]:
-                _assign(q, ours["weight"])
-                if states:
-                    optimizer.state[q] = {k: _place(ours[k], q) for k in states}
-                    optimizer.state[q]["step"] = (
-                        torch.zeros(()) if step is None else step.float().clone()
-                    )
-        progress.update()
-    progress.done()
+    held = held_parameters(parts.modules)
+    params = [p for p in nanotron_params(saved_shape) if all(o in held for o in p.ours)]
+    load_rank_state(step_dir, params, held, optimizer, load_optimizer, rows=shape.padded_vocab)
     rank = dist.get_rank() if dist.is_initialized() else 0
     par = cfg.parallelism
     coords = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp).coords(rank)

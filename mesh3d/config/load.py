@@ -186,7 +186,18 @@ def _resolve(cfg: Config) -> Config:
 
 
 def config_from_dict(d: dict) -> Config:
-    """A typed, resolved `Config` from a mapping in Nanotron's YAML schema (plus `mesh3d:`)."""
+    """A typed, resolved `Config` from a mapping in Nanotron's YAML schema (plus `mesh3d:`).
+
+
+
+    Example:
+
+
+
+        cfg = mesh3d.config_from_dict(yaml.safe_load(open("cfg.yaml")))
+
+
+    """
     if not isinstance(d, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {show(d)}")
     return _resolve(build(Config, _upgrade_legacy(copy.deepcopy(d)), "", _PICKERS))
@@ -212,14 +223,36 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 
 def apply_overrides(d_or_cfg: dict | Config, overrides: Sequence[str]) -> dict | Config:
-    """Apply dotted `key=value` overrides; a mapping gives a new mapping, a Config a new Config."""
+    """Apply dotted `key=value` overrides; a mapping gives a new mapping, a Config a new Config.
+
+
+
+    Example:
+
+
+
+        cfg = mesh3d.apply_overrides(cfg, ["optimizer.zero_stage=1"])
+
+
+    """
     if isinstance(d_or_cfg, Config):
         return config_from_dict(apply_to_dict(config_to_dict(d_or_cfg), overrides))
     return apply_to_dict(_upgrade_legacy(copy.deepcopy(d_or_cfg)), overrides)
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Read a Nanotron YAML file, apply dotted overrides, type and resolve it."""
+    """Read a Nanotron YAML file, apply dotted overrides, type and resolve it.
+
+
+
+    Example:
+
+
+
+        cfg = mesh3d.load_config("cfg.yaml", ["parallelism.dp=2", "tokens.train_steps=100"])
+
+
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist or is not a file")

@@ -374,6 +374,14 @@ class Mesh3dArgs:
 
 @dataclass
 class Config:
+    """A whole Nanotron config (CLASSIC + HEAD sections) plus mesh3d's own `mesh3d:` section.
+
+    Example:
+
+        cfg: mesh3d.Config = mesh3d.load_config("cfg.yaml")
+        cfg.parallelism.tp, cfg.tokens.sequence_length
+    """
+
     general: GeneralArgs
     parallelism: ParallelismArgs
     model: ModelArgs

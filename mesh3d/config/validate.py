@@ -41,7 +41,18 @@ LR = "optimizer.learning_rate_scheduler"
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Raise one ConfigError naming every problem; `world_size` None skips the layout product check."""
+    """Raise one ConfigError naming every problem; `world_size` None skips the layout product check.
+
+
+
+    Example:
+
+
+
+        mesh3d.validate(cfg, world_size=8)   # raises ConfigError listing every problem
+
+
+    """
     errors = validation_errors(cfg, world_size)
     if len(errors) == 1:
         raise ConfigError(errors[0])

@@ -364,6 +364,22 @@ class Nanoset(BlendedSamples):
 
     `weights` None weighs folders by their sample counts. Construction validates every folder
     and file (see `DatatroveFolder`) and raises `UserError` naming what to fix.
+
+
+
+    Example:
+
+
+
+        ds = mesh3d.Nanoset(["data/a", "data/b"], [0.7, 0.3], seq_len=2048, num_samples=steps * gbs,
+
+
+                           seed=42, vocab_size=50257)
+
+
+        input_ids, labels = ds[0]
+
+
     """
 
     def __init__(

@@ -207,6 +207,19 @@ class Llama(nn.Module):
 
     `cfg` has the attribute names of Nanotron's LlamaConfig. `attention` is "auto" (flash-attn
     when installed and the tensors are half precision on CUDA, else SDPA), "sdpa" or "flash".
+
+
+
+    Example:
+
+
+
+        with torch.device("meta"):
+
+
+            model = mesh3d.Llama(cfg.model.model_config, vocab_size=padded_vocab)
+
+
     """
 
     def __init__(self, cfg, vocab_size: int | None = None, attention: str = "auto"):

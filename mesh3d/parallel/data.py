@@ -20,7 +20,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def allreduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Sum every parameter gradient over `group` in one flat all-reduce."""
+    """Sum every parameter gradient over `group` in one flat all-reduce.
+
+    Example:
+
+        loss.backward()
+        mesh3d.allreduce_gradients(model, mesh["dp"].get_group())
+        optimizer.step()
+    """
     grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return

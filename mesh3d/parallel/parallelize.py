@@ -88,12 +88,21 @@ def canonical_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "")
 
 
-def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str) -> nn.Module:
-    """FSDP2 over the dp mesh for 'zero1' / 'full'; 'replicate' leaves the model as is."""
+def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str, blocks: str = "layers") -> nn.Module:
+    """FSDP2 over the dp mesh for 'zero1' / 'full'; 'replicate' leaves the model as is (sum the
+    gradients with `allreduce_gradients` after backward). Each block of `model.<blocks>` (a
+    ModuleDict or ModuleList, if present) becomes its own FSDP unit, then the root.
+
+        apply_dp(model, mesh["dp"], "zero1", blocks="h")
+    """
     if mode == "replicate":
         return model
+    if mode not in ("zero1", "full"):
+        raise ValueError(f"unknown dp mode {mode!r}; use 'replicate', 'zero1' or 'full'")
     reshard = mode == "full"
-    for layer in model.layers.values():
+    container = getattr(model, blocks, None)
+    units = container.values() if isinstance(container, nn.ModuleDict) else container or []
+    for layer in units:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
     return model

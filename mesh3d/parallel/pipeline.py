@@ -98,6 +98,16 @@ def split_layers(
     With num_stages = pp this is Nanotron's pp rank of each layer; virtual stages
     (num_stages = pp·v) use the same walk. Raises ConfigError if a stage would hold nothing
     (no decoder layer, no embedding, no lm_head).
+
+
+
+    Example:
+
+
+
+        mesh3d.split_layers(28, 4, 2048, 8192, 16, 128, 128256)   # 4 lists of layer indices
+
+
     """
     assert num_stages >= 1 and num_layers >= 0, (num_stages, num_layers)
     decoder = 4 * num_heads * head_dim * hidden_size + 3 * ffn_size * hidden_size
@@ -152,27 +162,45 @@ def rank_of_stage(stage_id: int, pp: int, schedule: str) -> int:
     return stage_id % pp
 
 
-def build_stage(model: nn.Module, stage_id: int, num_stages: int, layers: list[int]) -> nn.Module:
+def build_stage(
+    model: nn.Module,
+    stage_id: int,
+    num_stages: int,
+    layers: list[int],
+    *,
+    blocks: str = "layers",
+    first: tuple[str, ...] = ("embed_tokens",),
+    last: tuple[str, ...] = ("norm", "lm_head"),
+) -> nn.Module:
     """A deep copy of `model` (meta or real) keeping only what stage `stage_id` owns.
 
-    Decoder layers not in `layers` are deleted from the `layers` ModuleDict (the kept keys, and
-    so the parameter names, are those of the full model). The embedding stays on stage 0 only,
-    the final norm and lm_head on the last stage only. With tied embeddings, a stage holding
-    both keeps them tied; otherwise the lm_head's weight becomes the stage's own parameter
-    (named "lm_head.weight"; `sync_tied_embeddings` keeps the two copies equal).
+    Any model whose blocks sit in a `ModuleDict` (attribute `blocks`, keys "0", "1", ...) can be
+    cut: blocks not in `layers` are deleted (the kept keys, and so the parameter names, are
+    those of the full model); the modules named in `first` stay on stage 0 only and those in
+    `last` on the last stage only — the others are set to None, which the model's forward must
+    skip. Defaults are mesh3d's Llama. With tied embeddings, a stage holding both keeps them
+    tied; otherwise the lm_head's weight becomes the stage's own parameter
+    (`sync_tied_embeddings` keeps the two copies equal).
+
+        stage = build_stage(gpt, 1, 2, [2, 3], blocks="h", first=("wte", "wpe"), last=("ln_f", "head"))
     """
     stage = copy.deepcopy(model)  # deepcopy keeps the tie (one Parameter, two owners)
+    container = getattr(stage, blocks)
+    if not isinstance(container, nn.ModuleDict):
+        raise TypeError(
+            f"`{blocks}` of {type(model).__name__} is a {type(container).__name__}; pipeline "
+            "stages need the blocks in an nn.ModuleDict (keys '0', '1', ...)"
+        )
     keep = {str(i) for i in layers}
-    missing = keep - set(stage.layers.keys())
+    missing = keep - set(container.keys())
     assert not missing, f"layers {sorted(missing)} are not in the model"
-    for key in list(stage.layers.keys()):
+    for key in list(container.keys()):
         if key not in keep:
-            del stage.layers[key]
-    if stage_id != 0:
-        stage.embed_tokens = None
-    if stage_id != num_stages - 1:
-        stage.norm = None
-        stage.lm_head = None
+            del container[key]
+    for name in first if stage_id != 0 else ():
+        setattr(stage, name, None)
+    for name in last if stage_id != num_stages - 1 else ():
+        setattr(stage, name, None)
     return stage
 
 
@@ -224,6 +252,22 @@ def build_schedule(
 
     `loss_fn(logits, labels)` gets one microbatch on the last stage and must return that
     microbatch's share of the normalized step loss (sum of token losses / global tokens).
+
+
+
+    Example:
+
+
+
+        stage = PipelineStage(module, pp_rank, pp, device, group=mesh["pp"].get_group(),
+
+
+                              input_args=(example_in,), output_args=(example_out,))
+
+
+        schedule = mesh3d.build_schedule("1f1b", [stage], microbatches, loss_fn)
+
+
     """
     cls = _schedule_class(name)
     if is_multi_stage(name):
@@ -251,6 +295,16 @@ def run_schedule(
     runs the last stage) are split along dim 0 into the schedule's n microbatches. Returns
     the n losses from `loss_fn` where this rank runs the last stage, [] elsewhere. Logits are
     not kept (`return_outputs=False` where torch has it).
+
+
+
+    Example:
+
+
+
+        losses = mesh3d.run_schedule(schedule, [stage], input_ids, labels)   # [] off the last stage
+
+
     """
     first = any(s.is_first for s in stages)
     last = any(s.is_last for s in stages)

@@ -112,7 +112,18 @@ def reduce_partial_grads(params) -> None:
 
 
 def llama_tp_plan(sequence_parallel: bool) -> TPPlan:
-    """The Llama plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False)."""
+    """The Llama plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False).
+
+
+
+    Example:
+
+
+
+        mesh3d.apply_tp(llama, mesh["tp"], mesh3d.llama_tp_plan(sequence_parallel=True))
+
+
+    """
     seq = Shard(1)  # activations are [B, S, h]: the sequence is dim 1
     if sequence_parallel:
         block_in = _block_input(seq)
@@ -153,8 +164,45 @@ def llama_tp_plan(sequence_parallel: bool) -> TPPlan:
     }
 
 
+def hf_llama_tp_plan() -> TPPlan:
+    """A plan for Hugging Face `transformers` `LlamaForCausalLM` (its module names).
+
+    Attention and MLP projections are split Megatron-style (column then row); embeddings, norms
+    and the LM head stay replicated (plain parameters: use `foreach=False` in the optimizer).
+    Heads are divided over tp, so tp must divide both head counts.
+
+
+
+    Example:
+
+
+
+        model = transformers.LlamaForCausalLM(config)   # same full weights on every rank
+
+
+        mesh3d.apply_tp(model, mesh["tp"], mesh3d.hf_llama_tp_plan())
+
+
+    """
+    layer = "model.layers.*."
+    return {
+        layer + "self_attn.q_proj": ColwiseParallel(),
+        layer + "self_attn.k_proj": ColwiseParallel(),
+        layer + "self_attn.v_proj": ColwiseParallel(),
+        layer + "self_attn.o_proj": RowwiseParallel(),
+        layer + "mlp.gate_proj": ColwiseParallel(),
+        layer + "mlp.up_proj": ColwiseParallel(),
+        layer + "mlp.down_proj": RowwiseParallel(),
+    }
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
-    """Apply `plan` to `model` in place (on meta or real tensors; no communication).
+    """Apply `plan` (`FQN pattern -> ParallelStyle`, `*` matching one name) to any `model` in
+    place, on meta or real tensors, without communication: every rank keeps its slice of the
+    full tensors it holds (`src_data_rank=None`), so build the full model from the same seed on
+    every rank first.
+
+        apply_tp(model, mesh["tp"], {"h.*.mlp.fc": ColwiseParallel(), "h.*.mlp.proj": RowwiseParallel()})
 
     Plan entries whose module a pipeline stage deleted (None) are skipped. Tied embeddings are
     re-tied afterwards: parallelizing the embedding and the head separately would otherwise

@@ -154,7 +154,21 @@ def _share(value, src: int):
 
 
 def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> RunResult:
-    """Train `cfg` on the current process group (started here if needed); rank-local result."""
+    """Train `cfg` on the current process group (started here if needed); rank-local result.
+
+
+
+    Example:
+
+
+
+        result = mesh3d.train(mesh3d.load_config("cfg.yaml"))   # under torchrun
+
+
+        [m["lm_loss"] for m in result.metrics]
+
+
+    """
     run = _setup(cfg)
     parts, rank, world = run.parts, dist.get_rank(), dist.get_world_size()
     n_params = total_params(parts, run.mesh)

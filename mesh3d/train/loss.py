@@ -58,5 +58,16 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) 
 def normalized_loss(
     logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, global_tokens: int
 ) -> torch.Tensor:
-    """This microbatch's share of the global mean token loss."""
+    """This microbatch's share of the global mean token loss.
+
+
+
+    Example:
+
+
+
+        loss_fn = lambda logits, labels: mesh3d.normalized_loss(logits, labels, vocab, global_tokens)
+
+
+    """
     return token_loss_sum(logits, labels, vocab_size) / global_tokens

@@ -32,6 +32,16 @@ def clip_grad_norm(
     The norm is over `norm_params` (default `params`; a tied copy is left out so it counts once)
     and, with `pp_group`, summed over the pipeline stages. With DTensor gradients (tp shards,
     FSDP shards) it is the norm of the full tensors: shards count once, replicas once.
+
+
+
+    Example:
+
+
+
+        norm = mesh3d.clip_grad_norm(list(model.parameters()), 1.0, pp_group=mesh["pp"].get_group())
+
+
     """
     grads = [p.grad for p in (params if norm_params is None else norm_params) if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())

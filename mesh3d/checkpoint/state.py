@@ -1,0 +1,304 @@
+"""Weights and optimizer state of any model, in Nanotron's layout, at any layout on load.
+
+The core that `resume.py` (Llama training checkpoints) and the library functions below share:
+
+- `write_rank_state`: this rank gathers the full tensors of the parameters it holds, one
+  parameter at a time (collectives only among the ranks holding the same parameter), and writes
+  its own (pp, tp) files: weights (`model/...`, dp rank 0), optimizer state (`optimizer/`,
+  ZeRO-0 files from dp rank 0 or ZeRO-1 slices from every rank) and its random states.
+- `load_rank_state`: no collectives; each rank rebuilds the full tensors of its parameters from
+  whatever layout wrote the files and keeps its shard.
+
+A parameter is a `Param` (name in the files, our tensors it fuses, full shape, TP kind); for
+Llama they come from `nanotron_params`, for any other model from `params_of` (one file per
+parameter, its TP kind read off its DTensor placement on the "tp" mesh dimension).
+
+    mesh3d.save_state("ckpt/100", model, optimizer)       # every rank
+    mesh3d.load_state("ckpt/100", model, optimizer)       # at any dp / tp / pp
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from mesh3d.checkpoint import names as N
+from mesh3d.checkpoint import nanotron_state as S
+from mesh3d.checkpoint.nanotron_weights import Param, fuse, read_param, shard_of, weight_file
+from mesh3d.errors import UserError
+from mesh3d.log import Progress
+from mesh3d.parallel.parallelize import canonical_name
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the saving run and this rank's coordinates ({"pp", "dp", "tp"})."""
+
+    dp: int
+    tp: int
+    pp: int
+    coords: dict
+
+
+def held_parameters(modules: Iterable[nn.Module]) -> dict[str, list[nn.Parameter]]:
+    """Parameter name -> this rank's parameters holding it (a tied copy under its owner's name,
+    from a module's `tied_parameters`; activation-checkpoint wrappers removed from names)."""
+    out: dict[str, list] = {}
+    for m in modules:
+        aliases = getattr(m, "tied_parameters", {})
+        for name, p in m.named_parameters():
+            name = canonical_name(name)
+            out.setdefault(aliases.get(name, name), []).append(p)
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
+
+
+def _group_hparams(optimizer) -> dict:
+    g = optimizer.param_groups[0]
+    keys = ("lr", "weight_decay", "betas", "eps", "amsgrad", "foreach", "maximize")
+    keys += ("capturable", "differentiable", "fused", "momentum", "dampening", "nesterov")
+    return {k: g[k] for k in keys if k in g}
+
+
+def write_rank_state(
+    tmp: Path,
+    params: list[Param],
+    held: dict[str, list[nn.Parameter]],
+    optimizer: torch.optim.Optimizer | None,
+    layout: Layout,
+    *,
+    zero: bool,
+    model_dtype: torch.dtype | None,
+    masters: bool,
+    writes_weight: Callable[[Param], bool] = lambda p: True,
+) -> None:
+    """This rank's weight, optimizer and random-state files under `tmp` (see the module doc).
+
+    `params` are the parameters this rank holds, in the same order on every rank holding them;
+    `writes_weight(p)` says whether this rank (if dp 0, and tp 0 for replicated ones) writes
+    `p`'s weight file — False for a tied copy another pipeline rank writes.
+    """
+    T, P, D = layout.coords["tp"], layout.coords["pp"], layout.coords["dp"]
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    entries = []
+    progress = Progress("Saving checkpoint (parameters of this rank)", len(params))
+    for p in params:
+        first = [held[o][0] for o in p.ours]
+        fused = fuse(p, {o: _full(held[o][0]) for o in p.ours})
+        if D == 0 and (p.kind != "replicated" or T == 0) and writes_weight(p):
+            data, meta = shard_of(p, fused.to(model_dtype or fused.dtype), T, tp)
+            path = tmp / "model" / weight_file(p, T, tp, pp)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file({N.TENSOR_KEY: data}, str(path), metadata=meta or None)
+        tensors = {S.MASTER: fused.float()} if masters else {}
+        state = optimizer.state.get(first[0], {}) if optimizer is not None else {}
+        for k in S.ADAM_KEYS:
+            if k in state:
+                tensors[k] = fuse(
+                    p, {o: _full(optimizer.state[q][k]) for o, q in zip(p.ours, first)}
+                )
+        local = {k: shard_of(p, v, T, tp)[0] for k, v in tensors.items()}
+        if zero:
+            a, b = S.zero1_ranges(local[next(iter(local))].numel(), dp)[D] if local else (0, 0)
+            local = {k: v.reshape(-1)[a:b].clone() for k, v in local.items()}
+        if "step" in state:
+            local["step"] = state["step"].detach().cpu().clone()
+        entries.append((p.name, local))
+        progress.update()
+    if optimizer is not None and (zero or D == 0):
+        name = S.optimizer_file(P, pp, T, tp, *((D, dp) if zero else ()))
+        payload = S.optimizer_payload(entries, _group_hparams(optimizer))
+        torch.save(payload, tmp / "optimizer" / name)
+    torch.save(S.random_states(), tmp / "random" / S.random_file(T, tp, D, dp, P, pp))
+    progress.done()
+
+
+def _fit_rows(t: torch.Tensor, p: Param, rows: int | None) -> torch.Tensor:
+    """Vocabulary tensors re-padded to `rows` (padding rows are zero and never trained)."""
+    if rows is None or p.kind != "vocab" or t.shape[0] == rows:
+        return t
+    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
+    n = min(rows, t.shape[0])
+    out[:n] = t[:n]
+    return out
+
+
+def _place(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `full`, laid out like `like` (a DTensor or a plain tensor)."""
+    full = full.to(device=like.device, dtype=like.dtype)
+    if isinstance(like, DTensor):
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+    return full.clone()
+
+
+def _assign(param: nn.Parameter, full: torch.Tensor) -> None:
+    """Copy this rank's piece of `full` into `param` in place."""
+    local = _place(full, param)
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(local)
+
+
+def load_rank_state(
+    step_dir: Path,
+    params: list[Param],
+    held: dict[str, list[nn.Parameter]],
+    optimizer: torch.optim.Optimizer | None,
+    load_optimizer: bool,
+    rows: int | None = None,
+) -> None:
+    """Fill this rank's parameters (and AdamW state) from `step_dir`, saved at any layout.
+
+    `params` describe the tensors as saved (shapes, kinds); `rows` re-pads vocabulary tensors.
+    """
+    files = S.OptimizerFiles(step_dir / "optimizer") if load_optimizer else None
+    adam = isinstance(optimizer, torch.optim.AdamW)
+    progress = Progress(f"Loading checkpoint {step_dir}", len(params))
+    for p in params:
+        master = files.full(p, S.MASTER) if files is not None and files.has_master else None
+        weights = master if master is not None else read_param(step_dir / "model", p)
+        states, step = {}, None
+        if files is not None and adam:
+            states = {k: files.full(p, k) for k in S.ADAM_KEYS}
+            states = {k: v for k, v in states.items() if v is not None}
+            step = files.step(p)
+        for i, o in enumerate(p.ours):
+            ours = {k: _fit_rows(torch.split(v, p.chunks)[i], p, rows)
+                    for k, v in {"weight": weights, **states}.items()}  # fmt: skip
+            for q in held[o]:
+                _assign(q, ours["weight"])
+                if states:
+                    optimizer.state[q] = {k: _place(ours[k], q) for k in states}
+                    optimizer.state[q]["step"] = (
+                        torch.zeros(()) if step is None else step.float().clone()
+                    )
+        progress.update()
+    progress.done()
+
+
+# ----------------------------------------------------------------- any model (library use)
+
+
+def _tp_kind(param: nn.Parameter) -> N.Kind:
+    """'vocab' (split on dim 0), 'row' (dim 1) or 'replicated', from the "tp" placement."""
+    if not isinstance(param, DTensor):
+        return "replicated"
+    names = param.device_mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return "replicated"
+    placement = param.placements[names.index("tp")]
+    if isinstance(placement, Shard):
+        if placement.dim == 0:
+            return "vocab"  # one contiguous block of dim 0 per tp rank
+        if placement.dim == 1:
+            return "row"
+        raise UserError(f"cannot save a parameter sharded on dim {placement.dim} over tp")
+    return "replicated"
+
+
+def params_of(
+    modules: Iterable[nn.Module],
+    name_map: Callable[[str], str] | dict[str, str] | None = None,
+    pp_rank: int = 0,
+) -> list[Param]:
+    """One `Param` per parameter of `modules`: file name from `name_map` (default: the
+    parameter's own name), full shape, TP kind from its placement, this rank's pp rank."""
+    if isinstance(name_map, dict):
+        mapping = name_map
+        name_map = lambda n: mapping.get(n, n)  # noqa: E731
+    out = []
+    for name, group in held_parameters(modules).items():
+        param = group[0]
+        saved = name_map(name) if name_map else name
+        shape = tuple(param.shape)
+        out.append(Param(saved, (name,), (shape[0],), shape, _tp_kind(param), pp_rank))
+    return out
+
+
+def _layout_of(mesh) -> Layout:
+    if mesh is None:
+        return Layout(1, 1, 1, {"pp": 0, "dp": 0, "tp": 0})
+    sizes = {n: mesh[n].size() if n in mesh.mesh_dim_names else 1 for n in ("pp", "dp", "tp")}
+    coords = {n: mesh[n].get_local_rank() if n in mesh.mesh_dim_names else 0 for n in sizes}
+    return Layout(sizes["dp"], sizes["tp"], sizes["pp"], coords)
+
+
+def save_state(
+    path: str | Path,
+    modules: nn.Module | Iterable[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    mesh=None,
+    name_map: Callable[[str], str] | dict[str, str] | None = None,
+) -> Path:
+    """Save a model (or this rank's pipeline stages) and its AdamW state in Nanotron's layout.
+
+    Every rank calls it. `mesh` is the ("pp", "dp", "tp") DeviceMesh the model runs on (None:
+    one process). `name_map` renames parameters in the files (e.g. to Nanotron's names). The
+    folder is written as `<path>.tmp` and renamed when complete. Weights are written in their
+    own dtype; optimizer state as ZeRO-0 files. Returns `path`.
+
+        mesh3d.save_state("ckpt/100", model, optimizer, mesh=mesh)
+    """
+    path = Path(path)
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    layout = _layout_of(mesh)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    tmp = path.with_name(path.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for sub in ("model", "optimizer", "random"):
+            (tmp / sub).mkdir(parents=True)
+    if dist.is_initialized():
+        dist.barrier()
+    params = params_of(modules, name_map, layout.coords["pp"])
+    write_rank_state(tmp, params, held_parameters(modules), optimizer, layout, zero=False,
+                     model_dtype=None, masters=False)  # fmt: skip
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        opt = S.optimizer_config("NamedOptimizer", layout.tp, layout.dp, layout.pp, [], False)
+        (tmp / "optimizer" / "optimizer_config.json").write_text(json.dumps(opt))
+        meta = S.metadata(layout.tp, layout.dp, 0, 0, [], {"writer": "mesh3d", "pp": layout.pp})
+        (tmp / "checkpoint_metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return path
+
+
+def load_state(
+    path: str | Path,
+    modules: nn.Module | Iterable[nn.Module],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    name_map: Callable[[str], str] | dict[str, str] | None = None,
+) -> None:
+    """Load what `save_state` wrote into a model built with the same TP plan, at any dp / tp /
+    pp (no collectives). With `optimizer` (AdamW), its state is restored too.
+
+        mesh3d.load_state("ckpt/100", model, optimizer)
+    """
+    path = Path(path)
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    S.read_metadata(path)
+    held = held_parameters(modules)
+    load_rank_state(path, params_of(modules, name_map), held, optimizer, optimizer is not None)
