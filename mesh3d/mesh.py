@@ -175,6 +175,9 @@ def mesh_from_config(cfg, device: str | None = None) -> DeviceMesh:
     """The mesh of a loaded config's `parallelism` section, starting the process group if needed
     (`device`: None = `mesh3d.device` of the config).
 
+    Example:
+
+
         mesh = mesh_from_config(load_config("cfg.yaml"))
     """
     dev = init_distributed(device=device or cfg.mesh3d.device)

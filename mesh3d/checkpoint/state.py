@@ -254,6 +254,9 @@ def save_state(
     folder is written as `<path>.tmp` and renamed when complete. Weights are written in their
     own dtype; optimizer state as ZeRO-0 files. Returns `path`.
 
+    Example:
+
+
         mesh3d.save_state("ckpt/100", model, optimizer, mesh=mesh)
     """
     path = Path(path)
@@ -294,6 +297,9 @@ def load_state(
 ) -> None:
     """Load what `save_state` wrote into a model built with the same TP plan, at any dp / tp /
     pp (no collectives). With `optimizer` (AdamW), its state is restored too.
+
+    Example:
+
 
         mesh3d.load_state("ckpt/100", model, optimizer)
     """

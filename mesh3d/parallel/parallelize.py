@@ -93,6 +93,9 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str, blocks: str = "la
     gradients with `allreduce_gradients` after backward). Each block of `model.<blocks>` (a
     ModuleDict or ModuleList, if present) becomes its own FSDP unit, then the root.
 
+    Example:
+
+
         apply_dp(model, mesh["dp"], "zero1", blocks="h")
     """
     if mode == "replicate":

@@ -182,6 +182,9 @@ def build_stage(
     tied; otherwise the lm_head's weight becomes the stage's own parameter
     (`sync_tied_embeddings` keeps the two copies equal).
 
+    Example:
+
+
         stage = build_stage(gpt, 1, 2, [2, 3], blocks="h", first=("wte", "wpe"), last=("ln_f", "head"))
     """
     stage = copy.deepcopy(model)  # deepcopy keeps the tie (one Parameter, two owners)

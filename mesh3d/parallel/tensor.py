@@ -202,6 +202,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
     full tensors it holds (`src_data_rank=None`), so build the full model from the same seed on
     every rank first.
 
+    Example:
+
+
         apply_tp(model, mesh["tp"], {"h.*.mlp.fc": ColwiseParallel(), "h.*.mlp.proj": RowwiseParallel()})
 
     Plan entries whose module a pipeline stage deleted (None) are skipped. Tied embeddings are
