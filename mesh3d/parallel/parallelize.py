@@ -103,7 +103,10 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str, blocks: str = "la
     if mode not in ("zero1", "full"):
         raise ValueError(f"unknown dp mode {mode!r}; use 'replicate', 'zero1' or 'full'")
     reshard = mode == "full"
-    container = getattr(model, blocks, None)
+    try:
+        container = model.get_submodule(blocks)  # a dotted path works: "model.layers"
+    except AttributeError:
+        container = None
     units = container.values() if isinstance(container, nn.ModuleDict) else container or []
     for layer in units:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
