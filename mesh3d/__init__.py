@@ -42,12 +42,26 @@ from mesh3d.parallel.pipeline import (
     split_layers,
 )
 from mesh3d.parallel.tensor import TPPlan, apply_tp, hf_llama_tp_plan, llama_tp_plan
-from mesh3d.plan import make_plan
 from mesh3d.train.loop import train
 from mesh3d.train.loss import normalized_loss
 from mesh3d.train.step import clip_grad_norm
 
 __version__ = "0.1.0"
+
+
+def make_plan(cfg: Config, world_size: int | None = None):
+    """The pre-flight plan of `cfg` on `world_size` processes (default dp x tp x pp): rank
+    groups, stages, memory per rank, activations, bubble, communication (`mesh3d plan`).
+
+    Example:
+
+        plan = mesh3d.make_plan(mesh3d.load_config("cfg.yaml"), world_size=8)
+        print(mesh3d.plan.format_plan(plan))
+    """
+    from mesh3d.plan import make_plan as _make_plan  # lazy: `python -m mesh3d.plan` imports it
+
+    return _make_plan(cfg, world_size)
+
 
 __all__ = [
     # config

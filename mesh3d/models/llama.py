@@ -147,10 +147,11 @@ class Attention(nn.Module):
             out = flash_attn_func(q, k, v, causal=True)  # (B, S, nq, dh), GQA native
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, dh)
-            group = q.shape[1] // k.shape[1]  # query heads per kv head
-            k = k.repeat_interleave(group, dim=1)  # (B, nq, S, dh)
-            v = v.repeat_interleave(group, dim=1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+            # GQA inside SDPA: no repeated copies of k and v (saves their memory and the
+            # gradient sums in backward; torch >= 2.5)
+            gqa = q.shape[1] != k.shape[1]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = out.transpose(1, 2)
         return self.o_proj(out.reshape(b, s, -1))  # (B, S, h)
 
 

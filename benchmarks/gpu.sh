@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Single-GPU training throughput of a 1.1B Llama (TinyLlama-1.1B shapes), bf16, sequence 2048:
+# mesh3d vs a plain PyTorch loop, SDPA / flash-attn, eager / torch.compile; tokens/s, MFU and
+# peak memory per variant, raw numbers in benchmarks/results/gpu.json. A few minutes on one GPU.
+#
+#   bash benchmarks/gpu.sh                 # all variants
+#   bash benchmarks/gpu.sh --steps 12      # more steps per variant; extra key=value overrides too
+#   bash benchmarks/gpu.sh --dry-run       # the plan and configs, no GPU needed
+#
+# Without a GPU it prints a message and exits 0. See benchmarks/gpu.py for the details.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+# fewer allocator retries on a 1B model with long sequences (available since torch 2.1)
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
+exec python benchmarks/gpu.py "$@"

@@ -1,0 +1,326 @@
+"""Training throughput of mesh3d against a plain PyTorch loop and Hugging Face transformers.
+
+    python benchmarks/throughput.py             # "quick": ~13.7M-parameter Llama, a few minutes
+    python benchmarks/throughput.py --tiny      # a toy model, for the test (seconds)
+    python benchmarks/throughput.py --profile   # also: torch.profiler top ops of one step each
+
+In one process, the same Llama shapes train for the same steps, on the same batches from the same
+initial weights, three ways, interleaved (a, b, c, a, b, c, ...):
+  (a) mesh3d at dp=tp=pp=1 through `mesh3d.train.loop.train` (the real training path; dummy data),
+  (b) a plain loop over the same model class (`mesh3d.models.llama.Llama`): torch AdamW, sum
+      cross-entropy / tokens per microbatch, `clip_grad_norm_`, same microbatching and dtype,
+  (c) transformers' `LlamaForCausalLM` (config from `mesh3d.hf_config`, SDPA, fp32, weights
+      copied from (b)) with the same loop.
+Reported: median tokens/s over the steps after the warm-up steps of every repetition, and the
+ratios mesh3d / plain and mesh3d / transformers (also as the median of per-repetition ratios, which
+cancels slow drifts of a shared machine's load). mesh3d's own timer (`elapsed_time_per_iteration_ms`)
+includes reading its dummy batch; the loops of (b) and (c) get their batches ready-made. (a, b, c)
+run on one intra-op thread by default (`--threads`): on a busy 2-core machine, a process's second
+OpenMP thread stalls whenever another process takes its core, and steps then vary 10-50x.
+
+Then scaling, at the same global batch: mesh3d at dp=tp=pp=1 in this process on every core, and
+at dp=tp=pp=2 on 8 CPU ranks (torchrun, `recipes/train.py`, one thread each); efficiency = tokens/s
+at 8 ranks / tokens/s at 1 rank. With fewer than 8 cores the ranks oversubscribe the machine, so
+the number measures what the 3D layout costs (communication, pipeline bubble), not a speed-up.
+Raw numbers: `benchmarks/results/throughput[_tiny].json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.config import global_batch_size, load_config
+from mesh3d.data.build import build_dataset
+from mesh3d.data.dummy import microbatches
+from mesh3d.models.init import init_weights
+from mesh3d.models.llama import Llama, num_params
+from mesh3d.train.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "recipes/configs/cpu_tiny.yaml"
+MC = "model.model_config"
+# name -> (hidden, ffn, layers, heads, kv heads, vocab, seq, micro batch, accumulation)
+SHAPES = {
+    "quick": (512, 1376, 4, 8, 4, 4096, 256, 2, 2),
+    "tiny": (64, 176, 2, 4, 2, 256, 32, 2, 2),
+}
+# name -> (repetitions, steps per repetition, warm-up steps skipped, steps at 8 ranks)
+SCHEDULE = {"quick": (5, 5, 1, 6), "tiny": (3, 6, 1, 3)}
+COMMON = ["logging.log_level=warning", "mesh3d.device=cpu", "mesh3d.dummy_data=random",
+          "mesh3d.wandb=false", "model.dtype=float32", "model.make_vocab_size_divisible_by=1",
+          "optimizer.learning_rate_scheduler.lr_warmup_steps=1"]  # fmt: skip
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def shape_overrides(mode: str) -> list[str]:
+    """Config overrides for the model and batch shape of `mode` at dp=tp=pp=1."""
+    h, ffn, layers, heads, kv, vocab, seq, mbs, acc = SHAPES[mode]
+    return [f"{MC}.hidden_size={h}", f"{MC}.intermediate_size={ffn}",
+            f"{MC}.num_hidden_layers={layers}", f"{MC}.num_attention_heads={heads}",
+            f"{MC}.num_key_value_heads={kv}", f"{MC}.vocab_size={vocab}",
+            f"{MC}.max_position_embeddings={seq}", f"tokens.sequence_length={seq}",
+            f"tokens.micro_batch_size={mbs}", f"tokens.batch_accumulation_per_replica={acc}"]  # fmt: skip
+
+
+def run_mesh3d(cfg) -> tuple[list[float], float]:
+    """(tokens/s of every step, step-1 loss) of `mesh3d.train.loop.train` on this process."""
+    metrics = train(cfg).metrics
+    return [m["tokens_per_sec"] for m in metrics], metrics[0]["lm_loss"]
+
+
+def plain_model(cfg) -> Llama:
+    """The model mesh3d trains, built and initialized the single-device way (same weights)."""
+    mc = cfg.model.model_config
+    model = Llama(mc, vocab_size=mc.vocab_size, attention=cfg.mesh3d.attention)
+    init = cfg.model.init_method
+    init_weights(model, init.std, mc.num_hidden_layers, getattr(init, "scaling_method",
+                 "NUM_LAYERS"), seed=cfg.general.seed)  # fmt: skip
+    return model
+
+
+def hf_model(cfg, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM with the same config and weights (SDPA, fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mesh3d.hf_config import hf_config_from_llama
+
+    hf_dict = hf_config_from_llama(cfg.model.model_config, torch.float32)
+    hf_cfg = LlamaConfig(**hf_dict, attn_implementation="sdpa")
+    model = LlamaForCausalLM(hf_cfg).float()
+    renamed = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in weights.items()}
+    model.load_state_dict(renamed, strict=True)
+    return model
+
+
+def run_loop(
+    model: torch.nn.Module,
+    logits_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    cfg,
+    steps: list[Batches],
+) -> tuple[list[float], float]:
+    """A plain training loop; (tokens/s of every step, step-1 loss)."""
+    o, f = cfg.optimizer, cfg.optimizer.optimizer_factory
+    lr = o.learning_rate_scheduler.learning_rate
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(f.adam_beta1, f.adam_beta2),
+                                  eps=f.adam_eps, weight_decay=o.weight_decay)  # fmt: skip
+    vocab = cfg.model.model_config.vocab_size
+    tokens = global_batch_size(cfg) * cfg.tokens.sequence_length
+    speeds, losses = [], []
+    model.train()
+    for batches in steps:
+        t0 = time.time()
+        total = torch.zeros(())
+        for inputs, labels in batches:
+            logits = logits_of(model, inputs)  # (B, S, V)
+            loss = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), reduction="sum")
+            loss = loss / tokens  # this microbatch's share of the step's mean token loss
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(total))
+        speeds.append(tokens / (time.time() - t0))
+    return speeds, losses[0]
+
+
+def step_batches(cfg, n: int) -> list[Batches]:
+    """The microbatches mesh3d reads at steps 1..n (same dataset, same samples)."""
+    data, gbs = build_dataset(cfg, 0), global_batch_size(cfg)
+    return [microbatches(data, s, gbs, 0, 1, cfg.tokens.micro_batch_size) for s in range(1, n + 1)]
+
+
+def runners(cfg, steps: list[Batches]) -> dict[str, Callable[[], tuple[list[float], float]]]:
+    """name -> a fresh run (model built and initialized outside the timed steps)."""
+
+    def plain():
+        return run_loop(plain_model(cfg), lambda m, x: m(x), cfg, steps)
+
+    def transformers():
+        model = hf_model(cfg, plain_model(cfg).state_dict())
+        return run_loop(model, lambda m, x: m(input_ids=x, use_cache=False).logits, cfg, steps)
+
+    return {"mesh3d": lambda: run_mesh3d(cfg), "plain": plain, "transformers": transformers}
+
+
+def profile(overrides: list[str], steps: list[Batches]) -> None:
+    """Print the top CPU ops of one step (after a warm-up step) of each way."""
+    from torch.profiler import profile as torch_profile
+
+    one = load_config(CONFIG, [*overrides, "tokens.train_steps=1"])
+    for name, fn in runners(one, steps[:1]).items():
+        fn()  # warm-up
+        with torch_profile() as prof:
+            fn()
+        print(f"\n--- {name}: one step, top ops by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def scaling(mode: str, steps: int, warmup: int, extra: list[str]) -> dict:
+    """mesh3d 1x1x1 in this process on every core, then 2x2x2 on 8 torchrun ranks of 1 thread
+    each (`recipes/train.py`), at the same global batch; tokens/s of every step of both."""
+    h, ffn, layers, heads, kv, vocab, seq, mbs, acc = SHAPES[mode]
+    gbs, cores = mbs * acc, os.cpu_count() or 1
+    base = [*COMMON, *shape_overrides(mode), *extra, f"tokens.train_steps={steps}"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        one, _ = run_mesh3d(load_config(CONFIG, base))
+    finally:
+        torch.set_num_threads(threads)
+    layout = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2",
+              f"tokens.micro_batch_size={gbs // 4}", "tokens.batch_accumulation_per_replica=2"]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="mesh3d-throughput-") as tmp:
+        metrics_file = Path(tmp) / "metrics.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+               str(ROOT / "recipes/train.py"), "--config-file", str(CONFIG),
+               "--metrics-file", str(metrics_file), *base, *layout]  # fmt: skip
+        t0 = time.time()
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.time() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"8-rank run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        eight = [
+            json.loads(line)["tokens_per_sec"] for line in metrics_file.read_text().splitlines()
+        ]
+    med1, med8 = statistics.median(one[warmup:]), statistics.median(eight[warmup:])
+    return dict(global_batch_size=gbs, warmup_steps=warmup, cores=cores, oversubscribed=cores < 8,
+                one_rank=dict(layout="dp=1 tp=1 pp=1", threads=cores, micro_batch_size=mbs,
+                              step_tokens_per_sec=one, tokens_per_sec_median=med1),
+                eight_ranks=dict(layout="dp=2 tp=2 pp=2", threads_per_rank=1, launcher="torchrun",
+                                 micro_batch_size=gbs // 4, wall_s=wall, overrides=layout,
+                                 step_tokens_per_sec=eight, tokens_per_sec_median=med8),
+                efficiency=med8 / med1)  # fmt: skip
+
+
+def summarize(impls: dict, warmup: int) -> dict:
+    """Median tokens/s per way (and per repetition); ratios of mesh3d to the other two."""
+    for m in impls.values():
+        reps = [rep[warmup:] for rep in m["step_tokens_per_sec"]]
+        m["tokens_per_sec_median"] = statistics.median(s for rep in reps for s in rep)
+        m["rep_medians"] = [statistics.median(rep) for rep in reps]
+    ratios = {}
+    for other in ("plain", "transformers"):
+        mine, theirs = impls["mesh3d"], impls[other]
+        ratios[f"mesh3d_over_{other}"] = (
+            mine["tokens_per_sec_median"] / theirs["tokens_per_sec_median"]
+        )
+        per_rep = [a / b for a, b in zip(mine["rep_medians"], theirs["rep_medians"])]
+        ratios[f"mesh3d_over_{other}_per_rep"] = per_rep
+        ratios[f"mesh3d_over_{other}_median_of_reps"] = statistics.median(per_rep)
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="toy shapes and few steps (for tests)")
+    ap.add_argument("--reps", type=int, help="repetitions of (a, b, c)")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads for (a, b, c)")
+    ap.add_argument("--no-scaling", action="store_true", help="skip the 8-rank 2x2x2 run")
+    ap.add_argument("--profile", action="store_true", help="print top ops of one step of each")
+    ap.add_argument(
+        "--out", type=Path, help="JSON path (default benchmarks/results/throughput*.json)"
+    )
+    ap.add_argument("overrides", nargs="*", help="extra dotted config overrides, key=value")
+    args = ap.parse_args(argv)
+    mode = "tiny" if args.tiny else "quick"
+    reps, n_steps, warmup, scale_steps = SCHEDULE[mode]
+    reps = args.reps or reps
+    torch.set_num_threads(args.threads)
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    cores = os.cpu_count()
+    print(f"command: python {shlex.join(sys.argv)}")
+    print(f"torch {torch.__version__} | cores {cores} | threads {args.threads} | {now}")
+    import transformers
+
+    overrides = [*COMMON, *shape_overrides(mode), f"tokens.train_steps={n_steps}", *args.overrides]
+    cfg = load_config(CONFIG, overrides)
+    steps = step_batches(cfg, n_steps)
+    gbs, seq = global_batch_size(cfg), cfg.tokens.sequence_length
+    names = ("hidden_size", "intermediate_size", "num_layers", "heads", "kv_heads", "vocab_size",
+             "sequence_length", "micro_batch_size", "accumulation")  # fmt: skip
+    shapes = dict(zip(names, SHAPES[mode]), parameters=num_params(plain_model(cfg)),
+                  tokens_per_step=gbs * seq)  # fmt: skip
+    print(f"config: {CONFIG.relative_to(ROOT)} + {' '.join(overrides)}")
+    print(f"model: {shapes['parameters'] / 1e6:.1f}M parameters (tied embeddings), fp32; "
+          f"{gbs} x {seq} = {gbs * seq} tokens per step in {len(steps[0])} microbatches; "
+          f"{reps} repetitions x {n_steps} steps, the first {warmup} of each skipped\n")  # fmt: skip
+    t_all, load0 = time.time(), os.getloadavg()
+    if args.profile:
+        profile(overrides, steps)
+    runs = runners(cfg, steps)
+    impls = {name: dict(step_tokens_per_sec=[], loss_step1=None) for name in runs}
+    for rep in range(reps):
+        for name, run in runs.items():
+            gc.collect()
+            speeds, loss1 = run()
+            impls[name]["step_tokens_per_sec"].append(speeds)
+            impls[name]["loss_step1"] = loss1
+            print(f"rep {rep + 1} {name:>12}: {statistics.median(speeds[warmup:]):7.0f} tokens/s "
+                  f"(steps: {' '.join(f'{s:.0f}' for s in speeds)})", flush=True)  # fmt: skip
+    result = dict(command=sys.argv, torch=torch.__version__, transformers=transformers.__version__,
+                  cores=cores, threads=args.threads, date=now, mode=mode,
+                  config=str(CONFIG.relative_to(ROOT)), overrides=overrides, shapes=shapes,
+                  reps=reps, steps_per_rep=n_steps, warmup_steps=warmup, impls=impls,
+                  ratios=summarize(impls, warmup),
+                  targets=dict(mesh3d_over_plain=0.97, mesh3d_over_transformers=1.0))  # fmt: skip
+    if not args.no_scaling:
+        print(f"\n2x2x2 on 8 ranks vs 1x1x1: {cores} cores, so the 8 ranks (1 thread each) "
+              f"oversubscribe them {8 / cores:g}x; 1x1x1 runs here on {cores} threads", flush=True)  # fmt: skip
+        s = scaling(mode, scale_steps, warmup, args.overrides)
+        result["scaling"] = s
+        for key in ("one_rank", "eight_ranks"):
+            steps_s = " ".join(f"{v:.0f}" for v in s[key]["step_tokens_per_sec"])
+            print(f"{s[key]['layout']}: steps {steps_s} tokens/s")
+    result.update(total_s=time.time() - t_all, loadavg_start=load0, loadavg_end=os.getloadavg())
+    print("\n" + table(result))
+    out = args.out or ROOT / "benchmarks/results" / f"throughput{'_tiny' if args.tiny else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\ntotal {result['total_s']:.0f}s; load average {load0[0]:.1f} -> "
+          f"{result['loadavg_end'][0]:.1f}; wrote {out}")  # fmt: skip
+    return 0
+
+
+def table(result: dict) -> str:
+    """The results as Markdown: median tokens/s, per repetition, mesh3d's ratio, step-1 loss."""
+    impls, ratios = result["impls"], result["ratios"]
+    mesh3d = impls["mesh3d"]["tokens_per_sec_median"]
+    lines = ["| way | tokens/s (median) | per repetition | mesh3d / way | median of per-rep ratios "
+             "| step-1 loss |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, m in impls.items():
+        reps = " ".join(f"{v:.0f}" for v in m["rep_medians"])
+        per_rep = ratios.get(f"mesh3d_over_{name}_median_of_reps", 1.0)
+        lines.append(f"| {name} | {m['tokens_per_sec_median']:.0f} | {reps} | "
+                     f"{mesh3d / m['tokens_per_sec_median']:.3f} | {per_rep:.3f} | "
+                     f"{m['loss_step1']:.5f} |")  # fmt: skip
+    s = result.get("scaling")
+    if s:
+        one, eight = s["one_rank"], s["eight_ranks"]
+        lines += ["", "| mesh3d layout | ranks x threads | tokens/s (median) | efficiency |",
+                  "|---|---|---|---|",
+                  f"| 1x1x1 | 1 x {one['threads']} | {one['tokens_per_sec_median']:.0f} | 1 |",
+                  f"| 2x2x2 | 8 x 1 | {eight['tokens_per_sec_median']:.0f} | "
+                  f"{s['efficiency']:.3f} |"]  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

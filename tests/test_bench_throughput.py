@@ -1,0 +1,77 @@
+"""benchmarks/throughput.py and benchmarks/gpu.sh, run as a user would (subprocesses).
+
+- `throughput.py --tiny --out F` (a toy Llama trained by mesh3d, a plain loop and transformers,
+  then mesh3d at 2x2x2 on 8 torchrun ranks) exits 0 and writes the JSON: every way has positive,
+  finite tokens/s per step; the three ways start from the same loss (same weights, same batch);
+  the ratios and the 8-rank efficiency are finite and in a broad sane range. Tokens/s on a shared
+  CPU is noisy, so nothing here asserts a speed.
+- Without a GPU, `gpu.sh` exits 0 with its message, and `gpu.py --dry-run` lists the variants,
+  with `mesh3d.compile: true` refused by mesh3d's config validation.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WAYS = ("mesh3d", "plain", "transformers")
+
+
+def _finite_positive(x: float) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_throughput_tiny_writes_sane_json(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "throughput.json"
+    cmd = [sys.executable, "benchmarks/throughput.py", "--tiny", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cores" in proc.stdout and "| way |" in proc.stdout
+    r = json.loads(out.read_text())
+    for key in ("command", "torch", "transformers", "cores", "threads", "date", "shapes", "impls"):
+        assert key in r, key
+    assert r["mode"] == "tiny" and r["shapes"]["tokens_per_step"] > 0
+    losses = []
+    for way in WAYS:
+        m = r["impls"][way]
+        assert len(m["step_tokens_per_sec"]) == r["reps"]
+        steps = [s for rep in m["step_tokens_per_sec"] for s in rep]
+        assert len(steps) == r["reps"] * r["steps_per_rep"]
+        assert all(_finite_positive(s) for s in steps), (way, steps)
+        assert _finite_positive(m["tokens_per_sec_median"])
+        losses.append(m["loss_step1"])
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses  # the same model and batch
+    for name in ("mesh3d_over_plain", "mesh3d_over_transformers"):
+        ratio = r["ratios"][name]
+        assert _finite_positive(ratio) and 0.2 <= ratio <= 5, (name, ratio)
+        assert _finite_positive(r["ratios"][f"{name}_median_of_reps"])
+    s = r["scaling"]
+    assert s["cores"] == r["cores"] and s["eight_ranks"]["layout"] == "dp=2 tp=2 pp=2"
+    assert len(s["eight_ranks"]["step_tokens_per_sec"]) == len(s["one_rank"]["step_tokens_per_sec"])
+    assert _finite_positive(s["efficiency"]) and s["efficiency"] < 5, s["efficiency"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_gpu_script_without_gpu_exits_cleanly():
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no CUDA GPU" in proc.stdout
+    dry = subprocess.run(
+        [sys.executable, "benchmarks/gpu.py", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "1.100B parameters" in dry.stdout
+    assert "mesh3d sdpa compile" in dry.stdout and "refused" in dry.stdout
+    assert "plain sdpa compile" in dry.stdout
