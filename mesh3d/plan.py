@@ -140,6 +140,7 @@ class _Sizes:
     h: int
     ffn: int
     heads: int
+    kv_heads: int
     tp: int
     dp: int
     pp: int
@@ -163,7 +164,8 @@ class _Sizes:
         mode = dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard)
         return cls(
             t.micro_batch_size, t.sequence_length, mc.hidden_size, mc.intermediate_size,
-            mc.num_attention_heads, p.tp, p.dp, p.pp, cfg.mesh3d.pp_virtual_stages,
+            mc.num_attention_heads, mc.num_key_value_heads or mc.num_attention_heads,
+            p.tp, p.dp, p.pp, cfg.mesh3d.pp_virtual_stages,
             t.batch_accumulation_per_replica, mc.vocab_size, padded_vocab_size(cfg),
             param.itemsize, (autocast or param).itemsize, autocast is not None,
             p.tp_mode == "REDUCE_SCATTER" and p.tp > 1, p.recompute_layer,
@@ -188,7 +190,8 @@ def stage_activation_bytes(cfg, layers: int, embedding: bool, head: bool) -> tup
         2·T'·(h·(4 + e_p) + 4)    its two RMSNorms: fp32 input, normalized input, 1/rms
       + k·T·h·e_c                 q/k/v and gate/up inputs (gathered under SP): k = 2, or 5
                                   under autocast, which saves one cast copy per linear
-      + 4·T·(h/tp)·e_c            q, k and v repeated to nq heads (SDPA), attention output
+      + 2·T·(h/tp)·e_c            q and the attention output (nq heads)
+      + 2·T·(nkv·dh/tp)·e_c       k and v (nkv heads: SDPA's enable_gqa keeps them unrepeated)
       + 4·b·(nq/tp)·s + 16·s·dh   logsumexp and RoPE cos/sin (fp32)
       + 4·T·(F/tp)·e_c            gate output, its activation, up output, their product
 
@@ -196,8 +199,7 @@ def stage_activation_bytes(cfg, layers: int, embedding: bool, head: bool) -> tup
     adds its norm T'·(h·(4 + e_p) + 4), the lm_head input T·h·e_c, the fp32 log-softmax
     4·T·V' (V' = the real vocab at tp 1, else the padded V/tp) and the labels 8·T + 4. Held
     until backward: the logits T·(V/tp)·e_c on the last stage, else the output T'·h·e_p.
-    Measured exact on CPU (SDPA) in fp32, bf16 and bf16 autocast; flash-attn saves k and v at
-    nkv heads instead.
+    Measured exact on CPU (SDPA) in fp32, bf16 and bf16 autocast.
     """
     z = _Sizes.of(cfg)
     norm = z.local_tokens * (z.h * (4 + z.e_p) + 4)
@@ -205,7 +207,9 @@ def stage_activation_bytes(cfg, layers: int, embedding: bool, head: bool) -> tup
         layer = z.local_tokens * z.h * z.e_p
     else:
         layer = 2 * norm + (5 if z.autocast else 2) * z.tokens * z.h * z.e_c
-        layer += 4 * z.tokens * (z.h // z.tp) * z.e_c + 4 * z.tokens * (z.ffn // z.tp) * z.e_c
+        kv = z.kv_heads * (z.h // z.heads)
+        layer += 2 * z.tokens * (z.h // z.tp) * z.e_c + 2 * z.tokens * (kv // z.tp) * z.e_c
+        layer += 4 * z.tokens * (z.ffn // z.tp) * z.e_c
         layer += 4 * z.b * (z.heads // z.tp) * z.s + 16 * z.s * (z.h // z.heads)
     saved = layers * layer + 8 * z.tokens * embedding
     if head:

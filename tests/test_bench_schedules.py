@@ -1,0 +1,114 @@
+"""benchmarks/schedules.py: the simulator against the closed forms, and a `--tiny` run's outputs.
+
+- Unit: replaying torch's action tables with uniform costs gives exactly `mesh3d.plan.bubble`'s
+  closed forms for afab, 1f1b, interleaved_1f1b and looped_bfs (any pp, m; F = B and F != B), and
+  interleaved_zero_bubble's with F = I = W; 1F1B's step is (m + pp - 1)(F + B); an order that
+  cannot finish raises.
+- End to end: `python benchmarks/schedules.py --tiny --out DIR` (2 forked ranks, a tiny model)
+  exits 0 and writes the JSON (keys, bubbles in [0, 1), timelines), the markdown tables (a row
+  per schedule) and a PNG.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mesh3d.parallel.pipeline import SCHEDULES
+from mesh3d.plan import bubble
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks/schedules.py"
+CLOSED_FORMS = ("afab", "1f1b", "interleaved_1f1b", "looped_bfs")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_schedules", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+@pytest.mark.parametrize("schedule", CLOSED_FORMS)
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_simulated_bubble_equals_closed_form(schedule, pp):
+    v = bench.virtual_stages(schedule)
+    for m in (pp, 2 * pp, 4 * pp):
+        table = bench.action_table(schedule, pp, v, m)
+        want = bubble(schedule, pp, v, m).fraction
+        for costs in (bench.UNIT, {"F": 1.0, "B": 1.0}, {"F": 1.0, "B": 3.0}):
+            got = bench.simulate(table, lambda k, s, c=costs: c[k]).bubble
+            assert got == pytest.approx(want, abs=1e-12), (schedule, pp, m, costs)
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_zero_bubble_with_equal_f_i_w_matches_its_formula(pp):
+    for m in (pp, 2 * pp, 4 * pp):
+        table = bench.action_table("interleaved_zero_bubble", pp, 2, m)
+        got = bench.simulate(table, lambda k, s: bench.UNIT[k]).bubble
+        assert got == pytest.approx(bubble("interleaved_zero_bubble", pp, 2, m).fraction)
+
+
+def test_1f1b_step_and_timeline():
+    pp, m, f, b = 4, 8, 1.0, 2.0
+    tl = bench.simulate(bench.action_table("1f1b", pp, 1, m), lambda k, s: {"F": f, "B": b}[k])
+    assert tl.step == pytest.approx((m + pp - 1) * (f + b))
+    for r, events in tl.events.items():
+        assert len(events) == 2 * m and all(e[3] < e[4] for e in events)
+        assert all(a[4] <= c[3] for a, c in zip(events, events[1:])), r  # one action at a time
+    first_b = {r: next(e for e in evs if e[0] == "B") for r, evs in tl.events.items()}
+    assert first_b[pp - 1][3] == pytest.approx(pp * f)  # last rank: B0 right after its F0
+
+
+def test_simulator_refuses_a_table_that_cannot_finish():
+    table = {0: [("B", 0, 0), ("F", 0, 0)], 1: [("F", 1, 0), ("B", 1, 0)]}
+    with pytest.raises(RuntimeError, match="cannot finish"):
+        bench.simulate(table, lambda k, s: 1.0)
+
+
+def test_tiny_run_writes_json_table_and_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    cmd = [sys.executable, str(SCRIPT), "--tiny", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.stdout.startswith("command: python ")
+
+    result = json.loads((tmp_path / "schedules.json").read_text())
+    for key in ("command", "torch", "cores", "date", "model", "probe", "measured", "simulated",
+                "skipped", "runtime_s"):  # fmt: skip
+        assert key in result, key
+    assert {r["schedule"] for r in result["measured"]} == set(SCHEDULES)
+    assert {r["schedule"] for r in result["simulated"]} == set(SCHEDULES)
+    for r in result["measured"] + result["simulated"]:
+        for key in ("bubble", "bubble_sim", "bubble_unit"):
+            assert key not in r or 0 <= r[key] < 1, (r["schedule"], key, r.get(key))
+        assert r["step_s"] > 0 and r["tokens_per_s"] > 0
+        assert len(r["timeline_ms"]) == r["pp"]
+        for events in r["timeline_ms"].values():
+            assert events and all(e[0] in "FBIW" and 0 <= e[3] <= e[4] for e in events)
+    for r in result["measured"]:
+        assert r["order_matches_table"], r["schedule"]
+        assert all(b > 0 for b in r["saved_peak_bytes"])
+    for r in result["simulated"]:
+        if r["schedule"] in CLOSED_FORMS:
+            assert r["bubble_unit"] == pytest.approx(r["bubble_analytic"], abs=1e-12)
+    assert all(s["reason"] for s in result["skipped"])
+
+    md = (tmp_path / "schedules.md").read_text()
+    sections = md.split("### ")
+    measured = next(s for s in sections if s.startswith("measured"))
+    simulated = next(s for s in sections if s.startswith("simulated"))
+    for name in SCHEDULES:
+        assert f"| {name} |" in measured and f"| {name} |" in simulated, name
+    rows = [ln for ln in simulated.splitlines() if ln.startswith("| ") and "---" not in ln]
+    assert len(rows) == 1 + len(result["simulated"])  # header + one row per simulated run
+
+    png = (tmp_path / "schedules.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
