@@ -41,26 +41,22 @@ import contextlib
 import datetime
 import inspect
 import json
-import multiprocessing
 import os
-import queue
 import re
 import shlex
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401  (imported before forking: ranks find it loaded)
+from _ranks import launch  # benchmarks/ is on sys.path when a script runs
 from torch import nn
 
 from mesh3d.config import load_config, padded_vocab_size, validation_errors
@@ -486,61 +482,6 @@ def measure_rank(rank: int, world: int, jobs: list[dict], reps: int) -> list[dic
                   file=sys.stderr, flush=True)  # fmt: skip
         del modules, stages, sched
     return out
-
-
-def _rank_main(rank: int, world: int, tmp: str, backend: str, q, fn, args) -> None:
-    """A rank: one intra-op thread, a gloo/nccl group over a FileStore, `fn`'s result on `q`."""
-    torch.set_num_threads(1)  # first: a forked rank using the parent's thread pool hangs
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-        store = dist.FileStore(f"{tmp}/store", world)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))  # fmt: skip
-        result = fn(rank, world, *args)
-        dist.destroy_process_group()
-        q.put((rank, "ok", result))
-    except BaseException:
-        q.put((rank, "err", traceback.format_exc()))
-    finally:
-        q.close()
-        q.join_thread()
-        os._exit(0)  # skip exit-time teardown
-
-
-def launch(world: int, fn: Callable, *args, cuda: bool, timeout: float) -> list:
-    """`fn(rank, world, *args)` on `world` ranks (fork + gloo on CPU, spawn + nccl on CUDA)."""
-    ctx = multiprocessing.get_context("spawn" if cuda else "fork")
-    backend = "nccl" if cuda else "gloo"
-    with tempfile.TemporaryDirectory(prefix="bench-schedules-") as tmp:
-        q, results, deadline = ctx.Queue(), {}, time.monotonic() + timeout
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, world, tmp, backend, q, fn, args))
-            for r in range(world)
-        ]
-        try:
-            for proc in procs:
-                proc.start()
-            while len(results) < world:
-                try:
-                    rank, status, value = q.get(timeout=1)
-                except queue.Empty:
-                    dead = {
-                        r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                    }
-                    if dead or time.monotonic() > deadline:
-                        raise RuntimeError(f"ranks died (exit codes {dead}) or timed out") from None
-                    continue
-                if status != "ok":
-                    raise RuntimeError(f"rank {rank} failed:\n{value}")
-                results[rank] = value
-            return [results[r] for r in range(world)]
-        finally:
-            for proc in procs:
-                proc.join(5 if len(results) == world else 0)
-                if proc.is_alive():
-                    proc.kill()
 
 
 # --- measured mode: the parent's view ------------------------------------------------------------

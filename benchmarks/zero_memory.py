@@ -21,21 +21,18 @@ import contextlib
 import ctypes
 import datetime
 import json
-import multiprocessing
 import os
-import queue
 import resource
 import shlex
 import sys
-import tempfile
 import time
-import traceback
 import types
 from pathlib import Path
 
 import torch
 import torch._dynamo  # noqa: F401  (FSDP imports it lazily: ~30 MiB RSS the ranks now inherit)
 import torch.distributed as dist
+from _ranks import launch  # benchmarks/ is on sys.path when a script runs
 from torch.distributed.tensor import DTensor
 
 from mesh3d.config import global_batch_size, load_config, validate
@@ -151,54 +148,9 @@ def measure(rank: int, world: int, cfg, steps: int) -> dict:
     return dict(rank=rank, measured=meas, expected=expected(model, mode, dp))
 
 
-def _rank_main(rank, world, tmp, q, fn, args) -> None:
-    torch.set_num_threads(1)  # first: the parent's intra-op pool does not survive a fork
-    # -3 = M_MMAP_THRESHOLD, fixed: freed tensors > 64 KiB go back to the OS, RSS tracks live ones
+def _fixed_mmap() -> None:
+    """-3 = M_MMAP_THRESHOLD, fixed: freed tensors > 64 KiB go back to the OS, RSS tracks live ones."""
     ctypes.CDLL(None).mallopt(-3, 64 * 1024)
-    try:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-        store = dist.FileStore(f"{tmp}/store", world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        q.put((rank, "ok", fn(rank, world, *args)))
-    except BaseException:
-        q.put((rank, "err", traceback.format_exc()))
-    finally:
-        q.close()
-        q.join_thread()  # the message is in the pipe
-        os._exit(0)  # skip exit-time teardown
-
-
-def launch(world: int, fn, *args, timeout: float = 600) -> list:
-    """`fn(rank, world, *args)` on `world` forked gloo ranks; results in rank order."""
-    ctx = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="zero-memory-") as tmp:
-        q, results, deadline = ctx.Queue(), {}, time.monotonic() + timeout
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, world, tmp, q, fn, args)) for r in range(world)
-        ]
-        try:
-            for proc in procs:
-                proc.start()
-            while len(results) < world:
-                try:
-                    rank, status, value = q.get(timeout=1)
-                except queue.Empty:
-                    dead = {
-                        r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                    }
-                    if dead or time.monotonic() > deadline:
-                        raise RuntimeError(f"ranks died (exit codes {dead}) or timed out") from None
-                    continue
-                if status != "ok":  # the others may wait in a collective: killed below
-                    codes = {r: p.exitcode for r, p in enumerate(procs)}  # a dead peer shows here
-                    raise RuntimeError(f"rank {rank} failed (exit codes {codes}):\n{value}")
-                results[rank] = value
-            return [results[r] for r in range(world)]
-        finally:
-            for proc in procs:
-                proc.join(5 if len(results) == world else 0)
-                if proc.is_alive():
-                    proc.kill()
 
 
 def table(modes: dict) -> str:
@@ -235,7 +187,7 @@ def main() -> None:
         cfg = load_config(a.config, DEFAULTS + layout + flags + a.overrides)
         validate(cfg, world_size=a.dp * a.tp)  # here, not as one traceback per rank
         t0 = time.time()
-        ranks = launch(a.dp * a.tp, measure, cfg, a.steps)
+        ranks = launch(a.dp * a.tp, measure, cfg, a.steps, setup=_fixed_mmap)
         modes[mode] = dict(overrides=flags, seconds=time.time() - t0, ranks=ranks)
     out = ROOT / "benchmarks/results/zero_memory.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,8 @@ CLOSED_FORMS = ("afab", "1f1b", "interleaved_1f1b", "looped_bfs")
 
 
 def _bench():
+    if str(SCRIPT.parent) not in sys.path:  # as when the script runs: its folder is on sys.path
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("bench_schedules", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
