@@ -19,48 +19,94 @@ Every name in `__all__` is public and stable; everything else is internal. See
 `recipes/custom_model.py` for a whole worked example and the README's API reference.
 """
 
-from mesh3d.checkpoint.nanotron_weights import (
-    ModelShape,
-    read_nanotron_weights,
-    write_nanotron_weights,
-)
-from mesh3d.checkpoint.state import load_state, save_state
-from mesh3d.config import apply_overrides, config_from_dict, load_config, validate
-from mesh3d.config.schema import Config
-from mesh3d.data.dummy import DummyTokens, microbatches
-from mesh3d.data.nanoset import Nanoset
-from mesh3d.errors import ConfigError, UserError
-from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, mesh_from_config
-from mesh3d.models.llama import Llama
-from mesh3d.parallel.data import allreduce_gradients
-from mesh3d.parallel.parallelize import apply_dp
-from mesh3d.parallel.pipeline import (
-    SCHEDULES,
-    build_schedule,
-    build_stage,
-    run_schedule,
-    split_layers,
-)
-from mesh3d.parallel.tensor import TPPlan, apply_tp, hf_llama_tp_plan, llama_tp_plan
-from mesh3d.train.loop import train
-from mesh3d.train.loss import normalized_loss
-from mesh3d.train.step import clip_grad_norm
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
+    from mesh3d.checkpoint.nanotron_weights import (
+        ModelShape,
+        read_nanotron_weights,
+        write_nanotron_weights,
+    )
+    from mesh3d.checkpoint.state import load_state, save_state
+    from mesh3d.config import apply_overrides, config_from_dict, load_config, validate
+    from mesh3d.config.schema import Config
+    from mesh3d.data.dummy import DummyTokens, microbatches
+    from mesh3d.data.nanoset import Nanoset
+    from mesh3d.errors import ConfigError, UserError
+    from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, mesh_from_config
+    from mesh3d.models.llama import Llama
+    from mesh3d.parallel.data import allreduce_gradients
+    from mesh3d.parallel.parallelize import apply_dp
+    from mesh3d.parallel.pipeline import (
+        SCHEDULES,
+        build_schedule,
+        build_stage,
+        run_schedule,
+        split_layers,
+    )
+    from mesh3d.parallel.tensor import TPPlan, apply_tp, hf_llama_tp_plan, llama_tp_plan
+    from mesh3d.plan import make_plan
+    from mesh3d.train.loop import train
+    from mesh3d.train.loss import normalized_loss
+    from mesh3d.train.step import clip_grad_norm
+
+# public name -> the module that defines it. Loaded lazily (PEP 562) so that `import mesh3d.config`
+# stays free of torch, and `python -m mesh3d.plan` does not import itself twice.
+_EXPORTS = {
+    "make_plan": "mesh3d.plan",
+    "ModelShape": "mesh3d.checkpoint.nanotron_weights",
+    "read_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
+    "write_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
+    "load_state": "mesh3d.checkpoint.state",
+    "save_state": "mesh3d.checkpoint.state",
+    "apply_overrides": "mesh3d.config",
+    "config_from_dict": "mesh3d.config",
+    "load_config": "mesh3d.config",
+    "validate": "mesh3d.config",
+    "Config": "mesh3d.config.schema",
+    "DummyTokens": "mesh3d.data.dummy",
+    "microbatches": "mesh3d.data.dummy",
+    "Nanoset": "mesh3d.data.nanoset",
+    "ConfigError": "mesh3d.errors",
+    "UserError": "mesh3d.errors",
+    "ParallelDims": "mesh3d.mesh",
+    "build_mesh": "mesh3d.mesh",
+    "init_distributed": "mesh3d.mesh",
+    "mesh_from_config": "mesh3d.mesh",
+    "Llama": "mesh3d.models.llama",
+    "allreduce_gradients": "mesh3d.parallel.data",
+    "apply_dp": "mesh3d.parallel.parallelize",
+    "SCHEDULES": "mesh3d.parallel.pipeline",
+    "build_schedule": "mesh3d.parallel.pipeline",
+    "build_stage": "mesh3d.parallel.pipeline",
+    "run_schedule": "mesh3d.parallel.pipeline",
+    "split_layers": "mesh3d.parallel.pipeline",
+    "TPPlan": "mesh3d.parallel.tensor",
+    "apply_tp": "mesh3d.parallel.tensor",
+    "hf_llama_tp_plan": "mesh3d.parallel.tensor",
+    "llama_tp_plan": "mesh3d.parallel.tensor",
+    "train": "mesh3d.train.loop",
+    "normalized_loss": "mesh3d.train.loss",
+    "clip_grad_norm": "mesh3d.train.step",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mesh3d' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
-
-
-def make_plan(cfg: Config, world_size: int | None = None):
-    """The pre-flight plan of `cfg` on `world_size` processes (default dp x tp x pp): rank
-    groups, stages, memory per rank, activations, bubble, communication (`mesh3d plan`).
-
-    Example:
-
-        plan = mesh3d.make_plan(mesh3d.load_config("cfg.yaml"), world_size=8)
-        print(mesh3d.plan.format_plan(plan))
-    """
-    from mesh3d.plan import make_plan as _make_plan  # lazy: `python -m mesh3d.plan` imports it
-
-    return _make_plan(cfg, world_size)
 
 
 __all__ = [
