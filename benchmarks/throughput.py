@@ -60,7 +60,7 @@ SHAPES = {
     "tiny": (64, 176, 2, 4, 2, 256, 32, 2, 2),
 }
 # name -> (repetitions, steps per repetition, warm-up steps skipped, steps at 8 ranks)
-SCHEDULE = {"quick": (5, 5, 1, 6), "tiny": (3, 6, 1, 3)}
+SCHEDULE = {"quick": (5, 5, 1, 6), "tiny": (2, 4, 1, 3)}
 COMMON = ["logging.log_level=warning", "mesh3d.device=cpu", "mesh3d.dummy_data=random",
           "mesh3d.wandb=false", "model.dtype=float32", "model.make_vocab_size_divisible_by=1",
           "optimizer.learning_rate_scheduler.lr_warmup_steps=1"]  # fmt: skip
