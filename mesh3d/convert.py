@@ -41,9 +41,9 @@ from mesh3d.hf_config import (  # noqa: F401 - re-exported for callers of mesh3d
     hf_rope,
     llama_config_from_hf,
 )
+from mesh3d.models.llama import DTYPES
 
 HF_PREFIX = "model."
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # --- rotary layout -------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
     if mc.tie_word_embeddings:
         full.pop("lm_head.weight", None)
     if dtype is not None:
-        full = {k: v.to(_DTYPES[dtype]) for k, v in full.items()}
+        full = {k: v.to(DTYPES[dtype]) for k, v in full.items()}
     hf = {(k if k == "lm_head.weight" else HF_PREFIX + k): v.contiguous() for k, v in full.items()}
     out_dtype = next(iter(hf.values())).dtype
     output.mkdir(parents=True, exist_ok=True)
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     a.add_argument("--checkpoint", required=True, help="step folder, e.g. checkpoints/1000")
     a.add_argument("--output", required=True, help="folder for the Hugging Face model")
-    a.add_argument("--dtype", choices=sorted(_DTYPES), help="cast weights (default: as stored)")
+    a.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as stored)")
     b = sub.add_parser(
         "from-hf",
         help="Hugging Face Llama folder -> Nanotron-layout weights checkpoint",

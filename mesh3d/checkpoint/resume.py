@@ -45,8 +45,7 @@ from mesh3d.data.stages import stage_consumption
 from mesh3d.errors import UserError
 from mesh3d.log import logger
 from mesh3d.mesh import ParallelDims
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from mesh3d.models.llama import DTYPES
 
 
 def _writes_masters(cfg) -> bool:
@@ -64,7 +63,7 @@ def _write_rank_files(tmp: Path, cfg, parts, optimizer, scheduler, coords: dict)
     P = coords["pp"]
     write_rank_state(
         tmp, params, held, optimizer, Layout(par.dp, par.tp, par.pp, coords),
-        zero=cfg.optimizer.zero_stage > 0, model_dtype=_DTYPES[cfg.model.dtype],
+        zero=cfg.optimizer.zero_stage > 0, model_dtype=DTYPES[cfg.model.dtype],
         masters=_writes_masters(cfg),
         writes_weight=lambda p: p.name != N.EMBEDDING or parts.embed_rank == P,
     )  # fmt: skip

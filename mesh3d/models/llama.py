@@ -24,6 +24,9 @@ from torch import Tensor, nn
 
 from mesh3d.errors import ConfigError
 
+# the dtypes a config's `model.dtype` may name (validated in mesh3d.config)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 try:
     from flash_attn import flash_attn_func
 except ImportError:

@@ -20,7 +20,7 @@ from mesh3d.checkpoint.nanotron_weights import ModelShape, read_nanotron_weights
 from mesh3d.config import ExistingCheckpointInit, effective_pp_schedule, padded_vocab_size
 from mesh3d.errors import UserError
 from mesh3d.models.init import llama_init_std
-from mesh3d.models.llama import Llama
+from mesh3d.models.llama import DTYPES, Llama
 from mesh3d.parallel.parallelize import FullSource, dp_mode, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
     build_schedule,
@@ -31,8 +31,6 @@ from mesh3d.parallel.pipeline import (
     stage_ids_of_rank,
 )
 from mesh3d.train.loss import normalized_loss
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -62,7 +60,7 @@ def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     bf16/fp16 with `accumulate_grad_in_fp32` keeps fp32 parameters (the master weights and
     gradients Nanotron keeps beside bf16 copies) and runs the math under autocast.
     """
-    dtype = _DTYPES[cfg.model.dtype]
+    dtype = DTYPES[cfg.model.dtype]
     if dtype == torch.float32:
         return torch.float32, None
     if cfg.optimizer.accumulate_grad_in_fp32:
