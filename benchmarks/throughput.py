@@ -4,19 +4,25 @@
     python benchmarks/throughput.py --tiny      # a toy model, for the test (seconds)
     python benchmarks/throughput.py --profile   # also: torch.profiler top ops of one step each
 
-In one process, the same Llama shapes train for the same steps, on the same batches from the same
-initial weights, three ways, interleaved (a, b, c, a, b, c, ...):
-  (a) mesh3d at dp=tp=pp=1 through `mesh3d.train.loop.train` (the real training path; dummy data),
-  (b) a plain loop over the same model class (`mesh3d.models.llama.Llama`): torch AdamW, sum
-      cross-entropy / tokens per microbatch, `clip_grad_norm_`, same microbatching and dtype,
+In one process, the same Llama shapes train from the same initial weights on the same batches,
+three ways, interleaved step by step (round k runs step k of each way, in an order that rotates
+every round, so each way is first, second and third equally often):
+  (a) mesh3d at dp=tp=pp=1: the run `mesh3d.train.loop.train` builds (`_setup`), stepped by the
+      function its loop calls every step (`_run_step`: read the batch, forward/backward per
+      microbatch, clip, AdamW, LR schedule); the loop's logging is not timed,
+  (b) a plain loop over the same model class (`mesh3d.models.llama.Llama`): sum cross-entropy /
+      tokens per microbatch, `clip_grad_norm_`, the same microbatching and dtype,
   (c) transformers' `LlamaForCausalLM` (config from `mesh3d.hf_config`, SDPA, fp32, weights
-      copied from (b)) with the same loop.
-Reported: median tokens/s over the steps after the warm-up steps of every repetition, and the
-ratios mesh3d / plain and mesh3d / transformers (also as the median of per-repetition ratios, which
-cancels slow drifts of a shared machine's load). mesh3d's own timer (`elapsed_time_per_iteration_ms`)
-includes reading its dummy batch; the loops of (b) and (c) get their batches ready-made. (a, b, c)
-run on one intra-op thread by default (`--threads`): on a busy 2-core machine, a process's second
-OpenMP thread stalls whenever another process takes its core, and steps then vary 10-50x.
+      copied from (b)) in the same loop as (b).
+All three use torch's AdamW with the config's settings, fused as its `torch_adam_is_fused: true`
+asks (HF Trainer's default optimizer on torch >= 2.8, `adamw_torch_fused`, is the same kernel).
+Reported: median tokens/s after the warm-up rounds, and mesh3d / plain and mesh3d / transformers
+as the ratio of those medians and as the median of the per-round ratios (with a bootstrap 95%
+interval): a round's three steps run within seconds of each other, so the per-round ratio cancels
+the slow drifts of a shared machine's load. mesh3d's steps include reading its dummy batch; (b)
+and (c) get theirs ready-made. (a, b, c) run on one intra-op thread by default (`--threads`): on a
+busy 2-core machine, a process's second OpenMP thread stalls whenever another process takes its
+core, and steps then vary 10-50x.
 
 Then scaling, at the same global batch: mesh3d at dp=tp=pp=1 in this process on every core, and
 at dp=tp=pp=2 on 8 CPU ranks (torchrun, `recipes/train.py`, one thread each); efficiency = tokens/s
@@ -49,7 +55,7 @@ from mesh3d.data.build import build_dataset
 from mesh3d.data.dummy import microbatches
 from mesh3d.models.init import init_weights
 from mesh3d.models.llama import Llama, num_params
-from mesh3d.train.loop import train
+from mesh3d.train.loop import _run_step, _setup, train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes/configs/cpu_tiny.yaml"
@@ -59,8 +65,8 @@ SHAPES = {
     "quick": (512, 1376, 4, 8, 4, 4096, 256, 2, 2),
     "tiny": (64, 176, 2, 4, 2, 256, 32, 2, 2),
 }
-# name -> (repetitions, steps per repetition, warm-up steps skipped, steps at 8 ranks)
-SCHEDULE = {"quick": (5, 5, 1, 6), "tiny": (2, 4, 1, 3)}
+# name -> (interleaved rounds, warm-up rounds skipped, steps at 8 ranks)
+SCHEDULE = {"quick": (40, 2, 6), "tiny": (4, 1, 3)}
 COMMON = ["logging.log_level=warning", "mesh3d.device=cpu", "mesh3d.dummy_data=random",
           "mesh3d.wandb=false", "model.dtype=float32", "model.make_vocab_size_divisible_by=1",
           "optimizer.learning_rate_scheduler.lr_warmup_steps=1"]  # fmt: skip
@@ -78,10 +84,25 @@ def shape_overrides(mode: str) -> list[str]:
             f"tokens.micro_batch_size={mbs}", f"tokens.batch_accumulation_per_replica={acc}"]  # fmt: skip
 
 
-def run_mesh3d(cfg) -> tuple[list[float], float]:
-    """(tokens/s of every step, step-1 loss) of `mesh3d.train.loop.train` on this process."""
-    metrics = train(cfg).metrics
-    return [m["tokens_per_sec"] for m in metrics], metrics[0]["lm_loss"]
+def run_mesh3d(cfg) -> list[float]:
+    """tokens/s of every step of `mesh3d.train.loop.train` on this process."""
+    return [m["tokens_per_sec"] for m in train(cfg).metrics]
+
+
+# A way to train, one step at a time: step k (1-based) -> (seconds, loss).
+Stepper = Callable[[int], tuple[float, float]]
+
+
+def mesh3d_stepper(cfg) -> Stepper:
+    """mesh3d's run for `cfg`, stepped as its training loop steps it."""
+    run = _setup(cfg)
+
+    def step(k: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        _, loss, _ = _run_step(run, k)
+        return time.perf_counter() - t0, loss
+
+    return step
 
 
 def plain_model(cfg) -> Llama:
@@ -108,25 +129,26 @@ def hf_model(cfg, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     return model
 
 
-def run_loop(
+def loop_stepper(
     model: torch.nn.Module,
     logits_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
     cfg,
     steps: list[Batches],
-) -> tuple[list[float], float]:
-    """A plain training loop; (tokens/s of every step, step-1 loss)."""
+) -> Stepper:
+    """A plain training loop over `model`, the batches of step k being `steps[k - 1]`."""
     o, f = cfg.optimizer, cfg.optimizer.optimizer_factory
     lr = o.learning_rate_scheduler.learning_rate
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(f.adam_beta1, f.adam_beta2),
-                                  eps=f.adam_eps, weight_decay=o.weight_decay)  # fmt: skip
+                                  eps=f.adam_eps, weight_decay=o.weight_decay,
+                                  fused=bool(f.torch_adam_is_fused) or None)  # fmt: skip
     vocab = cfg.model.model_config.vocab_size
     tokens = global_batch_size(cfg) * cfg.tokens.sequence_length
-    speeds, losses = [], []
     model.train()
-    for batches in steps:
-        t0 = time.time()
+
+    def step(k: int) -> tuple[float, float]:
+        t0 = time.perf_counter()
         total = torch.zeros(())
-        for inputs, labels in batches:
+        for inputs, labels in steps[k - 1]:
             logits = logits_of(model, inputs)  # (B, S, V)
             loss = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), reduction="sum")
             loss = loss / tokens  # this microbatch's share of the step's mean token loss
@@ -135,9 +157,9 @@ def run_loop(
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(total))
-        speeds.append(tokens / (time.time() - t0))
-    return speeds, losses[0]
+        return time.perf_counter() - t0, float(total)
+
+    return step
 
 
 def step_batches(cfg, n: int) -> list[Batches]:
@@ -146,29 +168,43 @@ def step_batches(cfg, n: int) -> list[Batches]:
     return [microbatches(data, s, gbs, 0, 1, cfg.tokens.micro_batch_size) for s in range(1, n + 1)]
 
 
-def runners(cfg, steps: list[Batches]) -> dict[str, Callable[[], tuple[list[float], float]]]:
-    """name -> a fresh run (model built and initialized outside the timed steps)."""
+def steppers(cfg, steps: list[Batches]) -> dict[str, Stepper]:
+    """name -> a fresh way to train `cfg` (models built and initialized here, not timed)."""
+    plain = plain_model(cfg)
+    hf = hf_model(cfg, plain_model(cfg).state_dict())
+    return {
+        "mesh3d": mesh3d_stepper(cfg),
+        "plain": loop_stepper(plain, lambda m, x: m(x), cfg, steps),
+        "transformers": loop_stepper(
+            hf, lambda m, x: m(input_ids=x, use_cache=False).logits, cfg, steps
+        ),
+    }
 
-    def plain():
-        return run_loop(plain_model(cfg), lambda m, x: m(x), cfg, steps)
 
-    def transformers():
-        model = hf_model(cfg, plain_model(cfg).state_dict())
-        return run_loop(model, lambda m, x: m(input_ids=x, use_cache=False).logits, cfg, steps)
+def interleave(ways: dict[str, Stepper], n_steps: int) -> dict[str, dict]:
+    """Steps 1..n of every way, round k running step k of each in an order rotated by k."""
+    names = list(ways)
+    out = {name: dict(step_seconds=[], losses=[]) for name in names}
+    for k in range(1, n_steps + 1):
+        shift = k % len(names)
+        for name in names[shift:] + names[:shift]:
+            gc.collect()
+            seconds, loss = ways[name](k)
+            out[name]["step_seconds"].append(seconds)
+            out[name]["losses"].append(loss)
+        print(f"round {k:3d}: " + "  ".join(
+            f"{n} {out[n]['step_seconds'][-1] * 1e3:6.0f} ms" for n in names), flush=True)  # fmt: skip
+    return out
 
-    return {"mesh3d": lambda: run_mesh3d(cfg), "plain": plain, "transformers": transformers}
 
-
-def profile(overrides: list[str], steps: list[Batches]) -> None:
-    """Print the top CPU ops of one step (after a warm-up step) of each way."""
+def profile(ways: dict[str, Stepper], k: int) -> None:
+    """Print the top CPU ops of step k of each way (call after warm-up steps)."""
     from torch.profiler import profile as torch_profile
 
-    one = load_config(CONFIG, [*overrides, "tokens.train_steps=1"])
-    for name, fn in runners(one, steps[:1]).items():
-        fn()  # warm-up
+    for name, step in ways.items():
         with torch_profile() as prof:
-            fn()
-        print(f"\n--- {name}: one step, top ops by self CPU time")
+            step(k)
+        print(f"\n--- {name}: step {k}, top ops by self CPU time")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
@@ -181,7 +217,7 @@ def scaling(mode: str, steps: int, warmup: int, extra: list[str]) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(cores)
     try:
-        one, _ = run_mesh3d(load_config(CONFIG, base))
+        one = run_mesh3d(load_config(CONFIG, base))
     finally:
         torch.set_num_threads(threads)
     layout = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2",
@@ -210,28 +246,39 @@ def scaling(mode: str, steps: int, warmup: int, extra: list[str]) -> dict:
                 efficiency=med8 / med1)  # fmt: skip
 
 
-def summarize(impls: dict, warmup: int) -> dict:
-    """Median tokens/s per way (and per repetition); ratios of mesh3d to the other two."""
+def bootstrap_median(values: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median of `values` (fixed seed: reproducible)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.tensor(values, dtype=torch.float64)
+    idx = torch.randint(len(values), (n, len(values)), generator=g)
+    medians = x[idx].median(dim=1).values.sort().values
+    return float(medians[int(0.025 * n)]), float(medians[int(0.975 * n) - 1])
+
+
+def summarize(impls: dict, tokens: int, warmup: int) -> dict:
+    """tokens/s per step and their median per way; mesh3d's ratios to the other two."""
     for m in impls.values():
-        reps = [rep[warmup:] for rep in m["step_tokens_per_sec"]]
-        m["tokens_per_sec_median"] = statistics.median(s for rep in reps for s in rep)
-        m["rep_medians"] = [statistics.median(rep) for rep in reps]
-    ratios = {}
+        m["step_tokens_per_sec"] = [tokens / s for s in m["step_seconds"]]
+        m["tokens_per_sec_median"] = statistics.median(m["step_tokens_per_sec"][warmup:])
+        m["loss_step1"], m["loss_last"] = m["losses"][0], m["losses"][-1]
+    ratios, mine = {}, impls["mesh3d"]
     for other in ("plain", "transformers"):
-        mine, theirs = impls["mesh3d"], impls[other]
+        theirs = impls[other]
         ratios[f"mesh3d_over_{other}"] = (
             mine["tokens_per_sec_median"] / theirs["tokens_per_sec_median"]
         )
-        per_rep = [a / b for a, b in zip(mine["rep_medians"], theirs["rep_medians"])]
-        ratios[f"mesh3d_over_{other}_per_rep"] = per_rep
-        ratios[f"mesh3d_over_{other}_median_of_reps"] = statistics.median(per_rep)
+        # tokens/s ratio of the same round = their step time / mesh3d's
+        per_round = [b / a for a, b in zip(mine["step_seconds"], theirs["step_seconds"])][warmup:]
+        ratios[f"mesh3d_over_{other}_per_round"] = per_round
+        ratios[f"mesh3d_over_{other}_paired"] = statistics.median(per_round)
+        ratios[f"mesh3d_over_{other}_paired_ci95"] = bootstrap_median(per_round)
     return ratios
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="toy shapes and few steps (for tests)")
-    ap.add_argument("--reps", type=int, help="repetitions of (a, b, c)")
+    ap.add_argument("--steps", type=int, help="interleaved rounds (one step of each way)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads for (a, b, c)")
     ap.add_argument("--no-scaling", action="store_true", help="skip the 8-rank 2x2x2 run")
     ap.add_argument("--profile", action="store_true", help="print top ops of one step of each")
@@ -241,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides, key=value")
     args = ap.parse_args(argv)
     mode = "tiny" if args.tiny else "quick"
-    reps, n_steps, warmup, scale_steps = SCHEDULE[mode]
-    reps = args.reps or reps
+    n_steps, warmup, scale_steps = SCHEDULE[mode]
+    n_steps = args.steps or n_steps
     torch.set_num_threads(args.threads)
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     cores = os.cpu_count()
@@ -261,25 +308,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"config: {CONFIG.relative_to(ROOT)} + {' '.join(overrides)}")
     print(f"model: {shapes['parameters'] / 1e6:.1f}M parameters (tied embeddings), fp32; "
           f"{gbs} x {seq} = {gbs * seq} tokens per step in {len(steps[0])} microbatches; "
-          f"{reps} repetitions x {n_steps} steps, the first {warmup} of each skipped\n")  # fmt: skip
+          f"{n_steps} interleaved rounds, the first {warmup} skipped\n")  # fmt: skip
     t_all, load0 = time.time(), os.getloadavg()
+    ways = steppers(cfg, steps)
+    impls = interleave(ways, n_steps)
     if args.profile:
-        profile(overrides, steps)
-    runs = runners(cfg, steps)
-    impls = {name: dict(step_tokens_per_sec=[], loss_step1=None) for name in runs}
-    for rep in range(reps):
-        for name, run in runs.items():
-            gc.collect()
-            speeds, loss1 = run()
-            impls[name]["step_tokens_per_sec"].append(speeds)
-            impls[name]["loss_step1"] = loss1
-            print(f"rep {rep + 1} {name:>12}: {statistics.median(speeds[warmup:]):7.0f} tokens/s "
-                  f"(steps: {' '.join(f'{s:.0f}' for s in speeds)})", flush=True)  # fmt: skip
+        profile(ways, n_steps)  # one more step each (the batches of the last step again)
     result = dict(command=sys.argv, torch=torch.__version__, transformers=transformers.__version__,
                   cores=cores, threads=args.threads, date=now, mode=mode,
                   config=str(CONFIG.relative_to(ROOT)), overrides=overrides, shapes=shapes,
-                  reps=reps, steps_per_rep=n_steps, warmup_steps=warmup, impls=impls,
-                  ratios=summarize(impls, warmup),
+                  steps=n_steps, warmup_steps=warmup, impls=impls,
+                  ratios=summarize(impls, gbs * seq, warmup),
                   targets=dict(mesh3d_over_plain=0.97, mesh3d_over_transformers=1.0))  # fmt: skip
     if not args.no_scaling:
         print(f"\n2x2x2 on 8 ranks vs 1x1x1: {cores} cores, so the 8 ranks (1 thread each) "
@@ -300,17 +339,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(result: dict) -> str:
-    """The results as Markdown: median tokens/s, per repetition, mesh3d's ratio, step-1 loss."""
+    """The results as Markdown: median tokens/s, mesh3d's ratios, first and last loss."""
     impls, ratios = result["impls"], result["ratios"]
     mesh3d = impls["mesh3d"]["tokens_per_sec_median"]
-    lines = ["| way | tokens/s (median) | per repetition | mesh3d / way | median of per-rep ratios "
-             "| step-1 loss |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| way | tokens/s (median) | mesh3d / way | per-round ratio: median [95% CI] "
+             "| step-1 loss | last loss |", "|---|---|---|---|---|---|"]  # fmt: skip
     for name, m in impls.items():
-        reps = " ".join(f"{v:.0f}" for v in m["rep_medians"])
-        per_rep = ratios.get(f"mesh3d_over_{name}_median_of_reps", 1.0)
-        lines.append(f"| {name} | {m['tokens_per_sec_median']:.0f} | {reps} | "
-                     f"{mesh3d / m['tokens_per_sec_median']:.3f} | {per_rep:.3f} | "
-                     f"{m['loss_step1']:.5f} |")  # fmt: skip
+        paired = "1"
+        if name != "mesh3d":
+            lo, hi = ratios[f"mesh3d_over_{name}_paired_ci95"]
+            paired = f"{ratios[f'mesh3d_over_{name}_paired']:.3f} [{lo:.3f}, {hi:.3f}]"
+        lines.append(f"| {name} | {m['tokens_per_sec_median']:.0f} | "
+                     f"{mesh3d / m['tokens_per_sec_median']:.3f} | {paired} | "
+                     f"{m['loss_step1']:.5f} | {m['loss_last']:.5f} |")  # fmt: skip
     s = result.get("scaling")
     if s:
         one, eight = s["one_rank"], s["eight_ranks"]

@@ -122,6 +122,28 @@ def _setup(cfg) -> _Run:
                 autocast_dtype, logger_rank, step_flops)  # fmt: skip
 
 
+def _run_step(run: _Run, step: int) -> tuple[list, float, float]:
+    """Read step `step`'s batches and train on them: (batches, loss, grad norm).
+
+    The whole per-step work of `train()` but its timing and metrics; benchmarks/throughput.py
+    drives it directly to interleave mesh3d's steps with other training loops.
+    """
+    cfg, tok = run.cfg, run.cfg.tokens
+    # middle pipeline stages take activations, not tokens: they read no data
+    reads = run.parts.has_first or run.parts.has_last
+    batches = (
+        run.data.batches(step, run.coords["dp"], run.dims.dp, tok.micro_batch_size) if reads else []
+    )
+    loss, grad_norm = train_step(
+        run.parts, run.optimizer, run.scheduler, batches,
+        vocab_size=cfg.model.model_config.vocab_size,
+        global_tokens=global_batch_size(cfg) * tok.sequence_length,
+        clip_grad=cfg.optimizer.clip_grad, mesh=run.mesh, dp_mode=run.mode,
+        autocast_dtype=run.autocast_dtype, device=run.device,
+    )  # fmt: skip
+    return batches, loss, grad_norm
+
+
 def _resume(run: _Run) -> tuple[int, int, str | None]:
     """(last step, consumed samples, W&B run id) from `resume_checkpoint_path`, or the start."""
     cfg, ck = run.cfg, run.cfg.checkpoints
@@ -196,18 +218,8 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
                 raise RuntimeError(
                     f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}"
                 )
-            # middle pipeline stages take activations, not tokens: they read no data
-            reads = parts.has_first or parts.has_last
-            dp_rank, dp = run.coords["dp"], run.dims.dp
-            batches = run.data.batches(step, dp_rank, dp, tok.micro_batch_size) if reads else []
+            batches, loss, grad_norm = _run_step(run, step)
             result.batch_hashes.append(batch_hash(batches))
-            loss, grad_norm = train_step(
-                parts, run.optimizer, run.scheduler, batches,
-                vocab_size=cfg.model.model_config.vocab_size,
-                global_tokens=gbs * tok.sequence_length, clip_grad=cfg.optimizer.clip_grad,
-                mesh=run.mesh, dp_mode=run.mode, autocast_dtype=run.autocast_dtype,
-                device=run.device,
-            )  # fmt: skip
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
             if world > 1:
