@@ -2,8 +2,8 @@
 
 - Unit: replaying torch's action tables with uniform costs gives exactly `mesh3d.plan.bubble`'s
   closed forms for afab, 1f1b, interleaved_1f1b and looped_bfs (any pp, m; F = B and F != B), and
-  interleaved_zero_bubble's with F = I = W; 1F1B's step is (m + pp - 1)(F + B); an order that
-  cannot finish raises.
+  the zero-bubble schedules' (interleaved, ZBV, DualPipeV) with F = I = W; 1F1B's step is
+  (m + pp - 1)(F + B); an order that cannot finish raises.
 - End to end: `python benchmarks/schedules.py --tiny --out DIR` (2 forked ranks, a tiny model)
   exits 0 and writes the JSON (keys, bubbles in [0, 1), timelines), the markdown tables (a row
   per schedule) and a PNG.
@@ -23,6 +23,8 @@ from mesh3d.plan import bubble
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks/schedules.py"
 CLOSED_FORMS = ("afab", "1f1b", "interleaved_1f1b", "looped_bfs")
+# closed forms for F = I = W only
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 def _bench():
@@ -50,12 +52,13 @@ def test_simulated_bubble_equals_closed_form(schedule, pp):
             assert got == pytest.approx(want, abs=1e-12), (schedule, pp, m, costs)
 
 
+@pytest.mark.parametrize("schedule", ZERO_BUBBLE)
 @pytest.mark.parametrize("pp", [2, 4, 8])
-def test_zero_bubble_with_equal_f_i_w_matches_its_formula(pp):
-    for m in (pp, 2 * pp, 4 * pp):
-        table = bench.action_table("interleaved_zero_bubble", pp, 2, m)
+def test_zero_bubble_with_equal_f_i_w_matches_its_formula(schedule, pp):
+    for m in (pp, 2 * pp, 4 * pp, 8 * pp)[schedule == "dualpipev" :]:  # DualPipeV: m >= 2pp
+        table = bench.action_table(schedule, pp, 2, m)
         got = bench.simulate(table, lambda k, s: bench.UNIT[k]).bubble
-        assert got == pytest.approx(bubble("interleaved_zero_bubble", pp, 2, m).fraction)
+        assert got == pytest.approx(bubble(schedule, pp, 2, m).fraction, abs=1e-12), (pp, m)
 
 
 def test_1f1b_step_and_timeline():
@@ -99,7 +102,7 @@ def test_tiny_run_writes_json_table_and_chart(tmp_path):
         assert r["order_matches_table"], r["schedule"]
         assert all(b > 0 for b in r["saved_peak_bytes"])
     for r in result["simulated"]:
-        if r["schedule"] in CLOSED_FORMS:
+        if r["schedule"] in CLOSED_FORMS + ZERO_BUBBLE:  # unit costs: F = I = W
             assert r["bubble_unit"] == pytest.approx(r["bubble_analytic"], abs=1e-12)
     assert all(s["reason"] for s in result["skipped"])
 

@@ -82,9 +82,15 @@ def test_bubble_formulas():
     assert bubble("interleaved_1f1b", 4, 2, 8).fraction == pytest.approx(3 / 19)  # 3/(16+3)
     assert bubble("looped_bfs", 4, 2, 8).fraction == pytest.approx(3 / 19)
     zb = bubble("interleaved_zero_bubble", 4, 2, 8)
-    assert zb.fraction == pytest.approx(3 / 51) and zb.kind == "approximate"  # 3/(3*2*8+3)
-    assert bubble("zbv_zero_bubble", 4, 2, 8).kind == "ideal"
-    assert bubble("dualpipev", 4, 2, 8).fraction is None
+    assert zb.fraction == pytest.approx(3 / 51) and zb.kind == "exact"  # 3/(3*2*8+3), m >= pp
+    # torch's ZBV order replayed with F = I = W = 1 (benchmarks/schedules.py): each rank idles
+    # pp-1 chunk times (once m >= 3pp/2), not the ideal ZB-V's 0
+    for pp, m, want in ((2, 4, 1 / 25), (2, 16, 1 / 97), (4, 8, 3 / 51), (4, 32, 3 / 195),
+                        (8, 16, 7 / 103), (8, 64, 7 / 391), (4, 4, 6 / 30)):  # fmt: skip
+        zbv = bubble("zbv_zero_bubble", pp, 2, m)
+        assert zbv.fraction == pytest.approx(want) and zbv.kind == "exact", (pp, m)
+    dv = bubble("dualpipev", 4, 2, 8)  # torch's DualPipeV order, F&B one after the other
+    assert dv.fraction == pytest.approx(3 / 51) and dv.kind == "exact"
     assert bubble("1f1b", 1, 1, 8).fraction == 0.0
 
 

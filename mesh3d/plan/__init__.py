@@ -1,0 +1,51 @@
+"""Pre-flight plan of a run: `python -m mesh3d.plan CONFIG [--world-size N] [--json] [key=value ...]`.
+
+Prints, for the validated config and without starting any process group: the rank groups, the
+layers of each pipeline stage, parameter / gradient / optimizer / activation bytes per rank, the
+pipeline bubble, and the communication per step on each mesh axis. `make_plan(cfg, world_size)`
+returns it as a `Plan` dataclass, `format_plan(plan)` renders it.
+
+Everything comes from the code training runs: `ParallelDims` for the groups, `split_layers`,
+`stage_ids_of_rank` and `build_stage` on a meta model for the stages, `llama_tp_plan` for the dim
+tensor parallelism shards, `dp_mode` for the dp axis, torch's schedules for the order of
+forwards and backwards on each rank. tests/test_plan.py compares params, grads and optimizer
+state with a real 2x2x2 run, exactly, and activations with saved-tensor hooks.
+
+Files: `records.py` (the `Plan` dataclasses), `sizes.py` (the numbers read from a config),
+`activations.py` (bytes saved per stage and microbatch), `memory.py` (parameters, grads,
+optimizer state and transient bytes per rank), `schedule.py` (each rank's order of forwards and
+backwards, the microbatches in flight, the bubble), `comm.py` (collectives and sends per step),
+`build.py` (`make_plan`), `report.py` (`format_plan`), `__main__.py` (the command line).
+"""
+
+from mesh3d.plan.activations import stage_activation_bytes
+from mesh3d.plan.build import make_plan
+from mesh3d.plan.comm import WIRE
+from mesh3d.plan.records import Bubble, CommItem, Plan, RankPlan, StagePlan
+from mesh3d.plan.report import format_plan
+from mesh3d.plan.schedule import _orders, _peaks, bubble  # noqa: F401  (benchmarks/schedules.py)
+
+
+def __getattr__(name: str):
+    # `main` lives in __main__.py and loads on first use: importing it here would make
+    # `python -m mesh3d.plan` run that file twice (runpy warns when it is already imported)
+    if name == "main":
+        from mesh3d.plan.__main__ import main
+
+        return main
+    raise AttributeError(f"module 'mesh3d.plan' has no attribute {name!r}")
+
+
+__all__ = [
+    "Bubble",
+    "CommItem",
+    "Plan",
+    "RankPlan",
+    "StagePlan",
+    "WIRE",
+    "bubble",
+    "format_plan",
+    "main",
+    "make_plan",
+    "stage_activation_bytes",
+]

@@ -1,0 +1,107 @@
+"""`make_plan`: the estimates of the other modules put together for every rank of a config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mesh3d.config import validate
+from mesh3d.mesh import ParallelDims
+from mesh3d.models.llama import Llama
+from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_layers, stage_ids_of_rank
+from mesh3d.plan.activations import stage_activation_bytes
+from mesh3d.plan.comm import _comm
+from mesh3d.plan.memory import _params, _transient
+from mesh3d.plan.records import Plan, RankPlan, StagePlan
+from mesh3d.plan.schedule import _orders, _peaks, bubble
+from mesh3d.plan.sizes import _Sizes
+from mesh3d.train.build import param_and_compute_dtypes
+
+
+def make_plan(cfg, world_size: int | None = None) -> Plan:
+    """The plan of `cfg` on `world_size` processes (default dp x tp x pp). A config training
+    would refuse raises the same ConfigError.
+
+    Example:
+
+        print(mesh3d.plan.format_plan(mesh3d.make_plan(cfg, world_size=8)))
+    """
+    validate(cfg, world_size=world_size)
+    z, mc = _Sizes.of(cfg), cfg.model.model_config
+    dims = ParallelDims(dp=z.dp, tp=z.tp, pp=z.pp)
+    n = z.pp * z.v
+    split = split_layers(mc.num_hidden_layers, n, z.h, z.ffn, z.heads, z.h // z.heads, z.padded)
+    with torch.device("meta"):
+        full = Llama(mc, vocab_size=z.padded, attention="sdpa")  # shapes only
+    modules = [full] if n == 1 else [build_stage(full, i, n, split[i]) for i in range(n)]
+    stages = []
+    for i in range(n):
+        saved, held = stage_activation_bytes(cfg, len(split[i]), i == 0, i == n - 1)
+        pp_rank = rank_of_stage(i, z.pp, z.schedule) if z.pp > 1 else 0
+        stages.append(StagePlan(i, pp_rank, split[i], i == 0, i == n - 1, saved, held))
+    orders, source = _orders(z)
+    plain = dataclasses.replace(cfg.parallelism, recompute_layer=False)
+    one_layer = stage_activation_bytes(
+        dataclasses.replace(cfg, parallelism=plain), 1, False, False
+    )[0]
+    tied = mc.tie_word_embeddings
+    ends = {stages[0].pp_rank, stages[-1].pp_rank}
+    adamw = cfg.optimizer.optimizer_factory.name != "sgd"
+    saved = {s.stage: s.saved_per_microbatch for s in stages}
+    held = {s.stage: s.held_per_microbatch for s in stages}
+    ranks = []
+    for rank in range(dims.world_size):
+        coords = dims.coords(rank)
+        ids = stage_ids_of_rank(coords["pp"], z.pp, z.v, z.schedule) if z.pp > 1 else [0]
+        params = [x for i in ids for x in _params(z, modules[i], coords, tied)]
+        elements = sum(x.local for x in params)
+        grads = sum(x.grad for x in params) * z.e_p
+        optim = sum(2 * x.local * z.e_p + 4 for x in params) if adamw else 0
+        peak_saved, peak_act, in_flight = _peaks(orders[coords["pp"]], saved, held)
+        transient = _transient(z, params, ids, one_layer)
+        peak = elements * z.e_p + grads + optim + peak_act + sum(transient.values())
+        tied_peer = tied and len(ends) == 2 and coords["pp"] in ends
+        comm = _comm(z, [stages[i] for i in ids], params, tied_peer)
+        ranks.append(
+            RankPlan(
+                rank=rank, coords=coords, stages=ids, param_elements=elements,
+                param_bytes=elements * z.e_p, grad_bytes=grads, optimizer_bytes=optim,
+                saved_activation_bytes=peak_saved, activation_bytes=peak_act,
+                microbatches_in_flight=in_flight, transient=transient, peak_bytes=peak, comm=comm,
+            )
+        )  # fmt: skip
+    param_dtype, autocast = param_and_compute_dtypes(cfg)
+    return Plan(
+        world_size=dims.world_size, dims={"pp": z.pp, "dp": z.dp, "tp": z.tp},
+        schedule=z.schedule if z.pp > 1 else "none", virtual_stages=z.v, microbatches=z.m,
+        micro_batch_size=z.b, sequence_length=z.s, dp_mode=z.mode, tp_mode=cfg.parallelism.tp_mode,
+        param_dtype=_dtype(param_dtype), compute_dtype=_dtype(autocast or param_dtype),
+        optimizer=cfg.optimizer.optimizer_factory.name, recompute_layer=z.recompute,
+        tied_embeddings=tied, padded_vocab=z.padded,
+        total_params=sum(p.numel() for p in full.parameters()),
+        groups={axis: dims.groups(axis) for axis in ("tp", "pp", "dp")}, stages=stages,
+        ranks=ranks, bubble=bubble(z.schedule, z.pp, z.v, z.m), order_source=source,
+        notes=_notes(z, tied),
+    )  # fmt: skip
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _notes(z: _Sizes, tied: bool) -> list[str]:
+    notes = []
+    if z.mode == "replicate" and z.tp > 1 and not tied:
+        notes.append("zero_stage 0, tp > 1: the untied embedding's gradient is Replicate(), the "
+                     "full padded [V, h] on each tp rank (in grads and the dp all-reduce)")  # fmt: skip
+    if z.fsdp and z.pp > 1:
+        notes.append("FSDP under a pipeline schedule keeps gradients unsharded (and zero1 the "
+                     "parameters gathered) until the step's last backward")  # fmt: skip
+    if z.mode == "full" and z.pp > 1:
+        notes.append(
+            "full_shard with pp > 1: the dp all-gather count is a bound (2 per microbatch)"
+        )
+    if z.autocast:
+        notes.append("autocast keeps a cast copy of each linear weight for the step")
+    return notes

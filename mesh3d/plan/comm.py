@@ -1,0 +1,58 @@
+"""What one rank sends per step on each mesh axis, and how many bytes that puts on the wire."""
+
+from __future__ import annotations
+
+from mesh3d.plan.memory import _Param
+from mesh3d.plan.records import CommItem, StagePlan
+from mesh3d.plan.sizes import _Sizes
+
+# bytes one rank sends per byte of payload, ring algorithms over n ranks
+WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
+WIRE |= {"reduce_scatter": WIRE["all_gather"], "send": lambda n: 1.0}
+
+
+def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: bool):
+    """What one rank sends per step on each axis; payloads in the dtype that travels."""
+    m, tokens, h = z.m, z.tokens, z.h
+    layers = sum(len(s.layers) for s in stages)
+    emb, head = m * any(s.embedding for s in stages), m * any(s.head for s in stages)
+    fwd, bwd = 2 * layers * m * (1 + z.recompute), 2 * layers * m  # recompute reruns forwards
+    r, c = tokens * h * z.e_p, tokens * h * z.e_c  # residual / norm outputs, linear outputs
+    if z.sp:
+        norms = sum(p.local for p in params if "norm" in p.name) * z.e_p
+        tp = [("norm outputs into q/k/v, gate/up (fwd)", "all_gather", fwd, r),
+              ("o_proj, down_proj outputs (fwd)", "reduce_scatter", fwd, c),
+              ("o_proj, down_proj output grads (bwd)", "all_gather", bwd, c),
+              ("norm output grads (bwd)", "reduce_scatter", bwd, r),
+              ("embedding output (fwd)", "reduce_scatter", emb, r),
+              ("embedding output grad (bwd)", "all_gather", emb, r),
+              ("lm_head input (fwd)", "all_gather", head, r),
+              ("lm_head input grad (bwd)", "reduce_scatter", head, r),
+              ("norm weight grads", "all_reduce", 1, norms)]  # fmt: skip
+    else:
+        tp = [("o_proj, down_proj outputs (fwd)", "all_reduce", fwd, c),
+              ("attention, MLP input grads (bwd)", "all_reduce", bwd, r),
+              ("embedding output (fwd)", "all_reduce", emb, r),
+              ("lm_head input grad (bwd)", "all_reduce", head, r)]  # fmt: skip
+    tp.append(("loss: max, sum of exp, target logit (fwd)", "all_reduce", 3 * head, 4 * tokens))
+    last = z.pp * z.v - 1
+    sends = m * sum((s.stage != last) + (s.stage != 0) for s in stages)
+    pp = [("activations (fwd), their grads (bwd)", "send", sends, z.local_tokens * h * z.e_p)]
+    if tied_peer:
+        tied = next(p.grad for p in params if p.name in ("embed_tokens.weight", "lm_head.weight"))
+        pp.append(("tied embedding grad", "send", 1, tied * z.e_p))
+    if z.mode == "replicate":
+        dp = [("grads, one flat buffer", "all_reduce", 1, sum(p.grad for p in params) * z.e_p)]
+    else:  # FSDP2: all units of the rank together; the pipeline defers reduce (and reshard)
+        many = m if z.pp == 1 else 1
+        gathers = 2 * m if z.mode == "full" else many  # full with pp > 1: a bound
+        gathered = sum(p.gathered for p in params) * z.e_p
+        dp = [("parameters (FSDP unshard)", "all_gather", gathers, gathered),
+              ("grads", "reduce_scatter", many, gathered)]  # fmt: skip
+    items = []
+    for axis, rows, n in (("tp", tp, z.tp), ("pp", pp, z.pp), ("dp", dp, z.dp)):
+        for what, kind, count, each in rows:
+            if count and each and n > 1:
+                sent = round(count * each * WIRE[kind](n))
+                items.append(CommItem(axis, what, kind, count, each, sent))
+    return items

@@ -1,0 +1,108 @@
+"""Parameters as one rank holds them, and the bytes alive during part of a step.
+
+Bytes per rank (tests/test_plan.py compares params, grads and optimizer state with a real 2x2x2
+run, exactly):
+- params: local elements x param dtype (fp32 under `accumulate_grad_in_fp32`: master weights).
+  TP splits a dim like `torch.chunk`; FSDP2 (zero_stage 1 or full_shard, dp > 1) then chunks
+  dim 0 of the tp-local tensor over dp: ceil(rows / dp) each, the last ranks get what is left;
+- grads, at the optimizer step: as the params, except zero_stage 0 with tp > 1, where an untied
+  embedding's gradient is `Replicate()`: the full padded [V, h] on every tp rank;
+- optimizer: AdamW exp_avg + exp_avg_sq in the param dtype and a 4-byte `step` per parameter;
+  SGD (no momentum in mesh3d) none.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from mesh3d.parallel.tensor import llama_tp_plan
+from mesh3d.plan.sizes import _Sizes
+
+
+@dataclass
+class _Param:
+    """One parameter as one rank holds it, in elements."""
+
+    name: str
+    local: int  # the rank's shard
+    tp_local: int  # before dp sharding
+    gathered: int  # what FSDP all-gathers: dp x the ceil-sized shard
+    grad: int  # the gradient at the optimizer step
+    matmul: bool  # a linear weight: autocast keeps a cast copy
+
+
+def _chunk(n: int, parts: int, index: int) -> int:
+    """len(torch.chunk(range(n), parts)[index]), 0 past the last chunk (DTensor, FSDP2 dims)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - index * size))
+
+
+def _tp_dim(module: nn.Module, name: str, plan: dict) -> int | None:
+    """The dim the TP plan shards parameter `name` on; None: replicated."""
+    path = name.rpartition(".")[0].split(".")
+    for pattern, style in plan.items():
+        parts = pattern.split(".")
+        if len(parts) == len(path) and all(map(fnmatch.fnmatch, path, parts)):
+            emb = isinstance(module.get_submodule(".".join(path)), nn.Embedding)
+            if isinstance(style, ColwiseParallel):  # Linear: out features; Embedding: h
+                return 1 if emb else 0
+            if isinstance(style, RowwiseParallel):  # Linear: in features; Embedding: vocab
+                return 0 if emb else 1
+    return None
+
+
+def _params(z: _Sizes, module: nn.Module, coords: dict[str, int], tied: bool) -> list[_Param]:
+    """Every parameter of one meta stage module as the rank at `coords` holds it."""
+    plan = llama_tp_plan(z.sp) if z.tp > 1 else {}
+    head = getattr(module, "lm_head", None)
+    out = []
+    for name, param in module.named_parameters():  # a tied head shares the embedding's
+        shape = list(param.shape)
+        dim = _tp_dim(module, name, plan)
+        if dim is not None:
+            shape[dim] = _chunk(shape[dim], z.tp, coords["tp"])
+        row = math.prod(shape[1:])
+        local = tp_local = gathered = row * shape[0]
+        if z.fsdp:
+            local = _chunk(shape[0], z.dp, coords["dp"]) * row
+            gathered = -(-shape[0] // z.dp) * z.dp * row
+        replicated = z.tp > 1 and z.mode == "replicate" and not tied and name.startswith("embed")
+        grad = param.numel() if replicated else local
+        matmul = name.endswith("proj.weight") or name == "lm_head.weight"
+        matmul |= head is not None and param is head.weight
+        out.append(_Param(name, local, tp_local, gathered, grad, matmul))
+    return out
+
+
+def _transient(
+    z: _Sizes, params: list[_Param], stages: list[int], one_layer: int
+) -> dict[str, int]:
+    """Bytes alive during part of the step, by cause."""
+    out = {}
+    if z.fsdp:
+        units: dict[str, int] = {}  # FSDP units: each decoder layer, the rest ("root")
+        for p in params:
+            parts = p.name.split(".")
+            key = parts[1] if parts[0] == "layers" else "root"
+            units[key] = units.get(key, 0) + p.gathered * z.e_p
+        layers = sorted((b for k, b in units.items() if k != "root"), reverse=True)
+        if z.mode == "zero1" or z.pp > 1:
+            out["fsdp_gathered_params"] = sum(units.values())
+        else:  # full shard, no pipeline: the root, the running layer and the prefetched one
+            out["fsdp_gathered_params"] = units.get("root", 0) + sum(layers[:2])
+        if z.pp > 1:  # schedules accumulate unsharded gradients until the last backward
+            out["fsdp_unsharded_grads"] = sum(p.tp_local for p in params) * z.e_p
+    if z.autocast:
+        out["autocast_weight_copies"] = sum(p.tp_local for p in params if p.matmul) * z.e_c
+    if z.recompute:
+        out["recomputed_layer"] = one_layer
+    if z.pp > 1:  # a receive buffer per microbatch, stage input and output gradient
+        last = z.pp * z.v - 1
+        n = sum((s != 0) + (s != last) for s in stages) * z.m
+        out["pp_recv_buffers"] = n * z.local_tokens * z.h * z.e_p
+    return {k: b for k, b in out.items() if b}

@@ -1,0 +1,100 @@
+"""`format_plan`: the plan as a text report with aligned tables (what `mesh3d plan` prints)."""
+
+from __future__ import annotations
+
+from mesh3d.plan.records import Plan, RankPlan
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    runs: list[list[int]] = []
+    for x in xs:
+        if runs and x == runs[-1][-1] + 1:
+            runs[-1].append(x)
+        else:
+            runs.append([x])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _table(head: list[str], rows: list[list[str]], left: int) -> list[str]:
+    """Cells padded to their column's width: the first `left` columns left, the rest right."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        padded = (
+            x.ljust(w) if i < left else x.rjust(w) for i, (x, w) in enumerate(zip(cells, widths))
+        )
+        return "  " + "  ".join(padded).rstrip()
+
+    return [line(head), *map(line, rows)]
+
+
+def _by_value(plan: Plan, key) -> dict[tuple, list[RankPlan]]:
+    """Ranks grouped by `key(rank)`, in rank order: identical rows print once."""
+    groups: dict[tuple, list[RankPlan]] = {}
+    for r in plan.ranks:
+        groups.setdefault(key(r), []).append(r)
+    return groups
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a text report with aligned tables."""
+    d, b = plan.dims, plan.bubble
+    out = [
+        f"mesh3d plan: {plan.world_size} ranks = pp {d['pp']} x dp {d['dp']} x tp {d['tp']}; "
+        f"{plan.total_params:,} parameters (vocab padded to {plan.padded_vocab}, tied "
+        f"{plan.tied_embeddings})",
+        f"  per dp rank and step: {plan.microbatches} microbatch(es) of {plan.micro_batch_size} x "
+        f"{plan.sequence_length} tokens; params {plan.param_dtype}, compute {plan.compute_dtype}, "
+        f"{plan.optimizer}; dp {plan.dp_mode}, tp {plan.tp_mode}, recompute {plan.recompute_layer}",
+        "",
+        "1. Rank groups",
+        *(f"  {a}: " + " ".join(map(str, plan.groups[a])) for a in ("tp", "pp", "dp")),
+        "",
+        f"2. Pipeline stages ({plan.schedule}, {plan.virtual_stages} per pp rank)",
+    ]
+    rows = [[str(s.stage), str(s.pp_rank), _ranges(s.layers) or "-",
+             ", ".join(x for x, on in (("embedding", s.embedding), ("norm, lm_head", s.head)) if on)
+             or "-"]
+            for s in plan.stages]  # fmt: skip
+    out += _table(["stage", "pp rank", "decoder layers", "also"], rows, left=4)
+    out += ["", "3. Memory per rank (grads at the optimizer step; peak: every term at once)"]
+    keys = ("stages", "param_elements", "param_bytes", "grad_bytes", "optimizer_bytes",
+            "activation_bytes", "microbatches_in_flight", "transient", "peak_bytes")  # fmt: skip
+    groups = _by_value(plan, lambda r: tuple(str(getattr(r, k)) for k in keys))
+    rows = [[_ranges([r.rank for r in g]), ",".join(map(str, g[0].stages)),
+             f"{g[0].param_elements:,}", *(_size(getattr(g[0], k)) for k in keys[2:6]),
+             str(g[0].microbatches_in_flight), _size(sum(g[0].transient.values())),
+             _size(g[0].peak_bytes)] for g in groups.values()]  # fmt: skip
+    head = ["ranks", "stages", "params", "param B", "grad B", "optim B", "activations",
+            "in flight", "transient", "peak"]  # fmt: skip
+    out += _table(head, rows, left=2)
+    for g in groups.values():
+        if g[0].transient:
+            items = ", ".join(f"{k} {_size(v)}" for k, v in g[0].transient.items())
+            out.append(f"  transient, ranks {_ranges([r.rank for r in g])}: {items}")
+    out += ["", "4. Activations per microbatch (stage_activation_bytes)"]
+    rows = [[str(s.stage), _size(s.saved_per_microbatch), _size(s.held_per_microbatch)]
+            for s in plan.stages]  # fmt: skip
+    out += _table(["stage", "saved for backward", "held output"], rows, left=1)
+    out.append(f"  in flight from {plan.order_source}")
+    value = "n/a" if b.fraction is None else f"{b.fraction:.1%}"
+    out += ["", f"5. Pipeline bubble: {value} ({b.kind}: {b.formula})", ""]
+    out.append("6. Communication per step (payload: full tensor; sent: by this rank, ring)")
+    for g in _by_value(plan, lambda r: tuple(map(str, r.comm))).values():
+        sent = {a: sum(c.sent_bytes for c in g[0].comm if c.axis == a) for a in ("tp", "pp", "dp")}
+        totals = ", ".join(f"{a} {_size(v)}" for a, v in sent.items())
+        out.append(f"  ranks {_ranges([r.rank for r in g])} send {totals}")
+        rows = [[c.axis, c.what, c.collective, str(c.count), _size(c.bytes_each),
+                 _size(c.sent_bytes)] for c in g[0].comm]  # fmt: skip
+        out += _table(["axis", "what", "collective", "count", "payload", "sent"], rows, left=3)
+    out += ["", "Notes:", *(f"  - {n}" for n in plan.notes)] if plan.notes else []
+    return "\n".join(out) + "\n"

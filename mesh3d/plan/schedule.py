@@ -1,0 +1,94 @@
+"""What the pipeline schedule does to a step: each rank's order of forwards and backwards, the
+activations that order keeps in flight, and the bubble (idle share) in closed form."""
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+
+from mesh3d.parallel.pipeline import SCHEDULES, is_multi_stage, stage_ids_of_rank
+from mesh3d.plan.records import Bubble
+from mesh3d.plan.sizes import _Sizes
+
+
+def _orders(z: _Sizes) -> tuple[dict[int, list[tuple[str, int]]], str]:
+    """Per pp rank, its (op, stage) sequence: F forward, B backward, I input backward (frees
+    the held output), W weight backward (frees what was saved).
+
+    GPipe and 1F1B as torch's step loops run them (1F1B: min(m, pp - r) warm-up forwards, then
+    B/F pairs). Multi-stage schedules: torch's own `pipeline_order`, which their constructors
+    compute from the stages' sizes only, so stand-in stages do (no process group). If that
+    private API fails, every chunk is taken to be in flight at once: an upper bound.
+    """
+    pp, v, m, name = z.pp, z.v, z.m, z.schedule
+    if pp == 1:
+        return {0: [("F", 0), ("B", 0)] * m}, "no pipeline: one microbatch at a time"
+    if not is_multi_stage(name):
+        orders = {}
+        for r in range(pp):
+            warm = m if name == "afab" else min(m, pp - r)
+            orders[r] = [("F", r)] * warm + [("B", r), ("F", r)] * (m - warm) + [("B", r)] * warm
+        return orders, f"the {SCHEDULES[name].__name__} step loop"
+    ids, n = stage_ids_of_rank(0, pp, v, name), pp * v
+    stand_ins = [
+        types.SimpleNamespace(group_size=pp, group_rank=0, num_stages=n, stage_index=i,
+                              is_first=i == 0, is_last=i == n - 1, submod=nn.Module())
+        for i in ids
+    ]  # fmt: skip
+    try:
+        order = SCHEDULES[name](stand_ins, m).pipeline_order
+    except Exception as e:  # torch-private: say so and bound
+        mine = {r: stage_ids_of_rank(r, pp, v, name) for r in range(pp)}
+        ops = {r: [(k, s) for k in "FB" for s in mine[r] for _ in range(m)] for r in range(pp)}
+        return ops, f"an upper bound, all chunks in flight ({SCHEDULES[name].__name__}: {e!r})"
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+    orders = {r: [] for r in range(pp)}
+    for r, actions in order.items():
+        for action in filter(None, actions):
+            for a in action.sub_actions or [action]:  # OVERLAP_F_B: F then B
+                if a.computation_type.name in kinds:
+                    orders[r].append((kinds[a.computation_type.name], a.stage_index))
+    return orders, f"torch {SCHEDULES[name].__name__}.pipeline_order"
+
+
+def _peaks(ops, saved: dict[int, int], held: dict[int, int]) -> tuple[int, int, int]:
+    """(peak saved, peak saved + held, peak chunks in flight) over one rank's op sequence."""
+    now, peak = [0, 0, 0], [0, 0, 0]  # saved, held, chunks
+    for op, s in ops:
+        sign = 1 if op == "F" else -1
+        if op in "FBW":
+            now[0] += sign * saved[s]
+            now[2] += sign
+        if op in "FBI":
+            now[1] += sign * held[s]
+        peak = [max(peak[0], now[0]), max(peak[1], now[0] + now[1]), max(peak[2], now[2])]
+    return peak[0], peak[1], peak[2]
+
+
+def bubble(schedule: str, pp: int, v: int, m: int) -> Bubble:
+    """Idle share of a step with equal stage times (and F = I = W for the split backward)."""
+    if pp == 1:
+        return Bubble(0.0, "no pipeline", "exact")
+    if schedule in ("afab", "1f1b"):
+        return Bubble((pp - 1) / (m + pp - 1), "(pp-1)/(m+pp-1)", "exact")
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return Bubble((pp - 1) / (v * m + pp - 1), "(pp-1)/(v*m+pp-1)", "exact")
+    if schedule == "interleaved_zero_bubble":
+        # ZB1P idles (pp-1)(F+B-2W); with F = I = W and chunks 1/v long, torch's order gives
+        # exactly this for m >= pp (benchmarks/schedules.py's replay, pp 2 to 8)
+        why = "(pp-1)/(3*v*m+pp-1): ZB1P idles (pp-1)(F+B-2W), F = I = W, chunks 1/v long"
+        return Bubble((pp - 1) / (3 * v * m + pp - 1), why, "exact" if m >= pp else "approximate")
+    if schedule == "zbv_zero_bubble":
+        # Not the ideal ZB-V's 0 (Qi et al. 2024): torch's ScheduleZBVZeroBubble order (v = 2),
+        # replayed with F = I = W = 1 by benchmarks/schedules.py, idles each rank pp-1 chunk
+        # times once m >= 3pp/2 (validation asks m >= 2pp), and 2(2pp-1-m) with fewer
+        # microbatches; every m from 1 to 4pp matched this for pp 2 to 8.
+        idle = max(pp - 1, 2 * (2 * pp - 1 - m))
+        d = "pp-1" if idle == pp - 1 else "2(2pp-1-m)"
+        why = f"({d})/(3*v*m+{d}): torch's ZBV order idles {d} chunk times, F = I = W"
+        return Bubble(idle / (3 * v * m + idle), why, "exact")
+    # dualpipev: torch's DualPipeV order (m >= 2pp, v = 2) with its overlapped F&B run one after
+    # the other, as on one device without communication to hide, idles pp-1 chunk times too
+    why = "(pp-1)/(3*v*m+pp-1): torch's DualPipeV order, F&B not overlapped, F = I = W"
+    return Bubble((pp - 1) / (3 * v * m + pp - 1), why, "exact")
