@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining  # noqa: F401  (imported before forking: ranks find it loaded)
-from _ranks import launch  # benchmarks/ is on sys.path when a script runs
+from _ranks import keep_freed_memory, launch  # benchmarks/ is on sys.path when a script runs
 from torch import nn
 
 from mesh3d.config import load_config, padded_vocab_size, validation_errors
@@ -82,12 +82,13 @@ CONFIG = ROOT / "recipes/configs/cpu_tiny.yaml"
 MiB = 2**20
 
 # A small Llama whose stages cost about the same: 7 decoder layers and a head (norm, lm_head over
-# 6144 tokens, loss) that costs about one more; mesh3d's split (`stage_layers`) gives each of 2
-# stages 4 of these 8 units and each of 4 stages 2.
+# 5376 tokens, loss) whose forward + backward take about one layer's time here (measured: with
+# 6144 tokens stage 1 was ~8% slower than stage 0, with 4608 ~8% faster); mesh3d's split
+# (`stage_layers`) gives each of 2 stages 4 of these 8 units and each of 4 stages 2.
 MODEL = {
     "model.model_config.hidden_size": 512, "model.model_config.intermediate_size": 1376,
     "model.model_config.num_attention_heads": 8, "model.model_config.num_key_value_heads": 4,
-    "model.model_config.num_hidden_layers": 7, "model.model_config.vocab_size": 6144,
+    "model.model_config.num_hidden_layers": 7, "model.model_config.vocab_size": 5376,
     "model.model_config.max_position_embeddings": 128, "model.model_config.tie_word_embeddings": False,
     "tokens.sequence_length": 128, "tokens.micro_batch_size": 1, "model.dtype": "float32",
     "logging.log_level": "warning",
@@ -105,7 +106,7 @@ UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # unit costs: F = I = W, B = I 
 KIND_NAMES = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 MODES = {  # reps: timed steps per measured run; probe: repetitions of the layer probe
     "tiny": dict(reps=2, probe=2, measured_m=(4,), sim_pp=(2, 4), timeout=240),
-    "quick": dict(reps=3, probe=7, measured_m=(2, 4, 8), sim_pp=SIM_PP, timeout=1200),
+    "quick": dict(reps=5, probe=7, measured_m=(2, 4, 8), sim_pp=SIM_PP, timeout=1200),
     "full": dict(reps=10, probe=25, measured_m=(2, 4, 8), sim_pp=SIM_PP, timeout=3600),
 }
 
@@ -197,9 +198,13 @@ class Timeline:
 
 
 def simulate(
-    table: dict[int, list[Action]], cost: Callable[[str, int], float], comm: float = 0.0
+    table: dict[int, list[Action]],
+    cost: Callable[[str, int], float] | None,
+    comm: float = 0.0,
+    durations: dict[Action, float] | None = None,
 ) -> Timeline:
-    """Replay `table` with `cost(kind, stage)` per action; `comm` is added to cross-rank edges.
+    """Replay `table` with `cost(kind, stage)` per action (or each action's own entry in
+    `durations`); `comm` is added to cross-rank edges.
 
     Dependencies: F(s, k) after F(s-1, k); B or I(s, k) after F(s, k) and after the B or I of
     (s+1, k) (the gradient of its output); W(s, k) after I(s, k). Each rank runs its actions in
@@ -231,7 +236,7 @@ def simulate(
                     break
                 ready = [t + (comm if rank_of[d] != r else 0.0) for t, d in deps]
                 start = max([free[r], *ready])
-                end = start + cost(kind, s)
+                end = start + (durations[kind, s, k] if durations else cost(kind, s))
                 events[r].append((kind, s, k, start, end))
                 free[r] = end
                 if kind == "F":
@@ -275,7 +280,7 @@ def stage_layers(cfg, stages: int) -> list[list[int]]:
 
     The walk keeps the block that crosses a stage's cost threshold on that stage, so stage 0
     always gets more than 1/stages of the cost; with a head cheaper than a layer in that cost
-    model (V < 4h + 3F, here 6144 < 6176) 7 layers still split as [[0-3], [4-6] + head] over 2
+    model (V < 4h + 3F, here 5376 < 6176) 7 layers still split as [[0-3], [4-6] + head] over 2
     stages and [[0, 1], [2, 3], [4, 5], [6] + head] over 4, and the real head costs about a
     layer: equal stages, so the measured bubble shows the schedule, not an imbalance.
     """
@@ -523,6 +528,13 @@ def summarize_measured(job: dict, ranks: list[dict], pp: int) -> dict:
     table = action_table(schedule, pp, v, m)
     ran = {r: [(k, s, mb) for k, s, mb, *_ in timelines[0].events[r]] for r in range(pp)}
     sim = simulate(table, lambda k, s: cost[k, s])
+    # each timed step's own action durations replayed with free, instant communication: what
+    # is left between it and the measured bubble is send/recv and the time between actions
+    replays = [
+        simulate(table, None, durations={(k, s, mb): b - a for evs in tl.events.values()
+                                         for k, s, mb, a, b in evs}).bubble
+        for tl in timelines
+    ]  # fmt: skip
     analytic = bubble(schedule, pp, v, m)
     tok = cfg.tokens
     tokens = m * tok.micro_batch_size * tok.sequence_length
@@ -540,6 +552,7 @@ def summarize_measured(job: dict, ranks: list[dict], pp: int) -> dict:
         step_s=wall, step_s_all=walls, window_s=timelines[median].step,
         tokens_per_s=tokens / wall,
         bubble=timelines[median].bubble, bubble_all=[tl.bubble for tl in timelines],
+        bubble_replay=replays[median], bubble_replay_all=replays,
         bubble_sim=sim.bubble, step_sim_s=sim.step,
         bubble_analytic=analytic.fraction, analytic_kind=analytic.kind, analytic_formula=analytic.formula,
         action_ms={f"{k}{s}": round(c * 1e3, 3) for (k, s), c in sorted(cost.items(), key=by_stage_kind)},
@@ -673,8 +686,8 @@ def tables(result: dict) -> str:
         f"### measured: pp={result['measured_pp']}, real processes ({result['measured_device']})",
         "",
     ]
-    head = ["schedule", "m", "v", "step ms", "tokens/s", "bubble measured", "bubble sim",
-            "bubble analytic", "F / B (I, W) ms per stage", "peak saved MiB per rank (plan)"]  # fmt: skip
+    head = ["schedule", "m", "v", "step ms", "tokens/s", "bubble measured", "bubble replay",
+            "bubble sim", "bubble analytic", "F / B (I, W) ms per stage", "peak saved MiB per rank (plan)"]  # fmt: skip
     rows = []
     for r in result["measured"]:
         stages = sorted({int(k[1:]) for k in r["action_ms"]})
@@ -687,13 +700,18 @@ def tables(result: dict) -> str:
             for a, b in zip(r["saved_peak_bytes"], r["saved_plan_bytes"])
         )
         rows.append([r["schedule"], r["m"], r["v"], f"{r['step_s'] * 1e3:.0f}", f"{r['tokens_per_s']:,.0f}",
-                     _pct(r["bubble"]), _pct(r["bubble_sim"]), _pct(r["bubble_analytic"]), costs, mem])  # fmt: skip
+                     _pct(r["bubble"]), _pct(r["bubble_replay"]), _pct(r["bubble_sim"]),
+                     _pct(r["bubble_analytic"]), costs, mem])  # fmt: skip
     out += _md(head, rows)
     for r in result["measured"]:
         if r["schedule"] == "1f1b":
             rel = r["bubble"] / r["bubble_analytic"] - 1
+            steps = ", ".join(_pct(b) for b in r["bubble_all"])
             out.append(f"\n1F1B pp={r['pp']} m={r['m']}: measured bubble {_pct(r['bubble'])} vs "
-                       f"analytic {_pct(r['bubble_analytic'])} ({rel:+.0%} relative; target within 10%)")  # fmt: skip
+                       f"analytic {_pct(r['bubble_analytic'])} ({rel:+.0%} relative; target within "
+                       f"10%); every timed step: {steps}; replayed {_pct(r['bubble_replay'])}, so "
+                       f"{_pct(r['bubble'] - r['bubble_replay'])} of the step is communication and "
+                       "time between actions")  # fmt: skip
     layer = result["probe"]["layer_ms"]
     out += ["", f"### simulated: {SIM_LAYERS} layers split evenly over pp x v stages; one layer: "
             + ", ".join(f"{k} {layer[k]:.1f} ms" for k in "FBIW") + f" ({result['probe']['device']})", ""]  # fmt: skip
@@ -706,8 +724,9 @@ def tables(result: dict) -> str:
     out += _md(head, rows)
     exact = [r for r in result["simulated"] if r["analytic_kind"] == "exact"]
     equal = sum(abs(r["bubble_unit"] - r["bubble_analytic"]) < 1e-9 for r in exact)
+    names = ", ".join(dict.fromkeys(r["schedule"] for r in exact))
     out.append(f"\nUnit costs (F = I = W = 1, B = 2): simulated == analytic in {equal} of {len(exact)} "
-               "rows with an exact closed form (afab, 1f1b, interleaved_1f1b, looped_bfs).")  # fmt: skip
+               f"rows with an exact closed form ({names}).")  # fmt: skip
     if result["skipped"]:
         out += ["", "### skipped (mesh3d's config validation says why)", ""]
         out += [
@@ -794,6 +813,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="output folder (default benchmarks/results)")
     ap.add_argument("--measured-pp", type=int, default=2, help="ranks of the measured runs")
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset")
+    ap.add_argument("--glibc-malloc", action="store_true",
+                    help="leave glibc's malloc as it is (by default the ranks keep freed memory)")  # fmt: skip
     a = ap.parse_args(argv)
     mode = "tiny" if a.tiny else "full" if a.full else "quick"
     opts, model = MODES[mode], TINY_MODEL if a.tiny else MODEL
@@ -836,7 +857,9 @@ def main(argv: list[str] | None = None) -> None:
                 jobs.append(dict(schedule=name, m=m_pp, overrides=overrides))
     log(f"measured: {len(jobs)} runs x ({opts['reps']} timed + 1 warm-up) steps")
     t0 = time.time()
-    ranks = launch(pp, measure_rank, jobs, opts["reps"], cuda=cuda, timeout=opts["timeout"])
+    setup = None if a.glibc_malloc or cuda else keep_freed_memory
+    ranks = launch(pp, measure_rank, jobs, opts["reps"], cuda=cuda, timeout=opts["timeout"],
+                   setup=setup)  # fmt: skip
     measured_s = time.time() - t0
     measured = []
     for i, job in enumerate(jobs):
@@ -855,6 +878,7 @@ def main(argv: list[str] | None = None) -> None:
         command=sys.argv, torch=torch.__version__, cores=cores, date=now, mode=mode,
         load_average=os.getloadavg(), model=model, measured_pp=pp, measured_device=device,
         measured_threads_per_rank=1, measured_seconds=measured_s,
+        measured_malloc="glibc default" if setup is None else "keep freed memory",
         probe=dict(device=probe_device.type, reps=opts["probe"], layer_ms={k: v * 1e3 for k, v in layer.items()}),
         simulated_layers=SIM_LAYERS, unit_costs=UNIT,
         chart=dict(simulated=list(CHART_SIM), measured_m=CHART_MEASURED_M * pp // 2),

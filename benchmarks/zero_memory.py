@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
 import json
 import os
@@ -32,7 +31,11 @@ from pathlib import Path
 import torch
 import torch._dynamo  # noqa: F401  (FSDP imports it lazily: ~30 MiB RSS the ranks now inherit)
 import torch.distributed as dist
-from _ranks import launch  # benchmarks/ is on sys.path when a script runs
+from _ranks import (  # benchmarks/ is on sys.path when a script runs
+    M_MMAP_THRESHOLD,
+    launch,
+    mallopt,
+)
 from torch.distributed.tensor import DTensor
 
 from mesh3d.config import global_batch_size, load_config, validate
@@ -149,8 +152,8 @@ def measure(rank: int, world: int, cfg, steps: int) -> dict:
 
 
 def _fixed_mmap() -> None:
-    """-3 = M_MMAP_THRESHOLD, fixed: freed tensors > 64 KiB go back to the OS, RSS tracks live ones."""
-    ctypes.CDLL(None).mallopt(-3, 64 * 1024)
+    """A fixed M_MMAP_THRESHOLD: freed tensors > 64 KiB go back to the OS, RSS tracks live ones."""
+    mallopt(M_MMAP_THRESHOLD, 64 * 1024)
 
 
 def table(modes: dict) -> str:
