@@ -15,6 +15,7 @@ import copy
 import json
 import subprocess
 import sys
+import types
 import weakref
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from mesh3d import cli
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.mesh import ParallelDims
-from mesh3d.plan import bubble, format_plan, main, make_plan
+from mesh3d.plan import _orders, bubble, format_plan, loss_saved_bytes, main, make_plan
 from mesh3d.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,6 +322,21 @@ def test_activation_estimate_matches_saved_tensors():
                 bad.append(report[-1])
     print("\n" + "\n".join(report))
     assert not bad, "\n".join(bad)
+
+
+def test_split_backward_frees_the_loss_at_input_backward():
+    # torch's stage_backward_input detaches the loss, so I (not W) frees what the loss saved;
+    # with ZB at pp=2, m=2 rank 1's peak is the second F3, after I3 freed the first's loss
+    # (benchmarks/schedules.py meters it: 36.2 MB, not the 39.0 MB of freeing it all at W)
+    m2 = ["tokens.batch_accumulation_per_replica=2"]
+    cfg = _cfg(PP2[:2] + ONE_STEP + m2 + _pp("interleaved_zero_bubble", 2))
+    plan = make_plan(cfg, 2)
+    ops = ["F1", "F1", "F3", "I3", "F3", "I3", "W3", "I1", "W3", "I1", "W1", "W1"]
+    z = types.SimpleNamespace(pp=2, v=2, m=2, schedule="interleaved_zero_bubble")
+    assert [f"{k}{s}" for k, s in _orders(z)[0][1]] == ops
+    saved = {s.stage: s.saved_per_microbatch for s in plan.stages}
+    want = 2 * saved[1] + 2 * saved[3] - loss_saved_bytes(cfg)
+    assert plan.ranks[1].saved_activation_bytes == want
 
 
 def test_format_plan_lists_every_rank():

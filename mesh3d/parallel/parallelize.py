@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mesh3d.models.init import init_full_tensor
-from mesh3d.parallel.tensor import apply_tp, llama_tp_plan
+from mesh3d.parallel.tensor import apply_tp, llama_tp_plan, shard_grads_like_params
 
 
 def dp_mode(zero_stage: int, full_shard: bool) -> str:
@@ -132,6 +132,8 @@ def parallelize(
         checkpoint_layers(model)
     materialize(model, device, source)
     model.to(dtype)
+    if mesh["tp"].size() > 1:
+        shard_grads_like_params(model)  # after materialize / to(): they may swap parameters
     if mesh["dp"].size() > 1:
         apply_dp(model, mesh["dp"], dp)
     return model

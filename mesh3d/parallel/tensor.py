@@ -16,6 +16,8 @@ foreach AdamW and gradient clipping working (FACTS.md: mixed plain + DTensor par
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed
 from torch import nn
@@ -81,6 +83,31 @@ def _block_input(layout) -> PrepareModuleInput:
     return PrepareModuleInput(
         input_layouts=(layout,), desired_input_layouts=(Replicate(),), use_local_output=False
     )
+
+
+def shard_grads_like_params(model: nn.Module) -> None:
+    """Give every tp-sharded parameter its gradient in the parameter's own layout.
+
+    DTensor's embedding backward returns the vocab-parallel embedding's gradient as
+    `Replicate()`, the full padded [V, h] on every tp rank, while the weight is `Shard(0)`.
+    Accumulated like that it holds tp times the memory, and zero 0's dp all-reduce sends tp
+    times the bytes. A hook lays each incoming gradient out like its parameter before it is
+    accumulated (Replicate -> Shard is a local slice: no communication). FSDP replaces the
+    parameters, so these hooks then never fire; it lays gradients out itself.
+    """
+    for p in model.parameters():
+        if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
+            p.register_hook(functools.partial(_laid_out_as, tuple(p.placements)))
+
+
+def _laid_out_as(placements: tuple, grad: torch.Tensor) -> torch.Tensor:
+    if (
+        isinstance(grad, DTensor)
+        and tuple(grad.placements) != placements
+        and not any(isinstance(pl, Partial) for pl in grad.placements)  # those need a reduction
+    ):
+        return grad.redistribute(grad.device_mesh, placements)
+    return grad
 
 
 def reduce_partial_grads(params) -> None:

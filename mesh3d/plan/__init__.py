@@ -18,7 +18,7 @@ backwards, the microbatches in flight, the bubble), `comm.py` (collectives and s
 `build.py` (`make_plan`), `report.py` (`format_plan`), `__main__.py` (the command line).
 """
 
-from mesh3d.plan.activations import stage_activation_bytes
+from mesh3d.plan.activations import loss_saved_bytes, stage_activation_bytes
 from mesh3d.plan.build import make_plan
 from mesh3d.plan.comm import WIRE
 from mesh3d.plan.records import Bubble, CommItem, Plan, RankPlan, StagePlan
@@ -45,6 +45,7 @@ __all__ = [
     "WIRE",
     "bubble",
     "format_plan",
+    "loss_saved_bytes",
     "main",
     "make_plan",
     "stage_activation_bytes",

@@ -37,7 +37,19 @@ def stage_activation_bytes(cfg, layers: int, embedding: bool, head: bool) -> tup
         layer += 4 * z.b * (z.heads // z.tp) * z.s + 16 * z.s * (z.h // z.heads)
     saved = layers * layer + 8 * z.tokens * embedding
     if head:
-        loss_vocab = z.vocab if z.tp == 1 else z.padded // z.tp
-        saved += norm + z.tokens * z.h * z.e_c + 4 * z.tokens * loss_vocab + 8 * z.tokens + 4
+        saved += norm + z.tokens * z.h * z.e_c + loss_saved_bytes(cfg)
     held = z.tokens * (z.padded // z.tp) * z.e_c if head else z.local_tokens * z.h * z.e_p
     return saved, held
+
+
+def loss_saved_bytes(cfg) -> int:
+    """The part of the last stage's saved bytes that the loss saves, per microbatch: the fp32
+    log-softmax 4·T·V' and the labels 8·T + 4 (int64 targets, fp32 total weight).
+
+    A split backward frees them at I, not W: torch's `stage_backward_input` detaches the loss
+    once the input gradient is computed, which drops the graph nodes past the lm_head matmul,
+    as no weight gradient needs them.
+    """
+    z = _Sizes.of(cfg)
+    loss_vocab = z.vocab if z.tp == 1 else z.padded // z.tp
+    return 4 * z.tokens * loss_vocab + 8 * z.tokens + 4

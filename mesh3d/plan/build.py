@@ -10,7 +10,7 @@ from mesh3d.config import validate
 from mesh3d.mesh import ParallelDims
 from mesh3d.models.llama import Llama
 from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_layers, stage_ids_of_rank
-from mesh3d.plan.activations import stage_activation_bytes
+from mesh3d.plan.activations import loss_saved_bytes, stage_activation_bytes
 from mesh3d.plan.comm import _comm
 from mesh3d.plan.memory import _params, _transient
 from mesh3d.plan.records import Plan, RankPlan, StagePlan
@@ -50,15 +50,16 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
     adamw = cfg.optimizer.optimizer_factory.name != "sgd"
     saved = {s.stage: s.saved_per_microbatch for s in stages}
     held = {s.stage: s.held_per_microbatch for s in stages}
+    loss = {n - 1: loss_saved_bytes(cfg)}  # freed at I by a split backward
     ranks = []
     for rank in range(dims.world_size):
         coords = dims.coords(rank)
         ids = stage_ids_of_rank(coords["pp"], z.pp, z.v, z.schedule) if z.pp > 1 else [0]
-        params = [x for i in ids for x in _params(z, modules[i], coords, tied)]
+        params = [x for i in ids for x in _params(z, modules[i], coords)]
         elements = sum(x.local for x in params)
         grads = sum(x.grad for x in params) * z.e_p
         optim = sum(2 * x.local * z.e_p + 4 for x in params) if adamw else 0
-        peak_saved, peak_act, in_flight = _peaks(orders[coords["pp"]], saved, held)
+        peak_saved, peak_act, in_flight = _peaks(orders[coords["pp"]], saved, held, loss)
         transient = _transient(z, params, ids, one_layer)
         peak = elements * z.e_p + grads + optim + peak_act + sum(transient.values())
         tied_peer = tied and len(ends) == 2 and coords["pp"] in ends
@@ -82,7 +83,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         total_params=sum(p.numel() for p in full.parameters()),
         groups={axis: dims.groups(axis) for axis in ("tp", "pp", "dp")}, stages=stages,
         ranks=ranks, bubble=bubble(z.schedule, z.pp, z.v, z.m), order_source=source,
-        notes=_notes(z, tied),
+        notes=_notes(z),
     )  # fmt: skip
 
 
@@ -90,11 +91,8 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _notes(z: _Sizes, tied: bool) -> list[str]:
+def _notes(z: _Sizes) -> list[str]:
     notes = []
-    if z.mode == "replicate" and z.tp > 1 and not tied:
-        notes.append("zero_stage 0, tp > 1: the untied embedding's gradient is Replicate(), the "
-                     "full padded [V, h] on each tp rank (in grads and the dp all-reduce)")  # fmt: skip
     if z.fsdp and z.pp > 1:
         notes.append("FSDP under a pipeline schedule keeps gradients unsharded (and zero1 the "
                      "parameters gathered) until the step's last backward")  # fmt: skip

@@ -5,8 +5,7 @@ run, exactly):
 - params: local elements x param dtype (fp32 under `accumulate_grad_in_fp32`: master weights).
   TP splits a dim like `torch.chunk`; FSDP2 (zero_stage 1 or full_shard, dp > 1) then chunks
   dim 0 of the tp-local tensor over dp: ceil(rows / dp) each, the last ranks get what is left;
-- grads, at the optimizer step: as the params, except zero_stage 0 with tp > 1, where an untied
-  embedding's gradient is `Replicate()`: the full padded [V, h] on every tp rank;
+- grads, at the optimizer step: as the params (sharded like them: `shard_grads_like_params`);
 - optimizer: AdamW exp_avg + exp_avg_sq in the param dtype and a 4-byte `step` per parameter;
   SGD (no momentum in mesh3d) none.
 """
@@ -56,7 +55,7 @@ def _tp_dim(module: nn.Module, name: str, plan: dict) -> int | None:
     return None
 
 
-def _params(z: _Sizes, module: nn.Module, coords: dict[str, int], tied: bool) -> list[_Param]:
+def _params(z: _Sizes, module: nn.Module, coords: dict[str, int]) -> list[_Param]:
     """Every parameter of one meta stage module as the rank at `coords` holds it."""
     plan = llama_tp_plan(z.sp) if z.tp > 1 else {}
     head = getattr(module, "lm_head", None)
@@ -71,11 +70,9 @@ def _params(z: _Sizes, module: nn.Module, coords: dict[str, int], tied: bool) ->
         if z.fsdp:
             local = _chunk(shape[0], z.dp, coords["dp"]) * row
             gathered = -(-shape[0] // z.dp) * z.dp * row
-        replicated = z.tp > 1 and z.mode == "replicate" and not tied and name.startswith("embed")
-        grad = param.numel() if replicated else local
         matmul = name.endswith("proj.weight") or name == "lm_head.weight"
         matmul |= head is not None and param is head.weight
-        out.append(_Param(name, local, tp_local, gathered, grad, matmul))
+        out.append(_Param(name, local, tp_local, gathered, local, matmul))
     return out
 
 

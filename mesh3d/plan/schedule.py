@@ -14,7 +14,7 @@ from mesh3d.plan.sizes import _Sizes
 
 def _orders(z: _Sizes) -> tuple[dict[int, list[tuple[str, int]]], str]:
     """Per pp rank, its (op, stage) sequence: F forward, B backward, I input backward (frees
-    the held output), W weight backward (frees what was saved).
+    the held output and the loss), W weight backward (frees the rest of what was saved).
 
     GPipe and 1F1B as torch's step loops run them (1F1B: min(m, pp - r) warm-up forwards, then
     B/F pairs). Multi-stage schedules: torch's own `pipeline_order`, which their constructors
@@ -52,16 +52,22 @@ def _orders(z: _Sizes) -> tuple[dict[int, list[tuple[str, int]]], str]:
     return orders, f"torch {SCHEDULES[name].__name__}.pipeline_order"
 
 
-def _peaks(ops, saved: dict[int, int], held: dict[int, int]) -> tuple[int, int, int]:
-    """(peak saved, peak saved + held, peak chunks in flight) over one rank's op sequence."""
+def _peaks(
+    ops, saved: dict[int, int], held: dict[int, int], loss: dict[int, int] | None = None
+) -> tuple[int, int, int]:
+    """(peak saved, peak saved + held, peak chunks in flight) over one rank's op sequence.
+
+    F adds a chunk's saved and held bytes; B frees both; I frees the held output and the
+    loss's share of the saved bytes (`loss`: stage -> bytes, the last stage's
+    `loss_saved_bytes`); W frees the rest of the saved bytes and ends the chunk.
+    """
+    loss = loss or {}
     now, peak = [0, 0, 0], [0, 0, 0]  # saved, held, chunks
     for op, s in ops:
-        sign = 1 if op == "F" else -1
-        if op in "FBW":
-            now[0] += sign * saved[s]
-            now[2] += sign
-        if op in "FBI":
-            now[1] += sign * held[s]
+        at_i = loss.get(s, 0)
+        delta = {"F": (saved[s], held[s], 1), "B": (-saved[s], -held[s], -1),
+                 "I": (-at_i, -held[s], 0), "W": (at_i - saved[s], 0, -1)}[op]  # fmt: skip
+        now = [x + d for x, d in zip(now, delta)]
         peak = [max(peak[0], now[0]), max(peak[1], now[0] + now[1]), max(peak[2], now[2])]
     return peak[0], peak[1], peak[2]
 
