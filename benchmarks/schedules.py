@@ -73,7 +73,7 @@ from mesh3d.parallel.pipeline import (
     split_layers,
     stage_ids_of_rank,
 )
-from mesh3d.plan import _orders, _peaks, bubble, stage_activation_bytes
+from mesh3d.plan import _orders, _peaks, bubble, loss_saved_bytes, stage_activation_bytes
 from mesh3d.train.build import initial_weights
 from mesh3d.train.loss import normalized_loss
 
@@ -498,7 +498,8 @@ def _plan_peaks(cfg, schedule: str, pp: int, m: int, layers: list[list[int]]) ->
     sizes = {i: stage_activation_bytes(cfg, len(layers[i]), i == 0, i == n - 1) for i in range(n)}
     saved, held = {i: b[0] for i, b in sizes.items()}, {i: b[1] for i, b in sizes.items()}
     table = action_table(schedule, pp, v, m)
-    return [_peaks([(k, s) for k, s, _ in table[r]], saved, held)[0] for r in range(pp)]
+    loss = {n - 1: loss_saved_bytes(cfg)}  # freed at I by a split backward
+    return [_peaks([(k, s) for k, s, _ in table[r]], saved, held, loss)[0] for r in range(pp)]
 
 
 def summarize_measured(job: dict, ranks: list[dict], pp: int) -> dict:
