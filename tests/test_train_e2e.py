@@ -43,19 +43,26 @@ def test_cpu_default_config_loss_falls(tmp_path):
     assert last < 0.5 * first, (first, last)  # the learnable dummy task is being learned
 
 
-def test_dp2_tp2_torchrun_matches_one_process(tmp_path):
+def test_dp2_tp2_and_compiled_tp2_torchrun_match_one_process(tmp_path):
+    """dp2 x tp2 eager, and tp2 with `mesh3d.compile` (attention and MLP compiled) and
+    recomputed layers, train like one eager process: same loss, grad norm, LR."""
     steps = ["tokens.train_steps=6"]
-    one, four = tmp_path / "one.jsonl", tmp_path / "four.jsonl"
+    one, four, comp = (tmp_path / f"{n}.jsonl" for n in ("one", "four", "compiled"))
     r1 = torchrun(1, "--metrics-file", str(one), *steps, "tokens.batch_accumulation_per_replica=4")
     assert r1.returncode == 0, r1.stdout + r1.stderr
     r4 = torchrun(4, "--metrics-file", str(four), *steps, "parallelism.dp=2", "parallelism.tp=2")
     assert r4.returncode == 0, r4.stdout + r4.stderr
-    a, b = read_metrics(one), read_metrics(four)
-    assert len(a) == len(b) == 6
-    for x, y in zip(a, b):
-        for key in ("lm_loss", "grad_norm", "lr"):
-            assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]), (key, x[key], y[key])
-        assert x["consumed_tokens"] == y["consumed_tokens"]
+    rc = torchrun(2, "--metrics-file", str(comp), *steps, "parallelism.tp=2",
+                  "tokens.batch_accumulation_per_replica=4", "mesh3d.compile=true",
+                  "parallelism.recompute_layer=true", timeout=900)  # fmt: skip
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+    a = read_metrics(one)
+    for b in (read_metrics(four), read_metrics(comp)):
+        assert len(a) == len(b) == 6
+        for x, y in zip(a, b):
+            for key in ("lm_loss", "grad_norm", "lr"):
+                assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]), (key, x[key], y[key])
+            assert x["consumed_tokens"] == y["consumed_tokens"]
 
 
 def test_bad_config_exits_2_without_traceback():

@@ -353,8 +353,6 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         yield _not_yet("model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE")
     for i, stage in enumerate(cfg.data_stages or []):
         yield from _unsupported_data(i, stage, cfg.tokens)
-    if cfg.mesh3d.compile:
-        yield _not_yet("mesh3d.compile", "set it to false")
 
 
 # HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".

@@ -2,7 +2,8 @@
 
 Order (each step sees the result of the one before):
 1. tensor parallelism on mesh["tp"] (model on meta; no communication),
-2. activation checkpointing of each decoder layer (`parallelism.recompute_layer`),
+2. activation checkpointing of each decoder layer (`parallelism.recompute_layer`), then
+   `torch.compile` of each layer's blocks (`mesh3d.compile`),
 3. materialize on the device and fill each *full* parameter — from its own seed, or from a
    checkpoint — keeping this rank's shard, so the full weights are the same at every layout,
 4. data parallelism on mesh["dp"]: nothing to wrap for `zero_stage: 0` (gradients are summed
@@ -24,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mesh3d.models.init import init_full_tensor
+from mesh3d.models.llama import MLP, Attention, RMSNorm
 from mesh3d.parallel.tensor import apply_tp, llama_tp_plan, shard_grads_like_params
 
 
@@ -38,6 +40,21 @@ def checkpoint_layers(model: nn.Module) -> None:
     """Wrap every decoder layer in activation checkpointing (recompute in backward)."""
     for key, layer in list(model.layers.items()):
         model.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def compile_blocks(model: nn.Module, tensor_parallel: bool) -> None:
+    """`torch.compile` each decoder layer's attention and MLP (and, without tp, its norms).
+
+    In place (`Module.compile`), so parameter names and state dicts do not change. Each block is
+    compiled apart, not the whole layer: a whole tensor-parallel layer fails in backward
+    (FACTS.md), and FSDP's hooks on the layer stay outside the compiled code. Under tp the norms
+    stay eager (sequence-parallel DTensor hooks).
+    """
+    kinds = (Attention, MLP) if tensor_parallel else (Attention, MLP, RMSNorm)
+    for layer in model.layers.values():
+        for module in layer.modules():
+            if isinstance(module, kinds):
+                module.compile()
 
 
 FullSource = Callable[[str, tuple[int, ...]], torch.Tensor]
@@ -124,12 +141,15 @@ def parallelize(
     recompute_layer: bool,
     dp: str,
     dtype: torch.dtype = torch.float32,
+    compile: bool = False,
 ) -> nn.Module:
     """Steps 1-4 above on a model built on meta; returns the model ready to train."""
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], llama_tp_plan(sequence_parallel))
     if recompute_layer:
         checkpoint_layers(model)
+    if compile:
+        compile_blocks(model, tensor_parallel=mesh["tp"].size() > 1)
     materialize(model, device, source)
     model.to(dtype)
     if mesh["tp"].size() > 1:

@@ -113,6 +113,7 @@ def build_model_parts(cfg, mesh: DeviceMesh, device: torch.device, dp_scale: int
             recompute_layer=p.recompute_layer,
             dp=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),
             dtype=param_dtype,
+            compile=cfg.mesh3d.compile,
         )
 
     if p.pp == 1:
