@@ -43,8 +43,8 @@ def test_cpu_default_config_loss_falls(tmp_path):
     assert last < 0.5 * first, (first, last)  # the learnable dummy task is being learned
 
 
-def test_dp2_tp2_and_compiled_tp2_torchrun_match_one_process(tmp_path):
-    """dp2 x tp2 eager, and tp2 with `mesh3d.compile` (attention and MLP compiled) and
+def test_dp2_tp2_and_compiled_dp2_torchrun_match_one_process(tmp_path):
+    """dp2 x tp2 eager, and dp2 with `mesh3d.compile` (attention, MLP, norms compiled) and
     recomputed layers, train like one eager process: same loss, grad norm, LR."""
     steps = ["tokens.train_steps=6"]
     one, four, comp = (tmp_path / f"{n}.jsonl" for n in ("one", "four", "compiled"))
@@ -52,8 +52,8 @@ def test_dp2_tp2_and_compiled_tp2_torchrun_match_one_process(tmp_path):
     assert r1.returncode == 0, r1.stdout + r1.stderr
     r4 = torchrun(4, "--metrics-file", str(four), *steps, "parallelism.dp=2", "parallelism.tp=2")
     assert r4.returncode == 0, r4.stdout + r4.stderr
-    rc = torchrun(2, "--metrics-file", str(comp), *steps, "parallelism.tp=2",
-                  "tokens.batch_accumulation_per_replica=4", "mesh3d.compile=true",
+    rc = torchrun(2, "--metrics-file", str(comp), *steps, "parallelism.dp=2",
+                  "tokens.batch_accumulation_per_replica=2", "mesh3d.compile=true",
                   "parallelism.recompute_layer=true", timeout=900)  # fmt: skip
     assert rc.returncode == 0, rc.stdout + rc.stderr
     a = read_metrics(one)
