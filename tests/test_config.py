@@ -27,6 +27,7 @@ from mesh3d.config import (
     padded_vocab_size,
     save_config,
     validate,
+    validation_errors,
 )
 from mesh3d.errors import ConfigError, UserError
 
@@ -362,9 +363,9 @@ BAD = [
     ("spectral-mup", ["model.init_method={use_mup: true}"], None, None, "`model.init_method.use_mup` is not supported by mesh3d yet"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
     ("z-loss", [f"{MC}.z_loss_enabled=true"], None, None, f"`{MC}.z_loss_enabled` is not supported by mesh3d yet"),
-    ("nanoset-read-path", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_read_path: [/m]}"], None, None, "`data_stages[0].data.dataset.dataset_read_path` is not supported by mesh3d yet (set it to null)"),
-    ("nanoset-skip", ["data_stages[0].data.dataset={dataset_folder: /data, skip_in_stream: true}"], None, None, "`data_stages[0].data.dataset.skip_in_stream` is not supported by mesh3d yet (set it to false)"),
-    ("stage-seq-len", ["data_stages[0].sequence_length=64"], None, None, "`data_stages[0].sequence_length` is not supported by mesh3d yet (a per-stage length (64)"),
+    ("nanoset-read-path", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_read_path: [/m]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_read_path` is not supported by mesh3d yet (set it to null)"),
+    ("nanoset-skip", ["data_stages[0].data.dataset={dataset_folder: /data, skip_in_stream: true}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.skip_in_stream` is not supported by mesh3d yet (set it to false)"),
+    ("stage-seq-len", ["data_stages[0].sequence_length=64"], None, None, "`data_stages[name='Stable Training Stage'].sequence_length` is not supported by mesh3d yet (a per-stage length (64)"),
 ]  # fmt: skip
 
 
@@ -391,6 +392,94 @@ def test_bad_config_message(overrides, mutate, world, fragment):
 
 def test_bad_cases_are_many_and_distinct():
     assert len(BAD) >= 25 and len({b[4] for b in BAD}) == len(BAD)
+
+
+# ---- values that used to pass validation and broke the run: each refused with its own message --
+
+CK, M3 = "checkpoints.checkpoint_interval", "mesh3d"
+# (id, overrides, the one and whole message)
+REFUSED = [
+    ("rope-theta-zero", [f"{MC}.rope_theta=0"], f"`{MC}.rope_theta` must be a finite number > 0 (the rotary base, e.g. 10000.0), got 0.0"),
+    ("rope-theta-negative", [f"{MC}.rope_theta=-10000"], f"`{MC}.rope_theta` must be a finite number > 0 (the rotary base, e.g. 10000.0), got -10000.0"),
+    ("hidden-act", [f"{MC}.hidden_act=swish"], f"`{MC}.hidden_act` 'swish' is not supported; use one of gelu, gelu_pytorch_tanh, relu, silu"),
+    ("max-positions-zero", [f"{MC}.max_position_embeddings=0"], f"`{MC}.max_position_embeddings` must be >= 1, got 0"),
+    ("max-positions-short", [f"{MC}.max_position_embeddings=16"], f"`{MC}.max_position_embeddings` (16) is smaller than `tokens.sequence_length` (32); raise max_position_embeddings to at least 32 or lower sequence_length"),
+    ("eos-token", [f"{MC}.eos_token_id=256"], f"`{MC}.eos_token_id` (256) must be in [0, {MC}.vocab_size (256)); use an id of the vocabulary"),
+    ("bos-token", [f"{MC}.bos_token_id=-1"], f"`{MC}.bos_token_id` (-1) must be in [0, {MC}.vocab_size (256)); use an id of the vocabulary"),
+    ("expert-parallel-zero", ["parallelism.expert_parallel_size=0"], "`parallelism.expert_parallel_size` must be >= 1 (1 means off), got 0"),
+    ("context-parallel-negative", ["parallelism.context_parallel_size=-1"], "`parallelism.context_parallel_size` must be >= 1 (1 means off), got -1"),
+    ("ddp-bucket", ["model.ddp_bucket_cap_mb=-1"], "`model.ddp_bucket_cap_mb` must be >= 0, got -1"),
+    ("limit-val", ["tokens.limit_val_batches=-1"], "`tokens.limit_val_batches` must be >= 0, got -1"),
+    ("limit-test", ["tokens.limit_test_batches=-2"], "`tokens.limit_test_batches` must be >= 0, got -2"),
+    ("checkpoint-interval-zero", [f"{CK}=0"], f"`{CK}` must be >= 1 (save every that many steps), got 0"),
+    ("checkpoint-interval-negative", [f"{CK}=-2"], f"`{CK}` must be >= 1 (save every that many steps), got -2"),
+    ("collective-timeout", [f"{M3}.collective_timeout_s=0"], f"`{M3}.collective_timeout_s` must be a finite number of seconds > 0, got 0.0"),
+    ("collective-timeout-inf", [f"{M3}.collective_timeout_s=.inf"], f"`{M3}.collective_timeout_s` must be a finite number of seconds > 0, got inf"),
+    ("checkpoint-timeout", [f"{M3}.checkpoint_timeout_s=-5"], f"`{M3}.checkpoint_timeout_s` must be a finite number of seconds > 0, got -5.0"),
+    ("checkpoint-timeout-short", [f"{M3}.checkpoint_timeout_s=60"], f"`{M3}.checkpoint_timeout_s` (60.0) is less than `{M3}.collective_timeout_s` (600.0); a save must not time out sooner than a normal collective: raise checkpoint_timeout_s or lower collective_timeout_s"),
+    ("skip-nonfinite", [f"{M3}.skip_nonfinite_steps=-1"], f"`{M3}.skip_nonfinite_steps` must be >= 0 (0 stops at the first non-finite step), got -1"),
+    ("existing-checkpoints", [f"{M3}.existing_checkpoints=keep"], f"`{M3}.existing_checkpoints` 'keep' is not one of error, resume, overwrite"),
+    ("pp-engine-only", ["parallelism.pp_engine=gpipe"], "`parallelism.pp_engine` 'gpipe' must be afab or 1f1b (Nanotron's engines); set mesh3d.pp_schedule for the others"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("overrides,message", [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+def test_refused_with_exactly_its_own_message(overrides, message):
+    cfg = config_from_dict(apply_overrides(base(), overrides))
+    assert validation_errors(cfg) == [message]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate(cfg)
+
+
+def test_qwen2_model_values_checked_too():
+    d = base()
+    _qwen(d)
+    bad = [f"{MC}.rope_theta=0", f"{MC}.hidden_act=swish", f"{MC}.max_position_embeddings=16"]
+    errors = validation_errors(config_from_dict(apply_overrides(d, bad)))
+    assert [e.split("`")[1] for e in errors] == [
+        f"{MC}.rope_theta", f"{MC}.hidden_act", f"{MC}.max_position_embeddings", "model.model_config"
+    ]  # fmt: skip
+
+
+def test_stage_named_as_written_though_sorted_by_start_step():
+    d = base()  # the third stage in the YAML starts first, so load sorts it to index 0
+    d["data_stages"][0]["start_training_step"] = 5
+    d["data_stages"].append(
+        dict(name="Warmup", start_training_step=1, data=dict(dataset=None, num_loading_workers=-1))
+    )
+    cfg = config_from_dict(d)
+    assert [s.name for s in cfg.data_stages][0] == "Warmup"
+    message = "`data_stages[name='Warmup'].data.num_loading_workers` must be >= 0, got -1"
+    assert validation_errors(cfg) == [message]
+
+
+def test_edges_of_the_new_checks_are_valid():
+    edges = [
+        f"{MC}.rope_theta=1e-3", f"{MC}.hidden_act=gelu_pytorch_tanh", f"{MC}.eos_token_id=255",
+        f"{MC}.bos_token_id=0", f"{MC}.max_position_embeddings=32", "model.ddp_bucket_cap_mb=0",
+        "tokens.limit_val_batches=0", f"{CK}=1", f"{M3}.checkpoint_timeout_s=600",
+        f"{M3}.skip_nonfinite_steps=0", f"{M3}.existing_checkpoints=resume",
+        "parallelism.expert_parallel_size=1", "parallelism.context_parallel_size=1",
+        "parallelism.pp_engine=afab",
+    ]  # fmt: skip
+    check(base(), edges, world_size=1)
+    check(base(), ["checkpoints=null", f"{M3}.existing_checkpoints=overwrite"], world_size=1)
+
+
+def test_hidden_acts_are_the_model_activations():
+    from mesh3d.config.validate import HIDDEN_ACTS
+    from mesh3d.models.llama import ACTIVATIONS  # imports torch, which validate.py must not
+
+    assert list(HIDDEN_ACTS) == sorted(ACTIVATIONS)
+
+
+@pytest.mark.parametrize(
+    "path", sorted((REPO / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_recipe_configs_validate(path):
+    cfg = load_config(path)
+    p = cfg.parallelism
+    validate(cfg, world_size=p.dp * p.tp * p.pp)
 
 
 # ---- the CLI ----------------------------------------------------------------------------------

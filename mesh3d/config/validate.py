@@ -8,6 +8,7 @@ its line there. No torch import: this runs before anything is set up.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 
@@ -34,6 +35,9 @@ ATTN_IMPLEMENTATIONS += ("llama3_ring_attention",)
 SCALING_METHODS = ("NONE", "NUM_LAYERS", "LAYER_INDEX", "MODEL_SCALE")
 MICROBATCHES_GE_PP = ("1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+# the keys of mesh3d.models.llama.ACTIVATIONS (kept equal by a test; that module imports torch)
+HIDDEN_ACTS = ("gelu", "gelu_pytorch_tanh", "relu", "silu")
+EXISTING_CHECKPOINTS = ("error", "resume", "overwrite")
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 MC = "model.model_config"
@@ -68,7 +72,7 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     errors = list(_sizes(cfg))
     if errors:
         return errors
-    checks = (_model, _pipeline, _optimizer, _lr, _data_stages, _choices, _unsupported)
+    checks = (_model, _pipeline, _optimizer, _lr, _data_stages, _run, _choices, _unsupported)
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
@@ -117,6 +121,9 @@ def _layout(cfg: Config, world_size: int | None) -> Iterator[str]:
             p.tp,
             "tp_mode REDUCE_SCATTER splits the sequence over tp ranks; change one or use ALL_REDUCE",
         )
+    for k in ("expert_parallel_size", "context_parallel_size"):
+        if getattr(p, k) < 1:
+            yield f"`parallelism.{k}` must be >= 1 (1 means off), got {getattr(p, k)}"
 
 
 def _divides(key: str, value: int, by_key: str, by: int, fix: str) -> Iterator[str]:
@@ -136,6 +143,8 @@ def _model(cfg: Config) -> Iterator[str]:
             yield f"`model.init_method.std` must be >= 0, got {init.std}"
         if init.scaling_method not in SCALING_METHODS:
             yield f"`model.init_method.scaling_method` {init.scaling_method!r} is not one of {', '.join(SCALING_METHODS)}"
+    if m.ddp_bucket_cap_mb < 0:
+        yield f"`model.ddp_bucket_cap_mb` must be >= 0, got {m.ddp_bucket_cap_mb}"
     mc = m.model_config
     if not isinstance(mc, (LlamaConfig, Qwen2Config)):
         return
@@ -173,12 +182,35 @@ def _model(cfg: Config) -> Iterator[str]:
         yield f"`{MC}._attn_implementation` {mc._attn_implementation!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} (mesh3d picks attention from mesh3d.attention)"
     if mc.rms_norm_eps <= 0:
         yield f"`{MC}.rms_norm_eps` must be > 0, got {mc.rms_norm_eps}"
+    yield from _model_more(cfg, mc)
+
+
+def _model_more(cfg: Config, mc: LlamaConfig | Qwen2Config) -> Iterator[str]:
+    """Rotary base, activation, positions and special token ids of a Llama or Qwen2 config."""
+    if not (math.isfinite(mc.rope_theta) and mc.rope_theta > 0):
+        yield f"`{MC}.rope_theta` must be a finite number > 0 (the rotary base, e.g. 10000.0), got {mc.rope_theta}"
+    if mc.hidden_act not in HIDDEN_ACTS:
+        yield f"`{MC}.hidden_act` {mc.hidden_act!r} is not supported; use one of {', '.join(HIDDEN_ACTS)}"
+    positions, seq = mc.max_position_embeddings, cfg.tokens.sequence_length
+    if positions < 1:
+        yield f"`{MC}.max_position_embeddings` must be >= 1, got {positions}"
+    elif positions < seq:
+        yield (
+            f"`{MC}.max_position_embeddings` ({positions}) is smaller than `tokens.sequence_length` "
+            f"({seq}); raise max_position_embeddings to at least {seq} or lower sequence_length"
+        )
+    for k in ("bos_token_id", "eos_token_id"):
+        token = getattr(mc, k)
+        if token is not None and not 0 <= token < mc.vocab_size:
+            yield f"`{MC}.{k}` ({token}) must be in [0, {MC}.vocab_size ({mc.vocab_size})); use an id of the vocabulary"
 
 
 def _pipeline(cfg: Config) -> Iterator[str]:
     p, v = cfg.parallelism, cfg.mesh3d.pp_virtual_stages
     if p.pp_engine not in ("afab", "1f1b"):
         yield f"`parallelism.pp_engine` {p.pp_engine!r} must be afab or 1f1b (Nanotron's engines); set mesh3d.pp_schedule for the others"
+        if cfg.mesh3d.pp_schedule is None:
+            return  # the schedule is that pp_engine: no second message naming mesh3d.pp_schedule
     sched = effective_pp_schedule(cfg)
     if sched not in PP_SCHEDULES:
         yield f"`mesh3d.pp_schedule` {sched!r} is not a pipeline schedule; use one of {', '.join(PP_SCHEDULES)}"
@@ -293,14 +325,43 @@ def _data_stages(cfg: Config) -> Iterator[str]:
     starts = [s.start_training_step for s in stages]
     for start in sorted({s for s in starts if starts.count(s) > 1}):
         yield f"`data_stages` has two stages with start_training_step {start}; each stage needs its own start step"
-    for i, s in enumerate(stages):
+    for s in stages:  # a per-stage sequence_length is refused in _unsupported_data
+        where = _stage_key(s)
         if s.start_training_step < 0:
-            yield f"`data_stages[{i}].start_training_step` must be >= 0, got {s.start_training_step}"
-        seq = cfg.tokens.sequence_length
-        if s.sequence_length is not None and s.sequence_length != seq:
-            yield f"`data_stages[{i}].sequence_length` ({s.sequence_length}) must equal tokens.sequence_length ({seq}) or be null"
+            yield f"`{where}.start_training_step` must be >= 0, got {s.start_training_step}"
         if s.data.num_loading_workers < 0:
-            yield f"`data_stages[{i}].data.num_loading_workers` must be >= 0, got {s.data.num_loading_workers}"
+            yield f"`{where}.data.num_loading_workers` must be >= 0, got {s.data.num_loading_workers}"
+
+
+def _stage_key(stage) -> str:
+    """A stage named by its `name`: load sorts data_stages by start step, so the list index
+    here need not be the one written in the YAML (names are checked unique above)."""
+    return f"data_stages[name={stage.name!r}]"
+
+
+def _run(cfg: Config) -> Iterator[str]:
+    """Evaluation limits, the checkpoint interval and mesh3d's fail-safe settings."""
+    for k in ("limit_val_batches", "limit_test_batches"):
+        if getattr(cfg.tokens, k) < 0:
+            yield f"`tokens.{k}` must be >= 0, got {getattr(cfg.tokens, k)}"
+    ck = cfg.checkpoints
+    if ck is not None and ck.checkpoint_interval < 1:
+        yield f"`checkpoints.checkpoint_interval` must be >= 1 (save every that many steps), got {ck.checkpoint_interval}"
+    m = cfg.mesh3d
+    timeouts = {k: getattr(m, k) for k in ("collective_timeout_s", "checkpoint_timeout_s")}
+    for k, seconds in timeouts.items():
+        if not (math.isfinite(seconds) and seconds > 0):
+            yield f"`mesh3d.{k}` must be a finite number of seconds > 0, got {seconds}"
+    if all(math.isfinite(t) and t > 0 for t in timeouts.values()) and (
+        m.checkpoint_timeout_s < m.collective_timeout_s
+    ):
+        yield (
+            f"`mesh3d.checkpoint_timeout_s` ({m.checkpoint_timeout_s}) is less than "
+            f"`mesh3d.collective_timeout_s` ({m.collective_timeout_s}); a save must not time out "
+            "sooner than a normal collective: raise checkpoint_timeout_s or lower collective_timeout_s"
+        )
+    if m.skip_nonfinite_steps < 0:
+        yield f"`mesh3d.skip_nonfinite_steps` must be >= 0 (0 stops at the first non-finite step), got {m.skip_nonfinite_steps}"
 
 
 def _choices(cfg: Config) -> Iterator[str]:
@@ -311,6 +372,7 @@ def _choices(cfg: Config) -> Iterator[str]:
         "mesh3d.device": (cfg.mesh3d.device, ("auto", "cpu", "cuda")),
         "mesh3d.attention": (cfg.mesh3d.attention, ("auto", "sdpa", "flash")),
         "mesh3d.dummy_data": (cfg.mesh3d.dummy_data, ("random", "learnable")),
+        "mesh3d.existing_checkpoints": (cfg.mesh3d.existing_checkpoints, EXISTING_CHECKPOINTS),
     }
     if cfg.metrics_logging is not None:
         choices["metrics_logging.log_level"] = (cfg.metrics_logging.log_level, (0, 1))
@@ -351,8 +413,8 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     scaling = getattr(m.init_method, "scaling_method", None)
     if scaling in ("LAYER_INDEX", "MODEL_SCALE"):
         yield _not_yet("model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE")
-    for i, stage in enumerate(cfg.data_stages or []):
-        yield from _unsupported_data(i, stage, cfg.tokens)
+    for stage in cfg.data_stages or []:
+        yield from _unsupported_data(stage, cfg.tokens)
     if cfg.mesh3d.compile and cfg.parallelism.tp > 1:
         # torch 2.13: compiled DTensor blocks loaded from torch.compile's warm on-disk cache
         # gave wrong gradients (cpu_tiny tp 2: grad norm 1.78 instead of 2.07)
@@ -370,13 +432,9 @@ _NANOSET_OFF = {
 }
 
 
-def _unsupported_data(i: int, stage, tokens) -> Iterator[str]:
-    where = f"data_stages[{i}]"
-    if (
-        stage.sequence_length is not None
-        and tokens
-        and stage.sequence_length != tokens.sequence_length
-    ):
+def _unsupported_data(stage, tokens) -> Iterator[str]:
+    where = _stage_key(stage)
+    if stage.sequence_length is not None and stage.sequence_length != tokens.sequence_length:
         yield _not_yet(
             f"{where}.sequence_length",
             f"a per-stage length ({stage.sequence_length}) different from tokens.sequence_length; set it to null",
