@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from nanotron_fixtures import FIXTURES, needs_fixtures
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -296,12 +297,12 @@ def test_names_are_those_of_our_model(tmp_path, tied):
     model.load_state_dict({**state, **back})
 
 
+@needs_fixtures
 def test_model_config_json_key_order_and_padded_vocab():
     from mesh3d.checkpoint import model_config_json
     from mesh3d.config import apply_overrides, load_config
 
-    path = REPO.parent / "shared/fixtures/nanotron/classic-config_tiny_llama.yaml"
-    assert path.is_file(), f"the shared Nanotron fixtures must sit beside the repo: {path}"
+    path = FIXTURES / "classic-config_tiny_llama.yaml"
     cfg = apply_overrides(
         load_config(path),
         [

@@ -10,13 +10,9 @@ import pytest
 import yaml
 
 from mesh3d.config import (
-    AdamWOptimizerArgs,
     Config,
     LlamaConfig,
     Mesh3dArgs,
-    NanosetDatasetsArgs,
-    PretrainDatasetsArgs,
-    Qwen2Config,
     apply_overrides,
     config_from_dict,
     config_to_dict,
@@ -29,10 +25,9 @@ from mesh3d.config import (
     validate,
     validation_errors,
 )
-from mesh3d.errors import ConfigError, UserError
+from mesh3d.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures" / "nanotron"
 
 # A small valid Llama config: dp1 x tp1 x pp1, two dummy-data stages, nothing unsupported.
 BASE = dict(
@@ -83,91 +78,6 @@ def check(d: dict, overrides=(), world_size=None) -> Config:
     cfg = config_from_dict(apply_overrides(d, overrides))
     validate(cfg, world_size)
     return cfg
-
-
-def fixtures() -> list[Path]:
-    assert FIXTURES.is_dir(), f"missing fixture folder {FIXTURES}"
-    return sorted(FIXTURES.glob("*.yaml"))
-
-
-# ---- Nanotron's own configs -------------------------------------------------------------------
-
-
-def test_all_nine_fixtures_present():
-    assert len(fixtures()) == 9
-
-
-@pytest.mark.parametrize("path", fixtures(), ids=lambda p: p.name)
-def test_fixture_parses_and_round_trips(path, tmp_path):
-    cfg = load_config(path)
-    save_config(cfg, tmp_path / "saved.yaml")
-    again = load_config(tmp_path / "saved.yaml")
-    assert again == cfg
-    text = (tmp_path / "saved.yaml").read_text()
-    assert "dtype: bfloat16" in text
-    assert list(yaml.safe_load(text)) == sorted(yaml.safe_load(text))
-
-
-UNSUPPORTED_FIXTURES = {
-    "classic-config_tiny_llama.yaml": "the 1f1b pipeline schedule needs at least pp = 2",
-    "head-config_qwen.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet; only Llama",
-    "head-config_resume_training.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet",
-    "head-config_tiny_llama_with_s3_upload.yaml": "`s3_upload` is not supported by mesh3d yet",
-}
-
-
-@pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIXTURES))
-def test_fixture_asking_for_unsupported_fails_validation(name):
-    cfg = load_config(FIXTURES / name)
-    p = cfg.parallelism
-    with pytest.raises(ConfigError, match=re.escape(UNSUPPORTED_FIXTURES[name])):
-        validate(cfg, p.dp * p.tp * p.pp)
-
-
-DATA_FIXTURES = {  # their configs validate; their data is not on this machine: a clear error
-    "classic-config_nanoset.yaml": "dataset_folder .* does not exist",
-    "head-config_nanoset.yaml": "dataset_folder .* does not exist",
-    "classic-config_tiny_llama.yaml": "is not a local file or folder; mesh3d runs offline",
-    "head-config_custom_dl.yaml": "is not a local file or folder; mesh3d runs offline",
-    "head-debug_config_tiny_llama.yaml": "is not a local file or folder; mesh3d runs offline",
-}
-
-
-@pytest.mark.parametrize("name", sorted(DATA_FIXTURES))
-def test_fixture_data_sections_are_supported_and_checked_before_training(name):
-    from mesh3d.data.build import StagedData
-
-    # torch's 1F1B needs microbatches >= pp (Nanotron's needs pp - 1): classic tiny_llama has 1
-    cfg = load_config(FIXTURES / name, ["tokens.batch_accumulation_per_replica=2"])
-    p = cfg.parallelism
-    validate(cfg, p.dp * p.tp * p.pp)
-    with pytest.raises(UserError, match=DATA_FIXTURES[name]):
-        StagedData(cfg)
-
-
-def test_head_tiny_llama_with_overrides_validates_at_world_8():
-    overrides = ["checkpoints.checkpoint_interval=100000", "profiler=null"]
-    cfg = load_config(FIXTURES / "head-config_tiny_llama.yaml", overrides)
-    validate(cfg, world_size=8)
-    assert global_batch_size(cfg) == 12  # 3 x 1 x dp 4
-    assert padded_vocab_size(cfg) == 128256
-    assert cfg.model.model_config.num_key_value_heads == 2
-    assert cfg.parallelism.tp_mode == "REDUCE_SCATTER"
-    assert cfg.general.run == "tiny_llama_%date_%jobid"  # expanded by the trainer, not at load
-
-
-def test_fixture_forms_legacy_adam_and_dataset_folder():
-    cfg = load_config(FIXTURES / "head-debug_config_tiny_llama.yaml")  # flat Adam keys
-    assert cfg.optimizer.optimizer_factory == AdamWOptimizerArgs(1e-8, 0.9, 0.95, True, "adamW")
-    assert isinstance(cfg.data_stages[0].data.dataset, PretrainDatasetsArgs)
-    stages = load_config(FIXTURES / "classic-config_nanoset.yaml").data_stages
-    ds = [s.data.dataset for s in stages]
-    assert all(isinstance(d, NanosetDatasetsArgs) for d in ds)
-    assert (ds[0].dataset_folder, ds[0].dataset_weights) == (["datasets/c4-es/tokenized"], [1.0])
-    assert ds[1].dataset_weights is None and len(ds[1].dataset_folder) == 2
-    assert ds[2].dataset_weights == [0.8, 0.2]
-    qwen = load_config(FIXTURES / "head-config_resume_training.yaml").model.model_config
-    assert isinstance(qwen, Qwen2Config) and qwen.rope_theta == 100000.0
 
 
 def test_legacy_top_level_data_becomes_one_stage():

@@ -370,6 +370,11 @@ class Mesh3dArgs:
     compile: bool = False
     wandb: bool | None = None  # null: on when wandb is installed and can log without a prompt
     tensorboard_dir: str | None = None  # TensorBoard scalars of every logged iteration
+    # failing safe on long runs (README "When things go wrong")
+    collective_timeout_s: float = 600.0  # every process group: a stopped rank ends the job
+    checkpoint_timeout_s: float = 1800.0  # collectives and barriers while saving or loading
+    skip_nonfinite_steps: int = 0  # non-finite loss/grad-norm steps skipped before stopping
+    existing_checkpoints: str = "error"  # error | resume | overwrite: a fresh run, full folder
 
 
 @dataclass
