@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mesh3d.checkpoint.resume import load_checkpoint, save_checkpoint
+from mesh3d.checkpoint.training import load_checkpoint, save_checkpoint
 from mesh3d.config import load_config, validate
 from mesh3d.mesh import ParallelDims, build_mesh
 from mesh3d.train.build import build_model_parts

@@ -1,14 +1,28 @@
-"""User-facing errors: one message that names the key or file, the numbers and the fix.
+"""User-facing errors and the ways a run stops early, each with its own exit code.
 
 Anything a user can get wrong (a config value, a missing file, a layout that does not fit the
-world size) raises `UserError` or a subclass. Entry points catch it with `exit_on_user_error`,
-print the message without a traceback and exit with code 2. Our own broken invariants stay
+world size) raises `UserError` or a subclass: exit code 2. A run that cannot or must not go on
+raises a `RunStopped` subclass whose message says what happened, what was kept and what to do:
+
+    code  exception              meaning
+    0     -                      trained to tokens.train_steps
+    2     UserError              a config, file or checkpoint that cannot be used as given
+    3     NonFiniteError         the loss or gradient norm was NaN/inf; no update, nothing saved
+    4     PeerError              a rank did not arrive (stopped, dead, hung) or the launcher died
+    5     CheckpointWriteError   a save could not be written (disk full, I/O error); the
+                                 previous checkpoint is intact
+    75    Preempted              SIGTERM/SIGUSR1: the step finished, a checkpoint was saved;
+                                 launch the same command again to continue (EX_TEMPFAIL)
+
+Entry points catch them with `exit_on_user_error`: one `error: ...` line (printed once when every
+rank raised the same error), no traceback, that exit code. Our own broken invariants stay
 `assert`s and keep their tracebacks.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -57,15 +71,76 @@ class ConfigError(UserError):
     """
 
 
+class RunStopped(Exception):
+    """A training run that stopped before `tokens.train_steps`; `exit_code` tells a launcher
+    (or a Slurm script) why. `same_on_every_rank`: every rank raises this very message."""
+
+    exit_code = 1
+    same_on_every_rank = True
+
+
+class NonFiniteError(RunStopped):
+    """A non-finite loss or gradient norm (or tensor in a save): nothing of it was kept."""
+
+    exit_code = 3
+
+
+class PeerError(RunStopped):
+    """Another rank did not arrive at a collective, or the launcher is gone."""
+
+    exit_code = 4
+    same_on_every_rank = False  # each surviving rank reports what it saw
+
+
+class CheckpointWriteError(RunStopped):
+    """A checkpoint could not be written; the partial folder was removed."""
+
+    exit_code = 5
+
+
+class Preempted(RunStopped):
+    """A preemption signal arrived: the step finished and a checkpoint was saved."""
+
+    exit_code = 75
+
+
 def exit_on_user_error(fn: F) -> F:
-    """Decorate a CLI `main`: a `UserError` prints `error: <message>` to stderr and exits 2."""
+    """Decorate a CLI `main`: a `UserError` prints `error: <message>` to stderr and exits 2; a
+    `RunStopped` prints its message (`preempted: ...` for a preemption) and exits its code.
+
+    A message every rank raised alike is printed by rank 0 only (RANK from the launcher).
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(USER_ERROR_EXIT_CODE) from None
+            _report(e, USER_ERROR_EXIT_CODE)
+        except RunStopped as e:
+            _report(e, e.exit_code)
 
     return wrapper  # type: ignore[return-value]
+
+
+def report(error: Exception) -> None:
+    """Print `error` as its one line now, once (rank 0 only for an error every rank raised).
+
+    The guard calls it while its signal handlers still hold off the launcher's SIGTERM, which
+    follows at once when a peer exits first; the entry point's decorator prints nothing twice.
+    """
+    if getattr(error, "reported", False):
+        return
+    error.reported = True  # type: ignore[attr-defined]
+    kind = "preempted" if isinstance(error, Preempted) else "error"
+    same = isinstance(error, RunStopped) and error.same_on_every_rank
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0 or not same:
+        where = f"[rank {rank}] " if world > 1 and not same else ""
+        print(f"{kind}: {where}{error}", file=sys.stderr, flush=True)
+
+
+def _report(error: Exception, code: int) -> None:
+    report(error)
+    raise SystemExit(code) from None

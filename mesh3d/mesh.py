@@ -24,6 +24,7 @@ planning and tests; `build_mesh` makes the live mesh, whose `mesh["tp"]`, `mesh[
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -169,6 +170,34 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
         raise RuntimeError("build_mesh needs a process group; call init_distributed() first")
     dims.validate(dist.get_world_size())
     return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
+
+
+def set_collective_timeout(mesh: DeviceMesh | None, seconds: float) -> None:
+    """Every process group of `mesh`, and the default group, times out after `seconds`.
+
+    torch gives the sub-groups it makes for a mesh its own 30-minute default, whatever timeout
+    the default group was started with: a stopped rank would hang its peers for half an hour.
+    """
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:  # older torch: the groups keep their timeouts
+        return
+    groups = [None] + (list(mesh.get_all_groups()) if mesh is not None else [])
+    for group in groups:
+        set_timeout(timedelta(seconds=seconds), group)
+
+
+@contextlib.contextmanager
+def collective_timeout(mesh: DeviceMesh | None, seconds: float, restore_s: float):
+    """Run a block (a checkpoint save or load) with every group's timeout at `seconds`, then
+    set it back to `restore_s`; a world of one process has nothing to wait for."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    set_collective_timeout(mesh, seconds)
+    try:
+        yield
+    finally:
+        set_collective_timeout(mesh, restore_s)
 
 
 def mesh_from_config(cfg, device: str | None = None) -> DeviceMesh:

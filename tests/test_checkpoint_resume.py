@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from mesh3d.checkpoint import ModelShape, nanotron_params, read_nanotron_weights
 from mesh3d.checkpoint.nanotron_weights import shard_of, weight_file
-from mesh3d.checkpoint.resume import resolve_step_dir
+from mesh3d.checkpoint.training import resolve_step_dir
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.errors import UserError
 
@@ -41,12 +41,13 @@ V250 = ["model.model_config.vocab_size=250", "parallelism.tp_mode=ALL_REDUCE"]
 
 def _as_if_nanotron_wrote_it(src, dst):
     """A copy of a (1,1,1) zero-0 step folder changed into what Nanotron 1.5 (HEAD) writes:
-    pickled random-state classes, an LR-scheduler state with one group per parameter, metadata
+    no manifest, pickled random-state classes, an LR-scheduler state with one group per parameter, metadata
     without mesh3d's custom_metas and with HEAD's extra fields."""
     import pickle
     import shutil
 
     shutil.copytree(src, dst)
+    (dst / "mesh3d_manifest.json").unlink()  # Nanotron writes no manifest
     for f in (dst / "random").glob("*.pt"):
         f.write_bytes(pickle.dumps(NanotronRandomStates(tp_synced=("state", 1))))
     sched = dst / "lr_scheduler" / "lr_scheduler_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt"

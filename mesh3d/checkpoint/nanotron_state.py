@@ -217,21 +217,46 @@ def metadata(tp: int, dp: int, step: int, consumed: int, stages: list[dict], ext
 
 
 def read_metadata(step_dir: Path) -> dict:
-    """The step's `checkpoint_metadata.json`, version-checked (Nanotron 1.2-1.5 and mesh3d)."""
+    """The step's `checkpoint_metadata.json`, version- and field-checked (Nanotron 1.2-1.5 and
+    mesh3d): every field mesh3d reads has the right type and range, or a `UserError` names it."""
     path = step_dir / "checkpoint_metadata.json"
     try:
         meta = json.loads(path.read_text())
-        version = tuple(int(x) for x in str(meta["version"]).split("."))
-        meta["metas"]["last_train_step"], meta["metas"]["consumed_train_samples"]
     except FileNotFoundError:
         raise UserError(f"missing {path}; not a complete checkpoint step folder") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"{path} is not a valid checkpoint_metadata.json ({e!r})") from None
+    except ValueError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); restore it from a copy") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("metas"), dict):
+        raise UserError(f"{path} has no `metas` object; not a checkpoint_metadata.json")
+    try:
+        version = tuple(int(x) for x in str(meta["version"]).split("."))
+    except (KeyError, ValueError):
+        raise UserError(
+            f"{path}: `version` is missing or not like 1.4 (got {meta.get('version')!r})"
+        ) from None
     if version > MAX_READ_VERSION:
         raise UserError(
             f"{path} is checkpoint version {meta['version']}, newer than the "
             f"{'.'.join(map(str, MAX_READ_VERSION))} mesh3d reads"
         )
+    fields = {"tp": (meta, 1), "dp": (meta, 1), "last_train_step": (meta["metas"], 0)}
+    fields["consumed_train_samples"] = (meta["metas"], 0)
+    custom = meta.get("custom_metas")
+    if isinstance(custom, dict) and "pp" in custom:
+        fields["pp"] = (custom, 1)
+    for key, (where, low) in fields.items():
+        value = where.get(key)
+        if type(value) is not int or value < low:
+            shown = "missing" if key not in where else f"{value!r}"
+            dotted = (
+                key
+                if where is meta
+                else f"{'metas' if where is meta['metas'] else 'custom_metas'}.{key}"
+            )
+            raise UserError(
+                f"{path}: `{dotted}` must be an integer >= {low}, got {shown}; the file was "
+                "edited or damaged: restore it or fix that field"
+            )
     return meta
 
 
@@ -254,8 +279,18 @@ def random_states() -> dict:
     return out
 
 
-def set_random_states(states: dict) -> None:
-    """Restore what `random_states` saved."""
+def set_random_states(states: dict, path: Path | None = None) -> None:
+    """Restore what `random_states` saved (from `path`, named in the error if it is damaged)."""
+    try:
+        _set_random_states(states)
+    except (KeyError, TypeError, ValueError, OverflowError, RuntimeError, AttributeError) as e:
+        raise UserError(
+            f"random-state file {path} is damaged ({type(e).__name__}: {e}); delete it to "
+            "resume with fresh random states (the data order does not depend on them)"
+        ) from None
+
+
+def _set_random_states(states: dict) -> None:
     torch.set_rng_state(states["torch_cpu"])
     if "torch_cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["torch_cuda"])

@@ -1,6 +1,6 @@
 """Weights and optimizer state of any model, in Nanotron's layout, at any layout on load.
 
-The core that `resume.py` (Llama training checkpoints) and the library functions below share:
+The core that `training.py` (Llama training checkpoints) and the library functions below share:
 
 - `write_rank_state`: this rank gathers the full tensors of the parameters it holds, one
   parameter at a time (collectives only among the ranks holding the same parameter), and writes
@@ -20,22 +20,20 @@ parameter, its TP kind read off its DTensor placement on the "tp" mesh dimension
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from mesh3d.checkpoint import names as N
 from mesh3d.checkpoint import nanotron_state as S
+from mesh3d.checkpoint.atomic import save_atomically
+from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
 from mesh3d.checkpoint.nanotron_weights import Param, fuse, read_param, shard_of, weight_file
-from mesh3d.errors import UserError
+from mesh3d.errors import NonFiniteError, UserError
 from mesh3d.log import Progress
 from mesh3d.parallel.parallelize import canonical_name
 
@@ -74,8 +72,19 @@ def _group_hparams(optimizer) -> dict:
     return {k: g[k] for k in keys if k in g}
 
 
+def _finite(t: torch.Tensor, what: str) -> torch.Tensor:
+    """`t`, or a `NonFiniteError`: a checkpoint never holds NaN or inf."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise NonFiniteError(
+            f"refusing to save: {what} holds {bad} NaN/inf value(s) of {t.numel()}; the "
+            "checkpoint was not written and latest.txt still names the last finite one"
+        )
+    return t
+
+
 def write_rank_state(
-    tmp: Path,
+    writer: FolderWriter,
     params: list[Param],
     held: dict[str, list[nn.Parameter]],
     optimizer: torch.optim.Optimizer | None,
@@ -86,7 +95,7 @@ def write_rank_state(
     masters: bool,
     writes_weight: Callable[[Param], bool] = lambda p: True,
 ) -> None:
-    """This rank's weight, optimizer and random-state files under `tmp` (see the module doc).
+    """This rank's weight, optimizer and random-state files, through `writer` (module doc).
 
     `params` are the parameters this rank holds, in the same order on every rank holding them;
     `writes_weight(p)` says whether this rank (if dp 0, and tp 0 for replicated ones) writes
@@ -98,19 +107,17 @@ def write_rank_state(
     progress = Progress("Saving checkpoint (parameters of this rank)", len(params))
     for p in params:
         first = [held[o][0] for o in p.ours]
-        fused = fuse(p, {o: _full(held[o][0]) for o in p.ours})
+        fused = _finite(fuse(p, {o: _full(held[o][0]) for o in p.ours}), f"parameter {p.name}")
         if D == 0 and (p.kind != "replicated" or T == 0) and writes_weight(p):
             data, meta = shard_of(p, fused.to(model_dtype or fused.dtype), T, tp)
-            path = tmp / "model" / weight_file(p, T, tp, pp)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({N.TENSOR_KEY: data}, str(path), metadata=meta or None)
+            rel = f"model/{weight_file(p, T, tp, pp)}"
+            writer.save_tensors(rel, {N.TENSOR_KEY: data.contiguous()}, meta)
         tensors = {S.MASTER: fused.float()} if masters else {}
         state = optimizer.state.get(first[0], {}) if optimizer is not None else {}
         for k in S.ADAM_KEYS:
             if k in state:
-                tensors[k] = fuse(
-                    p, {o: _full(optimizer.state[q][k]) for o, q in zip(p.ours, first)}
-                )
+                full = fuse(p, {o: _full(optimizer.state[q][k]) for o, q in zip(p.ours, first)})
+                tensors[k] = _finite(full, f"optimizer state {k} of {p.name}")
         local = {k: shard_of(p, v, T, tp)[0] for k, v in tensors.items()}
         if zero:
             a, b = S.zero1_ranges(local[next(iter(local))].numel(), dp)[D] if local else (0, 0)
@@ -122,8 +129,8 @@ def write_rank_state(
     if optimizer is not None and (zero or D == 0):
         name = S.optimizer_file(P, pp, T, tp, *((D, dp) if zero else ()))
         payload = S.optimizer_payload(entries, _group_hparams(optimizer))
-        torch.save(payload, tmp / "optimizer" / name)
-    torch.save(S.random_states(), tmp / "random" / S.random_file(T, tp, D, dp, P, pp))
+        writer.save_torch(f"optimizer/{name}", payload)
+    writer.save_torch(f"random/{S.random_file(T, tp, D, dp, P, pp)}", S.random_states())
     progress.done()
 
 
@@ -251,8 +258,9 @@ def save_state(
 
     Every rank calls it. `mesh` is the ("pp", "dp", "tp") DeviceMesh the model runs on (None:
     one process). `name_map` renames parameters in the files (e.g. to Nanotron's names). The
-    folder is written as `<path>.tmp` and renamed when complete. Weights are written in their
-    own dtype; optimizer state as ZeRO-0 files. Returns `path`.
+    folder is written as `.tmp-<name>` beside it, checksummed, and renamed into place when
+    complete; a non-finite tensor or a write error raises on every rank and leaves `path` as it
+    was. Weights are written in their own dtype; optimizer state as ZeRO-0 files. Returns `path`.
 
     Example:
 
@@ -262,30 +270,19 @@ def save_state(
     path = Path(path)
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     layout = _layout_of(mesh)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    tmp = path.with_name(path.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for sub in ("model", "optimizer", "random"):
-            (tmp / sub).mkdir(parents=True)
-    if dist.is_initialized():
-        dist.barrier()
     params = params_of(modules, name_map, layout.coords["pp"])
-    write_rank_state(tmp, params, held_parameters(modules), optimizer, layout, zero=False,
-                     model_dtype=None, masters=False)  # fmt: skip
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
+
+    def write_rank(writer: FolderWriter) -> None:
+        write_rank_state(writer, params, held_parameters(modules), optimizer, layout, zero=False,
+                         model_dtype=None, masters=False)  # fmt: skip
+
+    def write_rank0(writer: FolderWriter) -> None:
         opt = S.optimizer_config("NamedOptimizer", layout.tp, layout.dp, layout.pp, [], False)
-        (tmp / "optimizer" / "optimizer_config.json").write_text(json.dumps(opt))
+        writer.write_text("optimizer/optimizer_config.json", json.dumps(opt))
         meta = S.metadata(layout.tp, layout.dp, 0, 0, [], {"writer": "mesh3d", "pp": layout.pp})
-        (tmp / "checkpoint_metadata.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    if dist.is_initialized():
-        dist.barrier()
-    return path
+        writer.write_text("checkpoint_metadata.json", json.dumps(meta, indent=2, sort_keys=True))
+
+    return save_atomically(path, write_rank, write_rank0, latest=False)
 
 
 def load_state(
@@ -306,5 +303,8 @@ def load_state(
     path = Path(path)
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
     S.read_metadata(path)
+    problems = verify(path)
+    if problems:
+        raise damaged_error(path, problems)
     held = held_parameters(modules)
     load_rank_state(path, params_of(modules, name_map), held, optimizer, optimizer is not None)

@@ -1,6 +1,7 @@
 """Save a training checkpoint in Nanotron's layout and resume from it exactly, at any layout.
 
-A step folder `<checkpoints_path>/<step>/` is Nanotron's (spec §3.1), and nothing else:
+A step folder `<checkpoints_path>/<step>/` is Nanotron's (spec §3.1), plus one file Nanotron
+ignores (`mesh3d_manifest.json`, every file's size and CRC-32):
 - `model/...`: weights in the model dtype, one safetensors file per parameter and TP rank;
 - `optimizer/`: `optimizer_config.json` and one `optimizer_pp-*_tp-*_exp-0-of-1.pt` per (pp, tp)
   (ZeRO-0), or per (pp, dp, tp) with `zero_stage: 1`: AdamW state and the fp32 master weights
@@ -11,13 +12,15 @@ A step folder `<checkpoints_path>/<step>/` is Nanotron's (spec §3.1), and nothi
 
 Saving: each rank gathers the full tensors of the parameters it holds, one Nanotron parameter at
 a time (collectives only within its pipeline stage), and writes the files of its own (pp, tp)
-rank — dp rank 0 for weights and ZeRO-0 state, every dp rank for ZeRO-1 slices. Everything goes
-into `.tmp-<step>/`, renamed into place when complete; `latest.txt` is replaced atomically last,
-so a crash at any moment leaves the previous checkpoint as the one that loads.
+rank — dp rank 0 for weights and ZeRO-0 state, every dp rank for ZeRO-1 slices. `atomic.py` does
+the rest: free space checked first, files fsynced and checksummed, a non-finite tensor or a write
+error on any rank stops every rank with the folder untouched, the complete folder renamed into
+place and `latest.txt` replaced last. Collectives run under `mesh3d.checkpoint_timeout_s`.
 
-Loading needs no collectives: each rank rebuilds the full tensors of its own parameters from the
-files of whatever layout wrote them (weights, optimizer state — ZeRO-0 or ZeRO-1 — and masters)
-and keeps its shard. So any (dp, tp, pp, zero_stage) resumes from any other, a different
+Loading needs no collectives but one exchange of verification results: the manifest's files are
+checked (spread over the ranks), then each rank rebuilds the full tensors of its own parameters
+from the files of whatever layout wrote them (weights, optimizer state — ZeRO-0 or ZeRO-1 — and
+masters) and keeps its shard. So any (dp, tp, pp, zero_stage) resumes from any other, a different
 vocabulary padding included, and checkpoints written by Nanotron itself load too.
 """
 
@@ -25,26 +28,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from mesh3d.checkpoint import names as N
 from mesh3d.checkpoint import nanotron_state as S
+from mesh3d.checkpoint.atomic import save_atomically
+from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
 from mesh3d.checkpoint.nanotron_weights import (
     ModelShape,
     model_config_json,
     nanotron_params,
 )
 from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, write_rank_state
-from mesh3d.config import global_batch_size, save_config
+from mesh3d.config import config_to_yaml, global_batch_size
 from mesh3d.data.stages import stage_consumption
 from mesh3d.errors import UserError
 from mesh3d.log import logger
-from mesh3d.mesh import ParallelDims
+from mesh3d.mesh import ParallelDims, collective_timeout
 from mesh3d.models.llama import DTYPES
 
 
@@ -54,7 +56,16 @@ def _writes_masters(cfg) -> bool:
     return cfg.optimizer.accumulate_grad_in_fp32 and cfg.model.dtype != "float32"
 
 
-def _write_rank_files(tmp: Path, cfg, parts, optimizer, scheduler, coords: dict) -> None:
+def checkpoint_bytes(n_params: int, cfg) -> int:
+    """About how many bytes one checkpoint of `n_params` parameters takes: weights in the model
+    dtype, AdamW's two fp32 moments, fp32 masters when kept (SGD: weights only)."""
+    weight = DTYPES[cfg.model.dtype].itemsize
+    moments = 8 if cfg.optimizer.optimizer_factory.name.lower() == "adamw" else 0
+    masters = 4 if _writes_masters(cfg) else 0
+    return n_params * (weight + moments + masters) + 2**20  # + small files
+
+
+def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler, coords) -> None:
     """This rank's weight, optimizer, scheduler and random-state files (collectives inside)."""
     par = cfg.parallelism
     held = held_parameters(parts.modules)
@@ -62,27 +73,27 @@ def _write_rank_files(tmp: Path, cfg, parts, optimizer, scheduler, coords: dict)
               if all(o in held for o in p.ours)]  # fmt: skip
     P = coords["pp"]
     write_rank_state(
-        tmp, params, held, optimizer, Layout(par.dp, par.tp, par.pp, coords),
+        writer, params, held, optimizer, Layout(par.dp, par.tp, par.pp, coords),
         zero=cfg.optimizer.zero_stage > 0, model_dtype=DTYPES[cfg.model.dtype],
         masters=_writes_masters(cfg),
         writes_weight=lambda p: p.name != N.EMBEDDING or parts.embed_rank == P,
     )  # fmt: skip
     if coords["dp"] == 0:
         name = S.lr_scheduler_file(P, par.pp, coords["tp"], par.tp)
-        torch.save(scheduler.state_dict(), tmp / "lr_scheduler" / name)
+        writer.save_torch(f"lr_scheduler/{name}", scheduler.state_dict())
 
 
-def _write_rank0_files(tmp: Path, cfg, step: int, consumed: int, extra: dict) -> None:
+def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extra: dict) -> None:
     par = cfg.parallelism
     shape = ModelShape.from_config(cfg)
-    save_config(cfg, tmp / "config.yaml")
-    (tmp / "model_config.json").write_text(json.dumps(model_config_json(cfg)))
+    writer.write_text("config.yaml", config_to_yaml(cfg))
+    writer.write_text("model_config.json", json.dumps(model_config_json(cfg)))
     zero = cfg.optimizer.zero_stage > 0
     kind = "ZeroDistributedOptimizer" if zero else "NamedOptimizer"
     if not zero and _writes_masters(cfg):
         kind = "OptimizerFromGradientAccumulator"
     opt_cfg = S.optimizer_config(kind, par.tp, par.dp, par.pp, nanotron_params(shape), zero)
-    (tmp / "optimizer" / "optimizer_config.json").write_text(json.dumps(opt_cfg))
+    writer.write_text("optimizer/optimizer_config.json", json.dumps(opt_cfg))
     stages = cfg.data_stages or []
     starts = [s.start_training_step for s in stages] or [1]
     counts = stage_consumption(starts, step, global_batch_size(cfg))
@@ -92,8 +103,7 @@ def _write_rank0_files(tmp: Path, cfg, step: int, consumed: int, extra: dict) ->
     ]
     extra = {"writer": "mesh3d", "pp": par.pp, "zero_stage": cfg.optimizer.zero_stage, **extra}
     meta = S.metadata(par.tp, par.dp, step, consumed, stage_meta, extra)
-    text = json.dumps(meta, indent=2, sort_keys=True)
-    (tmp / "checkpoint_metadata.json").write_text(text)
+    writer.write_text("checkpoint_metadata.json", json.dumps(meta, indent=2, sort_keys=True))
 
 
 def save_checkpoint(
@@ -106,32 +116,28 @@ def save_checkpoint(
     mesh,
     consumed_samples: int,
     extra: dict | None = None,
+    needed_bytes: int | None = None,
 ) -> Path:
     """Write `<root>/<step>/` (all ranks call this); returns the step folder.
 
-    `extra` goes into the metadata's `custom_metas` (e.g. the W&B run id to continue).
+    `extra` goes into the metadata's `custom_metas` (e.g. the W&B run id to continue);
+    `needed_bytes` (see `checkpoint_bytes`) is checked against the free space first.
+    Raises `CheckpointWriteError` or `NonFiniteError` on every rank when the save fails; the
+    checkpoints folder is then as it was.
     """
     root, rank = Path(root), dist.get_rank()
-    final, tmp = root / str(step), root / f".tmp-{step}"
+    final = root / str(step)
     logger.info(f"Saving checkpoint at {final}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for sub in ("model", "optimizer", "lr_scheduler", "random"):
-            (tmp / sub).mkdir(parents=True)
-    dist.barrier()
     par = cfg.parallelism
     coords = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp).coords(rank)
-    _write_rank_files(tmp, cfg, parts, optimizer, scheduler, coords)
-    dist.barrier()
-    if rank == 0:
-        _write_rank0_files(tmp, cfg, step, consumed_samples, extra or {})
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        latest = root / ".latest.txt.tmp"
-        latest.write_text(str(step))
-        os.replace(latest, root / "latest.txt")
-    dist.barrier()
+    with collective_timeout(mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s):
+        save_atomically(
+            final,
+            lambda w: _write_rank_files(w, cfg, parts, optimizer, scheduler, coords),
+            lambda w: _write_rank0_files(w, cfg, step, consumed_samples, extra or {}),
+            needed_bytes=needed_bytes,
+            step=step,
+        )
     logger.info(f"Saved checkpoint {final}")
     return final
 
@@ -178,6 +184,22 @@ def _load_scheduler(step_dir: Path, scheduler, optimizer, coords: dict, cfg) -> 
     scheduler._last_lr = lrs
 
 
+def verify_everywhere(step_dir: Path) -> None:
+    """Check the manifest's checksums, the files spread over the ranks; every rank raises the
+    same `UserError` naming the damaged files. A folder without a manifest (Nanotron's) passes."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        problems = verify(step_dir)
+    else:
+        mine = verify(step_dir, dist.get_rank(), dist.get_world_size())
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        problems = [p for ps in everyone for p in ps]
+    if problems:
+        raise damaged_error(step_dir, problems)
+    if not (step_dir / "mesh3d_manifest.json").is_file():
+        logger.info(f"{step_dir} has no mesh3d_manifest.json (written by Nanotron?): not verified")
+
+
 def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg,
                     load_optimizer: bool = True, load_lr_scheduler: bool = True,
                     ) -> tuple[int, int]:  # fmt: skip
@@ -188,6 +210,7 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg,
     """
     step_dir = resolve_step_dir(path)
     meta = S.read_metadata(step_dir)
+    verify_everywhere(step_dir)
     saved = json.loads((step_dir / "model_config.json").read_text())
     shape = ModelShape.from_config(cfg)
     saved_shape = dataclasses.replace(shape, padded_vocab=int(saved["vocab_size"]))
@@ -202,7 +225,7 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg,
     rng = step_dir / "random" / S.random_file(coords["tp"], par.tp, coords["dp"], par.dp,
                                               coords["pp"], par.pp)  # fmt: skip
     if custom.get("writer") == "mesh3d" and same_layout and rng.is_file():
-        S.set_random_states(S.safe_load(rng, "random-state"))  # Nanotron's are pickled classes
+        S.set_random_states(S.safe_load(rng, "random-state"), rng)  # Nanotron's: pickled classes
     if not load_lr_scheduler:
         return 0, 0
     _load_scheduler(step_dir, scheduler, optimizer, coords, cfg)

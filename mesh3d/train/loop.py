@@ -8,6 +8,7 @@ tests call inside forked ranks. Every check that the config and the world size a
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,13 +17,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.checkpoint.resume import checkpoint_custom_metas, load_checkpoint, save_checkpoint
+from mesh3d.checkpoint.training import (
+    checkpoint_bytes,
+    checkpoint_custom_metas,
+    load_checkpoint,
+    save_checkpoint,
+)
 from mesh3d.config import global_batch_size, padded_vocab_size, validate
 from mesh3d.data.build import StagedData
+from mesh3d.errors import Preempted, UserError
 from mesh3d.log import logger, setup_logging
-from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, resolve_device
+from mesh3d.mesh import (
+    ParallelDims,
+    build_mesh,
+    collective_timeout,
+    init_distributed,
+    resolve_device,
+    set_collective_timeout,
+)
 from mesh3d.parallel.parallelize import dp_mode
 from mesh3d.train.build import build_model_parts, param_and_compute_dtypes
+from mesh3d.train.guard import RunGuard, share
 from mesh3d.train.metrics import (
     iteration_metrics,
     llama_flops,
@@ -82,6 +97,7 @@ class _Run:
     autocast_dtype: torch.dtype | None
     logger_rank: int
     step_flops: float = 0.0
+    n_params: int = 0
 
 
 def _setup(cfg) -> _Run:
@@ -90,12 +106,14 @@ def _setup(cfg) -> _Run:
     validate(cfg, world_size=world)  # before any process-group work: a bad config never hangs
     data = StagedData(cfg)  # every stage's dataset checked before the first collective too
     device = resolve_device(cfg.mesh3d.device)
+    timeout_s = cfg.mesh3d.collective_timeout_s
     if not dist.is_initialized():
-        init_distributed(device=cfg.mesh3d.device)
+        init_distributed(timeout_s=timeout_s, device=cfg.mesh3d.device)
     p = cfg.parallelism
     dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
     coords = dims.coords(dist.get_rank())
     mesh = build_mesh(dims, device.type)
+    set_collective_timeout(mesh, timeout_s)  # the mesh's sub-groups too (torch: 30 min)
     torch.manual_seed(cfg.general.seed)
     mode = dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard)
     parts = build_model_parts(cfg, mesh, device, dp_scale=dims.dp if mode != "replicate" else 1)
@@ -144,35 +162,56 @@ def _run_step(run: _Run, step: int) -> tuple[list, float, float]:
     return batches, loss, grad_norm
 
 
-def _resume(run: _Run) -> tuple[int, int, str | None]:
-    """(last step, consumed samples, W&B run id) from `resume_checkpoint_path`, or the start."""
+def _resume(run: _Run, guard: RunGuard) -> tuple[int, int, str | None]:
+    """(last step, consumed samples, W&B run id) from where `guard` decided the run starts."""
     cfg, ck = run.cfg, run.cfg.checkpoints
-    if ck is None or ck.resume_checkpoint_path is None:
+    if guard.resume_path is None:
         if ck is not None and ck.save_initial_state:
-            _save(run, 0, 0, None)
+            _save(run, guard, 0, 0, None)
         return 0, 0, None
-    start, consumed = load_checkpoint(
-        ck.resume_checkpoint_path, run.parts, run.optimizer, run.scheduler, cfg,
-        load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
-    )  # fmt: skip
-    logger.info(f"Resumed from {ck.resume_checkpoint_path} at step {start}")
-    wandb_id = (checkpoint_custom_metas(ck.resume_checkpoint_path) or {}).get("wandb_id")
+    guard.at(0, "load")
+    with collective_timeout(
+        run.mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s
+    ):
+        start, consumed = load_checkpoint(
+            guard.resume_path, run.parts, run.optimizer, run.scheduler, cfg,
+            load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
+        )  # fmt: skip
+    custom = checkpoint_custom_metas(guard.resume_path) or {}
+    if start > cfg.tokens.train_steps:
+        raise UserError(
+            f"checkpoint {guard.resume_path} is at step {start}, past tokens.train_steps "
+            f"({cfg.tokens.train_steps}): nothing to train. Raise tokens.train_steps to train on"
+        )
+    logger.info(f"Resumed from {guard.resume_path} at step {start}")
+    guard.skipped = int(custom.get("skipped_nonfinite_steps", 0) or 0)
+    wandb_id = custom.get("wandb_id")
     return start, consumed, wandb_id if ck.load_lr_scheduler else None
 
 
-def _save(run: _Run, step: int, consumed: int, wandb_id: str | None) -> None:
+def _save(run: _Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | None) -> None:
     ck = run.cfg.checkpoints
     extra = {"wandb_id": wandb_id} if wandb_id else {}
+    if guard.skipped:
+        extra["skipped_nonfinite_steps"] = guard.skipped
+    guard.at(step, "save")
     save_checkpoint(ck.checkpoints_path, step, run.cfg, run.parts, run.optimizer, run.scheduler,
-                    run.mesh, consumed, extra=extra)  # fmt: skip
+                    run.mesh, consumed, extra=extra,
+                    needed_bytes=checkpoint_bytes(run.n_params, run.cfg))  # fmt: skip
 
 
-def _share(value, src: int):
-    """`value` of global rank `src`, on every rank."""
-    box = [value]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=src)
-    return box[0]
+def _preempted_text(signal_name: str, step: int, ck, saved: int) -> str:
+    if ck is None:
+        return (
+            f"{signal_name} received: stopped after step {step}; no checkpoints section, so "
+            "nothing was saved and a restart begins at step 1"
+        )
+    return (
+        f"{signal_name} received: stopped after step {step} and saved "
+        f"{ck.checkpoints_path}/{saved}. Launch the same command to continue (with "
+        f"checkpoints.resume_checkpoint_path={ck.checkpoints_path} or "
+        "mesh3d.existing_checkpoints=resume)"
+    )
 
 
 def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> RunResult:
@@ -192,28 +231,39 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
 
     """
     run = _setup(cfg)
-    parts, rank, world = run.parts, dist.get_rank(), dist.get_world_size()
-    n_params = total_params(parts, run.mesh)
-    logger.info(f"Total number of parameters: {n_params} ({n_params * 4 / 2**20:.2f}MiB fp32)")
+    run.n_params = total_params(run.parts, run.mesh)
+    n = run.n_params
+    logger.info(f"Total number of parameters: {n} ({n * 4 / 2**20:.2f}MiB fp32)")
+    with RunGuard(cfg, run.device) as guard:
+        return _train(run, guard, metrics_file, keep_model)
+
+
+def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: bool) -> RunResult:
+    """The step loop of `train`, inside the run's guard."""
+    cfg, parts, rank, world = run.cfg, run.parts, dist.get_rank(), dist.get_world_size()
     tok, ck, gbs = cfg.tokens, cfg.checkpoints, global_batch_size(cfg)
-    start, consumed, wandb_id = _resume(run)
+    start, consumed, wandb_id = _resume(run, guard)
     logger.info(
         f"[Start training] mbs: {tok.micro_batch_size} | grad_accum: "
         f"{tok.batch_accumulation_per_replica} | global_batch_size: {gbs} | sequence_length: "
         f"{tok.sequence_length} | train_steps: {tok.train_steps} | start_iteration_step: "
         f"{start + 1} | consumed_train_samples: {consumed}"
     )
+    if start == tok.train_steps:
+        logger.info(f"nothing to train: the checkpoint is at tokens.train_steps ({start})")
     logger.info("grad_norm in the iteration line is the global gradient norm before clipping")
     sinks = MetricSinks(cfg, rank == run.logger_rank, metrics_file, wandb_id)
-    wandb_id = _share(sinks.wandb_id, src=run.logger_rank)
+    wandb_id = share(sinks.wandb_id, src=run.logger_rank)
     peak = peak_tflops(
         torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None
     )
     result, step_seconds = RunResult(), []
     fail_at = _fault_injection(rank)
+    saved = start
     with step_profiler(cfg.profiler, rank) as profiler:
         for step in range(start + 1, tok.train_steps + 1):
             t0 = time.time()
+            guard.at(step, "step")
             if step == fail_at:
                 raise RuntimeError(
                     f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}"
@@ -222,8 +272,7 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
             result.batch_hashes.append(batch_hash(batches))
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
-            if world > 1:
-                dist.barrier()
+            stop = guard.stop_requested()  # every rank ends the step together
             profiler.step()
             consumed += gbs
             step_seconds.append(time.time() - t0)
@@ -236,13 +285,28 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
             m.update(peak_memory())
             if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):
                 m.update(memory_metrics())  # Nanotron's extra items of the first steps
-            result.metrics.append(m)
-            if (step - 1) % cfg.logging.iteration_step_info_interval == 0:
-                sinks.write(m, step_seconds)
-            if ck is not None and step % ck.checkpoint_interval == 0:
-                _save(run, step, consumed, wandb_id)
-    if ck is not None and ck.save_final_state and tok.train_steps % ck.checkpoint_interval:
-        _save(run, tok.train_steps, consumed, wandb_id)
+            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            try:
+                guard.check_finite(step, loss, grad_norm)  # skips (counted) or stops the run
+            finally:
+                if guard.skipped:
+                    m["skipped_steps"] = guard.skipped
+                result.metrics.append(m)
+                if not finite or (step - 1) % cfg.logging.iteration_step_info_interval == 0:
+                    sinks.write(m, step_seconds)  # a non-finite step is always shown
+            if ck is not None and (step % ck.checkpoint_interval == 0 or stop):
+                _save(run, guard, step, consumed, wandb_id)
+                saved = step
+            if stop:
+                sinks.close()
+                raise Preempted(_preempted_text(stop, step, ck, saved))
+    if (
+        ck is not None
+        and ck.save_final_state
+        and saved != tok.train_steps
+        and start < tok.train_steps
+    ):
+        _save(run, guard, tok.train_steps, consumed, wandb_id)
     sinks.close()
     if keep_model:
         model = parts.modules[0] if len(parts.modules) == 1 else torch.nn.ModuleList(parts.modules)

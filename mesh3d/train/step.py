@@ -2,13 +2,15 @@
 
 Order after backward: dp gradient sum (zero_stage 0; FSDP reduced already), tied-embedding sum
 across pipeline stages, one reduction of `Partial` gradients (sequence-parallel norms), global
-norm and clipping, optimizer and LR-scheduler step.
+norm and clipping, optimizer step (skipped when the loss or norm is not finite) and LR-scheduler
+step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -132,6 +134,9 @@ def train_step(
 ) -> tuple[float, float]:
     """Run one step; return (global mean token loss, pre-clip global gradient norm).
 
+    A non-finite loss or gradient norm (the same value on every rank) skips the optimizer
+    update; the caller decides whether the run goes on (`RunGuard.check_finite`).
+
     `dp_mode` 'replicate' sums gradients over dp after the last microbatch; with FSDP ('zero1',
     'full') gradients are reduce-scattered *averaged* over dp, so the backward loss is scaled by
     the dp size to keep the one-process gradient (gloo has no PREMUL_SUM to do it in FSDP).
@@ -162,10 +167,12 @@ def train_step(
     grad_norm = clip_grad_norm(
         params, clip_grad, _counted_once(parts), pp_group if pp > 1 else None
     )
-    optimizer.step()
+    loss = float(total)
+    if math.isfinite(loss) and math.isfinite(grad_norm):  # the non-finite guard: never applied
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return float(total), grad_norm
+    return loss, grad_norm
 
 
 def total_params(parts: ModelParts, mesh) -> int:

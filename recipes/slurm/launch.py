@@ -10,7 +10,8 @@ The node count is the config's world size (dp x tp x pp) / --gpus-per-node (chec
 `--nnodes N --nproc_per_node G --rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ID`,
 where HOST is --rdzv-host, else the first host of $SLURM_JOB_NODELIST (via scontrol), else
 this machine; ID is $SLURM_JOB_ID when set. A config or layout mistake exits with code 2 before
-anything starts.
+anything starts. torchrun then replaces this process (exec), told to forward SIGUSR1 as well as
+SIGTERM to the ranks, so a preemption notice makes every rank save and exit 75.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from mesh3d.config import load_config, validate
 from mesh3d.errors import UserError, exit_on_user_error
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
+# torchrun's default list plus SIGUSR1, which Slurm's `--signal` sends before a preemption
+PREEMPTION_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
 def _first_slurm_host() -> str | None:
@@ -86,7 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     cmd = torchrun_command(args)
     print(" ".join(map(shlex.quote, cmd)), flush=True)
     if not args.dry_run:
-        raise SystemExit(subprocess.call(cmd))
+        # torchrun replaces this process, so Slurm's signals reach it directly; it forwards
+        # these to every rank, which finish the step, save and exit 75 (README: preemption)
+        os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", PREEMPTION_SIGNALS)
+        os.execv(cmd[0], cmd)
 
 
 if __name__ == "__main__":

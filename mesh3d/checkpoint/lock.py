@@ -1,0 +1,134 @@
+"""One run per checkpoints folder: a lock file taken atomically when a run starts.
+
+`<checkpoints_path>/mesh3d.lock` holds the owner's run id, host, pid and start time. It is
+created complete (written beside, then hard-linked into place, which fails if it exists), its
+modification time is refreshed every `REFRESH_S` seconds by the owner's watchdog, and it is
+removed when the run ends, however it ends short of SIGKILL. A lock is stale, and taken over
+with a warning, when its process is gone (same host) or it was not refreshed for `STALE_S`
+seconds (any host: a crashed node). Nanotron ignores the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from mesh3d.errors import UserError
+from mesh3d.log import logger
+
+LOCK = "mesh3d.lock"
+REFRESH_S = 10.0
+STALE_S = 60.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class FolderLock:
+    """The lock of checkpoints folder `root` for run `run_id` (taken by world rank 0 only).
+
+    Example:
+
+        lock = FolderLock(Path("ckpt"), run_id="a1b2c3")
+        lock.acquire()     # UserError naming the owner if another live run holds it
+        ...
+        lock.release()
+    """
+
+    def __init__(self, root: Path, run_id: str):
+        self.root, self.run_id = Path(root), run_id
+        self.path = self.root / LOCK
+        self.held = False
+
+    def _read(self) -> tuple[dict, float] | None:
+        """(owner info, seconds since the last refresh), None if there is no lock."""
+        try:
+            age = time.time() - self.path.stat().st_mtime
+            info = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            info = {}
+        return (info if isinstance(info, dict) else {}), age
+
+    def _stale(self, info: dict, age: float) -> str | None:
+        """Why the lock is stale, or None when its owner may be alive."""
+        pid = info.get("pid")
+        if info.get("host") == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+            return f"its process {pid} on this host is gone"
+        if age > STALE_S:
+            return f"it was not refreshed for {age:.0f} s (more than {STALE_S:.0f} s)"
+        return None
+
+    def acquire(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        info = {
+            "run_id": self.run_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        }
+        tmp = self.root / f".{LOCK}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(info))
+        try:
+            for _ in range(3):
+                try:
+                    os.link(tmp, self.path)  # atomic: fails if the lock exists
+                    self.held = True
+                    return
+                except FileExistsError:
+                    pass
+                found = self._read()
+                if found is None:
+                    continue  # released in between: try again
+                owner, age = found
+                why = self._stale(owner, age)
+                if why is None:
+                    raise UserError(self._held_message(owner, age))
+                logger.warning(f"taking over the stale lock {self.path} of run "
+                               f"{owner.get('run_id', '?')}: {why}")  # fmt: skip
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+            raise UserError(f"could not take the lock {self.path}: another run keeps taking it")
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def _held_message(self, owner: dict, age: float) -> str:
+        who = ", ".join(
+            f"{k} {owner[k]}" for k in ("run_id", "host", "pid", "started") if k in owner
+        )
+        return (
+            f"checkpoints folder {self.root} is in use by another run ({who or 'unreadable lock'}; "
+            f"lock refreshed {age:.0f} s ago). Two runs must not share "
+            "checkpoints.checkpoints_path: stop that run or choose another folder. If that run "
+            f"is dead, its lock is stale {STALE_S:.0f} s after its last refresh, or delete "
+            f"{self.path}"
+        )
+
+    def refresh(self) -> None:
+        if self.held:
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        """Remove the lock if this run still owns it."""
+        if not self.held:
+            return
+        self.held = False
+        found = self._read()
+        if found is not None and found[0].get("run_id") == self.run_id:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()

@@ -1,0 +1,95 @@
+"""Where a run starts, and who may write its checkpoints folder.
+
+`claim_folder` runs on world rank 0 before anything is written: it takes the folder's lock (one
+run per folder), repairs what an interrupted save left, and decides where the run starts:
+
+| `resume_checkpoint_path` | folder holds checkpoints | `mesh3d.existing_checkpoints` | start |
+|---|---|---|---|
+| null | no | any | fresh |
+| null | yes | error (default) | refused: the message says how to resume or overwrite |
+| null | yes | resume | from `latest.txt` |
+| null | yes | overwrite | fresh, after deleting the old step folders |
+| the checkpoints folder | no | any | fresh, with a notice (the first start of a requeued job) |
+| a path in the folder | - | any | from it |
+| another path | yes | error / resume | refused: the folder would mix two runs |
+| another path | yes | overwrite | from it, after deleting the folder's old step folders |
+
+So one launch command serves the first start and every restart: set `resume_checkpoint_path` to
+`checkpoints_path` (or `existing_checkpoints: resume`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from mesh3d.checkpoint.folder import LATEST, latest_step, recover, step_folders
+from mesh3d.checkpoint.lock import FolderLock
+from mesh3d.errors import UserError
+from mesh3d.log import logger
+
+
+def _inside(path: Path, root: Path) -> bool:
+    path, root = path.resolve(), root.resolve()
+    return path == root or root in path.parents
+
+
+def _clear(root: Path, steps: list[int]) -> None:
+    for step in steps:
+        shutil.rmtree(root / str(step))
+    (root / LATEST).unlink(missing_ok=True)
+    logger.warning(
+        f"mesh3d.existing_checkpoints=overwrite: deleted step folder(s) {steps} of {root}"
+    )
+
+
+def _steps_text(root: Path, steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+    latest = latest_step(root)
+    return f"step folder(s) {shown}" + (f" (latest.txt names {latest})" if latest else "")
+
+
+def claim_folder(cfg, run_id: str) -> tuple[FolderLock, str | None]:
+    """(the lock, now held; the checkpoint to resume from or None). World rank 0 only."""
+    ck, mode = cfg.checkpoints, cfg.mesh3d.existing_checkpoints
+    root = Path(ck.checkpoints_path)
+    lock = FolderLock(root, run_id)
+    lock.acquire()
+    try:
+        recover(root)
+        steps = step_folders(root)
+        resume = ck.resume_checkpoint_path
+        if resume is None:
+            if not steps:
+                return lock, None
+            if mode == "resume":
+                logger.info(f"mesh3d.existing_checkpoints=resume: resuming from {root}")
+                return lock, str(root)
+            if mode == "overwrite":
+                _clear(root, steps)
+                return lock, None
+            raise UserError(
+                f"checkpoints.checkpoints_path {root} already holds {_steps_text(root, steps)} and "
+                f"this run does not resume. To continue that run set "
+                f"checkpoints.resume_checkpoint_path={root} (or mesh3d.existing_checkpoints=resume); "
+                "to start over and delete them set mesh3d.existing_checkpoints=overwrite; or "
+                "choose another checkpoints_path"
+            )
+        if _inside(Path(resume), root):
+            if Path(resume).resolve() == root.resolve() and not steps:
+                logger.info(f"no checkpoint in {root} yet: starting fresh")
+                return lock, None
+            return lock, resume
+        if steps and mode != "overwrite":
+            raise UserError(
+                f"checkpoints.checkpoints_path {root} holds {_steps_text(root, steps)} of another "
+                f"run, and this run resumes from {resume}: its checkpoints would mix with them. "
+                "Choose an empty checkpoints_path, or set mesh3d.existing_checkpoints=overwrite "
+                "to delete them"
+            )
+        if steps:
+            _clear(root, steps)
+        return lock, resume
+    except BaseException:
+        lock.release()
+        raise

@@ -1,0 +1,173 @@
+"""What makes a training run fail safe, around its step loop (README: "When things go wrong").
+
+`RunGuard` is entered once the process group and the model exist:
+- world rank 0 takes the checkpoints folder (`checkpoint/run_folder.py`: lock, repair, where to
+  start) and every rank gets the same answer or the same error;
+- every rank starts its `Watchdog` (heartbeat, launcher check, lock refresh);
+- SIGTERM and SIGUSR1 (Slurm's `--signal`) only set a flag: `stop_requested()`, called once at the
+  end of every step, agrees on it across ranks with one tiny all-reduce, so every rank stops
+  after the same step, saves, and raises `Preempted` (exit code 75);
+- on the way out, a failed collective becomes a `PeerError` naming the ranks that did not come,
+  and the lock is released.
+`check_finite` is the non-finite guard's decision after each step.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mesh3d.checkpoint.folder import latest_step
+from mesh3d.checkpoint.run_folder import claim_folder
+from mesh3d.errors import NonFiniteError, RunStopped, UserError, report
+from mesh3d.log import logger
+from mesh3d.train.watchdog import Watchdog, heartbeat_interval, is_collective_failure
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def share(value, src: int = 0):
+    """`value` of global rank `src`, on every rank."""
+    box = [value]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+class RunGuard:
+    """The lock, watchdog and signal handling of one run (see the module doc).
+
+    Example:
+
+        with RunGuard(cfg, device) as guard:
+            start = resume(guard.resume_path)
+            for step in ...:
+                guard.at(step, "step"); ...
+                if guard.stop_requested(): save; raise Preempted(...)
+    """
+
+    def __init__(self, cfg, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.lock, self.resume_path, self.watchdog = None, None, None
+        self.signal: int | None = None
+        self._previous: dict = {}
+        self.skipped = 0  # non-finite steps skipped so far (resumed runs continue the count)
+
+    # -------------------------------------------------------------------------- enter / exit
+
+    def __enter__(self) -> RunGuard:
+        run_id = share(uuid.uuid4().hex[:12] if self.rank == 0 else None)
+        self.run_id = run_id
+        if self.cfg.checkpoints is not None:
+            outcome = None
+            if self.rank == 0:
+                try:
+                    self.lock, resume = claim_folder(self.cfg, run_id)
+                    outcome = ("ok", resume)
+                except UserError as e:
+                    outcome = ("error", str(e))
+            kind, value = share(outcome)
+            if kind == "error":
+                raise UserError(value)
+            self.resume_path = value
+        interval = heartbeat_interval(self.cfg.mesh3d.collective_timeout_s)
+        self.watchdog = Watchdog(self.rank, self.world, interval, run_id, self.lock,
+                                 self.last_checkpoint).__enter__()  # fmt: skip
+        self._install_signals()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if (
+                exc is not None
+                and not isinstance(exc, (RunStopped, UserError, KeyboardInterrupt))
+                and self.world > 1
+                and is_collective_failure(exc)
+            ):
+                peer_error = self.watchdog.diagnose(exc)
+                report(peer_error)
+                raise peer_error from exc
+            if isinstance(exc, (RunStopped, UserError)):
+                report(exc)  # now, while SIGTERM from the launcher only sets a flag
+        finally:
+            self._restore_signals()
+            if self.watchdog is not None:
+                self.watchdog.__exit__(None, None, None)
+            if self.lock is not None:
+                self.lock.release()
+
+    # ------------------------------------------------------------------------------- signals
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers live in the main thread; a library caller keeps its own
+        for sig in PREEMPTION_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signal = signum
+        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+        logger.warning(
+            f"received {signal.Signals(signum).name}: finishing step {self.watchdog.step}, then "
+            "saving a checkpoint and exiting (send it again to exit at once)"
+        )
+
+    def stop_requested(self) -> str | None:
+        """The preemption signal any rank received by now (same answer on every rank), or None.
+        One all-reduce of one integer: it also ends each step in step with every rank."""
+        flag = torch.tensor([self.signal or 0], dtype=torch.int64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        value = int(flag.item())
+        return signal.Signals(value).name if value else None
+
+    # ------------------------------------------------------------------------------ progress
+
+    def at(self, step: int, phase: str) -> None:
+        """Tell the watchdog where this rank is (read by peers after a failure)."""
+        self.watchdog.step, self.watchdog.phase = step, phase
+
+    def last_checkpoint(self) -> str:
+        """One sentence: the checkpoint a restart would resume from."""
+        ck = self.cfg.checkpoints
+        if ck is None:
+            return "No checkpoints are configured: a restart starts from step 0."
+        step = latest_step(Path(ck.checkpoints_path))
+        if step is None:
+            return f"No complete checkpoint in {ck.checkpoints_path} yet."
+        return f"The last complete checkpoint is {Path(ck.checkpoints_path) / str(step)}."
+
+    def check_finite(self, step: int, loss: float, grad_norm: float) -> bool:
+        """True when the step's update was applied. A non-finite loss or gradient norm (whose
+        update `train_step` did not apply) is skipped while `mesh3d.skip_nonfinite_steps` allows,
+        else a `NonFiniteError` stops the run."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return True
+        allowed = self.cfg.mesh3d.skip_nonfinite_steps
+        what = f"lm_loss {loss}, grad_norm {grad_norm}"
+        if self.skipped < allowed:
+            self.skipped += 1
+            logger.warning(
+                f"step {step}: non-finite ({what}); update skipped "
+                f"({self.skipped} of mesh3d.skip_nonfinite_steps={allowed})"
+            )
+            return False
+        skipped = f" after skipping {self.skipped} such step(s)" if self.skipped else ""
+        raise NonFiniteError(
+            f"step {step}: non-finite values ({what}){skipped}; the update was not applied and "
+            f"nothing was saved. {self.last_checkpoint()} Lower the learning rate "
+            "(optimizer.learning_rate_scheduler.learning_rate) or clip_grad, check the data, "
+            "or set mesh3d.skip_nonfinite_steps to skip a few such steps"
+        )

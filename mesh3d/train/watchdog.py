@@ -1,0 +1,185 @@
+"""Each rank's watchdog: a heartbeat other ranks can read, and a launcher that must stay alive.
+
+A daemon thread per rank writes `{step, phase, host, pid, time}` into the rendezvous store every
+`interval` seconds (a fifth of the collective timeout, at most 10 s). When a collective fails
+(timeout, connection reset), `diagnose` reads every rank's heartbeat and names the ranks that did
+not arrive: the ones whose heartbeat stopped (stopped with SIGSTOP, dead, or hung in native code)
+or that are behind. A peer on this host that is *stopped* is sent SIGKILL, because a stopped
+process ignores the launcher's SIGTERM and torchrun would wait out its shutdown timeout.
+
+The thread also ends this rank (exit code 4) when its parent, the launcher, is gone: ranks whose
+torchrun was killed with SIGKILL would otherwise train and save on their own. And it refreshes the
+checkpoints-folder lock of world rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from mesh3d.errors import PeerError
+
+# what a failed collective says on gloo and NCCL (a timeout, or a peer that went away)
+_COLLECTIVE_FAILURE = re.compile(
+    r"gloo|nccl|timed out|connection (closed|reset)|broken pipe|DistBackendError|ProcessGroup",
+    re.IGNORECASE,
+)
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    return isinstance(error, dist.DistError) or bool(_COLLECTIVE_FAILURE.search(str(error)))
+
+
+def heartbeat_interval(collective_timeout_s: float) -> float:
+    return max(0.2, min(10.0, collective_timeout_s / 5))
+
+
+def _state_of(pid: int) -> str | None:
+    """The Linux process state letter of `pid` (T: stopped), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+class Watchdog:
+    """The heartbeat thread of one rank; the main thread sets `step` and `phase`.
+
+    Example:
+
+        with Watchdog(rank, world, interval=10.0, key="run-1") as dog:
+            dog.step, dog.phase = 5, "step"
+            ...
+            message = dog.diagnose(error)   # after a collective failed
+    """
+
+    def __init__(self, rank: int, world: int, interval: float, key: str, lock=None,
+                 last_checkpoint: Callable[[], str] = str):  # fmt: skip
+        """`lock`: the checkpoints-folder lock this rank holds (refreshed here); `last_checkpoint`
+        says which checkpoint a restart would resume from, for the messages."""
+        self.rank, self.world, self.interval = rank, world, interval
+        self.step, self.phase = 0, "start"
+        self.lock, self.last_checkpoint = lock, last_checkpoint
+        self.host, self.pid, self.ppid = socket.gethostname(), os.getpid(), os.getppid()
+        self._store = dist.PrefixStore(
+            f"mesh3d/heartbeat/{key}", dist.distributed_c10d._get_default_store()
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mesh3d-watchdog", daemon=True)
+
+    def __enter__(self) -> Watchdog:
+        self._publish()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval + 1)
+
+    def _publish(self) -> None:
+        beat = {"step": self.step, "phase": self.phase, "host": self.host, "pid": self.pid,
+                "time": time.time()}  # fmt: skip
+        self._store.set(str(self.rank), json.dumps(beat))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self.ppid > 1 and os.getppid() != self.ppid:
+                self._launcher_gone()
+            with contextlib.suppress(Exception):  # the store may be gone as a job ends
+                self._publish()
+            if self.lock is not None:
+                self.lock.refresh()
+
+    def _launcher_gone(self) -> None:
+        message = (
+            f"error: [rank {self.rank}] the launcher (pid {self.ppid}) is gone, so this rank "
+            f"stops at step {self.step} ({self.phase}) instead of training on alone. "
+            f"{self.last_checkpoint()}"
+        )
+        print(message, file=sys.stderr, flush=True)
+        if self.lock is not None:
+            self.lock.release()  # so that a restart can take the folder at once
+        os._exit(PeerError.exit_code)
+
+    # ----------------------------------------------------------------------- after a failure
+
+    def _beats(self) -> dict[int, dict]:
+        out = {}
+        for r in range(self.world):
+            if self._store.check([str(r)]):
+                out[r] = json.loads(self._store.get(str(r)))
+        return out
+
+    def _read_beats(self, deadline_s: float) -> dict[int, dict] | None:
+        """Every rank's heartbeat, None when the store does not answer within `deadline_s`."""
+        box: list = []
+        reader = threading.Thread(target=lambda: box.append(self._beats()), daemon=True)
+        reader.start()
+        reader.join(deadline_s)
+        return box[0] if box else None
+
+    def diagnose(self, error: BaseException) -> PeerError:
+        """A `PeerError` for the failed collective `error`, naming the ranks that did not come."""
+        first = (
+            str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        )
+        head = f"a collective failed at step {self.step} ({self.phase}): {first}."
+        stale_after = 3 * self.interval
+        beats = self._read_beats(2 * self.interval + 2)
+        deadline = time.time() + min(10.0, 2.5 * self.interval)
+        while beats is not None and time.time() < deadline:
+            if any(
+                time.time() - b["time"] > stale_after for r, b in beats.items() if r != self.rank
+            ):
+                break  # someone's heartbeat already stopped: that is the answer
+            time.sleep(self.interval / 2)  # a peer that just died: wait for its heartbeat to age
+            beats = self._read_beats(2 * self.interval + 2)
+        if beats is None:
+            body = "The rendezvous store does not answer, so the other ranks cannot be named (the rank or agent hosting it may be stopped or dead)."
+        else:
+            body = self._describe(beats, stale_after)
+        return PeerError(f"{head} {body} {self.last_checkpoint()}".strip())
+
+    def _describe(self, beats: dict[int, dict], stale_after: float) -> str:
+        now, parts, killed = time.time(), [], []
+        missing = [r for r in range(self.world) if r not in beats]
+        stale = {r: b for r, b in beats.items() if r != self.rank and now - b["time"] > stale_after}
+        behind = {r: b for r, b in beats.items()
+                  if r not in stale and r != self.rank and b["step"] < self.step}  # fmt: skip
+        for r, b in sorted(stale.items()):
+            where = f"host {b['host']}, pid {b['pid']}"
+            parts.append(
+                f"rank {r} ({where}) last reported step {b['step']} ({b['phase']}) "
+                f"{now - b['time']:.0f} s ago: its heartbeat stopped (the process is stopped, "
+                "dead, or hung in native code)"
+            )
+            if b["host"] == self.host and _state_of(b["pid"]) in ("T", "t"):
+                try:
+                    os.kill(b["pid"], signal.SIGKILL)
+                    killed.append(f"rank {r} (pid {b['pid']})")
+                except OSError:
+                    pass
+        for r, b in sorted(behind.items()):
+            parts.append(f"rank {r} is alive but still at step {b['step']} ({b['phase']})")
+        if missing:
+            parts.append(f"rank(s) {', '.join(map(str, missing))} never reported")
+        if not parts:
+            return (
+                "Every rank's heartbeat is fresh and at this step: the communication itself "
+                "failed (network, backend), or a rank is hung inside a collective."
+            )
+        text = "Not arrived: " + "; ".join(parts) + "."
+        if killed:
+            text += f" Sent SIGKILL to the stopped {', '.join(killed)} on this host, which would ignore the launcher's SIGTERM."
+        return text

@@ -1,0 +1,185 @@
+"""The fault suite, part 2 (real processes): stopped ranks, preemption signals, a killed
+launcher, a full disk, two runs on one folder. Each test reproduces one row of the table in
+README "When things go wrong" with `recipes/train.py` as users start it, and asserts the time
+to exit, the message and what is left on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from dist import run_ranks
+from launch import REPO, TRAIN, Ranks, alive, children, quiet_env
+from parity import TINY, layout_overrides, train_runs
+
+from mesh3d.checkpoint.folder import verify
+from mesh3d.checkpoint.lock import LOCK
+from mesh3d.config import config_from_dict, save_config
+
+TIMEOUT = ["mesh3d.collective_timeout_s=4", "mesh3d.checkpoint_timeout_s=30"]
+DP2 = layout_overrides(2, 1, "ALL_REDUCE", 0, False)
+
+
+@pytest.fixture(scope="module")
+def tiny_yaml(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    save_config(config_from_dict(TINY), path)
+    return path
+
+
+def _args(cfg: Path, *overrides: str) -> list[str]:
+    return ["--config-file", str(cfg), *overrides]
+
+
+def _losses(metrics_file: Path) -> list[float]:
+    return [json.loads(line)["lm_loss"] for line in metrics_file.read_text().splitlines()]
+
+
+def test_stopped_rank_ends_the_job_within_the_timeout_and_is_named(tiny_yaml, tmp_path):
+    """`kill -STOP` of one rank: no output for 1,832 s, then a timeout blaming rank 0."""
+    args = _args(tiny_yaml, *DP2, *TIMEOUT, "tokens.train_steps=400")
+    with Ranks(2, args, tmp_path) as ranks:
+        ranks.wait_for(r"iteration: 3 / 400")
+        ranks.send(1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        codes = ranks.wait(timeout=60)
+        took = time.monotonic() - stopped
+    out = ranks.output(0)
+    assert codes[0] == 4, out[-2000:]
+    assert codes[1] == -signal.SIGKILL  # rank 0 ended the stopped rank: it ignores SIGTERM
+    assert took < 4 + 10, took  # the collective timeout, plus diagnosis and exit
+    line = next(x for x in out.splitlines() if x.startswith("error:"))
+    assert re.search(r"a collective failed at step \d+ \(step\): .*Timed out", line), line
+    assert re.search(
+        r"rank 1 \(host .*, pid \d+\) last reported step \d+ \(step\) \d+ s ago: its heartbeat stopped",
+        line,
+    ), line
+    assert "Sent SIGKILL to the stopped rank 1" in line
+
+
+def test_sigterm_to_torchrun_saves_and_the_same_command_resumes_exactly(tiny_yaml, tmp_path):
+    """SIGTERM to the launcher (Slurm's preemption notice): exit in 0.6 s, no checkpoint, work
+    lost. Now every rank finishes the step, saves it, exits 75; the same command resumes."""
+    root = tmp_path / "ck"
+    overrides = [*DP2, *TIMEOUT, "tokens.train_steps=12", f"checkpoints.checkpoints_path={root}",
+                 "checkpoints.checkpoint_interval=100", f"checkpoints.resume_checkpoint_path={root}"]  # fmt: skip
+
+    def launch(metrics: Path) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(TRAIN), "--metrics-file", str(metrics), *_args(tiny_yaml, *overrides)]  # fmt: skip
+        return subprocess.Popen(cmd, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    first = launch(tmp_path / "first.jsonl")
+    while not (tmp_path / "first.jsonl").exists() or len(_losses(tmp_path / "first.jsonl")) < 3:
+        assert first.poll() is None, first.stdout.read()
+        time.sleep(0.1)
+    first.send_signal(signal.SIGTERM)
+    out, _ = first.communicate(timeout=60)
+    done = len(_losses(tmp_path / "first.jsonl"))
+    assert f"preempted: SIGTERM received: stopped after step {done} and saved {root}/{done}" in out
+    assert re.search(r"exitcode\s*: 75", out), out[-3000:]
+    assert (root / "latest.txt").read_text() == str(done) and verify(root / str(done)) == []
+    second = launch(tmp_path / "second.jsonl")
+    out2, _ = second.communicate(timeout=120)
+    assert second.returncode == 0, out2[-3000:]
+    assert f"Resumed from {root} at step {done}" in out2
+    (straight,) = run_ranks(2, train_runs, [DP2 + ["tokens.train_steps=12"]], timeout=120)[0]
+    assert (
+        _losses(tmp_path / "first.jsonl") + _losses(tmp_path / "second.jsonl") == straight["loss"]
+    )
+
+
+def test_ranks_stop_when_their_launcher_is_killed(tiny_yaml, tmp_path):
+    """`kill -9` of torchrun: the 4 ranks trained and saved to the end on their own."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(TRAIN), *_args(tiny_yaml, *DP2, *TIMEOUT, "tokens.train_steps=400")]  # fmt: skip
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(cmd, cwd=REPO, env=quiet_env(), stdout=out, stderr=out)
+    try:
+        while "iteration: 2 / 400" not in log.read_text():
+            assert launcher.poll() is None, log.read_text()
+            time.sleep(0.1)
+        workers = children(launcher.pid)
+        assert len(workers) == 2
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        while any(alive(w) for w in workers) and time.monotonic() - killed < 30:
+            time.sleep(0.1)
+        took = time.monotonic() - killed
+    finally:
+        for w in children(launcher.pid) + [launcher.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(w, signal.SIGKILL)
+    assert not any(alive(w) for w in workers) and took < 5, took
+    assert f"the launcher (pid {launcher.pid}) is gone, so this rank stops" in log.read_text()
+
+
+def test_two_runs_on_one_folder_and_a_single_process_preemption(tiny_yaml, tmp_path):
+    """Two runs with one checkpoints_path: both saved into it, one crashed on the other's .tmp.
+    Now the second fails at start with one line; the first, sent SIGTERM, saves and exits 75."""
+    root = tmp_path / "ck"
+    args = _args(tiny_yaml, "tokens.train_steps=400", f"checkpoints.checkpoints_path={root}",
+                 "checkpoints.checkpoint_interval=1000")  # fmt: skip
+    with Ranks(1, args, tmp_path / "a") as first:
+        first.wait_for(r"iteration: 2 / 400")
+        second = subprocess.run([sys.executable, str(TRAIN), *args], cwd=REPO, env=quiet_env(),
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert second.returncode == 2
+        errors = [x for x in second.stderr.splitlines() if x.startswith("error:")]
+        assert (
+            len(errors) == 1 and f"checkpoints folder {root} is in use by another run" in errors[0]
+        )
+        first.send(0, signal.SIGTERM)
+        (code,) = first.wait(timeout=60)
+    assert code == 75, first.output()[-2000:]
+    step = int(re.search(r"stopped after step (\d+)", first.output()).group(1))
+    assert sorted(p.name for p in root.iterdir()) == sorted([str(step), "latest.txt"])  # no lock
+    assert verify(root / str(step)) == []
+
+
+def _tmpfs_works() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    probe = "mkdir -p /tmp/mesh3d-tmpfs-probe && mount -t tmpfs -o size=1M tmpfs /tmp/mesh3d-tmpfs-probe"
+    return (
+        subprocess.run(["unshare", "-rm", "sh", "-c", probe], capture_output=True).returncode == 0
+    )
+
+
+@pytest.mark.skipif(
+    not _tmpfs_works(), reason="needs a small tmpfs: `unshare -rm` + mount not permitted here"
+)
+def test_full_disk_refuses_the_save_and_keeps_the_previous_checkpoint(tiny_yaml, tmp_path):
+    """Disk full during a save: iostream errors on every rank, .tmp-N left, the disk stays full.
+    On a 1.5 MiB tmpfs, the step-2 checkpoint (~0.7 MiB) fits and the step-4 one does not."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = _args(tiny_yaml, "tokens.train_steps=6", f"checkpoints.checkpoints_path={disk}/ck",
+                 "checkpoints.checkpoint_interval=2")  # fmt: skip
+    script = (f"mount -t tmpfs -o size=1536k tmpfs {disk} && {sys.executable} {TRAIN} "
+              + " ".join(args) + f"; code=$?; cp -r {disk}/ck {tmp_path}/after; exit $code")  # fmt: skip
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=quiet_env(),
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert run.returncode == 5, run.stdout[-2000:] + run.stderr[-2000:]
+    (line,) = [x for x in run.stderr.splitlines() if x.startswith("error:")]
+    assert re.search(
+        rf"not enough space for the checkpoint of step 4 in {disk}/ck: it needs about [\d.]+ GiB, [\d.]+ GiB are free; the last complete checkpoint is {disk}/ck/2",
+        line,
+    ), line
+    after = tmp_path / "after"
+    assert sorted(p.name for p in after.iterdir()) == ["2", "latest.txt"]  # no .tmp-4, no lock
+    assert verify(after / "2") == []
+    assert not (after / LOCK).exists()
