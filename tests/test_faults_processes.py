@@ -38,7 +38,7 @@ def tiny_yaml(tmp_path_factory) -> Path:
 
 
 def _args(cfg: Path, *overrides: str) -> list[str]:
-    return ["--config-file", str(cfg), *overrides]
+    return ["--config-file", str(cfg), "logging.log_level=info", *overrides]
 
 
 def _losses(metrics_file: Path) -> list[float]:
@@ -57,6 +57,7 @@ def test_stopped_rank_ends_the_job_within_the_timeout_and_is_named(tiny_yaml, tm
     out = ranks.output(0)
     assert codes[0] == 4, out[-2000:]
     assert codes[1] == -signal.SIGKILL  # rank 0 ended the stopped rank: it ignores SIGTERM
+    print(f"stopped rank: the job ended {took:.1f} s after SIGSTOP (collective timeout 4 s)")
     assert took < 4 + 10, took  # the collective timeout, plus diagnosis and exit
     line = next(x for x in out.splitlines() if x.startswith("error:"))
     assert re.search(r"a collective failed at step \d+ \(step\): .*Timed out", line), line
@@ -88,7 +89,10 @@ def test_sigterm_to_torchrun_saves_and_the_same_command_resumes_exactly(tiny_yam
     out, _ = first.communicate(timeout=60)
     done = len(_losses(tmp_path / "first.jsonl"))
     assert f"preempted: SIGTERM received: stopped after step {done} and saved {root}/{done}" in out
-    assert re.search(r"exitcode\s*: 75", out), out[-3000:]
+    assert first.returncode == 1, (
+        first.returncode,
+        out[-3000:],
+    )  # torchrun's own code after a signal
     assert (root / "latest.txt").read_text() == str(done) and verify(root / str(done)) == []
     second = launch(tmp_path / "second.jsonl")
     out2, _ = second.communicate(timeout=120)
@@ -123,6 +127,7 @@ def test_ranks_stop_when_their_launcher_is_killed(tiny_yaml, tmp_path):
         for w in children(launcher.pid) + [launcher.pid]:
             with contextlib.suppress(OSError):
                 os.kill(w, signal.SIGKILL)
+    print(f"launcher killed: its ranks ended {took:.1f} s later")
     assert not any(alive(w) for w in workers) and took < 5, took
     assert f"the launcher (pid {launcher.pid}) is gone, so this rank stops" in log.read_text()
 
@@ -164,19 +169,19 @@ def _tmpfs_works() -> bool:
 )
 def test_full_disk_refuses_the_save_and_keeps_the_previous_checkpoint(tiny_yaml, tmp_path):
     """Disk full during a save: iostream errors on every rank, .tmp-N left, the disk stays full.
-    On a 1.5 MiB tmpfs, the step-2 checkpoint (~0.7 MiB) fits and the step-4 one does not."""
+    On a 2 MiB tmpfs, the step-2 checkpoint (~1.3 MiB) fits and the step-4 one does not."""
     disk = tmp_path / "disk"
     disk.mkdir()
     args = _args(tiny_yaml, "tokens.train_steps=6", f"checkpoints.checkpoints_path={disk}/ck",
                  "checkpoints.checkpoint_interval=2")  # fmt: skip
-    script = (f"mount -t tmpfs -o size=1536k tmpfs {disk} && {sys.executable} {TRAIN} "
+    script = (f"mount -t tmpfs -o size=2m tmpfs {disk} && {sys.executable} {TRAIN} "
               + " ".join(args) + f"; code=$?; cp -r {disk}/ck {tmp_path}/after; exit $code")  # fmt: skip
     run = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=REPO, env=quiet_env(),
                          capture_output=True, text=True, timeout=180)  # fmt: skip
     assert run.returncode == 5, run.stdout[-2000:] + run.stderr[-2000:]
     (line,) = [x for x in run.stderr.splitlines() if x.startswith("error:")]
     assert re.search(
-        rf"not enough space for the checkpoint of step 4 in {disk}/ck: it needs about [\d.]+ GiB, [\d.]+ GiB are free; the last complete checkpoint is {disk}/ck/2",
+        rf"not enough space for the checkpoint of step 4 in {disk}/ck: it needs about [\d.]+ MiB, [\d.]+ KiB are free; the last complete checkpoint is {disk}/ck/2",
         line,
     ), line
     after = tmp_path / "after"

@@ -39,7 +39,11 @@ _CHUNK = 16 * 2**20
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """`n` bytes for a message: GiB, or MiB / KiB when smaller."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def crc32_of(path: Path) -> tuple[int, int]:

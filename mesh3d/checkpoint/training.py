@@ -62,7 +62,7 @@ def checkpoint_bytes(n_params: int, cfg) -> int:
     weight = DTYPES[cfg.model.dtype].itemsize
     moments = 8 if cfg.optimizer.optimizer_factory.name.lower() == "adamw" else 0
     masters = 4 if _writes_masters(cfg) else 0
-    return n_params * (weight + moments + masters) + 2**20  # + small files
+    return n_params * (weight + moments + masters) + 2**18  # + small files
 
 
 def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler, coords) -> None:

@@ -137,7 +137,7 @@ class RunGuard:
 
     def at(self, step: int, phase: str) -> None:
         """Tell the watchdog where this rank is (read by peers after a failure)."""
-        self.watchdog.step, self.watchdog.phase = step, phase
+        self.watchdog.at(step, phase)
 
     def last_checkpoint(self) -> str:
         """One sentence: the checkpoint a restart would resume from."""

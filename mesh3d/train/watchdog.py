@@ -59,7 +59,7 @@ class Watchdog:
     Example:
 
         with Watchdog(rank, world, interval=10.0, key="run-1") as dog:
-            dog.step, dog.phase = 5, "step"
+            dog.at(5, "step")
             ...
             message = dog.diagnose(error)   # after a collective failed
     """
@@ -75,7 +75,7 @@ class Watchdog:
         self._store = dist.PrefixStore(
             f"mesh3d/heartbeat/{key}", dist.distributed_c10d._get_default_store()
         )
-        self._stop = threading.Event()
+        self._stop, self._wake = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="mesh3d-watchdog", daemon=True)
 
     def __enter__(self) -> Watchdog:
@@ -85,7 +85,13 @@ class Watchdog:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=self.interval + 1)
+
+    def at(self, step: int, phase: str) -> None:
+        """Where this rank is now; published by the thread (at most 20 times a second)."""
+        self.step, self.phase = step, phase
+        self._wake.set()
 
     def _publish(self) -> None:
         beat = {"step": self.step, "phase": self.phase, "host": self.host, "pid": self.pid,
@@ -93,13 +99,20 @@ class Watchdog:
         self._store.set(str(self.rank), json.dumps(beat))
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        refreshed = time.monotonic()
+        while True:
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             if self.ppid > 1 and os.getppid() != self.ppid:
                 self._launcher_gone()
             with contextlib.suppress(Exception):  # the store may be gone as a job ends
                 self._publish()
-            if self.lock is not None:
+            if self.lock is not None and time.monotonic() - refreshed >= self.interval:
                 self.lock.refresh()
+                refreshed = time.monotonic()
+            time.sleep(0.05)
 
     def _launcher_gone(self) -> None:
         message = (
