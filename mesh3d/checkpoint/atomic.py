@@ -124,5 +124,5 @@ def save_atomically(
         problem, own = _attempt(finish, tmp)
         if problem is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    _raise_first(_everyone(problem) if _rank_world()[1] > 1 else [problem], own)
+    _raise_first(_everyone(problem), own)
     return final

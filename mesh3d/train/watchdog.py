@@ -150,13 +150,12 @@ class Watchdog:
         head = f"a collective failed at step {self.step} ({self.phase}): {first}."
         stale_after = 3 * self.interval
         beats = self._read_beats(2 * self.interval + 2)
-        deadline = time.time() + min(10.0, 2.5 * self.interval)
+        deadline = time.time() + min(40.0, stale_after + self.interval)
         while beats is not None and time.time() < deadline:
-            if any(
-                time.time() - b["time"] > stale_after for r, b in beats.items() if r != self.rank
-            ):
-                break  # someone's heartbeat already stopped: that is the answer
-            time.sleep(self.interval / 2)  # a peer that just died: wait for its heartbeat to age
+            now = time.time()
+            if any(self._silent(b, now, stale_after) for r, b in beats.items() if r != self.rank):
+                break  # someone is gone or stopped: that is the answer
+            time.sleep(self.interval / 2)  # a peer on another host that just died: let it age
             beats = self._read_beats(2 * self.interval + 2)
         if beats is None:
             body = "The rendezvous store does not answer, so the other ranks cannot be named (the rank or agent hosting it may be stopped or dead)."
@@ -164,18 +163,27 @@ class Watchdog:
             body = self._describe(beats, stale_after)
         return PeerError(f"{head} {body} {self.last_checkpoint()}".strip())
 
+    def _silent(self, beat: dict, now: float, stale_after: float) -> str | None:
+        """Why a peer cannot be answering (its process is gone, or its heartbeat stopped)."""
+        if beat["host"] == self.host and _state_of(beat["pid"]) in (None, "Z", "X"):
+            return "its process is gone"
+        if now - beat["time"] > stale_after:
+            return "its heartbeat stopped (the process is stopped, dead, or hung in native code)"
+        return None
+
     def _describe(self, beats: dict[int, dict], stale_after: float) -> str:
         now, parts, killed = time.time(), [], []
         missing = [r for r in range(self.world) if r not in beats]
-        stale = {r: b for r, b in beats.items() if r != self.rank and now - b["time"] > stale_after}
+        silent = {r: why for r, b in beats.items() if r != self.rank
+                  and (why := self._silent(b, now, stale_after))}  # fmt: skip
         behind = {r: b for r, b in beats.items()
-                  if r not in stale and r != self.rank and b["step"] < self.step}  # fmt: skip
-        for r, b in sorted(stale.items()):
+                  if r not in silent and r != self.rank and b["step"] < self.step}  # fmt: skip
+        for r, why in sorted(silent.items()):
+            b = beats[r]
             where = f"host {b['host']}, pid {b['pid']}"
             parts.append(
                 f"rank {r} ({where}) last reported step {b['step']} ({b['phase']}) "
-                f"{now - b['time']:.0f} s ago: its heartbeat stopped (the process is stopped, "
-                "dead, or hung in native code)"
+                f"{now - b['time']:.0f} s ago: {why}"
             )
             if b["host"] == self.host and _state_of(b["pid"]) in ("T", "t"):
                 try:
