@@ -26,51 +26,18 @@ from torch import Tensor
 
 from mesh3d.checkpoint import names as N
 from mesh3d.errors import UserError
-from mesh3d.parallel.pipeline import split_layers
+from mesh3d.models.spec import ModelShape, spec_named
+from mesh3d.parallel.stages import split_by_cost
+
+__all__ = [
+    "ModelShape",
+    "Param",
+    "nanotron_params",
+    "read_nanotron_weights",
+    "write_nanotron_weights",
+]
 
 Slices = tuple[slice, ...]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The Llama sizes that fix every parameter's name, shape and pipeline rank.
-
-    Example:
-
-        shape = mesh3d.ModelShape.from_config(cfg)
-    """
-
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    padded_vocab: int
-    tied: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @classmethod
-    def from_config(cls, cfg) -> ModelShape:
-        """From a loaded `Config` (vocab padded for its tp, spec §4.1)."""
-        from mesh3d.config import padded_vocab_size
-
-        return cls.from_model_config(cfg.model.model_config, padded_vocab_size(cfg))
-
-    @classmethod
-    def from_model_config(cls, m, padded_vocab: int) -> ModelShape:
-        """From a `LlamaConfig` and the padded vocabulary size."""
-        return cls(
-            num_layers=m.num_hidden_layers,
-            hidden_size=m.hidden_size,
-            intermediate_size=m.intermediate_size,
-            num_heads=m.num_attention_heads,
-            num_kv_heads=m.num_key_value_heads or m.num_attention_heads,
-            padded_vocab=padded_vocab,
-            tied=m.tie_word_embeddings,
-        )
 
 
 @dataclass(frozen=True)
@@ -85,31 +52,6 @@ class Param:
     pp_rank: int
 
 
-def _our_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
-    h, f, q, kv = (
-        s.hidden_size,
-        s.intermediate_size,
-        s.num_heads * s.head_dim,
-        s.num_kv_heads * s.head_dim,
-    )
-    layer = {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
-    }
-    shapes = {"embed_tokens.weight": (s.padded_vocab, h), "norm.weight": (h,)}
-    shapes["lm_head.weight"] = (s.padded_vocab, h)
-    for i in range(s.num_layers):
-        shapes.update({N.LAYER_PREFIX_OURS.format(i=i) + k: v for k, v in layer.items()})
-    return shapes
-
-
 def _param(name: str, ours: tuple[str, ...], kind: N.Kind, pp_rank: int, shapes) -> Param:
     parts = [shapes[o] for o in ours]
     shape = (sum(p[0] for p in parts), *parts[0][1:])
@@ -117,34 +59,28 @@ def _param(name: str, ours: tuple[str, ...], kind: N.Kind, pp_rank: int, shapes)
 
 
 def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
-    """Nanotron's parameters in module order; lm_head left out when tied (spec §3.5)."""
-    shapes = _our_shapes(s)
-    stage_layers = split_layers(
-        s.num_layers,
-        pp,
-        s.hidden_size,
-        s.intermediate_size,
-        s.num_heads,
-        s.head_dim,
-        s.padded_vocab,
-    )
+    """Nanotron's parameters in module order; lm_head left out when tied (spec §3.5).
+
+    The names, the tensors each one fuses and their TP kinds come from the family's spec."""
+    spec = spec_named(s.family)
+    shapes = spec.param_shapes(s)
+    layer_costs, head_cost = spec.pipeline_costs(s)
+    stage_layers = split_by_cost(layer_costs, head_cost, pp)
     stage_of = {i: st for st, owned in enumerate(stage_layers) for i in owned}
     outer = {
         k: (ours, kind, 0 if end == "first" else pp - 1)
-        for k, (ours, kind, end) in N.OUTER_PARAMS.items()
+        for k, (ours, kind, end) in spec.nanotron_outer.items()
     }
     params = [_param(N.EMBEDDING, *outer[N.EMBEDDING], shapes)]
+    layer = spec.nanotron_layer(s)
     for i in range(s.num_layers):
-        for key, (ours, kind) in N.LAYER_PARAMS.items():
+        for key, (ours, kind) in layer.items():
             our_names = tuple(N.LAYER_PREFIX_OURS.format(i=i) + o for o in ours)
-            params.append(
-                _param(
-                    N.LAYER_PREFIX_NANOTRON.format(i=i) + key, our_names, kind, stage_of[i], shapes
-                )
-            )
-    for name, spec in outer.items():
+            name = N.LAYER_PREFIX_NANOTRON.format(i=i) + key
+            params.append(_param(name, our_names, kind, stage_of[i], shapes))
+    for name, where in outer.items():
         if name != N.EMBEDDING and not (name == N.LM_HEAD and s.tied):
-            params.append(_param(name, *spec, shapes))
+            params.append(_param(name, *where, shapes))
     return params
 
 

@@ -267,3 +267,10 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         return config_from_dict(raw)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def model_config_from_dict(d: dict, path: str = "model.model_config"):
+    """A typed model config (LlamaConfig, Qwen2Config, ...) from a mapping, such as a step
+    folder's `model_config.json`; the family is picked as for a whole config."""
+    cls, d = _pick_model_config(d, path)
+    return build(cls, copy.deepcopy(d), path, _PICKERS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh3d.config import effective_pp_schedule, padded_vocab_size
+from mesh3d.models.spec import spec_of
 from mesh3d.parallel.parallelize import dp_mode
 from mesh3d.train.build import param_and_compute_dtypes
 
@@ -34,6 +35,7 @@ class _Sizes:
     fsdp: bool  # FSDP2 on dp: zero_stage 1 or full_shard, dp > 1
     mode: str  # dp_mode
     schedule: str
+    family: str  # the model family (its spec has the TP plan)
 
     @classmethod
     def of(cls, cfg) -> _Sizes:
@@ -48,6 +50,7 @@ class _Sizes:
             param.itemsize, (autocast or param).itemsize, autocast is not None,
             p.tp_mode == "REDUCE_SCATTER" and p.tp > 1, p.recompute_layer,
             mode != "replicate" and p.dp > 1, mode, effective_pp_schedule(cfg),
+            spec_of(mc).family,
         )  # fmt: skip
 
     @property

@@ -16,18 +16,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.checkpoint.nanotron_weights import ModelShape, read_nanotron_weights
+from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.config import ExistingCheckpointInit, effective_pp_schedule, padded_vocab_size
 from mesh3d.errors import UserError
-from mesh3d.models.init import llama_init_std
-from mesh3d.models.llama import DTYPES, Llama
+from mesh3d.models.llama import DTYPES
+from mesh3d.models.spec import ModelShape, spec_of
 from mesh3d.parallel.parallelize import FullSource, dp_mode, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
     build_schedule,
     build_stage,
     pipeline_stage,
     rank_of_stage,
-    split_layers,
+    split_by_cost,
     stage_ids_of_rank,
 )
 from mesh3d.train.loss import normalized_loss
@@ -82,8 +82,9 @@ def initial_weights(cfg, padded_vocab: int) -> FullSource:
         tied = {"lm_head.weight": "embed_tokens.weight"} if mc.tie_word_embeddings else {}
         return lambda name, shape: full[tied.get(name, name)]
     scaling = getattr(init, "scaling_method", "NUM_LAYERS")
+    init_std = spec_of(mc).init_std
     return seeded_init(
-        lambda name: llama_init_std(name, init.std, mc.num_hidden_layers, scaling),
+        lambda name: init_std(name, init.std, mc.num_hidden_layers, scaling),
         cfg.general.seed,
         {"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size},
     )
@@ -95,10 +96,11 @@ def build_model_parts(cfg, mesh: DeviceMesh, device: torch.device, dp_scale: int
     `dp_scale` multiplies the pipeline loss for backward (FSDP averages gradients over dp).
     """
     mc, p = cfg.model.model_config, cfg.parallelism
+    spec = spec_of(mc)
     param_dtype, autocast_dtype = param_and_compute_dtypes(cfg)
     vocab = padded_vocab_size(cfg)
     with torch.device("meta"):
-        full = Llama(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
+        full = spec.build(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
     sp = p.tp_mode == "REDUCE_SCATTER" and p.tp > 1
 
     source = initial_weights(cfg, vocab)
@@ -109,11 +111,11 @@ def build_model_parts(cfg, mesh: DeviceMesh, device: torch.device, dp_scale: int
             mesh,
             device=device,
             source=source,
-            sequence_parallel=sp,
+            tp_plan=spec.tp_plan(sp) if p.tp > 1 else {},
             recompute_layer=p.recompute_layer,
             dp=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),
             dtype=param_dtype,
-            compile=cfg.mesh3d.compile,
+            compile_classes=spec.compile_classes(p.tp > 1) if cfg.mesh3d.compile else (),
         )
 
     if p.pp == 1:
@@ -121,8 +123,8 @@ def build_model_parts(cfg, mesh: DeviceMesh, device: torch.device, dp_scale: int
 
     name, virtual = effective_pp_schedule(cfg), cfg.mesh3d.pp_virtual_stages
     n = p.pp * virtual
-    h, heads = mc.hidden_size, mc.num_attention_heads
-    split = split_layers(mc.num_hidden_layers, n, h, mc.intermediate_size, heads, h // heads, vocab)
+    h = mc.hidden_size
+    split = split_by_cost(*spec.pipeline_costs(ModelShape.from_config(cfg)), n)
     pp_rank = mesh["pp"].get_local_rank()
     ids = stage_ids_of_rank(pp_rank, p.pp, virtual, name)
     modules = [finish(build_stage(full, i, n, split[i])) for i in ids]

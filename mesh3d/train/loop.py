@@ -23,7 +23,7 @@ from mesh3d.checkpoint.training import (
     load_checkpoint,
     save_checkpoint,
 )
-from mesh3d.config import global_batch_size, padded_vocab_size, validate
+from mesh3d.config import global_batch_size, validate
 from mesh3d.data.build import StagedData
 from mesh3d.errors import Preempted, UserError
 from mesh3d.log import logger, setup_logging
@@ -35,12 +35,12 @@ from mesh3d.mesh import (
     resolve_device,
     set_collective_timeout,
 )
+from mesh3d.models.spec import ModelShape, spec_of
 from mesh3d.parallel.parallelize import dp_mode
 from mesh3d.train.build import build_model_parts, param_and_compute_dtypes
 from mesh3d.train.guard import RunGuard, share
 from mesh3d.train.metrics import (
     iteration_metrics,
-    llama_flops,
     memory_metrics,
     peak_memory,
     peak_tflops,
@@ -125,15 +125,8 @@ def _setup(cfg) -> _Run:
     primary = dist.get_rank() in (0, logger_rank)
     setup_logging(coords, cfg.logging.log_level if primary else cfg.logging.log_level_replica)
     mc = cfg.model.model_config
-    step_flops = llama_flops(
-        mc.num_hidden_layers,
-        mc.hidden_size,
-        mc.num_attention_heads,
-        mc.num_key_value_heads or mc.num_attention_heads,
-        mc.intermediate_size,
-        padded_vocab_size(cfg),
-        cfg.tokens.sequence_length,
-        global_batch_size(cfg),
+    step_flops = spec_of(mc).step_flops(
+        ModelShape.from_config(cfg), cfg.tokens.sequence_length, global_batch_size(cfg)
     )
     _, autocast_dtype = param_and_compute_dtypes(cfg)
     return _Run(cfg, data, device, dims, coords, mesh, parts, optimizer, scheduler, mode,
