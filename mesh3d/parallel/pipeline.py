@@ -58,7 +58,9 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "zbv_zero_bubble": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-assert list(SCHEDULES) == list(stage_math.SCHEDULES), "parallel/stages.py and torch's classes differ"
+assert list(SCHEDULES) == list(stage_math.SCHEDULES), (
+    "parallel/stages.py and torch's classes differ"
+)
 
 
 def is_multi_stage(name: str) -> bool:
