@@ -37,6 +37,7 @@ import mesh3d.checkpoint.folder as folder
 import mesh3d.checkpoint.training as training
 from mesh3d.checkpoint.training import load_checkpoint, save_checkpoint
 from mesh3d.config import load_config, validate
+from mesh3d.layout import RunLayout
 from mesh3d.mesh import ParallelDims, build_mesh
 from mesh3d.train.build import build_model_parts
 from mesh3d.train.optim import build_optimizer
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
     store = dist.FileStore(str(work / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     mesh = build_mesh(ParallelDims(1, 1, 1), "cpu")
-    parts = build_model_parts(cfg, mesh, torch.device("cpu"), dp_scale=1)
+    parts = build_model_parts(cfg, RunLayout.resolve(cfg, 1), mesh, torch.device("cpu"))
     optimizer, scheduler = build_optimizer(parts.named_parameters(), cfg, torch.device("cpu"))
     n_params = sum(p.numel() for p in parts.parameters())
     before = _fill_state(parts, optimizer)

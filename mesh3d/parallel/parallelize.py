@@ -28,13 +28,6 @@ from mesh3d.models.init import init_full_tensor
 from mesh3d.parallel.tensor import TPPlan, apply_tp, shard_grads_like_params
 
 
-def dp_mode(zero_stage: int, full_shard: bool) -> str:
-    """'replicate' (zero 0), 'zero1' or 'full' — how parameters live on the dp axis."""
-    if full_shard:
-        return "full"
-    return "zero1" if zero_stage > 0 else "replicate"
-
-
 def checkpoint_layers(model: nn.Module) -> None:
     """Wrap every decoder layer in activation checkpointing (recompute in backward)."""
     for key, layer in list(model.layers.items()):

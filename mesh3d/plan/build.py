@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from mesh3d.config import validate
+from mesh3d.layout import param_and_compute_dtypes
 from mesh3d.mesh import ParallelDims
 from mesh3d.models.spec import ModelShape, spec_of
 from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_by_cost, stage_ids_of_rank
@@ -16,7 +17,6 @@ from mesh3d.plan.memory import _params, _transient
 from mesh3d.plan.records import Plan, RankPlan, StagePlan
 from mesh3d.plan.schedule import _orders, _peaks, bubble
 from mesh3d.plan.sizes import _Sizes
-from mesh3d.train.build import param_and_compute_dtypes
 
 
 def make_plan(cfg, world_size: int | None = None) -> Plan:

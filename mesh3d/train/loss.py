@@ -3,8 +3,10 @@
 Every microbatch returns sum(token losses) / (valid tokens in the *global* batch: all
 microbatches, all dp ranks). Summing these over microbatches and dp ranks gives the global mean
 token loss, and backpropagating them gives the gradient of that mean, whatever the layout.
-Nothing else in mesh3d rescales the loss or the gradients (pipeline schedules get
-`scale_grads=False`; data-parallel averaging is compensated where it is applied).
+`step_loss` is the one function both training paths (pipeline schedule and plain loop)
+backpropagate: that share, times the run's `backward_scale`, which undoes FSDP's averaging over
+dp. Nothing else in mesh3d rescales the loss or the gradients (pipeline schedules get
+`scale_grads=False`); the reported loss is the sum divided by the same scale.
 
 Under tensor parallelism the logits arrive as a vocab-sharded DTensor; the caller runs the loss
 *and its backward* under `loss_parallel()` (max and sum-exp reduced over tp; no full-vocab
@@ -15,6 +17,7 @@ padding columns are pushed to -inf so they never change the loss.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -71,3 +74,13 @@ def normalized_loss(
 
     """
     return token_loss_sum(logits, labels, vocab_size) / global_tokens
+
+
+def step_loss(vocab_size: int, global_tokens: int, backward_scale: int) -> Callable:
+    """`loss_fn(logits, labels)`: a microbatch's `normalized_loss` times `backward_scale` (the
+    run layout's: dp under FSDP, whose gradient reduce-scatter averages over dp, else 1)."""
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return normalized_loss(logits, labels, vocab_size, global_tokens) * backward_scale
+
+    return loss_fn
