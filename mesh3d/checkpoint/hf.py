@@ -137,13 +137,14 @@ def read_hf_weights(model_dir: Path) -> dict[str, Tensor]:
     return out
 
 
-def hf_to_ours(hf: dict[str, Tensor], mc, where: Path) -> dict[str, Tensor]:
-    """Our names (the family's map); caches dropped, lm_head dropped when tied; every weight
-    the model needs present and nothing else."""
+def hf_to_ours(hf: dict[str, Tensor], mc, where: Path, arch=None) -> dict[str, Tensor]:
+    """Our names (the architecture's map); caches dropped, lm_head dropped when tied; every
+    weight the model needs present and nothing else."""
     spec = spec_of(mc)
+    arch = arch or spec.hf_of(mc)
     ours = {}
     for k, v in hf.items():
-        name = spec.hf.hf_to_ours(k)
+        name = arch.hf_to_ours(k)
         if name is None or (mc.tie_word_embeddings and name == "lm_head.weight"):
             continue
         ours[name] = v
@@ -189,12 +190,15 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
         full.pop("lm_head.weight", None)
     if dtype is not None:
         full = {k: v.to(DTYPES[dtype]) for k, v in full.items()}
-    hf = {spec.hf.ours_to_hf(k): v.contiguous() for k, v in full.items()}
+    arch = spec.hf_of(mc)
+    hf = {arch.ours_to_hf(k): v.contiguous() for k, v in full.items()}
     out_dtype = next(iter(hf.values())).dtype
     name = DTYPE_NAMES.get(out_dtype, str(out_dtype).removeprefix("torch."))
+    hf_config = arch.config_to_hf(mc, name)
+    hf = arch.weights_to_hf(hf, mc) if arch.weights_to_hf else hf
     output.mkdir(parents=True, exist_ok=True)
     config = output / "config.json"
-    config.write_text(json.dumps(spec.hf.config_to_hf(mc, name), indent=2) + "\n")
+    config.write_text(json.dumps(hf_config, indent=2) + "\n")
     weights = output / "model.safetensors"
     save_file(hf, str(weights), metadata={"format": "pt"})
     return [config, weights]
@@ -211,17 +215,18 @@ def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> 
     hf_cfg = _read_json_object(
         cfg_path, f"{model_dir} has no config.json; give a Hugging Face model folder"
     )
-    spec = spec_for_hf(hf_cfg)
-    if spec is None:
+    found = spec_for_hf(hf_cfg)
+    if found is None:
         raise UserError(
             f"{cfg_path}: model_type {hf_cfg.get('model_type')!r} (architectures "
             f"{hf_cfg.get('architectures')}) is not a family mesh3d converts; supported: "
             f"{', '.join(families())}"
         )
-    mc = spec.hf.config_from_hf(hf_cfg, cfg_path)
+    spec, arch = found
+    mc = arch.config_from_hf(hf_cfg, cfg_path)
     if pp > mc.num_hidden_layers:
         raise UserError(f"--pp {pp} is more than the model's {mc.num_hidden_layers} layers")
-    ours = hf_to_ours(read_hf_weights(model_dir), mc, model_dir)
+    ours = hf_to_ours(read_hf_weights(model_dir), mc, model_dir, arch)
     vocab = mc.vocab_size
     padded = -(-vocab // tp) * tp  # make_vocab_size_divisible_by 1 (spec §4.1)
     if ours["embed_tokens.weight"].shape[0] != vocab:

@@ -73,6 +73,8 @@ class HFSpec:
     config_to_hf: Callable[[Any, str], dict]  # (model config, dtype name) -> config.json
     ours_to_hf: Callable[[str], str]  # our parameter name -> HF's
     hf_to_ours: Callable[[str], str | None]  # HF's -> ours (None: not a weight, e.g. a cache)
+    # (HF-named weights, model config) -> the weights HF expects (e.g. zero biases it always has)
+    weights_to_hf: Callable[[dict, Any], dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,12 @@ class ModelSpec:
     init_std: Callable[[str, float, int, str], float | None]  # (name, std, layers, scaling)
     step_flops: Callable[[ModelShape, int, int], float]  # (shape, seq len, global batch)
     pipeline_costs: Callable[[ModelShape], tuple[list[int], int]]  # (per-layer, lm_head)
-    hf: HFSpec
+    hf: tuple[HFSpec, ...]  # the HF architectures the family converts to and from
+    hf_for: Callable[[Any], HFSpec] = lambda mc: None  # which of them a model config becomes
+
+    def hf_of(self, model_config) -> HFSpec:
+        """The HF architecture `model_config` converts to (the first, unless `hf_for` says)."""
+        return self.hf_for(model_config) or self.hf[0]
 
 
 _SPECS: dict[str, ModelSpec] = {}
@@ -104,7 +111,7 @@ def register(spec: ModelSpec) -> ModelSpec:
 
 def _load_specs() -> None:
     if not _SPECS:  # each import registers its family
-        from mesh3d.models import llama_spec  # noqa: F401
+        from mesh3d.models import llama_spec, qwen2_spec  # noqa: F401
 
 
 def spec_of(model_config) -> ModelSpec:
@@ -131,14 +138,15 @@ def families() -> list[str]:
     return list(_SPECS)
 
 
-def spec_for_hf(hf_config: dict) -> ModelSpec | None:
-    """The spec whose HF `model_type` matches a config.json (and its `architectures`, if
-    listed), if any."""
+def spec_for_hf(hf_config: dict) -> tuple[ModelSpec, HFSpec] | None:
+    """The spec and HF architecture whose `model_type` matches a config.json (and its
+    `architectures`, if listed), if any."""
     _load_specs()
     archs = set(hf_config.get("architectures") or [])
     for spec in _SPECS.values():
-        if hf_config.get("model_type") == spec.hf.model_type and (
-            not archs or archs & set(spec.hf.architectures)
-        ):
-            return spec
+        for hf in spec.hf:
+            if hf_config.get("model_type") == hf.model_type and (
+                not archs or archs & set(hf.architectures)
+            ):
+                return spec, hf
     return None
