@@ -33,7 +33,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flex_attention", "sdpa", "ring_flash_triton", "ring")
 ATTN_IMPLEMENTATIONS += ("llama3_ring_attention",)
 SCALING_METHODS = ("NONE", "NUM_LAYERS", "LAYER_INDEX", "MODEL_SCALE")
-MICROBATCHES_GE_PP = ("1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+MICROBATCHES_GE_PP = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")  # 1f1b: pp - 1
 MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 # the keys of mesh3d.models.llama.ACTIVATIONS (kept equal by a test; that module imports torch)
 HIDDEN_ACTS = ("gelu", "gelu_pytorch_tanh", "relu", "silu")
@@ -239,9 +239,14 @@ def _pipeline(cfg: Config) -> Iterator[str]:
         )
     if layers >= stages:
         yield from _stage_split(cfg, stages)
-    need = stages if sched in V_SCHEDULES else p.pp if sched in MICROBATCHES_GE_PP else 1
+    need, what = 1, ""
+    if sched in V_SCHEDULES:
+        need, what = stages, "stages (pp x pp_virtual_stages)"
+    elif sched == "1f1b":  # Nanotron's rule; with n < pp its 1F1B is all-forward-all-backward
+        need, what = p.pp - 1, "pp - 1"
+    elif sched in MICROBATCHES_GE_PP:
+        need, what = p.pp, "pp"
     if n < need:
-        what = "stages (pp x pp_virtual_stages)" if sched in V_SCHEDULES else "pp"
         yield (
             f"`{key}` ({n}) is the number of microbatches per step; the {sched} pipeline schedule "
             f"needs at least {what} = {need}; raise it to {need} or use pp_engine: afab"
