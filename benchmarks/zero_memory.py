@@ -141,7 +141,7 @@ def measure(rank: int, world: int, cfg, steps: int) -> dict:
     batches = microbatches(data, steps + 1, gbs, dist.get_rank(group), dp, tok.micro_batch_size)
     reset_peak_rss()
     no_lr = types.SimpleNamespace(step=lambda: None)  # the LR stays where the run left it
-    loss_fn = step_loss(layout.vocab_size, layout.global_tokens, layout.backward_scale)
+    loss_fn = step_loss(layout)
     train_step(ModelParts(modules=[model], loss_fn=loss_fn), optimizer, no_lr, batches,
                layout=layout, clip_grad=cfg.optimizer.clip_grad, mesh=res.mesh,
                device=torch.device("cpu"))  # fmt: skip

@@ -51,10 +51,13 @@ class RunLayout:
     global_batch: int  # samples per step
     spec: ModelSpec
     shape: ModelShape
+    z_loss: float  # the z-loss coefficient, 0 when off
+    doc_masking: bool  # attention within documents (Qwen2's _use_doc_masking)
+    eos_token_id: int | None  # where a document ends (document masking)
 
     @classmethod
     def resolve(cls, cfg, world_size: int, rank: int = 0) -> RunLayout:
-        p, t = cfg.parallelism, cfg.tokens
+        p, t, mc = cfg.parallelism, cfg.tokens, cfg.model.model_config
         dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
         dims.validate(world_size)
         param, autocast = param_and_compute_dtypes(cfg)
@@ -71,11 +74,14 @@ class RunLayout:
             microbatch_size=t.micro_batch_size,
             microbatches=t.batch_accumulation_per_replica,
             sequence_length=t.sequence_length,
-            vocab_size=cfg.model.model_config.vocab_size,
+            vocab_size=mc.vocab_size,
             padded_vocab=padded_vocab_size(cfg),
             global_batch=global_batch_size(cfg),
-            spec=spec_of(cfg.model.model_config),
+            spec=spec_of(mc),
             shape=ModelShape.from_config(cfg),
+            z_loss=mc.z_loss_coefficient if getattr(mc, "z_loss_enabled", False) else 0.0,
+            doc_masking=bool(getattr(mc, "_use_doc_masking", False)),
+            eos_token_id=getattr(mc, "eos_token_id", None),
         )
 
     @property

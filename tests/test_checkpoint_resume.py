@@ -152,18 +152,25 @@ def test_step_folder_contents(runs):
     step = root / "4"
     meta = json.loads((step / "checkpoint_metadata.json").read_text())
     assert meta["metas"] == {
+        "consumed_tokens_total": None,  # HEAD: the sum of the (empty) per-folder counts
         "consumed_train_samples": 32,
-        "data_stages": [{"consumed_train_samples": 32, "name": "s", "start_training_step": 1}],
+        "data_stages": [{"consumed_train_samples": 32, "name": "s", "start_training_step": 1,
+                         "sequence_length": 16, "consumed_tokens_per_dataset_folder": {}}],
         "last_stage_idx": 0,
         "last_train_step": 4,
-    }
-    assert (meta["version"], meta["tp"], meta["dp"]) == ("1.4", 2, 2)
-    assert meta["custom_metas"] == {"writer": "mesh3d", "pp": 2, "zero_stage": 1}
+    }  # fmt: skip
+    assert (meta["version"], meta["tp"], meta["dp"], meta["cp"]) == ("1.4", 2, 2, 1)
+    mesh3d = {"device": "cpu", "dummy_data": "learnable"}  # config.yaml has no mesh3d section
+    assert meta["custom_metas"] == {"writer": "mesh3d", "pp": 2, "zero_stage": 1, "mesh3d": mesh3d}
     for pp in range(2):
         for tp in range(2):
             name = f"lr_scheduler_pp-{pp}-of-2_tp-{tp}-of-2_exp-0-of-1.pt"
             sd = torch.load(step / "lr_scheduler" / name, weights_only=True)
             assert sd["last_epoch"] == 4
+            # one entry per parameter of that rank's optimizer files (Nanotron's shape)
+            opt = f"optimizer_pp-{pp}-of-2_dp-0-of-2_tp-{tp}-of-2_exp-0-of-1.pt"
+            names = torch.load(step / "optimizer" / opt, weights_only=True)["names"]
+            assert len(sd["base_lrs"]) == len(sd["_last_lr"]) == len(names)
     assert not list(root.glob(".tmp-*")), "no temporary folder left behind"
     # the Nanotron-layout weights equal the model's weights after step 4
     from parity import TINY

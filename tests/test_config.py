@@ -149,6 +149,7 @@ def test_save_writes_everything_sorted_and_mesh3d_only_when_set(tmp_path):
     cfg = check(base())
     d = config_to_dict(cfg)
     assert "mesh3d" not in d and d["model"]["model_config"]["rope_theta"] == 10000.0
+    assert "moe_layer_recompute" not in d["parallelism"]  # Nanotron HEAD refuses it; unset here
     assert d["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] == 18
     cfg = check(base(), ["mesh3d.dummy_data=learnable"])
     save_config(cfg, tmp_path / "c.yaml")
@@ -233,7 +234,8 @@ BAD = [
     ("ffn-tp", [*TP2, f"{MC}.intermediate_size=63"], None, 2, f"`{MC}.intermediate_size` (63) must be divisible by `parallelism.tp` (2)"),
     ("head-dim-odd", [f"{MC}.hidden_size=12"], None, None, "must be even for rotary embeddings"),
     ("layers-pp", [*PP2, f"{MC}.num_hidden_layers=1"], None, 2, f"`{MC}.num_hidden_layers` (1) is less than the number of pipeline stages pp (2)"),
-    ("microbatches-1f1b", [*PP2, "tokens.batch_accumulation_per_replica=1"], None, 2, "the 1f1b pipeline schedule needs at least pp = 2"),
+    ("microbatches-1f1b", ["parallelism.pp=4", "tokens.batch_accumulation_per_replica=2"], None, 4, "the 1f1b pipeline schedule needs at least pp - 1 = 3"),
+    ("microbatches-looped-bfs", [*PP2, "mesh3d.pp_schedule=looped_bfs", "mesh3d.pp_virtual_stages=2", "tokens.batch_accumulation_per_replica=1"], None, 2, "the looped_bfs pipeline schedule needs at least pp = 2"),
     ("microbatches-dualpipev", [*PP2, "mesh3d.pp_schedule=dualpipev", "mesh3d.pp_virtual_stages=2"], None, 2, "the dualpipev pipeline schedule needs at least stages (pp x pp_virtual_stages) = 4"),
     ("interleaved-rounds", [*PP2, "mesh3d.pp_schedule=interleaved_1f1b", "mesh3d.pp_virtual_stages=2", "tokens.batch_accumulation_per_replica=5"], None, 2, "(5) must be a multiple of the number of rounds 5 // pp (2) = 2 for interleaved_1f1b"),
     ("zbv-virtual", ["mesh3d.pp_schedule=zbv_zero_bubble"], None, None, "`mesh3d.pp_virtual_stages` (1) must be 2 for the V-shaped schedule zbv_zero_bubble"),
@@ -282,6 +284,9 @@ BAD = [
 def test_base_config_is_valid():
     check(base(), world_size=1)
     check(base(), [*TP2, *PP2, "parallelism.dp=2"], world_size=8)
+    # Nanotron's 1F1B needs pp - 1 microbatches (it then runs as all-forward-all-backward)
+    check(base(), [*PP2, "tokens.batch_accumulation_per_replica=1"], world_size=2)
+    check(base(), ["parallelism.pp=4", "tokens.batch_accumulation_per_replica=3"], world_size=4)
     interleaved = ["mesh3d.pp_schedule=interleaved_1f1b", "mesh3d.pp_virtual_stages=2"]
     check(base(), [*PP2, *interleaved, "tokens.batch_accumulation_per_replica=3"], world_size=2)
     cfg = check(base(), ["lighteval={}", "model.model_config.rope_scaling={}"])

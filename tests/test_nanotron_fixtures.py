@@ -53,7 +53,6 @@ def test_fixture_parses_and_round_trips(path, tmp_path):
 
 
 UNSUPPORTED_FIXTURES = {
-    "classic-config_tiny_llama.yaml": "the 1f1b pipeline schedule needs at least pp = 2",
     "head-config_qwen.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet; only Llama",
     "head-config_resume_training.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet",
     "head-config_qwen_with_moe.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet",
@@ -82,8 +81,7 @@ DATA_FIXTURES = {  # their configs validate; their data is not on this machine: 
 def test_fixture_data_sections_are_supported_and_checked_before_training(name):
     from mesh3d.data.build import StagedData
 
-    # torch's 1F1B needs microbatches >= pp (Nanotron's needs pp - 1): classic tiny_llama has 1
-    cfg = load_config(FIXTURES / name, ["tokens.batch_accumulation_per_replica=2"])
+    cfg = load_config(FIXTURES / name)  # classic tiny_llama: 1f1b with 1 microbatch at pp 2
     p = cfg.parallelism
     validate(cfg, p.dp * p.tp * p.pp)
     with pytest.raises(UserError, match=DATA_FIXTURES[name]):

@@ -117,6 +117,20 @@ def test_schedule_registry():
         build_schedule("gpipe", [], 4, None)
 
 
+@pytest.mark.parametrize("pp,n,expected", [(2, 1, "ScheduleGPipe"), (4, 3, "ScheduleGPipe"),
+                                           (2, 2, "Schedule1F1B"), (4, 4, "Schedule1F1B")])  # fmt: skip
+def test_1f1b_with_fewer_microbatches_than_stages_runs_as_afab(pp, n, expected, caplog):
+    # Nanotron's 1F1B allows n >= pp - 1 and then runs all forwards before the backwards;
+    # torch's Schedule1F1B refuses n < pp, so mesh3d builds GPipe (the same order and sums)
+    stage = SimpleNamespace(group_size=pp, group_rank=0, num_stages=pp, stage_index=0,
+                            is_first=True, is_last=False, submod=torch.nn.Module())  # fmt: skip
+    with caplog.at_level("INFO", logger="mesh3d"):
+        schedule = build_schedule("1f1b", [stage], n, lambda out, target: out)
+    assert type(schedule).__name__ == expected
+    said = "runs as all-forward-all-backward, which is what Nanotron's 1F1B does"
+    assert (said in caplog.text) == (expected == "ScheduleGPipe")
+
+
 # --- build_stage -----------------------------------------------------------------------------
 
 

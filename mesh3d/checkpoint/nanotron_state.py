@@ -80,10 +80,11 @@ def optimizer_config(kind: str, tp: int, dp: int, pp: int, params: list[Param], 
     return {"type": kind, "parallelism": parallelism, "configs": configs}
 
 
-def optimizer_payload(entries: list[tuple[str, dict[str, Tensor]]], group: dict) -> dict:
-    """The dict Nanotron `torch.save`s: state by index, one param group per parameter, names,
-    and `gradient_accumulator` (fp32 masters) when any entry has one."""
-    state, groups, names, masters = {}, [], {}, {}
+def optimizer_payload(entries: list[tuple[str, dict[str, Tensor]]], groups: list[dict]) -> dict:
+    """The dict Nanotron `torch.save`s: state by index, one param group per parameter (entry i
+    in `groups[i]`, its own hyperparameters), names, and `gradient_accumulator` (fp32 masters)
+    when any entry has one."""
+    state, names, masters = {}, {}, {}
     for i, (name, tensors) in enumerate(entries):
         names[i] = name
         adam = {k: v for k, v in tensors.items() if k != MASTER}
@@ -91,11 +92,26 @@ def optimizer_payload(entries: list[tuple[str, dict[str, Tensor]]], group: dict)
             state[i] = adam
         if MASTER in tensors:
             masters[name] = tensors[MASTER]
-        groups.append({**group, "params": [i]})
-    out = {"state": state, "param_groups": groups, "names": names}
+    param_groups = [{**g, "params": [i]} for i, g in enumerate(groups)]
+    out = {"state": state, "param_groups": param_groups, "names": names}
     if masters:
         out["gradient_accumulator"] = masters
     return out
+
+
+def lr_scheduler_state(n: int, peak: float, current: float, last_epoch: int) -> dict:
+    """The LambdaLR `state_dict` Nanotron saves for a rank whose optimizer has `n` param groups
+    (one per parameter): its loader zips the lists with its own `n` lambdas (strict), so every
+    list has one entry per parameter; `base_lrs` is the peak lr its lambdas scale."""
+    return {
+        "base_lrs": [peak] * n,
+        "last_epoch": last_epoch,
+        "_step_count": last_epoch + 1,
+        "_is_initial": False,
+        "_get_lr_called_within_step": False,
+        "_last_lr": [current] * n,
+        "lr_lambdas": [{}] * n,  # a functools.partial's empty __dict__ per group
+    }
 
 
 def safe_load(path: Path, what: str):
@@ -199,11 +215,16 @@ class OptimizerFiles:
 
 
 def metadata(tp: int, dp: int, step: int, consumed: int, stages: list[dict], extra: dict) -> dict:
-    """`checkpoint_metadata.json` (spec §3.6); mesh3d's own fields go in `custom_metas`."""
+    """`checkpoint_metadata.json` (spec §3.6) with HEAD's fields too (`cp`, per-stage
+    `sequence_length` from `stages`), still version 1.4 so CLASSIC loads it; mesh3d's own fields
+    go in `custom_metas`. `consumed_tokens_total` is null: HEAD then sums the stages' (empty)
+    per-folder counts, where a number would fail its check that they add up."""
     return {
+        "cp": 1,
         "custom_metas": extra,
         "dp": dp,
         "metas": {
+            "consumed_tokens_total": None,
             "consumed_train_samples": consumed,
             "data_stages": stages,
             "last_stage_idx": max(

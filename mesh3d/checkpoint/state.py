@@ -65,11 +65,21 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
 
 
-def _group_hparams(optimizer) -> dict:
-    g = optimizer.param_groups[0]
-    keys = ("lr", "weight_decay", "betas", "eps", "amsgrad", "foreach", "maximize")
-    keys += ("capturable", "differentiable", "fused", "momentum", "dampening", "nesterov")
-    return {k: g[k] for k in keys if k in g}
+def _group_hparams(group: dict) -> dict:
+    """A parameter's own group hyperparameters, as Nanotron's one-group-per-parameter file has them.
+
+    `lr` (and `initial_lr`) is the peak rate the schedule scales, not the current one: on resume
+    Nanotron replaces its groups by the saved ones and then builds its LambdaLR with
+    `initial_lr=group["lr"]`, so a current (decayed) lr would be decayed a second time.
+    """
+    keys = ("weight_decay", "betas", "eps", "amsgrad", "foreach", "maximize", "capturable")
+    keys += ("differentiable", "momentum", "dampening", "nesterov")
+    out = {k: group[k] for k in keys if k in group}
+    peak = group.get("initial_lr", group["lr"])  # set by the LR scheduler at construction
+    out.update(lr=peak, initial_lr=peak)
+    if "fused" in group:
+        out["fused"] = bool(group["fused"])  # None (torch's default) is not fused
+    return out
 
 
 def _finite(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -103,7 +113,15 @@ def write_rank_state(
     """
     T, P, D = layout.coords["tp"], layout.coords["pp"], layout.coords["dp"]
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    entries = []
+    entries, groups = [], []
+    opt_state = optimizer.state if optimizer is not None else {}
+    group_of = {p: g for g in optimizer.param_groups for p in g["params"]} if optimizer else {}
+    # Nanotron's loader wants a state entry for every name once there is any (asserts
+    # len(state) == len(names)): a parameter without AdamW state yet gets AdamW's fresh state
+    # (zero moments, step 0), which updates exactly like no state. Before the first step no
+    # parameter has state, and the files hold none (Nanotron refuses those, as its own).
+    any_state = any(k in opt_state.get(held[o][0], {}) for p in params for o in p.ours
+                    for k in S.ADAM_KEYS)  # fmt: skip
     progress = Progress("Saving checkpoint (parameters of this rank)", len(params))
     for p in params:
         first = [held[o][0] for o in p.ours]
@@ -113,23 +131,26 @@ def write_rank_state(
             rel = f"model/{weight_file(p, T, tp, pp)}"
             writer.save_tensors(rel, {N.TENSOR_KEY: data.contiguous()}, meta)
         tensors = {S.MASTER: fused.float()} if masters else {}
-        state = optimizer.state.get(first[0], {}) if optimizer is not None else {}
+        state = opt_state.get(first[0], {})
         for k in S.ADAM_KEYS:
             if k in state:
-                full = fuse(p, {o: _full(optimizer.state[q][k]) for o, q in zip(p.ours, first)})
+                full = fuse(p, {o: _full(opt_state[q][k]) for o, q in zip(p.ours, first)})
                 tensors[k] = _finite(full, f"optimizer state {k} of {p.name}")
+            elif any_state:  # no state yet: AdamW's fresh state, in the parameter's dtype
+                tensors[k] = torch.zeros_like(fused)
         local = {k: shard_of(p, v, T, tp)[0] for k, v in tensors.items()}
         if zero:
             a, b = S.zero1_ranges(local[next(iter(local))].numel(), dp)[D] if local else (0, 0)
             local = {k: v.reshape(-1)[a:b].clone() for k, v in local.items()}
-        if "step" in state:
-            local["step"] = state["step"].detach().cpu().clone()
+        if "step" in state or any_state:
+            step = state["step"] if "step" in state else torch.zeros(())
+            local["step"] = step.detach().cpu().clone()
         entries.append((p.name, local))
+        groups.append(_group_hparams(group_of[first[0]]) if first[0] in group_of else {})
         progress.update()
     if optimizer is not None and (zero or D == 0):
         name = S.optimizer_file(P, pp, T, tp, *((D, dp) if zero else ()))
-        payload = S.optimizer_payload(entries, _group_hparams(optimizer))
-        writer.save_torch(f"optimizer/{name}", payload)
+        writer.save_torch(f"optimizer/{name}", S.optimizer_payload(entries, groups))
     writer.save_torch(f"random/{S.random_file(T, tp, D, dp, P, pp)}", S.random_states())
     progress.done()
 

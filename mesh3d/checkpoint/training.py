@@ -5,10 +5,13 @@ ignores (`mesh3d_manifest.json`, every file's size and CRC-32):
 - `model/...`: weights in the model dtype, one safetensors file per parameter and TP rank;
 - `optimizer/`: `optimizer_config.json` and one `optimizer_pp-*_tp-*_exp-0-of-1.pt` per (pp, tp)
   (ZeRO-0), or per (pp, dp, tp) with `zero_stage: 1`: AdamW state and the fp32 master weights
-  (`gradient_accumulator`) when `accumulate_grad_in_fp32`;
-- `lr_scheduler/lr_scheduler_pp-*_tp-*_exp-0-of-1.pt`, `random/tp-*_dp-*_pp-*.pt` (plain
-  tensors, unlike Nanotron's pickled classes), `config.yaml`, `model_config.json`,
-  `checkpoint_metadata.json` (mesh3d's additions under `custom_metas`).
+  (`gradient_accumulator`) when `accumulate_grad_in_fp32`, one param group per parameter in
+  Nanotron's order (its loader pairs them by position);
+- `lr_scheduler/lr_scheduler_pp-*_tp-*_exp-0-of-1.pt` (one entry per parameter of that rank, as
+  Nanotron's LambdaLR has), `random/tp-*_dp-*_pp-*.pt` (plain tensors, unlike Nanotron's
+  pickled classes), `config.yaml` (what Nanotron's strict parser reads: no `mesh3d:` section),
+  `model_config.json`, `checkpoint_metadata.json` (version 1.4 with HEAD's fields; mesh3d's
+  additions, its non-default `mesh3d:` settings included, under `custom_metas`).
 
 Saving: each rank gathers the full tensors of the parameters it holds, one Nanotron parameter at
 a time (collectives only within its pipeline stage), and writes the files of its own (pp, tp)
@@ -42,7 +45,8 @@ from mesh3d.checkpoint.nanotron_weights import (
     nanotron_params,
 )
 from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, write_rank_state
-from mesh3d.config import config_to_yaml, global_batch_size
+from mesh3d.config import global_batch_size
+from mesh3d.config.load import mesh3d_changes, nanotron_config_yaml
 from mesh3d.data.stages import stage_consumption
 from mesh3d.errors import UserError
 from mesh3d.log import logger
@@ -65,28 +69,43 @@ def checkpoint_bytes(n_params: int, cfg) -> int:
     return n_params * (weight + moments + masters) + 2**18  # + small files
 
 
+def _rank_params(cfg, parts, pp_rank: int) -> list:
+    """The Nanotron parameters this rank holds, in the order of Nanotron's optimizer files:
+    module order, where a tied lm_head on another stage than the embedding comes last, under
+    the embedding's name (Nanotron's loader pairs saved and live states by position)."""
+    held = held_parameters(parts.modules)
+    params = [p for p in nanotron_params(ModelShape.from_config(cfg), cfg.parallelism.pp)
+              if all(o in held for o in p.ours)]  # fmt: skip
+    if parts.embed_rank != pp_rank:  # at most the tied lm_head copy is named like the embedding
+        params.sort(key=lambda p: p.name == N.EMBEDDING)  # stable: the rest keep their order
+    return params
+
+
 def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler, coords) -> None:
     """This rank's weight, optimizer, scheduler and random-state files (collectives inside)."""
-    par = cfg.parallelism
-    held = held_parameters(parts.modules)
-    params = [p for p in nanotron_params(ModelShape.from_config(cfg), par.pp)
-              if all(o in held for o in p.ours)]  # fmt: skip
-    P = coords["pp"]
+    par, P = cfg.parallelism, coords["pp"]
+    params = _rank_params(cfg, parts, P)
     write_rank_state(
-        writer, params, held, optimizer, Layout(par.dp, par.tp, par.pp, coords),
-        zero=cfg.optimizer.zero_stage > 0, model_dtype=DTYPES[cfg.model.dtype],
-        masters=_writes_masters(cfg),
+        writer, params, held_parameters(parts.modules), optimizer,
+        Layout(par.dp, par.tp, par.pp, coords), zero=cfg.optimizer.zero_stage > 0,
+        model_dtype=DTYPES[cfg.model.dtype], masters=_writes_masters(cfg),
         writes_weight=lambda p: p.name != N.EMBEDDING or parts.embed_rank == P,
     )  # fmt: skip
     if coords["dp"] == 0:
+        # Nanotron's shape: one entry per parameter of this (pp, tp) rank's optimizer file
+        # (every parameter for ZeRO-1, whose files keep empty groups), peak lr as base
         name = S.lr_scheduler_file(P, par.pp, coords["tp"], par.tp)
-        writer.save_torch(f"lr_scheduler/{name}", scheduler.state_dict())
+        peak = cfg.optimizer.learning_rate_scheduler.learning_rate
+        state = S.lr_scheduler_state(
+            len(params), peak, scheduler.get_last_lr()[0], scheduler.last_epoch
+        )
+        writer.save_torch(f"lr_scheduler/{name}", state)
 
 
 def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extra: dict) -> None:
     par = cfg.parallelism
     shape = ModelShape.from_config(cfg)
-    writer.write_text("config.yaml", config_to_yaml(cfg))
+    writer.write_text("config.yaml", nanotron_config_yaml(cfg, step, consumed))
     writer.write_text("model_config.json", json.dumps(model_config_json(cfg)))
     zero = cfg.optimizer.zero_stage > 0
     kind = "ZeroDistributedOptimizer" if zero else "NamedOptimizer"
@@ -98,10 +117,14 @@ def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extr
     starts = [s.start_training_step for s in stages] or [1]
     counts = stage_consumption(starts, step, global_batch_size(cfg))
     stage_meta = [
-        {"name": s.name, "start_training_step": s.start_training_step, "consumed_train_samples": c}
+        {"name": s.name, "start_training_step": s.start_training_step, "consumed_train_samples": c,
+         "sequence_length": s.sequence_length or cfg.tokens.sequence_length,
+         "consumed_tokens_per_dataset_folder": {}}
         for s, c in zip(stages, counts)
-    ]
+    ]  # fmt: skip
     extra = {"writer": "mesh3d", "pp": par.pp, "zero_stage": cfg.optimizer.zero_stage, **extra}
+    if mesh3d_changes(cfg):  # config.yaml leaves `mesh3d:` out (Nanotron refuses it)
+        extra["mesh3d"] = mesh3d_changes(cfg)
     meta = S.metadata(par.tp, par.dp, step, consumed, stage_meta, extra)
     writer.write_text("checkpoint_metadata.json", json.dumps(meta, indent=2, sort_keys=True))
 

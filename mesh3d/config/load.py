@@ -51,8 +51,18 @@ def _need_mapping(value: Any, path: str) -> dict:
     return value
 
 
+# Nanotron model families that live in its examples/ with their own config classes
+OTHER_FAMILIES = {"is_mamba_config": "mamba", "is_llamoe_config": "llamoe"}
+
+
 def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
     d = _need_mapping(value, path)
+    for marker, family in OTHER_FAMILIES.items():
+        if marker in d:
+            raise ConfigError(
+                f"`{path}`: model family {family} (`{marker}`) is not supported by mesh3d yet; "
+                "supported: llama (is_llama_config), qwen2 (is_qwen2_config)"
+            )
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     if "is_llama_config" in d:
         return LlamaConfig, d
@@ -203,12 +213,55 @@ def config_from_dict(d: dict) -> Config:
     return _resolve(build(Config, _upgrade_legacy(copy.deepcopy(d)), "", _PICKERS))
 
 
+# keys mesh3d accepts (they are in Nanotron's examples) that Nanotron HEAD's strict parser
+# refuses: (section path, key, default)
+_NOT_NANOTRON = ((("parallelism",), "moe_layer_recompute", False),
+                 (("model", "model_config"), "interleaved_rotary", None))  # fmt: skip
+
+
+def _drop_not_nanotron(d: dict, always: bool) -> None:
+    for path, key, default in _NOT_NANOTRON:
+        section = d
+        for part in path:
+            section = section[part]
+        if key in section and (always or section[key] == default):
+            del section[key]
+
+
 def config_to_dict(cfg: Config) -> dict:
-    """Plain mapping of every field (Nanotron writes all of them); `mesh3d` only if not default."""
+    """Plain mapping of every field (Nanotron writes all of them); `mesh3d` only if not default,
+    and keys Nanotron HEAD refuses (`_NOT_NANOTRON`) only if set."""
     d = dataclasses.asdict(cfg)
     if cfg.mesh3d == Mesh3dArgs():
         del d["mesh3d"]
+    _drop_not_nanotron(d, always=False)
     return d
+
+
+def mesh3d_changes(cfg: Config) -> dict:
+    """The `mesh3d:` settings that differ from their defaults ({} when none)."""
+    default = dataclasses.asdict(Mesh3dArgs())
+    return {k: v for k, v in dataclasses.asdict(cfg.mesh3d).items() if v != default[k]}
+
+
+def nanotron_config_dict(cfg: Config, step: int | None = None, consumed: int | None = None) -> dict:
+    """The config as Nanotron HEAD writes it into a checkpoint, which its strict parser reads:
+    `general.step` / `general.consumed_train_samples` set, every stage's `sequence_length`
+    filled, and no `mesh3d:` section or other key only mesh3d accepts."""
+    d = dataclasses.asdict(cfg)
+    del d["mesh3d"]
+    _drop_not_nanotron(d, always=True)
+    d["general"].update(step=step, consumed_train_samples=consumed)
+    for stage in d["data_stages"] or []:
+        if stage["sequence_length"] is None and cfg.tokens is not None:
+            stage["sequence_length"] = cfg.tokens.sequence_length
+    return d
+
+
+def nanotron_config_yaml(cfg: Config, step: int | None = None, consumed: int | None = None) -> str:
+    """`nanotron_config_dict` as YAML, keys sorted (a step folder's `config.yaml`)."""
+    d = nanotron_config_dict(cfg, step, consumed)
+    return yaml.safe_dump(d, sort_keys=True, default_flow_style=False)
 
 
 def config_to_yaml(cfg: Config) -> str:

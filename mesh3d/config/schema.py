@@ -39,7 +39,7 @@ class ParallelismArgs:
     tp_recompute_allgather: bool = True
     expert_parallel_size: int = 1
     context_parallel_size: int = 1
-    moe_layer_recompute: bool = False
+    moe_layer_recompute: bool = False  # in Nanotron's examples, not its schema: never written
 
 
 @dataclass
@@ -101,7 +101,7 @@ class Qwen2Config:
     rope_scaling: dict | None = None
     rope_theta: float = 10000.0
     rope_interleaved: bool = False
-    interleaved_rotary: bool | None = None  # appears in Nanotron's examples; unused
+    interleaved_rotary: bool | None = None  # in Nanotron's examples, not its schema: unused
     rope_seq_len_interpolation_factor: float | None = None
     tie_word_embeddings: bool = False
     use_cache: bool = True
@@ -113,11 +113,11 @@ class Qwen2Config:
     z_loss_enabled: bool = False
     z_loss_coefficient: float = 1e-4
     no_rope_layer: int | None = None
-    _fused_rotary_emb: bool = False
-    _fused_rms_norm: bool = False
-    _use_qkv_packed: bool = False
+    _fused_rotary_emb: bool = True
+    _fused_rms_norm: bool = True
+    _use_qkv_packed: bool = True
     _use_doc_masking: bool = False
-    log_attn_probs: bool = False
+    log_attn_probs: bool = True
     ring_attn_heads_k_stride: int | None = None
     moe_config: MoEConfig | None = None
 

@@ -9,7 +9,8 @@ The pieces, in the order a run uses them:
 - `pipeline_stage`: a `PipelineStage` with explicit meta input/output shapes (no shape
   inference, no communication at construction; shapes are fixed for the run);
 - `build_schedule` / `run_schedule`: a schedule by name, always `scale_grads=False` (the loss is
-  normalized over the global batch in mesh3d/train/loss.py, the one place);
+  normalized over the global batch in mesh3d/train/loss.py, the one place); `1f1b` with fewer
+  microbatches than stages runs as GPipe, as Nanotron's 1F1B does;
 - `sync_tied_embeddings`: with tied embeddings on two stages, sum the embedding and head
   gradients so both copies get the same update and stay bitwise equal.
 """
@@ -37,6 +38,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from mesh3d.errors import ConfigError
+from mesh3d.log import logger
 from mesh3d.parallel import stages as stage_math
 from mesh3d.parallel.data import _local
 from mesh3d.parallel.stages import rank_of_stage, split_by_cost, split_layers, stage_ids_of_rank
@@ -184,6 +186,16 @@ def build_schedule(
 
     """
     cls = SCHEDULES[stage_math.schedule(name).name]
+    if name == "1f1b" and stages and n_microbatches < stages[0].num_stages:
+        # torch's Schedule1F1B needs n >= pp. Nanotron's (n >= pp - 1) warms up pp - r - 1
+        # forwards on pp rank r: with n = pp - 1, rank 0 runs all forwards then all backwards
+        # and every rank's backwards run in microbatch order, so losses and gradient sums are
+        # GPipe's (the same order on every rank at pp 2); only the memory profile differs
+        logger.info(
+            f"1F1B with {n_microbatches} microbatches < pp {stages[0].num_stages} runs as "
+            "all-forward-all-backward, which is what Nanotron's 1F1B does"
+        )
+        cls = ScheduleGPipe
     if is_multi_stage(name):
         return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if len(stages) != 1:
@@ -202,11 +214,13 @@ def run_schedule(
     stages: list[PipelineStage],
     inputs: torch.Tensor | None,
     labels: torch.Tensor | None,
+    positions: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """One step of forward/backward over all microbatches; the per-microbatch losses.
 
     `inputs` [n·mbs, S] (needed where this rank runs stage 0) and `labels` [n·mbs, S] (where it
-    runs the last stage) are split along dim 0 into the schedule's n microbatches. Returns
+    runs the last stage) are split along dim 0 into the schedule's n microbatches, and so are
+    `positions` (document masking), which every stage's forward gets as a keyword. Returns
     the n losses from `loss_fn` where this rank runs the last stage, [] elsewhere. Logits are
     not kept (`return_outputs=False` where torch has it).
 
@@ -227,6 +241,8 @@ def run_schedule(
     losses: list[torch.Tensor] = []
     kwargs = {"return_outputs": False} if _HAS_RETURN_OUTPUTS else {}
     args = (inputs,) if first else ()
+    if positions is not None:  # [n·mbs, S]: split like the inputs, handed to every stage
+        kwargs["positions"] = positions
     schedule.step(*args, target=labels if last else None, losses=losses, **kwargs)
     return losses if last else []
 

@@ -83,7 +83,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     vocab = layout.padded_vocab
     with torch.device("meta"):
         full = spec.build(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
-    loss_fn = step_loss(layout.vocab_size, layout.global_tokens, layout.backward_scale)
+    loss_fn = step_loss(layout)
     source = initial_weights(cfg, vocab)
 
     def finish(module: nn.Module) -> nn.Module:

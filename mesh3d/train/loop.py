@@ -130,8 +130,9 @@ def _run_step(run: _Run, step: int) -> tuple[list, float, float]:
     drives it directly to interleave mesh3d's steps with other training loops.
     """
     cfg, tok = run.cfg, run.cfg.tokens
-    # middle pipeline stages take activations, not tokens: they read no data
-    reads = run.parts.has_first or run.parts.has_last
+    # middle pipeline stages take activations, not tokens: they read no data, unless their
+    # attention needs the document positions
+    reads = run.parts.has_first or run.parts.has_last or run.layout.doc_masking
     dp_rank, dp = run.layout.coords["dp"], run.layout.dims.dp
     batches = run.data.batches(step, dp_rank, dp, tok.micro_batch_size) if reads else []
     loss, grad_norm = train_step(

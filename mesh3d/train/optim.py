@@ -1,7 +1,12 @@
 """AdamW / SGD with Nanotron's settings, plus its LR schedule.
 
-Weight decay applies to every parameter (Nanotron's default) except names matching
-`optimizer.weight_decay_exclude_named_params` (HEAD key, `re.match` like Nanotron).
+Weight decay applies to every parameter (Nanotron's default) except those matching
+`optimizer.weight_decay_exclude_named_params` (HEAD key, `re.match` like Nanotron). A pattern is
+tried on our name (`layers.0.input_layernorm.weight`) and on Nanotron's
+(`model.decoder.0.pp_block.input_layernorm.weight`), so patterns written for Nanotron work; a
+tied lm_head is matched under the embedding's names, so both copies decay alike. Nanotron's
+leaked `tied_name` (its `.*layernorm.*` also excludes the projections after a layernorm) is a
+bug not copied.
 """
 
 from __future__ import annotations
@@ -10,19 +15,44 @@ import re
 
 import torch
 
+from mesh3d.checkpoint import names as N
+from mesh3d.models.spec import ModelShape, spec_named
+from mesh3d.parallel.parallelize import canonical_name
 from mesh3d.train.lr_schedule import build_lr_scheduler
 
 # devices with torch's fused AdamW kernel (CPU since torch 2.4)
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
-def param_groups(named_params, weight_decay: float, exclude: list[str]) -> list[dict]:
-    """One group with weight decay and, if any name matches `exclude`, one group without."""
+def match_names(name: str, shape: ModelShape) -> list[str]:
+    """Our name of a parameter and its Nanotron name (from the family's spec), as matched by
+    the exclusion patterns."""
+    spec = spec_named(shape.family)
+    name = canonical_name(name)
+    if shape.tied and name == "lm_head.weight":
+        name = "embed_tokens.weight"
+    theirs = [n for n, (parts, *_) in spec.nanotron_outer.items() if name in parts]
+    m = _LAYER.fullmatch(name)
+    if m:
+        prefix = N.LAYER_PREFIX_NANOTRON.format(i=m.group(1))
+        layer = spec.nanotron_layer(shape).items()
+        theirs += [prefix + k for k, (parts, _) in layer if m.group(2) in parts]
+    return [name, *theirs]
+
+
+def param_groups(
+    named_params, weight_decay: float, exclude: list[str], shape: ModelShape
+) -> list[dict]:
+    """One group with weight decay and, if any parameter's names (`match_names`) match
+    `exclude`, one group without."""
     decay, no_decay = [], []
     for name, p in named_params:
         if not p.requires_grad:
             continue
-        (no_decay if any(re.match(pat, name) for pat in exclude) else decay).append(p)
+        names = match_names(name, shape)
+        excluded = any(re.match(pat, n) for pat in exclude for n in names)
+        (no_decay if excluded else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -34,9 +64,8 @@ def build_optimizer(named_params, cfg, device: torch.device):
     o = cfg.optimizer
     f = o.optimizer_factory
     lr = o.learning_rate_scheduler.learning_rate
-    groups = param_groups(
-        named_params, o.weight_decay, list(o.weight_decay_exclude_named_params or [])
-    )
+    exclude = list(o.weight_decay_exclude_named_params or [])
+    groups = param_groups(named_params, o.weight_decay, exclude, ModelShape.from_config(cfg))
     if f.name == "sgd":
         opt = torch.optim.SGD(groups, lr=lr)
     else:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from mesh3d.data.documents import IGNORE, document_positions, mask_document_starts
 from mesh3d.layout import RunLayout
 from mesh3d.parallel.data import allreduce_gradients
 from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings
@@ -74,13 +75,14 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
 
 def forward_backward(
     parts: ModelParts,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    batches: list[tuple[torch.Tensor, ...]],
     layout: RunLayout,
     device: torch.device,
 ) -> torch.Tensor:
     """Backward of this rank's microbatches; returns its part of the step loss.
 
-    Both paths backpropagate `parts.loss_fn` (`train/loss.py::step_loss`). Without a pipeline,
+    `batches` hold (inputs, labels) or, under document masking, (inputs, labels, positions).
+    Both paths backpropagate `parts.loss_fn` (`train/loss.py::StepLoss`). Without a pipeline,
     each microbatch runs forward and backward in turn. With one, the schedule runs them all
     (it was given the same loss function at build time) and only the rank holding the last
     stage gets losses. The sum is divided by the layout's `backward_scale` once, here.
@@ -89,22 +91,40 @@ def forward_backward(
     autocast, tp = layout.autocast_dtype, layout.dims.tp
     if parts.schedule is None:
         model = parts.modules[0]
-        for inputs, labels in batches:
+        for inputs, labels, *positions in batches:
             inputs, labels = inputs.to(device), labels.to(device)
+            kwargs = {"positions": positions[0].to(device)} if positions else {}
             with _autocast(device, autocast):
-                logits = model(inputs)
+                logits = model(inputs, **kwargs)
             with _loss_ctx(tp):
                 loss = parts.loss_fn(logits, labels)
                 loss.backward()
             total += _scalar(loss)
     else:
-        inputs = torch.cat([x for x, _ in batches]).to(device) if parts.has_first else None
-        labels = torch.cat([y for _, y in batches]).to(device) if parts.has_last else None
+        inputs = torch.cat([b[0] for b in batches]).to(device) if parts.has_first else None
+        labels = torch.cat([b[1] for b in batches]).to(device) if parts.has_last else None
+        positions = None
+        if layout.doc_masking:  # every stage's attention needs them: every rank read the data
+            positions = torch.cat([b[2] for b in batches]).to(device)
         with _autocast(device, autocast), _loss_ctx(tp):
-            losses = run_schedule(parts.schedule, parts.stages, inputs, labels)
+            losses = run_schedule(parts.schedule, parts.stages, inputs, labels, positions)
         for loss in losses:
             total += _scalar(loss)
     return total / layout.backward_scale
+
+
+def with_documents(batches: list[tuple], layout: RunLayout, dp_group, device) -> tuple[list, int]:
+    """Document masking: (inputs, labels masked at document starts, positions) per microbatch,
+    and the number of valid tokens of the global batch (summed over dp): the loss's denominator."""
+    eos, out, valid = layout.eos_token_id, [], 0
+    for inputs, labels in batches:
+        labels = mask_document_starts(labels, inputs, eos)
+        out.append((inputs, labels, document_positions(inputs, eos)))
+        valid += int((labels != IGNORE).sum())
+    count = torch.tensor([valid], dtype=torch.int64, device=device)
+    if layout.dims.dp > 1:
+        dist.all_reduce(count, group=dp_group)
+    return out, int(count.item())
 
 
 @functools.lru_cache(maxsize=4)
@@ -134,6 +154,8 @@ def train_step(
     ('zero1', 'full') they were reduce-scattered in backward.
     """
     dp, tp, pp, dp_group, pp_group = _axes(mesh)
+    if layout.doc_masking:
+        batches, parts.loss_fn.tokens = with_documents(batches, layout, dp_group, device)
     total = forward_backward(parts, batches, layout, device)
     if pp > 1:
         dist.all_reduce(total, group=pp_group)  # only the last stage's ranks hold the loss
