@@ -126,3 +126,34 @@ def test_qwen2_layouts_match_one_process(world, reference):
         for name, run in zip(names, runs_of_rank):
             assert not run["replica_mismatches"], (name, run["replica_mismatches"])
     assert all(v <= TOL for v in table.values()), table
+
+
+def test_qwen2_checkpoint_has_nanotron_bias_files_and_resumes_at_another_layout(tmp_path):
+    """Saved at dp2 x tp2, resumed at pp2: the same losses as the run that never stopped."""
+    ck = [f"checkpoints.checkpoints_path={tmp_path / 'ck'}", "checkpoints.checkpoint_interval=2"]
+    dp2tp2 = layout_overrides(2, 2, "REDUCE_SCATTER", 1, True)
+    straight, _ = run_ranks(4, train_runs, [dp2tp2 + ["tokens.train_steps=4"],
+                                            dp2tp2 + ["tokens.train_steps=2", *ck]],
+                            QWEN, timeout=300)[0]  # fmt: skip
+    qkv = (
+        tmp_path
+        / "ck"
+        / "2"
+        / "model"
+        / "model"
+        / "decoder"
+        / "0"
+        / "pp_block"
+        / "attn"
+        / "qkv_proj"
+    )
+    assert sorted(p.name for p in qkv.iterdir()) == [
+        f"model_{leaf}_pp-rank-0-of-1_tp-rank-{t}-of-2.safetensors"
+        for leaf in ("bias", "weight") for t in (0, 1)
+    ]  # fmt: skip
+    resume = [f"checkpoints.resume_checkpoint_path={tmp_path / 'ck'}", "tokens.train_steps=4",
+              f"checkpoints.checkpoints_path={tmp_path / 'ck2'}", "checkpoints.checkpoint_interval=100"]  # fmt: skip
+    (resumed,) = run_ranks(2, train_runs, [layout_overrides(1, 1, "ALL_REDUCE", 0, True)
+                                           + _pp("1f1b", 1) + resume], QWEN, timeout=300)[0]  # fmt: skip
+    got, want = torch.tensor(resumed["loss"]), torch.tensor(straight["loss"][2:])
+    assert float((got - want).abs().max() / want.abs().max()) <= TOL, (got, want)

@@ -257,9 +257,11 @@ LLAMA = register(
         init_std=init_std,
         step_flops=step_flops,
         pipeline_costs=pipeline_costs,
-        hf=HFSpec(
-            ("LlamaForCausalLM",), "llama", config_from_hf, config_to_hf, ours_to_hf, hf_to_ours
-        ),
+        hf=(
+            HFSpec(
+                ("LlamaForCausalLM",), "llama", config_from_hf, config_to_hf, ours_to_hf, hf_to_ours
+            ),
+        ),  # fmt: skip
     )
 )
 llama_tp_plan = tp_plan  # the public name (mesh3d.llama_tp_plan)

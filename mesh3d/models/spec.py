@@ -110,8 +110,7 @@ def register(spec: ModelSpec) -> ModelSpec:
 
 
 def _load_specs() -> None:
-    if not _SPECS:  # each import registers its family
-        from mesh3d.models import llama_spec, qwen2_spec  # noqa: F401
+    from mesh3d.models import llama_spec, qwen2_spec  # noqa: F401  (each registers its family)
 
 
 def spec_of(model_config) -> ModelSpec:
