@@ -100,7 +100,10 @@ def save_and_load(work: Path, on: bool, cfg, parts, optimizer, scheduler, mesh, 
     """Seconds to save and to load back one checkpoint; the state must come back equal."""
     with checksums(on):
         t0 = time.perf_counter()
-        step_dir = save_checkpoint(work / "ckpt", 10, cfg, parts, optimizer, scheduler, mesh, 0)
+        layout = RunLayout.resolve(cfg, 1)
+        step_dir = save_checkpoint(
+            work / "ckpt", 10, cfg, parts, optimizer, scheduler, mesh, 0, layout=layout
+        )
         save_s = time.perf_counter() - t0
         written = _bytes(step_dir)
         folders = {d.name: _bytes(d) for d in sorted(step_dir.iterdir()) if d.is_dir()}
@@ -109,7 +112,7 @@ def save_and_load(work: Path, on: bool, cfg, parts, optimizer, scheduler, mesh, 
                 p.zero_()
         optimizer.state.clear()
         t0 = time.perf_counter()
-        load_checkpoint(step_dir, parts, optimizer, scheduler, cfg)
+        load_checkpoint(step_dir, parts, optimizer, scheduler, cfg, layout=layout)
         load_s = time.perf_counter() - t0
     after = _checksum(parts, optimizer)
     shutil.rmtree(work / "ckpt")

@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         "masked_median_s": statistics.median(times["masked"]),
         "ratio_median": statistics.median(ratios), "ratio_ci95": [low, high],
     }  # fmt: skip
-    print(f"Qwen2 h512 x 4 layers, batch {args.batch} x seq {args.seq}, {docs} documents, fp32, 1 thread")
+    print(
+        f"Qwen2 h512 x 4 layers, batch {args.batch} x seq {args.seq}, {docs} documents, fp32, 1 thread"
+    )
     print(f"causal (SDPA is_causal)  median {result['causal_median_s'] * 1e3:.0f} ms")
     print(f"documents (SDPA mask)    median {result['masked_median_s'] * 1e3:.0f} ms")
     print(f"masked / causal: {result['ratio_median']:.3f} [95% CI {low:.3f}, {high:.3f}]")

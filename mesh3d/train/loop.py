@@ -154,7 +154,7 @@ def _resume(run: _Run, guard: RunGuard) -> tuple[int, int, str | None]:
         run.mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s
     ):
         start, consumed = load_checkpoint(
-            guard.resume_path, run.parts, run.optimizer, run.scheduler, cfg,
+            guard.resume_path, run.parts, run.optimizer, run.scheduler, cfg, layout=run.layout,
             load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
         )  # fmt: skip
     custom = checkpoint_custom_metas(guard.resume_path) or {}
@@ -176,7 +176,7 @@ def _save(run: _Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | 
         extra["skipped_nonfinite_steps"] = guard.skipped
     guard.at(step, "save")
     save_checkpoint(ck.checkpoints_path, step, run.cfg, run.parts, run.optimizer, run.scheduler,
-                    run.mesh, consumed, extra=extra,
+                    run.mesh, consumed, layout=run.layout, extra=extra,
                     needed_bytes=checkpoint_bytes(run.n_params, run.cfg))  # fmt: skip
 
 

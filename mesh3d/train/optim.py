@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from mesh3d.checkpoint import names as N
+from mesh3d.checkpoint import names
 from mesh3d.models.spec import ModelShape, spec_named
 from mesh3d.parallel.parallelize import canonical_name
 from mesh3d.train.lr_schedule import build_lr_scheduler
@@ -35,7 +35,7 @@ def match_names(name: str, shape: ModelShape) -> list[str]:
     theirs = [n for n, (parts, *_) in spec.nanotron_outer.items() if name in parts]
     m = _LAYER.fullmatch(name)
     if m:
-        prefix = N.LAYER_PREFIX_NANOTRON.format(i=m.group(1))
+        prefix = names.LAYER_PREFIX_NANOTRON.format(i=m.group(1))
         layer = spec.nanotron_layer(shape).items()
         theirs += [prefix + k for k, (parts, _) in layer if m.group(2) in parts]
     return [name, *theirs]
@@ -50,8 +50,8 @@ def param_groups(
     for name, p in named_params:
         if not p.requires_grad:
             continue
-        names = match_names(name, shape)
-        excluded = any(re.match(pat, n) for pat in exclude for n in names)
+        candidates = match_names(name, shape)
+        excluded = any(re.match(pat, n) for pat in exclude for n in candidates)
         (no_decay if excluded else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
