@@ -26,7 +26,7 @@ from _sched_sim import Timeline, action_table, simulate, virtual_stages
 from mesh3d.config import load_config, padded_vocab_size
 from mesh3d.mesh import ParallelDims, build_mesh
 from mesh3d.models.llama import Llama
-from mesh3d.parallel.parallelize import dp_mode, parallelize
+from mesh3d.parallel.parallelize import parallelize
 from mesh3d.parallel.pipeline import (
     build_schedule,
     build_stage,
@@ -69,11 +69,11 @@ def _build(cfg, mesh, device: torch.device, schedule: str, recorder: Recorder):
     layers = stage_layers(cfg, n)
     with torch.device("meta"):
         full = Llama(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
-    source, mode = initial_weights(cfg, vocab), dp_mode(0, False)
+    source, mode = initial_weights(cfg, vocab), "replicate"
     ids = stage_ids_of_rank(mesh["pp"].get_local_rank(), pp, v, schedule)
     modules = [
         parallelize(build_stage(full, i, n, layers[i]), mesh, device=device, source=source,
-                    sequence_parallel=False, recompute_layer=False, dp=mode)
+                    tp_plan={}, recompute_layer=False, dp=mode)
         for i in ids
     ]  # fmt: skip
     stages = [

@@ -37,6 +37,7 @@ import mesh3d.checkpoint.folder as folder
 import mesh3d.checkpoint.training as training
 from mesh3d.checkpoint.training import load_checkpoint, save_checkpoint
 from mesh3d.config import load_config, validate
+from mesh3d.layout import RunLayout
 from mesh3d.mesh import ParallelDims, build_mesh
 from mesh3d.train.build import build_model_parts
 from mesh3d.train.optim import build_optimizer
@@ -99,7 +100,10 @@ def save_and_load(work: Path, on: bool, cfg, parts, optimizer, scheduler, mesh, 
     """Seconds to save and to load back one checkpoint; the state must come back equal."""
     with checksums(on):
         t0 = time.perf_counter()
-        step_dir = save_checkpoint(work / "ckpt", 10, cfg, parts, optimizer, scheduler, mesh, 0)
+        layout = RunLayout.resolve(cfg, 1)
+        step_dir = save_checkpoint(
+            work / "ckpt", 10, cfg, parts, optimizer, scheduler, mesh, 0, layout=layout
+        )
         save_s = time.perf_counter() - t0
         written = _bytes(step_dir)
         folders = {d.name: _bytes(d) for d in sorted(step_dir.iterdir()) if d.is_dir()}
@@ -108,7 +112,7 @@ def save_and_load(work: Path, on: bool, cfg, parts, optimizer, scheduler, mesh, 
                 p.zero_()
         optimizer.state.clear()
         t0 = time.perf_counter()
-        load_checkpoint(step_dir, parts, optimizer, scheduler, cfg)
+        load_checkpoint(step_dir, parts, optimizer, scheduler, cfg, layout=layout)
         load_s = time.perf_counter() - t0
     after = _checksum(parts, optimizer)
     shutil.rmtree(work / "ckpt")
@@ -139,7 +143,7 @@ def main(argv=None) -> int:
     store = dist.FileStore(str(work / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     mesh = build_mesh(ParallelDims(1, 1, 1), "cpu")
-    parts = build_model_parts(cfg, mesh, torch.device("cpu"), dp_scale=1)
+    parts = build_model_parts(cfg, RunLayout.resolve(cfg, 1), mesh, torch.device("cpu"))
     optimizer, scheduler = build_optimizer(parts.named_parameters(), cfg, torch.device("cpu"))
     n_params = sum(p.numel() for p in parts.parameters())
     before = _fill_state(parts, optimizer)

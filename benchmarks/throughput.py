@@ -12,7 +12,7 @@ every round, so each way is first, second and third equally often):
       microbatch, clip, AdamW, LR schedule); the loop's logging is not timed,
   (b) a plain loop over the same model class (`mesh3d.models.llama.Llama`): sum cross-entropy /
       tokens per microbatch, `clip_grad_norm_`, the same microbatching and dtype,
-  (c) transformers' `LlamaForCausalLM` (config from `mesh3d.hf_config`, SDPA, fp32, weights
+  (c) transformers' `LlamaForCausalLM` (config from the Llama spec's HF translation, SDPA, fp32, weights
       copied from (b)) in the same loop as (b).
 All three use torch's AdamW with the config's settings, fused as its `torch_adam_is_fused: true`
 asks (HF Trainer's default optimizer on torch >= 2.8, `adamw_torch_fused`, is the same kernel).
@@ -119,9 +119,9 @@ def hf_model(cfg, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     """transformers' LlamaForCausalLM with the same config and weights (SDPA, fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mesh3d.hf_config import hf_config_from_llama
+    from mesh3d.models.llama_spec import LLAMA
 
-    hf_dict = hf_config_from_llama(cfg.model.model_config, torch.float32)
+    hf_dict = LLAMA.hf.config_to_hf(cfg.model.model_config, "float32")
     hf_cfg = LlamaConfig(**hf_dict, attn_implementation="sdpa")
     model = LlamaForCausalLM(hf_cfg).float()
     renamed = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in weights.items()}

@@ -40,9 +40,11 @@ from torch.distributed.tensor import DTensor
 
 from mesh3d.config import global_batch_size, load_config, validate
 from mesh3d.data.dummy import DummyTokens, microbatches
-from mesh3d.parallel.parallelize import canonical_name, dp_mode
-from mesh3d.train.build import ModelParts, param_and_compute_dtypes
+from mesh3d.layout import RunLayout
+from mesh3d.parallel.parallelize import canonical_name
+from mesh3d.train.build import ModelParts
 from mesh3d.train.loop import train
+from mesh3d.train.loss import step_loss
 from mesh3d.train.step import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +113,8 @@ def measure(rank: int, world: int, cfg, steps: int) -> dict:
     res = train(cfg, keep_model=True)
     train_s, run_peak, rss1 = time.time() - t0, proc_status_kib("VmHWM"), proc_status_kib("VmRSS")
     model, optimizer, group = res.model, res.optimizer, res.mesh["dp"].get_group()
-    mode, dp = dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard), cfg.parallelism.dp
+    layout = RunLayout.resolve(cfg, world, rank)
+    mode, dp = layout.dp_mode, cfg.parallelism.dp
     rest = list(model.parameters())  # at rest: the shards, under FSDP
     meas = dict(params_rest=local_bytes(rest))
     peak = dict(params=0, params_grads=0)
@@ -138,10 +141,10 @@ def measure(rank: int, world: int, cfg, steps: int) -> dict:
     batches = microbatches(data, steps + 1, gbs, dist.get_rank(group), dp, tok.micro_batch_size)
     reset_peak_rss()
     no_lr = types.SimpleNamespace(step=lambda: None)  # the LR stays where the run left it
-    train_step(ModelParts(modules=[model]), optimizer, no_lr, batches, vocab_size=mc.vocab_size,
-               global_tokens=gbs * tok.sequence_length, clip_grad=cfg.optimizer.clip_grad,
-               mesh=res.mesh, dp_mode=mode, device=torch.device("cpu"),
-               autocast_dtype=param_and_compute_dtypes(cfg)[1])  # fmt: skip
+    loss_fn = step_loss(layout)
+    train_step(ModelParts(modules=[model], loss_fn=loss_fn), optimizer, no_lr, batches,
+               layout=layout, clip_grad=cfg.optimizer.clip_grad, mesh=res.mesh,
+               device=torch.device("cpu"))  # fmt: skip
     step_peak = proc_status_kib("VmHWM")
     state = [t for s in optimizer.state.values() for k, t in s.items() if k != "step"]
     kib = dict(maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rss_rest=rss1 - rss0)

@@ -25,11 +25,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
-    from mesh3d.checkpoint.nanotron_weights import (
-        ModelShape,
-        read_nanotron_weights,
-        write_nanotron_weights,
-    )
+    from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights, write_nanotron_weights
     from mesh3d.checkpoint.state import load_state, save_state
     from mesh3d.config import apply_overrides, config_from_dict, load_config, validate
     from mesh3d.config.schema import Config
@@ -38,6 +34,8 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     from mesh3d.errors import ConfigError, UserError
     from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, mesh_from_config
     from mesh3d.models.llama import Llama
+    from mesh3d.models.llama_spec import hf_llama_tp_plan, llama_tp_plan
+    from mesh3d.models.spec import ModelShape
     from mesh3d.parallel.data import allreduce_gradients
     from mesh3d.parallel.parallelize import apply_dp
     from mesh3d.parallel.pipeline import (
@@ -47,7 +45,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
         run_schedule,
         split_layers,
     )
-    from mesh3d.parallel.tensor import TPPlan, apply_tp, hf_llama_tp_plan, llama_tp_plan
+    from mesh3d.parallel.tensor import TPPlan, apply_tp
     from mesh3d.plan import make_plan
     from mesh3d.train.loop import train
     from mesh3d.train.loss import normalized_loss
@@ -57,7 +55,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
 # stays free of torch, and `python -m mesh3d.plan` does not import itself twice.
 _EXPORTS = {
     "make_plan": "mesh3d.plan",
-    "ModelShape": "mesh3d.checkpoint.nanotron_weights",
+    "ModelShape": "mesh3d.models.spec",
     "read_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
     "write_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
     "load_state": "mesh3d.checkpoint.state",
@@ -86,8 +84,8 @@ _EXPORTS = {
     "split_layers": "mesh3d.parallel.pipeline",
     "TPPlan": "mesh3d.parallel.tensor",
     "apply_tp": "mesh3d.parallel.tensor",
-    "hf_llama_tp_plan": "mesh3d.parallel.tensor",
-    "llama_tp_plan": "mesh3d.parallel.tensor",
+    "hf_llama_tp_plan": "mesh3d.models.llama_spec",
+    "llama_tp_plan": "mesh3d.models.llama_spec",
     "train": "mesh3d.train.loop",
     "normalized_loss": "mesh3d.train.loss",
     "clip_grad_norm": "mesh3d.train.step",

@@ -202,6 +202,15 @@ def _qwen(d):
     mc["is_qwen2_config"] = mc.pop("is_llama_config")
 
 
+def _qwen_moe(d):
+    _qwen(d)
+    d["model"]["model_config"]["moe_config"] = {"num_experts": 4, "top_k": 1}
+
+
+def _mamba(d):
+    d["model"]["model_config"] = dict(is_mamba_config=True, d_model=64)
+
+
 def _starcoder(d):
     d["model"]["model_config"] = dict(is_starcoder2_config=True)
 
@@ -270,11 +279,12 @@ BAD = [
     ("lighteval", ["lighteval={slurm_script_dir: x}"], None, None, "`lighteval` is not supported by mesh3d yet"),
     ("expert-parallel", ["parallelism.expert_parallel_size=2"], None, None, "`parallelism.expert_parallel_size` is not supported by mesh3d yet"),
     ("context-parallel", ["parallelism.context_parallel_size=2"], None, None, "`parallelism.context_parallel_size` is not supported by mesh3d yet"),
-    ("qwen2", [], _qwen, None, "`model.model_config` (qwen2) is not supported by mesh3d yet; only Llama"),
-    ("starcoder2", [], _starcoder, None, "`model.model_config` (starcoder2) is not supported by mesh3d yet"),
+    ("qwen2-moe", [], _qwen_moe, None, f"`{MC}.moe_config` is not supported by mesh3d yet (mixture of experts"),
+    ("starcoder2", [], _starcoder, None, "`model.model_config`: model family Starcoder2 is not supported by mesh3d yet; supported: llama, qwen2"),
+    ("mamba", [], _mamba, None, "`model.model_config`: model family mamba (`is_mamba_config`) is not supported by mesh3d yet"),
     ("spectral-mup", ["model.init_method={use_mup: true}"], None, None, "`model.init_method.use_mup` is not supported by mesh3d yet"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
-    ("z-loss", [f"{MC}.z_loss_enabled=true"], None, None, f"`{MC}.z_loss_enabled` is not supported by mesh3d yet"),
+    ("z-loss", [f"{MC}.z_loss_enabled=true", f"{MC}.z_loss_coefficient=0"], None, None, f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got 0.0"),
     ("nanoset-read-path", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_read_path: [/m]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_read_path` is not supported by mesh3d yet (set it to null)"),
     ("nanoset-skip", ["data_stages[0].data.dataset={dataset_folder: /data, skip_in_stream: true}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.skip_in_stream` is not supported by mesh3d yet (set it to false)"),
     ("stage-seq-len", ["data_stages[0].sequence_length=64"], None, None, "`data_stages[name='Stable Training Stage'].sequence_length` is not supported by mesh3d yet (a per-stage length (64)"),
@@ -352,7 +362,7 @@ def test_qwen2_model_values_checked_too():
     bad = [f"{MC}.rope_theta=0", f"{MC}.hidden_act=swish", f"{MC}.max_position_embeddings=16"]
     errors = validation_errors(config_from_dict(apply_overrides(d, bad)))
     assert [e.split("`")[1] for e in errors] == [
-        f"{MC}.rope_theta", f"{MC}.hidden_act", f"{MC}.max_position_embeddings", "model.model_config"
+        f"{MC}.rope_theta", f"{MC}.hidden_act", f"{MC}.max_position_embeddings"
     ]  # fmt: skip
 
 
@@ -407,7 +417,7 @@ def _cli(tmp_path, d, *args):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
 
 
-CLI_BAD = ["unknown-key", "override-no-equals", "world-size", "qwen2"]
+CLI_BAD = ["unknown-key", "override-no-equals", "world-size", "qwen2-moe", "mamba"]
 
 
 @pytest.mark.parametrize("case", CLI_BAD)

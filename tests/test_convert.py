@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mesh3d import convert
+from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.config import LlamaConfig, load_config
 from mesh3d.errors import UserError
@@ -137,7 +137,9 @@ def test_transformers4_config_and_user_errors(tmp_path):
     with pytest.raises(UserError, match="'yarn'.*not supported"):
         convert.from_hf(tmp_path / "hf", tmp_path / "nt2")
     path.write_text(json.dumps(dict(d, model_type="gpt2")))
-    with pytest.raises(UserError, match="not a Llama config"):
+    with pytest.raises(
+        UserError, match="model_type 'gpt2'.*is not a family mesh3d converts; supported: llama"
+    ):
         convert.from_hf(tmp_path / "hf", tmp_path / "nt3")
 
 

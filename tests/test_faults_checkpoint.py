@@ -266,12 +266,12 @@ def test_metadata_fields_are_checked(saved, tmp_path):
 
 
 def test_damaged_random_state_file_is_named():
-    from mesh3d.checkpoint import nanotron_state as S
+    from mesh3d.checkpoint import nanotron_state
 
-    states = S.random_states()
+    states = nanotron_state.random_states()
     states["python"]["state"] = torch.tensor([2**70 // 2**10] * 3, dtype=torch.float64)
     with pytest.raises(UserError, match="random-state file r.pt is damaged .*delete it"):
-        S.set_random_states(states, Path("r.pt"))
+        nanotron_state.set_random_states(states, Path("r.pt"))
 
 
 def test_one_run_per_folder_lock(saved, tmp_path):

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mesh3d.models import llama as llama_mod
-from mesh3d.models.init import init_full_tensor, init_weights, llama_init_std, param_seed
+from mesh3d.models.init import init_full_tensor, init_weights, param_seed
 from mesh3d.models.llama import Llama, num_params
+from mesh3d.models.llama_spec import init_std as llama_init_std
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

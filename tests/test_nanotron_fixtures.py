@@ -53,9 +53,7 @@ def test_fixture_parses_and_round_trips(path, tmp_path):
 
 
 UNSUPPORTED_FIXTURES = {
-    "head-config_qwen.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet; only Llama",
-    "head-config_resume_training.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet",
-    "head-config_qwen_with_moe.yaml": "`model.model_config` (qwen2) is not supported by mesh3d yet",
+    "head-config_qwen_with_moe.yaml": "`model.model_config.moe_config` is not supported by mesh3d yet",
     "head-config_tiny_llama_with_s3_upload.yaml": "`s3_upload` is not supported by mesh3d yet",
 }
 

@@ -19,7 +19,7 @@ from nanotron_fixtures import FIXTURES, needs_fixtures
 from nanotron_keys import config_key_problems
 from parity import train_runs
 
-from mesh3d.checkpoint import nanotron_state as S
+from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.training import _load_scheduler
 from mesh3d.config import (
     Qwen2Config,
@@ -246,7 +246,7 @@ def test_nanotron_config_of_every_fixture_has_only_nanotron_keys():
 
 
 def test_mesh3d_reads_old_and_new_metadata_and_scheduler_files(tmp_path):
-    new = S.metadata(2, 2, 3, 12, [dict(name="s", start_training_step=1, consumed_train_samples=12,
+    new = nanotron_state.metadata(2, 2, 3, 12, [dict(name="s", start_training_step=1, consumed_train_samples=12,
                                         sequence_length=32, consumed_tokens_per_dataset_folder={})],
                      {"writer": "mesh3d", "pp": 2})  # fmt: skip
     old = json.loads(json.dumps(new))
@@ -258,9 +258,12 @@ def test_mesh3d_reads_old_and_new_metadata_and_scheduler_files(tmp_path):
     folder.mkdir()
     one_group = {"base_lrs": [PEAK], "last_epoch": 3, "_step_count": 4, "_last_lr": [1e-4],
                  "lr_lambdas": [None], "_is_initial": False, "_get_lr_called_within_step": False}  # fmt: skip
-    for meta, sched in ((new, S.lr_scheduler_state(11, PEAK, 1e-4, 3)), (old, one_group)):
+    for meta, sched in (
+        (new, nanotron_state.lr_scheduler_state(11, PEAK, 1e-4, 3)),
+        (old, one_group),
+    ):
         (tmp_path / "checkpoint_metadata.json").write_text(json.dumps(meta))
-        assert S.read_metadata(tmp_path)["metas"]["last_train_step"] == 3
+        assert nanotron_state.read_metadata(tmp_path)["metas"]["last_train_step"] == 3
         torch.save(sched, folder / "lr_scheduler_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt")
         p = torch.nn.Parameter(torch.zeros(2))
         optimizer, scheduler = build_optimizer([("norm.weight", p)], cfg, torch.device("cpu"))

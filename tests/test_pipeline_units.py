@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from mesh3d.errors import ConfigError
 from mesh3d.models.init import init_weights
 from mesh3d.models.llama import Llama
+from mesh3d.models.llama_spec import llama_tp_plan
 from mesh3d.parallel.pipeline import (
     SCHEDULES,
     build_schedule,
@@ -29,7 +30,7 @@ from mesh3d.parallel.pipeline import (
     stage_ids_of_rank,
     sync_tied_embeddings,
 )
-from mesh3d.parallel.tensor import apply_tp, llama_tp_plan
+from mesh3d.parallel.tensor import apply_tp
 from mesh3d.train.loss import normalized_loss
 
 # --- split_layers ----------------------------------------------------------------------------

@@ -59,10 +59,11 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
 from mesh3d.mesh import ParallelDims, build_mesh
-from mesh3d.models.init import llama_init_std
 from mesh3d.models.llama import Llama
+from mesh3d.models.llama_spec import init_std as llama_init_std
+from mesh3d.models.llama_spec import llama_tp_plan
 from mesh3d.parallel.parallelize import materialize, seeded_init
-from mesh3d.parallel.tensor import apply_tp, llama_tp_plan, reduce_partial_grads
+from mesh3d.parallel.tensor import apply_tp, reduce_partial_grads
 from mesh3d.train.loss import normalized_loss
 from mesh3d.train.step import clip_grad_norm
 

@@ -4,24 +4,30 @@
     write_nanotron_weights(step_dir / "model", full, ModelShape.from_config(cfg), tp=2, pp=2)
     full = read_nanotron_weights(step_dir / "model", ModelShape.from_config(cfg))  # any tp/pp
 
-Files: `names.py` (Nanotron names, TP kinds, file names as tables), `nanotron_weights.py`
-(full tensors <-> Nanotron's per-rank safetensors files).
+Files: `names.py` (Nanotron's format as tables), `nanotron_weights.py` (full tensors <->
+Nanotron's per-rank safetensors files), `nanotron_state.py` (optimizer, scheduler, random,
+metadata files), `state.py` (a rank's share of any model), `training.py` (training step
+folders), `folder.py` / `atomic.py` (how a save reaches the disk), `lock.py` / `run_folder.py`
+(who writes a checkpoints folder), `hf.py` (Hugging Face conversion). The names below load on
+first use, so `mesh3d.checkpoint.names` stays free of torch.
 """
 
-from mesh3d.checkpoint.nanotron_weights import (
-    ModelShape,
-    model_config_json,
-    nanotron_params,
-    nanotron_shards,
-    read_nanotron_weights,
-    write_nanotron_weights,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ModelShape",
-    "model_config_json",
-    "nanotron_params",
-    "nanotron_shards",
-    "read_nanotron_weights",
-    "write_nanotron_weights",
-]
+import importlib
+
+_EXPORTS = {
+    "ModelShape": "mesh3d.models.spec",
+    "model_config_json": "mesh3d.checkpoint.nanotron_weights",
+    "nanotron_params": "mesh3d.checkpoint.nanotron_weights",
+    "nanotron_shards": "mesh3d.checkpoint.nanotron_weights",
+    "read_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
+    "write_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mesh3d.checkpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -24,53 +24,20 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from mesh3d.checkpoint import names as N
+from mesh3d.checkpoint import names
 from mesh3d.errors import UserError
-from mesh3d.parallel.pipeline import split_layers
+from mesh3d.models.spec import ModelShape, spec_named
+from mesh3d.parallel.stages import split_by_cost
+
+__all__ = [
+    "ModelShape",
+    "Param",
+    "nanotron_params",
+    "read_nanotron_weights",
+    "write_nanotron_weights",
+]
 
 Slices = tuple[slice, ...]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The Llama sizes that fix every parameter's name, shape and pipeline rank.
-
-    Example:
-
-        shape = mesh3d.ModelShape.from_config(cfg)
-    """
-
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    padded_vocab: int
-    tied: bool
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @classmethod
-    def from_config(cls, cfg) -> ModelShape:
-        """From a loaded `Config` (vocab padded for its tp, spec §4.1)."""
-        from mesh3d.config import padded_vocab_size
-
-        return cls.from_model_config(cfg.model.model_config, padded_vocab_size(cfg))
-
-    @classmethod
-    def from_model_config(cls, m, padded_vocab: int) -> ModelShape:
-        """From a `LlamaConfig` and the padded vocabulary size."""
-        return cls(
-            num_layers=m.num_hidden_layers,
-            hidden_size=m.hidden_size,
-            intermediate_size=m.intermediate_size,
-            num_heads=m.num_attention_heads,
-            num_kv_heads=m.num_key_value_heads or m.num_attention_heads,
-            padded_vocab=padded_vocab,
-            tied=m.tie_word_embeddings,
-        )
 
 
 @dataclass(frozen=True)
@@ -81,76 +48,45 @@ class Param:
     ours: tuple[str, ...]
     chunks: tuple[int, ...]
     shape: tuple[int, ...]
-    kind: N.Kind
+    kind: names.Kind
     pp_rank: int
 
 
-def _our_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
-    h, f, q, kv = (
-        s.hidden_size,
-        s.intermediate_size,
-        s.num_heads * s.head_dim,
-        s.num_kv_heads * s.head_dim,
-    )
-    layer = {
-        "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
-    }
-    shapes = {"embed_tokens.weight": (s.padded_vocab, h), "norm.weight": (h,)}
-    shapes["lm_head.weight"] = (s.padded_vocab, h)
-    for i in range(s.num_layers):
-        shapes.update({N.LAYER_PREFIX_OURS.format(i=i) + k: v for k, v in layer.items()})
-    return shapes
-
-
-def _param(name: str, ours: tuple[str, ...], kind: N.Kind, pp_rank: int, shapes) -> Param:
+def _param(name: str, ours: tuple[str, ...], kind: names.Kind, pp_rank: int, shapes) -> Param:
     parts = [shapes[o] for o in ours]
     shape = (sum(p[0] for p in parts), *parts[0][1:])
     return Param(name, ours, tuple(p[0] for p in parts), shape, kind, pp_rank)
 
 
 def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
-    """Nanotron's parameters in module order; lm_head left out when tied (spec §3.5)."""
-    shapes = _our_shapes(s)
-    stage_layers = split_layers(
-        s.num_layers,
-        pp,
-        s.hidden_size,
-        s.intermediate_size,
-        s.num_heads,
-        s.head_dim,
-        s.padded_vocab,
-    )
+    """Nanotron's parameters in module order; lm_head left out when tied (spec §3.5).
+
+    The names, the tensors each one fuses and their TP kinds come from the family's spec."""
+    spec = spec_named(s.family)
+    shapes = spec.param_shapes(s)
+    layer_costs, head_cost = spec.pipeline_costs(s)
+    stage_layers = split_by_cost(layer_costs, head_cost, pp)
     stage_of = {i: st for st, owned in enumerate(stage_layers) for i in owned}
     outer = {
         k: (ours, kind, 0 if end == "first" else pp - 1)
-        for k, (ours, kind, end) in N.OUTER_PARAMS.items()
+        for k, (ours, kind, end) in spec.nanotron_outer.items()
     }
-    params = [_param(N.EMBEDDING, *outer[N.EMBEDDING], shapes)]
+    params = [_param(names.EMBEDDING, *outer[names.EMBEDDING], shapes)]
+    layer = spec.nanotron_layer(s)
     for i in range(s.num_layers):
-        for key, (ours, kind) in N.LAYER_PARAMS.items():
-            our_names = tuple(N.LAYER_PREFIX_OURS.format(i=i) + o for o in ours)
-            params.append(
-                _param(
-                    N.LAYER_PREFIX_NANOTRON.format(i=i) + key, our_names, kind, stage_of[i], shapes
-                )
-            )
-    for name, spec in outer.items():
-        if name != N.EMBEDDING and not (name == N.LM_HEAD and s.tied):
-            params.append(_param(name, *spec, shapes))
+        for key, (ours, kind) in layer.items():
+            our_names = tuple(names.LAYER_PREFIX_OURS.format(i=i) + o for o in ours)
+            name = names.LAYER_PREFIX_NANOTRON.format(i=i) + key
+            params.append(_param(name, our_names, kind, stage_of[i], shapes))
+    for name, where in outer.items():
+        if name != names.EMBEDDING and not (name == names.LM_HEAD and s.tied):
+            params.append(_param(name, *where, shapes))
     return params
 
 
 def _slice_pairs(p: Param, tp_rank: int, tp: int) -> list[tuple[Slices, Slices]]:
     """(local slices, global slices) of TP rank `tp_rank`: one pair per chunk (spec §3.4)."""
-    dim, full = N.SPLIT_DIM[p.kind], (slice(None),) * len(p.shape)
+    dim, full = names.SPLIT_DIM[p.kind], (slice(None),) * len(p.shape)
     chunks = p.chunks if p.kind == "column" else (p.shape[dim],)
     pairs, offset = [], 0
     for c in chunks:
@@ -183,14 +119,14 @@ def _parse(text: str) -> Slices:
 def _path(p: Param, tp_rank: int, tp: int, pp: int) -> str:
     *dirs, leaf = p.name.split(".")
     if p.kind == "replicated":
-        return "/".join([*dirs, N.UNSHARDED_FILE.format(leaf=leaf)])
-    file = N.SHARDED_FILE.format(leaf=leaf, pp_rank=p.pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
+        return "/".join([*dirs, names.UNSHARDED_FILE.format(leaf=leaf)])
+    file = names.SHARDED_FILE.format(leaf=leaf, pp_rank=p.pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
     return "/".join([*dirs, file])
 
 
 def local_shape(p: Param, tp: int) -> tuple[int, ...]:
     """The shape of one TP rank's tensor of `p` (every rank's is the same for Llama)."""
-    dim = N.SPLIT_DIM[p.kind]
+    dim = names.SPLIT_DIM[p.kind]
     if dim is None:
         return p.shape
     return tuple(d // tp if i == dim else d for i, d in enumerate(p.shape))
@@ -204,7 +140,7 @@ def shard_of(p: Param, fused: Tensor, tp_rank: int, tp: int) -> tuple[Tensor, di
     parts = [fused[g] for _, g in pairs]
     data = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
     meta = {
-        "version": N.WRITE_VERSION,
+        "version": names.WRITE_VERSION,
         "unsharded_shape": str(p.shape),
         "local_global_slices_pairs": ";".join(f"{_fmt(lo)}#{_fmt(g)}" for lo, g in pairs),
     }
@@ -272,7 +208,7 @@ def write_nanotron_weights(
     for rel, (data, meta) in nanotron_shards(full, s, tp, pp).items():
         path = Path(root) / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({N.TENSOR_KEY: data}, str(path), metadata=meta or None)
+        save_file({names.TENSOR_KEY: data}, str(path), metadata=meta or None)
         paths.append(path)
     return paths
 
@@ -280,7 +216,7 @@ def write_nanotron_weights(
 def _read_file(path: Path) -> tuple[Tensor, dict[str, str]]:
     try:
         with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor(N.TENSOR_KEY), f.metadata() or {}
+            return f.get_tensor(names.TENSOR_KEY), f.metadata() or {}
     except Exception as e:  # safetensors raises several types for a damaged file
         raise UserError(
             f"cannot read weight file {path}: {e}; the file is truncated or corrupted, copy it again"
@@ -296,8 +232,8 @@ def _version(path: Path, text: str | None) -> None:
         raise UserError(
             f"{path} has no valid checkpoint `version` in its metadata ({text!r}); checkpoints older than 1.2 are not supported"
         )
-    if version > N.MAX_READ_VERSION:
-        max_v = ".".join(map(str, N.MAX_READ_VERSION))
+    if version > names.MAX_READ_VERSION:
+        max_v = ".".join(map(str, names.MAX_READ_VERSION))
         raise UserError(
             f"{path} is checkpoint version {text}, newer than the {max_v} mesh3d reads; convert it with that Nanotron version"
         )
@@ -315,7 +251,7 @@ def _shape(path: Path, text: str | None) -> tuple[int, ...]:
 def _shard_files(directory: Path, p: Param) -> list[Path]:
     """The sharded files of `p`, checking that every TP rank of the saved layout is there."""
     leaf = p.name.rsplit(".", 1)[1]
-    regex = re.compile(N.SHARDED_FILE_REGEX.format(leaf=leaf))
+    regex = re.compile(names.SHARDED_FILE_REGEX.format(leaf=leaf))
     found = (
         {f: regex.fullmatch(f.name) for f in directory.glob(f"model_{leaf}*.safetensors")}
         if directory.is_dir()
@@ -323,7 +259,7 @@ def _shard_files(directory: Path, p: Param) -> list[Path]:
     )
     found = {f: m for f, m in found.items() if m}
     if not found:
-        bad = list(directory.glob(N.BAD_NAMING_GLOB)) if directory.is_dir() else []
+        bad = list(directory.glob(names.BAD_NAMING_GLOB)) if directory.is_dir() else []
         hint = (
             " (doubled file names of checkpoint 1.3: run Nanotron's scripts/fix_checkpoint_bad_naming.py)"
             if bad
@@ -331,7 +267,7 @@ def _shard_files(directory: Path, p: Param) -> list[Path]:
         )
         tied = (
             " (or the checkpoint has tied embeddings: set tie_word_embeddings: true)"
-            if p.name == N.LM_HEAD
+            if p.name == names.LM_HEAD
             else ""
         )
         raise UserError(
@@ -347,7 +283,7 @@ def _shard_files(directory: Path, p: Param) -> list[Path]:
     present = {int(m.group(3)) for m in found.values()}
     for t in range(tp):
         if t not in present:
-            name = N.SHARDED_FILE.format(leaf=leaf, pp_rank=pp_rank, pp=pp, tp_rank=t, tp=tp)
+            name = names.SHARDED_FILE.format(leaf=leaf, pp_rank=pp_rank, pp=pp, tp_rank=t, tp=tp)
             raise UserError(
                 f"missing shard {directory / name} of {p.name} (tp={tp} checkpoint); the checkpoint is incomplete"
             )

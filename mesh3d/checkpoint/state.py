@@ -28,8 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from mesh3d.checkpoint import names as N
-from mesh3d.checkpoint import nanotron_state as S
+from mesh3d.checkpoint import names, nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
 from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
 from mesh3d.checkpoint.nanotron_weights import Param, fuse, read_param, shard_of, weight_file
@@ -121,7 +120,7 @@ def write_rank_state(
     # (zero moments, step 0), which updates exactly like no state. Before the first step no
     # parameter has state, and the files hold none (Nanotron refuses those, as its own).
     any_state = any(k in opt_state.get(held[o][0], {}) for p in params for o in p.ours
-                    for k in S.ADAM_KEYS)  # fmt: skip
+                    for k in nanotron_state.ADAM_KEYS)  # fmt: skip
     progress = Progress("Saving checkpoint (parameters of this rank)", len(params))
     for p in params:
         first = [held[o][0] for o in p.ours]
@@ -129,10 +128,10 @@ def write_rank_state(
         if D == 0 and (p.kind != "replicated" or T == 0) and writes_weight(p):
             data, meta = shard_of(p, fused.to(model_dtype or fused.dtype), T, tp)
             rel = f"model/{weight_file(p, T, tp, pp)}"
-            writer.save_tensors(rel, {N.TENSOR_KEY: data.contiguous()}, meta)
-        tensors = {S.MASTER: fused.float()} if masters else {}
+            writer.save_tensors(rel, {names.TENSOR_KEY: data.contiguous()}, meta)
+        tensors = {nanotron_state.MASTER: fused.float()} if masters else {}
         state = opt_state.get(first[0], {})
-        for k in S.ADAM_KEYS:
+        for k in nanotron_state.ADAM_KEYS:
             if k in state:
                 full = fuse(p, {o: _full(opt_state[q][k]) for o, q in zip(p.ours, first)})
                 tensors[k] = _finite(full, f"optimizer state {k} of {p.name}")
@@ -140,7 +139,11 @@ def write_rank_state(
                 tensors[k] = torch.zeros_like(fused)
         local = {k: shard_of(p, v, T, tp)[0] for k, v in tensors.items()}
         if zero:
-            a, b = S.zero1_ranges(local[next(iter(local))].numel(), dp)[D] if local else (0, 0)
+            a, b = (
+                nanotron_state.zero1_ranges(local[next(iter(local))].numel(), dp)[D]
+                if local
+                else (0, 0)
+            )
             local = {k: v.reshape(-1)[a:b].clone() for k, v in local.items()}
         if "step" in state or any_state:
             step = state["step"] if "step" in state else torch.zeros(())
@@ -149,9 +152,11 @@ def write_rank_state(
         groups.append(_group_hparams(group_of[first[0]]) if first[0] in group_of else {})
         progress.update()
     if optimizer is not None and (zero or D == 0):
-        name = S.optimizer_file(P, pp, T, tp, *((D, dp) if zero else ()))
-        writer.save_torch(f"optimizer/{name}", S.optimizer_payload(entries, groups))
-    writer.save_torch(f"random/{S.random_file(T, tp, D, dp, P, pp)}", S.random_states())
+        name = nanotron_state.optimizer_file(P, pp, T, tp, *((D, dp) if zero else ()))
+        writer.save_torch(f"optimizer/{name}", nanotron_state.optimizer_payload(entries, groups))
+    writer.save_torch(
+        f"random/{nanotron_state.random_file(T, tp, D, dp, P, pp)}", nanotron_state.random_states()
+    )
     progress.done()
 
 
@@ -195,15 +200,17 @@ def load_rank_state(
 
     `params` describe the tensors as saved (shapes, kinds); `rows` re-pads vocabulary tensors.
     """
-    files = S.OptimizerFiles(step_dir / "optimizer") if load_optimizer else None
+    files = nanotron_state.OptimizerFiles(step_dir / "optimizer") if load_optimizer else None
     adam = isinstance(optimizer, torch.optim.AdamW)
     progress = Progress(f"Loading checkpoint {step_dir}", len(params))
     for p in params:
-        master = files.full(p, S.MASTER) if files is not None and files.has_master else None
+        master = (
+            files.full(p, nanotron_state.MASTER) if files is not None and files.has_master else None
+        )
         weights = master if master is not None else read_param(step_dir / "model", p)
         states, step = {}, None
         if files is not None and adam:
-            states = {k: files.full(p, k) for k in S.ADAM_KEYS}
+            states = {k: files.full(p, k) for k in nanotron_state.ADAM_KEYS}
             states = {k: v for k, v in states.items() if v is not None}
             step = files.step(p)
         for i, o in enumerate(p.ours):
@@ -223,14 +230,14 @@ def load_rank_state(
 # ----------------------------------------------------------------- any model (library use)
 
 
-def _tp_kind(param: nn.Parameter) -> N.Kind:
+def _tp_kind(param: nn.Parameter) -> names.Kind:
     """'vocab' (split on dim 0), 'row' (dim 1) or 'replicated', from the "tp" placement."""
     if not isinstance(param, DTensor):
         return "replicated"
-    names = param.device_mesh.mesh_dim_names or ()
-    if "tp" not in names:
+    dims = param.device_mesh.mesh_dim_names or ()
+    if "tp" not in dims:
         return "replicated"
-    placement = param.placements[names.index("tp")]
+    placement = param.placements[dims.index("tp")]
     if isinstance(placement, Shard):
         if placement.dim == 0:
             return "vocab"  # one contiguous block of dim 0 per tp rank
@@ -298,9 +305,13 @@ def save_state(
                          model_dtype=None, masters=False)  # fmt: skip
 
     def write_rank0(writer: FolderWriter) -> None:
-        opt = S.optimizer_config("NamedOptimizer", layout.tp, layout.dp, layout.pp, [], False)
+        opt = nanotron_state.optimizer_config(
+            "NamedOptimizer", layout.tp, layout.dp, layout.pp, [], False
+        )
         writer.write_text("optimizer/optimizer_config.json", json.dumps(opt))
-        meta = S.metadata(layout.tp, layout.dp, 0, 0, [], {"writer": "mesh3d", "pp": layout.pp})
+        meta = nanotron_state.metadata(
+            layout.tp, layout.dp, 0, 0, [], {"writer": "mesh3d", "pp": layout.pp}
+        )
         writer.write_text("checkpoint_metadata.json", json.dumps(meta, indent=2, sort_keys=True))
 
     return save_atomically(path, write_rank, write_rank0, latest=False)
@@ -323,7 +334,7 @@ def load_state(
     """
     path = Path(path)
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-    S.read_metadata(path)
+    nanotron_state.read_metadata(path)
     problems = verify(path)
     if problems:
         raise damaged_error(path, problems)

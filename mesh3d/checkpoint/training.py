@@ -35,8 +35,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mesh3d.checkpoint import names as N
-from mesh3d.checkpoint import nanotron_state as S
+from mesh3d.checkpoint import names, nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
 from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
 from mesh3d.checkpoint.nanotron_weights import (
@@ -49,8 +48,9 @@ from mesh3d.config import global_batch_size
 from mesh3d.config.load import mesh3d_changes, nanotron_config_yaml
 from mesh3d.data.stages import stage_consumption
 from mesh3d.errors import UserError
+from mesh3d.layout import RunLayout
 from mesh3d.log import logger
-from mesh3d.mesh import ParallelDims, collective_timeout
+from mesh3d.mesh import collective_timeout
 from mesh3d.models.llama import DTYPES
 
 
@@ -77,7 +77,7 @@ def _rank_params(cfg, parts, pp_rank: int) -> list:
     params = [p for p in nanotron_params(ModelShape.from_config(cfg), cfg.parallelism.pp)
               if all(o in held for o in p.ours)]  # fmt: skip
     if parts.embed_rank != pp_rank:  # at most the tied lm_head copy is named like the embedding
-        params.sort(key=lambda p: p.name == N.EMBEDDING)  # stable: the rest keep their order
+        params.sort(key=lambda p: p.name == names.EMBEDDING)  # stable: the rest keep their order
     return params
 
 
@@ -89,14 +89,14 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler, co
         writer, params, held_parameters(parts.modules), optimizer,
         Layout(par.dp, par.tp, par.pp, coords), zero=cfg.optimizer.zero_stage > 0,
         model_dtype=DTYPES[cfg.model.dtype], masters=_writes_masters(cfg),
-        writes_weight=lambda p: p.name != N.EMBEDDING or parts.embed_rank == P,
+        writes_weight=lambda p: p.name != names.EMBEDDING or parts.embed_rank == P,
     )  # fmt: skip
     if coords["dp"] == 0:
         # Nanotron's shape: one entry per parameter of this (pp, tp) rank's optimizer file
         # (every parameter for ZeRO-1, whose files keep empty groups), peak lr as base
-        name = S.lr_scheduler_file(P, par.pp, coords["tp"], par.tp)
+        name = nanotron_state.lr_scheduler_file(P, par.pp, coords["tp"], par.tp)
         peak = cfg.optimizer.learning_rate_scheduler.learning_rate
-        state = S.lr_scheduler_state(
+        state = nanotron_state.lr_scheduler_state(
             len(params), peak, scheduler.get_last_lr()[0], scheduler.last_epoch
         )
         writer.save_torch(f"lr_scheduler/{name}", state)
@@ -111,7 +111,9 @@ def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extr
     kind = "ZeroDistributedOptimizer" if zero else "NamedOptimizer"
     if not zero and _writes_masters(cfg):
         kind = "OptimizerFromGradientAccumulator"
-    opt_cfg = S.optimizer_config(kind, par.tp, par.dp, par.pp, nanotron_params(shape), zero)
+    opt_cfg = nanotron_state.optimizer_config(
+        kind, par.tp, par.dp, par.pp, nanotron_params(shape), zero
+    )
     writer.write_text("optimizer/optimizer_config.json", json.dumps(opt_cfg))
     stages = cfg.data_stages or []
     starts = [s.start_training_step for s in stages] or [1]
@@ -125,7 +127,7 @@ def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extr
     extra = {"writer": "mesh3d", "pp": par.pp, "zero_stage": cfg.optimizer.zero_stage, **extra}
     if mesh3d_changes(cfg):  # config.yaml leaves `mesh3d:` out (Nanotron refuses it)
         extra["mesh3d"] = mesh3d_changes(cfg)
-    meta = S.metadata(par.tp, par.dp, step, consumed, stage_meta, extra)
+    meta = nanotron_state.metadata(par.tp, par.dp, step, consumed, stage_meta, extra)
     writer.write_text("checkpoint_metadata.json", json.dumps(meta, indent=2, sort_keys=True))
 
 
@@ -138,21 +140,22 @@ def save_checkpoint(
     scheduler,
     mesh,
     consumed_samples: int,
+    *,
+    layout: RunLayout,
     extra: dict | None = None,
     needed_bytes: int | None = None,
 ) -> Path:
     """Write `<root>/<step>/` (all ranks call this); returns the step folder.
 
+    `layout` is the run's (`mesh3d.layout.RunLayout`): this rank's coordinates and the shape.
     `extra` goes into the metadata's `custom_metas` (e.g. the W&B run id to continue);
     `needed_bytes` (see `checkpoint_bytes`) is checked against the free space first.
     Raises `CheckpointWriteError` or `NonFiniteError` on every rank when the save fails; the
     checkpoints folder is then as it was.
     """
-    root, rank = Path(root), dist.get_rank()
+    root, coords = Path(root), layout.coords
     final = root / str(step)
     logger.info(f"Saving checkpoint at {final}")
-    par = cfg.parallelism
-    coords = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp).coords(rank)
     with collective_timeout(mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s):
         save_atomically(
             final,
@@ -186,20 +189,20 @@ def resolve_step_dir(path: str | Path) -> Path:
 
 def checkpoint_custom_metas(path: str | Path) -> dict | None:
     """The `custom_metas` of the step folder `path` resolves to (None for Nanotron's)."""
-    return S.read_metadata(resolve_step_dir(path)).get("custom_metas")
+    return nanotron_state.read_metadata(resolve_step_dir(path)).get("custom_metas")
 
 
 def _load_scheduler(step_dir: Path, scheduler, optimizer, coords: dict, cfg) -> None:
     folder = step_dir / "lr_scheduler"
     par = cfg.parallelism
-    mine = folder / S.lr_scheduler_file(coords["pp"], par.pp, coords["tp"], par.tp)
+    mine = folder / nanotron_state.lr_scheduler_file(coords["pp"], par.pp, coords["tp"], par.tp)
     files = [mine] if mine.is_file() else sorted(folder.glob("lr_scheduler*.pt"))
     if not files:
         raise UserError(
             f"{folder} has no lr_scheduler_*.pt file; resume with "
             "checkpoints.load_lr_scheduler: false to restart the schedule"
         )
-    k = int(S.safe_load(files[0], "LR scheduler")["last_epoch"])
+    k = int(nanotron_state.safe_load(files[0], "LR scheduler")["last_epoch"])
     scheduler.last_epoch, scheduler._step_count = k, k + 1
     lrs = [base * f(k) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(optimizer.param_groups, lrs):
@@ -223,7 +226,7 @@ def verify_everywhere(step_dir: Path) -> None:
         logger.info(f"{step_dir} has no mesh3d_manifest.json (written by Nanotron?): not verified")
 
 
-def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg,
+def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layout: RunLayout,
                     load_optimizer: bool = True, load_lr_scheduler: bool = True,
                     ) -> tuple[int, int]:  # fmt: skip
     """Load weights (and optimizer/scheduler state) into this rank's parts, at any layout.
@@ -232,23 +235,23 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg,
     false, as in Nanotron (the metadata goes with the scheduler).
     """
     step_dir = resolve_step_dir(path)
-    meta = S.read_metadata(step_dir)
+    meta = nanotron_state.read_metadata(step_dir)
     verify_everywhere(step_dir)
     saved = json.loads((step_dir / "model_config.json").read_text())
-    shape = ModelShape.from_config(cfg)
+    shape = layout.shape
     saved_shape = dataclasses.replace(shape, padded_vocab=int(saved["vocab_size"]))
     held = held_parameters(parts.modules)
     params = [p for p in nanotron_params(saved_shape) if all(o in held for o in p.ours)]
     load_rank_state(step_dir, params, held, optimizer, load_optimizer, rows=shape.padded_vocab)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    par = cfg.parallelism
-    coords = ParallelDims(dp=par.dp, tp=par.tp, pp=par.pp).coords(rank)
+    par, coords = cfg.parallelism, layout.coords
     custom = meta.get("custom_metas") or {}
     same_layout = (meta["tp"], meta["dp"], custom.get("pp")) == (par.tp, par.dp, par.pp)
-    rng = step_dir / "random" / S.random_file(coords["tp"], par.tp, coords["dp"], par.dp,
+    rng = step_dir / "random" / nanotron_state.random_file(coords["tp"], par.tp, coords["dp"], par.dp,
                                               coords["pp"], par.pp)  # fmt: skip
     if custom.get("writer") == "mesh3d" and same_layout and rng.is_file():
-        S.set_random_states(S.safe_load(rng, "random-state"), rng)  # Nanotron's: pickled classes
+        nanotron_state.set_random_states(
+            nanotron_state.safe_load(rng, "random-state"), rng
+        )  # Nanotron's: pickled classes
     if not load_lr_scheduler:
         return 0, 0
     _load_scheduler(step_dir, scheduler, optimizer, coords, cfg)

@@ -51,8 +51,18 @@ def _need_mapping(value: Any, path: str) -> dict:
     return value
 
 
+# Nanotron model families that live in its examples/ with their own config classes
+OTHER_FAMILIES = {"is_mamba_config": "mamba", "is_llamoe_config": "llamoe"}
+
+
 def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
     d = _need_mapping(value, path)
+    for marker, family in OTHER_FAMILIES.items():
+        if marker in d:
+            raise ConfigError(
+                f"`{path}`: model family {family} (`{marker}`) is not supported by mesh3d yet; "
+                "supported: llama (is_llama_config), qwen2 (is_qwen2_config)"
+            )
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     if "is_llama_config" in d:
         return LlamaConfig, d
@@ -310,3 +320,10 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         return config_from_dict(raw)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def model_config_from_dict(d: dict, path: str = "model.model_config"):
+    """A typed model config (LlamaConfig, Qwen2Config, ...) from a mapping, such as a step
+    folder's `model_config.json`; the family is picked as for a whole config."""
+    cls, d = _pick_model_config(d, path)
+    return build(cls, copy.deepcopy(d), path, _PICKERS)

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 from mesh3d.config.derive import effective_pp_schedule, padded_vocab_size
 from mesh3d.config.schema import (
-    PP_SCHEDULES,
     AdamWOptimizerArgs,
     Config,
     LlamaConfig,
@@ -25,6 +24,8 @@ from mesh3d.config.schema import (
     SpectralMupInit,
 )
 from mesh3d.errors import ConfigError
+from mesh3d.models.spec import ModelShape, spec_of
+from mesh3d.parallel.stages import SCHEDULES, microbatches_needed, split_by_cost
 
 DTYPES = ("float32", "float64", "complex64", "complex128", "float16", "bfloat16")
 DTYPES += ("uint8", "int8", "int16", "int32", "int64", "bool")  # Nanotron's list, spec §1.1
@@ -33,13 +34,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flex_attention", "sdpa", "ring_flash_triton", "ring")
 ATTN_IMPLEMENTATIONS += ("llama3_ring_attention",)
 SCALING_METHODS = ("NONE", "NUM_LAYERS", "LAYER_INDEX", "MODEL_SCALE")
-MICROBATCHES_GE_PP = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")  # 1f1b: pp - 1
-MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 # the keys of mesh3d.models.llama.ACTIVATIONS (kept equal by a test; that module imports torch)
 HIDDEN_ACTS = ("gelu", "gelu_pytorch_tanh", "relu", "silu")
 EXISTING_CHECKPOINTS = ("error", "resume", "overwrite")
-V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
-ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 MC = "model.model_config"
 LR = "optimizer.learning_rate_scheduler"
 
@@ -182,7 +179,25 @@ def _model(cfg: Config) -> Iterator[str]:
         yield f"`{MC}._attn_implementation` {mc._attn_implementation!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} (mesh3d picks attention from mesh3d.attention)"
     if mc.rms_norm_eps <= 0:
         yield f"`{MC}.rms_norm_eps` must be > 0, got {mc.rms_norm_eps}"
+    if isinstance(mc, Qwen2Config):
+        yield from _qwen2(mc)
+    if mc.z_loss_enabled and not mc.z_loss_coefficient > 0:
+        yield f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got {mc.z_loss_coefficient}"
     yield from _model_more(cfg, mc)
+
+
+def _qwen2(mc: Qwen2Config) -> Iterator[str]:
+    k, layers = mc.no_rope_layer, mc.num_hidden_layers
+    if k is not None and (k < 1 or layers % k):
+        yield (
+            f"`{MC}.no_rope_layer` ({k}) must be >= 1 and divide num_hidden_layers ({layers}) "
+            "(every k-th layer has no RoPE, the last one included); use a divisor or null"
+        )
+    if mc.sliding_window_size is not None and mc.sliding_window_size < 1:
+        yield f"`{MC}.sliding_window_size` must be >= 1 or null, got {mc.sliding_window_size}"
+    factor = mc.rope_seq_len_interpolation_factor
+    if factor is not None and not factor > 0:
+        yield f"`{MC}.rope_seq_len_interpolation_factor` must be > 0 or null, got {factor}"
 
 
 def _model_more(cfg: Config, mc: LlamaConfig | Qwen2Config) -> Iterator[str]:
@@ -212,15 +227,17 @@ def _pipeline(cfg: Config) -> Iterator[str]:
         if cfg.mesh3d.pp_schedule is None:
             return  # the schedule is that pp_engine: no second message naming mesh3d.pp_schedule
     sched = effective_pp_schedule(cfg)
-    if sched not in PP_SCHEDULES:
-        yield f"`mesh3d.pp_schedule` {sched!r} is not a pipeline schedule; use one of {', '.join(PP_SCHEDULES)}"
+    if sched not in SCHEDULES:
+        yield f"`mesh3d.pp_schedule` {sched!r} is not a pipeline schedule; use one of {', '.join(SCHEDULES)}"
         return
-    if sched in V_SCHEDULES and v != 2:
+    traits = SCHEDULES[sched]
+    several = [name for name, t in SCHEDULES.items() if t.multi_stage]
+    if traits.v_shape and v != 2:
         yield f"`mesh3d.pp_virtual_stages` ({v}) must be 2 for the V-shaped schedule {sched}"
-    if sched not in V_SCHEDULES + MULTI_STAGE and v != 1:
+    if not traits.multi_stage and v != 1:
         yield (
             f"`mesh3d.pp_virtual_stages` ({v}) needs a schedule with several stages per rank; set "
-            f"mesh3d.pp_schedule to one of {', '.join(MULTI_STAGE + V_SCHEDULES)}, or pp_virtual_stages to 1"
+            f"mesh3d.pp_schedule to one of {', '.join(several)}, or pp_virtual_stages to 1"
         )
     stages, layers = p.pp * v, cfg.model.model_config.num_hidden_layers
     if layers < stages:
@@ -231,7 +248,7 @@ def _pipeline(cfg: Config) -> Iterator[str]:
     n, key = cfg.tokens.batch_accumulation_per_replica, "tokens.batch_accumulation_per_replica"
     if p.pp == 1:
         return
-    if cfg.mesh3d.full_shard and sched in ZERO_BUBBLE:
+    if cfg.mesh3d.full_shard and traits.zero_bubble:
         yield (
             f"`mesh3d.full_shard` with the {sched} pipeline schedule gives wrong gradients on torch "
             "(parameters resharded between the input- and weight-gradient passes); use "
@@ -239,17 +256,14 @@ def _pipeline(cfg: Config) -> Iterator[str]:
         )
     if layers >= stages:
         yield from _stage_split(cfg, stages)
-    need, what = 1, ""
-    if sched in V_SCHEDULES:
-        need, what = stages, "stages (pp x pp_virtual_stages)"
-    elif sched == "1f1b":  # Nanotron's rule; with n < pp its 1F1B is all-forward-all-backward
-        need, what = p.pp - 1, "pp - 1"
-    elif sched in MICROBATCHES_GE_PP:
-        need, what = p.pp, "pp"
+    need = microbatches_needed(sched, p.pp, v)
+    # "pp-1": Nanotron's 1F1B rule; with n < pp it runs all forwards then all backwards
+    what = {"stages": "stages (pp x pp_virtual_stages)", "pp-1": "pp - 1", "pp": "pp"}
     if n < need:
         yield (
             f"`{key}` ({n}) is the number of microbatches per step; the {sched} pipeline schedule "
-            f"needs at least {what} = {need}; raise it to {need} or use pp_engine: afab"
+            f"needs at least {what[traits.min_microbatches]} = {need}; raise it to {need} or use "
+            "pp_engine: afab"
         )
     elif sched in ("interleaved_1f1b", "interleaved_zero_bubble") and n % max(1, n // p.pp):
         yield (
@@ -260,15 +274,10 @@ def _pipeline(cfg: Config) -> Iterator[str]:
 
 def _stage_split(cfg: Config, stages: int) -> Iterator[str]:
     """The layer split the trainer will use, so an empty stage fails here, not at build time."""
-    from mesh3d.parallel.pipeline import split_layers  # imports torch; only when pp > 1
-
-    mc = cfg.model.model_config
-    h, heads = mc.hidden_size, mc.num_attention_heads
     try:
-        split_layers(
-            mc.num_hidden_layers, stages, h, mc.intermediate_size, heads, h // heads,
-            padded_vocab_size(cfg),
-        )  # fmt: skip
+        split_by_cost(
+            *spec_of(cfg.model.model_config).pipeline_costs(ModelShape.from_config(cfg)), stages
+        )
     except ConfigError as e:
         yield str(e)
 
@@ -408,11 +417,12 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         yield _not_yet("parallelism.expert_parallel_size", "there are no MoE models; set it to 1")
     if p.context_parallel_size > 1:
         yield _not_yet("parallelism.context_parallel_size", "set it to 1")
-    if not isinstance(m.model_config, LlamaConfig):
-        family = type(m.model_config).__name__.removesuffix("Config").lower()
-        yield f"`model.model_config` ({family}) is not supported by mesh3d yet; only Llama (is_llama_config: true)"
-    elif m.model_config.z_loss_enabled:
-        yield _not_yet(f"{MC}.z_loss_enabled", "set it to false")
+    try:
+        spec_of(m.model_config)
+    except ConfigError as e:
+        yield f"`model.model_config`: {e}"
+    if getattr(m.model_config, "moe_config", None) is not None:
+        yield _not_yet(f"{MC}.moe_config", "mixture of experts; set it to null for a dense model")
     if isinstance(m.init_method, SpectralMupInit):
         yield _not_yet("model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}")
     scaling = getattr(m.init_method, "scaling_method", None)

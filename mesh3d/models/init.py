@@ -9,22 +9,17 @@ tensor on every rank that holds a piece of it; the gain is that no layout can ch
 
 Tied parameters are seeded by their owner's name (`model.tied_parameters`, alias -> owner), so
 a last pipeline stage holding only the tied `lm_head.weight` gets the embedding's tensor.
-The std rules are Nanotron's (spec §1.5.2) and live in `llama_init_std`; the rest is
-model-agnostic.
+The std rules are Nanotron's (spec §1.5.2) and live in each family's spec (`init_std`); the
+rest is model-agnostic.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-
-from mesh3d.errors import ConfigError
-
-SCALING_METHODS = ("NUM_LAYERS", "NONE")
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -47,42 +42,24 @@ def init_full_tensor(
     return full.normal_(0.0, std, generator=gen).to(dtype)
 
 
-def llama_init_std(
-    name: str, std: float, num_layers: int, scaling_method: str = "NUM_LAYERS"
-) -> float | None:
-    """Nanotron's RandomInit std for parameter `name` (None means ones).
-
-    Norm weights: ones. Biases: zeros. o_proj / down_proj (row-parallel, feeding the residual):
-    std / sqrt(2 * num_layers) with scaling NUM_LAYERS, std with NONE. Everything else
-    (q/k/v, gate/up, embedding, LM head): std.
-    """
-    if scaling_method not in SCALING_METHODS:
-        raise ConfigError(
-            f"`model.init_method.scaling_method` {scaling_method!r} is not supported; "
-            f"use one of {SCALING_METHODS}"
-        )
-    if name.endswith("norm.weight"):
-        return None
-    if name.endswith(".bias"):
-        return 0.0
-    if scaling_method == "NUM_LAYERS" and name.endswith(("o_proj.weight", "down_proj.weight")):
-        return std / math.sqrt(2 * num_layers)
-    return std
-
-
 def init_weights(
     model: nn.Module,
     std: float,
     num_layers: int,
     scaling_method: str = "NUM_LAYERS",
     seed: int = 42,
-    init_std_fn: Callable[..., float | None] = llama_init_std,
+    init_std_fn: Callable[..., float | None] | None = None,
 ) -> None:
     """Initialize a materialized single-device `model` (plain tensors) in place.
+
+    `init_std_fn(name, std, num_layers, scaling)` gives each parameter's std (None: ones); the
+    default is Llama's rule (`models/llama_spec.py::init_std`).
 
     `num_layers` is the full model's (a pipeline stage holding fewer layers passes the same).
     Re-ties tied weights first (`to_empty` unties them), so ties are never initialized apart.
     """
+    if init_std_fn is None:
+        from mesh3d.models.llama_spec import init_std as init_std_fn
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     tied = getattr(model, "tied_parameters", {})

@@ -76,25 +76,33 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> T
 
 
 class Rotary:
-    """Rotary position embedding on [B, S, H, dh] tensors, positions 0..S-1.
+    """Rotary position embedding on [B, S, H, dh] tensors.
 
     A plain object, not a Module: it holds no parameters or buffers. `interleaved` pairs
-    (2i, 2i+1) as GPT-J; otherwise (i, i + dh/2) as HF "rotate half" (spec §4.5).
+    (2i, 2i+1) as GPT-J; otherwise (i, i + dh/2) as HF "rotate half" (spec §4.5). Positions are
+    0..S-1, or `positions` [B, S] (restarting at 0 in each document under document masking),
+    divided by `interpolation` (Nanotron's `rope_seq_len_interpolation_factor`).
     """
 
-    def __init__(self, inv_freq: Tensor, interleaved: bool):
+    def __init__(self, inv_freq: Tensor, interleaved: bool, interpolation: float | None = None):
         self.inv_freq = inv_freq  # (dh/2,) fp32 on CPU
         self.interleaved = interleaved
+        self.interpolation = interpolation
         self._on_device: dict[torch.device, Tensor] = {}  # no host-to-device copy per call
 
-    def _freqs(self, seq_len: int, device: torch.device) -> Tensor:
+    def _freqs(self, seq_len: int, device: torch.device, positions: Tensor | None) -> Tensor:
         if device not in self._on_device:
             self._on_device[device] = self.inv_freq.to(device)
-        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, self._on_device[device])  # (S, dh/2)
+        if positions is None:
+            pos = torch.arange(seq_len, device=device, dtype=torch.float32)[None]  # (1, S)
+        else:
+            pos = positions.to(device=device, dtype=torch.float32)  # (B, S)
+        if self.interpolation:
+            pos = pos / self.interpolation
+        freqs = pos[..., None] * self._on_device[device]  # (B|1, S, dh/2)
         if self.interleaved:
-            return freqs.repeat_interleave(2, dim=-1)  # (S, dh)
-        return torch.cat((freqs, freqs), dim=-1)  # (S, dh)
+            return freqs.repeat_interleave(2, dim=-1)  # (B|1, S, dh)
+        return torch.cat((freqs, freqs), dim=-1)  # (B|1, S, dh)
 
     def _rotate(self, x: Tensor) -> Tensor:
         if self.interleaved:
@@ -103,10 +111,32 @@ class Rotary:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        freqs = self._freqs(x.shape[1], x.device)[:, None, :]  # (S, 1, dh)
+    def __call__(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        freqs = self._freqs(x.shape[1], x.device, positions)[:, :, None, :]  # (B|1, S, 1, dh)
         xf = x.float()
         return (xf * freqs.cos() + self._rotate(xf) * freqs.sin()).to(x.dtype)
+
+
+def attention_mask(
+    positions: Tensor | None, seq_len: int, window: int | None, device
+) -> Tensor | None:
+    """The boolean [B|1, 1, S, S] mask (True: attend) for documents and a sliding window.
+
+    Causal always; with `positions` [B, S], a query sees keys of its own document only (a
+    document starts where the position is 0); with `window` W, keys at most W-1 positions back
+    (W keys including itself, as Nanotron's and HF's windows). None when plain causal suffices.
+    """
+    if positions is None and window is None:
+        return None
+    q = torch.arange(seq_len, device=device)
+    mask = q[:, None] >= q[None, :]  # (S, S) causal
+    if window is not None:
+        mask = mask & (q[:, None] - q[None, :] < window)
+    mask = mask[None]  # (1, S, S)
+    if positions is not None:
+        doc = torch.cumsum((positions == 0).int(), dim=-1).to(device)  # (B, S) document ids
+        mask = mask & (doc[:, :, None] == doc[:, None, :])
+    return mask[:, None]  # (B|1, 1, S, S)
 
 
 class RMSNorm(nn.Module):
@@ -124,36 +154,64 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention with grouped kv heads, RoPE, no bias, no dropout."""
+    """Causal multi-head attention with grouped kv heads, RoPE, no dropout.
 
-    def __init__(self, h: int, n_q: int, n_kv: int, rotary: Rotary, attention: str):
+    Options the families switch on: `bias` on q/k/v (Qwen2's attention_bias), `rope` off (NoPE
+    layers), `window` (sliding window), `qk_norm_eps` (Qwen3: RMSNorm of each q and k head
+    before RoPE), `head_dim` other than h / n_q. `forward(x, positions, mask)` takes the
+    document positions and the mask the model built once for all its layers.
+    """
+
+    def __init__(self, h: int, n_q: int, n_kv: int, rotary: Rotary, attention: str, *,
+                 bias: bool = False, rope: bool = True, window: int | None = None,
+                 head_dim: int | None = None, qk_norm_eps: float | None = None):  # fmt: skip
         super().__init__()
-        self.head_dim = h // n_q
-        self.q_proj = nn.Linear(h, n_q * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, n_kv * self.head_dim, bias=False)
+        self.head_dim = head_dim or h // n_q
+        self.q_proj = nn.Linear(h, n_q * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(n_q * self.head_dim, h, bias=False)
-        self.rotary = rotary
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps)
+        self.qk_norm = qk_norm_eps is not None
+        self.rotary = rotary if rope else None
+        self.window = window
         self.attention = attention
 
-    def _use_flash(self, q: Tensor) -> bool:
+    def _use_flash(self, q: Tensor, mask: Tensor | None) -> bool:
         # flash-attn has no fp32 kernel: fp32 runs (CPU tests, parity checks) take SDPA.
         half = q.dtype in (torch.float16, torch.bfloat16)
-        return self.attention != "sdpa" and flash_attn_func is not None and q.is_cuda and half
+        plain = mask is None
+        return (
+            self.attention != "sdpa"
+            and flash_attn_func is not None
+            and q.is_cuda
+            and half
+            and plain
+        )
 
-    def forward(self, x: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        q = self.rotary(self.q_proj(x).view(b, s, -1, self.head_dim))  # (B, S, nq, dh)
-        k = self.rotary(self.k_proj(x).view(b, s, -1, self.head_dim))  # (B, S, nkv, dh)
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        b, s, _ = x.shape  # the whole sequence here, also under sequence parallelism
+        mask = attention_mask(positions, s, self.window, x.device)
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nq, dh)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nkv, dh)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nkv, dh)
-        if self._use_flash(q):
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        if self._use_flash(q, mask):
             out = flash_attn_func(q, k, v, causal=True)  # (B, S, nq, dh), GQA native
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, dh)
             # GQA inside SDPA: no repeated copies of k and v (saves their memory and the
             # gradient sums in backward; torch >= 2.5)
             gqa = q.shape[1] != k.shape[1]
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            if mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
             out = out.transpose(1, 2)
         return self.o_proj(out.reshape(b, s, -1))  # (B, S, h)
 
@@ -173,19 +231,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(x)) (pre-norm residual block)."""
+    """x + attn(norm(x)), then + mlp(norm(x)) (pre-norm residual block).
 
-    def __init__(self, cfg, rotary: Rotary, attention: str):
+    `options` are the per-layer attention switches (`Attention`'s keyword arguments) a family
+    sets; Llama sets none.
+    """
+
+    def __init__(self, cfg, rotary: Rotary, attention: str, **options):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.input_layernorm = RMSNorm(h, eps)
-        self.self_attn = Attention(h, cfg.num_attention_heads, n_kv, rotary, attention)
+        self.self_attn = Attention(h, cfg.num_attention_heads, n_kv, rotary, attention, **options)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(h, cfg.intermediate_size, activation(cfg.hidden_act))
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions=positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -230,21 +292,30 @@ class Llama(nn.Module):
         super().__init__()
         _check(cfg, attention)
         h, vocab = cfg.hidden_size, vocab_size or cfg.vocab_size
+        head_dim = self.layer_options(cfg, 0).get("head_dim") or h // cfg.num_attention_heads
         inv_freq = rope_inv_freq(
-            h // cfg.num_attention_heads,
-            getattr(cfg, "rope_theta", 10000.0),
-            getattr(cfg, "rope_scaling", None),
+            head_dim, getattr(cfg, "rope_theta", 10000.0), getattr(cfg, "rope_scaling", None)
         )
-        rotary = Rotary(inv_freq, getattr(cfg, "rope_interleaved", False))
+        interpolation = getattr(cfg, "rope_seq_len_interpolation_factor", None)
+        rotary = Rotary(inv_freq, getattr(cfg, "rope_interleaved", False), interpolation)
         self.attention = attention
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.embed_tokens = nn.Embedding(vocab, h)
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, rotary, attention) for i in range(cfg.num_hidden_layers)}
+            {
+                str(i): DecoderLayer(cfg, rotary, attention, **self.layer_options(cfg, i))
+                for i in range(cfg.num_hidden_layers)
+            }
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, vocab, bias=False)
         self.tie_weights()
+
+    @staticmethod
+    def layer_options(cfg, i: int) -> dict:
+        """Layer `i`'s attention options (`Attention`'s keywords): none for Llama; the other
+        families override this."""
+        return {}
 
     @property
     def tied_parameters(self) -> dict[str, str]:
@@ -256,11 +327,15 @@ class Llama(nn.Module):
         if self.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Token ids [B, S] (or hidden states [B, S, h] on a later pipeline stage) -> logits."""
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Token ids [B, S] (or hidden states [B, S, h] on a later pipeline stage) -> logits.
+
+        `positions` [B, S]: each token's position in its document (document masking); None:
+        0..S-1 and one causal sequence per row.
+        """
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, S, h)
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h, positions=positions)
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h  # (B, S, V) or (B, S, h)

@@ -25,15 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mesh3d.models.init import init_full_tensor
-from mesh3d.models.llama import MLP, Attention, RMSNorm
-from mesh3d.parallel.tensor import apply_tp, llama_tp_plan, shard_grads_like_params
-
-
-def dp_mode(zero_stage: int, full_shard: bool) -> str:
-    """'replicate' (zero 0), 'zero1' or 'full' — how parameters live on the dp axis."""
-    if full_shard:
-        return "full"
-    return "zero1" if zero_stage > 0 else "replicate"
+from mesh3d.parallel.tensor import TPPlan, apply_tp, shard_grads_like_params
 
 
 def checkpoint_layers(model: nn.Module) -> None:
@@ -42,15 +34,14 @@ def checkpoint_layers(model: nn.Module) -> None:
         model.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
-def compile_blocks(model: nn.Module, tensor_parallel: bool) -> None:
-    """`torch.compile` each decoder layer's attention and MLP (and, without tp, its norms).
+def compile_blocks(model: nn.Module, kinds: tuple[type, ...]) -> None:
+    """`torch.compile` each block of a kind in `kinds` inside each decoder layer (the family's
+    spec names them: attention and MLP, and the norms without tp).
 
     In place (`Module.compile`), so parameter names and state dicts do not change. Each block is
     compiled apart, not the whole layer: a whole tensor-parallel layer fails in backward
-    (FACTS.md), and FSDP's hooks on the layer stay outside the compiled code. Under tp the norms
-    stay eager (sequence-parallel DTensor hooks).
+    (FACTS.md), and FSDP's hooks on the layer stay outside the compiled code.
     """
-    kinds = (Attention, MLP) if tensor_parallel else (Attention, MLP, RMSNorm)
     for layer in model.layers.values():
         for module in layer.modules():
             if isinstance(module, kinds):
@@ -137,19 +128,22 @@ def parallelize(
     *,
     device: torch.device,
     source: FullSource,
-    sequence_parallel: bool,
+    tp_plan: TPPlan,
     recompute_layer: bool,
     dp: str,
     dtype: torch.dtype = torch.float32,
-    compile: bool = False,
+    compile_classes: tuple[type, ...] = (),
 ) -> nn.Module:
-    """Steps 1-4 above on a model built on meta; returns the model ready to train."""
+    """Steps 1-4 above on a model built on meta; returns the model ready to train.
+
+    `tp_plan` (used when tp > 1) and `compile_classes` (compiled when not empty) come from the
+    model family's spec."""
     if mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"], llama_tp_plan(sequence_parallel))
+        apply_tp(model, mesh["tp"], tp_plan)
     if recompute_layer:
         checkpoint_layers(model)
-    if compile:
-        compile_blocks(model, tensor_parallel=mesh["tp"].size() > 1)
+    if compile_classes:
+        compile_blocks(model, compile_classes)
     materialize(model, device, source)
     model.to(dtype)
     if mesh["tp"].size() > 1:

@@ -1,9 +1,9 @@
 """Pipeline parallelism on the mesh's "pp" axis, with torch.distributed.pipelining.
 
 The pieces, in the order a run uses them:
-- `split_layers`: which decoder layers each stage holds — Nanotron's cost-based walk, so the
-  pp rank of every layer matches the `pp-rank-P` of Nanotron's checkpoint files;
-- `stage_ids_of_rank`: which stages a pp rank runs (looped, or V for zbv/dualpipev);
+- `split_layers` / `stage_ids_of_rank` (torch-free, in `parallel/stages.py`): which decoder
+  layers each stage holds — Nanotron's cost-based walk, so the pp rank of every layer matches the
+  `pp-rank-P` of Nanotron's checkpoint files — and which stages a pp rank runs;
 - `build_stage`: a copy of the (meta) model without what the stage does not own; parameter
   names stay those of the full model ("layers.5.mlp.down_proj.weight");
 - `pipeline_stage`: a `PipelineStage` with explicit meta input/output shapes (no shape
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import itertools
 from collections.abc import Callable
 
 import torch
@@ -35,13 +34,23 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from mesh3d.errors import ConfigError
 from mesh3d.log import logger
+from mesh3d.parallel import stages as stage_math
 from mesh3d.parallel.data import _local
+from mesh3d.parallel.stages import rank_of_stage, split_by_cost, split_layers, stage_ids_of_rank
 
+__all__ = [  # the arithmetic lives in parallel/stages.py (no torch); re-exported for callers
+    "SCHEDULES", "build_schedule", "build_stage", "is_multi_stage", "is_v_schedule",
+    "pipeline_stage", "rank_of_stage", "run_schedule", "split_by_cost", "split_layers",
+    "stage_ids_of_rank",
+    "sync_tied_embeddings",
+]  # fmt: skip
+
+# torch's schedule class for each name of `stage_math.SCHEDULES` (the same keys, in the same order)
 SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "afab": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -51,117 +60,19 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "zbv_zero_bubble": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")  # 2 stages per rank, placed as a V
-
-
-def _schedule_class(name: str) -> type[_PipelineSchedule]:
-    if name not in SCHEDULES:
-        raise ConfigError(
-            f"pipeline schedule {name!r} is unknown; set `mesh3d.pp_schedule` (or "
-            f"`parallelism.pp_engine`) to one of {', '.join(SCHEDULES)}"
-        )
-    return SCHEDULES[name]
+assert list(SCHEDULES) == list(stage_math.SCHEDULES), (
+    "parallel/stages.py and torch's classes differ"
+)
 
 
 def is_multi_stage(name: str) -> bool:
     """Whether schedule `name` runs a list of stages per rank (virtual stages, V schedules)."""
-    return issubclass(_schedule_class(name), PipelineScheduleMulti)
+    return stage_math.schedule(name).multi_stage
 
 
 def is_v_schedule(name: str) -> bool:
     """Whether `name` places exactly 2 stages per rank as a V (rank r: r and 2*pp-1-r)."""
-    _schedule_class(name)
-    return name in V_SCHEDULES
-
-
-def split_layers(
-    num_layers: int,
-    num_stages: int,
-    hidden_size: int,
-    ffn_size: int,
-    num_heads: int,
-    head_dim: int,
-    padded_vocab: int,
-) -> list[list[int]]:
-    """The decoder-layer indices of each stage: Nanotron's cost-based walk (spec §4.2).
-
-    Blocks in order: embedding (cost 0), decoders 0..L-1 (cost 4·nq·dh·h + 3·F·h each), final
-    norm (0), lm_head (V·h, V padded). With cumulative costs c_j and thresholds
-    t_s = total·(s+1)/num_stages, walk the blocks from stage s = 0: the block goes to stage s,
-    then if c_j > t_s, s += 1 — a block that crosses a threshold stays on the current stage.
-    The embedding is always on stage 0; the final norm and lm_head on the last stage (any split
-    where they are not leaves some stage empty, which is refused below).
-
-    Tiny config (hidden 16, ffn 64, 4 heads, 2 layers, vocab 256, pp 2): decoder cost
-    4·4·4·16 + 3·64·16 = 4096, lm_head 4096, total 12288, thresholds [6144, 12288]:
-    decoder 0 (c=4096) stays on stage 0, decoder 1 (c=8192 > 6144) stays on stage 0 and moves
-    the walk on, so stage 0 = {embedding, 0, 1} and stage 1 = {norm, lm_head}: `[[0, 1], []]`.
-
-    With num_stages = pp this is Nanotron's pp rank of each layer; virtual stages
-    (num_stages = pp·v) use the same walk. Raises ConfigError if a stage would hold nothing
-    (no decoder layer, no embedding, no lm_head).
-
-
-
-    Example:
-
-
-
-        mesh3d.split_layers(28, 4, 2048, 8192, 16, 128, 128256)   # 4 lists of layer indices
-
-
-    """
-    assert num_stages >= 1 and num_layers >= 0, (num_stages, num_layers)
-    decoder = 4 * num_heads * head_dim * hidden_size + 3 * ffn_size * hidden_size
-    costs = [0] + [decoder] * num_layers + [0, padded_vocab * hidden_size]
-    cumulative = list(itertools.accumulate(costs))
-    thresholds = [cumulative[-1] * ((s + 1) / num_stages) for s in range(num_stages)]
-    stage_of, s = [], 0
-    for c in cumulative:  # float thresholds, as Nanotron computes them
-        stage_of.append(s)
-        if c > thresholds[s]:
-            s += 1
-    layers: list[list[int]] = [[] for _ in range(num_stages)]
-    for i in range(num_layers):
-        layers[stage_of[1 + i]].append(i)
-    head_stage = stage_of[-1]
-    for s, owned in enumerate(layers):
-        if not owned and s != 0 and s != head_stage:
-            raise ConfigError(
-                f"pipeline stage {s} of {num_stages} would hold nothing: Nanotron's cost-based "
-                f"split of {num_layers} decoder layers (cost {decoder} each) and the lm_head "
-                f"(cost {costs[-1]}) fills only stages {sorted(set(stage_of))}; use fewer "
-                "stages (parallelism.pp x mesh3d.pp_virtual_stages) or more layers "
-                "(model.model_config.num_hidden_layers)"
-            )
-    assert stage_of[-2] == head_stage == num_stages - 1, (stage_of, num_stages)
-    return layers
-
-
-def stage_ids_of_rank(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """The stages pp rank `pp_rank` runs, in increasing order.
-
-    Looped placement (every schedule but the V ones): stage s on rank s % pp, so rank r holds
-    r, r+pp, ... (virtual stages each). V placement (zbv_zero_bubble, dualpipev; virtual = 2):
-    rank r holds r and 2·pp-1-r, so rank 0 holds the first and the last stage.
-    """
-    if is_v_schedule(schedule):
-        if virtual != 2:
-            raise ConfigError(f"`mesh3d.pp_virtual_stages` ({virtual}) must be 2 for {schedule}")
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    if not is_multi_stage(schedule) and virtual != 1:
-        raise ConfigError(
-            f"`mesh3d.pp_virtual_stages` ({virtual}) must be 1 for the single-stage schedule "
-            f"{schedule}"
-        )
-    return [pp_rank + k * pp for k in range(virtual)]
-
-
-def rank_of_stage(stage_id: int, pp: int, schedule: str) -> int:
-    """The pp rank that runs stage `stage_id` (inverse of `stage_ids_of_rank`)."""
-    if is_v_schedule(schedule) and stage_id >= pp:
-        return 2 * pp - 1 - stage_id
-    return stage_id % pp
+    return stage_math.schedule(name).v_shape
 
 
 def build_stage(
@@ -274,7 +185,7 @@ def build_schedule(
 
 
     """
-    cls = _schedule_class(name)
+    cls = SCHEDULES[stage_math.schedule(name).name]
     if name == "1f1b" and stages and n_microbatches < stages[0].num_stages:
         # torch's Schedule1F1B needs n >= pp. Nanotron's (n >= pp - 1) warms up pp - r - 1
         # forwards on pp rank r: with n = pp - 1, rank 0 runs all forwards then all backwards
@@ -303,11 +214,13 @@ def run_schedule(
     stages: list[PipelineStage],
     inputs: torch.Tensor | None,
     labels: torch.Tensor | None,
+    positions: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """One step of forward/backward over all microbatches; the per-microbatch losses.
 
     `inputs` [n·mbs, S] (needed where this rank runs stage 0) and `labels` [n·mbs, S] (where it
-    runs the last stage) are split along dim 0 into the schedule's n microbatches. Returns
+    runs the last stage) are split along dim 0 into the schedule's n microbatches, and so are
+    `positions` (document masking), which every stage's forward gets as a keyword. Returns
     the n losses from `loss_fn` where this rank runs the last stage, [] elsewhere. Logits are
     not kept (`return_outputs=False` where torch has it).
 
@@ -328,6 +241,8 @@ def run_schedule(
     losses: list[torch.Tensor] = []
     kwargs = {"return_outputs": False} if _HAS_RETURN_OUTPUTS else {}
     args = (inputs,) if first else ()
+    if positions is not None:  # [n·mbs, S]: split like the inputs, handed to every stage
+        kwargs["positions"] = positions
     schedule.step(*args, target=labels if last else None, losses=losses, **kwargs)
     return losses if last else []
 

@@ -1,14 +1,9 @@
 """Tensor parallelism as data: a plan `FQN pattern -> ParallelStyle`, applied on mesh["tp"].
 
-The model file stays single-device; this table says how each submodule is split (Megatron-style,
-as Nanotron's TP modes, spec §6.3):
-
-- ALL_REDUCE: q/k/v and gate/up column-wise, o/down row-wise (one all-reduce after each),
-  activations replicated between blocks; norms hold replicated weights.
-- REDUCE_SCATTER (sequence parallel): the residual stream and the norms are sharded on the
-  sequence dim; attention/MLP inputs are all-gathered, o/down outputs reduce-scattered.
-- Both: the embedding is vocab-parallel and the LM head produces vocab-sharded logits that the
-  loss consumes under `loss_parallel()` (no full-vocab gather).
+The model file stays single-device; a family's spec (`models/<family>_spec.py`) holds its plan,
+Megatron-style as Nanotron's TP modes (spec §6.3). This file has what every plan uses:
+`apply_tp`, `ReplicateParallel` (norm weights replicated in ALL_REDUCE mode), `block_input`
+(one gathered input per attention / MLP block), and the gradient fix-ups after backward.
 
 Every parameter ends up a DTensor on the tp mesh (replicated ones as `Replicate()`), which keeps
 foreach AdamW and gradient clipping working (FACTS.md: mixed plain + DTensor parameters break).
@@ -26,16 +21,12 @@ from torch.distributed.tensor import (
     DTensor,
     Partial,
     Replicate,
-    Shard,
     distribute_module,
     distribute_tensor,
 )
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
@@ -73,7 +64,7 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
-def _block_input(layout) -> PrepareModuleInput:
+def block_input(layout) -> PrepareModuleInput:
     """Hand attention / MLP their input as one `Replicate()` DTensor (gathered from `layout`).
 
     q/k/v (and gate/up) then share it: their input-gradient contributions add up locally and
@@ -136,91 +127,6 @@ def reduce_partial_grads(params) -> None:
             p.grad = DTensor.from_local(
                 local, mesh, done, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
             )
-
-
-def llama_tp_plan(sequence_parallel: bool) -> TPPlan:
-    """The Llama plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False).
-
-
-
-    Example:
-
-
-
-        mesh3d.apply_tp(llama, mesh["tp"], mesh3d.llama_tp_plan(sequence_parallel=True))
-
-
-    """
-    seq = Shard(1)  # activations are [B, S, h]: the sequence is dim 1
-    if sequence_parallel:
-        block_in = _block_input(seq)
-        return {
-            "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "layers.*.input_layernorm": SequenceParallel(),
-            "layers.*.self_attn": block_in,
-            "layers.*.self_attn.q_proj": ColwiseParallel(),
-            "layers.*.self_attn.k_proj": ColwiseParallel(),
-            "layers.*.self_attn.v_proj": ColwiseParallel(),
-            "layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-            "layers.*.post_attention_layernorm": SequenceParallel(),
-            "layers.*.mlp": block_in,
-            "layers.*.mlp.gate_proj": ColwiseParallel(),
-            "layers.*.mlp.up_proj": ColwiseParallel(),
-            "layers.*.mlp.down_proj": RowwiseParallel(output_layouts=seq),
-            "norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(
-                input_layouts=seq, output_layouts=Shard(-1), use_local_output=False
-            ),
-        }
-    block_in = _block_input(Replicate())
-    return {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "layers.*.input_layernorm": ReplicateParallel(),
-        "layers.*.self_attn": block_in,
-        "layers.*.self_attn.q_proj": ColwiseParallel(),
-        "layers.*.self_attn.k_proj": ColwiseParallel(),
-        "layers.*.self_attn.v_proj": ColwiseParallel(),
-        "layers.*.self_attn.o_proj": RowwiseParallel(),
-        "layers.*.post_attention_layernorm": ReplicateParallel(),
-        "layers.*.mlp": block_in,
-        "layers.*.mlp.gate_proj": ColwiseParallel(),
-        "layers.*.mlp.up_proj": ColwiseParallel(),
-        "layers.*.mlp.down_proj": RowwiseParallel(),
-        "norm": ReplicateParallel(),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    }
-
-
-def hf_llama_tp_plan() -> TPPlan:
-    """A plan for Hugging Face `transformers` `LlamaForCausalLM` (its module names).
-
-    Attention and MLP projections are split Megatron-style (column then row); embeddings, norms
-    and the LM head stay replicated (plain parameters: use `foreach=False` in the optimizer).
-    Heads are divided over tp, so tp must divide both head counts.
-
-
-
-    Example:
-
-
-
-        model = transformers.LlamaForCausalLM(config)   # same full weights on every rank
-
-
-        mesh3d.apply_tp(model, mesh["tp"], mesh3d.hf_llama_tp_plan())
-
-
-    """
-    layer = "model.layers.*."
-    return {
-        layer + "self_attn.q_proj": ColwiseParallel(),
-        layer + "self_attn.k_proj": ColwiseParallel(),
-        layer + "self_attn.v_proj": ColwiseParallel(),
-        layer + "self_attn.o_proj": RowwiseParallel(),
-        layer + "mlp.gate_proj": ColwiseParallel(),
-        layer + "mlp.up_proj": ColwiseParallel(),
-        layer + "mlp.down_proj": RowwiseParallel(),
-    }
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:

@@ -7,16 +7,16 @@ import dataclasses
 import torch
 
 from mesh3d.config import validate
+from mesh3d.layout import param_and_compute_dtypes
 from mesh3d.mesh import ParallelDims
-from mesh3d.models.llama import Llama
-from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_layers, stage_ids_of_rank
+from mesh3d.models.spec import ModelShape, spec_of
+from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_by_cost, stage_ids_of_rank
 from mesh3d.plan.activations import loss_saved_bytes, stage_activation_bytes
 from mesh3d.plan.comm import _comm
 from mesh3d.plan.memory import _params, _transient
 from mesh3d.plan.records import Plan, RankPlan, StagePlan
 from mesh3d.plan.schedule import _orders, _peaks, bubble
 from mesh3d.plan.sizes import _Sizes
-from mesh3d.train.build import param_and_compute_dtypes
 
 
 def make_plan(cfg, world_size: int | None = None) -> Plan:
@@ -31,9 +31,10 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
     z, mc = _Sizes.of(cfg), cfg.model.model_config
     dims = ParallelDims(dp=z.dp, tp=z.tp, pp=z.pp)
     n = z.pp * z.v
-    split = split_layers(mc.num_hidden_layers, n, z.h, z.ffn, z.heads, z.h // z.heads, z.padded)
+    spec = spec_of(mc)
+    split = split_by_cost(*spec.pipeline_costs(ModelShape.from_config(cfg)), n)
     with torch.device("meta"):
-        full = Llama(mc, vocab_size=z.padded, attention="sdpa")  # shapes only
+        full = spec.build(mc, vocab_size=z.padded, attention="sdpa")  # shapes only
     modules = [full] if n == 1 else [build_stage(full, i, n, split[i]) for i in range(n)]
     stages = []
     for i in range(n):

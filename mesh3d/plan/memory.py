@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from mesh3d.parallel.tensor import llama_tp_plan
+from mesh3d.models.spec import spec_named
 from mesh3d.plan.sizes import _Sizes
 
 
@@ -57,7 +57,7 @@ def _tp_dim(module: nn.Module, name: str, plan: dict) -> int | None:
 
 def _params(z: _Sizes, module: nn.Module, coords: dict[str, int]) -> list[_Param]:
     """Every parameter of one meta stage module as the rank at `coords` holds it."""
-    plan = llama_tp_plan(z.sp) if z.tp > 1 else {}
+    plan = spec_named(z.family).tp_plan(z.sp) if z.tp > 1 else {}
     head = getattr(module, "lm_head", None)
     out = []
     for name, param in module.named_parameters():  # a tied head shares the embedding's

@@ -1,12 +1,12 @@
-"""The numbers every estimate of the plan uses, read once from a config (`_Sizes.of(cfg)`)."""
+"""The numbers every estimate of the plan uses, read once from a config's run layout
+(`_Sizes.of(cfg)`, from `RunLayout.resolve`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh3d.config import effective_pp_schedule, padded_vocab_size
-from mesh3d.parallel.parallelize import dp_mode
-from mesh3d.train.build import param_and_compute_dtypes
+from mesh3d.config import effective_pp_schedule
+from mesh3d.layout import RunLayout
 
 
 @dataclass(frozen=True)
@@ -34,20 +34,20 @@ class _Sizes:
     fsdp: bool  # FSDP2 on dp: zero_stage 1 or full_shard, dp > 1
     mode: str  # dp_mode
     schedule: str
+    family: str  # the model family (its spec has the TP plan)
 
     @classmethod
     def of(cls, cfg) -> _Sizes:
-        p, t, mc = cfg.parallelism, cfg.tokens, cfg.model.model_config
-        param, autocast = param_and_compute_dtypes(cfg)
-        mode = dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard)
+        p = cfg.parallelism
+        z = RunLayout.resolve(cfg, p.dp * p.tp * p.pp)
+        s, compute = z.shape, z.autocast_dtype or z.param_dtype
         return cls(
-            t.micro_batch_size, t.sequence_length, mc.hidden_size, mc.intermediate_size,
-            mc.num_attention_heads, mc.num_key_value_heads or mc.num_attention_heads,
-            p.tp, p.dp, p.pp, cfg.mesh3d.pp_virtual_stages,
-            t.batch_accumulation_per_replica, mc.vocab_size, padded_vocab_size(cfg),
-            param.itemsize, (autocast or param).itemsize, autocast is not None,
-            p.tp_mode == "REDUCE_SCATTER" and p.tp > 1, p.recompute_layer,
-            mode != "replicate" and p.dp > 1, mode, effective_pp_schedule(cfg),
+            z.microbatch_size, z.sequence_length, s.hidden_size, s.intermediate_size,
+            s.num_heads, s.num_kv_heads, p.tp, p.dp, p.pp, z.virtual_stages, z.microbatches,
+            z.vocab_size, z.padded_vocab, z.param_dtype.itemsize, compute.itemsize,
+            z.autocast_dtype is not None, z.sequence_parallel, p.recompute_layer,
+            z.dp_mode != "replicate" and p.dp > 1, z.dp_mode, effective_pp_schedule(cfg),
+            z.spec.family,
         )  # fmt: skip
 
     @property

@@ -16,21 +16,21 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.checkpoint.nanotron_weights import ModelShape, read_nanotron_weights
-from mesh3d.config import ExistingCheckpointInit, effective_pp_schedule, padded_vocab_size
+from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
+from mesh3d.config import ExistingCheckpointInit
 from mesh3d.errors import UserError
-from mesh3d.models.init import llama_init_std
-from mesh3d.models.llama import DTYPES, Llama
-from mesh3d.parallel.parallelize import FullSource, dp_mode, parallelize, seeded_init
+from mesh3d.layout import RunLayout
+from mesh3d.models.spec import ModelShape, spec_of
+from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
     build_schedule,
     build_stage,
     pipeline_stage,
     rank_of_stage,
-    split_layers,
+    split_by_cost,
     stage_ids_of_rank,
 )
-from mesh3d.train.loss import normalized_loss
+from mesh3d.train.loss import step_loss
 
 
 @dataclass
@@ -44,6 +44,7 @@ class ModelParts:
     has_last: bool = True  # runs the head (needs labels, produces the loss)
     embed_rank: int = 0  # pp ranks of the first and last stage (tied-embedding sync)
     head_rank: int = 0
+    loss_fn: object = None  # train/loss.py::step_loss of the run: what every path backpropagates
 
     def named_parameters(self):
         """(name, parameter) over every module; names are the full model's names."""
@@ -52,20 +53,6 @@ class ModelParts:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]
-
-
-def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype or None) for `model.dtype` and fp32 accumulation.
-
-    bf16/fp16 with `accumulate_grad_in_fp32` keeps fp32 parameters (the master weights and
-    gradients Nanotron keeps beside bf16 copies) and runs the math under autocast.
-    """
-    dtype = DTYPES[cfg.model.dtype]
-    if dtype == torch.float32:
-        return torch.float32, None
-    if cfg.optimizer.accumulate_grad_in_fp32:
-        return torch.float32, dtype
-    return dtype, None
 
 
 def initial_weights(cfg, padded_vocab: int) -> FullSource:
@@ -82,25 +69,21 @@ def initial_weights(cfg, padded_vocab: int) -> FullSource:
         tied = {"lm_head.weight": "embed_tokens.weight"} if mc.tie_word_embeddings else {}
         return lambda name, shape: full[tied.get(name, name)]
     scaling = getattr(init, "scaling_method", "NUM_LAYERS")
+    init_std = spec_of(mc).init_std
     return seeded_init(
-        lambda name: llama_init_std(name, init.std, mc.num_hidden_layers, scaling),
+        lambda name: init_std(name, init.std, mc.num_hidden_layers, scaling),
         cfg.general.seed,
         {"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size},
     )
 
 
-def build_model_parts(cfg, mesh: DeviceMesh, device: torch.device, dp_scale: int) -> ModelParts:
-    """This rank's model parts for `cfg` on `mesh`, parallelized, initialized, ready to train.
-
-    `dp_scale` multiplies the pipeline loss for backward (FSDP averages gradients over dp).
-    """
-    mc, p = cfg.model.model_config, cfg.parallelism
-    param_dtype, autocast_dtype = param_and_compute_dtypes(cfg)
-    vocab = padded_vocab_size(cfg)
+def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.device) -> ModelParts:
+    """This rank's model parts for `cfg` on `mesh`, parallelized, initialized, ready to train."""
+    mc, p, spec = cfg.model.model_config, cfg.parallelism, layout.spec
+    vocab = layout.padded_vocab
     with torch.device("meta"):
-        full = Llama(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
-    sp = p.tp_mode == "REDUCE_SCATTER" and p.tp > 1
-
+        full = spec.build(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
+    loss_fn = step_loss(layout)
     source = initial_weights(cfg, vocab)
 
     def finish(module: nn.Module) -> nn.Module:
@@ -109,24 +92,21 @@ def build_model_parts(cfg, mesh: DeviceMesh, device: torch.device, dp_scale: int
             mesh,
             device=device,
             source=source,
-            sequence_parallel=sp,
+            tp_plan=spec.tp_plan(layout.sequence_parallel) if p.tp > 1 else {},
             recompute_layer=p.recompute_layer,
-            dp=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),
-            dtype=param_dtype,
-            compile=cfg.mesh3d.compile,
+            dp=layout.dp_mode,
+            dtype=layout.param_dtype,
+            compile_classes=spec.compile_classes(p.tp > 1) if cfg.mesh3d.compile else (),
         )
 
     if p.pp == 1:
-        return ModelParts(modules=[finish(full)])
+        return ModelParts(modules=[finish(full)], loss_fn=loss_fn)
 
-    name, virtual = effective_pp_schedule(cfg), cfg.mesh3d.pp_virtual_stages
+    name, virtual = layout.schedule, layout.virtual_stages
     n = p.pp * virtual
-    h, heads = mc.hidden_size, mc.num_attention_heads
-    split = split_layers(mc.num_hidden_layers, n, h, mc.intermediate_size, heads, h // heads, vocab)
-    pp_rank = mesh["pp"].get_local_rank()
-    ids = stage_ids_of_rank(pp_rank, p.pp, virtual, name)
+    split = split_by_cost(*spec.pipeline_costs(layout.shape), n)
+    ids = stage_ids_of_rank(layout.coords["pp"], p.pp, virtual, name)
     modules = [finish(build_stage(full, i, n, split[i])) for i in ids]
-    seq = cfg.tokens.sequence_length
     stages = [
         pipeline_stage(
             m,
@@ -134,23 +114,17 @@ def build_model_parts(cfg, mesh: DeviceMesh, device: torch.device, dp_scale: int
             n,
             device,
             mesh["pp"].get_group(),
-            microbatch_size=cfg.tokens.micro_batch_size,
-            seq_len=seq,
-            seq_len_local=seq // p.tp if sp else seq,
-            hidden_size=h,
+            microbatch_size=layout.microbatch_size,
+            seq_len=layout.sequence_length,
+            seq_len_local=layout.local_sequence,
+            hidden_size=mc.hidden_size,
             vocab_size=vocab,
-            dtype=param_dtype,
-            logits_dtype=autocast_dtype or param_dtype,
+            dtype=layout.param_dtype,
+            logits_dtype=layout.autocast_dtype or layout.param_dtype,
         )
         for m, i in zip(modules, ids)
     ]
-    global_tokens = cfg.tokens.micro_batch_size * cfg.tokens.batch_accumulation_per_replica
-    global_tokens *= p.dp * seq
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return normalized_loss(logits, labels, mc.vocab_size, global_tokens) * dp_scale
-
-    schedule = build_schedule(name, stages, cfg.tokens.batch_accumulation_per_replica, loss_fn)
+    schedule = build_schedule(name, stages, layout.microbatches, loss_fn)
     return ModelParts(
         modules=modules,
         schedule=schedule,
@@ -159,4 +133,5 @@ def build_model_parts(cfg, mesh: DeviceMesh, device: torch.device, dp_scale: int
         has_last=n - 1 in ids,
         embed_rank=rank_of_stage(0, p.pp, name),
         head_rank=rank_of_stage(n - 1, p.pp, name),
+        loss_fn=loss_fn,
     )

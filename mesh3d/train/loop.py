@@ -23,24 +23,22 @@ from mesh3d.checkpoint.training import (
     load_checkpoint,
     save_checkpoint,
 )
-from mesh3d.config import global_batch_size, padded_vocab_size, validate
+from mesh3d.config import validate
 from mesh3d.data.build import StagedData
 from mesh3d.errors import Preempted, UserError
+from mesh3d.layout import RunLayout
 from mesh3d.log import logger, setup_logging
 from mesh3d.mesh import (
-    ParallelDims,
     build_mesh,
     collective_timeout,
     init_distributed,
     resolve_device,
     set_collective_timeout,
 )
-from mesh3d.parallel.parallelize import dp_mode
-from mesh3d.train.build import build_model_parts, param_and_compute_dtypes
+from mesh3d.train.build import build_model_parts
 from mesh3d.train.guard import RunGuard, share
 from mesh3d.train.metrics import (
     iteration_metrics,
-    llama_flops,
     memory_metrics,
     peak_memory,
     peak_tflops,
@@ -87,14 +85,11 @@ class _Run:
     cfg: object
     data: StagedData
     device: torch.device
-    dims: ParallelDims
-    coords: dict
+    layout: RunLayout
     mesh: DeviceMesh
     parts: object
     optimizer: torch.optim.Optimizer
     scheduler: object
-    mode: str
-    autocast_dtype: torch.dtype | None
     logger_rank: int
     step_flops: float = 0.0
     n_params: int = 0
@@ -109,35 +104,23 @@ def _setup(cfg) -> _Run:
     timeout_s = cfg.mesh3d.collective_timeout_s
     if not dist.is_initialized():
         init_distributed(timeout_s=timeout_s, device=cfg.mesh3d.device)
-    p = cfg.parallelism
-    dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
-    coords = dims.coords(dist.get_rank())
+    layout = RunLayout.resolve(cfg, dist.get_world_size(), dist.get_rank())
+    dims = layout.dims
     mesh = build_mesh(dims, device.type)
     set_collective_timeout(mesh, timeout_s)  # the mesh's sub-groups too (torch: 30 min)
     torch.manual_seed(cfg.general.seed)
-    mode = dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard)
-    parts = build_model_parts(cfg, mesh, device, dp_scale=dims.dp if mode != "replicate" else 1)
+    parts = build_model_parts(cfg, layout, mesh, device)
     optimizer, scheduler = build_optimizer(parts.named_parameters(), cfg, device)
     # the metrics owner (pp = last stage, dp 0, tp 0) logs at `log_level` like rank 0, so the
     # iteration line shows even when log_level_replica is quieter (Nanotron needs INFO there)
     owner = {"pp": parts.head_rank, "dp": 0, "tp": 0}
     logger_rank = next(r for r in range(dims.world_size) if dims.coords(r) == owner)
     primary = dist.get_rank() in (0, logger_rank)
-    setup_logging(coords, cfg.logging.log_level if primary else cfg.logging.log_level_replica)
-    mc = cfg.model.model_config
-    step_flops = llama_flops(
-        mc.num_hidden_layers,
-        mc.hidden_size,
-        mc.num_attention_heads,
-        mc.num_key_value_heads or mc.num_attention_heads,
-        mc.intermediate_size,
-        padded_vocab_size(cfg),
-        cfg.tokens.sequence_length,
-        global_batch_size(cfg),
-    )
-    _, autocast_dtype = param_and_compute_dtypes(cfg)
-    return _Run(cfg, data, device, dims, coords, mesh, parts, optimizer, scheduler, mode,
-                autocast_dtype, logger_rank, step_flops)  # fmt: skip
+    level = cfg.logging.log_level if primary else cfg.logging.log_level_replica
+    setup_logging(layout.coords, level)
+    step_flops = layout.spec.step_flops(layout.shape, layout.sequence_length, layout.global_batch)
+    return _Run(cfg, data, device, layout, mesh, parts, optimizer, scheduler, logger_rank,
+                step_flops)  # fmt: skip
 
 
 def _run_step(run: _Run, step: int) -> tuple[list, float, float]:
@@ -147,17 +130,14 @@ def _run_step(run: _Run, step: int) -> tuple[list, float, float]:
     drives it directly to interleave mesh3d's steps with other training loops.
     """
     cfg, tok = run.cfg, run.cfg.tokens
-    # middle pipeline stages take activations, not tokens: they read no data
-    reads = run.parts.has_first or run.parts.has_last
-    batches = (
-        run.data.batches(step, run.coords["dp"], run.dims.dp, tok.micro_batch_size) if reads else []
-    )
+    # middle pipeline stages take activations, not tokens: they read no data, unless their
+    # attention needs the document positions
+    reads = run.parts.has_first or run.parts.has_last or run.layout.doc_masking
+    dp_rank, dp = run.layout.coords["dp"], run.layout.dims.dp
+    batches = run.data.batches(step, dp_rank, dp, tok.micro_batch_size) if reads else []
     loss, grad_norm = train_step(
-        run.parts, run.optimizer, run.scheduler, batches,
-        vocab_size=cfg.model.model_config.vocab_size,
-        global_tokens=global_batch_size(cfg) * tok.sequence_length,
-        clip_grad=cfg.optimizer.clip_grad, mesh=run.mesh, dp_mode=run.mode,
-        autocast_dtype=run.autocast_dtype, device=run.device,
+        run.parts, run.optimizer, run.scheduler, batches, layout=run.layout,
+        clip_grad=cfg.optimizer.clip_grad, mesh=run.mesh, device=run.device,
     )  # fmt: skip
     return batches, loss, grad_norm
 
@@ -174,7 +154,7 @@ def _resume(run: _Run, guard: RunGuard) -> tuple[int, int, str | None]:
         run.mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s
     ):
         start, consumed = load_checkpoint(
-            guard.resume_path, run.parts, run.optimizer, run.scheduler, cfg,
+            guard.resume_path, run.parts, run.optimizer, run.scheduler, cfg, layout=run.layout,
             load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
         )  # fmt: skip
     custom = checkpoint_custom_metas(guard.resume_path) or {}
@@ -196,7 +176,7 @@ def _save(run: _Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | 
         extra["skipped_nonfinite_steps"] = guard.skipped
     guard.at(step, "save")
     save_checkpoint(ck.checkpoints_path, step, run.cfg, run.parts, run.optimizer, run.scheduler,
-                    run.mesh, consumed, extra=extra,
+                    run.mesh, consumed, layout=run.layout, extra=extra,
                     needed_bytes=checkpoint_bytes(run.n_params, run.cfg))  # fmt: skip
 
 
@@ -241,7 +221,7 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
 def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: bool) -> RunResult:
     """The step loop of `train`, inside the run's guard."""
     cfg, parts, rank, world = run.cfg, run.parts, dist.get_rank(), dist.get_world_size()
-    tok, ck, gbs = cfg.tokens, cfg.checkpoints, global_batch_size(cfg)
+    tok, ck, gbs = cfg.tokens, cfg.checkpoints, run.layout.global_batch
     start, consumed, wandb_id = _resume(run, guard)
     logger.info(
         f"[Start training] mbs: {tok.micro_batch_size} | grad_accum: "

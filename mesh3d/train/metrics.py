@@ -39,27 +39,15 @@ def llama_flops(
     seq_len: int,
     batch_size: int,
 ) -> float:
-    """Model FLOPs of one training step (forward + backward = 3x forward), spec §7.3.
+    """Model FLOPs of one Llama training step (spec §7.3): the Llama spec's `step_flops` from
+    plain sizes. `vocab_size` is the padded vocabulary; `batch_size` the global batch."""
+    from mesh3d.models.llama_spec import LLAMA
+    from mesh3d.models.spec import ModelShape
 
-    `vocab_size` is the padded vocabulary; `batch_size` the global batch in samples.
-    """
-    L, h, nq, nkv, F, V, S, B = (
-        num_layers,
-        hidden_size,
-        num_heads,
-        num_kv_heads,
-        ffn_size,
-        vocab_size,
-        seq_len,
-        batch_size,
+    shape = ModelShape(
+        num_layers, hidden_size, ffn_size, num_heads, num_kv_heads, vocab_size, False
     )
-    dh = h // nq
-    qkv = 2 * L * B * S * h * nq * dh + 2 * L * B * S * h * 2 * nkv * dh
-    attn = 2 * L * B * nq * S * dh * S + 2 * L * B * nq * S * S * dh
-    out = 2 * L * B * nq * S * dh * h
-    mlp = 4 * L * B * S * h * F + 2 * L * B * S * F * h
-    head = 2 * B * S * h * V
-    return 3.0 * (qkv + attn + out + mlp + head)
+    return LLAMA.step_flops(shape, seq_len, batch_size)
 
 
 # Dense bf16 tensor-core peak, TFLOPs per device (vendor data sheets; no sparsity). Matched in

@@ -15,7 +15,8 @@ import re
 
 import torch
 
-from mesh3d.checkpoint import names as N
+from mesh3d.checkpoint import names
+from mesh3d.models.spec import ModelShape, spec_named
 from mesh3d.parallel.parallelize import canonical_name
 from mesh3d.train.lr_schedule import build_lr_scheduler
 
@@ -24,30 +25,33 @@ FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
-def match_names(name: str, tied: bool) -> list[str]:
-    """Our name of a parameter and its Nanotron name, as matched by the exclusion patterns."""
+def match_names(name: str, shape: ModelShape) -> list[str]:
+    """Our name of a parameter and its Nanotron name (from the family's spec), as matched by
+    the exclusion patterns."""
+    spec = spec_named(shape.family)
     name = canonical_name(name)
-    if tied and name == "lm_head.weight":
+    if shape.tied and name == "lm_head.weight":
         name = "embed_tokens.weight"
-    theirs = [n for n, (parts, *_) in N.OUTER_PARAMS.items() if name in parts]
+    theirs = [n for n, (parts, *_) in spec.nanotron_outer.items() if name in parts]
     m = _LAYER.fullmatch(name)
     if m:
-        prefix = N.LAYER_PREFIX_NANOTRON.format(i=m.group(1))
-        theirs += [prefix + k for k, (parts, _) in N.LAYER_PARAMS.items() if m.group(2) in parts]
+        prefix = names.LAYER_PREFIX_NANOTRON.format(i=m.group(1))
+        layer = spec.nanotron_layer(shape).items()
+        theirs += [prefix + k for k, (parts, _) in layer if m.group(2) in parts]
     return [name, *theirs]
 
 
 def param_groups(
-    named_params, weight_decay: float, exclude: list[str], tied: bool = False
+    named_params, weight_decay: float, exclude: list[str], shape: ModelShape
 ) -> list[dict]:
     """One group with weight decay and, if any parameter's names (`match_names`) match
-    `exclude`, one group without; `tied`: the model ties lm_head to the embedding."""
+    `exclude`, one group without."""
     decay, no_decay = [], []
     for name, p in named_params:
         if not p.requires_grad:
             continue
-        names = match_names(name, tied)
-        excluded = any(re.match(pat, n) for pat in exclude for n in names)
+        candidates = match_names(name, shape)
+        excluded = any(re.match(pat, n) for pat in exclude for n in candidates)
         (no_decay if excluded else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     if no_decay:
@@ -61,8 +65,7 @@ def build_optimizer(named_params, cfg, device: torch.device):
     f = o.optimizer_factory
     lr = o.learning_rate_scheduler.learning_rate
     exclude = list(o.weight_decay_exclude_named_params or [])
-    tied = bool(getattr(cfg.model.model_config, "tie_word_embeddings", False))
-    groups = param_groups(named_params, o.weight_decay, exclude, tied)
+    groups = param_groups(named_params, o.weight_decay, exclude, ModelShape.from_config(cfg))
     if f.name == "sgd":
         opt = torch.optim.SGD(groups, lr=lr)
     else:

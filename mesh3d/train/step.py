@@ -17,11 +17,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from mesh3d.data.documents import IGNORE, document_positions, mask_document_starts
+from mesh3d.layout import RunLayout
 from mesh3d.parallel.data import allreduce_gradients
 from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings
 from mesh3d.parallel.tensor import reduce_partial_grads
 from mesh3d.train.build import ModelParts
-from mesh3d.train.loss import normalized_loss
 
 
 def clip_grad_norm(
@@ -74,40 +75,56 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
 
 def forward_backward(
     parts: ModelParts,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    vocab_size: int,
-    global_tokens: int,
-    backward_scale: int,
-    tp_size: int,
-    autocast_dtype: torch.dtype | None,
+    batches: list[tuple[torch.Tensor, ...]],
+    layout: RunLayout,
     device: torch.device,
 ) -> torch.Tensor:
-    """Backward of this rank's microbatches; returns its part of the step loss (unscaled).
+    """Backward of this rank's microbatches; returns its part of the step loss.
 
-    Without a pipeline, each microbatch runs forward and backward in turn. With one, the
-    schedule runs them all (the loss function was given to it at build time) and only the
-    rank holding the last stage gets losses.
+    `batches` hold (inputs, labels) or, under document masking, (inputs, labels, positions).
+    Both paths backpropagate `parts.loss_fn` (`train/loss.py::StepLoss`). Without a pipeline,
+    each microbatch runs forward and backward in turn. With one, the schedule runs them all
+    (it was given the same loss function at build time) and only the rank holding the last
+    stage gets losses. The sum is divided by the layout's `backward_scale` once, here.
     """
     total = torch.zeros((), device=device)
+    autocast, tp = layout.autocast_dtype, layout.dims.tp
     if parts.schedule is None:
         model = parts.modules[0]
-        for inputs, labels in batches:
+        for inputs, labels, *positions in batches:
             inputs, labels = inputs.to(device), labels.to(device)
-            with _autocast(device, autocast_dtype):
-                logits = model(inputs)
-            with _loss_ctx(tp_size):
-                loss = normalized_loss(logits, labels, vocab_size, global_tokens)
-                (loss * backward_scale).backward()
+            kwargs = {"positions": positions[0].to(device)} if positions else {}
+            with _autocast(device, autocast):
+                logits = model(inputs, **kwargs)
+            with _loss_ctx(tp):
+                loss = parts.loss_fn(logits, labels)
+                loss.backward()
             total += _scalar(loss)
-        return total
-    inputs = torch.cat([x for x, _ in batches]).to(device) if parts.has_first else None
-    labels = torch.cat([y for _, y in batches]).to(device) if parts.has_last else None
-    with _autocast(device, autocast_dtype), _loss_ctx(tp_size):
-        losses = run_schedule(parts.schedule, parts.stages, inputs, labels)
-    for loss in losses:
-        total += _scalar(loss)
-    return total / backward_scale
+    else:
+        inputs = torch.cat([b[0] for b in batches]).to(device) if parts.has_first else None
+        labels = torch.cat([b[1] for b in batches]).to(device) if parts.has_last else None
+        positions = None
+        if layout.doc_masking:  # every stage's attention needs them: every rank read the data
+            positions = torch.cat([b[2] for b in batches]).to(device)
+        with _autocast(device, autocast), _loss_ctx(tp):
+            losses = run_schedule(parts.schedule, parts.stages, inputs, labels, positions)
+        for loss in losses:
+            total += _scalar(loss)
+    return total / layout.backward_scale
+
+
+def with_documents(batches: list[tuple], layout: RunLayout, dp_group, device) -> tuple[list, int]:
+    """Document masking: (inputs, labels masked at document starts, positions) per microbatch,
+    and the number of valid tokens of the global batch (summed over dp): the loss's denominator."""
+    eos, out, valid = layout.eos_token_id, [], 0
+    for inputs, labels in batches:
+        labels = mask_document_starts(labels, inputs, eos)
+        out.append((inputs, labels, document_positions(inputs, eos)))
+        valid += int((labels != IGNORE).sum())
+    count = torch.tensor([valid], dtype=torch.int64, device=device)
+    if layout.dims.dp > 1:
+        dist.all_reduce(count, group=dp_group)
+    return out, int(count.item())
 
 
 @functools.lru_cache(maxsize=4)
@@ -124,39 +141,26 @@ def train_step(
     scheduler,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     *,
-    vocab_size: int,
-    global_tokens: int,
+    layout: RunLayout,
     clip_grad: float | None,
     mesh,
-    dp_mode: str,
-    autocast_dtype: torch.dtype | None,
     device: torch.device,
 ) -> tuple[float, float]:
     """Run one step; return (global mean token loss, pre-clip global gradient norm).
 
     A non-finite loss or gradient norm (the same value on every rank) skips the optimizer
-    update; the caller decides whether the run goes on (`RunGuard.check_finite`).
-
-    `dp_mode` 'replicate' sums gradients over dp after the last microbatch; with FSDP ('zero1',
-    'full') gradients are reduce-scattered *averaged* over dp, so the backward loss is scaled by
-    the dp size to keep the one-process gradient (gloo has no PREMUL_SUM to do it in FSDP).
+    update; the caller decides whether the run goes on (`RunGuard.check_finite`). With
+    `dp_mode` 'replicate' gradients are summed over dp after the last microbatch; with FSDP
+    ('zero1', 'full') they were reduce-scattered in backward.
     """
     dp, tp, pp, dp_group, pp_group = _axes(mesh)
-    backward_scale = dp if dp_mode != "replicate" else 1
-    total = forward_backward(
-        parts,
-        batches,
-        vocab_size=vocab_size,
-        global_tokens=global_tokens,
-        backward_scale=backward_scale,
-        tp_size=tp,
-        autocast_dtype=autocast_dtype,
-        device=device,
-    )
+    if layout.doc_masking:
+        batches, parts.loss_fn.tokens = with_documents(batches, layout, dp_group, device)
+    total = forward_backward(parts, batches, layout, device)
     if pp > 1:
         dist.all_reduce(total, group=pp_group)  # only the last stage's ranks hold the loss
     if dp > 1:
-        if dp_mode == "replicate":
+        if layout.dp_mode == "replicate":
             for m in parts.modules:
                 allreduce_gradients(m, dp_group)
         dist.all_reduce(total, group=dp_group)

@@ -1,0 +1,315 @@
+"""Convert weights between Hugging Face model folders and Nanotron's layout, for every family
+mesh3d has (the family's spec gives the names and the config translation).
+
+    python -m mesh3d.convert to-hf --checkpoint <step dir> --output <hf dir>
+    python -m mesh3d.convert from-hf --model <hf dir> --output <dir> [--tp N] [--pp N]
+
+`to-hf` reads a step folder (`model_config.json` + `model/...`, saved at any tp/pp, by Nanotron
+or mesh3d) and writes `config.json` + `model.safetensors` that transformers'
+`AutoModelForCausalLM.from_pretrained` loads. The vocabulary stays the padded one of `model_config.json` (lossless; the extra rows are
+the padding). Tied embeddings are written once, as `model.embed_tokens.weight`. A model trained
+with `rope_interleaved: true` has its q/k rows permuted per head into HF's rotate-half order.
+
+`from-hf` reads a local HF folder (the family from its `model_type` / `architectures`) (`config.json` in the transformers 4 form, top-level
+`rope_theta` / `rope_scaling`, or the transformers 5 form, `rope_parameters`; `*.safetensors`,
+sharded or not) and writes `<output>/model/...` (Nanotron's layout at the given tp/pp),
+`<output>/model_config.json` (padded vocab) and `<output>/config.yaml` whose `model:` section
+is the model with `init_method: {path: <output>}`: copy that section into a training config
+to start from these weights. No optimizer state is written.
+
+Weight math (spec §4.4): the spec maps our names to HF's (for Llama, a `model.` prefix);
+`write_nanotron_weights` / `read_nanotron_weights` fuse and split qkv and gate_up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from mesh3d.config import config_from_dict, save_config
+from mesh3d.config.load import model_config_from_dict
+from mesh3d.errors import ConfigError, UserError, exit_on_user_error
+from mesh3d.models.llama import DTYPES
+from mesh3d.models.spec import ModelShape, families, spec_for_hf, spec_of
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# --- rotary layout -------------------------------------------------------------------------
+
+
+def interleave_permutation(head_dim: int) -> Tensor:
+    """Row order taking HF rotate-half rows to GPT-J interleaved rows, per head (spec §4.5):
+    new row 2i = old row i, new row 2i+1 = old row i + dh/2."""
+    half = torch.arange(head_dim // 2)
+    return torch.stack([half, half + head_dim // 2], dim=-1).flatten()
+
+
+def _permute_heads(w: Tensor, head_dim: int, perm: Tensor) -> Tensor:
+    return w.view(-1, head_dim, w.shape[-1])[:, perm].reshape(w.shape)
+
+
+def permute_qk(full: dict[str, Tensor], head_dim: int, to_interleaved: bool) -> dict[str, Tensor]:
+    """q/k projection rows moved between rotate-half (HF) and interleaved order, per head."""
+    perm = interleave_permutation(head_dim)
+    if not to_interleaved:
+        perm = torch.argsort(perm)
+    return {
+        k: _permute_heads(v, head_dim, perm)
+        if k.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight"))
+        else v
+        for k, v in full.items()
+    }
+
+
+# --- model_config.json ------------------------------------------------------------------
+
+
+def _read_json_object(path: Path, missing: str) -> dict:
+    """The JSON object in `path`; `missing` is the error when the file is absent."""
+    if not path.is_file():
+        raise UserError(missing)
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{path} must hold a JSON object")
+    return d
+
+
+def read_model_config_json(step: Path):
+    """The model config in `<step>/model_config.json` (Nanotron keys, padded vocab), any family."""
+    path = step / "model_config.json"
+    d = _read_json_object(path, f"{step} has no model_config.json; give a checkpoint step folder")
+    try:
+        mc = model_config_from_dict(d, str(path))
+    except ConfigError as e:
+        raise UserError(f"{path} is not a model config mesh3d reads: {e}") from None
+    spec_of(mc)  # "not supported by mesh3d yet" for another family
+    mc.num_key_value_heads = mc.num_key_value_heads or mc.num_attention_heads
+    return mc
+
+
+def shape_of(mc) -> ModelShape:
+    """The `ModelShape` of `mc` (its vocab_size taken as the padded one)."""
+    return ModelShape.from_model_config(mc, mc.vocab_size)
+
+
+# --- HF safetensors ------------------------------------------------------------------------
+
+
+def read_hf_weights(model_dir: Path) -> dict[str, Tensor]:
+    """HF name -> tensor from every `*.safetensors` of `model_dir` (the index's files if any)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"{index} names shards that are missing: {', '.join(missing)}")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        bins = list(model_dir.glob("*.bin")) + list(model_dir.glob("*.pt"))
+        hint = (
+            " (it has PyTorch .bin weights: re-save with `save_pretrained(..., "
+            "safe_serialization=True)`)"
+            if bins
+            else ""
+        )
+        raise UserError(f"{model_dir} has no *.safetensors weights{hint}")
+    out = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    out[k] = sf.get_tensor(k)
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise UserError(f"cannot read {f}: {e}; the file is truncated or corrupted") from None
+    return out
+
+
+def hf_to_ours(hf: dict[str, Tensor], mc, where: Path, arch=None) -> dict[str, Tensor]:
+    """Our names (the architecture's map); caches dropped, lm_head dropped when tied; every
+    weight the model needs present and nothing else."""
+    spec = spec_of(mc)
+    arch = arch or spec.hf_of(mc)
+    ours = {}
+    for k, v in hf.items():
+        name = arch.hf_to_ours(k)
+        if name is None or (mc.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        ours[name] = v
+    if not mc.tie_word_embeddings and "lm_head.weight" not in ours:
+        raise UserError(
+            f"{where} has no lm_head.weight and config.json says tie_word_embeddings is false"
+        )
+    expected = set(spec.param_shapes(shape_of(mc)))
+    if mc.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    extra, missing = sorted(set(ours) - expected), sorted(expected - set(ours))
+    if extra:
+        raise UserError(f"{where} has weights mesh3d's {spec.family} does not know: {extra[:5]}")
+    if missing:
+        raise UserError(f"{where} lacks weights of the model: {missing[:5]}")
+    return ours
+
+
+def _pad_rows(t: Tensor, rows: int) -> Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+# --- the two directions --------------------------------------------------------------------
+
+
+def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) -> list[Path]:
+    """Write `output/config.json` + `output/model.safetensors` from a step folder; the paths."""
+    step, output = Path(checkpoint), Path(output)
+    if not step.is_dir():
+        raise UserError(f"checkpoint folder {step} does not exist")
+    mc = read_model_config_json(step)
+    spec = spec_of(mc)
+    if not (step / "model").is_dir():
+        raise UserError(f"{step} has no model/ folder of weights")
+    from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
+
+    full = read_nanotron_weights(step / "model", shape_of(mc))
+    if mc.rope_interleaved:
+        full = permute_qk(full, mc.hidden_size // mc.num_attention_heads, to_interleaved=False)
+    if mc.tie_word_embeddings:
+        full.pop("lm_head.weight", None)
+    if dtype is not None:
+        full = {k: v.to(DTYPES[dtype]) for k, v in full.items()}
+    arch = spec.hf_of(mc)
+    hf = {arch.ours_to_hf(k): v.contiguous() for k, v in full.items()}
+    out_dtype = next(iter(hf.values())).dtype
+    name = DTYPE_NAMES.get(out_dtype, str(out_dtype).removeprefix("torch."))
+    hf_config = arch.config_to_hf(mc, name)
+    hf = arch.weights_to_hf(hf, mc) if arch.weights_to_hf else hf
+    output.mkdir(parents=True, exist_ok=True)
+    config = output / "config.json"
+    config.write_text(json.dumps(hf_config, indent=2) + "\n")
+    weights = output / "model.safetensors"
+    save_file(hf, str(weights), metadata={"format": "pt"})
+    return [config, weights]
+
+
+def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> list[Path]:
+    """Write a Nanotron-layout weights checkpoint of an HF Llama folder; the paths written."""
+    model_dir, output = Path(model), Path(output)
+    if tp < 1 or pp < 1:
+        raise UserError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
+    if not model_dir.is_dir():
+        raise UserError(f"model folder {model_dir} does not exist")
+    cfg_path = model_dir / "config.json"
+    hf_cfg = _read_json_object(
+        cfg_path, f"{model_dir} has no config.json; give a Hugging Face model folder"
+    )
+    found = spec_for_hf(hf_cfg)
+    if found is None:
+        raise UserError(
+            f"{cfg_path}: model_type {hf_cfg.get('model_type')!r} (architectures "
+            f"{hf_cfg.get('architectures')}) is not a family mesh3d converts; supported: "
+            f"{', '.join(families())}"
+        )
+    spec, arch = found
+    mc = arch.config_from_hf(hf_cfg, cfg_path)
+    if pp > mc.num_hidden_layers:
+        raise UserError(f"--pp {pp} is more than the model's {mc.num_hidden_layers} layers")
+    ours = hf_to_ours(read_hf_weights(model_dir), mc, model_dir, arch)
+    vocab = mc.vocab_size
+    padded = -(-vocab // tp) * tp  # make_vocab_size_divisible_by 1 (spec §4.1)
+    if ours["embed_tokens.weight"].shape[0] != vocab:
+        raise UserError(
+            f"{model_dir}: embed_tokens has {ours['embed_tokens.weight'].shape[0]} rows, "
+            f"config.json says vocab_size {vocab}"
+        )
+    for k in ("embed_tokens.weight", "lm_head.weight"):
+        if k in ours:
+            ours[k] = _pad_rows(ours[k], padded)
+    shape = shape_of(dataclasses.replace(mc, vocab_size=padded))
+    from mesh3d.checkpoint.nanotron_weights import write_nanotron_weights
+
+    paths = write_nanotron_weights(output / "model", ours, shape, tp=tp, pp=pp)
+
+    model_json = dataclasses.asdict(mc)
+    model_json["vocab_size"] = padded
+    mcj = output / "model_config.json"
+    mcj.write_text(json.dumps(model_json))
+    dtypes = {t.dtype for t in ours.values()}
+    dtype = DTYPE_NAMES.get(dtypes.pop(), "float32") if len(dtypes) == 1 else "float32"
+    tokenizer = None
+    if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = {"tokenizer_name_or_path": str(model_dir.resolve())}
+    cfg = config_from_dict(
+        {
+            "general": {"project": "converted", "run": model_dir.resolve().name or "model"},
+            "parallelism": {"dp": 1, "tp": tp, "pp": pp},
+            "model": {
+                "model_config": dataclasses.asdict(mc),  # unpadded: it pads to `padded` at tp
+                "init_method": {"path": str(output.resolve())},
+                "dtype": dtype,
+                "make_vocab_size_divisible_by": 1,
+            },
+            "tokenizer": tokenizer,
+        }
+    )
+    yaml_path = output / "config.yaml"
+    save_config(cfg, yaml_path)
+    return [*paths, mcj, yaml_path]
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m mesh3d.convert",
+        description="Convert weights between Hugging Face and Nanotron's checkpoint layout.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    a = sub.add_parser(
+        "to-hf",
+        help="checkpoint step folder -> Hugging Face model folder",
+        description="Write config.json + model.safetensors (e.g. LlamaForCausalLM) from a step folder "
+        "holding model_config.json and model/ (saved at any tp/pp). The padded vocabulary is kept.",
+    )
+    a.add_argument("--checkpoint", required=True, help="step folder, e.g. checkpoints/1000")
+    a.add_argument("--output", required=True, help="folder for the Hugging Face model")
+    a.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as stored)")
+    b = sub.add_parser(
+        "from-hf",
+        help="Hugging Face model folder -> Nanotron-layout weights checkpoint",
+        description="Write <output>/model/... (Nanotron layout at --tp/--pp), model_config.json "
+        "and config.yaml. To train from these weights, use its model: section (init_method: "
+        "{path: <output>}) in your training config. No optimizer state is written.",
+    )
+    b.add_argument("--model", required=True, help="local Hugging Face model folder")
+    b.add_argument("--output", required=True, help="folder for the converted checkpoint")
+    b.add_argument("--tp", type=int, default=1, help="tensor-parallel layout of the files")
+    b.add_argument("--pp", type=int, default=1, help="pipeline-parallel layout of the files")
+    args = ap.parse_args(argv)
+    if args.command == "to-hf":
+        paths = to_hf(args.checkpoint, args.output, args.dtype)
+    else:
+        paths = from_hf(args.model, args.output, args.tp, args.pp)
+    print(f"wrote {len(paths)} files under {args.output}:")
+    for p in paths:
+        print(f"  {p}")
+    if args.command == "from-hf":
+        print(f"train from it with `model.init_method: {{path: {Path(args.output).resolve()}}}`")
+
+
+if __name__ == "__main__":
+    main()

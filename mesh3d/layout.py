@@ -1,0 +1,117 @@
+"""One run's layout, resolved once from its config and world size, and passed to every part.
+
+Build, step, checkpoint and `plan` read these values here instead of re-deriving them from the
+config (each derivation in one place):
+
+    layout = RunLayout.resolve(cfg, world_size=8, rank=5)
+    layout.coords            # {'pp': 1, 'dp': 0, 'tp': 1}
+    layout.dp_mode           # 'replicate' | 'zero1' | 'full'
+    layout.backward_scale    # FSDP averages gradients over dp: the loss is scaled up by dp
+
+torch is imported only for the dtypes; no process group is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mesh3d.config import effective_pp_schedule, global_batch_size, padded_vocab_size
+from mesh3d.mesh import ParallelDims
+from mesh3d.models.llama import DTYPES
+from mesh3d.models.spec import ModelShape, ModelSpec, spec_of
+
+
+def dp_mode(zero_stage: int, full_shard: bool) -> str:
+    """'replicate' (zero 0), 'zero1' or 'full': how parameters live on the dp axis."""
+    if full_shard:
+        return "full"
+    return "zero1" if zero_stage > 0 else "replicate"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """What a run's parts need to know about its layout (see the module doc)."""
+
+    dims: ParallelDims
+    rank: int
+    coords: dict[str, int]
+    dp_mode: str
+    sequence_parallel: bool  # tp_mode REDUCE_SCATTER with tp > 1
+    param_dtype: torch.dtype  # fp32 master weights with accumulate_grad_in_fp32
+    autocast_dtype: torch.dtype | None  # the compute dtype under autocast, None for fp32
+    schedule: str | None  # the pipeline schedule when pp > 1
+    virtual_stages: int
+    microbatch_size: int
+    microbatches: int  # per dp rank and step
+    sequence_length: int
+    vocab_size: int  # real
+    padded_vocab: int
+    global_batch: int  # samples per step
+    spec: ModelSpec
+    shape: ModelShape
+    z_loss: float  # the z-loss coefficient, 0 when off
+    doc_masking: bool  # attention within documents (Qwen2's _use_doc_masking)
+    eos_token_id: int | None  # where a document ends (document masking)
+
+    @classmethod
+    def resolve(cls, cfg, world_size: int, rank: int = 0) -> RunLayout:
+        p, t, mc = cfg.parallelism, cfg.tokens, cfg.model.model_config
+        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
+        dims.validate(world_size)
+        param, autocast = param_and_compute_dtypes(cfg)
+        return cls(
+            dims=dims,
+            rank=rank,
+            coords=dims.coords(rank),
+            dp_mode=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),
+            sequence_parallel=p.tp_mode == "REDUCE_SCATTER" and p.tp > 1,
+            param_dtype=param,
+            autocast_dtype=autocast,
+            schedule=effective_pp_schedule(cfg) if p.pp > 1 else None,
+            virtual_stages=cfg.mesh3d.pp_virtual_stages,
+            microbatch_size=t.micro_batch_size,
+            microbatches=t.batch_accumulation_per_replica,
+            sequence_length=t.sequence_length,
+            vocab_size=mc.vocab_size,
+            padded_vocab=padded_vocab_size(cfg),
+            global_batch=global_batch_size(cfg),
+            spec=spec_of(mc),
+            shape=ModelShape.from_config(cfg),
+            z_loss=mc.z_loss_coefficient if getattr(mc, "z_loss_enabled", False) else 0.0,
+            doc_masking=bool(getattr(mc, "_use_doc_masking", False)),
+            eos_token_id=getattr(mc, "eos_token_id", None),
+        )
+
+    @property
+    def global_tokens(self) -> int:
+        """Tokens per step over all microbatches and dp ranks: the loss's denominator."""
+        return self.global_batch * self.sequence_length
+
+    @property
+    def backward_scale(self) -> int:
+        """FSDP reduce-scatters gradients *averaged* over dp (gloo has no PREMUL_SUM to sum
+        them), so the backward loss is multiplied by dp to keep the one-process gradient."""
+        return self.dims.dp if self.dp_mode != "replicate" else 1
+
+    @property
+    def local_sequence(self) -> int:
+        """Tokens of the residual stream a tp rank holds per sample (sequence parallelism)."""
+        return (
+            self.sequence_length // self.dims.tp if self.sequence_parallel else self.sequence_length
+        )
+
+
+def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:
+    """(parameter dtype, autocast dtype or None) for `model.dtype` and fp32 accumulation.
+
+    bf16/fp16 with `accumulate_grad_in_fp32` keeps fp32 parameters (the master weights and
+    gradients Nanotron keeps beside bf16 copies) and runs the math under autocast.
+    """
+    dtype = DTYPES[cfg.model.dtype]
+    if dtype == torch.float32:
+        return torch.float32, None
+    if cfg.optimizer.accumulate_grad_in_fp32:
+        return torch.float32, dtype
+    return dtype, None

@@ -1,0 +1,267 @@
+"""Llama's spec: everything about the family outside its model file (`models/llama.py`).
+
+Nanotron's names (spec §4.1-4.3): our model keeps q/k/v and gate/up separate (HF names);
+Nanotron fuses them into `qkv_proj` and `gate_up_proj`, each TP rank holding its slice of every
+chunk. A row of `NANOTRON_LAYER` says which of our tensors make one Nanotron parameter
+(concatenated on dim 0 in that order, each one a chunk) and how Nanotron shards it over TP.
+Hugging Face: our names are `LlamaForCausalLM`'s without the `model.` prefix.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mesh3d.checkpoint.names import EMBEDDING, FINAL_NORM, LM_HEAD
+from mesh3d.config.schema import LlamaConfig
+from mesh3d.errors import ConfigError
+from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, ModelSpec, register
+from mesh3d.parallel.stages import decoder_cost
+
+NANOTRON_LAYER: LayerTable = {
+    "input_layernorm.weight": (("input_layernorm.weight",), "replicated"),
+    "attn.qkv_proj.weight": (
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "column",
+    ),
+    "attn.o_proj.weight": (("self_attn.o_proj.weight",), "row"),
+    "post_attention_layernorm.weight": (("post_attention_layernorm.weight",), "replicated"),
+    "mlp.gate_up_proj.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "column"),
+    "mlp.down_proj.weight": (("mlp.down_proj.weight",), "row"),
+}
+# Outside the decoder: Nanotron name <- (our names, kind, pipeline end holding it).
+NANOTRON_OUTER = {
+    EMBEDDING: (("embed_tokens.weight",), "vocab", "first"),
+    FINAL_NORM: (("norm.weight",), "replicated", "last"),
+    LM_HEAD: (("lm_head.weight",), "vocab", "last"),  # absent when embeddings are tied
+}
+SCALING_METHODS = ("NUM_LAYERS", "NONE")
+
+
+def shape(mc, padded_vocab: int) -> ModelShape:
+    return ModelShape(
+        num_layers=mc.num_hidden_layers,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_heads=mc.num_attention_heads,
+        num_kv_heads=mc.num_key_value_heads or mc.num_attention_heads,
+        padded_vocab=padded_vocab,
+        tied=mc.tie_word_embeddings,
+        family="llama",
+    )
+
+
+def build(mc, vocab_size: int | None = None, attention: str = "auto"):
+    from mesh3d.models.llama import Llama
+
+    return Llama(mc, vocab_size=vocab_size, attention=attention)
+
+
+def tp_plan(sequence_parallel: bool) -> dict:
+    """The plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False).
+
+    ALL_REDUCE: q/k/v and gate/up column-wise, o/down row-wise (one all-reduce after each), norms
+    replicated. REDUCE_SCATTER (sequence parallel): the residual stream and the norms are sharded
+    on the sequence dim; attention/MLP inputs are all-gathered, o/down outputs reduce-scattered.
+    Both: a vocab-parallel embedding, and vocab-sharded logits for `loss_parallel()`.
+
+    Example:
+
+        mesh3d.apply_tp(llama, mesh["tp"], mesh3d.llama_tp_plan(sequence_parallel=True))
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from mesh3d.parallel.tensor import ReplicateParallel, block_input
+
+    seq = Shard(1)  # activations are [B, S, h]: the sequence is dim 1
+    act = seq if sequence_parallel else Replicate()
+    norm = SequenceParallel if sequence_parallel else ReplicateParallel
+    block_in = block_input(act)
+    layer = {
+        "input_layernorm": norm(),
+        "self_attn": block_in,
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=act),
+        "post_attention_layernorm": norm(),
+        "mlp": block_in,
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=act),
+    }
+    head_in = {"input_layouts": seq} if sequence_parallel else {}
+    return {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        **{f"layers.*.{k}": v for k, v in layer.items()},
+        "norm": norm(),
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False, **head_in),
+    }
+
+
+def hf_llama_tp_plan() -> dict:
+    """A plan for Hugging Face `transformers` `LlamaForCausalLM` (its module names).
+
+    Attention and MLP projections are split Megatron-style (column then row); embeddings, norms
+    and the LM head stay replicated (plain parameters: use `foreach=False` in the optimizer).
+    Heads are divided over tp, so tp must divide both head counts.
+
+    Example:
+
+        model = transformers.LlamaForCausalLM(config)   # same full weights on every rank
+        mesh3d.apply_tp(model, mesh["tp"], mesh3d.hf_llama_tp_plan())
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col, row = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
+    where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+             "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+    plan = {f"model.layers.*.{where[n]}.{n}": ColwiseParallel() for n in col}
+    plan.update({f"model.layers.*.{where[n]}.{n}": RowwiseParallel() for n in row})
+    return plan
+
+
+def compile_classes(tensor_parallel: bool) -> tuple[type, ...]:
+    """The blocks `mesh3d.compile` compiles in each layer: attention and MLP, and the norms
+    without tp (sequence-parallel DTensor hooks stay eager)."""
+    from mesh3d.models.llama import MLP, Attention, RMSNorm
+
+    return (Attention, MLP) if tensor_parallel else (Attention, MLP, RMSNorm)
+
+
+def nanotron_layer(s: ModelShape) -> LayerTable:
+    return NANOTRON_LAYER
+
+
+def param_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Our parameter name -> full shape (embedding and head at the padded vocab)."""
+    h, f = s.hidden_size, s.intermediate_size
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    layer = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+    }
+    shapes = {"embed_tokens.weight": (s.padded_vocab, h), "norm.weight": (h,)}
+    shapes["lm_head.weight"] = (s.padded_vocab, h)
+    for i in range(s.num_layers):
+        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
+    return shapes
+
+
+def init_std(name: str, std: float, num_layers: int, scaling_method: str = "NUM_LAYERS"):
+    """Nanotron's RandomInit std for parameter `name` (None means ones; spec §1.5.2).
+
+    Norm weights: ones. Biases: zeros. o_proj / down_proj (row-parallel, feeding the residual):
+    std / sqrt(2 * num_layers) with scaling NUM_LAYERS, std with NONE. Everything else
+    (q/k/v, gate/up, embedding, LM head): std.
+    """
+    if scaling_method not in SCALING_METHODS:
+        raise ConfigError(
+            f"`model.init_method.scaling_method` {scaling_method!r} is not supported; "
+            f"use one of {SCALING_METHODS}"
+        )
+    if name.endswith("norm.weight"):
+        return None
+    if name.endswith(".bias"):
+        return 0.0
+    if scaling_method == "NUM_LAYERS" and name.endswith(("o_proj.weight", "down_proj.weight")):
+        return std / math.sqrt(2 * num_layers)
+    return std
+
+
+def step_flops(s: ModelShape, seq_len: int, batch_size: int) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward), spec §7.3.
+
+    `batch_size` is the global batch in samples; the vocabulary is the padded one.
+    """
+    L, h, nq, nkv, F = s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.intermediate_size
+    V, S, B, dh = s.padded_vocab, seq_len, batch_size, s.head_dim
+    qkv = 2 * L * B * S * h * nq * dh + 2 * L * B * S * h * 2 * nkv * dh
+    attn = 2 * L * B * nq * S * dh * S + 2 * L * B * nq * S * S * dh
+    out = 2 * L * B * nq * S * dh * h
+    mlp = 4 * L * B * S * h * F + 2 * L * B * S * F * h
+    head = 2 * B * S * h * V
+    return 3.0 * (qkv + attn + out + mlp + head)
+
+
+def pipeline_costs(s: ModelShape) -> tuple[list[int], int]:
+    """Nanotron's cost of each decoder layer and of the lm_head (spec §4.2)."""
+    cost = decoder_cost(s.hidden_size, s.intermediate_size, s.num_heads, s.head_dim)
+    return [cost] * s.num_layers, s.padded_vocab * s.hidden_size
+
+
+# ------------------------------------------------------------------------- Hugging Face
+
+
+def ours_to_hf(name: str) -> str:
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def hf_to_ours(name: str) -> str | None:
+    if name.endswith("rotary_emb.inv_freq"):
+        return None  # a cache some older checkpoints carry
+    return name.removeprefix("model.")
+
+
+def config_from_hf(hf: dict, where) -> LlamaConfig:
+    """Nanotron's LlamaConfig for an HF Llama `config.json` (vocab unpadded, as in HF)."""
+    from mesh3d.models.hf_fields import common_fields, refuse
+
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            refuse(where, f"`{key}: true` (mesh3d's Llama has no biases)")
+    fields = common_fields(hf, where)
+    h, nq = fields["hidden_size"], fields["num_attention_heads"]
+    if hf.get("head_dim") not in (None, h // nq):
+        refuse(where, f"head_dim {hf['head_dim']} differs from hidden_size / heads = {h // nq}")
+    return LlamaConfig(**fields, pretraining_tp=hf.get("pretraining_tp", 1), rope_interleaved=False)
+
+
+def config_to_hf(mc, dtype: str) -> dict:
+    """`config.json` of `LlamaForCausalLM`, in both the transformers 4 and 5 rope forms."""
+    from mesh3d.models.hf_fields import common_hf
+
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **common_hf(mc, dtype),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "head_dim": mc.hidden_size // mc.num_attention_heads,
+        "pretraining_tp": mc.pretraining_tp,
+    }
+
+
+LLAMA = register(
+    ModelSpec(
+        family="llama",
+        config_class=LlamaConfig,
+        shape=shape,
+        build=build,
+        tp_plan=tp_plan,
+        compile_classes=compile_classes,
+        nanotron_layer=nanotron_layer,
+        nanotron_outer=NANOTRON_OUTER,
+        param_shapes=param_shapes,
+        init_std=init_std,
+        step_flops=step_flops,
+        pipeline_costs=pipeline_costs,
+        hf=(
+            HFSpec(
+                ("LlamaForCausalLM",), "llama", config_from_hf, config_to_hf, ours_to_hf, hf_to_ours
+            ),
+        ),  # fmt: skip
+    )
+)
+llama_tp_plan = tp_plan  # the public name (mesh3d.llama_tp_plan)

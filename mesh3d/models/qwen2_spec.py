@@ -1,0 +1,218 @@
+"""Qwen2's spec (the model is `models/qwen2.py`): Llama's, plus the q/k/v bias, and two HF
+architectures.
+
+Nanotron: the same parameter names as Llama, plus `attn.qkv_proj.bias` when `attention_bias`
+(q, k, v biases concatenated like the weights, split over TP in the same chunks). Hugging Face:
+`Qwen2ForCausalLM` (always has q/k/v biases: zeros when `attention_bias` is false; a sliding
+window on all layers), or `SmolLM3ForCausalLM` for a model with NoPE layers (`no_rope_layer`).
+What neither can express one-to-one is refused with the reason (e.g. a window with NoPE layers:
+Nanotron slides the RoPE layers, SmolLM3 the NoPE ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mesh3d.config.schema import Qwen2Config
+from mesh3d.models import llama_spec
+from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, ModelSpec, register
+
+BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+
+
+def shape(mc, padded_vocab: int) -> ModelShape:
+    base = llama_spec.shape(mc, padded_vocab)
+    return dataclasses.replace(base, family="qwen2", qkv_bias=bool(mc.attention_bias))
+
+
+def build(mc, vocab_size: int | None = None, attention: str = "auto"):
+    from mesh3d.models.qwen2 import Qwen2
+
+    return Qwen2(mc, vocab_size=vocab_size, attention=attention)
+
+
+def nanotron_layer(s: ModelShape) -> LayerTable:
+    """Llama's table, with `attn.qkv_proj.bias` right after its weight (Nanotron's order)."""
+    out: LayerTable = {}
+    for key, value in llama_spec.NANOTRON_LAYER.items():
+        out[key] = value
+        if key == "attn.qkv_proj.weight" and s.qkv_bias:
+            out["attn.qkv_proj.bias"] = (BIAS, "column")
+    return out
+
+
+def param_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
+    shapes = llama_spec.param_shapes(s)
+    if s.qkv_bias:
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        for i in range(s.num_layers):
+            for name, size in zip(BIAS, (q, kv, kv)):
+                shapes[f"layers.{i}.{name}"] = (size,)
+    return shapes
+
+
+# ------------------------------------------------------------------------- Hugging Face
+
+
+def _common(hf: dict, where) -> dict:
+    """The shared fields, with HF's linear rope scaling as Nanotron's interpolation factor."""
+    from mesh3d.models.hf_fields import common_fields
+
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    factor = None
+    if params.get("rope_type", params.get("type")) == "linear":
+        factor = float(params["factor"])
+        hf = {
+            **hf,
+            "rope_parameters": {
+                "rope_theta": params.get("rope_theta", hf.get("rope_theta", 10000.0))
+            },
+        }
+        hf.pop("rope_scaling", None)
+    fields = common_fields(hf, where)
+    if fields["rope_scaling"] is not None:
+        from mesh3d.models.hf_fields import refuse
+
+        refuse(where, "rope scaling other than linear for Qwen2 (Nanotron's Qwen2 has none)")
+    return {**fields, "rope_seq_len_interpolation_factor": factor}
+
+
+def _window_from_hf(hf: dict, where) -> int | None:
+    """Nanotron's one window for all (RoPE) layers, from HF's per-layer sliding settings."""
+    from mesh3d.models.hf_fields import refuse
+
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if not hf.get("use_sliding_window") or not hf.get("sliding_window"):
+        if types and "sliding_attention" in types:
+            refuse(where, "layer_types with sliding layers but use_sliding_window false")
+        return None
+    first = hf.get("max_window_layers", 0) or 0
+    sliding = (
+        [t == "sliding_attention" for t in types] if types else [i >= first for i in range(layers)]
+    )
+    if all(sliding):
+        return int(hf["sliding_window"])
+    if not any(sliding):
+        return None
+    refuse(where, "a sliding window on some layers only (Nanotron's Qwen2 slides every layer)")
+
+
+def _rope_hf(mc) -> dict:
+    factor = mc.rope_seq_len_interpolation_factor
+    if not factor:
+        return {}
+    params = {"rope_type": "linear", "factor": factor, "rope_theta": mc.rope_theta}
+    return {"rope_parameters": params, "rope_scaling": {"rope_type": "linear", "factor": factor}}
+
+
+def qwen2_from_hf(hf: dict, where) -> Qwen2Config:
+    fields = _common(hf, where)
+    return Qwen2Config(
+        **fields, attention_bias=True, sliding_window_size=_window_from_hf(hf, where)
+    )
+
+
+def qwen2_to_hf(mc, dtype: str) -> dict:
+    from mesh3d.models.hf_fields import common_hf, refuse
+
+    if mc.no_rope_layer:
+        refuse("Qwen2ForCausalLM", "no_rope_layer (converted as SmolLM3ForCausalLM instead)")
+    window = mc.sliding_window_size
+    n = mc.num_hidden_layers
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **common_hf(mc, dtype),
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
+        "max_window_layers": 0 if window is not None else n,
+        "layer_types": ["sliding_attention" if window else "full_attention"] * n,
+        **_rope_hf(mc),
+    }
+
+
+def zero_biases(weights: dict, mc) -> dict:
+    """HF Qwen2 always has q/k/v biases: zeros for a model trained without them."""
+    if mc.attention_bias:
+        return weights
+    out = dict(weights)
+    for i in range(mc.num_hidden_layers):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            w = weights[f"model.layers.{i}.self_attn.{proj}.weight"]
+            out[f"model.layers.{i}.self_attn.{proj}.bias"] = w.new_zeros(w.shape[0])
+    return out
+
+
+def smollm3_from_hf(hf: dict, where) -> Qwen2Config:
+    from mesh3d.models.hf_fields import refuse
+
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            refuse(where, f"SmolLM3 `{key}: true` (it puts a bias on o_proj / the MLP)")
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        refuse(where, "SmolLM3's sliding window (on NoPE layers; Nanotron's is on RoPE layers)")
+    n = hf["num_hidden_layers"]
+    uses = hf.get("no_rope_layers")
+    k = hf.get("no_rope_layer_interval", 4)
+    if uses is None:
+        uses = [int((i + 1) % k != 0) for i in range(n)]
+    nope = [i for i, u in enumerate(uses) if not u]
+    k = nope[0] + 1 if nope else None
+    if nope and ([int((i + 1) % k != 0) for i in range(n)] != list(uses) or n % k):
+        refuse(where, f"no_rope_layers {uses}: Nanotron's no_rope_layer is every k-th layer")
+    fields = _common(hf, where)
+    return Qwen2Config(**fields, attention_bias=False, no_rope_layer=k)
+
+
+def smollm3_to_hf(mc, dtype: str) -> dict:
+    from mesh3d.models.hf_fields import common_hf, refuse
+
+    if mc.attention_bias:
+        refuse(
+            "SmolLM3ForCausalLM", "attention_bias with NoPE layers (SmolLM3's bias covers o_proj)"
+        )
+    if mc.sliding_window_size is not None:
+        refuse("SmolLM3ForCausalLM", "a sliding window with NoPE layers")
+    n, k = mc.num_hidden_layers, mc.no_rope_layer
+    return {
+        "architectures": ["SmolLM3ForCausalLM"],
+        "model_type": "smollm3",
+        **common_hf(mc, dtype),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "no_rope_layer_interval": k,
+        "no_rope_layers": [int((i + 1) % k != 0) for i in range(n)],
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "layer_types": ["full_attention"] * n,
+        **_rope_hf(mc),
+    }
+
+
+def hf_for(mc) -> HFSpec:
+    return SMOLLM3 if mc.no_rope_layer else QWEN2_HF
+
+
+names = (llama_spec.ours_to_hf, llama_spec.hf_to_ours)
+QWEN2_HF = HFSpec(("Qwen2ForCausalLM",), "qwen2", qwen2_from_hf, qwen2_to_hf, *names, zero_biases)
+SMOLLM3 = HFSpec(("SmolLM3ForCausalLM",), "smollm3", smollm3_from_hf, smollm3_to_hf, *names)
+
+QWEN2 = register(
+    ModelSpec(
+        family="qwen2",
+        config_class=Qwen2Config,
+        shape=shape,
+        build=build,
+        tp_plan=llama_spec.tp_plan,
+        compile_classes=llama_spec.compile_classes,
+        nanotron_layer=nanotron_layer,
+        nanotron_outer=llama_spec.NANOTRON_OUTER,
+        param_shapes=param_shapes,
+        init_std=llama_spec.init_std,
+        step_flops=llama_spec.step_flops,
+        pipeline_costs=llama_spec.pipeline_costs,
+        hf=(QWEN2_HF, SMOLLM3),
+        hf_for=hf_for,
+    )
+)

@@ -1,0 +1,151 @@
+"""What mesh3d needs to know of a model family, beside its single-device model: the spec.
+
+A family is one place: `models/<family>.py` (the model, torch only) and `models/<family>_spec.py`
+(a `ModelSpec`: TP plan, block classes, Nanotron and HF name maps, HF config translation, FLOPs,
+pipeline costs, init rules). `parallel/`, `checkpoint/`, `train/` and `plan/` take the spec and
+import no model. This file and the spec files import no torch at module level, so
+`config/validate.py` can use them before anything starts.
+
+    spec = spec_of(cfg.model.model_config)        # LLAMA, QWEN2, ...
+    shape = ModelShape.from_config(cfg)
+    model = spec.build(cfg.model.model_config, vocab_size=shape.padded_vocab)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mesh3d.errors import ConfigError
+
+Kind = Literal["vocab", "column", "row", "replicated"]
+# Nanotron name suffix inside a decoder layer -> (our tensor names it fuses, TP kind)
+LayerTable = dict[str, tuple[tuple[str, ...], Kind]]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes and switches that fix every parameter's name, shape and pipeline rank.
+
+    Example:
+
+        shape = mesh3d.ModelShape.from_config(cfg)
+        shape.head_dim, shape.family
+    """
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    padded_vocab: int
+    tied: bool
+    family: str = "llama"
+    head_dim: int = 0  # 0: hidden_size / num_heads (set in __post_init__)
+    qkv_bias: bool = False  # q/k/v projections with a bias (Qwen2's attention_bias)
+    qk_norm: bool = False  # RMSNorm of q and k per head (Qwen3)
+
+    def __post_init__(self):
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+
+    @classmethod
+    def from_config(cls, cfg) -> ModelShape:
+        """From a loaded `Config` (vocab padded for its tp, spec §4.1)."""
+        from mesh3d.config import padded_vocab_size
+
+        return cls.from_model_config(cfg.model.model_config, padded_vocab_size(cfg))
+
+    @classmethod
+    def from_model_config(cls, mc, padded_vocab: int) -> ModelShape:
+        """From a family's model config and the padded vocabulary size."""
+        return spec_of(mc).shape(mc, padded_vocab)
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    """How a family maps to Hugging Face transformers."""
+
+    architectures: tuple[str, ...]  # `architectures` in config.json, the first one written
+    model_type: str
+    config_from_hf: Callable[[dict, Any], Any]  # (config.json, its path) -> our model config
+    config_to_hf: Callable[[Any, str], dict]  # (model config, dtype name) -> config.json
+    ours_to_hf: Callable[[str], str]  # our parameter name -> HF's
+    hf_to_ours: Callable[[str], str | None]  # HF's -> ours (None: not a weight, e.g. a cache)
+    # (HF-named weights, model config) -> the weights HF expects (e.g. zero biases it always has)
+    weights_to_hf: Callable[[dict, Any], dict] | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family (see the module doc). Callables that need torch import it when called."""
+
+    family: str  # "llama", "qwen2", "qwen3": in messages and README
+    config_class: type  # its config dataclass in mesh3d.config.schema
+    shape: Callable[[Any, int], ModelShape]  # (model config, padded vocab) -> ModelShape
+    build: Callable[..., Any]  # (model config, vocab_size, attention) -> the nn.Module
+    tp_plan: Callable[[bool], dict]  # sequence_parallel -> {FQN pattern: ParallelStyle}
+    compile_classes: Callable[[bool], tuple[type, ...]]  # tp > 1 -> classes compiled per layer
+    nanotron_layer: Callable[[ModelShape], LayerTable]
+    nanotron_outer: dict[str, tuple[tuple[str, ...], Kind, Literal["first", "last"]]]
+    param_shapes: Callable[[ModelShape], dict[str, tuple[int, ...]]]  # our name -> full shape
+    init_std: Callable[[str, float, int, str], float | None]  # (name, std, layers, scaling)
+    step_flops: Callable[[ModelShape, int, int], float]  # (shape, seq len, global batch)
+    pipeline_costs: Callable[[ModelShape], tuple[list[int], int]]  # (per-layer, lm_head)
+    hf: tuple[HFSpec, ...]  # the HF architectures the family converts to and from
+    hf_for: Callable[[Any], HFSpec] = lambda mc: None  # which of them a model config becomes
+
+    def hf_of(self, model_config) -> HFSpec:
+        """The HF architecture `model_config` converts to (the first, unless `hf_for` says)."""
+        return self.hf_for(model_config) or self.hf[0]
+
+
+_SPECS: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    _SPECS[spec.family] = spec
+    return spec
+
+
+def _load_specs() -> None:
+    from mesh3d.models import llama_spec, qwen2_spec  # noqa: F401  (each registers its family)
+
+
+def spec_of(model_config) -> ModelSpec:
+    """The spec of a model config object (a LlamaConfig, Qwen2Config, ...)."""
+    _load_specs()
+    for spec in _SPECS.values():
+        if type(model_config) is spec.config_class:
+            return spec
+    family = type(model_config).__name__.removesuffix("Config")
+    raise ConfigError(
+        f"model family {family} is not supported by mesh3d yet; supported: {', '.join(families())}"
+    )
+
+
+def spec_named(family: str) -> ModelSpec:
+    _load_specs()
+    if family not in _SPECS:
+        raise ConfigError(f"unknown model family {family!r}; use one of {', '.join(families())}")
+    return _SPECS[family]
+
+
+def families() -> list[str]:
+    _load_specs()
+    return list(_SPECS)
+
+
+def spec_for_hf(hf_config: dict) -> tuple[ModelSpec, HFSpec] | None:
+    """The spec and HF architecture whose `model_type` matches a config.json (and its
+    `architectures`, if listed), if any."""
+    _load_specs()
+    archs = set(hf_config.get("architectures") or [])
+    for spec in _SPECS.values():
+        for hf in spec.hf:
+            if hf_config.get("model_type") == hf.model_type and (
+                not archs or archs & set(hf.architectures)
+            ):
+                return spec, hf
+    return None

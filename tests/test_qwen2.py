@@ -1,0 +1,159 @@
+"""Qwen2 (Nanotron's Qwen2Config): q/k/v bias, NoPE layers, sliding window, document masking
+and z-loss, at every layout equal to one process; a packed sequence equal to its documents."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from dist import run_ranks
+from parity import TINY, layout_overrides, max_rel_diff, train_runs
+
+from mesh3d.config.schema import Qwen2Config
+from mesh3d.data.documents import document_positions, mask_document_starts
+from mesh3d.models.qwen2 import Qwen2, nope_layer
+from mesh3d.train.loss import token_loss_sum
+
+TOL = 1e-5
+VOCAB, EOS = 16, 3  # a small vocabulary: random tokens hold many EOS, so many documents
+QWEN = copy.deepcopy(TINY)
+_mc = QWEN["model"]["model_config"]
+_mc.pop("is_llama_config")
+_mc.update(is_qwen2_config=True, attention_bias=True, no_rope_layer=2, sliding_window_size=6,
+           _use_doc_masking=True, num_hidden_layers=4, vocab_size=VOCAB, eos_token_id=EOS,
+           z_loss_enabled=True, z_loss_coefficient=1e-3)  # fmt: skip
+QWEN["mesh3d"]["dummy_data"] = "random"
+STEPS = "tokens.train_steps=3"
+
+
+def _pp(schedule: str, virtual: int) -> list[str]:
+    return [
+        "parallelism.pp=2",
+        f"mesh3d.pp_schedule={schedule}",
+        f"mesh3d.pp_virtual_stages={virtual}",
+    ]
+
+
+def test_layers_follow_nanotron():
+    mc = Qwen2Config(
+        num_hidden_layers=8, no_rope_layer=4, sliding_window_size=5, attention_bias=True
+    )
+    assert [i for i in range(8) if nope_layer(mc, i)] == [3, 7]  # SmolLM3's: every 4th, 1-based
+    with torch.device("meta"):
+        model = Qwen2(mc, vocab_size=32)
+    attn = [layer.self_attn for layer in model.layers.values()]
+    assert [a.rotary is None for a in attn] == [i in (3, 7) for i in range(8)]
+    assert [a.window for a in attn] == [None if i in (3, 7) else 5 for i in range(8)]
+    assert attn[0].q_proj.bias is not None and attn[0].o_proj.bias is None
+
+
+def test_packed_documents_equal_each_document_alone():
+    """Three documents packed in one row, with positions restarting at each: each document's
+    per-token losses equal the same document run alone (window and NoPE layers included)."""
+    torch.manual_seed(0)
+    mc = Qwen2Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                     num_key_value_heads=2, num_hidden_layers=4, vocab_size=VOCAB, eos_token_id=EOS,
+                     attention_bias=True, no_rope_layer=2, sliding_window_size=4)  # fmt: skip
+    model = Qwen2(mc, attention="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    docs = [torch.tensor([5, 7, 9, 11, 6, EOS]), torch.tensor([8, 4, 12, EOS]),
+            torch.tensor([13, 1, 2, 5, 9, 10, 14])]  # fmt: skip
+    packed = torch.cat(docs)[None]  # (1, 17)
+    positions = document_positions(packed, EOS)
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6]]
+    with torch.no_grad():
+        together = model(packed, positions=positions)[0]  # (17, V)
+        alone = torch.cat([model(d[None])[0] for d in docs])
+    assert float((together - alone).abs().max()) <= 1e-5 * float(alone.abs().max())
+    labels = mask_document_starts(torch.roll(packed, -1, 1), packed, EOS)
+    assert labels[0, 5] == labels[0, 9] == -100  # the next document's first token is not a target
+
+
+def test_z_loss_is_nanotrons():
+    logits = torch.randn(2, 3, 8)
+    labels = torch.randint(0, 8, (2, 3))
+    labels[0, 1] = -100
+    plain = token_loss_sum(logits, labels, 8)
+    z = token_loss_sum(logits, labels, 8, z_loss=0.01)
+    lse_minus_max = torch.logsumexp(logits, -1) - logits.amax(-1)
+    want = 0.01 * (lse_minus_max.square() * (labels != -100)).sum()
+    assert torch.allclose(z - plain, want, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    (ref,) = run_ranks(1, train_runs, [layout_overrides(1, 1, "ALL_REDUCE", 0, True) + [STEPS]],
+                       QWEN, timeout=120)[0]  # fmt: skip
+    assert ref["loss"][-1] < ref["loss"][0] and min(ref["grad_norm"]) > 0.05
+    return ref
+
+
+LAYOUTS = {
+    2: [("pp2 1f1b", _pp("1f1b", 1)), ("pp2 interleaved_zero_bubble", _pp("interleaved_zero_bubble", 2))],
+    4: [("dp2 tp2 REDUCE_SCATTER zero1", layout_overrides(2, 2, "REDUCE_SCATTER", 1, True)),
+        ("dp2 tp2 ALL_REDUCE zero0", layout_overrides(2, 2, "ALL_REDUCE", 0, True))],
+    8: [("dp2 tp2 pp2 1f1b REDUCE_SCATTER zero1", layout_overrides(2, 2, "REDUCE_SCATTER", 1, True)
+         + _pp("1f1b", 1))],
+}  # fmt: skip
+
+
+# k_proj.bias of a NoPE layer gets no gradient in exact arithmetic (it adds q·b to every score
+# of a query, which the softmax ignores): it stays at rounding noise (~1e-8) around its zero
+# init, which a relative difference would divide by itself. Those are compared absolutely.
+NOISE = {f"layers.{i}.self_attn.k_proj.bias" for i in (1, 3)}
+
+
+def _diff(run: dict, ref: dict) -> float:
+    for name in NOISE:
+        assert float((run["weights"][name] - ref["weights"][name]).abs().max()) <= 1e-6, name
+    keep = lambda r: {**r, "weights": {k: v for k, v in r["weights"].items() if k not in NOISE}}  # noqa: E731
+    return max_rel_diff(keep(run), keep(ref), vocab=VOCAB)
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_qwen2_layouts_match_one_process(world, reference):
+    names = [name for name, _ in LAYOUTS[world]]
+    runs = [overrides + [STEPS] for _, overrides in LAYOUTS[world]]
+    if world == 2:  # pp alone keeps the one-process batch layout
+        runs = [layout_overrides(1, 1, "ALL_REDUCE", 0, True) + r for r in runs]
+    results = run_ranks(world, train_runs, runs, QWEN, timeout=400)
+    table = {n: _diff(run, reference) for n, run in zip(names, results[0])}
+    print("\nqwen2 parity:", table)
+    for runs_of_rank in results:
+        for name, run in zip(names, runs_of_rank):
+            assert not run["replica_mismatches"], (name, run["replica_mismatches"])
+    assert all(v <= TOL for v in table.values()), table
+
+
+def test_qwen2_checkpoint_has_nanotron_bias_files_and_resumes_at_another_layout(tmp_path):
+    """Saved at dp2 x tp2, resumed at pp2: the same losses as the run that never stopped."""
+    ck = [f"checkpoints.checkpoints_path={tmp_path / 'ck'}", "checkpoints.checkpoint_interval=2"]
+    dp2tp2 = layout_overrides(2, 2, "REDUCE_SCATTER", 1, True)
+    straight, _ = run_ranks(4, train_runs, [dp2tp2 + ["tokens.train_steps=4"],
+                                            dp2tp2 + ["tokens.train_steps=2", *ck]],
+                            QWEN, timeout=300)[0]  # fmt: skip
+    qkv = (
+        tmp_path
+        / "ck"
+        / "2"
+        / "model"
+        / "model"
+        / "decoder"
+        / "0"
+        / "pp_block"
+        / "attn"
+        / "qkv_proj"
+    )
+    assert sorted(p.name for p in qkv.iterdir()) == [
+        f"model_{leaf}_pp-rank-0-of-1_tp-rank-{t}-of-2.safetensors"
+        for leaf in ("bias", "weight") for t in (0, 1)
+    ]  # fmt: skip
+    resume = [f"checkpoints.resume_checkpoint_path={tmp_path / 'ck'}", "tokens.train_steps=4",
+              f"checkpoints.checkpoints_path={tmp_path / 'ck2'}", "checkpoints.checkpoint_interval=100"]  # fmt: skip
+    (resumed,) = run_ranks(2, train_runs, [layout_overrides(1, 1, "ALL_REDUCE", 0, True)
+                                           + _pp("1f1b", 1) + resume], QWEN, timeout=300)[0]  # fmt: skip
+    got, want = torch.tensor(resumed["loss"]), torch.tensor(straight["loss"][2:])
+    assert float((got - want).abs().max() / want.abs().max()) <= TOL, (got, want)
