@@ -121,7 +121,7 @@ def hf_model(cfg, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
 
     from mesh3d.models.llama_spec import LLAMA
 
-    hf_dict = LLAMA.hf.config_to_hf(cfg.model.model_config, "float32")
+    hf_dict = LLAMA.hf[0].config_to_hf(cfg.model.model_config, "float32")
     hf_cfg = LlamaConfig(**hf_dict, attn_implementation="sdpa")
     model = LlamaForCausalLM(hf_cfg).float()
     renamed = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in weights.items()}
