@@ -29,6 +29,7 @@ from mesh3d.config.schema import (
     NanosetDatasetsArgs,
     PretrainDatasetsArgs,
     Qwen2Config,
+    Qwen3Config,
     RandomInit,
     SFTDatasetsArgs,
     SGDOptimizerArgs,
@@ -66,6 +67,8 @@ def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     if "is_llama_config" in d:
         return LlamaConfig, d
+    if "is_qwen3_config" in d:  # mesh3d's own model_config.json of a Qwen3 checkpoint
+        return Qwen3Config, d
     if "is_qwen2_config" in d:
         return Qwen2Config, d
     if "is_starcoder2_config" in d or d.keys() & (star - llama - qwen):
@@ -145,7 +148,7 @@ def _nanoset_forms(d: dict, path: str) -> dict:
 
 
 _PICKERS: Pickers = {
-    frozenset({LlamaConfig, Qwen2Config, Starcoder2Config}): _pick_model_config,
+    frozenset({LlamaConfig, Qwen2Config, Qwen3Config, Starcoder2Config}): _pick_model_config,
     frozenset({RandomInit, SpectralMupInit, ExistingCheckpointInit}): _pick_init_method,
     frozenset({AdamWOptimizerArgs, SGDOptimizerArgs}): _pick_optimizer_factory,
     frozenset({PretrainDatasetsArgs, NanosetDatasetsArgs, SFTDatasetsArgs}): _pick_dataset,
@@ -182,6 +185,9 @@ def _resolve(cfg: Config) -> Config:
     mc = cfg.model.model_config
     if isinstance(mc, (LlamaConfig, Qwen2Config)) and mc.num_key_value_heads is None:
         mc.num_key_value_heads = mc.num_attention_heads
+    if cfg.mesh3d.model_family == "qwen3" and type(mc) is Qwen2Config:
+        fields = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}
+        cfg.model.model_config = Qwen3Config(**fields, head_dim=cfg.mesh3d.head_dim)
     if isinstance(cfg.model.init_method, RandomInit):
         cfg.model.init_method.scaling_method = cfg.model.init_method.scaling_method.upper()
     if cfg.optimizer is not None:
@@ -216,7 +222,13 @@ def config_from_dict(d: dict) -> Config:
 # keys mesh3d accepts (they are in Nanotron's examples) that Nanotron HEAD's strict parser
 # refuses: (section path, key, default)
 _NOT_NANOTRON = ((("parallelism",), "moe_layer_recompute", False),
-                 (("model", "model_config"), "interleaved_rotary", None))  # fmt: skip
+                 (("model", "model_config"), "interleaved_rotary", None),
+                 # a Qwen3 config is written as Nanotron's Qwen2 one plus `mesh3d.model_family`
+                 (("model", "model_config"), "is_qwen3_config", True),
+                 (("model", "model_config"), "head_dim", None))  # fmt: skip
+
+
+_QWEN3_ONLY = ("is_qwen3_config", "head_dim")  # kept in `mesh3d:` (model_family, head_dim)
 
 
 def _drop_not_nanotron(d: dict, always: bool) -> None:
@@ -224,7 +236,7 @@ def _drop_not_nanotron(d: dict, always: bool) -> None:
         section = d
         for part in path:
             section = section[part]
-        if key in section and (always or section[key] == default):
+        if key in section and (always or section[key] == default or key in _QWEN3_ONLY):
             del section[key]
 
 

@@ -123,6 +123,17 @@ class Qwen2Config:
 
 
 @dataclass
+class Qwen3Config(Qwen2Config):
+    """Qwen3: a Qwen2 config plus RMSNorm of each q and k head and a free head size. Nanotron
+    has no Qwen3: a YAML keeps Nanotron's Qwen2 `model_config` and says `mesh3d: {model_family:
+    qwen3, head_dim: ...}`; this class is what it becomes when loaded. mesh3d-written
+    `model_config.json` files carry `is_qwen3_config` instead."""
+
+    is_qwen3_config: bool = True
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads
+
+
+@dataclass
 class Starcoder2Config:
     activation_function: str = "gelu_pytorch_tanh"
     attention_softmax_in_fp32: bool = True
@@ -169,7 +180,7 @@ class ExistingCheckpointInit:
     path: str
 
 
-ModelConfig = LlamaConfig | Qwen2Config | Starcoder2Config
+ModelConfig = LlamaConfig | Qwen2Config | Qwen3Config | Starcoder2Config
 InitMethod = RandomInit | SpectralMupInit | ExistingCheckpointInit
 
 
@@ -375,6 +386,9 @@ class Mesh3dArgs:
     checkpoint_timeout_s: float = 1800.0  # collectives and barriers while saving or loading
     skip_nonfinite_steps: int = 0  # non-finite loss/grad-norm steps skipped before stopping
     existing_checkpoints: str = "error"  # error | resume | overwrite: a fresh run, full folder
+    # model families Nanotron lacks, on top of its Qwen2 model_config
+    model_family: str | None = None  # null: from model_config; qwen3
+    head_dim: int | None = None  # qwen3: the head size (null: hidden_size / num_attention_heads)
 
 
 @dataclass

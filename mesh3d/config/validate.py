@@ -152,13 +152,17 @@ def _model(cfg: Config) -> Iterator[str]:
     yield from _divides(
         f"{MC}.intermediate_size", mc.intermediate_size, "parallelism.tp", tp, tp_fix
     )
-    yield from _divides(
-        f"{MC}.hidden_size",
-        mc.hidden_size,
-        f"{MC}.num_attention_heads",
-        heads,
-        "the head dimension is hidden_size / num_attention_heads",
-    )
+    head_dim = getattr(mc, "head_dim", None)  # Qwen3's mesh3d.head_dim
+    if head_dim is None:
+        yield from _divides(
+            f"{MC}.hidden_size",
+            mc.hidden_size,
+            f"{MC}.num_attention_heads",
+            heads,
+            "the head dimension is hidden_size / num_attention_heads",
+        )
+    elif head_dim < 2 or head_dim % 2:
+        yield f"`mesh3d.head_dim` ({head_dim}) must be an even number >= 2 (rotary embeddings pair its dims)"
     yield from _divides(
         f"{MC}.num_attention_heads",
         heads,
@@ -166,7 +170,7 @@ def _model(cfg: Config) -> Iterator[str]:
         kv,
         "each key/value head serves a whole group of query heads",
     )
-    if mc.hidden_size % heads == 0 and (mc.hidden_size // heads) % 2:
+    if head_dim is None and mc.hidden_size % heads == 0 and (mc.hidden_size // heads) % 2:
         yield f"the head dimension {MC}.hidden_size / num_attention_heads = {mc.hidden_size // heads} must be even for rotary embeddings"
     shard = padded_vocab_size(cfg) // tp
     if mc.pad_token_id is not None and not 0 <= mc.pad_token_id < shard:
@@ -386,6 +390,7 @@ def _choices(cfg: Config) -> Iterator[str]:
         "mesh3d.device": (cfg.mesh3d.device, ("auto", "cpu", "cuda")),
         "mesh3d.attention": (cfg.mesh3d.attention, ("auto", "sdpa", "flash")),
         "mesh3d.dummy_data": (cfg.mesh3d.dummy_data, ("random", "learnable")),
+        "mesh3d.model_family": (cfg.mesh3d.model_family, (None, "qwen3")),
         "mesh3d.existing_checkpoints": (cfg.mesh3d.existing_checkpoints, EXISTING_CHECKPOINTS),
     }
     if cfg.metrics_logging is not None:
@@ -394,7 +399,8 @@ def _choices(cfg: Config) -> Iterator[str]:
             yield f"`metrics_logging.log_detail_interval` must be >= 1, got {cfg.metrics_logging.log_detail_interval}"
     for key, (value, allowed) in choices.items():
         if value not in allowed:
-            yield f"`{key}` {value!r} is not one of {', '.join(map(str, allowed))}"
+            shown = ", ".join("null" if a is None else str(a) for a in allowed)
+            yield f"`{key}` {value!r} is not one of {shown}"
     if cfg.logging.iteration_step_info_interval < 1:
         yield f"`logging.iteration_step_info_interval` must be >= 1, got {cfg.logging.iteration_step_info_interval}"
 
@@ -421,6 +427,14 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         spec_of(m.model_config)
     except ConfigError as e:
         yield f"`model.model_config`: {e}"
+    family = cfg.mesh3d.model_family
+    if family == "qwen3" and not isinstance(m.model_config, Qwen2Config):
+        yield (
+            "`mesh3d.model_family: qwen3` reads a Qwen2 model_config (is_qwen2_config: true) as "
+            f"Qwen3; this one is {type(m.model_config).__name__}"
+        )
+    if cfg.mesh3d.head_dim is not None and family != "qwen3":
+        yield "`mesh3d.head_dim` is only for `mesh3d.model_family: qwen3`; remove it or set the family"
     if getattr(m.model_config, "moe_config", None) is not None:
         yield _not_yet(f"{MC}.moe_config", "mixture of experts; set it to null for a dense model")
     if isinstance(m.init_method, SpectralMupInit):

@@ -254,7 +254,8 @@ class DecoderLayer(nn.Module):
 def _check(cfg, attention: str) -> None:
     n_q = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_q
-    if cfg.hidden_size % n_q or n_q % n_kv:
+    free_head = getattr(cfg, "head_dim", None)  # Qwen3: any head size
+    if (cfg.hidden_size % n_q and not free_head) or n_q % n_kv:
         raise ConfigError(
             f"`model.model_config.hidden_size` ({cfg.hidden_size}) must be a multiple of "
             f"`num_attention_heads` ({n_q}), itself a multiple of `num_key_value_heads` ({n_kv})"

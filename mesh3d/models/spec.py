@@ -110,7 +110,7 @@ def register(spec: ModelSpec) -> ModelSpec:
 
 
 def _load_specs() -> None:
-    from mesh3d.models import llama_spec, qwen2_spec  # noqa: F401  (each registers its family)
+    from mesh3d.models import llama_spec, qwen2_spec, qwen3_spec  # noqa: F401  (each registers)
 
 
 def spec_of(model_config) -> ModelSpec:

@@ -1,0 +1,108 @@
+"""Qwen3's spec (the model is `models/qwen3.py`): Qwen2's, plus the q/k norms, a free head size
+and HF `Qwen3ForCausalLM`.
+
+Nanotron has no Qwen3, so its names here are mesh3d's extension of Nanotron's layout: the norms
+are `attn.q_norm.weight` and `attn.k_norm.weight` in each decoder layer, written once (not
+split over tp), like the other norms. Under tensor parallelism a rank holds whole heads, so each
+norm runs on its local heads with the full weight; its gradient is summed over tp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mesh3d.config.schema import Qwen3Config
+from mesh3d.models import llama_spec, qwen2_spec
+from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, ModelSpec, register
+
+QK_NORMS = {"attn.q_norm.weight": (("self_attn.q_norm.weight",), "replicated"),
+            "attn.k_norm.weight": (("self_attn.k_norm.weight",), "replicated")}  # fmt: skip
+
+
+def shape(mc, padded_vocab: int) -> ModelShape:
+    base = qwen2_spec.shape(mc, padded_vocab)
+    head_dim = mc.head_dim or mc.hidden_size // mc.num_attention_heads
+    return dataclasses.replace(base, family="qwen3", head_dim=head_dim, qk_norm=True)
+
+
+def build(mc, vocab_size: int | None = None, attention: str = "auto"):
+    from mesh3d.models.qwen3 import Qwen3
+
+    return Qwen3(mc, vocab_size=vocab_size, attention=attention)
+
+
+def tp_plan(sequence_parallel: bool) -> dict:
+    """Qwen2's plan, plus the q/k norms on each rank's heads: the input taken as sharded on its
+    head dim (2 of [B, S, heads, dh]), the weight replicated (its gradient then sums over tp)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    plan = llama_spec.tp_plan(sequence_parallel)
+    for norm in ("q_norm", "k_norm"):
+        plan[f"layers.*.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def nanotron_layer(s: ModelShape) -> LayerTable:
+    """Qwen2's table with the q/k norms right after the q/k/v projection (module order)."""
+    out: LayerTable = {}
+    last_qkv = "attn.qkv_proj.bias" if s.qkv_bias else "attn.qkv_proj.weight"
+    for key, value in qwen2_spec.nanotron_layer(s).items():
+        out[key] = value
+        if key == last_qkv:
+            out.update(QK_NORMS)
+    return out
+
+
+def param_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
+    shapes = qwen2_spec.param_shapes(s)
+    for i in range(s.num_layers):
+        for norm in ("q_norm", "k_norm"):
+            shapes[f"layers.{i}.self_attn.{norm}.weight"] = (s.head_dim,)
+    return shapes
+
+
+# ------------------------------------------------------------------------- Hugging Face
+
+
+def qwen3_from_hf(hf: dict, where) -> Qwen3Config:
+    from mesh3d.models.hf_fields import refuse
+
+    if hf.get("attention_bias"):
+        refuse(where, "Qwen3 `attention_bias: true` (its bias covers o_proj)")
+    fields = qwen2_spec._common(hf, where)
+    window = qwen2_spec._window_from_hf(hf, where)
+    return Qwen3Config(**fields, attention_bias=False, sliding_window_size=window,
+                       head_dim=hf.get("head_dim"))  # fmt: skip
+
+
+def qwen3_to_hf(mc, dtype: str) -> dict:
+    from mesh3d.models.hf_fields import refuse
+
+    if mc.attention_bias:
+        refuse("Qwen3ForCausalLM", "attention_bias (HF's Qwen3 bias covers o_proj too)")
+    out = qwen2_spec.qwen2_to_hf(mc, dtype)
+    out.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
+               head_dim=mc.head_dim or mc.hidden_size // mc.num_attention_heads)  # fmt: skip
+    return out
+
+
+QWEN3_HF = HFSpec(("Qwen3ForCausalLM",), "qwen3", qwen3_from_hf, qwen3_to_hf,
+                  llama_spec.ours_to_hf, llama_spec.hf_to_ours)  # fmt: skip
+
+QWEN3 = register(
+    ModelSpec(
+        family="qwen3",
+        config_class=Qwen3Config,
+        shape=shape,
+        build=build,
+        tp_plan=tp_plan,
+        compile_classes=llama_spec.compile_classes,
+        nanotron_layer=nanotron_layer,
+        nanotron_outer=llama_spec.NANOTRON_OUTER,
+        param_shapes=param_shapes,
+        init_std=llama_spec.init_std,
+        step_flops=llama_spec.step_flops,
+        pipeline_costs=llama_spec.pipeline_costs,
+        hf=(QWEN3_HF,),
+    )
+)

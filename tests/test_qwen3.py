@@ -1,0 +1,111 @@
+"""Qwen3 through the `mesh3d:` extension (Nanotron has no Qwen3): a Qwen2 model_config with
+`mesh3d: {model_family: qwen3, head_dim: ...}` trains with q/k norms and a free head size at
+every layout like one process, and converts to and from HF `Qwen3ForCausalLM` exactly."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from dist import run_ranks
+from parity import TINY, layout_overrides, max_rel_diff, train_runs
+from safetensors.torch import load_file
+
+from mesh3d.checkpoint import hf as convert
+from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
+from mesh3d.config import Qwen3Config, config_from_dict, config_to_dict, validate
+from mesh3d.errors import ConfigError
+from mesh3d.models.spec import spec_of
+
+TOL = 1e-5
+QWEN3 = copy.deepcopy(TINY)
+_mc = QWEN3["model"]["model_config"]
+_mc.pop("is_llama_config")
+_mc.update(is_qwen2_config=True)
+QWEN3["mesh3d"].update(model_family="qwen3", head_dim=16)  # 8 heads x 16 > hidden 64
+STEPS = "tokens.train_steps=3"
+
+
+def test_yaml_form_keeps_nanotrons_schema():
+    cfg = config_from_dict(copy.deepcopy(QWEN3))
+    mc = cfg.model.model_config
+    assert type(mc) is Qwen3Config and mc.head_dim == 16 and spec_of(mc).family == "qwen3"
+    d = config_to_dict(cfg)
+    assert (
+        "head_dim" not in d["model"]["model_config"]
+        and d["model"]["model_config"]["is_qwen2_config"]
+    )
+    assert d["mesh3d"]["model_family"] == "qwen3" and config_from_dict(d) == cfg
+    bad = copy.deepcopy(QWEN3)
+    bad["mesh3d"]["head_dim"] = 15
+    with pytest.raises(ConfigError, match=r"`mesh3d.head_dim` \(15\) must be an even number"):
+        validate(config_from_dict(bad))
+    llama = copy.deepcopy(TINY)
+    llama["mesh3d"]["head_dim"] = 16
+    with pytest.raises(
+        ConfigError, match="`mesh3d.head_dim` is only for `mesh3d.model_family: qwen3`"
+    ):
+        validate(config_from_dict(llama))
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    base = layout_overrides(1, 1, "ALL_REDUCE", 0, False) + [STEPS]
+    (ref,) = run_ranks(1, train_runs, [base], QWEN3, timeout=120)[0]
+    assert ref["loss"][-1] < ref["loss"][0] and "layers.0.self_attn.q_norm.weight" in ref["weights"]
+    return ref
+
+
+LAYOUTS = {
+    4: [layout_overrides(2, 2, "REDUCE_SCATTER", 1, False), layout_overrides(1, 4, "ALL_REDUCE", 0, False)],
+    2: [layout_overrides(1, 1, "ALL_REDUCE", 0, False) + ["parallelism.pp=2", "model.model_config.num_hidden_layers=2"]],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_qwen3_layouts_match_one_process(world, reference):
+    runs = [r + [STEPS] for r in LAYOUTS[world]]
+    results = run_ranks(world, train_runs, runs, QWEN3, timeout=300)
+    diffs = [max_rel_diff(run, reference) for run in results[0]]
+    print("qwen3 parity:", diffs)
+    for runs_of_rank in results:
+        assert all(not run["replica_mismatches"] for run in runs_of_rank)
+    assert all(d <= TOL for d in diffs), diffs
+
+
+transformers = pytest.importorskip("transformers", reason="transformers (dev extra) not installed")
+
+
+def test_hf_qwen3_round_trip_and_logits(tmp_path):
+    cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=96,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   num_hidden_layers=4, rms_norm_eps=1e-5, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.05 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "hf")
+    convert.from_hf(tmp_path / "hf", tmp_path / "nt", tp=2, pp=2)
+    d = json.loads((tmp_path / "nt" / "model_config.json").read_text())
+    assert d["is_qwen3_config"] is True and d["head_dim"] == 32
+    mc = convert.read_model_config_json(tmp_path / "nt")
+    ours = spec_of(mc).build(mc, attention="sdpa").eval()
+    full = read_nanotron_weights(tmp_path / "nt" / "model", convert.shape_of(mc))
+    assert (
+        tmp_path / "nt/model/model/decoder/0/pp_block/attn/q_norm/model_weight.safetensors"
+    ).is_file()
+    ours.load_state_dict(full, strict=False)
+    ids = torch.randint(0, 101, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = hf.eval()(ids).logits, ours(ids)[..., :101]
+    assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-5
+    convert.to_hf(tmp_path / "nt", tmp_path / "back")
+    a, b = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
+    assert set(a) == set(b)
+    assert all(torch.equal(a[k], b[k][: a[k].shape[0]]) for k in a)
