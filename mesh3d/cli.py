@@ -1,5 +1,8 @@
 """`mesh3d COMMAND ...`: one entry point for the command-line tools.
 
+mesh3d train [CONFIG] [key=value ...]                           train (starts its own processes)
+mesh3d generate --checkpoint PATH --prompt TEXT [...]           text from a trained checkpoint
+mesh3d plot METRICS.jsonl ... [--output PNG]                    loss, lr, grad norm, tokens/s
 mesh3d plan CONFIG [--world-size N] [--json] [key=value ...]    same as python -m mesh3d.plan
 mesh3d config CONFIG [--world-size N] [key=value ...]           same as python -m mesh3d.config
 """
@@ -12,6 +15,9 @@ import sys
 from mesh3d.errors import USER_ERROR_EXIT_CODE
 
 COMMANDS = {  # command -> module whose main(argv) runs it
+    "train": "mesh3d.launch",
+    "generate": "mesh3d.generate",
+    "plot": "mesh3d.plot",
     "plan": "mesh3d.plan",
     "config": "mesh3d.config.__main__",
 }
