@@ -1,4 +1,5 @@
-"""End-to-end runs of recipes/train.py through torchrun (the way users launch it)."""
+"""End-to-end runs of recipes/train.py through torchrun (the way users launch it), on the
+learnable-dummy CPU config (the built-in default run is tested in tests/test_launch.py)."""
 
 import json
 import os
@@ -9,6 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "recipes" / "train.py")
+TINY = ["--config-file", str(ROOT / "recipes" / "configs" / "cpu_tiny.yaml")]
 LINE = re.compile(
     r"\[INFO\|DP=0\|PP=0\|TP=0\]: iteration: (\d+) / (\d+) \| consumed_tokens: \S+ \| "
     r"elapsed_time_per_iteration_ms: \S+ \| tokens_per_sec: \S+ \| tokens_per_sec_per_gpu: \S+ \| "
@@ -19,7 +21,7 @@ LINE = re.compile(
 
 def torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--standalone", TRAIN, *args]  # fmt: skip
+           "--standalone", TRAIN, *TINY, *args]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -67,7 +69,10 @@ def test_dp2_tp2_and_compiled_dp2_torchrun_match_one_process(tmp_path):
 
 def test_bad_config_exits_2_without_traceback():
     r = subprocess.run(
-        [sys.executable, TRAIN, "parallelism.tp=3"], capture_output=True, text=True, timeout=120
+        [sys.executable, TRAIN, *TINY, "parallelism.tp=3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and r.stderr.startswith("error: ")
@@ -109,7 +114,7 @@ def test_one_rank_failing_mid_step_ends_the_launch_quickly():
 
     env_fail = dict(os.environ, MESH3D_FAIL_AT="3:2")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           TRAIN, "tokens.train_steps=6", *_pp_args("1f1b")[:1], "parallelism.pp=2"]  # fmt: skip
+           TRAIN, *TINY, "tokens.train_steps=6", *_pp_args("1f1b")[:1], "parallelism.pp=2"]  # fmt: skip
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env_fail)
     elapsed = time.monotonic() - t0

@@ -1,0 +1,110 @@
+"""The default run's data, made once on any machine with Python and no download: the standard
+library's own source files as documents, a byte-level BPE tokenizer trained on them, and a
+Nanoset folder (datatrove's `.ds` format) of their tokens.
+
+    folder = prepare_stdlib_corpus()   # ~/.cache/mesh3d/stdlib-<key>/ (or $MESH3D_CACHE)
+    folder / "tokenizer" / "tokenizer.json", folder / "tokenized" / "*.ds"
+
+The files are read in sorted order up to a size budget (tests and the `idlelib`/`site-packages`
+folders left out), so the corpus is the same for the same Python. Made in a temporary folder
+and renamed into place when complete; a second call returns the cached folder at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+from mesh3d.log import logger
+
+FORMAT = 1  # bump when what is written changes
+SKIP = {"test", "tests", "idlelib", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MESH3D_CACHE") or Path.home() / ".cache" / "mesh3d")
+
+
+def stdlib_files(budget_bytes: int) -> list[Path]:
+    """The standard library's .py files in sorted order, until `budget_bytes` of text."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if SKIP & set(path.relative_to(root).parts):
+            continue
+        size = path.stat().st_size
+        if size < 200:  # empty __init__ files and stubs
+            continue
+        files.append(path)
+        total += size
+        if total >= budget_bytes:
+            break
+    return files
+
+
+def prepare_stdlib_corpus(megabytes: float = 3.0, vocab_size: int = 4096) -> Path:
+    """The corpus folder (made the first time; see the module doc)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    key = hashlib.sha1(f"{FORMAT}|{sys.version}|{root}|{megabytes}|{vocab_size}".encode())
+    folder = cache_root() / f"stdlib-{key.hexdigest()[:12]}"
+    if (folder / "tokenized").is_dir():
+        return folder
+    start = time.perf_counter()
+    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    files = stdlib_files(int(megabytes * 2**20))
+    logger.info(f"preparing the default run's data once: {len(files)} files of {root} -> {folder}")
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+    with open(tmp / "text.jsonl", "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    tokenizer = train_tokenizer(texts, tmp / "tokenizer", vocab_size)
+    from mesh3d.data.tokenize import tokenize_to_folder
+
+    _, docs, tokens = tokenize_to_folder(
+        str(tokenizer), [str(tmp / "text.jsonl")], str(tmp / "tokenized")
+    )
+    (tmp / "text.jsonl").unlink()
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # made meanwhile by another process: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info(
+        f"data ready: {docs} documents, {tokens:,} tokens in {time.perf_counter() - start:.0f} s"
+    )
+    return folder
+
+
+def train_tokenizer(texts: list[str], folder: Path, vocab_size: int) -> Path:
+    """A byte-level BPE (specials <unk>, <s>, </s>) trained on `texts`; its tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def default_run_overrides() -> list[str]:
+    """The overrides that point `mesh3d/configs/default.yaml` at the prepared corpus."""
+    folder = prepare_stdlib_corpus()
+    return [
+        f"data_stages[0].data.dataset.dataset_folder=[{folder / 'tokenized'}]",
+        f"tokenizer.tokenizer_name_or_path={folder / 'tokenizer'}",
+    ]

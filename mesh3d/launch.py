@@ -1,0 +1,144 @@
+"""`mesh3d train [CONFIG] [key=value ...]`: train, starting the processes the config asks for.
+
+    mesh3d train                                 # the default run: real text, CPU, minutes
+    mesh3d train cfg.yaml parallelism.dp=2       # dp x tp x pp processes on this machine
+    torchrun --nproc_per_node=8 -m mesh3d.launch cfg.yaml    # under a launcher: one rank each
+
+Outside a launcher, `mesh3d train` checks the config first (a mistake prints one `error:` line
+and exits 2 before anything starts), then runs one process in place, or starts dp x tp x pp
+local processes with torch's elastic launcher used as a library (what torchrun does). Under
+torchrun or Slurm (RANK set) it is one rank. Without CONFIG it prepares the default run's data
+once (`mesh3d/data/corpus.py`) and trains `mesh3d/configs/default.yaml` on it.
+
+Every run writes `runs/<run name>/metrics.jsonl` (or `--metrics-file`) and, at the end, its plot
+beside it and a summary (`mesh3d/train/summary.py`). Exit codes are those of
+`mesh3d/errors.py`; a failing rank's own `error:` line is the only message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from mesh3d.config import expand_run_name, load_config, validate
+from mesh3d.errors import PeerError, Preempted, exit_on_user_error
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="mesh3d train", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("config", nargs="?", help="Nanotron YAML config (default: the built-in run)")
+    ap.add_argument("--config-file", "--config", dest="config_file", help="same as CONFIG")
+    ap.add_argument("--metrics-file", help="JSON lines, one per logged iteration "
+                    "(default: runs/<run name>/metrics.jsonl)")  # fmt: skip
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.dp=2")
+    return ap
+
+
+def _split(argv: list[str]) -> argparse.Namespace:
+    args = _parser().parse_intermixed_args(argv)
+    if args.config and "=" in args.config:  # `mesh3d train tokens.train_steps=5`: no CONFIG
+        args.overrides.insert(0, args.config)
+        args.config = None
+    args.config = args.config_file or args.config
+    return args
+
+
+def _resolved(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """(config path, overrides) with what this launch fixes for every rank: the run name
+    (expanded once), the default run's data, and the metrics file."""
+    overrides = list(args.overrides)
+    if args.config is None:
+        from mesh3d.data.corpus import default_run_overrides
+
+        overrides = default_run_overrides() + overrides
+    path = args.config or str(DEFAULT_CONFIG)
+    cfg = load_config(path, overrides)
+    run = expand_run_name(cfg.general.run)
+    overrides.append(f"general.run={run}")
+    if args.config is None and cfg.checkpoints is not None:
+        overrides.append(f"checkpoints.checkpoints_path=runs/{run}/checkpoints")
+    return path, overrides
+
+
+def _is_rank() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    args = _split(sys.argv[1:] if argv is None else argv)
+    if _is_rank():  # under torchrun / Slurm, or started by `_launch`: one rank
+        overrides = list(args.overrides)
+        if args.config is None:
+            from mesh3d.data.corpus import default_run_overrides
+
+            overrides = default_run_overrides() + overrides  # the same folder on every rank
+        return run_rank(args.config or str(DEFAULT_CONFIG), overrides, args.metrics_file)
+    path, overrides = _resolved(args)
+    cfg = load_config(path, overrides)
+    p = cfg.parallelism
+    world = p.dp * p.tp * p.pp
+    validate(cfg, world_size=world)  # before any process starts: one message, exit 2
+    metrics = args.metrics_file or f"runs/{cfg.general.run}/metrics.jsonl"
+    if world == 1:  # in this process: a one-process world, no launcher
+        return run_rank(path, overrides, metrics)
+    _launch(world, path, overrides, metrics)
+
+
+def run_rank(path: str, overrides: list[str], metrics_file: str | None) -> None:
+    """One rank's run (the launched processes, torchrun's ranks, and a one-process run)."""
+    import torch.distributed as dist
+
+    from mesh3d.train.loop import train
+    from mesh3d.train.summary import finish
+
+    cfg = load_config(path, overrides)
+    peers_gone = False
+    try:
+        result = train(cfg, metrics_file=metrics_file)
+        finish(cfg, result, metrics_file)
+    except PeerError:
+        peers_gone = True  # tearing down a group whose peers are gone can hang: just exit
+        raise
+    finally:
+        if dist.is_initialized() and not peers_gone:
+            dist.destroy_process_group()
+
+
+def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> None:
+    """`world` local ranks of `python -m mesh3d.launch`, through torch's elastic agent."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # the ranks say what went wrong
+    # the agent forwards these to every rank, which saves and exits 75 (README: preemption)
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+        start_method="spawn",
+    )  # fmt: skip
+    args = ["-m", "mesh3d.launch", path, "--metrics-file", metrics_file, *overrides]
+    try:
+        elastic_launch(config, sys.executable)(*args)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        code = next((c for c in codes if c > 0), 1)
+        raise SystemExit(code) from None
+    except SignalException:  # forwarded to every rank, which saved and said so
+        raise SystemExit(Preempted.exit_code) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The end of a `mesh3d train` run: its plot and a short summary, printed once.
+
+    == run default_20261203_091500: 150 steps in 1m52s ==
+    train loss   8.33 -> 4.12 (last step)      validation loss 4.30 (ppl 73.7)
+    tokens/s     2,950 (median of logged steps)
+    checkpoint   runs/default_20261203_091500/checkpoints/150
+    metrics      runs/default_20261203_091500/metrics.jsonl
+    plot         runs/default_20261203_091500/metrics.png
+    sample       'def __init__(self' -> ...
+
+World rank 0 prints it after every rank finished (the losses are the same on every rank). The
+sample is greedy text from the last checkpoint, read into one process (any layout wrote it),
+when the run has a checkpoint and a local tokenizer.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mesh3d.checkpoint.folder import latest_step
+from mesh3d.log import logger
+
+PROMPT = "def __init__(self"
+
+
+def finish(cfg, result, metrics_file: str | None) -> None:
+    """Write the run's plot and print its summary (world rank 0, after every rank is done)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # the metrics owner closed its file
+    if (dist.get_rank() if dist.is_initialized() else 0) != 0 or not result.metrics:
+        return
+    plot = _plot(metrics_file)
+    step_dir = _last_checkpoint(cfg)
+    lines = summary_lines(cfg, result.metrics, metrics_file, plot, step_dir)
+    sample = _sample(cfg, step_dir)
+    if sample:
+        lines.append(f"sample       {sample}")
+    print("\n".join(lines), flush=True)
+
+
+def summary_lines(cfg, metrics: list[dict], metrics_file, plot, step_dir) -> list[str]:
+    first, last = metrics[0], metrics[-1]
+    seconds = sum(m.get("elapsed_time_per_iteration_ms", 0.0) for m in metrics) / 1000
+    minutes, secs = divmod(int(seconds), 60)
+    lines = [f"== run {cfg.general.run}: {last['iteration']} steps in {minutes}m{secs:02d}s =="]
+    loss = (
+        f"train loss   {first['lm_loss']:.3f} (step {first['iteration']}) -> {last['lm_loss']:.3f}"
+    )
+    val = [m for m in metrics if "val_loss" in m]
+    if val:
+        loss += f"      validation loss {val[-1]['val_loss']:.3f} (ppl {val[-1]['val_ppl']:.1f})"
+    lines.append(loss)
+    rates = [m["tokens_per_sec"] for m in metrics[1:] if "tokens_per_sec" in m] or [
+        m.get("tokens_per_sec", 0.0) for m in metrics
+    ]
+    lines.append(f"tokens/s     {statistics.median(rates):,.0f} (median, first step left out)")
+    for name, path in (("checkpoint", step_dir), ("metrics", metrics_file), ("plot", plot)):
+        if path:
+            lines.append(f"{name:<12} {path}")
+    return lines
+
+
+def _plot(metrics_file: str | None) -> Path | None:
+    if not metrics_file or not Path(metrics_file).is_file():
+        return None
+    try:
+        from mesh3d.plot import write_plot
+
+        return write_plot([Path(metrics_file)], Path(metrics_file).with_name("metrics.png"))
+    except Exception as e:  # no matplotlib, a full disk: the run itself succeeded
+        logger.warning(f"no plot written: {e}")
+        return None
+
+
+def _last_checkpoint(cfg) -> Path | None:
+    if cfg.checkpoints is None:
+        return None
+    root = Path(cfg.checkpoints.checkpoints_path)
+    step = latest_step(root)
+    return root / str(step) if step is not None else None
+
+
+def _sample(cfg, step_dir: Path | None, new_tokens: int = 24) -> str | None:
+    """Greedy text from the last checkpoint, or None without one or a local tokenizer."""
+    name = cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None
+    if step_dir is None or not name or not Path(name).exists():
+        return None
+    from mesh3d.data.tokenize import load_tokenizer
+    from mesh3d.generate import generate, load_checkpoint_model
+
+    tokenizer = load_tokenizer(name)
+    model, mc = load_checkpoint_model(step_dir)
+    ids = torch.tensor([tokenizer.encode(PROMPT, add_special_tokens=False).ids])
+    out = generate(model, ids, new_tokens, eos=mc.eos_token_id)
+    text = tokenizer.decode(out[0, ids.shape[1] :].tolist())
+    return f"{PROMPT!r} -> {text!r}"
