@@ -116,7 +116,8 @@ def _panel(ax, title: str, ylabel: str, series: list, runs: list[tuple[str, list
             steps, values = _points(records, key)
             if steps:
                 name = f"{label} {kind}" if kind else label
-                line = dict(marker=marker, markersize=3, color=f"C{colour % 10}", label=name)
+                dot = marker or ("o" if len(steps) == 1 else "")  # one point shows as a dot
+                line = dict(marker=dot, markersize=3, color=f"C{colour % 10}", label=name)
                 ax.plot(steps, values, style, **line)
     if not ax.lines:
         keys = " / ".join(key for key, *_ in series)

@@ -73,6 +73,8 @@ def test_validation_curve_only_for_a_run_that_has_it(tmp_path):
     assert [len(ax.lines) for ax in (lr, grad_norm, throughput)] == [2, 1, 2]  # b: no grad_norm
     assert list(throughput.lines[1].get_xdata()) == list(range(1, 21))
 
+    assert loss.lines[0].get_marker() in ("", "None")  # a line; one logged step is a dot
+    assert draw([("c", with_val[:1])]).axes[0].lines[0].get_marker() == "o"
     (empty_panel,) = draw([("b", without)]).axes[2].texts
     assert empty_panel.get_text() == "no grad_norm in these files"
 

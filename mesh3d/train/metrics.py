@@ -199,9 +199,11 @@ def _lines_up_to(path: Path, start_step: int) -> list[str]:
             kept.append(line + "\n")
         else:
             later += 1
-    if later or broken:
+    dropped = [f"{later} records past step {start_step}"] * bool(later)
+    dropped += [f"{broken} lines that are not JSON records"] * bool(broken)
+    if dropped:
         logger.info(
             f"metrics file {path}: resuming at step {start_step}, kept {len(kept)} records, "
-            f"dropped {later} past step {start_step} and {broken} lines that are not JSON records"
+            f"dropped {' and '.join(dropped)}"
         )
     return kept
