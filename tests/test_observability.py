@@ -1,5 +1,6 @@
 """Metrics to every sink with the same values (metrics file, W&B offline, TensorBoard), MFU and
-its peak table, the profiler trace, the ETA, and a resumed run continuing its W&B run."""
+its peak table, the profiler trace, the ETA, a resumed run continuing its W&B run, and one metrics
+file per run (a fresh run replaces it, a resumed run cuts it at its start step and appends)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ from dist import run_ranks
 from parity import TINY
 
 from mesh3d.config import apply_overrides, config_from_dict
-from mesh3d.train.metrics import PEAK_BF16_TFLOPS, iteration_metrics, llama_flops, peak_tflops
-from mesh3d.train.sinks import eta_text
+from mesh3d.train.metrics import (
+    PEAK_BF16_TFLOPS,
+    JsonlWriter,
+    iteration_metrics,
+    llama_flops,
+    peak_tflops,
+)
+from mesh3d.train.sinks import MetricSinks, eta_text
 
 
 def _run(rank: int, world: int, root: str, overrides: list[str]) -> list[dict]:
@@ -170,3 +177,60 @@ def test_mfu_formula_and_peak_table():
 def test_eta_format():
     assert eta_text(65) == "0:01:05"
     assert eta_text(91_530) == "1 day, 1:25:30"
+
+
+def _iterations(path: Path) -> list[int]:
+    return [json.loads(line)["iteration"] for line in path.read_text().splitlines()]
+
+
+def _old_run(path: Path, steps: int, tail: str = "") -> None:
+    """A metrics file an earlier run left: iterations 1..steps (loss 10 - i/10), then `tail`."""
+    lines = [
+        json.dumps({"iteration": i, "lm_loss": 10 - i / 10}) + "\n" for i in range(1, steps + 1)
+    ]
+    path.write_text("".join(lines) + tail)
+
+
+def _sinks(path: Path, start_step: int) -> MetricSinks:
+    cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), ["mesh3d.wandb=false"])
+    return MetricSinks(cfg, True, str(path), start_step=start_step)
+
+
+def test_a_fresh_run_replaces_the_metrics_file(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    _old_run(path, 15)
+    sinks = _sinks(path, start_step=0)
+    assert path.read_text() == ""  # replaced at start, before the first record
+    for i in range(1, 6):
+        sinks.write({"iteration": i, "lm_loss": 1.0 / i}, [0.1])
+    sinks.close()
+    assert _iterations(path) == [1, 2, 3, 4, 5]
+    assert [p.name for p in path.parent.iterdir()] == ["metrics.jsonl"]  # no temp file left
+
+
+def test_a_resumed_run_continues_its_own_metrics_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _old_run(path, 15, tail='{"iteration": 16, "lm_lo')  # the earlier run was killed mid-line
+    kept = path.read_text().splitlines(keepends=True)[:10]
+    sinks = _sinks(path, start_step=10)
+    assert path.read_text() == "".join(kept)  # 1..10 byte for byte; 11..15 and the cut line gone
+    for i in (11, 12):
+        sinks.write({"iteration": i, "lm_loss": 0.5}, [0.1])
+    sinks.close()
+    assert _iterations(path) == list(range(1, 13))
+    assert [json.loads(x)["lm_loss"] for x in path.read_text().splitlines()][9:] == [9.0, 0.5, 0.5]
+
+    elsewhere = tmp_path / "new" / "metrics.jsonl"  # resumed into a file that does not exist yet
+    writer = JsonlWriter(elsewhere, start_step=10)
+    writer.write({"iteration": 11})
+    writer.close()
+    assert _iterations(elsewhere) == [11]
+
+
+def test_only_the_metrics_rank_touches_the_metrics_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _old_run(path, 3)
+    cfg = config_from_dict(copy.deepcopy(TINY))
+    MetricSinks(cfg, False, str(path)).write({"iteration": 1, "lm_loss": 1.0}, [0.1])
+    assert _iterations(path) == [1, 2, 3]

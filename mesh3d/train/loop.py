@@ -232,7 +232,7 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
     if start == tok.train_steps:
         logger.info(f"nothing to train: the checkpoint is at tokens.train_steps ({start})")
     logger.info("grad_norm in the iteration line is the global gradient norm before clipping")
-    sinks = MetricSinks(cfg, rank == run.logger_rank, metrics_file, wandb_id)
+    sinks = MetricSinks(cfg, rank == run.logger_rank, metrics_file, wandb_id, start_step=start)
     wandb_id = share(sinks.wandb_id, src=run.logger_rank)
     peak = peak_tflops(
         torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None

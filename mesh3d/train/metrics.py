@@ -2,7 +2,7 @@
 
 One `dict` per logged iteration is built once (`iteration_metrics`) and handed to every sink:
 the console line (`format_iteration_line`, Nanotron CLASSIC item order, spec §7.2) and the
-`--metrics-file` JSON lines (`JsonlWriter`).
+`--metrics-file` JSON lines (`JsonlWriter`: one file per run, a resumed run continues it).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import os
 import re
 import shutil
 from pathlib import Path
+
+from mesh3d.log import logger
 
 _SUFFIXES = ["", "K", "M", "G", "T", "P", "E"]
 
@@ -155,10 +157,23 @@ def format_iteration_line(m: dict, train_steps: int) -> str:
 
 
 class JsonlWriter:
-    """Appends one JSON object per iteration to a file (the `--metrics-file`), flushed each line."""
+    """The `--metrics-file`: one JSON object per iteration, flushed each line; one file per run.
 
-    def __init__(self, path: str | os.PathLike):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    A fresh run (`start_step` 0) replaces the file. A resumed run keeps the records with
+    `iteration <= start_step` (the history it resumes from) and appends after them, so a run
+    resumed at step 10 of a file that reached step 15 writes 1..10, then 11, 12, ... The kept part
+    is written to `<path>.tmp` and renamed over `path` before the first record: a crash at start
+    leaves the old file or the new one, never a mix.
+    """
+
+    def __init__(self, path: str | os.PathLike, start_step: int = 0):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = _lines_up_to(path, start_step) if start_step > 0 and path.is_file() else []
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
         self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
 
     def write(self, record: dict) -> None:
@@ -167,3 +182,28 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _lines_up_to(path: Path, start_step: int) -> list[str]:
+    """The lines of `path` whose record has `iteration <= start_step`, newline-terminated. Lines
+    that are not JSON records (a last line cut off when the earlier run was killed) are dropped."""
+    kept, later, broken = [], 0, 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            iteration = record["iteration"]
+        except (ValueError, TypeError, KeyError):
+            broken += int(bool(line.strip()))
+            continue
+        if iteration <= start_step:
+            kept.append(line + "\n")
+        else:
+            later += 1
+    dropped = [f"{later} records past step {start_step}"] * bool(later)
+    dropped += [f"{broken} lines that are not JSON records"] * bool(broken)
+    if dropped:
+        logger.info(
+            f"metrics file {path}: resuming at step {start_step}, kept {len(kept)} records, "
+            f"dropped {' and '.join(dropped)}"
+        )
+    return kept

@@ -3,7 +3,8 @@
 The metrics-owning rank (pp = last stage, dp 0, tp 0 — Nanotron's logger rank) builds one dict
 per logged iteration and hands it to `MetricSinks.write`, which sends it to
 - the console: Nanotron's CLASSIC line (`format_iteration_line`), plus an `eta` item;
-- `--metrics-file`: one JSON object per line;
+- `--metrics-file`: one JSON object per line, one file per run: a fresh run replaces the file, a
+  run resumed at step N keeps its records up to N and appends after them (`JsonlWriter`);
 - Weights & Biases (`mesh3d.wandb`: null = Nanotron's rule, on when `wandb` imports — here also
   only when it can log without asking: `WANDB_MODE` or `WANDB_API_KEY` set, or a saved login;
   true = on; false = off). Project `general.project`, run name Nanotron's
@@ -46,11 +47,24 @@ def eta_text(seconds: float) -> str:
 
 
 class MetricSinks:
-    """The sinks of the metrics-owning rank (`active`); on other ranks every call is a no-op."""
+    """The sinks of the metrics-owning rank (`active`); on other ranks every call is a no-op.
 
-    def __init__(self, cfg, active: bool, metrics_file: str | None, wandb_id: str | None = None):
+    `start_step` is the step the run resumes from (0 for a fresh run). The metrics file holds one
+    run: a fresh run replaces it; a resumed run keeps the records with `iteration <= start_step`
+    and appends after them, so resuming from step 10 a file that reached step 15 gives 1..10, 11...
+    """
+
+    def __init__(
+        self,
+        cfg,
+        active: bool,
+        metrics_file: str | None,
+        wandb_id: str | None = None,
+        *,
+        start_step: int = 0,
+    ):
         self.active, self.train_steps = active, cfg.tokens.train_steps
-        self.jsonl = JsonlWriter(metrics_file) if active and metrics_file else None
+        self.jsonl = JsonlWriter(metrics_file, start_step) if active and metrics_file else None
         self.tb = self.wandb = None
         self.wandb_id = wandb_id
         if not active:

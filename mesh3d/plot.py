@@ -1,0 +1,198 @@
+"""`mesh3d plot METRICS.jsonl ... [--output PNG]`: a run's curves against the step, in one image.
+
+Reads the files `--metrics-file` writes (one JSON object per logged iteration, see
+`mesh3d/train/metrics.py`) and draws four panels: loss (train `lm_loss`, solid; validation
+`val_loss`, dashed with dots, when a file has it), learning rate, gradient norm and tokens/s.
+Several files are overlaid, one colour per run, each labelled by its folder's name (by its file
+name when folders share a name). The default image is `metrics.png` next to the first file.
+
+matplotlib is optional (the `dev` and `bench` extras), imported only here, and used through its
+Agg canvas: no display, no pyplot state. `write_plot` is what a training run calls at its end.
+Also `python -m mesh3d.plot`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
+from mesh3d.errors import UserError, exit_on_user_error
+
+# (title, y label, [(key, line style, marker, what the legend calls it)])
+PANELS = [
+    ("loss", "loss", [("lm_loss", "-", "", "train"), ("val_loss", "--", "o", "validation")]),
+    ("learning rate", "lr", [("lr", "-", "", "")]),
+    ("gradient norm (before clipping)", "grad_norm", [("grad_norm", "-", "", "")]),
+    ("throughput", "tokens/s", [("tokens_per_sec", "-", "", "")]),
+]
+EXAMPLE = "runs/cpu_tiny/metrics.jsonl"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of one metrics file, in file order; a UserError names the file (and line)."""
+    if not path.is_file():
+        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise UserError(
+            f"metrics file {path} {what}; pass a file a run wrote with --metrics-file, "
+            f"e.g. mesh3d plot {EXAMPLE}"
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(
+            f"metrics file {path} cannot be read as text ({e}); pass a .jsonl file "
+            "written by --metrics-file"
+        ) from None
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(
+                f"metrics file {path} line {number} is not JSON ({e.msg}): {line[:80]!r}; each "
+                "line must be one JSON object as --metrics-file writes it: fix or delete that line"
+            ) from None
+        if not isinstance(record, dict) or not isinstance(record.get("iteration"), int):
+            raise UserError(
+                f"metrics file {path} line {number} is not a metrics record (a JSON object with "
+                f"an integer 'iteration'): {line[:80]!r}; fix or delete that line"
+            )
+        records.append(record)
+    if not records:
+        raise UserError(
+            f"metrics file {path} is empty: the run has not logged an iteration yet (one line "
+            "every logging.iteration_step_info_interval steps); plot it after the first one"
+        )
+    return records
+
+
+def run_labels(paths: list[Path]) -> list[str]:
+    """Each file's folder name; the file names when two folders share a name; else the paths."""
+    for labels in ([p.resolve().parent.name for p in paths], [p.stem for p in paths]):
+        if all(labels) and len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]
+
+
+def default_output(metrics_file: Path) -> Path:
+    """Where `mesh3d plot` writes without `--output`: `metrics.png` next to the metrics file."""
+    return Path(metrics_file).parent / "metrics.png"
+
+
+def _matplotlib():
+    """matplotlib's Figure and Agg canvas classes, or a UserError saying how to install it."""
+    try:
+        import matplotlib  # noqa: F401 - first, so a missing package fails here
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError(
+            "mesh3d plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(or install mesh3d with the dev extra: pip install -e '.[dev]')"
+        ) from None
+    return Figure, FigureCanvasAgg
+
+
+def _points(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that have a finite number under `key`."""
+    pairs = [
+        (r["iteration"], r[key])
+        for r in records
+        if isinstance(r.get(key), int | float) and not isinstance(r[key], bool)
+        if math.isfinite(r[key])
+    ]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _panel(ax, title: str, ylabel: str, series: list, runs: list[tuple[str, list[dict]]]) -> None:
+    """One panel: every run's curve of each key in `series`, run i in colour Ci."""
+    for colour, (label, records) in enumerate(runs):
+        for key, style, marker, kind in series:
+            steps, values = _points(records, key)
+            if steps:
+                name = f"{label} {kind}" if kind else label
+                dot = marker or ("o" if len(steps) == 1 else "")  # one point shows as a dot
+                line = dict(marker=dot, markersize=3, color=f"C{colour % 10}", label=name)
+                ax.plot(steps, values, style, **line)
+    if not ax.lines:
+        keys = " / ".join(key for key, *_ in series)
+        where = dict(ha="center", va="center", transform=ax.transAxes, color="grey")
+        ax.text(0.5, 0.5, f"no {keys} in these files", **where)
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
+def draw(runs: list[tuple[str, list[dict]]]):
+    """A matplotlib Figure of the four panels for `runs` = [(label, records)], on an Agg canvas."""
+    Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(12, 8), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    grid = fig.subplots(2, 2, sharex=True)  # (2, 2) Axes: loss, lr / grad norm, tokens/s
+    for ax, panel in zip(grid.flat, PANELS, strict=True):
+        _panel(ax, *panel, runs)
+    for ax in grid[1]:
+        ax.set_xlabel("step")
+    if grid[0, 0].lines:
+        grid[0, 0].legend(fontsize="small")
+    return fig
+
+
+def write_plot(metrics_files: list[Path], output: Path) -> Path:
+    """Draw `metrics_files` (one run each) into `output` (.png, .svg, .pdf, ...); return it.
+
+    Raises UserError for a missing, empty or malformed file, an image type matplotlib cannot
+    write, or matplotlib not installed. The image is written to a temp file and renamed.
+    """
+    paths = [Path(p) for p in metrics_files]
+    if not paths:
+        raise UserError(f"no metrics file given; pass one or more, e.g. mesh3d plot {EXAMPLE}")
+    runs = list(zip(run_labels(paths), [read_metrics(p) for p in paths], strict=True))
+    fig = draw(runs)
+    output = Path(output)
+    kind = output.suffix[1:].lower()
+    supported = fig.canvas.get_supported_filetypes()
+    if kind not in supported:
+        raise UserError(
+            f"--output {output}: matplotlib cannot write a {output.suffix or 'suffix-less'!r} "
+            f"file; end the name with one of {', '.join('.' + k for k in sorted(supported))}, "
+            "e.g. metrics.png"
+        )
+    tmp = output.with_name(output.name + ".tmp")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, format=kind)
+        os.replace(tmp, output)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"--output {output} cannot be written ({e}); choose another path") from None
+    return output
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="mesh3d plot", description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "metrics",
+        nargs="+",
+        type=Path,
+        help="metrics files written by --metrics-file; several are overlaid",
+    )
+    ap.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="image to write (.png, .svg, .pdf; default: metrics.png next to the "
+        "first metrics file)",
+    )
+    args = ap.parse_args(argv)
+    print(write_plot(args.metrics, args.output or default_output(args.metrics[0])))
+
+
+if __name__ == "__main__":
+    main()
