@@ -126,9 +126,7 @@ def test_hf_to_training_to_generate_to_hf(tmp_path, capsys):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").config.vocab_size
         == 300
     )
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(tmp_path / "back" / "tokenizer.json")
-    )
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
     assert tok.decode(tok("The cat")["input_ids"]) == "The cat"
 
 
