@@ -180,16 +180,20 @@ def main(argv: list[str] | None = None) -> None:
     step = weights_dir(args.checkpoint, "--checkpoint")
     tok_path, where = find_tokenizer(step, args.tokenizer)
     tokenizer = load_tokenizer(tok_path)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, mc = load_model(step, device)
     prompt_ids = tokenizer.encode(args.prompt).ids
+    vocab = read_model_config_json(step).vocab_size  # checked before the weights are read
     if not prompt_ids:
         raise UserError(f"--prompt {args.prompt!r} gives no tokens; give some text")
-    if max(prompt_ids) >= mc.vocab_size:
+    if max(prompt_ids) >= vocab:
         raise UserError(
             f"tokenizer {tok_path} gives id {max(prompt_ids)}, but the model's vocabulary has "
-            f"{mc.vocab_size} ids: it is not this checkpoint's tokenizer; pass --tokenizer"
+            f"{vocab} ids: it is not this checkpoint's tokenizer; pass --tokenizer"
         )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, mc = load_model(step, device)
+    if len(prompt_ids) + args.max_new_tokens > mc.max_position_embeddings:
+        print(f"note: past {mc.max_position_embeddings} tokens (max_position_embeddings) the "
+              "model was not trained; expect worse text there", file=sys.stderr)  # fmt: skip
     generator = torch.Generator(device).manual_seed(args.seed)
     start = time.perf_counter()
     out = generate(model, torch.tensor(prompt_ids, device=device), args.max_new_tokens,

@@ -183,6 +183,12 @@ def test_cli_errors_exit_2_without_traceback(ckpts, capsys, tmp_path):
     code, _, err = run_main(capsys, "--checkpoint", step, "--prompt", "x", "--top-k", "0")
     assert code == 2 and "--top-k 0 must be >= 1" in err
 
+    small = tmp_path / "small"
+    save_step(small, LlamaConfig(**SIZES, vocab_size=128), tp=1, pp=1)
+    code, _, err = run_main(capsys, "--checkpoint", str(small), "--prompt", "The cat was",
+                            "--tokenizer", str(ckpts / "tok"))  # fmt: skip
+    assert code == 2 and "but the model's vocabulary has 128 ids" in err
+
     r = subprocess.run(
         [sys.executable, "-m", "mesh3d.cli", "generate", "--checkpoint", str(tmp_path / "nope"),
          "--prompt", "x"], capture_output=True, text=True, timeout=120,
