@@ -1,21 +1,22 @@
 """Convert weights between Hugging Face model folders and Nanotron's layout, for every family
 mesh3d has (the family's spec gives the names and the config translation).
 
-    python -m mesh3d.convert to-hf --checkpoint <step dir> --output <hf dir>
+    python -m mesh3d.convert to-hf --checkpoint <step dir | checkpoints dir> --output <hf dir>
     python -m mesh3d.convert from-hf --model <hf dir> --output <dir> [--tp N] [--pp N]
 
 `to-hf` reads a step folder (`model_config.json` + `model/...`, saved at any tp/pp, by Nanotron
-or mesh3d) and writes `config.json` + `model.safetensors` that transformers'
-`AutoModelForCausalLM.from_pretrained` loads. The vocabulary stays the padded one of `model_config.json` (lossless; the extra rows are
-the padding). Tied embeddings are written once, as `model.embed_tokens.weight`. A model trained
+or mesh3d), or the one a checkpoints folder's `latest.txt` names, and writes `config.json` +
+`model.safetensors` that transformers' `AutoModelForCausalLM.from_pretrained` loads. The
+vocabulary stays the padded one of `model_config.json` (lossless; the extra rows are the padding). Tied embeddings are written once, as `model.embed_tokens.weight`. A model trained
 with `rope_interleaved: true` has its q/k rows permuted per head into HF's rotate-half order.
+The tokenizer saved with the checkpoint (`<step>/tokenizer/`) is copied next to them.
 
 `from-hf` reads a local HF folder (the family from its `model_type` / `architectures`) (`config.json` in the transformers 4 form, top-level
 `rope_theta` / `rope_scaling`, or the transformers 5 form, `rope_parameters`; `*.safetensors`,
 sharded or not) and writes `<output>/model/...` (Nanotron's layout at the given tp/pp),
-`<output>/model_config.json` (padded vocab) and `<output>/config.yaml` whose `model:` section
-is the model with `init_method: {path: <output>}`: copy that section into a training config
-to start from these weights. No optimizer state is written.
+`<output>/model_config.json` (padded vocab) and `<output>/config.yaml`, a training config that
+runs as is and starts from these weights (`init_method: {path: <output>}`; the other sections
+are small defaults, see `from_hf_config.py`). No optimizer state is written.
 
 Weight math (spec §4.4): the spec maps our names to HF's (for Llama, a `model.` prefix);
 `write_nanotron_weights` / `read_nanotron_weights` fuse and split qkv and gate_up.
@@ -33,7 +34,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from mesh3d.config import config_from_dict, save_config
+from mesh3d.checkpoint.from_hf_config import training_config
+from mesh3d.checkpoint.tokenizer_files import copy_into_folder, step_tokenizer
+from mesh3d.checkpoint.training import weights_dir
+from mesh3d.config import save_config, validate
 from mesh3d.config.load import model_config_from_dict
 from mesh3d.errors import ConfigError, UserError, exit_on_user_error
 from mesh3d.models.llama import DTYPES
@@ -173,10 +177,9 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 
 
 def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) -> list[Path]:
-    """Write `output/config.json` + `output/model.safetensors` from a step folder; the paths."""
-    step, output = Path(checkpoint), Path(output)
-    if not step.is_dir():
-        raise UserError(f"checkpoint folder {step} does not exist")
+    """Write `output/config.json` + `output/model.safetensors` (+ the checkpoint's saved
+    tokenizer files) from a step folder or a checkpoints folder (`latest.txt`); the paths."""
+    step, output = weights_dir(checkpoint, "--checkpoint"), Path(output)
     mc = read_model_config_json(step)
     spec = spec_of(mc)
     if not (step / "model").is_dir():
@@ -201,7 +204,7 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
     config.write_text(json.dumps(hf_config, indent=2) + "\n")
     weights = output / "model.safetensors"
     save_file(hf, str(weights), metadata={"format": "pt"})
-    return [config, weights]
+    return [config, weights, *copy_into_folder(step_tokenizer(step), output)]
 
 
 def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> list[Path]:
@@ -227,6 +230,13 @@ def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> 
     if pp > mc.num_hidden_layers:
         raise UserError(f"--pp {pp} is more than the model's {mc.num_hidden_layers} layers")
     ours = hf_to_ours(read_hf_weights(model_dir), mc, model_dir, arch)
+    dtypes = {t.dtype for t in ours.values()}
+    dtype = DTYPE_NAMES.get(dtypes.pop(), "float32") if len(dtypes) == 1 else "float32"
+    cfg = training_config(mc, model_dir, output, tp, pp, dtype)
+    try:  # before writing anything: the converted model must train at this tp/pp
+        validate(cfg, tp * pp)
+    except ConfigError as e:
+        raise UserError(f"{model_dir} cannot be trained at --tp {tp} --pp {pp}: {e}") from None
     vocab = mc.vocab_size
     padded = -(-vocab // tp) * tp  # make_vocab_size_divisible_by 1 (spec §4.1)
     if ours["embed_tokens.weight"].shape[0] != vocab:
@@ -246,24 +256,6 @@ def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> 
     model_json["vocab_size"] = padded
     mcj = output / "model_config.json"
     mcj.write_text(json.dumps(model_json))
-    dtypes = {t.dtype for t in ours.values()}
-    dtype = DTYPE_NAMES.get(dtypes.pop(), "float32") if len(dtypes) == 1 else "float32"
-    tokenizer = None
-    if any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = {"tokenizer_name_or_path": str(model_dir.resolve())}
-    cfg = config_from_dict(
-        {
-            "general": {"project": "converted", "run": model_dir.resolve().name or "model"},
-            "parallelism": {"dp": 1, "tp": tp, "pp": pp},
-            "model": {
-                "model_config": dataclasses.asdict(mc),  # unpadded: it pads to `padded` at tp
-                "init_method": {"path": str(output.resolve())},
-                "dtype": dtype,
-                "make_vocab_size_divisible_by": 1,
-            },
-            "tokenizer": tokenizer,
-        }
-    )
     yaml_path = output / "config.yaml"
     save_config(cfg, yaml_path)
     return [*paths, mcj, yaml_path]
@@ -283,17 +275,18 @@ def main(argv: list[str] | None = None) -> None:
         "to-hf",
         help="checkpoint step folder -> Hugging Face model folder",
         description="Write config.json + model.safetensors (e.g. LlamaForCausalLM) from a step folder "
-        "holding model_config.json and model/ (saved at any tp/pp). The padded vocabulary is kept.",
+        "holding model_config.json and model/ (saved at any tp/pp), or a checkpoints folder "
+        "(latest.txt). The padded vocabulary is kept; the checkpoint's tokenizer/ is copied.",
     )
-    a.add_argument("--checkpoint", required=True, help="step folder, e.g. checkpoints/1000")
+    a.add_argument("--checkpoint", required=True, help="e.g. checkpoints/1000, or checkpoints")
     a.add_argument("--output", required=True, help="folder for the Hugging Face model")
     a.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as stored)")
     b = sub.add_parser(
         "from-hf",
         help="Hugging Face model folder -> Nanotron-layout weights checkpoint",
         description="Write <output>/model/... (Nanotron layout at --tp/--pp), model_config.json "
-        "and config.yaml. To train from these weights, use its model: section (init_method: "
-        "{path: <output>}) in your training config. No optimizer state is written.",
+        "and config.yaml, a training config that starts from these weights (init_method: "
+        "{path: <output>}) with small defaults for the rest. No optimizer state is written.",
     )
     b.add_argument("--model", required=True, help="local Hugging Face model folder")
     b.add_argument("--output", required=True, help="folder for the converted checkpoint")
@@ -308,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     for p in paths:
         print(f"  {p}")
     if args.command == "from-hf":
-        print(f"train from it with `model.init_method: {{path: {Path(args.output).resolve()}}}`")
+        yaml_path = Path(args.output).resolve() / "config.yaml"
+        print(f"train from it: torchrun --nproc_per_node={args.tp * args.pp} recipes/train.py "
+              f"--config-file {yaml_path}")  # fmt: skip
 
 
 if __name__ == "__main__":

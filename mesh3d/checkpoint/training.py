@@ -1,7 +1,7 @@
 """Save a training checkpoint in Nanotron's layout and resume from it exactly, at any layout.
 
-A step folder `<checkpoints_path>/<step>/` is Nanotron's (spec §3.1), plus one file Nanotron
-ignores (`mesh3d_manifest.json`, every file's size and CRC-32):
+A step folder `<checkpoints_path>/<step>/` is Nanotron's (spec §3.1), plus what Nanotron
+ignores (`mesh3d_manifest.json`, every file's size and CRC-32; `tokenizer/`):
 - `model/...`: weights in the model dtype, one safetensors file per parameter and TP rank;
 - `optimizer/`: `optimizer_config.json` and one `optimizer_pp-*_tp-*_exp-0-of-1.pt` per (pp, tp)
   (ZeRO-0), or per (pp, dp, tp) with `zero_stage: 1`: AdamW state and the fp32 master weights
@@ -11,7 +11,9 @@ ignores (`mesh3d_manifest.json`, every file's size and CRC-32):
   Nanotron's LambdaLR has), `random/tp-*_dp-*_pp-*.pt` (plain tensors, unlike Nanotron's
   pickled classes), `config.yaml` (what Nanotron's strict parser reads: no `mesh3d:` section),
   `model_config.json`, `checkpoint_metadata.json` (version 1.4 with HEAD's fields; mesh3d's
-  additions, its non-default `mesh3d:` settings included, under `custom_metas`).
+  additions, its non-default `mesh3d:` settings included, under `custom_metas`);
+- `tokenizer/`: a copy of the config's tokenizer when it is a local path (not for a hub name;
+  `tokenizer_files.py`).
 
 Saving: each rank gathers the full tensors of the parameters it holds, one Nanotron parameter at
 a time (collectives only within its pipeline stage), and writes the files of its own (pp, tp)
@@ -44,6 +46,7 @@ from mesh3d.checkpoint.nanotron_weights import (
     nanotron_params,
 )
 from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, write_rank_state
+from mesh3d.checkpoint.tokenizer_files import copy_into_checkpoint
 from mesh3d.config import global_batch_size
 from mesh3d.config.load import mesh3d_changes, nanotron_config_yaml
 from mesh3d.data.stages import stage_consumption
@@ -129,6 +132,7 @@ def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extr
         extra["mesh3d"] = mesh3d_changes(cfg)
     meta = nanotron_state.metadata(par.tp, par.dp, step, consumed, stage_meta, extra)
     writer.write_text("checkpoint_metadata.json", json.dumps(meta, indent=2, sort_keys=True))
+    copy_into_checkpoint(writer, cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None)
 
 
 def save_checkpoint(
@@ -168,8 +172,9 @@ def save_checkpoint(
     return final
 
 
-def resolve_step_dir(path: str | Path) -> Path:
-    """A step folder, or a checkpoints root whose `latest.txt` names one."""
+def resolve_step_dir(path: str | Path, key: str = "`checkpoints.resume_checkpoint_path`") -> Path:
+    """A step folder, or a checkpoints root whose `latest.txt` names one; `key` names the
+    setting or flag that gave `path`, in the error."""
     path = Path(path)
     if (path / "checkpoint_metadata.json").exists():
         return path
@@ -182,9 +187,18 @@ def resolve_step_dir(path: str | Path) -> Path:
             f"{latest} names step folder {step_dir}, which has no checkpoint_metadata.json"
         )
     raise UserError(
-        f"`checkpoints.resume_checkpoint_path` {path} is neither a step folder (with "
+        f"{key} {path} is neither a step folder (with "
         "checkpoint_metadata.json) nor a checkpoints folder with latest.txt"
     )
+
+
+def weights_dir(path: str | Path, key: str) -> Path:
+    """A folder of weights to read (not resume): one with `model_config.json` (a step folder,
+    or what `from-hf` writes), else the step folder `resolve_step_dir` finds."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{key} {path} does not exist; give a step folder or a checkpoints folder")
+    return path if (path / "model_config.json").is_file() else resolve_step_dir(path, key)
 
 
 def checkpoint_custom_metas(path: str | Path) -> dict | None:

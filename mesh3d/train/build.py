@@ -20,6 +20,7 @@ from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.config import ExistingCheckpointInit
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
+from mesh3d.log import logger
 from mesh3d.models.spec import ModelShape, spec_of
 from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
@@ -66,6 +67,8 @@ def initial_weights(cfg, padded_vocab: int) -> FullSource:
         if not root.is_dir():
             raise UserError(f"`model.init_method.path` {path} has no model/ folder of weights")
         full = read_nanotron_weights(root, ModelShape.from_config(cfg))
+        n = sum(t.numel() for t in full.values())
+        logger.info(f"Initial weights from {root}: {len(full)} tensors, {n:,} parameters")
         tied = {"lm_head.weight": "embed_tokens.weight"} if mc.tie_word_embeddings else {}
         return lambda name, shape: full[tied.get(name, name)]
     scaling = getattr(init, "scaling_method", "NUM_LAYERS")
