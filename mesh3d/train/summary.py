@@ -90,11 +90,12 @@ def _sample(cfg, step_dir: Path | None, new_tokens: int = 24) -> str | None:
     if step_dir is None or not name or not Path(name).exists():
         return None
     from mesh3d.data.tokenize import load_tokenizer
-    from mesh3d.generate import generate, load_checkpoint_model
+    from mesh3d.generate import generate, load_model
 
     tokenizer = load_tokenizer(name)
-    model, mc = load_checkpoint_model(step_dir)
-    ids = torch.tensor([tokenizer.encode(PROMPT, add_special_tokens=False).ids])
-    out = generate(model, ids, new_tokens, eos=mc.eos_token_id)
-    text = tokenizer.decode(out[0, ids.shape[1] :].tolist())
+    model, mc = load_model(step_dir, torch.device("cpu"))
+    ids = torch.tensor(tokenizer.encode(PROMPT, add_special_tokens=False).ids)
+    out = generate(model, ids, new_tokens, eos=mc.eos_token_id,
+                   vocab_size=cfg.model.model_config.vocab_size)  # fmt: skip
+    text = tokenizer.decode(out[len(ids) :].tolist())
     return f"{PROMPT!r} -> {text!r}"
