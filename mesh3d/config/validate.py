@@ -357,11 +357,41 @@ def _stage_key(stage) -> str:
     return f"data_stages[name={stage.name!r}]"
 
 
+def _validation(t) -> Iterator[str]:
+    """The validation pass: every `val_check_interval` steps (-1 or 0: never), over
+    `limit_val_batches` held-out global batches; a setting that would do nothing is refused."""
+    every, batches = t.val_check_interval, t.limit_val_batches
+    if every < -1:
+        yield (
+            f"`tokens.val_check_interval` must be -1 or 0 (no validation) or a number of steps "
+            f">= 1, got {every}"
+        )
+    elif every > 0 and batches == 0:
+        yield (
+            f"`tokens.val_check_interval` is {every} but `tokens.limit_val_batches` is 0, so "
+            "validation would run on no batches: set limit_val_batches to the number of held-out "
+            "global batches per evaluation (e.g. 4), or val_check_interval to -1"
+        )
+    elif every <= 0 and batches > 0:
+        yield (
+            f"`tokens.limit_val_batches` is {batches} but `tokens.val_check_interval` is {every} "
+            "(never), so no validation would run: set val_check_interval to evaluate every that "
+            "many steps, or limit_val_batches to 0"
+        )
+    elif every > t.train_steps > 0 and batches > 0:
+        yield (
+            f"`tokens.val_check_interval` ({every}) is larger than `tokens.train_steps` "
+            f"({t.train_steps}), so no step would evaluate: lower val_check_interval to at most "
+            f"{t.train_steps}, or set it to -1"
+        )
+
+
 def _run(cfg: Config) -> Iterator[str]:
     """Evaluation limits, the checkpoint interval and mesh3d's fail-safe settings."""
     for k in ("limit_val_batches", "limit_test_batches"):
         if getattr(cfg.tokens, k) < 0:
             yield f"`tokens.{k}` must be >= 0, got {getattr(cfg.tokens, k)}"
+    yield from _validation(cfg.tokens)
     ck = cfg.checkpoints
     if ck is not None and ck.checkpoint_interval < 1:
         yield f"`checkpoints.checkpoint_interval` must be >= 1 (save every that many steps), got {ck.checkpoint_interval}"

@@ -6,6 +6,7 @@ the stage active at s (`mesh3d.data.stages`), at the stage-local step s - start 
 batch is that stage's samples [(k-1)*GBS, k*GBS), each dp rank taking its contiguous slice. The
 samples of a step depend only on the step, so a resumed run — at any dp — continues with exactly
 the samples the uninterrupted run would have read; no loader state is needed beyond the step.
+`validation` holds the held-out samples of `tokens.limit_val_batches` (`mesh3d.data.validation`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ class StagedData:
         self.train_steps = cfg.tokens.train_steps
         self.datasets = [build_dataset(cfg, i) for i in range(len(self.starts))]
         self._logged: int | None = None
+        from mesh3d.data.validation import held_out
+
+        reads = [
+            _stage_steps(self.starts, i, self.train_steps) * self.gbs
+            for i in range(len(self.starts))
+        ]  # samples each stage trains on (a stage that never starts: one batch, to be safe)
+        self.validation = held_out(cfg, self.datasets, reads)  # None unless the run evaluates
 
     def stage_at(self, step: int) -> int:
         return stage_index_at(self.starts, step)

@@ -37,6 +37,12 @@ class DummyTokens:
     def _generator(self, index: int) -> torch.Generator:
         return torch.Generator().manual_seed((self.seed * _MIX + index) % (2**63))
 
+    def sample_key(self, index: int) -> int:
+        """What sample `index` is drawn from: the low 32 bits of its generator seed, all that
+        torch's CPU generator (mt19937) uses. Equal keys give equal samples; consecutive indices
+        have consecutive keys (mod 2**32)."""
+        return (self.seed * _MIX + index) % (2**32)
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = self._generator(index)
         V, S = self.vocab_size, self.seq_len

@@ -348,10 +348,23 @@ class BlendedSamples:
         which, sample = self._epoch(epoch)
         return int(which[pos]), int(sample[pos])
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, s = self.sample_source(index)
-        window = torch.from_numpy(self.sources[k].window(s).astype(np.int64))
+    def epoch_sources(self, epoch: int, whole: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, sample index within it) at each position of `epoch`: the positions
+        the dataset serves (cut to `num_samples`), or with `whole` every position of the epoch
+        (built afresh, not cached: held-out validation data reads the epoch's tail)."""
+        if not whole:
+            return self._epoch(epoch)
+        which, sample = self._base_order()
+        perm = self._permutation(epoch)
+        return which[perm], sample[perm]
+
+    def window_sample(self, source: int, sample: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [S], label_ids [S]) int64 of window `sample` of source `source`."""
+        window = torch.from_numpy(self.sources[source].window(sample).astype(np.int64))
         return window[:-1], window[1:]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.window_sample(*self.sample_source(index))
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -215,6 +215,7 @@ def run_schedule(
     inputs: torch.Tensor | None,
     labels: torch.Tensor | None,
     positions: torch.Tensor | None = None,
+    forward_only: bool = False,
 ) -> list[torch.Tensor]:
     """One step of forward/backward over all microbatches; the per-microbatch losses.
 
@@ -222,7 +223,10 @@ def run_schedule(
     runs the last stage) are split along dim 0 into the schedule's n microbatches, and so are
     `positions` (document masking), which every stage's forward gets as a keyword. Returns
     the n losses from `loss_fn` where this rank runs the last stage, [] elsewhere. Logits are
-    not kept (`return_outputs=False` where torch has it).
+    not kept (`return_outputs=False` where torch has it). With `forward_only` the schedule runs
+    its `eval()` (torch's forward-only mode: the same schedule, backward actions skipped; the
+    stages switch their buffers to no-grad and back at the next training step); call it
+    under `torch.no_grad()`.
 
 
 
@@ -243,7 +247,8 @@ def run_schedule(
     args = (inputs,) if first else ()
     if positions is not None:  # [n·mbs, S]: split like the inputs, handed to every stage
         kwargs["positions"] = positions
-    schedule.step(*args, target=labels if last else None, losses=losses, **kwargs)
+    run = schedule.eval if forward_only else schedule.step
+    run(*args, target=labels if last else None, losses=losses, **kwargs)
     return losses if last else []
 
 

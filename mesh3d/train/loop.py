@@ -36,6 +36,7 @@ from mesh3d.mesh import (
     set_collective_timeout,
 )
 from mesh3d.train.build import build_model_parts
+from mesh3d.train.evaluate import evaluate, is_evaluation_step
 from mesh3d.train.guard import RunGuard, share
 from mesh3d.train.metrics import (
     iteration_metrics,
@@ -265,6 +266,9 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
             m.update(peak_memory())
             if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):
                 m.update(memory_metrics())  # Nanotron's extra items of the first steps
+            if is_evaluation_step(tok, step):  # validation after the update; not in the step time
+                guard.at(step, "validation")
+                m.update(evaluate(run.parts, run.data.validation, run.layout, run.mesh, run.device))
             finite = math.isfinite(loss) and math.isfinite(grad_norm)
             try:
                 guard.check_finite(step, loss, grad_norm)  # skips (counted) or stops the run
@@ -272,8 +276,9 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
                 if guard.skipped:
                     m["skipped_steps"] = guard.skipped
                 result.metrics.append(m)
-                if not finite or (step - 1) % cfg.logging.iteration_step_info_interval == 0:
-                    sinks.write(m, step_seconds)  # a non-finite step is always shown
+                logged = (step - 1) % cfg.logging.iteration_step_info_interval == 0
+                if not finite or logged or "val_loss" in m:
+                    sinks.write(m, step_seconds)  # non-finite and evaluation steps always shown
             if ck is not None and (step % ck.checkpoint_interval == 0 or stop):
                 _save(run, guard, step, consumed, wandb_id)
                 saved = step

@@ -1,0 +1,169 @@
+"""Held-out validation data: the samples a run evaluates on and never trains on.
+
+With `tokens.val_check_interval` > 0 and `tokens.limit_val_batches` = L > 0, the validation set
+is L global batches, L * GBS samples (GBS = dp * micro_batch_size *
+batch_accumulation_per_replica, the training global batch), taken from the *first* data stage's
+dataset (the dummy data when there are no stages) and fixed by the config and the data alone:
+
+- dummy data (`DummyTokens`): the global sample indices 2**31 + i, i < L * GBS, of the same
+  seeded stream. A dummy sample is drawn from generator seed seed * mix + index, of which torch's
+  CPU generator keeps the low 32 bits (`DummyTokens.sample_key`); training reads indices from 0
+  up, so the validation keys sit half the 2**32 key space away from the training ones. Keys
+  that some dummy stage's training reads would reach (over 2**31 samples, or another stage's
+  seed landing near) are a `UserError` before training starts;
+- Nanoset folders and HF datasets (`BlendedSamples`): walking the dataset's first-epoch order
+  (Nanotron's `data.seed` shuffle) back from its end, the first L * GBS distinct windows that no
+  stage of the run trains on. Training reads that order from its start, so for a run that reads
+  less than an epoch of a dataset whose windows do not repeat within the epoch these are simply
+  the epoch's last L * GBS positions, whatever `train_steps` is. Windows are compared by identity
+  (folder path, or the content of in-memory tokens, and the window index), so a later stage that
+  reads the same folders in another order or blend is excluded too. Too few unread windows (a run
+  of an epoch or more) is a `UserError` before training starts.
+
+Validation batch b (0-based) is `microbatches(held, b + 1, GBS, dp_rank, dp, mbs)`: dp rank r
+takes its contiguous slice of the batch, as in training. The set is the same at every layout
+with the same GBS and at every evaluation, so validation curves are comparable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from mesh3d.config import global_batch_size
+from mesh3d.data.dummy import DummyTokens, microbatches
+from mesh3d.data.nanoset import BlendedSamples
+from mesh3d.errors import UserError
+
+DUMMY_OFFSET = 2**31  # first dummy index of the validation set: half the key space away
+_KEYS = 2**32  # sample keys of dummy data (torch's CPU generator keeps 32 bits of a seed)
+_CHUNK = 1 << 16  # epoch positions examined at a time when walking back from the end
+
+
+class HeldOut:
+    """Map-style validation set: `held[i]` -> (input_ids [S], label_ids [S]) of sample i.
+
+    `ids` name the samples in the first stage's dataset: dummy indices, or (source, window)
+    pairs of a `BlendedSamples`. `batches(b, ...)` gives a dp rank's microbatches of
+    validation batch b.
+    """
+
+    def __init__(self, ids: list, fetch: Callable[..., tuple], global_batch: int, num_batches: int):
+        self.ids, self._fetch = ids, fetch
+        self.global_batch, self.num_batches = global_batch, num_batches
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = self.ids[i]
+        return self._fetch(*key) if isinstance(key, tuple) else self._fetch(key)
+
+    def batches(self, batch: int, dp_rank: int, dp: int, micro_batch_size: int) -> list:
+        """This dp rank's microbatches of validation batch `batch` (0-based)."""
+        return microbatches(self, batch + 1, self.global_batch, dp_rank, dp, micro_batch_size)
+
+
+def held_out(cfg, datasets: list, reads: list[int]) -> HeldOut | None:
+    """The run's validation set from its stages' `datasets`, of which stage i trains on the
+    first `reads[i]` samples (None when validation is off)."""
+    tok = cfg.tokens
+    if tok.val_check_interval <= 0 or tok.limit_val_batches <= 0:
+        return None
+    gbs = global_batch_size(cfg)
+    count = tok.limit_val_batches * gbs
+    first = datasets[0]
+    names = [s.name for s in cfg.data_stages or []] or ["dummy"]
+    if isinstance(first, DummyTokens):
+        _check_dummy_keys(first, count, datasets, reads, names)
+        ids = list(range(DUMMY_OFFSET, DUMMY_OFFSET + count))
+        return HeldOut(ids, first.__getitem__, gbs, tok.limit_val_batches)
+    if not isinstance(first, BlendedSamples):  # build_dataset makes no other kind
+        raise TypeError(f"no held-out data for a {type(first).__name__}")
+    ids = _unread_windows(datasets, reads, count)
+    if len(ids) < count:
+        where = f"data_stages[0] ({names[0]!r})" if cfg.data_stages else "the dataset"
+        raise UserError(
+            f"tokens.limit_val_batches={tok.limit_val_batches} asks for {count} held-out samples "
+            f"({tok.limit_val_batches} global batches of {gbs}) of {where}, but the run trains "
+            f"on all but {len(ids)} of its {first.epoch_len} samples (tokens.train_steps="
+            f"{tok.train_steps}); lower tokens.limit_val_batches or tokens.train_steps, or add "
+            "data to that stage"
+        )
+    return HeldOut(ids, first.window_sample, gbs, tok.limit_val_batches)
+
+
+def source_key(source) -> tuple:
+    """What identifies a source's windows across stages: its folder, or its tokens' digest."""
+    folder = getattr(source, "folder", None)
+    if folder is not None:
+        return ("folder", os.path.realpath(folder))
+    digest = hashlib.sha1(np.ascontiguousarray(source.tokens).view(np.uint8)).hexdigest()
+    return ("tokens", digest)
+
+
+def _check_dummy_keys(first: DummyTokens, count: int, datasets, reads, names) -> None:
+    """Raise `UserError` if a dummy stage's training samples share keys with the validation
+    samples (arcs of the 2**32 key circle; see the module doc)."""
+    start = first.sample_key(DUMMY_OFFSET)
+    for ds, n, name in zip(datasets, reads, names):
+        if not isinstance(ds, DummyTokens):
+            continue
+        train = ds.sample_key(0)
+        if n >= _KEYS or (start - train) % _KEYS < n or (train - start) % _KEYS < count:
+            raise UserError(
+                f"the {count} validation samples (tokens.limit_val_batches) of dummy data would "
+                f"repeat training samples of data stage {name!r}: torch's CPU generator keeps 32 "
+                f"bits of a sample's seed and that stage reads {n}; change that stage's data.seed "
+                "or lower tokens.train_steps"
+            )
+
+
+def _read_windows(datasets: list, reads: list[int], first_order: tuple) -> dict:
+    """source key -> bool mask of the windows some stage trains on (epoch 0's positions
+    [0, min(reads, E)); later epochs hold the same windows)."""
+    masks: dict[tuple, np.ndarray] = {}
+    for i, (ds, n) in enumerate(zip(datasets, reads)):
+        if not isinstance(ds, BlendedSamples):
+            continue
+        n = min(n, ds.epoch_len)
+        if i == 0:
+            which, sample = first_order[0][:n], first_order[1][:n]
+        else:  # the positions the stage serves (cut to n), cached for its training
+            which, sample = ds.epoch_sources(0)
+            which, sample = which[:n], sample[:n]
+        for k, src in enumerate(ds.sources):
+            mask = masks.setdefault(source_key(src), np.zeros(len(src), dtype=bool))
+            mask[sample[which == k]] = True
+    return masks
+
+
+def _unread_windows(datasets: list, reads: list[int], count: int) -> list[tuple[int, int]]:
+    """Up to `count` (source, window) pairs of `datasets[0]`, from the end of its epoch-0 order
+    back, each distinct and read by no stage (see the module doc)."""
+    ds = datasets[0]
+    which, sample = ds.epoch_sources(0, whole=True)
+    masks = _read_windows(datasets, reads, (which, sample))
+    keys = [source_key(s) for s in ds.sources]
+    unique = list(dict.fromkeys(keys))  # a folder listed twice is one set of windows
+    starts = np.cumsum([0] + [len(masks[k]) for k in unique])
+    base = np.array([starts[unique.index(k)] for k in keys], dtype=np.int64)
+    seen = np.concatenate([masks[k] for k in unique])
+    picked: list[tuple[int, int]] = []
+    end = len(which)
+    while len(picked) < count and end > 0:
+        pos = np.arange(end - 1, max(end - _CHUNK, 0) - 1, -1)  # from the end backwards
+        codes = base[which[pos]] + sample[pos]
+        keep = ~seen[codes]
+        pos, codes = pos[keep], codes[keep]
+        _, first = np.unique(codes, return_index=True)
+        take = np.sort(first)[: count - len(picked)]
+        pos, codes = pos[take], codes[take]
+        seen[codes] = True
+        picked.extend(zip(which[pos].tolist(), sample[pos].tolist()))
+        end -= _CHUNK
+    return picked

@@ -1,0 +1,158 @@
+"""Validation loss: a forward-only pass over the held-out batches, at any layout.
+
+Every `tokens.val_check_interval` steps (step % interval == 0; -1 or 0: never), after that step's
+optimizer update, the run evaluates the `tokens.limit_val_batches` held-out global batches of
+`mesh3d.data.validation` and reports
+
+    val_loss = sum of token cross-entropies / counted tokens, over the whole validation set
+    val_ppl  = exp(val_loss)
+
+Token counting is training's (`train/loss.py`): every label of a dense sample counts; under
+document masking the target after each EOS is masked and positions restart per document
+(`with_documents`). The loss is the cross-entropy alone — a z-loss term is not added — so
+`val_ppl` is a perplexity. The parts run in eval mode under `torch.no_grad()`, in the run's
+autocast, with the cross-entropy on vocab-sharded logits under `loss_parallel()` with tp.
+
+Layouts: each dp rank evaluates its slice of every validation batch (a validation batch has
+the training batch's microbatch count and size); the sums are added over dp (and over pp, where
+only the last stage has them) in float64, then divided once. Without a pipeline each
+microbatch runs forward in turn. With one, the training schedule runs in torch's forward-only
+mode (`_PipelineSchedule.eval`): the same stages, shapes and communication as training with
+the backward actions skipped, so there is no second set of stages and no hand-written
+send/recv for afab, 1f1b, interleaved 1F1B, looped BFS and interleaved zero-bubble. torch 2.13's
+eval() fails for the V schedules (zbv_zero_bubble, dualpipev: a local backward handoff
+between a rank's two stages asserts), so those walk their stages with explicit send/recv on the
+pp group (`parallel/pipeline_forward.py`). Either way the loss function is the run's
+`StepLoss`, switched to plain token sums while evaluating. Under `zero_stage: 1` (parameters
+kept gathered after forward until backward) the FSDP modules are resharded afterwards, so the
+parameters are at rest again for a checkpoint or the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from mesh3d.data.validation import HeldOut
+from mesh3d.layout import RunLayout
+from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
+from mesh3d.parallel.pipeline_forward import forward_walk
+from mesh3d.train.build import ModelParts
+from mesh3d.train.loss import StepLoss, token_loss_sum
+from mesh3d.train.step import _autocast, _loss_ctx, _scalar, with_documents
+
+
+def is_evaluation_step(tokens, step: int) -> bool:
+    """Whether step `step` (1-based) ends with a validation pass (`tokens` = cfg.tokens)."""
+    interval = tokens.val_check_interval
+    return interval > 0 and tokens.limit_val_batches > 0 and step % interval == 0
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf past float range (and nan for a nan loss)."""
+    return math.exp(loss) if not loss > 700.0 else math.inf
+
+
+@torch.no_grad()
+def evaluate(
+    parts: ModelParts, held: HeldOut, layout: RunLayout, mesh, device: torch.device
+) -> dict[str, float]:
+    """{"val_loss", "val_ppl"} over `held`, the same on every rank (call on every rank)."""
+    dp, pp = layout.dims.dp, layout.dims.pp
+    dp_group = mesh["dp"].get_group() if dp > 1 else None
+    # middle pipeline stages take activations, not tokens, unless attention needs the positions
+    reads = parts.has_first or parts.has_last or layout.doc_masking
+    mbs, dp_rank = layout.microbatch_size, layout.coords["dp"]
+    batches = [held.batches(b, dp_rank, dp, mbs) if reads else [] for b in range(held.num_batches)]
+    if layout.doc_masking:  # labels masked after each EOS; the count summed over dp
+        flat, tokens = with_documents([mb for b in batches for mb in b], layout, dp_group, device)
+        n = len(batches[0])
+        batches = [flat[i * n : (i + 1) * n] for i in range(held.num_batches)]
+    else:
+        tokens = held.num_batches * held.global_batch * layout.sequence_length
+    modes = [m.training for m in parts.modules]
+    for m in parts.modules:
+        m.eval()
+    try:
+        total = _token_loss_sum(parts, batches, layout, device)
+    finally:
+        for m, mode in zip(parts.modules, modes):
+            m.train(mode)
+        _reshard(parts.modules)
+    if pp > 1:
+        dist.all_reduce(total, group=mesh["pp"].get_group())  # only the last stage has sums
+    if dp > 1:
+        dist.all_reduce(total, group=dp_group)
+    loss = float(total) / tokens
+    return {"val_loss": loss, "val_ppl": perplexity(loss)}
+
+
+def _token_loss_sum(
+    parts: ModelParts, batches: list[list[tuple]], layout: RunLayout, device: torch.device
+) -> torch.Tensor:
+    """This rank's sum of token cross-entropies over its microbatches of every batch (float64)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    autocast, tp = layout.autocast_dtype, layout.dims.tp
+    if parts.schedule is None:
+        model = parts.modules[0]
+        for inputs, labels, *positions in (mb for batch in batches for mb in batch):
+            kwargs = {"positions": positions[0].to(device)} if positions else {}
+            with _autocast(device, autocast):
+                logits = model(inputs.to(device), **kwargs)
+            with _loss_ctx(tp):
+                total += _scalar(token_loss_sum(logits, labels.to(device), layout.vocab_size))
+        return total
+    with _token_sums(parts.loss_fn):
+        for batch in batches:
+            inputs = _cat(batch, 0, device) if parts.has_first else None
+            labels = _cat(batch, 1, device) if parts.has_last else None
+            positions = _cat(batch, 2, device) if layout.doc_masking else None
+            with _autocast(device, autocast), _loss_ctx(tp):
+                if is_v_schedule(layout.schedule):  # torch 2.13's eval() fails for V schedules
+                    losses = forward_walk(
+                        parts.stages, layout.microbatches, inputs, labels, positions,
+                        parts.loss_fn, _activation(layout),
+                    )  # fmt: skip
+                else:
+                    losses = run_schedule(
+                        parts.schedule, parts.stages, inputs, labels, positions, forward_only=True
+                    )
+            for loss in losses:
+                total += _scalar(loss)
+    return total
+
+
+def _activation(layout: RunLayout) -> torch.Tensor:
+    """What a stage hands the next for one microbatch: hidden states [mbs, S_local, h], as
+    `parallel/pipeline.py::pipeline_stage` declares them."""
+    shape = (layout.microbatch_size, layout.local_sequence, layout.shape.hidden_size)
+    return torch.empty(shape, dtype=layout.param_dtype, device="meta")
+
+
+def _cat(batch: list[tuple], i: int, device: torch.device) -> torch.Tensor:
+    """Item `i` (inputs, labels, positions) of a batch's microbatches, stacked: [n * mbs, S]."""
+    return torch.cat([mb[i] for mb in batch]).to(device)
+
+
+@contextlib.contextmanager
+def _token_sums(loss_fn: StepLoss):
+    """The schedule's loss function (the run's `StepLoss`) returning a microbatch's plain sum
+    of token cross-entropies: no division, no FSDP scale, no z-loss; restored afterwards."""
+    saved = loss_fn.tokens, loss_fn.backward_scale, loss_fn.z_loss
+    loss_fn.tokens, loss_fn.backward_scale, loss_fn.z_loss = 1, 1, 0.0
+    try:
+        yield
+    finally:
+        loss_fn.tokens, loss_fn.backward_scale, loss_fn.z_loss = saved
+
+
+def _reshard(modules: list[torch.nn.Module]) -> None:
+    """Reshard every FSDP module that a no-grad forward left gathered (no-op otherwise)."""
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
