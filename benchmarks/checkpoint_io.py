@@ -12,7 +12,8 @@ other: as mesh3d runs (checksums on), and with the CRC replaced by a no-op and t
 verification skipped (checksums off), which is what the checksums cost. Reported: seconds and
 MB/s of each, bytes on disk against the raw parameter bytes, and a check that the loaded state
 equals the saved one. The load reads files that are likely still in the page cache: it measures
-mesh3d's work, not the disk. Results go to `benchmarks/results/checkpoint_io[_quick].json`.
+mesh3d's work, not the disk. Results go to `benchmarks/results/local/checkpoint_io[_quick].json`
+(`--publish`: `benchmarks/results/`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
 
 import mesh3d.checkpoint.folder as folder
 import mesh3d.checkpoint.training as training
@@ -131,6 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--repeats", type=int, default=2, help="save+load pairs per variant (best kept)"
     )
+    add_publish_flag(ap)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     print("command:", "python", *map(shlex.quote, sys.argv))
@@ -192,8 +195,7 @@ def main(argv=None) -> int:
         f" ({', '.join(f'{k} {v / 2**30:.2f}' for k, v in result['folders'].items())} GiB)"
     )
     print(f"state equal after load: {result['state_equal_after_load']}")
-    out = ROOT / "benchmarks" / "results" / f"checkpoint_io{'_quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.publish) / f"checkpoint_io{'_quick' if args.quick else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     dist.destroy_process_group()

@@ -15,7 +15,7 @@
 4. Peak memory of reading a 1 GB folder (`--rss-gb`, random uint16 tokens): a fresh process
    builds the Nanoset (which scans every token id) and reads every sample once; it reports
    ru_maxrss and its anonymous / file-backed resident memory before and after.
-Results go to `benchmarks/results/data_io[_quick].json`.
+Results go to `benchmarks/results/local/data_io[_quick].json` (`--publish`: `benchmarks/results/`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
 
 from mesh3d.config import global_batch_size, load_config
 from mesh3d.data.dummy import DummyTokens, microbatches
@@ -116,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rss-gb", type=float, default=1.0, help="size of the folder for the RSS test")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
+    add_publish_flag(ap)
     args = ap.parse_args(argv)
     if args.rss_child:
         _rss_child(args.rss_child, args.seq)
@@ -200,8 +202,7 @@ def main(argv=None) -> int:
         f"file-backed {rss['before_MB']['RssFile']:.0f} -> {rss['after_read_MB']['RssFile']:.0f} MB "
         "(mapped page cache, reclaimable)"
     )
-    out = ROOT / "benchmarks" / "results" / f"data_io{'_quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.publish) / f"data_io{'_quick' if args.quick else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

@@ -7,7 +7,7 @@ mask for SDPA) against plain causal attention (SDPA's causal kernel), side by si
 One process, one thread, fp32. Each round times forward + backward of the same batch both ways,
 in an order that alternates every round. Reported: the median time of each and the median of
 the per-round ratios (masked / causal) with a bootstrap 95% interval. Results go to
-`benchmarks/results/doc_masking.json`. On CUDA, flash-attn's variable-length kernel is the path
+`benchmarks/results/local/doc_masking.json` (`--publish`: `benchmarks/results/`). On CUDA, flash-attn's variable-length kernel is the path
 for document masking; this CPU figure is the SDPA fallback's.
 """
 
@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import add_publish_flag, results_dir  # noqa: E402
 from throughput import bootstrap_median  # noqa: E402
 
 from mesh3d.config.schema import Qwen2Config  # noqa: E402
 from mesh3d.data.documents import document_positions  # noqa: E402
 from mesh3d.models.qwen2 import Qwen2  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 EOS = 2
 
 
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--doc", type=int, default=200, help="mean document length in tokens")
     ap.add_argument("--rounds", type=int, default=12)
+    add_publish_flag(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -88,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"causal (SDPA is_causal)  median {result['causal_median_s'] * 1e3:.0f} ms")
     print(f"documents (SDPA mask)    median {result['masked_median_s'] * 1e3:.0f} ms")
     print(f"masked / causal: {result['ratio_median']:.3f} [95% CI {low:.3f}, {high:.3f}]")
-    out = ROOT / "benchmarks" / "results" / "doc_masking.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.publish) / "doc_masking.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

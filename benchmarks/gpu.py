@@ -17,7 +17,8 @@ Variants (each on a fresh model; one that fails is reported and the others still
   precision, loss, clipping and optimizer, eager and with `torch.compile` on every decoder layer.
 Reported per variant: median tokens/s after the warm-up steps, MFU (model FLOPs of
 `mesh3d.train.metrics.llama_flops` over the bf16 peak of `peak_tflops`; mesh3d's own `mfu`
-metric for mesh3d) and peak CUDA memory allocated. Raw numbers: `benchmarks/results/gpu.json`.
+metric for mesh3d) and peak CUDA memory allocated. Raw numbers: `benchmarks/results/local/gpu.json`
+(`--publish`: `benchmarks/results/gpu.json`).
 Without a GPU (and without --dry-run / --smoke) it says so and exits 0. Works on torch >= 2.6.
 """
 
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
 
 from mesh3d.config import global_batch_size, load_config, padded_vocab_size, validate
 from mesh3d.data.build import build_dataset
@@ -193,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="every variant on CPU, toy shapes")
     ap.add_argument("--steps", type=int, default=8, help="steps per variant (default 8)")
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out (default 3)")
+    add_publish_flag(ap)
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides, key=value")
     args = ap.parse_args(argv)
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -237,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{vname:>22}: {done} ({r.get('wall_s', 0):.0f}s)", flush=True)
     print("\n" + table(rows))
     if device.type == "cuda":
-        out = ROOT / "benchmarks/results/gpu.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out = results_dir(args.publish) / "gpu.json"
         meta = dict(command=sys.argv, torch=torch.__version__, device=name, date=now,
                     parameters=n_params, tokens_per_step=gbs * seq, overrides=overrides)  # fmt: skip
         out.write_text(json.dumps({**meta, "variants": rows}, indent=2) + "\n")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Single-GPU training throughput of a 1.1B Llama (TinyLlama-1.1B shapes), bf16, sequence 2048:
 # mesh3d vs a plain PyTorch loop, SDPA / flash-attn, eager / torch.compile; tokens/s, MFU and
-# peak memory per variant, raw numbers in benchmarks/results/gpu.json. A few minutes on one GPU.
+# peak memory per variant, raw numbers in benchmarks/results/local/gpu.json (--publish: the tracked
+# benchmarks/results/gpu.json). A few minutes on one GPU.
 #
 #   bash benchmarks/gpu.sh                 # all variants
 #   bash benchmarks/gpu.sh --steps 12      # more steps per variant; extra key=value overrides too

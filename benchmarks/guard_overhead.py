@@ -12,7 +12,7 @@ Round k runs two training steps, in an order that alternates every round:
   `check_finite`, as the training loop does.
 The heartbeat thread runs during both. Reported: median step time of each, the ratio of the
 medians and the median of the per-round ratios with a bootstrap 95% interval. Results go to
-`benchmarks/results/guard_overhead.json`.
+`benchmarks/results/local/guard_overhead.json` (`--publish`: `benchmarks/results/`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _ranks import launch  # noqa: E402
+from _results import add_publish_flag, results_dir  # noqa: E402
 from throughput import bootstrap_median  # noqa: E402
 
 from mesh3d.config import load_config  # noqa: E402
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--skip", type=int, default=2, help="first rounds left out (warm-up)")
+    add_publish_flag(ap)
     args = ap.parse_args(argv)
     print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
     times = launch(args.world, rank_main, args.rounds, timeout=1800)[0]
@@ -99,8 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         f"guarded / bare: ratio of medians {result['ratio_of_medians']:.3f}; per-round median "
         f"{result['per_round_ratio_median']:.3f} [95% CI {low:.3f}, {high:.3f}]"
     )
-    out = ROOT / "benchmarks" / "results" / "guard_overhead.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args.publish) / "guard_overhead.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

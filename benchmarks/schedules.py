@@ -20,9 +20,10 @@ Every schedule mesh3d offers (`mesh3d.parallel.pipeline.SCHEDULES`), two ways:
   order (`mesh3d.plan._peaks`).
 
 Bubble = idle / (ranks x step), the step spanning the first action's start to the last one's end.
-Writes benchmarks/results/schedules.{json,md,png} (schedules_tiny.* for --tiny; --out DIR moves
-them; `_sched_report` renders them); the PNG has one panel per schedule: simulated (pp=4, m=8) on
-the left, measured pp=2 on the right, a row per rank, actions colored by kind.
+Writes benchmarks/results/local/schedules.{json,md,png} (schedules_tiny.* for --tiny; --publish
+writes them to the tracked benchmarks/results/, --out DIR anywhere; `_sched_report` renders them);
+the PNG has one panel per schedule: simulated (pp=4, m=8) on the left, measured pp=2 on the right,
+a row per rank, actions colored by kind.
 
 This file holds the models, the modes, the configs of each run, the simulated grid and `main`.
 """
@@ -40,7 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed.pipelining  # noqa: F401  (imported before forking: ranks find it loaded)
 from _ranks import keep_freed_memory, launch  # benchmarks/ is on sys.path when a script runs
-from _sched_measure import CONFIG, ROOT, measure_rank, probe_layer, summarize_measured
+from _results import add_publish_flag, results_dir
+from _sched_measure import CONFIG, measure_rank, probe_layer, summarize_measured
 from _sched_report import chart, compact_json, tables
 from _sched_sim import UNIT, action_table, simulate, virtual_stages
 
@@ -147,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--tiny", action="store_true", help="a tiny model, seconds (for the test)")
     group.add_argument("--full", action="store_true", help="more repetitions")
-    ap.add_argument("--out", type=Path, help="output folder (default benchmarks/results)")
+    ap.add_argument("--out", type=Path, help="output folder (default benchmarks/results/local)")
+    add_publish_flag(ap)
     ap.add_argument("--measured-pp", type=int, default=2, help="ranks of the measured runs")
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset")
     ap.add_argument("--glibc-malloc", action="store_true",
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(names) - set(SCHEDULES)
     if unknown:
         ap.error(f"unknown schedules {sorted(unknown)}; choose from {', '.join(SCHEDULES)}")
-    out_dir = a.out or ROOT / "benchmarks/results"
+    out_dir = a.out or results_dir(a.publish)
     stem = "schedules_tiny" if a.tiny and a.out is None else "schedules"
     t_all = time.time()
     pp = a.measured_pp

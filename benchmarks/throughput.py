@@ -28,7 +28,7 @@ Then scaling, at the same global batch: mesh3d at dp=tp=pp=1 in this process on 
 at dp=tp=pp=2 on 8 CPU ranks (torchrun, `recipes/train.py`, one thread each); efficiency = tokens/s
 at 8 ranks / tokens/s at 1 rank. With fewer than 8 cores the ranks oversubscribe the machine, so
 the number measures what the 3D layout costs (communication, pipeline bubble), not a speed-up.
-Raw numbers: `benchmarks/results/throughput[_tiny].json`.
+Raw numbers: `benchmarks/results/local/throughput[_tiny].json` (`--publish`: `benchmarks/results/`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
 
 from mesh3d.config import global_batch_size, load_config
 from mesh3d.data.build import build_dataset
@@ -283,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-scaling", action="store_true", help="skip the 8-rank 2x2x2 run")
     ap.add_argument("--profile", action="store_true", help="print top ops of one step of each")
     ap.add_argument(
-        "--out", type=Path, help="JSON path (default benchmarks/results/throughput*.json)"
+        "--out", type=Path, help="JSON path (default benchmarks/results/local/throughput*.json)"
     )
+    add_publish_flag(ap)
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides, key=value")
     args = ap.parse_args(argv)
     mode = "tiny" if args.tiny else "quick"
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s[key]['layout']}: steps {steps_s} tokens/s")
     result.update(total_s=time.time() - t_all, loadavg_start=load0, loadavg_end=os.getloadavg())
     print("\n" + table(result))
-    out = args.out or ROOT / "benchmarks/results" / f"throughput{'_tiny' if args.tiny else ''}.json"
+    out = args.out or results_dir(args.publish) / f"throughput{'_tiny' if args.tiny else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ntotal {result['total_s']:.0f}s; load average {load0[0]:.1f} -> "

@@ -11,7 +11,8 @@ it freed does not); grads right before optimizer.step; optim = AdamW exp_avg + e
 maxrss = ru_maxrss; rss_* count from before the model is built: rss_rest after the run, rss_run
 its peak, rss_step the extra step's peak over its start. Expected (P = a tp rank's full parameter
 bytes): zero 0: P, P, P, 2P; zero 1 (FSDP, no reshard after forward): P/dp, P/dp + P, P/dp,
-2P/dp; full (mesh3d.full_shard): the same but peak P/dp + root + one layer.
+2P/dp; full (mesh3d.full_shard): the same but peak P/dp + root + one layer. Results go to
+`benchmarks/results/local/zero_memory.json` (`--publish`: `benchmarks/results/`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from _ranks import (  # benchmarks/ is on sys.path when a script runs
     launch,
     mallopt,
 )
+from _results import add_publish_flag, results_dir
 from torch.distributed.tensor import DTensor
 
 from mesh3d.config import global_batch_size, load_config, validate
@@ -180,6 +182,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of MODES")
     ap.add_argument("--config", default=str(ROOT / "recipes/configs/cpu_tiny.yaml"))
+    add_publish_flag(ap)
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, key=value")
     a = ap.parse_args()
     layout = [f"parallelism.dp={a.dp}", f"parallelism.tp={a.tp}", f"tokens.train_steps={a.steps}"]
@@ -195,8 +198,7 @@ def main() -> None:
         t0 = time.time()
         ranks = launch(a.dp * a.tp, measure, cfg, a.steps, setup=_fixed_mmap)
         modes[mode] = dict(overrides=flags, seconds=time.time() - t0, ranks=ranks)
-    out = ROOT / "benchmarks/results/zero_memory.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_dir(a.publish) / "zero_memory.json"
     meta = dict(command=sys.argv, torch=torch.__version__, cores=os.cpu_count(), date=now)
     meta.update(config=os.path.relpath(a.config), overrides=DEFAULTS + layout + a.overrides)
     out.write_text(json.dumps({**meta, "modes": modes}, indent=2) + "\n")

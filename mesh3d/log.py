@@ -1,9 +1,12 @@
 """The one mesh3d logger, with Nanotron's line prefix and per-rank levels.
 
-`setup_logging` runs once per process: world rank 0 and the metrics-owning rank log at
-`logging.log_level`, the other ranks at `logging.log_level_replica`, every line prefixed like Nanotron
-CLASSIC: `12/02/2026 12:00:00 [INFO|DP=0|PP=0|TP=0]: `. Code logs through `logger` and never
-checks ranks itself; the iteration line is only emitted on the one rank that owns the metrics.
+`setup_logging` runs once per process, every line prefixed like Nanotron CLASSIC:
+`12/02/2026 12:00:00 [INFO|DP=0|PP=0|TP=0]: `. World rank 0 and the metrics-owning rank log at
+`logging.log_level`, the other ranks (replicas) at `logging.log_level_replica`, with one
+difference from Nanotron: a replica never logs below WARNING unless its level is `debug`, so
+Nanotron's default `log_level_replica: info` prints the run's start lines once, not once per
+rank. Code logs through `logger` and never checks ranks itself; the iteration line is only
+emitted on the one rank that owns the metrics.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ def setup_logging(coords: dict, level: str) -> None:
 
     The caller picks the level: `logging.log_level` for world rank 0 and for the rank that
     owns the metrics (the last pipeline stage's dp 0 / tp 0 rank), `log_level_replica` for
-    the others.
+    the others. On a replica rank (see `is_primary`) `info` and `warning` both mean WARNING;
+    `debug` is kept, so a user who asks for every rank's details gets them.
     """
     prefix = f"DP={coords['dp']}|PP={coords['pp']}|TP={coords['tp']}"
     if os.environ.get("SLURMD_NODENAME"):
@@ -40,9 +44,40 @@ def setup_logging(coords: dict, level: str) -> None:
     )
     logger.handlers[:] = [handler]
     logger.propagate = False
-    logger.setLevel(_LEVELS[level])
+    logger.setLevel(effective_level(level, is_primary(coords, *_world())))
     # DTensor warns on every 2-D (dp x tp) norm reduction that two collectives run; expected here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def effective_level(level: str, primary: bool) -> int:
+    """The logging level of a rank: `level` on a primary rank; at least WARNING on a replica,
+    unless `level` is `debug`."""
+    n = _LEVELS[level]
+    return n if primary or n == logging.DEBUG else max(n, logging.WARNING)
+
+
+def is_primary(coords: dict, rank: int, world_size: int) -> bool:
+    """World rank 0, or the dp 0 / tp 0 rank of the last pipeline rank, which owns the metrics
+    (with the V schedules the last stage is on pipeline rank 0, and this rank logs as well).
+
+    Ranks are numbered (pp, dp, tp) with tp fastest, so pipeline rank p starts at world rank
+    p * (dp * tp): that rank is the last pipeline rank's when one more pipeline rank would reach
+    the world size.
+    """
+    if rank == 0:
+        return True
+    if coords["dp"] or coords["tp"] or not coords["pp"]:
+        return False
+    per_pipeline_rank = rank // coords["pp"]
+    return rank + per_pipeline_rank == world_size
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size): the process group's, else torchrun's environment, else one process."""
+    dist = sys.modules.get("torch.distributed")  # never imports torch itself
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 class Progress:

@@ -1,0 +1,64 @@
+"""Replica ranks stay quiet below WARNING unless asked for `debug` (mesh3d/log.py).
+
+- `is_primary`: world rank 0 and the last pipeline rank's dp 0 / tp 0 rank (the metrics owner),
+  for every layout of 8 ranks, checked against the rank grid.
+- `effective_level`: a replica's `info` / `warning` mean WARNING, `debug` and `error` are kept;
+  a primary rank keeps its level.
+- End to end: dp 2 with `log_level_replica: info` prints the start lines once.
+"""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mesh3d.log import effective_level, is_primary, logger, setup_logging
+from mesh3d.mesh import ParallelDims
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "recipes" / "configs" / "cpu_tiny.yaml"
+
+
+@pytest.mark.parametrize(
+    "dp,tp,pp", [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (1, 2, 4), (4, 1, 2)]
+)
+def test_primary_ranks_are_rank_0_and_the_last_pipeline_ranks_first(dp, tp, pp):
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
+    owner = {"pp": pp - 1, "dp": 0, "tp": 0}
+    want = {0} | {r for r in range(8) if dims.coords(r) == owner}
+    assert {r for r in range(8) if is_primary(dims.coords(r), r, 8)} == want
+
+
+def test_replicas_log_warnings_unless_debug():
+    assert effective_level("info", primary=True) == logging.INFO
+    assert effective_level("info", primary=False) == logging.WARNING
+    assert effective_level("warning", primary=False) == logging.WARNING
+    assert effective_level("error", primary=False) == logging.ERROR
+    assert effective_level("debug", primary=False) == logging.DEBUG
+
+
+def test_setup_logging_reads_the_rank_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    setup_logging({"pp": 0, "dp": 1, "tp": 0}, "info")
+    assert logger.level == logging.WARNING
+    setup_logging({"pp": 0, "dp": 1, "tp": 0}, "debug")
+    assert logger.level == logging.DEBUG
+    monkeypatch.setenv("RANK", "0")
+    setup_logging({"pp": 0, "dp": 0, "tp": 0}, "info")
+    assert logger.level == logging.INFO
+
+
+def test_dp2_prints_the_start_lines_once(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           str(ROOT / "recipes" / "train.py"), "--config-file", str(CONFIG), "parallelism.dp=2",
+           "tokens.train_steps=6", "logging.log_level_replica=info"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("Total number of parameters") == 1, r.stdout
+    assert r.stdout.count("[Start training]") == 1, r.stdout
+    assert r.stdout.count("iteration: ") == 6  # the owner logs at log_level
