@@ -341,3 +341,14 @@ def test_tokenizer_vocab_larger_than_model(tok_path):
     msg = re.escape(f"has {VOCAB} ids (with added tokens) but model.model_config.vocab_size is 500")
     with pytest.raises(UserError, match=msg + ".*at least 800"):
         check_tokenizer_vocab(str(tok_path), 500)
+
+
+def test_consumed_lines_agree_after_resuming_at_another_batch_size():
+    """Resumed from step 5 of a run with 32 samples per step, now at 16: the data line counts
+    what the checkpoint's run consumed (160), as the start line does, not 5 x 16."""
+    from mesh3d.data.stages import consumed_in_stage
+
+    assert consumed_in_stage([1], 6, 16, resumed=(5, 160)) == 160
+    assert consumed_in_stage([1], 9, 16, resumed=(5, 160)) == 160 + 3 * 16
+    assert consumed_in_stage([1, 10], 12, 16, resumed=(5, 160)) == 2 * 16  # a later stage
+    assert consumed_in_stage([1], 6, 16) == 80  # not resumed: steps x batch

@@ -95,6 +95,7 @@ class StagedData:
         self.train_steps = cfg.tokens.train_steps
         self.datasets = [build_dataset(cfg, i) for i in range(len(self.starts))]
         self._logged: int | None = None
+        self.resumed: tuple[int, int] | None = None  # (step, samples) of the checkpoint
         from mesh3d.data.validation import held_out
 
         reads = [
@@ -116,7 +117,7 @@ class StagedData:
             )
             logger.info(
                 f"[Training Plan] Stage {self.names[i]} has {remaining} remaining training steps "
-                f"and has consumed {consumed_in_stage(self.starts, step, self.gbs)} samples"
+                f"and has consumed {consumed_in_stage(self.starts, step, self.gbs, self.resumed)} samples"
             )
         local_step = step - max(self.starts[i], 1) + 1
         return microbatches(self.datasets[i], local_step, self.gbs, dp_rank, dp, micro_batch_size)

@@ -18,11 +18,19 @@ def stage_index_at(starts: list[int], step: int) -> int:
     return active
 
 
-def consumed_in_stage(starts: list[int], step: int, global_batch_size: int) -> int:
-    """Samples the stage active at `step` consumed in the steps before it."""
+def consumed_in_stage(
+    starts: list[int], step: int, global_batch_size: int, resumed: tuple[int, int] | None = None
+) -> int:
+    """Samples the stage active at `step` consumed in the steps before it. `resumed` = (step,
+    samples) of the checkpoint a run resumed from: steps up to it count at the batch size the
+    checkpoint's run had (samples / step), which differs when dp changed."""
     i = stage_index_at(starts, step)
     begin = max(starts[i], 1)
-    return max(step - begin, 0) * global_batch_size
+    before = max(step - begin, 0)
+    if not resumed or not resumed[0]:
+        return before * global_batch_size
+    old = min(before, max(resumed[0] - begin + 1, 0))  # stage steps the checkpoint's run did
+    return old * (resumed[1] // resumed[0]) + (before - old) * global_batch_size
 
 
 def stage_consumption(starts: list[int], last_step: int, global_batch_size: int) -> list[int]:

@@ -224,6 +224,7 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
     cfg, parts, rank, world = run.cfg, run.parts, dist.get_rank(), dist.get_world_size()
     tok, ck, gbs = cfg.tokens, cfg.checkpoints, run.layout.global_batch
     start, consumed, wandb_id = _resume(run, guard)
+    run.data.resumed = (start, consumed)  # its data lines count samples as this line does
     logger.info(
         f"[Start training] mbs: {tok.micro_batch_size} | grad_accum: "
         f"{tok.batch_accumulation_per_replica} | global_batch_size: {gbs} | sequence_length: "
