@@ -21,6 +21,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+from mesh3d.data.synthetic import train_bpe
 from mesh3d.log import logger
 
 FORMAT = 1  # bump when what is written changes
@@ -65,7 +66,7 @@ def prepare_stdlib_corpus(megabytes: float = 3.0, vocab_size: int = 4096) -> Pat
     with open(tmp / "text.jsonl", "w", encoding="utf-8") as f:
         for text in texts:
             f.write(json.dumps({"text": text}) + "\n")
-    tokenizer = train_tokenizer(texts, tmp / "tokenizer", vocab_size)
+    tokenizer = train_bpe(texts, tmp / "tokenizer", vocab_size)
     from mesh3d.data.tokenize import tokenize_to_folder
 
     _, docs, tokens = tokenize_to_folder(
@@ -80,25 +81,6 @@ def prepare_stdlib_corpus(megabytes: float = 3.0, vocab_size: int = 4096) -> Pat
         f"data ready: {docs} documents, {tokens:,} tokens in {time.perf_counter() - start:.0f} s"
     )
     return folder
-
-
-def train_tokenizer(texts: list[str], folder: Path, vocab_size: int) -> Path:
-    """A byte-level BPE (specials <unk>, <s>, </s>) trained on `texts`; its tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
 
 
 def default_run_overrides() -> list[str]:

@@ -48,8 +48,9 @@ def make_documents(n: int = 300, seed: int = 0) -> list[str]:
     return docs
 
 
-def make_tokenizer(folder: str | Path, vocab_size: int = 800, seed: int = 0) -> Path:
-    """Train a byte-level BPE on generated text; save `folder/tokenizer.json` and return it."""
+def train_bpe(texts, folder: str | Path, vocab_size: int) -> Path:
+    """A byte-level BPE (specials `<unk>`, `<s>`, `</s>`) trained on `texts`; saved as
+    `folder/tokenizer.json`, whose path is returned."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -59,8 +60,13 @@ def make_tokenizer(folder: str | Path, vocab_size: int = 800, seed: int = 0) -> 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(make_documents(1000, seed=seed + 1), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     path = Path(folder) / "tokenizer.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path))
     return path
+
+
+def make_tokenizer(folder: str | Path, vocab_size: int = 800, seed: int = 0) -> Path:
+    """Train a byte-level BPE on generated text; save `folder/tokenizer.json` and return it."""
+    return train_bpe(make_documents(1000, seed=seed + 1), folder, vocab_size)
