@@ -1,22 +1,25 @@
 """`mesh3d generate`: text from a checkpoint, to see what a run has learned.
 
     mesh3d generate --checkpoint checkpoints/ --prompt "Once upon a time" [--max-new-tokens 50]
-        [--temperature 0.8 --top-k 50 --seed 1] [--tokenizer PATH]
+        [--temperature 0.8 --top-k 50 --seed 1] [--tokenizer PATH] [--device cpu]
     python -m mesh3d.generate ...   # the same
+    torchrun --nproc_per_node=4 -m mesh3d.generate ... --tp 2 --pp 2   # the parallel model
 
 `--checkpoint` is a step folder, a checkpoints folder (its `latest.txt` step) or a folder
-`mesh3d.convert from-hf` wrote; mesh3d's and Nanotron's step folders at any tp/pp load (the full
-weights are read). The tokenizer is `--tokenizer` when given, else `<step>/tokenizer/` (saved
+`mesh3d.convert from-hf` wrote; mesh3d's and Nanotron's step folders load whatever tp/pp saved
+them. The tokenizer is `--tokenizer` when given, else `<step>/tokenizer/` (saved
 with the checkpoint), else the config's `tokenizer.tokenizer_name_or_path` when it is a local
 path. Greedy by default (temperature 0: the most likely token, as transformers' `generate` with
 `do_sample=False`); with a temperature > 0 it samples from softmax(logits / T), over the top-k
 tokens when `--top-k` is given, reproducibly for a `--seed`. It stops after `--max-new-tokens`
 or at the model config's `eos_token_id`, and prints the prompt followed by the generated text.
 
-One process, the single-device model: fp32 on CPU, the checkpoint's dtype on CUDA. Each new token
-is a plain forward over the whole sequence (no KV cache): simple, and fast enough for a look at a
-small model. Under torchrun, rank 0 generates alone and the other ranks exit at once: generation
-is not tensor- or pipeline-parallel.
+One process runs the single-device model: fp32 on CPU, the checkpoint's dtype on CUDA (or as
+`--device` says). Each new token is a plain forward over the whole sequence (no KV cache):
+simple, and fast enough for a look at a small model. Under torchrun (WORLD_SIZE > 1) the
+model runs at `--tp` x `--pp` = the number of processes (dp 1), built and loaded as training
+does: `generate_parallel.py`; a layout that does not fit stops every rank before any
+communication.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,6 +40,7 @@ from mesh3d.checkpoint.tokenizer_files import config_tokenizer, saved_config, st
 from mesh3d.checkpoint.training import weights_dir
 from mesh3d.data.tokenize import load_tokenizer
 from mesh3d.errors import UserError, exit_on_user_error
+from mesh3d.mesh import resolve_device
 from mesh3d.models.spec import spec_of
 
 
@@ -55,6 +60,34 @@ def next_token(logits: Tensor, temperature: float = 0.0, top_k: int | None = Non
     return picked.squeeze(-1).to(logits.device)
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Raise `ValueError` for settings `generate` cannot use."""
+    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+        raise ValueError(
+            f"need max_new_tokens >= 0 ({max_new_tokens}), temperature >= 0 ({temperature}) "
+            f"and top_k >= 1 or None ({top_k})"
+        )
+
+
+def extend(ids: Tensor, max_new_tokens: int, pick: Callable[[Tensor], Tensor],
+           eos: int | None = None) -> Tensor:  # fmt: skip
+    """`ids` [S] or [B, S] followed by up to `max_new_tokens` tokens, each row's next token
+    `pick(out)` [B] for the sequence so far `out` [B, S']. A row that produced `eos` is
+    finished: it gets `eos` again while others go on (transformers pads with eos when there is
+    no pad token), and generation stops when every row is."""
+    out = ids[None] if ids.dim() == 1 else ids  # (B, S)
+    done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    for _ in range(max_new_tokens):
+        tok = pick(out)  # (B,)
+        if eos is not None:
+            tok = torch.where(done, eos, tok)
+            done |= tok == eos
+        out = torch.cat([out, tok[:, None].to(out.dtype)], dim=1)  # (B, S + 1)
+        if done.all():
+            break
+    return out[0] if ids.dim() == 1 else out
+
+
 @torch.no_grad()
 def generate(model: nn.Module, ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, eos: int | None = None,
@@ -64,33 +97,22 @@ def generate(model: nn.Module, ids: Tensor, max_new_tokens: int, temperature: fl
 
     `model(ids)` gives logits [B, S, V] (mesh3d's models; an object with `.logits`, as
     transformers' models return, works too). Greedy at `temperature` 0, else sampled (see
-    `next_token`) with `generator`. A row that produced `eos` is finished: it gets `eos` again
-    while others go on (transformers pads with eos when there is no pad token), and generation
-    stops when every row is. `vocab_size`: never pick ids at or above it (vocabulary padding).
-    Each step runs the model over the whole sequence (no KV cache), under `torch.no_grad`.
+    `next_token`) with `generator`; `eos` ends a row (see `extend`). `vocab_size`: never pick
+    ids at or above it (vocabulary padding). Each step runs the model over the whole sequence
+    (no KV cache), under `torch.no_grad`.
 
     Example:
 
         out = mesh3d.generate.generate(model, torch.tensor([1, 5, 9]), 20, eos=2)
     """
-    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-        raise ValueError(
-            f"need max_new_tokens >= 0 ({max_new_tokens}), temperature >= 0 ({temperature}) "
-            f"and top_k >= 1 or None ({top_k})"
-        )
-    out = ids[None] if ids.dim() == 1 else ids  # (B, S)
-    done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-    for _ in range(max_new_tokens):
+    check_sampling(max_new_tokens, temperature, top_k)
+
+    def pick(out: Tensor) -> Tensor:
         logits = model(out)
         logits = getattr(logits, "logits", logits)[:, -1, :vocab_size]  # (B, V)
-        tok = next_token(logits, temperature, top_k, generator)  # (B,)
-        if eos is not None:
-            tok = torch.where(done, eos, tok)
-            done |= tok == eos
-        out = torch.cat([out, tok[:, None].to(out.dtype)], dim=1)  # (B, S + 1)
-        if done.all():
-            break
-    return out[0] if ids.dim() == 1 else out
+        return next_token(logits, temperature, top_k, generator)
+
+    return extend(ids, max_new_tokens, pick, eos)
 
 
 def load_model(step: Path, device: torch.device) -> tuple[nn.Module, object]:
@@ -137,7 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="mesh3d generate", description=__doc__.split("\n\n")[0],
         epilog="greedy by default; the tokenizer: --tokenizer, else <step>/tokenizer/, else "
-        "the checkpoint config's tokenizer when it is a local path",
+        "the checkpoint config's tokenizer when it is a local path; under torchrun the model "
+        "runs at --tp x --pp = the number of processes",
     )  # fmt: skip
     ap.add_argument("--checkpoint", required=True, help="step folder or checkpoints folder")
     ap.add_argument("--prompt", required=True, help="text to continue")
@@ -146,6 +169,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
     ap.add_argument("--seed", type=int, default=42, help="sampling seed (default 42)")
     ap.add_argument("--tokenizer", help="tokenizer.json or a folder holding one")
+    ap.add_argument("--tp", type=int, help="tensor-parallel degree (default: processes / pp)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto (default): cuda when torch sees a GPU, else cpu")  # fmt: skip
     return ap
 
 
@@ -157,8 +184,52 @@ def _check_flags(args) -> None:
         bad.append(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
     if args.top_k is not None and args.top_k < 1:
         bad.append(f"--top-k {args.top_k} must be >= 1 (leave it out for no top-k)")
+    for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+        if value is not None and value < 1:
+            bad.append(f"{flag} {value} must be >= 1")
     if bad:
         raise UserError("; ".join(bad))
+
+
+def _degrees(args, world: int) -> tuple[int, int]:
+    """(tp, pp) from the flags; tp defaults to the processes pp leaves. Generation runs at dp 1,
+    so tp x pp must be the number of processes."""
+    tp = args.tp if args.tp is not None else max(1, world // args.pp)
+    if tp * args.pp != world:
+        launched = "this is one process (no torchrun)" if world == 1 else f"{world} were launched"
+        raise UserError(
+            f"--tp {tp} x --pp {args.pp} = {tp * args.pp} processes, but {launched}; generation "
+            f"runs at dp 1, so launch torchrun --nproc_per_node={tp * args.pp} -m "
+            f"mesh3d.generate ..., or give a --tp and --pp whose product is {world}"
+        )
+    return tp, args.pp
+
+
+def _prompt_ids(tokenizer, args, step: Path, tok_path: str) -> list[int]:
+    """The prompt's token ids, checked against the checkpoint's vocabulary."""
+    prompt_ids = tokenizer.encode(args.prompt).ids
+    vocab = read_model_config_json(step).vocab_size  # checked before the weights are read
+    if not prompt_ids:
+        raise UserError(f"--prompt {args.prompt!r} gives no tokens; give some text")
+    if max(prompt_ids) >= vocab:
+        raise UserError(
+            f"tokenizer {tok_path} gives id {max(prompt_ids)}, but the model's vocabulary has "
+            f"{vocab} ids: it is not this checkpoint's tokenizer; pass --tokenizer"
+        )
+    return prompt_ids
+
+
+def _generate_here(step: Path, prompt_ids: list[int], args) -> tuple[list[int], str]:
+    """The new token ids on this one process, and how they were made."""
+    device = resolve_device(args.device)
+    model, mc = load_model(step, device)
+    generator = torch.Generator(device).manual_seed(args.seed)
+    start = time.perf_counter()
+    out = generate(model, torch.tensor(prompt_ids, device=device), args.max_new_tokens,
+                   args.temperature, args.top_k, mc.eos_token_id, generator,
+                   vocab_size=_unpadded_vocab(step, mc.vocab_size))  # fmt: skip
+    took = time.perf_counter() - start
+    return out[len(prompt_ids) :].tolist(), f"in {took:.1f} s on {device.type}"
 
 
 def _continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
@@ -174,38 +245,28 @@ def _continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return  # one process generates (see the module doc)
     _check_flags(args)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp = _degrees(args, world)  # before any collective: a wrong layout never hangs
     step = weights_dir(args.checkpoint, "--checkpoint")
     tok_path, where = find_tokenizer(step, args.tokenizer)
     tokenizer = load_tokenizer(tok_path)
-    prompt_ids = tokenizer.encode(args.prompt).ids
-    vocab = read_model_config_json(step).vocab_size  # checked before the weights are read
-    if not prompt_ids:
-        raise UserError(f"--prompt {args.prompt!r} gives no tokens; give some text")
-    if max(prompt_ids) >= vocab:
-        raise UserError(
-            f"tokenizer {tok_path} gives id {max(prompt_ids)}, but the model's vocabulary has "
-            f"{vocab} ids: it is not this checkpoint's tokenizer; pass --tokenizer"
-        )
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, mc = load_model(step, device)
-    if len(prompt_ids) + args.max_new_tokens > mc.max_position_embeddings:
-        print(f"note: past {mc.max_position_embeddings} tokens (max_position_embeddings) the "
-              "model was not trained; expect worse text there", file=sys.stderr)  # fmt: skip
-    generator = torch.Generator(device).manual_seed(args.seed)
-    start = time.perf_counter()
-    out = generate(model, torch.tensor(prompt_ids, device=device), args.max_new_tokens,
-                   args.temperature, args.top_k, mc.eos_token_id, generator,
-                   vocab_size=_unpadded_vocab(step, mc.vocab_size))  # fmt: skip
-    new_ids = out[len(prompt_ids) :].tolist()
-    took = time.perf_counter() - start
-    print(
-        f"{step}: tokenizer {tok_path} ({where}); {len(new_ids)} new tokens in {took:.1f} s "
-        f"on {device.type}", file=sys.stderr,
-    )  # fmt: skip
-    print(args.prompt + _continuation(tokenizer, prompt_ids, new_ids))
+    prompt_ids = _prompt_ids(tokenizer, args, step, tok_path)
+    first = int(os.environ.get("RANK", "0")) == 0
+    positions = read_model_config_json(step).max_position_embeddings
+    if first and len(prompt_ids) + args.max_new_tokens > positions:
+        print(f"note: past {positions} tokens (max_position_embeddings) the model was not "
+              "trained; expect worse text there", file=sys.stderr)  # fmt: skip
+    if world == 1:
+        new_ids, how = _generate_here(step, prompt_ids, args)
+    else:  # the training stack (build, pipeline, checkpoint loading) only under torchrun
+        from mesh3d.generate_parallel import generate_cli
+
+        new_ids, how = generate_cli(step, prompt_ids, args, tp, pp)
+    if first:
+        print(f"{step}: tokenizer {tok_path} ({where}); {len(new_ids)} new tokens {how}",
+              file=sys.stderr)  # fmt: skip
+        print(args.prompt + _continuation(tokenizer, prompt_ids, new_ids))
 
 
 if __name__ == "__main__":

@@ -240,6 +240,19 @@ def verify_everywhere(step_dir: Path) -> None:
         logger.info(f"{step_dir} has no mesh3d_manifest.json (written by Nanotron?): not verified")
 
 
+def load_weights(folder: Path, parts, layout: RunLayout, optimizer=None) -> None:
+    """Fill this rank's parameters from the weights in `folder` (`model/` and
+    `model_config.json`: a step folder or what `from-hf` writes), saved at any tp/pp and
+    vocabulary padding; with `optimizer`, its AdamW state too (from a step folder)."""
+    saved = json.loads((folder / "model_config.json").read_text())
+    shape = layout.shape
+    saved_shape = dataclasses.replace(shape, padded_vocab=int(saved["vocab_size"]))
+    held = held_parameters(parts.modules)
+    params = [p for p in nanotron_params(saved_shape) if all(o in held for o in p.ours)]
+    load_rank_state(folder, params, held, optimizer, optimizer is not None,
+                    rows=shape.padded_vocab)  # fmt: skip
+
+
 def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layout: RunLayout,
                     load_optimizer: bool = True, load_lr_scheduler: bool = True,
                     ) -> tuple[int, int]:  # fmt: skip
@@ -251,12 +264,7 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layou
     step_dir = resolve_step_dir(path)
     meta = nanotron_state.read_metadata(step_dir)
     verify_everywhere(step_dir)
-    saved = json.loads((step_dir / "model_config.json").read_text())
-    shape = layout.shape
-    saved_shape = dataclasses.replace(shape, padded_vocab=int(saved["vocab_size"]))
-    held = held_parameters(parts.modules)
-    params = [p for p in nanotron_params(saved_shape) if all(o in held for o in p.ours)]
-    load_rank_state(step_dir, params, held, optimizer, load_optimizer, rows=shape.padded_vocab)
+    load_weights(step_dir, parts, layout, optimizer if load_optimizer else None)
     par, coords = cfg.parallelism, layout.coords
     custom = meta.get("custom_metas") or {}
     same_layout = (meta["tp"], meta["dp"], custom.get("pp")) == (par.tp, par.dp, par.pp)

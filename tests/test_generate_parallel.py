@@ -1,0 +1,154 @@
+"""`mesh3d generate` at tp/pp: greedy tokens at tp 2, pp 2 and tp 2 x pp 2 are the one-process
+`generate`'s on the same checkpoint, and the torchrun command line prints the one-process text.
+
+Two launches. 2 ranks: train one step of a tiny Llama at tp 2 (odd vocabulary: padded at tp 2),
+of a tiny Qwen2 (biases, tied embeddings, a NoPE layer, a sliding window, REDUCE_SCATTER) at
+pp 2 and of a tiny Qwen3 at tp 2, each saving its checkpoint; generate from each at tp 2 and at
+pp 2; run the command at pp 2, and at a layout that is not the world size. 4 ranks: generate
+from each at tp 2 x pp 2, greedy and sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+
+import pytest
+import torch
+from dist import run_ranks
+from parity import TINY
+
+from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.data.synthetic import make_tokenizer
+from mesh3d.generate import generate, load_model, main
+from mesh3d.generate_parallel import generate_parallel, load_parallel_model
+from mesh3d.train.loop import train
+
+VOCAB = 301  # the tokenizer's 300 ids fit; odd, so tp 2 pads it
+PROMPTS = torch.tensor([[5, 7, 9, 11, 13], [1, 100, 3, 4, 50]])
+NEW = 10  # 5 + 10 tokens fit TINY's 16 positions
+EOS = 2
+SEED = 1
+
+
+def _qwen2() -> dict:
+    d = copy.deepcopy(TINY)
+    mc = d["model"]["model_config"]
+    del mc["is_llama_config"]
+    mc.update(is_qwen2_config=True, attention_bias=True, tie_word_embeddings=True,
+              no_rope_layer=2, sliding_window_size=6)  # fmt: skip
+    d["parallelism"]["tp_mode"] = "REDUCE_SCATTER"
+    return d
+
+
+def _qwen3() -> dict:
+    """Qwen3: the step folder's config.yaml is Nanotron's Qwen2; the family and head size are
+    in its metadata's `mesh3d:` settings."""
+    d = copy.deepcopy(TINY)
+    mc = d["model"]["model_config"]
+    del mc["is_llama_config"]
+    mc["is_qwen2_config"] = True
+    d["mesh3d"].update(model_family="qwen3", head_dim=16)  # 8 heads x 16 > hidden 64
+    return d
+
+
+FAMILIES = {
+    "llama": (TINY, "parallelism.tp=2"),
+    "qwen2": (_qwen2(), "parallelism.pp=2"),
+    "qwen3": (_qwen3(), "parallelism.tp=2"),
+}
+
+
+def _train(root, name: str) -> None:
+    base, layout = FAMILIES[name]
+    cfg = apply_overrides(config_from_dict(copy.deepcopy(base)), [
+        layout, f"model.model_config.vocab_size={VOCAB}", "tokens.train_steps=1",
+        f"checkpoints.checkpoints_path={root / name}", "checkpoints.checkpoint_interval=1",
+        f"tokenizer.tokenizer_name_or_path={root / 'tok'}",
+    ])  # fmt: skip
+    train(cfg)
+
+
+def _greedy(root, layouts, sample: bool = False) -> dict:
+    """Greedy tokens of both checkpoints at each (tp, pp); with `sample`, sampled ones too."""
+    out = {}
+    for name in FAMILIES:
+        for tp, pp in layouts:
+            model = load_parallel_model(root / name / "1", tp, pp, batch=2, length=15)
+            out[name, tp, pp] = generate_parallel(model, PROMPTS, NEW, eos=EOS).tolist()
+            if sample:
+                gen = torch.Generator().manual_seed(SEED)
+                got = generate_parallel(model, PROMPTS, NEW, 2.0, 50, EOS, gen)
+                out[name, tp, pp, "sampled"] = got.tolist()
+    return out
+
+
+def _command(*argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `mesh3d generate` in this process."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(argv))
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def _two_ranks(rank: int, world: int, root) -> dict:
+    for name in FAMILIES:
+        _train(root, name)
+    results = _greedy(root, [(2, 1), (1, 2)])
+    args = ["--checkpoint", str(root / "llama"), "--prompt", "The cat was", "--max-new-tokens", "8"]
+    results["command"] = _command(*args, "--pp", "2")
+    results["refused"] = _command(*args, "--tp", "1")
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen-parallel")
+    make_tokenizer(root / "tok", vocab_size=300)
+    two = run_ranks(2, _two_ranks, root, timeout=240)
+    four = run_ranks(4, lambda rank, world: _greedy(root, [(2, 2)], sample=True), timeout=120)
+    return root, two, four
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_tokens_at_tp_and_pp_are_one_process(runs, name):
+    root, two, four = runs
+    model, mc = load_model(root / name / "1", torch.device("cpu"))
+    expected = generate(model, PROMPTS, NEW, eos=EOS, vocab_size=VOCAB).tolist()
+    assert len(expected[0]) > 5 + 2  # not stopped at once by eos
+    for results, layouts in ((two, [(2, 1), (1, 2)]), (four, [(2, 2)])):
+        for rank, got in enumerate(results):
+            for tp, pp in layouts:
+                assert got[name, tp, pp] == expected, (name, tp, pp, rank)
+
+    # sampling: the last stage's tp rank 0 draws with the seeded generator, every rank gets it
+    gen = torch.Generator().manual_seed(SEED)
+    sampled = generate(model, PROMPTS, NEW, 2.0, 50, EOS, gen, vocab_size=VOCAB).tolist()
+    assert sampled != expected
+    assert all(got[name, 2, 2, "sampled"] == sampled for got in four)
+
+
+def test_command_prints_the_one_process_text_on_rank_0(runs, monkeypatch):
+    root, two, _ = runs
+    args = ["--checkpoint", str(root / "llama"), "--prompt", "The cat was", "--max-new-tokens", "8"]
+    for var in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(var, raising=False)
+    code, expected, err = _command(*args)
+    assert code == 0 and expected.startswith("The cat was") and "on cpu" in err, err
+    (code0, out0, err0), (code1, out1, err1) = (r["command"] for r in two)
+    assert (code0, out0, code1, out1, err1) == (0, expected, 0, "", ""), (err0, err1)
+    assert "(saved with the checkpoint)" in err0 and "at tp 1 x pp 2" in err0
+
+    # a layout other than the world size: exit 2 on every rank, before any collective
+    for rank, result in enumerate(two):
+        code, out, err = result["refused"]
+        assert code == 2 and out == "" and "Traceback" not in err
+        assert f"error: [rank {rank}] --tp 1 x --pp 1 = 1 processes, but 2 were launched" in err
+        assert "torchrun --nproc_per_node=1" in err
+    code, _, err = _command(*args, "--tp", "2")  # one process
+    assert code == 2 and "but this is one process (no torchrun)" in err
