@@ -26,6 +26,7 @@ from pathlib import Path
 
 from mesh3d.config import expand_run_name, load_config, validate
 from mesh3d.errors import PeerError, Preempted, exit_on_user_error
+from mesh3d.log import setup_launcher_logging
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
 
             overrides = default_run_overrides() + overrides  # the same folder on every rank
         return run_rank(args.config or str(DEFAULT_CONFIG), overrides, args.metrics_file)
+    setup_launcher_logging()  # the default run's data preparation is shown
     path, overrides = _resolved(args)
     cfg = load_config(path, overrides)
     p = cfg.parallelism

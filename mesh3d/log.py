@@ -49,6 +49,21 @@ def setup_logging(coords: dict, level: str) -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+def setup_launcher_logging() -> None:
+    """Show INFO lines in the process of `mesh3d train` before any rank exists (the default
+    run's one-time data preparation), with the same prefix as a rank's lines, the launcher
+    shown as `LAUNCHER`. A process whose logging is already set up keeps it."""
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s [%(levelname)s|LAUNCHER]: %(message)s", "%m/%d/%Y %H:%M:%S")
+    )
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+
+
 def effective_level(level: str, primary: bool) -> int:
     """The logging level of a rank: `level` on a primary rank; at least WARNING on a replica,
     unless `level` is `debug`."""
