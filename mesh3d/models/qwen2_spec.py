@@ -15,7 +15,7 @@ import dataclasses
 
 from mesh3d.config.schema import Qwen2Config
 from mesh3d.models import llama_spec
-from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, ModelSpec, register
+from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, register
 
 BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
@@ -199,19 +199,14 @@ QWEN2_HF = HFSpec(("Qwen2ForCausalLM",), "qwen2", qwen2_from_hf, qwen2_to_hf, *n
 SMOLLM3 = HFSpec(("SmolLM3ForCausalLM",), "smollm3", smollm3_from_hf, smollm3_to_hf, *names)
 
 QWEN2 = register(
-    ModelSpec(
+    dataclasses.replace(  # Llama's TP plan, init, FLOPs and pipeline costs; its own weights
+        llama_spec.LLAMA,
         family="qwen2",
         config_class=Qwen2Config,
         shape=shape,
         build=build,
-        tp_plan=llama_spec.tp_plan,
-        compile_classes=llama_spec.compile_classes,
         nanotron_layer=nanotron_layer,
-        nanotron_outer=llama_spec.NANOTRON_OUTER,
         param_shapes=param_shapes,
-        init_std=llama_spec.init_std,
-        step_flops=llama_spec.step_flops,
-        pipeline_costs=llama_spec.pipeline_costs,
         hf=(QWEN2_HF, SMOLLM3),
         hf_for=hf_for,
     )

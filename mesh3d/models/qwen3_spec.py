@@ -13,7 +13,7 @@ import dataclasses
 
 from mesh3d.config.schema import Qwen3Config
 from mesh3d.models import llama_spec, qwen2_spec
-from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, ModelSpec, register
+from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, register
 
 QK_NORMS = {"attn.q_norm.weight": (("self_attn.q_norm.weight",), "replicated"),
             "attn.k_norm.weight": (("self_attn.k_norm.weight",), "replicated")}  # fmt: skip
@@ -90,19 +90,15 @@ QWEN3_HF = HFSpec(("Qwen3ForCausalLM",), "qwen3", qwen3_from_hf, qwen3_to_hf,
                   llama_spec.ours_to_hf, llama_spec.hf_to_ours)  # fmt: skip
 
 QWEN3 = register(
-    ModelSpec(
+    dataclasses.replace(  # Llama's init, FLOPs and pipeline costs; q/k norms in TP and weights
+        llama_spec.LLAMA,
         family="qwen3",
         config_class=Qwen3Config,
         shape=shape,
         build=build,
         tp_plan=tp_plan,
-        compile_classes=llama_spec.compile_classes,
         nanotron_layer=nanotron_layer,
-        nanotron_outer=llama_spec.NANOTRON_OUTER,
         param_shapes=param_shapes,
-        init_std=llama_spec.init_std,
-        step_flops=llama_spec.step_flops,
-        pipeline_costs=llama_spec.pipeline_costs,
         hf=(QWEN3_HF,),
     )
 )
