@@ -4,9 +4,9 @@ Build, step, checkpoint and `plan` read these values here instead of re-deriving
 config (each derivation in one place):
 
     layout = RunLayout.resolve(cfg, world_size=8, rank=5)
-    layout.coords            # {'pp': 1, 'dp': 0, 'tp': 1}
+    layout.coords            # {'pp': 1, 'dp': 0, 'cp': 0, 'tp': 1}
     layout.dp_mode           # 'replicate' | 'zero1' | 'full'
-    layout.backward_scale    # FSDP averages gradients over dp: the loss is scaled up by dp
+    layout.backward_scale    # FSDP averages gradients over dp x cp: the loss is scaled up by it
 
 torch is imported only for the dtypes; no process group is needed.
 """
@@ -58,7 +58,7 @@ class RunLayout:
     @classmethod
     def resolve(cls, cfg, world_size: int, rank: int = 0) -> RunLayout:
         p, t, mc = cfg.parallelism, cfg.tokens, cfg.model.model_config
-        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp)
+        dims = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.context_parallel_size)
         dims.validate(world_size)
         param, autocast = param_and_compute_dtypes(cfg)
         return cls(
@@ -91,16 +91,27 @@ class RunLayout:
 
     @property
     def backward_scale(self) -> int:
-        """FSDP reduce-scatters gradients *averaged* over dp (gloo has no PREMUL_SUM to sum
-        them), so the backward loss is multiplied by dp to keep the one-process gradient."""
-        return self.dims.dp if self.dp_mode != "replicate" else 1
+        """FSDP reduce-scatters gradients *averaged* over its group, dp x cp (gloo has no
+        PREMUL_SUM to sum them), so the backward loss is multiplied by dp x cp to keep the
+        one-process gradient."""
+        return self.dims.dp * self.dims.cp if self.dp_mode != "replicate" else 1
+
+    @property
+    def positions_everywhere(self) -> bool:
+        """Whether every pipeline stage's attention needs each token's position, so every rank
+        reads the data: document masking, or context parallelism (RoPE of split sequences)."""
+        return self.doc_masking or self.dims.cp > 1
+
+    @property
+    def cp_sequence(self) -> int:
+        """Tokens per sample a cp rank holds (the whole sequence without context parallelism)."""
+        return self.sequence_length // self.dims.cp
 
     @property
     def local_sequence(self) -> int:
-        """Tokens of the residual stream a tp rank holds per sample (sequence parallelism)."""
-        return (
-            self.sequence_length // self.dims.tp if self.sequence_parallel else self.sequence_length
-        )
+        """Tokens of the residual stream a rank holds per sample: its cp share, split again
+        over tp under sequence parallelism."""
+        return self.cp_sequence // self.dims.tp if self.sequence_parallel else self.cp_sequence
 
 
 def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:

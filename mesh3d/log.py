@@ -27,15 +27,17 @@ _LEVELS = {
 }
 
 
-def setup_logging(coords: dict, level: str) -> None:
-    """Configure `logger` for this process at `level`; `coords` holds its dp/pp/tp coordinates.
+def setup_logging(coords: dict, level: str, cp: int = 1) -> None:
+    """Configure `logger` for this process at `level`; `coords` holds its dp/pp/tp (and cp)
+    coordinates; the prefix shows CP only when the run splits sequences (`cp` > 1).
 
     The caller picks the level: `logging.log_level` for world rank 0 and for the rank that
     owns the metrics (the last pipeline stage's dp 0 / tp 0 rank), `log_level_replica` for
     the others. On a replica rank (see `is_primary`) `info` and `warning` both mean WARNING;
     `debug` is kept, so a user who asks for every rank's details gets them.
     """
-    prefix = f"DP={coords['dp']}|PP={coords['pp']}|TP={coords['tp']}"
+    cp_part = f"|CP={coords.get('cp', 0)}" if cp > 1 else ""
+    prefix = f"DP={coords['dp']}{cp_part}|PP={coords['pp']}|TP={coords['tp']}"
     if os.environ.get("SLURMD_NODENAME"):
         prefix += f"|{os.environ['SLURMD_NODENAME']}"
     handler = logging.StreamHandler(sys.stdout)
@@ -75,13 +77,13 @@ def is_primary(coords: dict, rank: int, world_size: int) -> bool:
     """World rank 0, or the dp 0 / tp 0 rank of the last pipeline rank, which owns the metrics
     (with the V schedules the last stage is on pipeline rank 0, and this rank logs as well).
 
-    Ranks are numbered (pp, dp, tp) with tp fastest, so pipeline rank p starts at world rank
-    p * (dp * tp): that rank is the last pipeline rank's when one more pipeline rank would reach
+    Ranks are numbered (pp, dp, cp, tp) with tp fastest, so pipeline rank p starts at world
+    rank p * (dp * cp * tp): that rank is the last pipeline rank's when one more pipeline rank would reach
     the world size.
     """
     if rank == 0:
         return True
-    if coords["dp"] or coords["tp"] or not coords["pp"]:
+    if coords["dp"] or coords.get("cp", 0) or coords["tp"] or not coords["pp"]:
         return False
     per_pipeline_rank = rank // coords["pp"]
     return rank + per_pipeline_rank == world_size

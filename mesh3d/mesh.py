@@ -1,12 +1,9 @@
-"""The device mesh: parallel degrees -> one named `DeviceMesh` with axes ("pp", "dp", "tp").
+"""The device mesh: parallel degrees -> one named `DeviceMesh` with axes ("pp", "dp", "cp", "tp").
 
-Global ranks fill the mesh shape (pp, dp, tp) in C order, tp fastest, as in Nanotron
-(`nanotron-format.md` §6.1):
-
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
-
-so a tp group is a run of consecutive ranks and tensor parallelism, the chattiest axis, stays
-inside a node. dp=2, tp=2, pp=2 on 8 ranks:
+Global ranks fill the mesh shape (pp, dp, cp, tp) in C order, tp fastest, then cp, dp, pp, as
+in Nanotron (`rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank`), so a tp group
+is a run of consecutive ranks and tensor parallelism, the chattiest axis, stays inside a node;
+context parallelism (cp, the sequence split) comes next. dp=2, tp=2, pp=2 (cp=1) on 8 ranks:
 
                   pp stage 0                        pp stage 1
                 tp 0     tp 1                     tp 0     tp 1
@@ -17,14 +14,19 @@ inside a node. dp=2, tp=2, pp=2 on 8 ranks:
     dp groups (a column):                      [0, 2] [1, 3] [4, 6] [5, 7]
     pp groups (one place in every stage):      [0, 4] [1, 5] [2, 6] [3, 7]
 
+With cp=2, tp=2, pp=2 (dp=1) the cp groups take the place of the dp groups above: [0, 2] [1, 3]
+[4, 6] [5, 7]. The axis is always in the mesh (size 1 when off). Parameters are replicated over
+dp and cp alike: their gradients are reduced over the flattened dp x cp group (`replica_mesh`).
+
 `ParallelDims` computes coordinates and groups arithmetically, without a process group, for
-planning and tests; `build_mesh` makes the live mesh, whose `mesh["tp"]`, `mesh["dp"]` and
-`mesh["pp"]` are exactly these groups.
+planning and tests; `build_mesh` makes the live mesh, whose `mesh["tp"]`, `mesh["cp"]`,
+`mesh["dp"]` and `mesh["pp"]` are exactly these groups.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,60 +37,74 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh3d.errors import ConfigError, UserError
 
-AXES = ("pp", "dp", "tp")  # mesh dimension names, outermost first; tp varies fastest
+AXES = ("pp", "dp", "cp", "tp")  # mesh dimension names, outermost first; tp varies fastest
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The three parallel degrees; `dp * tp * pp` must equal the number of processes.
+    """The parallel degrees; `dp * cp * tp * pp` must equal the number of processes.
+
+    `cp` (context parallelism) is optional and 1 by default, so `ParallelDims(dp, tp, pp)`
+    keeps meaning what it always did.
 
     Example:
 
         dims = mesh3d.ParallelDims(dp=2, tp=2, pp=2)
-        dims.coords(5)   # {'pp': 1, 'dp': 0, 'tp': 1}
+        dims.coords(5)   # {'pp': 1, 'dp': 0, 'cp': 0, 'tp': 1}
     """
 
     dp: int
     tp: int
     pp: int
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The mesh shape, in `AXES` order."""
+        return (self.pp, self.dp, self.cp, self.tp)
 
     def validate(self, world_size: int) -> None:
-        """Raise `ConfigError` unless every degree is >= 1 and dp * tp * pp == world_size."""
-        numbers = f"dp={self.dp}, tp={self.tp}, pp={self.pp}, world size {world_size}"
+        """Raise `ConfigError` unless every degree is >= 1 and dp * cp * tp * pp == world_size."""
+        cp = f", cp={self.cp}" if self.cp != 1 else ""
+        numbers = f"dp={self.dp}{cp}, tp={self.tp}, pp={self.pp}, world size {world_size}"
         for axis in AXES:
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
+                key = "context_parallel_size" if axis == "cp" else axis
                 raise ConfigError(
-                    f"`parallelism.{axis}` is {value!r} ({numbers}); every degree must be an "
-                    f"integer >= 1 and dp * tp * pp must equal the world size"
+                    f"`parallelism.{key}` is {value!r} ({numbers}); every degree must be an "
+                    f"integer >= 1 and dp * cp * tp * pp must equal the world size"
                 )
         if self.world_size != world_size:
-            hint = ""
-            if world_size % (self.tp * self.pp) == 0:
-                hint = f" (e.g. dp={world_size // (self.tp * self.pp)})"
+            others = self.cp * self.tp * self.pp
+            hint = f" (e.g. dp={world_size // others})" if world_size % others == 0 else ""
+            product = f"{self.dp} * {self.tp} * {self.pp}"
+            if self.cp != 1:
+                product = f"{self.dp} * {self.cp} * {self.tp} * {self.pp}"
             raise ConfigError(
-                f"`parallelism` dp * tp * pp = {self.dp} * {self.tp} * {self.pp} = "
-                f"{self.world_size}, but the world size is {world_size}; set dp, tp and pp so "
+                f"`parallelism` dp * {'cp * ' if self.cp != 1 else ''}tp * pp = {product} = "
+                f"{self.world_size}, but the world size is {world_size}; set the degrees so "
                 f"that their product is {world_size}{hint}, or launch {self.world_size} "
                 f"processes (torchrun --nproc_per_node={self.world_size})"
             )
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{"pp": ..., "dp": ..., "tp": ...}: where global `rank` sits in the mesh."""
+        """{"pp": ..., "dp": ..., "cp": ..., "tp": ...}: where global `rank` sits in the mesh."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a world of {self.world_size} ranks")
         return {
-            "pp": rank // (self.dp * self.tp),
-            "dp": rank // self.tp % self.dp,
+            "pp": rank // (self.dp * self.cp * self.tp),
+            "dp": rank // (self.cp * self.tp) % self.dp,
+            "cp": rank // self.tp % self.cp,
             "tp": rank % self.tp,
         }
 
     def groups(self, axis: str) -> list[list[int]]:
-        """The global ranks of every `axis` group: ranks equal in the other two coordinates.
+        """The global ranks of every `axis` group: ranks equal in the other coordinates.
 
         Groups are ordered by their first rank and each lists its ranks in ascending order, which
         is also the order of their coordinate along `axis`.
@@ -158,7 +174,7 @@ def init_distributed(timeout_s: float = 60, device: str = "auto") -> torch.devic
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The ("pp", "dp", "tp") mesh of shape (pp, dp, tp) over the started process group.
+    """The ("pp", "dp", "cp", "tp") mesh of shape (pp, dp, cp, tp) over the started process group.
 
     Example:
 
@@ -169,7 +185,17 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs a process group; call init_distributed() first")
     dims.validate(dist.get_world_size())
-    return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=AXES)
+    return init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+
+
+@functools.lru_cache(maxsize=8)
+def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh over which parameters are replicated: dp, or dp x cp flattened when
+    context parallelism is on (each cp rank computes gradients from its own tokens of the same
+    samples; they are summed like dp's). Once per mesh (building a sub-mesh costs ~2 ms)."""
+    if "cp" not in (mesh.mesh_dim_names or ()) or mesh["cp"].size() == 1:
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten("dp_cp")
 
 
 def set_collective_timeout(mesh: DeviceMesh | None, seconds: float) -> None:
@@ -182,6 +208,8 @@ def set_collective_timeout(mesh: DeviceMesh | None, seconds: float) -> None:
     if set_timeout is None:  # older torch: the groups keep their timeouts
         return
     groups = [None] + (list(mesh.get_all_groups()) if mesh is not None else [])
+    if mesh is not None and "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1:
+        groups.append(replica_mesh(mesh).get_group())  # the flattened dp x cp group
     for group in groups:
         set_timeout(timedelta(seconds=seconds), group)
 
@@ -211,4 +239,4 @@ def mesh_from_config(cfg, device: str | None = None) -> DeviceMesh:
     """
     dev = init_distributed(device=device or cfg.mesh3d.device)
     p = cfg.parallelism
-    return build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp), dev.type)
+    return build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.context_parallel_size), dev.type)

@@ -214,13 +214,14 @@ class OptimizerFiles:
         return None if payload is None else payload["state"].get(idx, {}).get("step")
 
 
-def metadata(tp: int, dp: int, step: int, consumed: int, stages: list[dict], extra: dict) -> dict:
+def metadata(tp: int, dp: int, step: int, consumed: int, stages: list[dict], extra: dict,
+             cp: int = 1) -> dict:  # fmt: skip
     """`checkpoint_metadata.json` (spec §3.6) with HEAD's fields too (`cp`, per-stage
     `sequence_length` from `stages`), still version 1.4 so CLASSIC loads it; mesh3d's own fields
     go in `custom_metas`. `consumed_tokens_total` is null: HEAD then sums the stages' (empty)
     per-folder counts, where a number would fail its check that they add up."""
     return {
-        "cp": 1,
+        "cp": cp,
         "custom_metas": extra,
         "dp": dp,
         "metas": {

@@ -112,6 +112,9 @@ def write_rank_state(
     """
     T, P, D = layout.coords["tp"], layout.coords["pp"], layout.coords["dp"]
     tp, pp, dp = layout.tp, layout.pp, layout.dp
+    # cp ranks hold the same parameters and state as their cp-0 rank (it alone writes them);
+    # they still take part in the collectives that gather full tensors below
+    writes = layout.coords.get("cp", 0) == 0
     entries, groups = [], []
     opt_state = optimizer.state if optimizer is not None else {}
     group_of = {p: g for g in optimizer.param_groups for p in g["params"]} if optimizer else {}
@@ -125,7 +128,7 @@ def write_rank_state(
     for p in params:
         first = [held[o][0] for o in p.ours]
         fused = _finite(fuse(p, {o: _full(held[o][0]) for o in p.ours}), f"parameter {p.name}")
-        if D == 0 and (p.kind != "replicated" or T == 0) and writes_weight(p):
+        if writes and D == 0 and (p.kind != "replicated" or T == 0) and writes_weight(p):
             data, meta = shard_of(p, fused.to(model_dtype or fused.dtype), T, tp)
             rel = f"model/{weight_file(p, T, tp, pp)}"
             writer.save_tensors(rel, {names.TENSOR_KEY: data.contiguous()}, meta)
@@ -151,6 +154,9 @@ def write_rank_state(
         entries.append((p.name, local))
         groups.append(_group_hparams(group_of[first[0]]) if first[0] in group_of else {})
         progress.update()
+    if not writes:
+        progress.done()
+        return
     if optimizer is not None and (zero or D == 0):
         name = nanotron_state.optimizer_file(P, pp, T, tp, *((D, dp) if zero else ()))
         writer.save_torch(f"optimizer/{name}", nanotron_state.optimizer_payload(entries, groups))
@@ -268,8 +274,9 @@ def params_of(
 
 def _layout_of(mesh) -> Layout:
     if mesh is None:
-        return Layout(1, 1, 1, {"pp": 0, "dp": 0, "tp": 0})
-    sizes = {n: mesh[n].size() if n in mesh.mesh_dim_names else 1 for n in ("pp", "dp", "tp")}
+        return Layout(1, 1, 1, {"pp": 0, "dp": 0, "cp": 0, "tp": 0})
+    axes = ("pp", "dp", "cp", "tp")
+    sizes = {n: mesh[n].size() if n in mesh.mesh_dim_names else 1 for n in axes}
     coords = {n: mesh[n].get_local_rank() if n in mesh.mesh_dim_names else 0 for n in sizes}
     return Layout(sizes["dp"], sizes["tp"], sizes["pp"], coords)
 

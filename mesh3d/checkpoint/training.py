@@ -94,7 +94,7 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler, co
         model_dtype=DTYPES[cfg.model.dtype], masters=_writes_masters(cfg),
         writes_weight=lambda p: p.name != names.EMBEDDING or parts.embed_rank == P,
     )  # fmt: skip
-    if coords["dp"] == 0:
+    if coords["dp"] == 0 and coords.get("cp", 0) == 0:
         # Nanotron's shape: one entry per parameter of this (pp, tp) rank's optimizer file
         # (every parameter for ZeRO-1, whose files keep empty groups), peak lr as base
         name = nanotron_state.lr_scheduler_file(P, par.pp, coords["tp"], par.tp)
@@ -130,7 +130,8 @@ def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extr
     extra = {"writer": "mesh3d", "pp": par.pp, "zero_stage": cfg.optimizer.zero_stage, **extra}
     if mesh3d_changes(cfg):  # config.yaml leaves `mesh3d:` out (Nanotron refuses it)
         extra["mesh3d"] = mesh3d_changes(cfg)
-    meta = nanotron_state.metadata(par.tp, par.dp, step, consumed, stage_meta, extra)
+    meta = nanotron_state.metadata(par.tp, par.dp, step, consumed, stage_meta, extra,
+                                   cp=par.context_parallel_size)  # fmt: skip
     writer.write_text("checkpoint_metadata.json", json.dumps(meta, indent=2, sort_keys=True))
     copy_into_checkpoint(writer, cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None)
 
@@ -267,7 +268,8 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layou
     load_weights(step_dir, parts, layout, optimizer if load_optimizer else None)
     par, coords = cfg.parallelism, layout.coords
     custom = meta.get("custom_metas") or {}
-    same_layout = (meta["tp"], meta["dp"], custom.get("pp")) == (par.tp, par.dp, par.pp)
+    saved = (meta["tp"], meta["dp"], custom.get("pp"), meta.get("cp", 1))
+    same_layout = saved == (par.tp, par.dp, par.pp, par.context_parallel_size)
     rng = step_dir / "random" / nanotron_state.random_file(coords["tp"], par.tp, coords["dp"], par.dp,
                                               coords["pp"], par.pp)  # fmt: skip
     if custom.get("writer") == "mesh3d" and same_layout and rng.is_file():

@@ -103,17 +103,27 @@ def _sizes(cfg: Config) -> Iterator[str]:
 
 def _layout(cfg: Config, world_size: int | None) -> Iterator[str]:
     p = cfg.parallelism
-    product = p.dp * p.tp * p.pp
+    cp = p.context_parallel_size
+    product = p.dp * p.tp * p.pp * max(cp, 1)
     if world_size is not None and product != world_size:
+        with_cp = f" x context_parallel_size ({cp})" if cp != 1 else ""
         yield (
-            f"parallelism.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}) = {product}, but the world size "
-            f"is {world_size}; change parallelism.dp/tp/pp so the product is {world_size}, or "
+            f"parallelism.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}){with_cp} = {product}, but the "
+            f"world size is {world_size}; change the degrees so the product is {world_size}, or "
             f"launch with --nproc_per_node={product}"
         )
-    if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1:
+    seq = cfg.tokens.sequence_length
+    if cp > 1:
         yield from _divides(
-            "tokens.sequence_length",
-            cfg.tokens.sequence_length,
+            "tokens.sequence_length", seq, "2 x parallelism.context_parallel_size", 2 * cp,
+            "each cp rank holds one head and one tail chunk of every sample (a balanced causal "
+            "split); change one of them",
+        )  # fmt: skip
+    if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1 and cp >= 1 and seq % (2 * cp) == 0:
+        per_rank = "tokens.sequence_length" if cp == 1 else "tokens.sequence_length / context_parallel_size"
+        yield from _divides(
+            per_rank,
+            seq // cp,
             "parallelism.tp",
             p.tp,
             "tp_mode REDUCE_SCATTER splits the sequence over tp ranks; change one or use ALL_REDUCE",
@@ -453,8 +463,6 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         yield _not_yet("lighteval", "run evaluations separately; set lighteval: null")
     if p.expert_parallel_size > 1:
         yield _not_yet("parallelism.expert_parallel_size", "there are no MoE models; set it to 1")
-    if p.context_parallel_size > 1:
-        yield _not_yet("parallelism.context_parallel_size", "set it to 1")
     try:
         spec_of(m.model_config)
     except ConfigError as e:

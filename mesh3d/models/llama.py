@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mesh3d.errors import ConfigError
+from mesh3d.parallel.context import cp_attention
 
 # the dtypes a config's `model.dtype` may name (validated in mesh3d.config)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -178,6 +179,7 @@ class Attention(nn.Module):
         self.rotary = rotary if rope else None
         self.window = window
         self.attention = attention
+        self.cp = None  # a parallel.context.ContextParallel when the sequence is split over cp
 
     def _use_flash(self, q: Tensor, mask: Tensor | None) -> bool:
         # flash-attn has no fp32 kernel: fp32 runs (CPU tests, parity checks) take SDPA.
@@ -192,8 +194,9 @@ class Attention(nn.Module):
         )
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        b, s, _ = x.shape  # the whole sequence here, also under sequence parallelism
-        mask = attention_mask(positions, s, self.window, x.device)
+        b, s, _ = x.shape  # the whole sequence here (this cp rank's part of it under cp)
+        cp = self.cp if self.cp is not None and self.cp.size > 1 else None
+        mask = None if cp else attention_mask(positions, s, self.window, x.device)
         q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nq, dh)
         k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nkv, dh)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nkv, dh)
@@ -201,7 +204,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if self._use_flash(q, mask):
+        if cp is not None:
+            out = cp_attention(q, k, v, positions, self.window, cp)  # (B, S/cp, nq, dh)
+        elif self._use_flash(q, mask):
             out = flash_attn_func(q, k, v, causal=True)  # (B, S, nq, dh), GQA native
         else:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, dh)

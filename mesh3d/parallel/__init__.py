@@ -1,1 +1,2 @@
-"""Parallelism on the ("pp", "dp", "tp") mesh: TP plans, data parallelism, pipeline stages."""
+"""Parallelism on the ("pp", "dp", "cp", "tp") mesh: TP plans, data parallelism, pipeline stages,
+context parallelism."""

@@ -1,12 +1,14 @@
-"""Turn a single-device model into its parallel form on the ("pp", "dp", "tp") mesh.
+"""Turn a single-device model into its parallel form on the ("pp", "dp", "cp", "tp") mesh.
 
 Order (each step sees the result of the one before):
-1. tensor parallelism on mesh["tp"] (model on meta; no communication),
+1. tensor parallelism on mesh["tp"] (model on meta; no communication); with cp > 1 every
+   attention module gets the cp group (`parallel/context.py`: attention across sequence shards),
 2. activation checkpointing of each decoder layer (`parallelism.recompute_layer`), then
    `torch.compile` of each layer's blocks (`mesh3d.compile`),
 3. materialize on the device and fill each *full* parameter — from its own seed, or from a
    checkpoint — keeping this rank's shard, so the full weights are the same at every layout,
-4. data parallelism on mesh["dp"]: nothing to wrap for `zero_stage: 0` (gradients are summed
+4. data parallelism on the replica mesh (dp, or dp x cp flattened: cp ranks hold the same
+   parameters): nothing to wrap for `zero_stage: 0` (gradients are summed
    explicitly after the step's microbatches); FSDP2 `fully_shard` for `zero_stage: 1`
    (`reshard_after_forward=False`: parameters gathered once per step, gradients
    reduce-scattered, optimizer state sharded) and for `mesh3d.full_shard` (parameters resharded
@@ -24,8 +26,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from mesh3d.mesh import replica_mesh
 from mesh3d.models.init import init_full_tensor
+from mesh3d.models.llama import Attention
+from mesh3d.parallel.context import ContextParallel
 from mesh3d.parallel.tensor import TPPlan, apply_tp, shard_grads_like_params
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool) -> None:
+    """Every attention module of `model` attends across the sequence shards of `cp_mesh`
+    (`documents`: document masking is on)."""
+    cp = ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), documents)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.cp = cp
 
 
 def checkpoint_layers(model: nn.Module) -> None:
@@ -133,13 +147,16 @@ def parallelize(
     dp: str,
     dtype: torch.dtype = torch.float32,
     compile_classes: tuple[type, ...] = (),
+    documents: bool = False,
 ) -> nn.Module:
     """Steps 1-4 above on a model built on meta; returns the model ready to train.
 
     `tp_plan` (used when tp > 1) and `compile_classes` (compiled when not empty) come from the
-    model family's spec."""
+    model family's spec; `documents`: document masking is on (context parallelism needs it)."""
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], tp_plan)
+    if "cp" in mesh.mesh_dim_names and mesh["cp"].size() > 1:
+        apply_cp(model, mesh["cp"], documents)
     if recompute_layer:
         checkpoint_layers(model)
     if compile_classes:
@@ -148,6 +165,7 @@ def parallelize(
     model.to(dtype)
     if mesh["tp"].size() > 1:
         shard_grads_like_params(model)  # after materialize / to(): they may swap parameters
-    if mesh["dp"].size() > 1:
-        apply_dp(model, mesh["dp"], dp)
+    replicas = replica_mesh(mesh)
+    if replicas.size() > 1:
+        apply_dp(model, replicas, dp)
     return model

@@ -100,6 +100,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             dp=layout.dp_mode,
             dtype=layout.param_dtype,
             compile_classes=spec.compile_classes(p.tp > 1) if cfg.mesh3d.compile else (),
+            documents=layout.doc_masking,
         )
 
     if p.pp == 1:
@@ -118,7 +119,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             device,
             mesh["pp"].get_group(),
             microbatch_size=layout.microbatch_size,
-            seq_len=layout.sequence_length,
+            seq_len=layout.cp_sequence,
             seq_len_local=layout.local_sequence,
             hidden_size=mc.hidden_size,
             vocab_size=vocab,

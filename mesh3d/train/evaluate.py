@@ -43,6 +43,8 @@ from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
 from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts
 from mesh3d.train.loss import StepLoss, token_loss_sum
+from mesh3d.mesh import replica_mesh
+from mesh3d.parallel.context import shard_batches
 from mesh3d.train.step import _autocast, _loss_ctx, _scalar, with_documents
 
 
@@ -62,10 +64,10 @@ def evaluate(
     parts: ModelParts, held: HeldOut, layout: RunLayout, mesh, device: torch.device
 ) -> dict[str, float]:
     """{"val_loss", "val_ppl"} over `held`, the same on every rank (call on every rank)."""
-    dp, pp = layout.dims.dp, layout.dims.pp
+    dp, pp, cp = layout.dims.dp, layout.dims.pp, layout.dims.cp
     dp_group = mesh["dp"].get_group() if dp > 1 else None
     # middle pipeline stages take activations, not tokens, unless attention needs the positions
-    reads = parts.has_first or parts.has_last or layout.doc_masking
+    reads = parts.has_first or parts.has_last or layout.positions_everywhere
     mbs, dp_rank = layout.microbatch_size, layout.coords["dp"]
     batches = [held.batches(b, dp_rank, dp, mbs) if reads else [] for b in range(held.num_batches)]
     if layout.doc_masking:  # labels masked after each EOS; the count summed over dp
@@ -74,6 +76,9 @@ def evaluate(
         batches = [flat[i * n : (i + 1) * n] for i in range(held.num_batches)]
     else:
         tokens = held.num_batches * held.global_batch * layout.sequence_length
+    if cp > 1:  # this cp rank's tokens of the same samples (and their positions)
+        cp_rank, docs = layout.coords["cp"], layout.doc_masking
+        batches = [shard_batches(b, cp, cp_rank, docs) for b in batches]
     modes = [m.training for m in parts.modules]
     for m in parts.modules:
         m.eval()
@@ -85,8 +90,8 @@ def evaluate(
         _reshard(parts.modules)
     if pp > 1:
         dist.all_reduce(total, group=mesh["pp"].get_group())  # only the last stage has sums
-    if dp > 1:
-        dist.all_reduce(total, group=dp_group)
+    if dp * cp > 1:
+        dist.all_reduce(total, group=replica_mesh(mesh).get_group())
     loss = float(total) / tokens
     return {"val_loss": loss, "val_ppl": perplexity(loss)}
 
@@ -110,7 +115,7 @@ def _token_loss_sum(
         for batch in batches:
             inputs = _cat(batch, 0, device) if parts.has_first else None
             labels = _cat(batch, 1, device) if parts.has_last else None
-            positions = _cat(batch, 2, device) if layout.doc_masking else None
+            positions = _cat(batch, 2, device) if batch and len(batch[0]) > 2 else None
             with _autocast(device, autocast), _loss_ctx(tp):
                 if is_v_schedule(layout.schedule):  # torch 2.13's eval() fails for V schedules
                     losses = forward_walk(

@@ -114,11 +114,11 @@ def _setup(cfg) -> _Run:
     optimizer, scheduler = build_optimizer(parts.named_parameters(), cfg, device)
     # the metrics owner (pp = last stage, dp 0, tp 0) logs at `log_level` like rank 0, so the
     # iteration line shows even when log_level_replica is quieter (Nanotron needs INFO there)
-    owner = {"pp": parts.head_rank, "dp": 0, "tp": 0}
+    owner = {"pp": parts.head_rank, "dp": 0, "cp": 0, "tp": 0}
     logger_rank = next(r for r in range(dims.world_size) if dims.coords(r) == owner)
     primary = dist.get_rank() in (0, logger_rank)
     level = cfg.logging.log_level if primary else cfg.logging.log_level_replica
-    setup_logging(layout.coords, level)
+    setup_logging(layout.coords, level, cp=dims.cp)
     step_flops = layout.spec.step_flops(layout.shape, layout.sequence_length, layout.global_batch)
     return _Run(cfg, data, device, layout, mesh, parts, optimizer, scheduler, logger_rank,
                 step_flops)  # fmt: skip
@@ -132,8 +132,8 @@ def _run_step(run: _Run, step: int) -> tuple[list, float, float]:
     """
     cfg, tok = run.cfg, run.cfg.tokens
     # middle pipeline stages take activations, not tokens: they read no data, unless their
-    # attention needs the document positions
-    reads = run.parts.has_first or run.parts.has_last or run.layout.doc_masking
+    # attention needs the positions (document masking, context parallelism)
+    reads = run.parts.has_first or run.parts.has_last or run.layout.positions_everywhere
     dp_rank, dp = run.layout.coords["dp"], run.layout.dims.dp
     batches = run.data.batches(step, dp_rank, dp, tok.micro_batch_size) if reads else []
     loss, grad_norm = train_step(

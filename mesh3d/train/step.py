@@ -1,6 +1,8 @@
 """One optimizer step: forward/backward over the microbatches, gradient sync, clipping, update.
 
-Order after backward: dp gradient sum (zero_stage 0; FSDP reduced already), tied-embedding sum
+Before forward: document positions and masked labels (document masking), then each cp rank
+takes its tokens of the same samples (context parallelism).
+Order after backward: dp x cp gradient sum (zero_stage 0; FSDP reduced already), tied-embedding sum
 across pipeline stages, one reduction of `Partial` gradients (sequence-parallel norms), global
 norm and clipping, optimizer step (skipped when the loss or norm is not finite) and LR-scheduler
 step.
@@ -19,6 +21,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from mesh3d.data.documents import IGNORE, document_positions, mask_document_starts
 from mesh3d.layout import RunLayout
+from mesh3d.mesh import replica_mesh
+from mesh3d.parallel.context import shard_batches
 from mesh3d.parallel.data import allreduce_gradients
 from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings
 from mesh3d.parallel.tensor import reduce_partial_grads
@@ -104,7 +108,7 @@ def forward_backward(
         inputs = torch.cat([b[0] for b in batches]).to(device) if parts.has_first else None
         labels = torch.cat([b[1] for b in batches]).to(device) if parts.has_last else None
         positions = None
-        if layout.doc_masking:  # every stage's attention needs them: every rank read the data
+        if len(batches[0]) > 2:  # every stage's attention needs them: every rank read the data
             positions = torch.cat([b[2] for b in batches]).to(device)
         with _autocast(device, autocast), _loss_ctx(tp):
             losses = run_schedule(parts.schedule, parts.stages, inputs, labels, positions)
@@ -127,12 +131,29 @@ def with_documents(batches: list[tuple], layout: RunLayout, dp_group, device) ->
     return out, int(count.item())
 
 
+def prepare_batches(
+    batches: list[tuple], layout: RunLayout, dp_group, device
+) -> tuple[list[tuple], int | None]:
+    """The microbatches as this rank runs them, and the valid-token count of the global batch
+    under document masking (None otherwise): labels masked at document starts and positions
+    added (document masking, counted over dp), then this cp rank's tokens (context parallelism;
+    the count is over the full samples, which every cp rank of a dp rank shares)."""
+    tokens = None
+    if layout.doc_masking:
+        batches, tokens = with_documents(batches, layout, dp_group, device)
+    if layout.dims.cp > 1:
+        batches = shard_batches(batches, layout.dims.cp, layout.coords["cp"], layout.doc_masking)
+    return batches, tokens
+
+
 @functools.lru_cache(maxsize=4)
-def _axes(mesh) -> tuple[int, int, int, dist.ProcessGroup, dist.ProcessGroup]:
-    """(dp, tp, pp, dp group, pp group) of `mesh`, once per mesh: each `mesh["dp"]` builds a
-    sub-mesh (~2 ms on CPU), which per step cost 10 ms, 50% of a toy model's step."""
+def _axes(mesh) -> tuple[int, int, int, dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:
+    """(dp, tp, pp, dp group, pp group, replica group: dp x cp) of `mesh`, once per mesh: each
+    `mesh["dp"]` builds a sub-mesh (~2 ms on CPU), which per step cost 10 ms, 50% of a toy
+    model's step."""
     dp, tp, pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
-    return dp, tp, pp, mesh["dp"].get_group(), mesh["pp"].get_group()
+    replicas = replica_mesh(mesh)
+    return dp, tp, pp, mesh["dp"].get_group(), mesh["pp"].get_group(), replicas.get_group()
 
 
 def train_step(
@@ -150,20 +171,21 @@ def train_step(
 
     A non-finite loss or gradient norm (the same value on every rank) skips the optimizer
     update; the caller decides whether the run goes on (`RunGuard.check_finite`). With
-    `dp_mode` 'replicate' gradients are summed over dp after the last microbatch; with FSDP
+    `dp_mode` 'replicate' gradients are summed over dp x cp after the last microbatch; with FSDP
     ('zero1', 'full') they were reduce-scattered in backward.
     """
-    dp, tp, pp, dp_group, pp_group = _axes(mesh)
-    if layout.doc_masking:
-        batches, parts.loss_fn.tokens = with_documents(batches, layout, dp_group, device)
+    dp, tp, pp, dp_group, pp_group, replica_group = _axes(mesh)
+    batches, tokens = prepare_batches(batches, layout, dp_group, device)
+    if tokens is not None:
+        parts.loss_fn.tokens = tokens
     total = forward_backward(parts, batches, layout, device)
     if pp > 1:
         dist.all_reduce(total, group=pp_group)  # only the last stage's ranks hold the loss
-    if dp > 1:
+    if dp * layout.dims.cp > 1:
         if layout.dp_mode == "replicate":
             for m in parts.modules:
-                allreduce_gradients(m, dp_group)
-        dist.all_reduce(total, group=dp_group)
+                allreduce_gradients(m, replica_group)
+        dist.all_reduce(total, group=replica_group)
     if pp > 1:
         sync_tied_embeddings(parts.modules, pp_group, parts.embed_rank, parts.head_rank)
     params = [p for p in parts.parameters() if p.grad is not None]
