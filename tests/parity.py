@@ -110,21 +110,25 @@ def full_weights(model: torch.nn.Module, mesh=None) -> dict[str, torch.Tensor]:
 
 
 def replica_mismatches(model: torch.nn.Module, mesh) -> list[str]:
-    """Names of parameters whose replicas differ bitwise across the dp or tp ranks holding them.
+    """Names of parameters whose replicas differ bitwise across the dp, cp or tp ranks holding
+    them.
 
     A parameter is replicated over a mesh axis when it is not a DTensor on that axis, or is one
     with a `Replicate()` placement there (norm weights under tensor parallelism, every
-    parameter under zero_stage 0 across dp).
+    parameter under zero_stage 0 across dp and cp). FSDP over dp x cp shards on a flattened
+    "dp_cp" dimension, which covers both axes.
     """
     bad = []
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
-        for axis in ("dp", "tp"):
-            if mesh[axis].size() == 1:
+        for axis in ("dp", "cp", "tp"):
+            if axis not in mesh.mesh_dim_names or mesh[axis].size() == 1:
                 continue
-            if isinstance(p, DTensor) and axis in p.device_mesh.mesh_dim_names:
-                placement = p.placements[p.device_mesh.mesh_dim_names.index(axis)]
-                if not isinstance(placement, Replicate):
+            if isinstance(p, DTensor):
+                dims = [
+                    i for i, n in enumerate(p.device_mesh.mesh_dim_names) if axis in n.split("_")
+                ]
+                if any(not isinstance(p.placements[i], Replicate) for i in dims):
                     continue
             group = mesh[axis].get_group()
             copies = [torch.empty_like(local) for _ in range(mesh[axis].size())]

@@ -120,7 +120,11 @@ def _layout(cfg: Config, world_size: int | None) -> Iterator[str]:
             "split); change one of them",
         )  # fmt: skip
     if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1 and cp >= 1 and seq % (2 * cp) == 0:
-        per_rank = "tokens.sequence_length" if cp == 1 else "tokens.sequence_length / context_parallel_size"
+        per_rank = (
+            "tokens.sequence_length"
+            if cp == 1
+            else "tokens.sequence_length / context_parallel_size"
+        )
         yield from _divides(
             per_rank,
             seq // cp,

@@ -114,7 +114,9 @@ class _GatherSequence(torch.autograd.Function):
         b, seq = grad.shape[:2]
         by_rank = torch.empty_like(grad)
         by_rank.index_copy_(1, ctx.order, grad)  # back to rank order
-        by_rank = by_rank.unflatten(1, (cp.size, seq // cp.size)).transpose(0, 1)  # (cp, B, Sl, ...)
+        by_rank = by_rank.unflatten(1, (cp.size, seq // cp.size)).transpose(
+            0, 1
+        )  # (cp, B, Sl, ...)
         out = torch.empty(by_rank.shape[1:], dtype=grad.dtype, device=grad.device)
         _reduce_scatter_flat(out, by_rank.flatten(0, 1).contiguous(), group=cp.group)
         return out, None
@@ -133,9 +135,7 @@ def gather_sequence(x: Tensor, cp: ContextParallel) -> Tensor:
     return _GatherSequence.apply(x, cp)
 
 
-def _chunk_mask(
-    rows: Tensor, keys: int, window: int | None, docs: Tensor | None
-) -> Tensor | None:
+def _chunk_mask(rows: Tensor, keys: int, window: int | None, docs: Tensor | None) -> Tensor | None:
     """Boolean mask (True: attend) of queries at global indices `rows` over keys 0..keys-1;
     None when plain lower-right causal suffices."""
     if window is None and docs is None:

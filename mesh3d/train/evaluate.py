@@ -39,12 +39,12 @@ from torch.distributed.fsdp import FSDPModule
 
 from mesh3d.data.validation import HeldOut
 from mesh3d.layout import RunLayout
+from mesh3d.mesh import replica_mesh
+from mesh3d.parallel.context import shard_batches
 from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
 from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts
 from mesh3d.train.loss import StepLoss, token_loss_sum
-from mesh3d.mesh import replica_mesh
-from mesh3d.parallel.context import shard_batches
 from mesh3d.train.step import _autocast, _loss_ctx, _scalar, with_documents
 
 
