@@ -1,6 +1,6 @@
 """mesh3d: 3D-parallel LLM pretraining on PyTorch's own distributed primitives.
 
-Reads Nanotron YAML configs; one DeviceMesh ("pp", "dp", "tp"); tensor parallelism through
+Reads Nanotron YAML configs; one DeviceMesh ("pp", "dp", "cp", "tp"); tensor parallelism through
 DTensor plans, pipeline parallelism through torch.distributed.pipelining. Three ways to use it:
 `recipes/train.py` (a whole training run from a config), the benchmark scripts, and this
 package as a library for your own model and loop:

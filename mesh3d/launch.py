@@ -24,7 +24,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from mesh3d.config import expand_run_name, load_config, validate
+from mesh3d.config import expand_run_name, load_config, validate, world_size
 from mesh3d.errors import PeerError, Preempted, exit_on_user_error
 from mesh3d.log import setup_launcher_logging
 
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_launcher_logging()  # the default run's data preparation is shown
     path, overrides = _resolved(args)
     cfg = load_config(path, overrides)
-    p = cfg.parallelism
-    world = p.dp * p.tp * p.pp
+    world = world_size(cfg)
     validate(cfg, world_size=world)  # before any process starts: one message, exit 2
     metrics = args.metrics_file or f"runs/{cfg.general.run}/metrics.jsonl"
     if world == 1:  # in this process: a one-process world, no launcher

@@ -1,4 +1,4 @@
-"""The ("pp", "dp", "tp") mesh: rank arithmetic, the live 8-rank mesh, and the rank harness itself."""
+"""The ("pp", "dp", "cp", "tp") mesh: rank arithmetic, the live 8-rank mesh, and the rank harness itself."""
 
 import os
 import re
@@ -40,13 +40,19 @@ def test_coords_follow_nanotron_order_tp_fastest():
         assert rank == (c["pp"] * dims.dp + c["dp"]) * dims.tp + c["tp"]
         seen.add((c["pp"], c["dp"], c["tp"]))
     assert len(seen) == 24
-    assert ParallelDims(dp=2, tp=2, pp=2).coords(6) == {"pp": 1, "dp": 1, "tp": 0}
+    assert ParallelDims(dp=2, tp=2, pp=2).coords(6) == {"pp": 1, "dp": 1, "cp": 0, "tp": 0}
     with pytest.raises(ValueError, match="rank 24"):
         dims.coords(24)
 
 
 @pytest.mark.parametrize(
-    "dims", [ParallelDims(3, 2, 4), ParallelDims(1, 8, 1), ParallelDims(1, 1, 1)]
+    "dims",
+    [
+        ParallelDims(3, 2, 4),
+        ParallelDims(1, 8, 1),
+        ParallelDims(1, 1, 1),
+        ParallelDims(2, 2, 1, cp=3),
+    ],
 )
 def test_groups_partition_the_world_along_their_axis(dims):
     for axis in AXES:
@@ -84,32 +90,45 @@ def test_resolve_device():
 # ---- the live mesh -----------------------------------------------------------------------------
 
 
-def _mesh_facts(rank: int, world_size: int) -> dict:
-    dims = ParallelDims(dp=2, tp=2, pp=2)
-    mesh = build_mesh(dims, "cpu")
-    facts = {"coords": list(mesh.get_coordinate()), "sums": {}, "groups": {}}
-    for axis in AXES:
-        sub = mesh[axis]
-        facts["groups"][axis] = sub.mesh.tolist()
-        x = torch.tensor([rank])
-        dist.all_reduce(x, group=sub.get_group())
-        facts["sums"][axis] = x.item()
-    return facts
+LIVE = (ParallelDims(dp=2, tp=2, pp=2), ParallelDims(dp=1, tp=2, pp=2, cp=2))
+
+
+def _mesh_facts(rank: int, world_size: int) -> list[dict]:
+    out = []
+    for dims in LIVE:
+        mesh = build_mesh(dims, "cpu")
+        facts = {"coords": list(mesh.get_coordinate()), "sums": {}, "groups": {}}
+        for axis in AXES:
+            sub = mesh[axis]
+            facts["groups"][axis] = sub.mesh.tolist()
+            x = torch.tensor([rank])
+            dist.all_reduce(x, group=sub.get_group())
+            facts["sums"][axis] = x.item()
+        out.append(facts)
+    return out
 
 
 @pytest.fixture(scope="module")
-def mesh_2x2x2() -> list[dict]:
+def meshes() -> list[list[dict]]:
     return run_ranks(8, _mesh_facts, timeout=60)  # one launch shared by the tests below
 
 
-def test_mesh_2x2x2_submeshes_are_the_computed_groups(mesh_2x2x2):
-    dims = ParallelDims(dp=2, tp=2, pp=2)
-    for rank, facts in enumerate(mesh_2x2x2):
-        c = dims.coords(rank)
-        assert facts["coords"] == [c["pp"], c["dp"], c["tp"]]
-        for axis in AXES:
-            (group,) = [g for g in dims.groups(axis) if rank in g]
-            assert facts["groups"][axis] == group
+@pytest.fixture(scope="module")
+def mesh_2x2x2(meshes) -> list[dict]:
+    return [facts[0] for facts in meshes]
+
+
+def test_mesh_submeshes_are_the_computed_groups(meshes):
+    """2x2x2, and cp2 x tp2 x pp2: every sub-mesh is the group `ParallelDims` computes."""
+    for i, dims in enumerate(LIVE):
+        for rank, of_rank in enumerate(meshes):
+            facts, c = of_rank[i], dims.coords(rank)
+            assert facts["coords"] == [c["pp"], c["dp"], c["cp"], c["tp"]]
+            for axis in AXES:
+                (group,) = [g for g in dims.groups(axis) if rank in g]
+                assert facts["groups"][axis] == group
+                assert facts["sums"][axis] == sum(group)
+    assert [f[1]["groups"]["cp"] for f in meshes[:2]] == [[0, 2], [1, 3]]
 
 
 def test_mesh_2x2x2_all_reduce_sums_each_group(mesh_2x2x2):
@@ -128,7 +147,7 @@ def _mesh_1x1x1(rank: int, world_size: int) -> dict:
 
 def test_mesh_1x1x1_on_one_rank():
     assert run_ranks(1, _mesh_1x1x1, timeout=30) == [
-        {"pp": [0], "dp": [0], "tp": [0], "device": "cpu"}
+        {"pp": [0], "dp": [0], "cp": [0], "tp": [0], "device": "cpu"}
     ]
 
 
@@ -146,7 +165,7 @@ def _plain_python_world(rank: int, world_size: int) -> dict:
 
 def test_init_distributed_without_torchrun_is_a_world_of_one():
     (facts,) = run_ranks(1, _plain_python_world, timeout=30)
-    assert facts == {"world": 1, "sum": [1.0, 1.0], "shape": (1, 1, 1)}
+    assert facts == {"world": 1, "sum": [1.0, 1.0], "shape": (1, 1, 1, 1)}
 
 
 def _bad_layout(rank: int, world_size: int) -> None:

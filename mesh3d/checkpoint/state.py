@@ -39,7 +39,7 @@ from mesh3d.parallel.parallelize import canonical_name
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the saving run and this rank's coordinates ({"pp", "dp", "tp"})."""
+    """Sizes of the saving run and this rank's coordinates ({"pp", "dp", "cp", "tp"})."""
 
     dp: int
     tp: int
@@ -291,8 +291,8 @@ def save_state(
 ) -> Path:
     """Save a model (or this rank's pipeline stages) and its AdamW state in Nanotron's layout.
 
-    Every rank calls it. `mesh` is the ("pp", "dp", "tp") DeviceMesh the model runs on (None:
-    one process). `name_map` renames parameters in the files (e.g. to Nanotron's names). The
+    Every rank calls it. `mesh` is the ("pp", "dp", "cp", "tp") DeviceMesh the model runs on, or
+    a mesh with some of those axes (None: one process). `name_map` renames parameters in the files (e.g. to Nanotron's names). The
     folder is written as `.tmp-<name>` beside it, checksummed, and renamed into place when
     complete; a non-finite tensor or a write error raises on every rank and leaves `path` as it
     was. Weights are written in their own dtype; optimizer state as ZeRO-0 files. Returns `path`.

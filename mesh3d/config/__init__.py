@@ -13,7 +13,9 @@ from mesh3d.config.derive import (
     effective_pp_schedule,
     expand_run_name,
     global_batch_size,
+    layout_text,
     padded_vocab_size,
+    world_size,
 )
 from mesh3d.config.load import (
     apply_overrides,
@@ -58,6 +60,8 @@ from mesh3d.config.schema import (
 from mesh3d.config.validate import validate, validation_errors
 
 __all__ = [
+    "layout_text",
+    "world_size",
     "PP_SCHEDULES",
     "AdamWOptimizerArgs",
     "CheckpointsArgs",

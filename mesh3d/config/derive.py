@@ -15,6 +15,19 @@ def padded_vocab_size(cfg: Config) -> int:
     return -(-vocab // multiple) * multiple
 
 
+def world_size(cfg: Config) -> int:
+    """Processes the config's layout needs: dp * context_parallel_size * tp * pp."""
+    p = cfg.parallelism
+    return p.dp * max(p.context_parallel_size, 1) * p.tp * p.pp
+
+
+def layout_text(cfg: Config) -> str:
+    """The layout's degrees in words, e.g. "dp 2 x cp 2 x tp 2 x pp 1" (cp only when > 1)."""
+    p = cfg.parallelism
+    cp = f" x cp {p.context_parallel_size}" if p.context_parallel_size != 1 else ""
+    return f"dp {p.dp}{cp} x tp {p.tp} x pp {p.pp}"
+
+
 def global_batch_size(cfg: Config) -> int:
     """Samples per optimizer step: micro_batch_size * batch_accumulation_per_replica * dp."""
     t = cfg.tokens

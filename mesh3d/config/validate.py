@@ -107,10 +107,11 @@ def _layout(cfg: Config, world_size: int | None) -> Iterator[str]:
     product = p.dp * p.tp * p.pp * max(cp, 1)
     if world_size is not None and product != world_size:
         with_cp = f" x context_parallel_size ({cp})" if cp != 1 else ""
+        keys = "dp/context_parallel_size/tp/pp" if cp != 1 else "dp/tp/pp"
         yield (
             f"parallelism.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}){with_cp} = {product}, but the "
-            f"world size is {world_size}; change the degrees so the product is {world_size}, or "
-            f"launch with --nproc_per_node={product}"
+            f"world size is {world_size}; change parallelism.{keys} so the product is "
+            f"{world_size}, or launch with --nproc_per_node={product}"
         )
     seq = cfg.tokens.sequence_length
     if cp > 1:
@@ -119,15 +120,12 @@ def _layout(cfg: Config, world_size: int | None) -> Iterator[str]:
             "each cp rank holds one head and one tail chunk of every sample (a balanced causal "
             "split); change one of them",
         )  # fmt: skip
-    if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1 and cp >= 1 and seq % (2 * cp) == 0:
-        per_rank = (
-            "tokens.sequence_length"
-            if cp == 1
-            else "tokens.sequence_length / context_parallel_size"
-        )
+    if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1 and (cp <= 1 or seq % (2 * cp) == 0):
+        n = max(cp, 1)  # cp < 1 has its own message below
+        per_rank = "tokens.sequence_length" + (" / context_parallel_size" if n > 1 else "")
         yield from _divides(
             per_rank,
-            seq // cp,
+            seq // n,
             "parallelism.tp",
             p.tp,
             "tp_mode REDUCE_SCATTER splits the sequence over tp ranks; change one or use ALL_REDUCE",

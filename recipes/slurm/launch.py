@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mesh3d.config import load_config, validate
+from mesh3d.config import layout_text, load_config, validate, world_size
 from mesh3d.errors import UserError, exit_on_user_error
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
@@ -45,19 +45,18 @@ def _first_slurm_host() -> str | None:
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line every node runs (after checking the config and the sizes)."""
     cfg = load_config(args.config_file, args.overrides)
-    p = cfg.parallelism
-    world = p.dp * p.tp * p.pp
+    world = world_size(cfg)
     validate(cfg, world_size=world)
     if world % args.gpus_per_node:
         raise UserError(
-            f"the config needs {world} processes (dp {p.dp} x tp {p.tp} x pp {p.pp}), not a "
+            f"the config needs {world} processes ({layout_text(cfg)}), not a "
             f"multiple of --gpus-per-node {args.gpus_per_node}; change the layout or the node size"
         )
     nodes = world // args.gpus_per_node
     for name, given in (("--nodes", args.nodes), ("$SLURM_NNODES", os.environ.get("SLURM_NNODES"))):
         if given is not None and int(given) != nodes:
             raise UserError(
-                f"{name} is {given}, but dp {p.dp} x tp {p.tp} x pp {p.pp} = {world} processes at "
+                f"{name} is {given}, but {layout_text(cfg)} = {world} processes at "
                 f"{args.gpus_per_node} per node need {nodes} nodes; change the layout or the job size"
             )
     host = args.rdzv_host or _first_slurm_host() or socket.gethostname()
