@@ -3,9 +3,9 @@
 - the rank order and the token split, computed arithmetically;
 - attention across shards (causal, sliding window, documents) against one-process SDPA,
   forward and gradients;
-- training parity (fp32, loss, grad norm and weights <= 1e-5 relative) at cp 2 and 4, cp2 x
-  tp2, cp2 x pp2, cp2 x dp2 with zero 1, dp1 x cp2 x tp2 x pp2, and Qwen2 with document
-  masking, sliding windows and NoPE layers;
+- training parity (fp32, loss, grad norm and weights <= 1e-5 relative) at cp 2 (with zero 1 and
+  activation recompute) and 4, cp2 x tp2, cp2 x pp2, cp2 x dp2 with zero 1, dp1 x cp2 x tp2 x
+  pp2, and Qwen2 with document masking, sliding windows and NoPE layers;
 - a cp2 checkpoint resumes at cp1 and a cp1 one at cp2, continuing the uninterrupted run.
 """
 
@@ -144,7 +144,13 @@ def _pp2(schedule: str = "1f1b") -> list[str]:
 
 
 LAYOUTS = {
-    2: [("cp2", _llama(1, 1, 2)), ("cp2 zero1", _llama(1, 1, 2, zero=1))],
+    2: [
+        ("cp2", _llama(1, 1, 2)),
+        (
+            "cp2 zero1 recompute_layer",
+            _llama(1, 1, 2, zero=1) + ["parallelism.recompute_layer=true"],
+        ),
+    ],
     4: [
         ("cp4", _llama(1, 1, 4)),
         ("cp2 tp2 ALL_REDUCE", _llama(1, 2, 2)),

@@ -199,6 +199,9 @@ RUNS = {  # name -> (base, 1-rank overrides, 8-rank overrides, validation)
     "qwen2 documents": (QWEN, layout_overrides(1, 1, "ALL_REDUCE", 0, True),
                         layout_overrides(2, 2, "REDUCE_SCATTER", 1, True) + _pp("1f1b", 1),
                         _val(1, 2, 2)),
+    "qwen2 documents cp2": (QWEN, layout_overrides(1, 1, "ALL_REDUCE", 0, True),
+                            layout_overrides(1, 2, "REDUCE_SCATTER", 1, True) + _pp("1f1b", 1)
+                            + ["parallelism.context_parallel_size=2"], _val(1, 2, 2)),
 }  # fmt: skip
 
 
@@ -216,7 +219,8 @@ def _rank(rank: int, world: int, root: str) -> dict:
         at_rest = [
             n for s in stages for n, p in s.named_parameters()
             if world > 1 and cfg.optimizer.zero_stage
-            and not (isinstance(p, DTensor) and "dp" in p.device_mesh.mesh_dim_names)
+            and not (isinstance(p, DTensor)
+                     and any("dp" in n.split("_") for n in p.device_mesh.mesh_dim_names))
         ]  # fmt: skip
         out[name] = {"metrics": res.metrics, "not_at_rest": at_rest}
     run = _setup(_cfg((RUNS["llama 1f1b"][1] if world == 1 else RUNS["llama 1f1b"][2]) + LAYERS
