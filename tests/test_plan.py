@@ -50,8 +50,9 @@ def _pp(schedule: str, virtual: int = 1) -> list[str]:
 def test_rank_groups_2x2x2_are_parallel_dims():
     plan = make_plan(_cfg(layout_overrides(2, 2, "REDUCE_SCATTER", 0, False) + PP2), 8)
     dims = ParallelDims(dp=2, tp=2, pp=2)
-    assert plan.groups == {axis: dims.groups(axis) for axis in ("tp", "pp", "dp")}
+    assert plan.groups == {axis: dims.groups(axis) for axis in ("tp", "cp", "pp", "dp")}
     assert plan.groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan.groups["cp"] == [[r] for r in range(8)]
     assert plan.groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert plan.groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert [r.coords for r in plan.ranks] == [dims.coords(r) for r in range(8)]
