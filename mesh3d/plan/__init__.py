@@ -3,8 +3,8 @@
 Prints, for the validated config and without starting any process group: the rank groups, the
 layers of each pipeline stage, parameter / gradient / optimizer / activation bytes per rank, the
 pipeline bubble, and the communication per step on each mesh axis (tp, cp, pp, and dp, whose
-gradient reduction runs over dp x cp: context-parallel ranks hold the same parameters). `make_plan(cfg, world_size)`
-returns it as a `Plan` dataclass, `format_plan(plan)` renders it.
+gradient reduction runs over dp x cp: context-parallel ranks hold the same parameters).
+`make_plan(cfg, world_size)` returns it as a `Plan` dataclass, `format_plan(plan)` renders it.
 
 Everything comes from the code training runs: `ParallelDims` for the groups, `split_layers`,
 `stage_ids_of_rank` and `build_stage` on a meta model for the stages, `llama_tp_plan` for the dim

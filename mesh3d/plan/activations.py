@@ -29,8 +29,9 @@ def stage_activation_bytes(cfg, layers: int, embedding: bool, head: bool) -> tup
     4·T·V' (V' = the real vocab at tp 1, else the padded V/tp) and the labels 8·T + 4. Held
     until backward: the logits T·(V/tp)·e_c on the last stage, else the output T'·h·e_p.
     Measured exact on CPU (SDPA) in fp32, bf16 and bf16 autocast. Not counted: attention
-    masks (document masking's boolean mask; under cp, SDPA on CPU saves each chunk's causal
-    mask as an fp32 [s/2cp, keys] tensor, which CUDA's kernels take as a bias, unmaterialized).
+    masks (document masking's boolean mask; under cp, SDPA on CPU saves the causal mask of
+    each chunk but the first as a [s/2cp, keys] tensor in the compute dtype; CUDA's SDPA takes
+    it unmaterialized in its flash and memory-efficient kernels).
     """
     z = _Sizes.of(cfg)
     norm = z.local_tokens * (z.h * (4 + z.e_p) + 4)
