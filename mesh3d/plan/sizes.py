@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh3d.config import effective_pp_schedule
+from mesh3d.config import effective_pp_schedule, world_size
 from mesh3d.layout import RunLayout
 
 
@@ -43,7 +43,7 @@ class _Sizes:
     def of(cls, cfg) -> _Sizes:
         p = cfg.parallelism
         cp = p.context_parallel_size
-        z = RunLayout.resolve(cfg, p.dp * cp * p.tp * p.pp)
+        z = RunLayout.resolve(cfg, world_size(cfg))
         s, compute = z.shape, z.autocast_dtype or z.param_dtype
         return cls(
             z.microbatch_size, z.sequence_length, s.hidden_size, s.intermediate_size,
