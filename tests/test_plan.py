@@ -9,6 +9,11 @@
 - Activations: saved-for-backward bytes measured with saved-tensor hooks on 2 ranks (pp=2 under
   four schedules, with and without recompute; tp=2 with sequence parallelism) are within 25% of
   the plan's estimate.
+- Context parallelism: the cp groups and the activation terms at cp 2 by hand; real runs on 4
+  ranks (cp with tp, sequence parallelism, dp, FSDP, recompute, bf16 autocast, Qwen2 document
+  masking): params, grads, optimizer state, the calls and bytes of the cp collectives, and the
+  bytes saved for backward equal the plan's, exactly (saved bytes plus what the plan leaves out
+  on purpose: CPU SDPA's causal masks, the autocast weight copies it counts as transient).
 """
 
 import copy
@@ -31,7 +36,15 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from mesh3d import cli
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.mesh import ParallelDims
-from mesh3d.plan import _orders, bubble, format_plan, loss_saved_bytes, main, make_plan
+from mesh3d.plan import (
+    _orders,
+    bubble,
+    format_plan,
+    loss_saved_bytes,
+    main,
+    make_plan,
+    stage_activation_bytes,
+)
 from mesh3d.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +63,9 @@ def _pp(schedule: str, virtual: int = 1) -> list[str]:
 def test_rank_groups_2x2x2_are_parallel_dims():
     plan = make_plan(_cfg(layout_overrides(2, 2, "REDUCE_SCATTER", 0, False) + PP2), 8)
     dims = ParallelDims(dp=2, tp=2, pp=2)
-    assert plan.groups == {axis: dims.groups(axis) for axis in ("tp", "pp", "dp")}
+    assert plan.groups == {axis: dims.groups(axis) for axis in ("tp", "cp", "pp", "dp")}
     assert plan.groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan.groups["cp"] == [[r] for r in range(8)]
     assert plan.groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert plan.groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert [r.coords for r in plan.ranks] == [dims.coords(r) for r in range(8)]
@@ -345,3 +359,155 @@ def test_format_plan_lists_every_rank():
     assert "  0-3    0 " in text and "  4-7    1 " in text  # memory rows: one per pp stage
     assert "ranks 0-3 send" in text and "ranks 4-7 send" in text
     assert "Pipeline bubble: 33.3%" in text  # (2-1)/(2+2-1), 2 microbatches
+
+
+# --- context parallelism -----------------------------------------------------------------------
+
+
+def _cp(n: int, *more: str) -> list[str]:
+    return [f"parallelism.context_parallel_size={n}", *ONE_STEP, *more]
+
+
+def test_cp_groups_and_activations_by_hand():
+    plan = make_plan(_cfg(_cp(2, *PP2[:2], "parallelism.tp=2")), 8)
+    dims = ParallelDims(dp=1, tp=2, pp=2, cp=2)
+    assert plan.dims == {"pp": 2, "dp": 1, "cp": 2, "tp": 2} and plan.world_size == 8
+    assert plan.groups == {axis: dims.groups(axis) for axis in ("tp", "cp", "pp", "dp")}
+    assert plan.groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]  # mesh.py's picture
+    assert [r.coords for r in plan.ranks] == [dims.coords(r) for r in range(8)]
+    # one layer, fp32, TINY: b 2, s 16, h 64, F 128, 8 heads of 8, 4 kv heads
+    one, cp = _cfg(ONE_STEP), _cfg(_cp(2))
+    layer = [stage_activation_bytes(c, 1, False, False)[0] for c in (one, cp)]
+    kv = 2 * 2 * 16 * 4 * 8 * 4  # k and v of the whole sequence: the same at cp 2
+    attn_out = 2 * 8 * 64 * 4  # under cp the chunks' outputs are concatenated: once more
+    rope = [16 * 16 * 8, 16 * 2 * 8 * 8]  # cos/sin of positions 0..s-1, then [b, s/cp] ones
+    assert layer[1] == (layer[0] - kv - rope[0]) // 2 + kv + attn_out + rope[1]  # rest: s/cp
+    held = [stage_activation_bytes(c, 2, True, True)[1] for c in (one, cp)]
+    assert held[1] * 2 == held[0]  # the logits: s/cp tokens
+    assert loss_saved_bytes(cp) == (loss_saved_bytes(one) - 4) // 2 + 4
+
+
+def test_cp_communication_by_hand():
+    # TINY at cp 2, dp 2, 2 layers, 4 microbatches of 2 x 16 tokens, recompute
+    cfg = _cfg(_cp(2, "parallelism.dp=2", "parallelism.recompute_layer=true"))
+    rp = make_plan(cfg, 4).ranks[0]
+    comm = {(c.axis, c.collective): c for c in rp.comm}
+    kv = 2 * 16 * 4 * 8 * 4  # the whole sequence's k (or v): b, s, 4 kv heads of 8, fp32
+    gather, scatter = comm["cp", "all_gather"], comm["cp", "reduce_scatter"]
+    assert (gather.count, gather.bytes_each) == (2 * 2 * 4 * 2, kv)  # k and v, recompute again
+    assert (scatter.count, scatter.bytes_each) == (2 * 2 * 4, kv)
+    assert gather.sent_bytes == 32 * kv // 2  # a ring of 2 ranks sends half of each
+    grads = comm["dp", "all_reduce"]  # over the 4 ranks of dp x cp, which hold the same params
+    assert grads.what.endswith("over dp x cp") and grads.bytes_each == rp.grad_bytes
+    assert grads.sent_bytes == round(rp.grad_bytes * 2 * 3 / 4)
+    assert [c.axis for c in rp.comm] == ["cp", "cp", "dp"]  # no tp, no pp
+
+
+def _qwen_docs(overrides: list[str]):
+    """TINY as Qwen2 with document masking (random tokens over 16 ids hold many EOS)."""
+    d = copy.deepcopy(TINY)
+    mc = d["model"]["model_config"]
+    mc.pop("is_llama_config")
+    mc.update(is_qwen2_config=True, _use_doc_masking=True, vocab_size=16, eos_token_id=3)
+    d["mesh3d"]["dummy_data"] = "random"
+    return apply_overrides(config_from_dict(d), overrides)
+
+
+def _cp_measured(rank: int, world: int, runs: list) -> list[dict]:
+    """Inside a rank: train each config once; the peak of the bytes saved for backward, the
+    local bytes of params, grads and optimizer state (as `_held`), and per cp collective kind
+    its calls and bytes (all-gather output, reduce-scatter input: the plan's payloads)."""
+    import mesh3d.parallel.context as context
+
+    out = []
+    for cfg in runs:
+        meter, grads, cp = SavedBytes(), {}, {}
+
+        def count(fn, kind, cp=cp):
+            def wrapped(out, inp, group=None):
+                full = out if kind == "all_gather" else inp
+                key = f"{kind} {full.dtype}"
+                calls, nbytes = cp.get(key, (0, 0))
+                cp[key] = (calls + 1, nbytes + full.numel() * full.element_size())
+                return fn(out, inp, group=group)
+
+            return wrapped
+
+        def before_step(opt, args, kwargs, grads=grads):
+            ps = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+            grads["bytes"] = _nbytes([p.grad for p in ps])
+
+        flat = context._all_gather_flat, context._reduce_scatter_flat
+        context._all_gather_flat = count(flat[0], "all_gather")
+        context._reduce_scatter_flat = count(flat[1], "reduce_scatter")
+        handles = [
+            register_optimizer_step_pre_hook(before_step),
+            nn.modules.module.register_module_forward_pre_hook(meter.note_params),
+        ]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                res = train(cfg, keep_model=True)
+        finally:
+            context._all_gather_flat, context._reduce_scatter_flat = flat
+            for h in handles:
+                h.remove()
+        params = list(res.model.parameters())
+        state = [t for s in res.optimizer.state.values() for t in s.values()]
+        out.append(dict(saved=meter.peak, elements=sum(_local(p).numel() for p in params),
+                        params=_nbytes(params), grads=grads["bytes"], optim=_nbytes(state),
+                        cp=cp))  # fmt: skip
+    return out
+
+
+def _cpu_causal_masks(cfg, cp_rank: int, itemsize: int) -> int:
+    """Bytes the plan leaves out: SDPA on CPU saves the lower-right causal mask of each query
+    chunk whose keys outnumber its queries (every chunk but the first) as a [c, keys] tensor
+    in the compute dtype (`itemsize` bytes), once per layer; none under recompute."""
+    if cfg.parallelism.recompute_layer:
+        return 0
+    cp = cfg.parallelism.context_parallel_size
+    c = cfg.tokens.sequence_length // (2 * cp)
+    per_layer = sum(c * (k + 1) * c for k in (cp_rank, 2 * cp - 1 - cp_rank) if k > 0)
+    return cfg.model.model_config.num_hidden_layers * per_layer * itemsize
+
+
+RUNS_CP = {  # on 4 ranks; label -> config
+    "cp2 tp2 sequence parallel": _cfg(
+        _cp(2, "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER")
+    ),
+    "cp2 dp2 zero1": _cfg(_cp(2, "parallelism.dp=2", "optimizer.zero_stage=1")),
+    "cp4 zero1 tied": _cfg(
+        _cp(4, "optimizer.zero_stage=1", "model.model_config.tie_word_embeddings=true")
+    ),
+    "cp2 tp2 recompute": _cfg(_cp(2, "parallelism.tp=2", "parallelism.recompute_layer=true")),
+    "cp2 dp2 bf16 autocast": _cfg(_cp(2, "parallelism.dp=2", "model.dtype=bfloat16")),
+    "cp2 dp2 qwen2 documents": _qwen_docs(_cp(2, "parallelism.dp=2")),
+    "cp2 pp2 zero1 1f1b": _cfg(_cp(2, *PP2[:2], "optimizer.zero_stage=1", *_pp("1f1b"))),
+}
+
+
+def test_plan_equals_real_cp_runs():
+    """Params, grads, optimizer state and the cp collectives exactly; the bytes saved for
+    backward exactly once the CPU-only causal masks are added, and the autocast weight copies,
+    which autograd saves but the plan counts as transient (Llama without a pipeline: Qwen2's
+    attention biases and document masks are not in the estimate, and a pipeline run keeps a few
+    more bytes per microbatch than it counts, as without cp)."""
+    measured = run_ranks(4, _cp_measured, list(RUNS_CP.values()), timeout=240)
+    for i, (label, cfg) in enumerate(RUNS_CP.items()):
+        plan = make_plan(cfg, 4)
+        for rank, rp in enumerate(plan.ranks):
+            got = measured[rank][i]
+            want = dict(elements=rp.param_elements, params=rp.param_bytes,
+                        grads=rp.grad_bytes, optim=rp.optimizer_bytes)  # fmt: skip
+            assert {k: got[k] for k in want} == want, f"{label}, rank {rank}"
+            compute, want_cp = getattr(torch, plan.compute_dtype), {}
+            for c in rp.comm:
+                if c.axis == "cp":  # k, v in the compute dtype; document positions int64
+                    dtype = torch.int64 if c.what.startswith("positions") else compute
+                    want_cp[f"{c.collective} {dtype}"] = (c.count, c.count * c.bytes_each)
+            assert got["cp"] == want_cp, f"{label}, rank {rank}"
+            if "qwen2" not in label and plan.dims["pp"] == 1:
+                extra = _cpu_causal_masks(cfg, rp.coords["cp"], compute.itemsize)
+                extra += rp.transient.get("autocast_weight_copies", 0)
+                want = rp.saved_activation_bytes + extra
+                assert got["saved"] == want, f"{label}, rank {rank}"

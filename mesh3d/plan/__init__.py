@@ -2,14 +2,16 @@
 
 Prints, for the validated config and without starting any process group: the rank groups, the
 layers of each pipeline stage, parameter / gradient / optimizer / activation bytes per rank, the
-pipeline bubble, and the communication per step on each mesh axis. `make_plan(cfg, world_size)`
-returns it as a `Plan` dataclass, `format_plan(plan)` renders it.
+pipeline bubble, and the communication per step on each mesh axis (tp, cp, pp, and dp, whose
+gradient reduction runs over dp x cp: context-parallel ranks hold the same parameters).
+`make_plan(cfg, world_size)` returns it as a `Plan` dataclass, `format_plan(plan)` renders it.
 
 Everything comes from the code training runs: `ParallelDims` for the groups, `split_layers`,
 `stage_ids_of_rank` and `build_stage` on a meta model for the stages, `llama_tp_plan` for the dim
 tensor parallelism shards, `dp_mode` for the dp axis, torch's schedules for the order of
 forwards and backwards on each rank. tests/test_plan.py compares params, grads and optimizer
-state with a real 2x2x2 run, exactly, and activations with saved-tensor hooks.
+state with a real 2x2x2 run, exactly, activations with saved-tensor hooks, and, for context
+parallelism, activations and the cp collectives with real cp runs, exactly.
 
 Files: `records.py` (the `Plan` dataclasses), `sizes.py` (the numbers read from a config),
 `activations.py` (bytes saved per stage and microbatch), `memory.py` (parameters, grads,

@@ -21,7 +21,9 @@ from mesh3d.plan.report import format_plan
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mesh3d.plan", description=__doc__.splitlines()[0])
     ap.add_argument("config", help="Nanotron YAML config file")
-    ap.add_argument("--world-size", type=int, help="number of processes (default: dp x tp x pp)")
+    ap.add_argument(
+        "--world-size", type=int, help="number of processes (default: dp x cp x tp x pp)"
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)

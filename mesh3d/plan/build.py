@@ -20,7 +20,7 @@ from mesh3d.plan.sizes import _Sizes
 
 
 def make_plan(cfg, world_size: int | None = None) -> Plan:
-    """The plan of `cfg` on `world_size` processes (default dp x tp x pp). A config training
+    """The plan of `cfg` on `world_size` processes (default dp x cp x tp x pp). A config training
     would refuse raises the same ConfigError.
 
     Example:
@@ -29,7 +29,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
     """
     validate(cfg, world_size=world_size)
     z, mc = _Sizes.of(cfg), cfg.model.model_config
-    dims = ParallelDims(dp=z.dp, tp=z.tp, pp=z.pp)
+    dims = ParallelDims(dp=z.dp, tp=z.tp, pp=z.pp, cp=z.cp)
     n = z.pp * z.v
     spec = spec_of(mc)
     split = split_by_cost(*spec.pipeline_costs(ModelShape.from_config(cfg)), n)
@@ -75,14 +75,14 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         )  # fmt: skip
     param_dtype, autocast = param_and_compute_dtypes(cfg)
     return Plan(
-        world_size=dims.world_size, dims={"pp": z.pp, "dp": z.dp, "tp": z.tp},
+        world_size=dims.world_size, dims={"pp": z.pp, "dp": z.dp, "cp": z.cp, "tp": z.tp},
         schedule=z.schedule if z.pp > 1 else "none", virtual_stages=z.v, microbatches=z.m,
         micro_batch_size=z.b, sequence_length=z.s, dp_mode=z.mode, tp_mode=cfg.parallelism.tp_mode,
         param_dtype=_dtype(param_dtype), compute_dtype=_dtype(autocast or param_dtype),
         optimizer=cfg.optimizer.optimizer_factory.name, recompute_layer=z.recompute,
         tied_embeddings=tied, padded_vocab=z.padded,
         total_params=sum(p.numel() for p in full.parameters()),
-        groups={axis: dims.groups(axis) for axis in ("tp", "pp", "dp")}, stages=stages,
+        groups={axis: dims.groups(axis) for axis in ("tp", "cp", "pp", "dp")}, stages=stages,
         ranks=ranks, bubble=bubble(z.schedule, z.pp, z.v, z.m), order_source=source,
         notes=_notes(z),
     )  # fmt: skip

@@ -41,16 +41,27 @@ def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: b
     if tied_peer:
         tied = next(p.grad for p in params if p.name in ("embed_tokens.weight", "lm_head.weight"))
         pp.append(("tied embedding grad", "send", 1, tied * z.e_p))
+    # cp: each layer's k and v, gathered from every cp rank (all-gather in forward, and again
+    # when recompute reruns it; a reduce-scatter of their grads in backward)
+    kv = z.b * z.s * (z.kv_heads * (z.h // z.heads) // z.tp) * z.e_c  # whole sequence's k (or v)
+    cp = [("k, v of every layer (fwd)", "all_gather", fwd, kv),
+          ("k, v grads (bwd)", "reduce_scatter", bwd, kv)]  # fmt: skip
+    if z.docs:  # document ids need every position (int64, no gradient)
+        cp.append(("positions (fwd)", "all_gather", fwd // 2, 8 * z.b * z.s))
+    # dp: over the flattened dp x cp group, which holds the same parameters
+    over = " over dp x cp" if z.cp > 1 else ""
     if z.mode == "replicate":
-        dp = [("grads, one flat buffer", "all_reduce", 1, sum(p.grad for p in params) * z.e_p)]
+        grads = sum(p.grad for p in params) * z.e_p
+        dp = [(f"grads, one flat buffer{over}", "all_reduce", 1, grads)]
     else:  # FSDP2: all units of the rank together; the pipeline defers reduce (and reshard)
         many = m if z.pp == 1 else 1
         gathers = 2 * m if z.mode == "full" else many  # full with pp > 1: a bound
         gathered = sum(p.gathered for p in params) * z.e_p
-        dp = [("parameters (FSDP unshard)", "all_gather", gathers, gathered),
-              ("grads", "reduce_scatter", many, gathered)]  # fmt: skip
+        dp = [(f"parameters (FSDP unshard){over}", "all_gather", gathers, gathered),
+              (f"grads{over}", "reduce_scatter", many, gathered)]  # fmt: skip
     items = []
-    for axis, rows, n in (("tp", tp, z.tp), ("pp", pp, z.pp), ("dp", dp, z.dp)):
+    for axis, rows, n in (("tp", tp, z.tp), ("cp", cp, z.cp), ("pp", pp, z.pp),
+                          ("dp", dp, z.replicas)):  # fmt: skip
         for what, kind, count, each in rows:
             if count and each and n > 1:
                 sent = round(count * each * WIRE[kind](n))

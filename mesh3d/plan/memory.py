@@ -3,8 +3,9 @@
 Bytes per rank (tests/test_plan.py compares params, grads and optimizer state with a real 2x2x2
 run, exactly):
 - params: local elements x param dtype (fp32 under `accumulate_grad_in_fp32`: master weights).
-  TP splits a dim like `torch.chunk`; FSDP2 (zero_stage 1 or full_shard, dp > 1) then chunks
-  dim 0 of the tp-local tensor over dp: ceil(rows / dp) each, the last ranks get what is left;
+  TP splits a dim like `torch.chunk`; FSDP2 (zero_stage 1 or full_shard, dp x cp > 1) then
+  chunks dim 0 of the tp-local tensor over the flattened dp x cp group (cp ranks hold the same
+  parameters, like dp ranks): ceil(rows / (dp·cp)) each, the last ranks get what is left;
 - grads, at the optimizer step: as the params (sharded like them: `shard_grads_like_params`);
 - optimizer: AdamW exp_avg + exp_avg_sq in the param dtype and a 4-byte `step` per parameter;
   SGD (no momentum in mesh3d) none.
@@ -30,7 +31,7 @@ class _Param:
     name: str
     local: int  # the rank's shard
     tp_local: int  # before dp sharding
-    gathered: int  # what FSDP all-gathers: dp x the ceil-sized shard
+    gathered: int  # what FSDP all-gathers: dp x cp x the ceil-sized shard
     grad: int  # the gradient at the optimizer step
     matmul: bool  # a linear weight: autocast keeps a cast copy
 
@@ -68,8 +69,8 @@ def _params(z: _Sizes, module: nn.Module, coords: dict[str, int]) -> list[_Param
         row = math.prod(shape[1:])
         local = tp_local = gathered = row * shape[0]
         if z.fsdp:
-            local = _chunk(shape[0], z.dp, coords["dp"]) * row
-            gathered = -(-shape[0] // z.dp) * z.dp * row
+            local = _chunk(shape[0], z.replicas, z.replica_index(coords)) * row
+            gathered = -(-shape[0] // z.replicas) * z.replicas * row
         matmul = name.endswith("proj.weight") or name == "lm_head.weight"
         matmul |= head is not None and param is head.weight
         out.append(_Param(name, local, tp_local, gathered, local, matmul))

@@ -48,16 +48,21 @@ def _by_value(plan: Plan, key) -> dict[tuple, list[RankPlan]]:
 def format_plan(plan: Plan) -> str:
     """The plan as a text report with aligned tables."""
     d, b = plan.dims, plan.bubble
+    cp = d.get("cp", 1)
+    axes = ("tp", "cp", "pp", "dp") if cp > 1 else ("tp", "pp", "dp")  # cp shown when on
+    mesh = " x ".join(f"{a} {d[a]}" for a in ("pp", "dp", "cp", "tp") if a in axes)
+    split = f", {plan.sequence_length // cp} on each cp rank" if cp > 1 else ""
     out = [
-        f"mesh3d plan: {plan.world_size} ranks = pp {d['pp']} x dp {d['dp']} x tp {d['tp']}; "
+        f"mesh3d plan: {plan.world_size} ranks = {mesh}; "
         f"{plan.total_params:,} parameters (vocab padded to {plan.padded_vocab}, tied "
         f"{plan.tied_embeddings})",
         f"  per dp rank and step: {plan.microbatches} microbatch(es) of {plan.micro_batch_size} x "
-        f"{plan.sequence_length} tokens; params {plan.param_dtype}, compute {plan.compute_dtype}, "
-        f"{plan.optimizer}; dp {plan.dp_mode}, tp {plan.tp_mode}, recompute {plan.recompute_layer}",
+        f"{plan.sequence_length} tokens{split}; params {plan.param_dtype}, compute "
+        f"{plan.compute_dtype}, {plan.optimizer}; dp {plan.dp_mode}, tp {plan.tp_mode}, "
+        f"recompute {plan.recompute_layer}",
         "",
         "1. Rank groups",
-        *(f"  {a}: " + " ".join(map(str, plan.groups[a])) for a in ("tp", "pp", "dp")),
+        *(f"  {a}: " + " ".join(map(str, plan.groups[a])) for a in axes),
         "",
         f"2. Pipeline stages ({plan.schedule}, {plan.virtual_stages} per pp rank)",
     ]
@@ -90,7 +95,7 @@ def format_plan(plan: Plan) -> str:
     out += ["", f"5. Pipeline bubble: {value} ({b.kind}: {b.formula})", ""]
     out.append("6. Communication per step (payload: full tensor; sent: by this rank, ring)")
     for g in _by_value(plan, lambda r: tuple(map(str, r.comm))).values():
-        sent = {a: sum(c.sent_bytes for c in g[0].comm if c.axis == a) for a in ("tp", "pp", "dp")}
+        sent = {a: sum(c.sent_bytes for c in g[0].comm if c.axis == a) for a in axes}
         totals = ", ".join(f"{a} {_size(v)}" for a, v in sent.items())
         out.append(f"  ranks {_ranges([r.rank for r in g])} send {totals}")
         rows = [[c.axis, c.what, c.collective, str(c.count), _size(c.bytes_each),

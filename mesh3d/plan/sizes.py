@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh3d.config import effective_pp_schedule
+from mesh3d.config import effective_pp_schedule, world_size
 from mesh3d.layout import RunLayout
 
 
@@ -22,6 +22,7 @@ class _Sizes:
     tp: int
     dp: int
     pp: int
+    cp: int  # context parallelism: each rank holds s/cp tokens of every sample
     v: int  # stages per pp rank
     m: int  # microbatches per step
     vocab: int  # real
@@ -30,8 +31,10 @@ class _Sizes:
     e_c: int  # bytes of the compute dtype (autocast, else the param dtype)
     autocast: bool
     sp: bool  # sequence parallel (tp_mode REDUCE_SCATTER, tp > 1)
+    docs: bool  # document masking
+    positions: bool  # RoPE gets positions [b, s/cp]: document masking, or cp > 1
     recompute: bool
-    fsdp: bool  # FSDP2 on dp: zero_stage 1 or full_shard, dp > 1
+    fsdp: bool  # FSDP2 on dp x cp: zero_stage 1 or full_shard, dp x cp > 1
     mode: str  # dp_mode
     schedule: str
     family: str  # the model family (its spec has the TP plan)
@@ -39,21 +42,30 @@ class _Sizes:
     @classmethod
     def of(cls, cfg) -> _Sizes:
         p = cfg.parallelism
-        z = RunLayout.resolve(cfg, p.dp * p.tp * p.pp)
+        cp = p.context_parallel_size
+        z = RunLayout.resolve(cfg, world_size(cfg))
         s, compute = z.shape, z.autocast_dtype or z.param_dtype
         return cls(
             z.microbatch_size, z.sequence_length, s.hidden_size, s.intermediate_size,
-            s.num_heads, s.num_kv_heads, p.tp, p.dp, p.pp, z.virtual_stages, z.microbatches,
+            s.num_heads, s.num_kv_heads, p.tp, p.dp, p.pp, cp, z.virtual_stages, z.microbatches,
             z.vocab_size, z.padded_vocab, z.param_dtype.itemsize, compute.itemsize,
-            z.autocast_dtype is not None, z.sequence_parallel, p.recompute_layer,
-            z.dp_mode != "replicate" and p.dp > 1, z.dp_mode, effective_pp_schedule(cfg),
+            z.autocast_dtype is not None, z.sequence_parallel, z.doc_masking,
+            z.positions_everywhere, p.recompute_layer,
+            z.dp_mode != "replicate" and p.dp * cp > 1, z.dp_mode, effective_pp_schedule(cfg),
             z.spec.family,
         )  # fmt: skip
 
     @property
-    def tokens(self) -> int:
-        return self.b * self.s
+    def tokens(self) -> int:  # a microbatch's tokens on a rank: its cp share
+        return self.b * self.s // self.cp
 
     @property
     def local_tokens(self) -> int:  # the residual stream's tokens on a tp rank
         return self.tokens // self.tp if self.sp else self.tokens
+
+    @property
+    def replicas(self) -> int:  # the ranks that hold the same parameters: dp x cp
+        return self.dp * self.cp
+
+    def replica_index(self, coords: dict[str, int]) -> int:  # in the flattened dp x cp group
+        return coords["dp"] * self.cp + coords["cp"]
