@@ -23,11 +23,13 @@ CONFIG = ROOT / "recipes" / "configs" / "cpu_tiny.yaml"
 
 
 @pytest.mark.parametrize(
-    "dp,tp,pp", [(8, 1, 1), (1, 8, 1), (1, 1, 8), (2, 2, 2), (1, 2, 4), (4, 1, 2)]
-)
-def test_primary_ranks_are_rank_0_and_the_last_pipeline_ranks_first(dp, tp, pp):
-    dims = ParallelDims(dp=dp, tp=tp, pp=pp)
-    owner = {"pp": pp - 1, "dp": 0, "tp": 0}
+    "dp,tp,pp,cp",
+    [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (2, 2, 2, 1), (1, 2, 4, 1), (4, 1, 2, 1),
+     (1, 2, 2, 2), (2, 1, 2, 2), (1, 1, 1, 8)],
+)  # fmt: skip
+def test_primary_ranks_are_rank_0_and_the_last_pipeline_ranks_first(dp, tp, pp, cp):
+    dims = ParallelDims(dp=dp, tp=tp, pp=pp, cp=cp)
+    owner = {"pp": pp - 1, "dp": 0, "cp": 0, "tp": 0}
     want = {0} | {r for r in range(8) if dims.coords(r) == owner}
     assert {r for r in range(8) if is_primary(dims.coords(r), r, 8)} == want
 
