@@ -23,14 +23,17 @@ backward): 2 · S · n_kv · head_dim values per layer instead of S/cp. Queries,
 MLP and the residual stream all stay at S/cp.
 
 Kernels: a chunk without documents or windows uses torch's lower-right causal bias
-(`causal_lower_right`), which SDPA runs with its flash or memory-efficient kernels on CUDA and
-its own kernel on CPU; documents and windows pass a boolean mask. Parameters are replicated
+(`causal_lower_right`) on CUDA, which SDPA runs with its flash or memory-efficient kernels
+without a mask in memory; on CPU one additive mask per chunk shape, shared by all layers (the
+CPU kernel saves its mask for backward, so a bias per call would cost a [S/2cp, keys] tensor per
+layer). Documents and windows pass a boolean mask, as without cp. Parameters are replicated
 over cp: their gradients are summed over dp×cp (`mesh.replica_mesh`), and the loss, a sum over
 local tokens divided by the global token count, needs no change.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -150,6 +153,25 @@ def _chunk_mask(rows: Tensor, keys: int, window: int | None, docs: Tensor | None
     return mask[:, None]  # (B|1, 1, c, keys)
 
 
+def _lower_right(rows: int, keys: int, dtype: torch.dtype, device: torch.device):
+    """The causal mask of the last `rows` queries over `keys` keys (lower-right aligned).
+
+    On CUDA, torch's `causal_lower_right` bias, which SDPA runs with its flash or
+    memory-efficient kernel and never materializes. The CPU kernel materializes a bias (and
+    saves it for backward) on every call, one per layer: there, one additive mask per shape,
+    shared by every layer and step, is saved once instead.
+    """
+    if device.type == "cuda":
+        return causal_lower_right(rows, keys)
+    return _additive_lower_right(rows, keys, dtype, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _additive_lower_right(rows: int, keys: int, dtype: torch.dtype, device: torch.device):
+    allowed = torch.ones(rows, keys, dtype=torch.bool, device=device).tril(keys - rows)
+    return torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
+
+
 def cp_attention(
     q: Tensor, k: Tensor, v: Tensor, positions: Tensor, window: int | None, cp: ContextParallel
 ) -> Tensor:
@@ -175,7 +197,7 @@ def cp_attention(
         rows = torch.arange(chunk * c, end, device=q.device)
         mask = _chunk_mask(rows, end, window, docs)
         if mask is None:
-            mask = causal_lower_right(c, end)
+            mask = _lower_right(c, end, q.dtype, q.device)
         out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=gqa)
         outs.append(out.transpose(1, 2))
     return torch.cat(outs, dim=1)
