@@ -133,10 +133,10 @@ def analytic_saved(seq: int, cp: int, rank: int, b: int = 1) -> dict[str, int]:
       (times b under cp, where each sample has its positions), the MLP 16·T·ffn; once: token ids
       8·T, the final norm, the lm_head input 4·T·h, the fp32 log-softmax 4·T·V, labels 8·T + 4;
     - gathered K/V: 2·4·b·S·nkv·dh per layer, the full sequence on every cp rank;
-    - mask: a query chunk whose keys are not square (all but rank 0's head chunk) runs SDPA
-      with `causal_lower_right`, which on CPU becomes a (c, end) mask that SDPA saves as fp32:
-      4·c·end per chunk and layer (rank r: ends (r+1)·c and (2·cp - r)·c). CUDA's flash and
-      memory-efficient kernels take that bias without a mask: 0 there.
+    - mask: a query chunk whose keys are not square (all but rank 0's head chunk) gets an
+      additive (c, end) mask on CPU, which SDPA saves for backward; one per chunk shape, shared
+      by every layer: 4·c·end per chunk (rank r: ends (r+1)·c and (2·cp - r)·c). On CUDA the
+      lower-right causal bias runs in the flash / memory-efficient kernels without a mask: 0.
     """
     h, ffn, nq, nkv, layers, vocab = (SHAPE[k] for k in ("h", "ffn", "heads", "kv_heads",
                                                           "layers", "vocab"))  # fmt: skip
@@ -150,7 +150,7 @@ def analytic_saved(seq: int, cp: int, rank: int, b: int = 1) -> dict[str, int]:
     if cp > 1:
         c = seq // (2 * cp)
         ends = [e for e in ((rank + 1) * c, (2 * cp - rank) * c) if e != c]
-        mask = layers * sum(4 * c * e for e in ends)
+        mask = sum(4 * c * e for e in ends)
     return dict(per_token=per_token, kv=kv, mask=mask, total=per_token + kv + mask)
 
 

@@ -196,8 +196,11 @@ def cp_attention(
         kc, vc = (t[:, :end].transpose(1, 2) for t in (k_full, v_full))  # (B, nkv, end, dh)
         rows = torch.arange(chunk * c, end, device=q.device)
         mask = _chunk_mask(rows, end, window, docs)
-        if mask is None:
-            mask = _lower_right(c, end, q.dtype, q.device)
-        out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=gqa)
+        if mask is None and end == c:  # the first chunk: plain causal, no mask at all
+            out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
+        else:
+            if mask is None:
+                mask = _lower_right(c, end, q.dtype, q.device)
+            out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=gqa)
         outs.append(out.transpose(1, 2))
     return torch.cat(outs, dim=1)
