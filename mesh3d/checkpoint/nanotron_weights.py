@@ -72,9 +72,8 @@ def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
         for k, (ours, kind, end) in spec.nanotron_outer.items()
     }
     params = [_param(names.EMBEDDING, *outer[names.EMBEDDING], shapes)]
-    layer = spec.nanotron_layer(s)
     for i in range(s.num_layers):
-        for key, (ours, kind) in layer.items():
+        for key, (ours, kind) in spec.nanotron_layer(s, i).items():
             our_names = tuple(names.LAYER_PREFIX_OURS.format(i=i) + o for o in ours)
             name = names.LAYER_PREFIX_NANOTRON.format(i=i) + key
             params.append(_param(name, our_names, kind, stage_of[i], shapes))

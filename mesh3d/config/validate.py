@@ -478,7 +478,7 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     if cfg.mesh3d.head_dim is not None and family != "qwen3":
         yield "`mesh3d.head_dim` is only for `mesh3d.model_family: qwen3`; remove it or set the family"
     if getattr(m.model_config, "moe_config", None) is not None:
-        yield _not_yet(f"{MC}.moe_config", "mixture of experts; set it to null for a dense model")
+        yield from _moe(cfg, m.model_config)
     if isinstance(m.init_method, SpectralMupInit):
         yield _not_yet("model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}")
     scaling = getattr(m.init_method, "scaling_method", None)
@@ -490,6 +490,30 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         # torch 2.13: compiled DTensor blocks loaded from torch.compile's warm on-disk cache
         # gave wrong gradients (cpu_tiny tp 2: grad norm 1.78 instead of 2.07)
         yield _not_yet("mesh3d.compile with parallelism.tp > 1", "set tp to 1 or compile to false")
+
+
+def _moe(cfg: Config, mc) -> Iterator[str]:
+    """`moe_config`: its values, and the layouts mixture of experts does not run at yet."""
+    moe, p, key = mc.moe_config, cfg.parallelism, f"{MC}.moe_config"
+    for k in ("num_experts", "top_k", "moe_intermediate_size"):
+        if getattr(moe, k) < 1:
+            yield f"`{key}.{k}` must be >= 1, got {getattr(moe, k)}"
+    if 1 <= moe.num_experts < moe.top_k:
+        yield f"`{key}.top_k` ({moe.top_k}) must be at most num_experts ({moe.num_experts})"
+    if moe.enable_shared_expert and moe.shared_expert_intermediate_size < 1:
+        yield (f"`{key}.shared_expert_intermediate_size` must be >= 1 with enable_shared_expert, "
+               f"got {moe.shared_expert_intermediate_size}")  # fmt: skip
+    if moe.router_aux_loss_coef < 0:
+        yield f"`{key}.router_aux_loss_coef` must be >= 0, got {moe.router_aux_loss_coef}"
+    if moe.token_dispatcher_type not in ("alltoall", "allgather"):
+        yield f"`{key}.token_dispatcher_type` {moe.token_dispatcher_type!r} must be alltoall or allgather"
+    n = mc.num_hidden_layers
+    if list(moe.layers) != [-1] and any(not 0 <= i < n for i in moe.layers):
+        yield f"`{key}.layers` {list(moe.layers)} must be [-1] (every layer) or layer indices in 0..{n - 1}"
+    for k, value in (("tp", p.tp), ("context_parallel_size", p.context_parallel_size)):
+        if value > 1:
+            yield _not_yet(f"parallelism.{k} > 1 with {key}", "experts run with tp 1 and cp 1 so far; "
+                           f"set parallelism.{k} to 1 (dp and pp work)")  # fmt: skip
 
 
 # HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".

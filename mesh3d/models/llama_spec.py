@@ -133,7 +133,7 @@ def compile_classes(tensor_parallel: bool) -> tuple[type, ...]:
     return (Attention, MLP) if tensor_parallel else (Attention, MLP, RMSNorm)
 
 
-def nanotron_layer(s: ModelShape) -> LayerTable:
+def nanotron_layer(s: ModelShape, i: int = 0) -> LayerTable:
     return NANOTRON_LAYER
 
 
@@ -162,9 +162,9 @@ def param_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
 def init_std(name: str, std: float, num_layers: int, scaling_method: str = "NUM_LAYERS"):
     """Nanotron's RandomInit std for parameter `name` (None means ones; spec §1.5.2).
 
-    Norm weights: ones. Biases: zeros. o_proj / down_proj (row-parallel, feeding the residual):
-    std / sqrt(2 * num_layers) with scaling NUM_LAYERS, std with NONE. Everything else
-    (q/k/v, gate/up, embedding, LM head): std.
+    Norm weights: ones. Biases: zeros. o_proj / down_proj and the experts' down projections
+    (feeding the residual): std / sqrt(2 * num_layers) with scaling NUM_LAYERS, std with NONE.
+    Everything else (q/k/v, gate/up, router, embedding, LM head): std.
     """
     if scaling_method not in SCALING_METHODS:
         raise ConfigError(
@@ -175,7 +175,8 @@ def init_std(name: str, std: float, num_layers: int, scaling_method: str = "NUM_
         return None
     if name.endswith(".bias"):
         return 0.0
-    if scaling_method == "NUM_LAYERS" and name.endswith(("o_proj.weight", "down_proj.weight")):
+    feeds_residual = ("o_proj.weight", "down_proj.weight", "experts.merged_down_proj")
+    if scaling_method == "NUM_LAYERS" and name.endswith(feeds_residual):
         return std / math.sqrt(2 * num_layers)
     return std
 

@@ -7,12 +7,14 @@ Llama's blocks (`models/llama.py`), with per-layer attention switches:
 - `sliding_window_size` W: every other layer sees its last W keys (itself included);
 - `_use_doc_masking`: attention within each document, positions restarting at 0 in each (the
   model gets `positions`; the data supplies them);
-- `rope_seq_len_interpolation_factor`: positions divided by it before RoPE.
+- `rope_seq_len_interpolation_factor`: positions divided by it before RoPE;
+- `moe_config`: the MLP of the layers it names is a mixture of experts (`models/moe.py`).
 """
 
 from __future__ import annotations
 
-from mesh3d.models.llama import Llama
+from mesh3d.models.llama import Llama, activation
+from mesh3d.models.moe import MoE, moe_layers
 
 
 def nope_layer(cfg, i: int) -> bool:
@@ -29,6 +31,13 @@ class Qwen2(Llama):
         with torch.device("meta"):
             model = Qwen2(cfg.model.model_config, vocab_size=padded_vocab)
     """
+
+    def __init__(self, cfg, vocab_size: int | None = None, attention: str = "auto"):
+        super().__init__(cfg, vocab_size=vocab_size, attention=attention)
+        layers = moe_layers(cfg)
+        for i in layers:
+            act = activation(cfg.hidden_act)
+            self.layers[str(i)].mlp = MoE(cfg.hidden_size, cfg.moe_config, act, len(layers))
 
     @staticmethod
     def layer_options(cfg, i: int) -> dict:

@@ -21,8 +21,18 @@ BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias
 
 
 def shape(mc, padded_vocab: int) -> ModelShape:
+    from mesh3d.models.moe import moe_layers
+
     base = llama_spec.shape(mc, padded_vocab)
-    return dataclasses.replace(base, family="qwen2", qkv_bias=bool(mc.attention_bias))
+    moe = mc.moe_config
+    experts = {}
+    if moe is not None:
+        experts = dict(
+            moe_layers=tuple(moe_layers(mc)), num_experts=moe.num_experts, top_k=moe.top_k,
+            moe_ffn=moe.moe_intermediate_size,
+            shared_ffn=moe.shared_expert_intermediate_size if moe.enable_shared_expert else 0,
+        )  # fmt: skip
+    return dataclasses.replace(base, family="qwen2", qkv_bias=bool(mc.attention_bias), **experts)
 
 
 def build(mc, vocab_size: int | None = None, attention: str = "auto"):
@@ -31,18 +41,53 @@ def build(mc, vocab_size: int | None = None, attention: str = "auto"):
     return Qwen2(mc, vocab_size=vocab_size, attention=attention)
 
 
-def nanotron_layer(s: ModelShape) -> LayerTable:
-    """Llama's table, with `attn.qkv_proj.bias` right after its weight (Nanotron's order)."""
+# An MoE layer's MLP in Nanotron (`nn/moe.py`): the router and the stacked experts are plain
+# parameters (the same on every tp rank); the shared expert is a tensor-parallel Qwen2 MLP.
+MOE_LAYER: LayerTable = {
+    "mlp.router.weight": (("mlp.gate.weight",), "replicated"),
+    "mlp.experts.merged_gate_up_proj": (("mlp.experts.merged_gate_up_proj",), "replicated"),
+    "mlp.experts.merged_down_proj": (("mlp.experts.merged_down_proj",), "replicated"),
+}
+SHARED_EXPERT: LayerTable = {
+    "mlp.shared_expert.gate_up_proj.weight": (
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), "column"),
+    "mlp.shared_expert.down_proj.weight": (("mlp.shared_expert.down_proj.weight",), "row"),
+    "mlp.shared_expert_gate.weight": (("mlp.shared_expert_gate.weight",), "replicated"),
+}  # fmt: skip
+
+
+def nanotron_layer(s: ModelShape, i: int = 0) -> LayerTable:
+    """Llama's table, with `attn.qkv_proj.bias` right after its weight (Nanotron's order); in
+    an MoE layer the experts replace the MLP."""
     out: LayerTable = {}
     for key, value in llama_spec.NANOTRON_LAYER.items():
+        if key.startswith("mlp.") and i in s.moe_layers:
+            continue
         out[key] = value
         if key == "attn.qkv_proj.weight" and s.qkv_bias:
             out["attn.qkv_proj.bias"] = (BIAS, "column")
+    if i in s.moe_layers:
+        out.update(MOE_LAYER)
+        if s.shared_ffn:
+            out.update(SHARED_EXPERT)
     return out
 
 
 def param_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
     shapes = llama_spec.param_shapes(s)
+    h, e, f = s.hidden_size, s.num_experts, s.moe_ffn
+    for i in s.moe_layers:
+        for name in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            del shapes[f"layers.{i}.mlp.{name}"]
+        shapes[f"layers.{i}.mlp.gate.weight"] = (e, h)
+        shapes[f"layers.{i}.mlp.experts.merged_gate_up_proj"] = (e, h, 2 * f)
+        shapes[f"layers.{i}.mlp.experts.merged_down_proj"] = (e, f, h)
+        if s.shared_ffn:
+            g = s.shared_ffn
+            shapes[f"layers.{i}.mlp.shared_expert.gate_proj.weight"] = (g, h)
+            shapes[f"layers.{i}.mlp.shared_expert.up_proj.weight"] = (g, h)
+            shapes[f"layers.{i}.mlp.shared_expert.down_proj.weight"] = (h, g)
+            shapes[f"layers.{i}.mlp.shared_expert_gate.weight"] = (1, h)
     if s.qkv_bias:
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         for i in range(s.num_layers):

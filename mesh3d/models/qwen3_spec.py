@@ -42,11 +42,11 @@ def tp_plan(sequence_parallel: bool) -> dict:
     return plan
 
 
-def nanotron_layer(s: ModelShape) -> LayerTable:
+def nanotron_layer(s: ModelShape, i: int = 0) -> LayerTable:
     """Qwen2's table with the q/k norms right after the q/k/v projection (module order)."""
     out: LayerTable = {}
     last_qkv = "attn.qkv_proj.bias" if s.qkv_bias else "attn.qkv_proj.weight"
-    for key, value in qwen2_spec.nanotron_layer(s).items():
+    for key, value in qwen2_spec.nanotron_layer(s, i).items():
         out[key] = value
         if key == last_qkv:
             out.update(QK_NORMS)

@@ -20,7 +20,8 @@ from typing import Any, Literal
 from mesh3d.errors import ConfigError
 
 Kind = Literal["vocab", "column", "row", "replicated"]
-# Nanotron name suffix inside a decoder layer -> (our tensor names it fuses, TP kind)
+# Nanotron name suffix inside a decoder layer -> (our tensor names it fuses, TP kind); a
+# family's `nanotron_layer(shape, i)` gives layer i's (MoE layers differ from dense ones)
 LayerTable = dict[str, tuple[tuple[str, ...], Kind]]
 
 
@@ -45,6 +46,11 @@ class ModelShape:
     head_dim: int = 0  # 0: hidden_size / num_heads (set in __post_init__)
     qkv_bias: bool = False  # q/k/v projections with a bias (Qwen2's attention_bias)
     qk_norm: bool = False  # RMSNorm of q and k per head (Qwen3)
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts
+    num_experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0  # each expert's intermediate size
+    shared_ffn: int = 0  # the shared expert's intermediate size, 0 without one
 
     def __post_init__(self):
         if not self.head_dim:
@@ -87,7 +93,7 @@ class ModelSpec:
     build: Callable[..., Any]  # (model config, vocab_size, attention) -> the nn.Module
     tp_plan: Callable[[bool], dict]  # sequence_parallel -> {FQN pattern: ParallelStyle}
     compile_classes: Callable[[bool], tuple[type, ...]]  # tp > 1 -> classes compiled per layer
-    nanotron_layer: Callable[[ModelShape], LayerTable]
+    nanotron_layer: Callable[..., LayerTable]  # (shape, layer index=0) -> that layer's table
     nanotron_outer: dict[str, tuple[tuple[str, ...], Kind, Literal["first", "last"]]]
     param_shapes: Callable[[ModelShape], dict[str, tuple[int, ...]]]  # our name -> full shape
     init_std: Callable[[str, float, int, str], float | None]  # (name, std, layers, scaling)

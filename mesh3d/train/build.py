@@ -31,6 +31,7 @@ from mesh3d.parallel.pipeline import (
     split_by_cost,
     stage_ids_of_rank,
 )
+from mesh3d.train.experts import set_aux_weights
 from mesh3d.train.loss import step_loss
 
 
@@ -104,7 +105,9 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
         )
 
     if p.pp == 1:
-        return ModelParts(modules=[finish(full)], loss_fn=loss_fn)
+        parts = ModelParts(modules=[finish(full)], loss_fn=loss_fn)
+        set_aux_weights(parts.modules, layout)
+        return parts
 
     name, virtual = layout.schedule, layout.virtual_stages
     n = p.pp * virtual
@@ -129,6 +132,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
         for m, i in zip(modules, ids)
     ]
     schedule = build_schedule(name, stages, layout.microbatches, loss_fn)
+    set_aux_weights(modules, layout)
     return ModelParts(
         modules=modules,
         schedule=schedule,

@@ -32,11 +32,14 @@ from mesh3d.mesh import (
     build_mesh,
     collective_timeout,
     init_distributed,
+    replica_mesh,
     resolve_device,
     set_collective_timeout,
 )
 from mesh3d.train.build import build_model_parts
 from mesh3d.train.evaluate import evaluate, is_evaluation_step
+from mesh3d.train.experts import clear_stats
+from mesh3d.train.experts import step_metrics as moe_step_metrics
 from mesh3d.train.guard import RunGuard, share
 from mesh3d.train.metrics import (
     iteration_metrics,
@@ -136,6 +139,8 @@ def _run_step(run: _Run, step: int) -> tuple[list, float, float]:
     reads = run.parts.has_first or run.parts.has_last or run.layout.positions_everywhere
     dp_rank, dp = run.layout.coords["dp"], run.layout.dims.dp
     batches = run.data.batches(step, dp_rank, dp, tok.micro_batch_size) if reads else []
+    if run.layout.shape.moe_layers:
+        clear_stats(run.parts.modules)  # what validation forwards left
     loss, grad_norm = train_step(
         run.parts, run.optimizer, run.scheduler, batches, layout=run.layout,
         clip_grad=cfg.optimizer.clip_grad, mesh=run.mesh, device=run.device,
@@ -264,6 +269,9 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
                 lm_loss=loss, lr=run.scheduler.get_last_lr()[0], step_flops=run.step_flops,
                 grad_norm=grad_norm, peak=peak,
             )  # fmt: skip
+            if run.layout.shape.moe_layers:  # every rank: collectives inside
+                m.update(moe_step_metrics(run.parts.modules, run.layout, replica_mesh(run.mesh).get_group(),
+                                          run.mesh["pp"].get_group(), run.device))  # fmt: skip
             m.update(peak_memory())
             if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):
                 m.update(memory_metrics())  # Nanotron's extra items of the first steps

@@ -36,7 +36,7 @@ def match_names(name: str, shape: ModelShape) -> list[str]:
     m = _LAYER.fullmatch(name)
     if m:
         prefix = names.LAYER_PREFIX_NANOTRON.format(i=m.group(1))
-        layer = spec.nanotron_layer(shape).items()
+        layer = spec.nanotron_layer(shape, int(m.group(1))).items()
         theirs += [prefix + k for k, (parts, _) in layer if m.group(2) in parts]
     return [name, *theirs]
 

@@ -1,0 +1,151 @@
+"""Mixture-of-experts block (Nanotron's Qwen2 `moe_config`), torch only.
+
+What replaces the MLP of an MoE layer:
+- a router: logits = x · Wᵀ in fp32 (W [E, h], kept in fp32 like Nanotron's and HF's), softmax
+  over the E experts, the top-k probabilities taken as the weights, not renormalized (Nanotron's
+  Qwen2 and HF's Qwen2-MoE default);
+- E experts, each down(act(gate(x)) * up(x)) with `moe_intermediate_size` F, stored as
+  Nanotron stores them: `merged_gate_up_proj` [E, h, 2F] (gate columns first) and
+  `merged_down_proj` [E, F, h], applied as x @ W (not x @ Wᵀ);
+- dropless dispatch: every token reaches its k experts, however unbalanced; a loop over the
+  experts gathers each one's tokens, runs it and adds the weighted result back;
+- optionally a shared expert (a plain MLP of `shared_expert_intermediate_size`) whose output is
+  gated per token by sigmoid(x · g), g [1, h] (`shared_expert_gate`).
+
+Load balancing. The auxiliary loss is the Switch-Transformer one, E · Σₑ fₑ · Pₑ (fₑ: the
+share of the k·T routed slots that chose expert e, Pₑ: the mean router probability of e), taken
+per sequence and summed over the sequences of a microbatch. Per sequence, not per microbatch:
+a sequence is the unit every layout keeps whole, so the loss and its gradient are the same at
+any dp, pp or microbatch split. It does not pass through the logits: `attach_aux` adds its
+gradient (times `aux_weight`) in backward, the way the loss would, so it works on every
+pipeline stage without a second output. `aux_weight` is set by training to
+`router_aux_loss_coef / (MoE layers · sequences in the global batch)` (times FSDP's scale);
+alone it is that with this microbatch's sequences. Each forward records (aux sum, tokens per
+expert) in `stats` for the metrics; the trainer empties it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on `x`; in backward, `weight` is the gradient of `aux` (as if `weight · aux`
+    had been added to the loss)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, aux: Tensor, weight: float) -> Tensor:
+        ctx.weight = weight
+        ctx.aux_shape = aux.shape
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        aux_grad = torch.full(ctx.aux_shape, ctx.weight, dtype=torch.float32, device=grad.device)
+        return grad, aux_grad, None
+
+
+def attach_aux(x: Tensor, aux: Tensor, weight: float) -> Tensor:
+    """`x`, with `weight · aux` contributing to the gradient in backward."""
+    return _AttachAux.apply(x, aux, weight)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two stacked parameters (Nanotron's `GroupedMLP` layout)."""
+
+    def __init__(self, num_experts: int, h: int, ffn: int, act):
+        super().__init__()
+        self.merged_gate_up_proj = nn.Parameter(torch.empty(num_experts, h, 2 * ffn))
+        self.merged_down_proj = nn.Parameter(torch.empty(num_experts, ffn, h))
+        self.act = act
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        """Expert `e` on tokens x [n, h]."""
+        gate, up = (x @ self.merged_gate_up_proj[e]).chunk(2, dim=-1)
+        return (self.act(gate) * up) @ self.merged_down_proj[e]
+
+
+class SharedExpertMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) of the shared expert (HF's and Nanotron's names)."""
+
+    def __init__(self, h: int, ffn: int, act):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, ffn, bias=False)
+        self.up_proj = nn.Linear(h, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, h, bias=False)
+        self.act = act
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def moe_layers(cfg) -> list[int]:
+    """The 0-based layers whose MLP is an MoE block: `moe_config.layers` ([-1]: every layer)."""
+    moe = getattr(cfg, "moe_config", None)
+    if moe is None:
+        return []
+    if list(moe.layers) == [-1]:
+        return list(range(cfg.num_hidden_layers))
+    return sorted(set(moe.layers))
+
+
+class MoE(nn.Module):
+    """x [B, S, h] -> [B, S, h]: routed experts (+ the gated shared expert). See the module doc."""
+
+    def __init__(self, h: int, moe, act, num_moe_layers: int = 1):
+        super().__init__()
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.gate = nn.Linear(h, moe.num_experts, bias=False)  # the router (HF's name)
+        self.experts = Experts(moe.num_experts, h, moe.moe_intermediate_size, act)
+        self.shared = bool(moe.enable_shared_expert)
+        if self.shared:
+            self.shared_expert = SharedExpertMLP(h, moe.shared_expert_intermediate_size, act)
+            self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        self.aux_coef = moe.router_aux_loss_coef
+        self.num_moe_layers = num_moe_layers
+        self.aux_weight: float | None = None  # set by training (module doc)
+        self.stats: list[tuple[Tensor, Tensor]] = []
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(probabilities [B, S, E] fp32, top-k weights [B, S, k] fp32, top-k experts [B, S, k])."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        probs = logits.softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        return probs, weights, experts
+
+    def aux_per_sequence(self, probs: Tensor, experts: Tensor) -> Tensor:
+        """E · Σₑ fₑ · Pₑ for each sequence [B] (module doc)."""
+        b, s, e = probs.shape
+        chosen = torch.zeros(b, e, device=probs.device, dtype=probs.dtype)
+        picks = experts.reshape(b, -1)
+        chosen.scatter_add_(1, picks, torch.ones_like(picks, dtype=probs.dtype))
+        share = chosen / (s * self.top_k)  # f: fraction of the sequence's routed slots
+        return e * (share * probs.mean(dim=1)).sum(dim=-1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, h = x.shape
+        probs, weights, experts = self.route(x)
+        flat, out = x.reshape(-1, h), torch.zeros(b * s, h, dtype=x.dtype, device=x.device)
+        flat_experts, flat_weights = (
+            experts.reshape(-1, self.top_k),
+            weights.reshape(-1, self.top_k),
+        )
+        counts = torch.bincount(flat_experts.reshape(-1), minlength=self.num_experts)
+        for e in torch.nonzero(counts).flatten().tolist():  # dropless: every routed token
+            token, slot = torch.nonzero(flat_experts == e, as_tuple=True)
+            y = self.experts.expert(e, flat[token]) * flat_weights[token, slot, None].to(x.dtype)
+            out = out.index_add(0, token, y)
+        out = out.view(b, s, h)
+        if self.shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        aux = self.aux_per_sequence(probs, experts).sum()
+        if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+            self.stats.append((aux.detach(), counts.detach()))
+        if self.training and self.aux_coef and torch.is_grad_enabled():
+            weight = self.aux_weight
+            if weight is None:  # outside training: this microbatch's mean over sequences
+                weight = self.aux_coef / (self.num_moe_layers * b)
+            out = attach_aux(out, aux, weight)
+        return out
