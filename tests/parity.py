@@ -152,6 +152,11 @@ def train_runs(rank: int, world: int, runs: list[list[str]], base: dict = TINY) 
                 grad_norm=[m["grad_norm"] for m in res.metrics],
                 weights=weights if rank == 0 else None,
                 replica_mismatches=mismatches,
+                moe=[
+                    (m["moe_aux_loss"], m["moe_load_max"])
+                    for m in res.metrics
+                    if "moe_aux_loss" in m
+                ],
             )
         )
     return results

@@ -1,6 +1,6 @@
 """Nanotron's own Qwen2 example configs train in mesh3d at their own layouts (dp2 x tp2
-REDUCE_SCATTER with document masking; dp2 for the SmolLM2-style resume example), with local data
-and model sizes a 2-core CPU can run; the MoE one is refused with one clear message."""
+REDUCE_SCATTER with document masking; dp2 for the SmolLM2-style resume example and for the
+mixture-of-experts one), with local data and model sizes a 2-core CPU can run."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from dist import run_ranks
 from nanotron_fixtures import FIXTURES, needs_fixtures
 
-from mesh3d.config import load_config, validate
-from mesh3d.errors import ConfigError
+from mesh3d.config import load_config
 
 pytestmark = needs_fixtures
 
@@ -34,6 +33,7 @@ def _train(rank: int, world: int, name: str, extra: list[str]) -> dict:
     return {
         "loss": [m["lm_loss"] for m in res.metrics],
         "family": type(cfg.model.model_config).__name__,
+        "moe": [(m.get("moe_aux_loss"), m.get("moe_load_max")) for m in res.metrics],
     }
 
 
@@ -50,11 +50,18 @@ def test_qwen_fixture_trains_at_its_own_layout(name, world, tmp_path):
     assert all(r["loss"] == losses for r in results)
 
 
-def test_moe_fixture_is_refused_clearly():
-    cfg = load_config(FIXTURES / "head-config_qwen_with_moe.yaml")
-    with pytest.raises(ConfigError) as e:
-        validate(cfg, 2)
-    assert str(e.value) == (
-        "`model.model_config.moe_config` is not supported by mesh3d yet (mixture of experts; "
-        "set it to null for a dense model)"
-    )
+def test_moe_fixture_trains_at_its_own_layout(tmp_path):
+    """head-config_qwen_with_moe.yaml: dp 2, 8 experts, top 1, a shared expert, document
+    masking; expert sizes reduced like the rest."""
+    extra = [f"checkpoints.checkpoints_path={tmp_path / 'ck'}",
+             "model.model_config.moe_config.moe_intermediate_size=32",
+             "model.model_config.moe_config.shared_expert_intermediate_size=64"]  # fmt: skip
+    cfg = load_config(FIXTURES / "head-config_qwen_with_moe.yaml", SMALL + extra)
+    moe = cfg.model.model_config.moe_config
+    assert (moe.num_experts, moe.top_k, moe.enable_shared_expert) == (8, 1, True)
+    results = run_ranks(2, _train, "head-config_qwen_with_moe.yaml", extra, timeout=300)
+    losses = results[0]["loss"]
+    assert all(math.isfinite(x) and 5 < x < 8 for x in losses), losses
+    assert all(r["loss"] == losses and r["moe"] == results[0]["moe"] for r in results)
+    for aux, load in results[0]["moe"]:
+        assert aux > 0 and load >= 1.0  # the aux loss is on; max/mean tokens per expert

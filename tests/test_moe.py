@@ -1,0 +1,184 @@
+"""Mixture of experts (Nanotron's Qwen2 `moe_config`).
+
+- the block against a token-by-token reference written from the definition (router softmax,
+  top-k weights, each chosen expert's SwiGLU, the sigmoid-gated shared expert);
+- the load-balancing loss per sequence by hand, and its gradient, attached in backward, equal to
+  adding it to the loss;
+- training parity (fp32, <= 1e-5 relative in loss, grad norm and weights, against one process)
+  at dp2 (zero 0 and 1), pp2, dp2 x pp2, with the shared expert and the aux loss on; the aux
+  loss and the expert load are the same at every layout (the same routing);
+- checkpoints in Nanotron's layout (router, stacked experts, shared expert files) resume at
+  another layout.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist import run_ranks
+from parity import TINY, layout_overrides, max_rel_diff, train_runs
+
+from mesh3d.config.schema import MoEConfig, Qwen2Config
+from mesh3d.models.moe import MoE, attach_aux, moe_layers
+from mesh3d.models.qwen2 import Qwen2
+
+TOL = 1e-5
+MOE = copy.deepcopy(TINY)
+_mc = MOE["model"]["model_config"]
+_mc.pop("is_llama_config")
+_mc.update(is_qwen2_config=True, num_hidden_layers=3,
+           moe_config=dict(num_experts=4, top_k=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, enable_shared_expert=True,
+                           router_aux_loss_coef=0.1, layers=[0, 2]))  # fmt: skip
+
+
+def _block(shared: bool = True, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    cfg = MoEConfig(num_experts=5, top_k=2, moe_intermediate_size=12,
+                    shared_expert_intermediate_size=10, enable_shared_expert=shared,
+                    router_aux_loss_coef=0.01)  # fmt: skip
+    block = MoE(16, cfg, F.silu)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return block
+
+
+def test_block_equals_the_definition_token_by_token():
+    block = _block()
+    x = torch.randn(3, 7, 16)
+    with torch.no_grad():
+        out = block(x)
+    want = torch.zeros_like(x)
+    gu, down = block.experts.merged_gate_up_proj, block.experts.merged_down_proj
+    for b in range(3):
+        for s in range(7):
+            t = x[b, s]
+            probs = torch.softmax(block.gate.weight @ t, dim=-1)
+            top = torch.argsort(probs, descending=True)[:2]
+            for e in top.tolist():
+                gate, up = (t @ gu[e]).chunk(2)
+                want[b, s] += probs[e] * ((F.silu(gate) * up) @ down[e])
+            sh = block.shared_expert
+            mlp = sh.down_proj.weight @ (F.silu(sh.gate_proj.weight @ t) * (sh.up_proj.weight @ t))
+            want[b, s] += torch.sigmoid(block.shared_expert_gate.weight @ t)[0] * mlp
+    want = want.detach()
+    assert float((out - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_aux_loss_per_sequence_by_hand():
+    block = _block(shared=False)
+    probs = torch.tensor([[[0.7, 0.1, 0.1, 0.05, 0.05], [0.1, 0.6, 0.1, 0.1, 0.1]]])
+    experts = torch.tensor([[[0, 1], [1, 2]]])  # slots: e0 once, e1 twice, e2 once (of 4)
+    f = torch.tensor([1, 2, 1, 0, 0]) / 4
+    p = probs[0].mean(0)
+    assert torch.allclose(block.aux_per_sequence(probs, experts), (5 * (f * p).sum())[None])
+    # per sequence: two sequences give two values, the same as each alone
+    two = block.aux_per_sequence(torch.cat([probs, probs.flip(1)]), torch.cat([experts, experts]))
+    assert torch.allclose(two, block.aux_per_sequence(probs, experts).expand(2))
+
+
+def test_aux_gradient_attached_in_backward_equals_adding_it_to_the_loss():
+    x = torch.randn(2, 6, 16)
+    grad_out = torch.randn(2, 6, 16)
+    attached, added = _block(seed=1), _block(seed=1)
+    attached.aux_weight = added.aux_weight = 0.37
+    attached(x).backward(grad_out)  # attach_aux inside
+    added.aux_coef = 0.0  # nothing attached: the aux loss is added to the loss by hand
+    probs, _, chosen = added.route(x)
+    ((added(x) * grad_out).sum() + 0.37 * added.aux_per_sequence(probs, chosen).sum()).backward()
+    for (name, a), b in zip(attached.named_parameters(), added.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+    assert attached.gate.weight.grad.abs().sum() > 0
+    # attach_aux is the identity forward
+    y = torch.randn(3, requires_grad=True)
+    assert torch.equal(attach_aux(y, y.sum(), 2.0), y)
+
+
+def test_moe_layers_and_model_parameters():
+    moe = MoEConfig(num_experts=4, top_k=1, moe_intermediate_size=8, layers=[-1])
+    cfg = Qwen2Config(hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=3, vocab_size=40, moe_config=moe)  # fmt: skip
+    assert moe_layers(cfg) == [0, 1, 2]
+    moe.layers = [2, 0]
+    assert moe_layers(cfg) == [0, 2]
+    model = Qwen2(cfg)
+    assert isinstance(model.layers["0"].mlp, MoE) and not isinstance(model.layers["1"].mlp, MoE)
+    names = {n for n, _ in model.named_parameters()}
+    assert "layers.0.mlp.experts.merged_gate_up_proj" in names
+    assert "layers.1.mlp.gate_proj.weight" in names and "layers.0.mlp.gate_proj.weight" not in names
+
+
+# ---------------------------------------------------------------- training parity
+
+
+def _pp2(schedule: str = "1f1b") -> list[str]:
+    return ["parallelism.pp=2", f"mesh3d.pp_schedule={schedule}"]
+
+
+LAYOUTS = {
+    2: [("dp2 zero0", layout_overrides(2, 1, "ALL_REDUCE", 0, False)),
+        ("dp2 zero1", layout_overrides(2, 1, "ALL_REDUCE", 1, False)),
+        ("pp2 1f1b", layout_overrides(1, 1, "ALL_REDUCE", 0, False) + _pp2())],
+    4: [("dp2 pp2 zero1 1f1b", layout_overrides(2, 1, "ALL_REDUCE", 1, False) + _pp2()),
+        ("dp4 zero0", layout_overrides(4, 1, "ALL_REDUCE", 0, False))],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    base = layout_overrides(1, 1, "ALL_REDUCE", 0, False)
+    ref, no_aux = run_ranks(
+        1, train_runs, [base, base + ["model.model_config.moe_config.router_aux_loss_coef=0"]],
+        MOE, timeout=120,
+    )[0]  # fmt: skip
+    assert ref["loss"][-1] < ref["loss"][0] and min(ref["grad_norm"]) > 0.05
+    assert len(ref["moe"]) == 5 and all(aux > 0 and load >= 1 for aux, load in ref["moe"])
+    # the aux loss changes training (its gradient is applied), not the first step's loss
+    assert no_aux["loss"][0] == ref["loss"][0] and no_aux["grad_norm"][0] != ref["grad_norm"][0]
+    assert no_aux["moe"][0][0] == 0.0
+    return ref
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_moe_layouts_match_one_process(world, reference):
+    names = [name for name, _ in LAYOUTS[world]]
+    results = run_ranks(world, train_runs, [o for _, o in LAYOUTS[world]], MOE, timeout=400)
+    table = {n: max_rel_diff(run, reference) for n, run in zip(names, results[0])}
+    print(f"\nmoe parity, world {world}:", {k: f"{v:.1e}" for k, v in table.items()})
+    for name, run in zip(names, results[0]):  # the same routing: the same aux loss and load
+        got, want = torch.tensor(run["moe"]), torch.tensor(reference["moe"])
+        assert float((got - want).abs().max() / want.abs().max()) <= TOL, (name, got, want)
+    for runs_of_rank in results:
+        for name, run, first in zip(names, runs_of_rank, results[0]):
+            assert run["loss"] == first["loss"] and run["moe"] == first["moe"], name
+            assert not run["replica_mismatches"], (name, run["replica_mismatches"])
+    assert all(v <= TOL for v in table.values()), table
+
+
+def test_moe_checkpoint_is_nanotrons_layout_and_resumes_at_another_layout(tmp_path):
+    ck = [f"checkpoints.checkpoints_path={tmp_path / 'ck'}", "checkpoints.checkpoint_interval=2"]
+    dp2 = layout_overrides(2, 1, "ALL_REDUCE", 1, False)
+    straight, _ = run_ranks(2, train_runs, [dp2 + ["tokens.train_steps=4"],
+                                            dp2 + ["tokens.train_steps=2", *ck]],
+                            MOE, timeout=300)[0]  # fmt: skip
+    mlp = tmp_path / "ck" / "2" / "model" / "model" / "decoder" / "0" / "pp_block" / "mlp"
+    files = sorted(str(p.relative_to(mlp)) for p in mlp.rglob("*.safetensors"))
+    assert files == [
+        "experts/model_merged_down_proj.safetensors",
+        "experts/model_merged_gate_up_proj.safetensors",
+        "router/model_weight.safetensors",
+        "shared_expert/down_proj/model_weight_pp-rank-0-of-1_tp-rank-0-of-1.safetensors",
+        "shared_expert/gate_up_proj/model_weight_pp-rank-0-of-1_tp-rank-0-of-1.safetensors",
+        "shared_expert_gate/model_weight.safetensors",
+    ], files
+    dense = mlp.parent.parent.parent / "1" / "pp_block" / "mlp"  # layer 1 is dense
+    assert sorted(p.name for p in dense.iterdir()) == ["down_proj", "gate_up_proj"]
+    resume = [f"checkpoints.resume_checkpoint_path={tmp_path / 'ck'}", "tokens.train_steps=4",
+              f"checkpoints.checkpoints_path={tmp_path / 'ck2'}", "checkpoints.checkpoint_interval=100"]  # fmt: skip
+    (resumed,) = run_ranks(2, train_runs, [layout_overrides(1, 1, "ALL_REDUCE", 0, False)
+                                           + _pp2() + resume], MOE, timeout=300)[0]  # fmt: skip
+    got, want = torch.tensor(resumed["loss"]), torch.tensor(straight["loss"][2:])
+    assert float((got - want).abs().max() / want.abs().max()) <= TOL, (got, want)
