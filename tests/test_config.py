@@ -207,11 +207,6 @@ def _qwen_moe(d):
     d["model"]["model_config"]["moe_config"] = {"num_experts": 4, "top_k": 5}
 
 
-def _qwen_moe_ok(d):
-    _qwen(d)
-    d["model"]["model_config"]["moe_config"] = {"num_experts": 4, "top_k": 2}
-
-
 def _mamba(d):
     d["model"]["model_config"] = dict(is_mamba_config=True, d_model=64)
 
@@ -286,7 +281,6 @@ BAD = [
     ("context-parallel-world", ["parallelism.context_parallel_size=2"], None, 1, "parallelism.dp (1) x tp (1) x pp (1) x context_parallel_size (2) = 2, but the world size is 1; change parallelism.dp/context_parallel_size/tp/pp so the product is 1"),
     ("context-parallel-split", ["parallelism.context_parallel_size=3"], None, 3, "must be divisible by `2 x parallelism.context_parallel_size` (6)"),
     ("qwen2-moe", [], _qwen_moe, None, f"`{MC}.moe_config.top_k` (5) must be at most num_experts (4)"),
-    ("qwen2-moe-tp", [*TP2], _qwen_moe_ok, 2, f"`parallelism.tp > 1 with {MC}.moe_config` is not supported by mesh3d yet"),
     ("starcoder2", [], _starcoder, None, "`model.model_config`: model family Starcoder2 is not supported by mesh3d yet; supported: llama, qwen2"),
     ("mamba", [], _mamba, None, "`model.model_config`: model family mamba (`is_mamba_config`) is not supported by mesh3d yet"),
     ("spectral-mup", ["model.init_method={use_mup: true}"], None, None, "`model.init_method.use_mup` is not supported by mesh3d yet"),

@@ -5,8 +5,10 @@
 - the load-balancing loss per sequence by hand, and its gradient, attached in backward, equal to
   adding it to the loss;
 - training parity (fp32, <= 1e-5 relative in loss, grad norm and weights, against one process)
-  at dp2 (zero 0 and 1), pp2, dp2 x pp2, with the shared expert and the aux loss on; the aux
-  loss and the expert load are the same at every layout (the same routing);
+  at dp2 (zero 0 and 1), pp2, tp2 (both modes), cp2, dp2 x pp2, dp4, cp2 x tp2, dp2 x tp2 x pp2
+  and cp2 x tp2 x pp2, with the
+  shared expert and the aux loss on; the aux loss and the expert load are the same at every
+  layout (the same routing);
 - checkpoints in Nanotron's layout (router, stacked experts, shared expert files) resume at
   another layout.
 """
@@ -114,6 +116,9 @@ def test_moe_layers_and_model_parameters():
 # ---------------------------------------------------------------- training parity
 
 
+CP2 = "parallelism.context_parallel_size=2"
+
+
 def _pp2(schedule: str = "1f1b") -> list[str]:
     return ["parallelism.pp=2", f"mesh3d.pp_schedule={schedule}"]
 
@@ -121,9 +126,17 @@ def _pp2(schedule: str = "1f1b") -> list[str]:
 LAYOUTS = {
     2: [("dp2 zero0", layout_overrides(2, 1, "ALL_REDUCE", 0, False)),
         ("dp2 zero1", layout_overrides(2, 1, "ALL_REDUCE", 1, False)),
-        ("pp2 1f1b", layout_overrides(1, 1, "ALL_REDUCE", 0, False) + _pp2())],
+        ("pp2 1f1b", layout_overrides(1, 1, "ALL_REDUCE", 0, False) + _pp2()),
+        ("tp2 ALL_REDUCE", layout_overrides(1, 2, "ALL_REDUCE", 0, False)),
+        ("tp2 REDUCE_SCATTER zero1", layout_overrides(1, 2, "REDUCE_SCATTER", 1, False)),
+        ("cp2", layout_overrides(1, 1, "ALL_REDUCE", 0, False) + [CP2])],
     4: [("dp2 pp2 zero1 1f1b", layout_overrides(2, 1, "ALL_REDUCE", 1, False) + _pp2()),
+        ("cp2 tp2 ALL_REDUCE", layout_overrides(1, 2, "ALL_REDUCE", 0, False) + [CP2]),
         ("dp4 zero0", layout_overrides(4, 1, "ALL_REDUCE", 0, False))],
+    8: [("dp2 tp2 pp2 REDUCE_SCATTER zero1 1f1b",
+         layout_overrides(2, 2, "REDUCE_SCATTER", 1, False) + _pp2()),
+        ("cp2 tp2 pp2 REDUCE_SCATTER zero1 1f1b",
+         layout_overrides(1, 2, "REDUCE_SCATTER", 1, False) + _pp2() + [CP2])],
 }  # fmt: skip
 
 

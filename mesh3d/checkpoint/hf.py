@@ -146,6 +146,7 @@ def hf_to_ours(hf: dict[str, Tensor], mc, where: Path, arch=None) -> dict[str, T
     weight the model needs present and nothing else."""
     spec = spec_of(mc)
     arch = arch or spec.hf_of(mc)
+    hf = arch.weights_from_hf(hf, mc) if arch.weights_from_hf else hf
     ours = {}
     for k, v in hf.items():
         name = arch.hf_to_ours(k)

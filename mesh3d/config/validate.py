@@ -493,8 +493,8 @@ def _unsupported(cfg: Config) -> Iterator[str]:
 
 
 def _moe(cfg: Config, mc) -> Iterator[str]:
-    """`moe_config`: its values, and the layouts mixture of experts does not run at yet."""
-    moe, p, key = mc.moe_config, cfg.parallelism, f"{MC}.moe_config"
+    """`moe_config`: its values (expert parallelism is refused with the other "not yet"s)."""
+    moe, key = mc.moe_config, f"{MC}.moe_config"
     for k in ("num_experts", "top_k", "moe_intermediate_size"):
         if getattr(moe, k) < 1:
             yield f"`{key}.{k}` must be >= 1, got {getattr(moe, k)}"
@@ -510,10 +510,6 @@ def _moe(cfg: Config, mc) -> Iterator[str]:
     n = mc.num_hidden_layers
     if list(moe.layers) != [-1] and any(not 0 <= i < n for i in moe.layers):
         yield f"`{key}.layers` {list(moe.layers)} must be [-1] (every layer) or layer indices in 0..{n - 1}"
-    for k, value in (("tp", p.tp), ("context_parallel_size", p.context_parallel_size)):
-        if value > 1:
-            yield _not_yet(f"parallelism.{k} > 1 with {key}", "experts run with tp 1 and cp 1 so far; "
-                           f"set parallelism.{k} to 1 (dp and pp work)")  # fmt: skip
 
 
 # HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".

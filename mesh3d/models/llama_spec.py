@@ -56,8 +56,9 @@ def build(mc, vocab_size: int | None = None, attention: str = "auto"):
     return Llama(mc, vocab_size=vocab_size, attention=attention)
 
 
-def tp_plan(sequence_parallel: bool) -> dict:
-    """The plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False).
+def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
+    """The plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False); every layer alike
+    (`shape` is for families whose layers differ).
 
     ALL_REDUCE: q/k/v and gate/up column-wise, o/down row-wise (one all-reduce after each), norms
     replicated. REDUCE_SCATTER (sequence parallel): the residual stream and the norms are sharded

@@ -61,10 +61,10 @@ class Experts(nn.Module):
         self.merged_down_proj = nn.Parameter(torch.empty(num_experts, ffn, h))
         self.act = act
 
-    def expert(self, e: int, x: Tensor) -> Tensor:
-        """Expert `e` on tokens x [n, h]."""
-        gate, up = (x @ self.merged_gate_up_proj[e]).chunk(2, dim=-1)
-        return (self.act(gate) * up) @ self.merged_down_proj[e]
+    def expert(self, e: int, x: Tensor, weights=lambda p: p) -> Tensor:
+        """Expert `e` on tokens x [n, h] (`weights`: the tensor to compute with, per param)."""
+        gate, up = (x @ weights(self.merged_gate_up_proj)[e]).chunk(2, dim=-1)
+        return (self.act(gate) * up) @ weights(self.merged_down_proj)[e]
 
 
 class SharedExpertMLP(nn.Module):
@@ -77,8 +77,12 @@ class SharedExpertMLP(nn.Module):
         self.down_proj = nn.Linear(ffn, h, bias=False)
         self.act = act
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, weights=lambda p: p) -> Tensor:
+        gate, up = (
+            F.linear(x, weights(self.gate_proj.weight)),
+            F.linear(x, weights(self.up_proj.weight)),
+        )
+        return F.linear(self.act(gate) * up, weights(self.down_proj.weight))
 
 
 def moe_layers(cfg) -> list[int]:
@@ -107,22 +111,45 @@ class MoE(nn.Module):
         self.num_moe_layers = num_moe_layers
         self.aux_weight: float | None = None  # set by training (module doc)
         self.stats: list[tuple[Tensor, Tensor]] = []
+        # set under tensor parallelism (`parallel/tensor.py::ExpertsReplicated`): the weights
+        # are replicated DTensors, used locally with gradients of this placement; and the
+        # groups over which each sequence's tokens are split (tp under sequence parallelism,
+        # cp): the load-balancing statistics are summed over them
+        self.grad_placement = None
+        self.sequence_groups: list = []
+
+    def _w(self, p: Tensor) -> Tensor:
+        """A weight as the local tensor the block computes with."""
+        if self.grad_placement is None or not hasattr(p, "to_local"):
+            return p
+        return p.to_local(grad_placements=[self.grad_placement])
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(probabilities [B, S, E] fp32, top-k weights [B, S, k] fp32, top-k experts [B, S, k])."""
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = F.linear(x.float(), self._w(self.gate.weight).float())
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         return probs, weights, experts
 
     def aux_per_sequence(self, probs: Tensor, experts: Tensor) -> Tensor:
-        """E · Σₑ fₑ · Pₑ for each sequence [B] (module doc)."""
+        """E · Σₑ fₑ · Pₑ for each sequence [B] (module doc).
+
+        When a sequence's tokens are split over `sequence_groups` (sequence parallelism, context
+        parallelism), the counts behind f are summed over them and each rank returns its tokens'
+        share of the sum over P: the ranks' values add up to the sequence's, and so do their
+        gradients (no differentiable collective needed).
+        """
         b, s, e = probs.shape
         chosen = torch.zeros(b, e, device=probs.device, dtype=probs.dtype)
         picks = experts.reshape(b, -1)
         chosen.scatter_add_(1, picks, torch.ones_like(picks, dtype=probs.dtype))
+        for group in self.sequence_groups:
+            import torch.distributed as dist
+
+            dist.all_reduce(chosen, group=group)
+            s = s * dist.get_world_size(group)
         share = chosen / (s * self.top_k)  # f: fraction of the sequence's routed slots
-        return e * (share * probs.mean(dim=1)).sum(dim=-1)
+        return e * (share * probs.sum(dim=1) / s).sum(dim=-1)
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, h = x.shape
@@ -135,11 +162,14 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_experts.reshape(-1), minlength=self.num_experts)
         for e in torch.nonzero(counts).flatten().tolist():  # dropless: every routed token
             token, slot = torch.nonzero(flat_experts == e, as_tuple=True)
-            y = self.experts.expert(e, flat[token]) * flat_weights[token, slot, None].to(x.dtype)
+            y = self.experts.expert(e, flat[token], self._w) * flat_weights[token, slot, None].to(
+                x.dtype
+            )
             out = out.index_add(0, token, y)
         out = out.view(b, s, h)
         if self.shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate = torch.sigmoid(F.linear(x, self._w(self.shared_expert_gate.weight)))
+            out = out + gate * self.shared_expert(x, self._w)
         aux = self.aux_per_sequence(probs, experts).sum()
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
             self.stats.append((aux.detach(), counts.detach()))

@@ -4,9 +4,18 @@ architectures.
 Nanotron: the same parameter names as Llama, plus `attn.qkv_proj.bias` when `attention_bias`
 (q, k, v biases concatenated like the weights, split over TP in the same chunks). Hugging Face:
 `Qwen2ForCausalLM` (always has q/k/v biases: zeros when `attention_bias` is false; a sliding
-window on all layers), or `SmolLM3ForCausalLM` for a model with NoPE layers (`no_rope_layer`).
-What neither can express one-to-one is refused with the reason (e.g. a window with NoPE layers:
-Nanotron slides the RoPE layers, SmolLM3 the NoPE ones).
+window on all layers), `SmolLM3ForCausalLM` for a model with NoPE layers (`no_rope_layer`), or
+`Qwen2MoeForCausalLM` for one with a `moe_config` (the MoE layers are HF's sparse ones, the others
+its `mlp_only_layers`; it always has a shared expert and q/k/v biases). What none can express
+one-to-one is refused with the reason (e.g. a window with NoPE layers: Nanotron slides the RoPE
+layers, SmolLM3 the NoPE ones; or renormalized top-k router weights, `norm_topk_prob`).
+
+Qwen2-MoE's experts: ours are `merged_gate_up_proj` [E, h, 2F] and `merged_down_proj` [E, F, h],
+applied as x @ W; transformers 5 holds `experts.gate_up_proj` [E, 2F, h] and `experts.down_proj`
+[E, h, F] in memory (applied as x @ Wᵀ, the same gate-then-up order), and writes (and the Hub
+holds, and transformers 4 reads) one `experts.{e}.{gate,up,down}_proj.weight` per expert. The
+name maps go to the in-memory names; `moe_weights_to_hf` writes the per-expert form, and
+`moe_weights_from_hf` reads either.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from mesh3d.config.schema import Qwen2Config
+from mesh3d.errors import UserError
 from mesh3d.models import llama_spec
 from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, register
 
@@ -54,6 +64,23 @@ SHARED_EXPERT: LayerTable = {
     "mlp.shared_expert.down_proj.weight": (("mlp.shared_expert.down_proj.weight",), "row"),
     "mlp.shared_expert_gate.weight": (("mlp.shared_expert_gate.weight",), "replicated"),
 }  # fmt: skip
+
+
+def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
+    """Llama's plan; with `shape`'s MoE layers, their MLP entries replaced by the experts'
+    style (replicated weights, the rank's tokens: `parallel/tensor.py::ExpertsReplicated`)."""
+    plan = llama_spec.tp_plan(sequence_parallel)
+    if shape is None or not shape.moe_layers:
+        return plan
+    from mesh3d.parallel.tensor import ExpertsReplicated
+
+    mlp = {k: plan.pop(k) for k in list(plan) if k.startswith("layers.*.mlp")}
+    for i in range(shape.num_layers):
+        if i in shape.moe_layers:
+            plan[f"layers.{i}.mlp"] = ExpertsReplicated(sequence_parallel)
+        else:
+            plan.update({k.replace("layers.*", f"layers.{i}"): v for k, v in mlp.items()})
+    return plan
 
 
 def nanotron_layer(s: ModelShape, i: int = 0) -> LayerTable:
@@ -235,24 +262,167 @@ def smollm3_to_hf(mc, dtype: str) -> dict:
     }
 
 
+MOE_HF = "Qwen2MoeForCausalLM"
+
+
+def qwen2_moe_from_hf(hf: dict, where) -> Qwen2Config:
+    """A Qwen2 config with a `moe_config`: HF's sparse layers (every `decoder_sparse_step`-th,
+    less `mlp_only_layers`) are its `layers`."""
+    from mesh3d.config.schema import MoEConfig
+    from mesh3d.models.hf_fields import refuse
+
+    if hf.get("norm_topk_prob"):
+        refuse(where, "`norm_topk_prob: true` (Nanotron's Qwen2 MoE does not renormalize the "
+                      "top-k router weights)")  # fmt: skip
+    missing = [k for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                           "shared_expert_intermediate_size") if k not in hf]  # fmt: skip
+    if missing:
+        raise UserError(f"{where} lacks {missing}; is it a complete Qwen2-MoE config?")
+    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
+    dense = set(hf.get("mlp_only_layers") or [])
+    sparse = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    if hf["num_experts"] < 1 or not sparse:
+        refuse(where, "a Qwen2-MoE config without MoE layers (num_experts, decoder_sparse_step "
+                      "and mlp_only_layers leave none; convert it as Qwen2ForCausalLM)")  # fmt: skip
+    if hf.get("use_sliding_window") and not hf.get("layer_types"):
+        types = [  # transformers 5's default for Qwen2-MoE: every other layer below the limit
+            "sliding_attention" if (i + 1) % 2 and i < hf.get("max_window_layers", 28) else
+            "full_attention" for i in range(n)
+        ]  # fmt: skip
+        hf = {**hf, "layer_types": types}
+    fields = _common(hf, where)
+    moe = MoEConfig(
+        num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        layers=[-1] if len(sparse) == n else sparse, enable_shared_expert=True,
+    )  # fmt: skip
+    return Qwen2Config(
+        **fields, attention_bias=bool(hf.get("qkv_bias", True)),
+        sliding_window_size=_window_from_hf(hf, where), moe_config=moe,
+    )  # fmt: skip
+
+
+def qwen2_moe_to_hf(mc, dtype: str) -> dict:
+    from mesh3d.models.hf_fields import refuse
+    from mesh3d.models.moe import moe_layers
+
+    if mc.no_rope_layer:
+        refuse(MOE_HF, "no_rope_layer with moe_config (Qwen2-MoE has RoPE on every layer)")
+    moe = mc.moe_config
+    if not moe.enable_shared_expert:
+        refuse(MOE_HF, "`moe_config.enable_shared_expert: false` (HF's Qwen2-MoE always has a "
+                       "shared expert)")  # fmt: skip
+    sparse = set(moe_layers(mc))
+    return {
+        **qwen2_to_hf(mc, dtype),
+        "architectures": [MOE_HF],
+        "model_type": "qwen2_moe",
+        "qkv_bias": True,  # zeros when attention_bias is false (`moe_weights_to_hf`)
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(mc.num_hidden_layers) if i not in sparse],
+        "router_aux_loss_coef": moe.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
+
+
+def moe_ours_to_hf(name: str) -> str:
+    return llama_spec.ours_to_hf(name.replace(".mlp.experts.merged_", ".mlp.experts."))
+
+
+def moe_hf_to_ours(name: str) -> str | None:
+    ours = llama_spec.hf_to_ours(name)
+    if ours is not None and ours.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+        ours = ours.replace(".mlp.experts.", ".mlp.experts.merged_")
+    return ours
+
+
+GATE_UP, DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
+
+
+def moe_weights_to_hf(weights: dict, mc) -> dict:
+    """Zero q/k/v biases if need be, and each layer's experts (still in our layout under HF's
+    in-memory names) as one gate/up/down weight per expert, HF's [out, in]."""
+    out = {}
+    for k, w in zero_biases(weights, mc).items():
+        if k.endswith(GATE_UP):  # [E, h, 2F]: gate columns, then up
+            f, prefix = w.shape[-1] // 2, k.removesuffix("gate_up_proj")
+            for e in range(w.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = w[e, :, :f].T.contiguous()
+                out[f"{prefix}{e}.up_proj.weight"] = w[e, :, f:].T.contiguous()
+        elif k.endswith(DOWN):  # [E, F, h]
+            for e in range(w.shape[0]):
+                out[f"{k.removesuffix('down_proj')}{e}.down_proj.weight"] = w[e].T.contiguous()
+        else:
+            out[k] = w
+    return out
+
+
+def moe_weights_from_hf(weights: dict, mc) -> dict:
+    """The experts of an HF Qwen2-MoE folder, per expert (`experts.{e}.gate_proj.weight`, ...)
+    or stacked (transformers 5's in-memory `experts.gate_up_proj` [E, 2F, h]), in our layout
+    under HF's in-memory names (`moe_hf_to_ours` renames them)."""
+    import re
+
+    import torch
+
+    out, per_expert = {}, {}
+    for k, w in weights.items():
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", k)
+        if m:
+            per_expert.setdefault(m[1], {})[(int(m[2]), m[3])] = w
+        elif k.endswith((GATE_UP, DOWN)):
+            out[k] = w.transpose(1, 2).contiguous()
+        else:
+            out[k] = w
+    n = mc.moe_config.num_experts
+    for prefix, got in per_expert.items():
+        want = [(e, p) for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")]
+        lacking = [f"{prefix}.{e}.{p}.weight" for e, p in want if (e, p) not in got]
+        extra = [f"{prefix}.{e}.{p}.weight" for e, p in sorted(set(got) - set(want))]
+        if lacking or extra:
+            raise UserError(
+                f"{prefix}: the {n} experts of config.json do not match the weights "
+                f"(lacking {lacking[:3]}, unexpected {extra[:3]})"
+            )
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([got[e, "gate_proj"].T, got[e, "up_proj"].T], dim=1) for e in range(n)]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([got[e, "down_proj"].T for e in range(n)])
+    return out
+
+
 def hf_for(mc) -> HFSpec:
+    if mc.moe_config is not None:
+        return QWEN2_MOE
     return SMOLLM3 if mc.no_rope_layer else QWEN2_HF
 
 
 names = (llama_spec.ours_to_hf, llama_spec.hf_to_ours)
 QWEN2_HF = HFSpec(("Qwen2ForCausalLM",), "qwen2", qwen2_from_hf, qwen2_to_hf, *names, zero_biases)
 SMOLLM3 = HFSpec(("SmolLM3ForCausalLM",), "smollm3", smollm3_from_hf, smollm3_to_hf, *names)
+QWEN2_MOE = HFSpec(
+    (MOE_HF,), "qwen2_moe", qwen2_moe_from_hf, qwen2_moe_to_hf, moe_ours_to_hf, moe_hf_to_ours,
+    moe_weights_to_hf, moe_weights_from_hf,
+)  # fmt: skip
 
 QWEN2 = register(
-    dataclasses.replace(  # Llama's TP plan, init, FLOPs and pipeline costs; its own weights
+    dataclasses.replace(  # Llama's init, FLOPs and pipeline costs; its own weights, TP plan
         llama_spec.LLAMA,
         family="qwen2",
         config_class=Qwen2Config,
         shape=shape,
         build=build,
+        tp_plan=tp_plan,
         nanotron_layer=nanotron_layer,
         param_shapes=param_shapes,
-        hf=(QWEN2_HF, SMOLLM3),
+        hf=(QWEN2_HF, SMOLLM3, QWEN2_MOE),
         hf_for=hf_for,
     )
 )

@@ -81,6 +81,9 @@ class HFSpec:
     hf_to_ours: Callable[[str], str | None]  # HF's -> ours (None: not a weight, e.g. a cache)
     # (HF-named weights, model config) -> the weights HF expects (e.g. zero biases it always has)
     weights_to_hf: Callable[[dict, Any], dict] | None = None
+    # (the weights of an HF folder, model config) -> the tensors `hf_to_ours` names one by one
+    # (e.g. per-expert tensors stacked into ours); the reverse of `weights_to_hf`
+    weights_from_hf: Callable[[dict, Any], dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,7 @@ class ModelSpec:
     config_class: type  # its config dataclass in mesh3d.config.schema
     shape: Callable[[Any, int], ModelShape]  # (model config, padded vocab) -> ModelShape
     build: Callable[..., Any]  # (model config, vocab_size, attention) -> the nn.Module
-    tp_plan: Callable[[bool], dict]  # sequence_parallel -> {FQN pattern: ParallelStyle}
+    tp_plan: Callable[..., dict]  # (sequence_parallel, shape=None) -> {FQN pattern: ParallelStyle}
     compile_classes: Callable[[bool], tuple[type, ...]]  # tp > 1 -> classes compiled per layer
     nanotron_layer: Callable[..., LayerTable]  # (shape, layer index=0) -> that layer's table
     nanotron_outer: dict[str, tuple[tuple[str, ...], Kind, Literal["first", "last"]]]

@@ -29,17 +29,21 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from mesh3d.mesh import replica_mesh
 from mesh3d.models.init import init_full_tensor
 from mesh3d.models.llama import Attention
+from mesh3d.models.moe import MoE
 from mesh3d.parallel.context import ContextParallel
 from mesh3d.parallel.tensor import TPPlan, apply_tp, shard_grads_like_params
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool) -> None:
     """Every attention module of `model` attends across the sequence shards of `cp_mesh`
-    (`documents`: document masking is on)."""
+    (`documents`: document masking is on); every MoE block sums its per-sequence load
+    statistics over them."""
     cp = ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), documents)
     for module in model.modules():
         if isinstance(module, Attention):
             module.cp = cp
+        if isinstance(module, MoE):  # its load-balancing statistics span the whole sequence
+            module.sequence_groups.append(cp.group)
 
 
 def checkpoint_layers(model: nn.Module) -> None:

@@ -64,6 +64,41 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
+class ExpertsReplicated(ParallelStyle):
+    """A mixture-of-experts block under tensor parallelism: router, experts and shared expert
+    replicated (`Replicate()` DTensor weights, the same on every tp rank), run on the tokens
+    the rank holds, with local tensors inside.
+
+    ALL_REDUCE: the rank holds every token (activations are replicated), so every tp rank
+    computes the same thing and the same weight gradients. REDUCE_SCATTER: the rank holds its
+    sequence shard and runs the experts on it alone (the block is per token: no gather); the
+    weight gradients are partial sums over tp (`Partial()`, reduced once after backward by
+    `reduce_partial_grads`), and the block sums its load-balancing statistics over tp. The
+    block reads the mode from `grad_placement` and `sequence_groups`.
+    """
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate_params(_name, mod, mesh):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                dt = distribute_tensor(p, mesh, [Replicate()], src_data_rank=None)
+                mod.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+        sp = self.sequence_parallel
+        module.grad_placement = Partial() if sp else Replicate()
+        if sp:
+            module.sequence_groups.append(device_mesh.get_group())
+
+        def to_local(_mod, inputs, mesh):  # the norm's output: a Shard(1) DTensor under SP
+            return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
+
+        # out: a local tensor, as the dense MLP's row-parallel output (the residual is local)
+        return distribute_module(module, device_mesh, replicate_params, input_fn=to_local)
+
+
 def block_input(layout) -> PrepareModuleInput:
     """Hand attention / MLP their input as one `Replicate()` DTensor (gathered from `layout`).
 

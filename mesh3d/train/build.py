@@ -96,7 +96,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             mesh,
             device=device,
             source=source,
-            tp_plan=spec.tp_plan(layout.sequence_parallel) if p.tp > 1 else {},
+            tp_plan=spec.tp_plan(layout.sequence_parallel, layout.shape) if p.tp > 1 else {},
             recompute_layer=p.recompute_layer,
             dp=layout.dp_mode,
             dtype=layout.param_dtype,

@@ -32,10 +32,13 @@ def clear_stats(modules) -> None:
         block.stats.clear()
 
 
-def step_metrics(modules, layout, replica_group, pp_group, device) -> dict[str, float]:
+def step_metrics(
+    modules, layout, replica_group, pp_group, device, tp_group=None
+) -> dict[str, float]:
     """{"moe_aux_loss", "moe_load_max"} of the step just run, the same on every rank (call on
     every rank): the auxiliary loss (coefficient included) and, over MoE layers, the largest
-    ratio of an expert's tokens to the mean tokens per expert (1: balanced). Empties the stats."""
+    ratio of an expert's tokens to the mean tokens per expert (1: balanced). Empties the stats.
+    `tp_group`: under sequence parallelism each tp rank saw its own tokens; they are summed."""
     blocks = moe_blocks(modules)
     aux = torch.zeros((), dtype=torch.float64, device=device)
     counts = []
@@ -51,10 +54,11 @@ def step_metrics(modules, layout, replica_group, pp_group, device) -> dict[str, 
     load = (
         torch.stack(counts) if counts else torch.zeros((0, 1), dtype=torch.float64, device=device)
     )
-    if replica_group is not None and dist.get_world_size(replica_group) > 1:
-        dist.all_reduce(aux, group=replica_group)
-        if counts:
-            dist.all_reduce(load, group=replica_group)
+    for group in (replica_group, tp_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(aux, group=group)
+            if counts:
+                dist.all_reduce(load, group=group)
     worst = (
         (load.max(1).values / load.mean(1).clamp_min(1e-12)).max() if counts else torch.zeros(())
     )

@@ -270,8 +270,9 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
                 grad_norm=grad_norm, peak=peak,
             )  # fmt: skip
             if run.layout.shape.moe_layers:  # every rank: collectives inside
+                tp_group = run.mesh["tp"].get_group() if run.layout.sequence_parallel else None
                 m.update(moe_step_metrics(run.parts.modules, run.layout, replica_mesh(run.mesh).get_group(),
-                                          run.mesh["pp"].get_group(), run.device))  # fmt: skip
+                                          run.mesh["pp"].get_group(), run.device, tp_group))  # fmt: skip
             m.update(peak_memory())
             if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):
                 m.update(memory_metrics())  # Nanotron's extra items of the first steps

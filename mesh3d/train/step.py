@@ -108,7 +108,9 @@ def forward_backward(
         inputs = torch.cat([b[0] for b in batches]).to(device) if parts.has_first else None
         labels = torch.cat([b[1] for b in batches]).to(device) if parts.has_last else None
         positions = None
-        if batches and len(batches[0]) > 2:  # every stage's attention needs them: every rank read the data
+        if (
+            batches and len(batches[0]) > 2
+        ):  # every stage's attention needs them: every rank read the data
             positions = torch.cat([b[2] for b in batches]).to(device)
         with _autocast(device, autocast), _loss_ctx(tp):
             losses = run_schedule(parts.schedule, parts.stages, inputs, labels, positions)
