@@ -53,6 +53,7 @@ class RunLayout:
     shape: ModelShape
     z_loss: float  # the z-loss coefficient, 0 when off
     doc_masking: bool  # attention within documents (Qwen2's _use_doc_masking)
+    expert_parallel: int  # ranks of the dp axis the experts are split over (1: none)
     eos_token_id: int | None  # where a document ends (document masking)
 
     @classmethod
@@ -81,6 +82,7 @@ class RunLayout:
             shape=ModelShape.from_config(cfg),
             z_loss=mc.z_loss_coefficient if getattr(mc, "z_loss_enabled", False) else 0.0,
             doc_masking=bool(getattr(mc, "_use_doc_masking", False)),
+            expert_parallel=p.expert_parallel_size,
             eos_token_id=getattr(mc, "eos_token_id", None),
         )
 

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.parallel.experts import gather_expert_shard
 from mesh3d.parallel.parallelize import canonical_name
 from mesh3d.train.loop import train
 
@@ -98,6 +99,8 @@ def full_weights(model: torch.nn.Module, mesh=None) -> dict[str, torch.Tensor]:
     for stage in stages:
         for name, p in stage.named_parameters():
             t = p.full_tensor() if isinstance(p, DTensor) else p
+            if getattr(p, "expert_shard", None) is not None:  # expert parallelism: all experts
+                t = gather_expert_shard(t.detach(), p.expert_shard)
             out[canonical_name(name)] = t.detach().cpu().clone()
     if mesh is not None and mesh["pp"].size() > 1:
         parts = [None] * mesh["pp"].size()
@@ -124,6 +127,8 @@ def replica_mismatches(model: torch.nn.Module, mesh) -> list[str]:
         for axis in ("dp", "cp", "tp"):
             if axis not in mesh.mesh_dim_names or mesh[axis].size() == 1:
                 continue
+            if axis == "dp" and getattr(p, "expert_shard", None) is not None:
+                continue  # each rank of an ep group holds other experts
             if isinstance(p, DTensor):
                 dims = [
                     i for i, n in enumerate(p.device_mesh.mesh_dim_names) if axis in n.split("_")

@@ -207,6 +207,12 @@ def _qwen_moe(d):
     d["model"]["model_config"]["moe_config"] = {"num_experts": 4, "top_k": 5}
 
 
+def _qwen_moe_ep(d):
+    _qwen(d)
+    d["model"]["model_config"]["moe_config"] = {"num_experts": 4, "top_k": 2}
+    d["parallelism"]["dp"] = 2
+
+
 def _mamba(d):
     d["model"]["model_config"] = dict(is_mamba_config=True, d_model=64)
 
@@ -277,7 +283,9 @@ BAD = [
     ("pad-token", [*TP2, f"{MC}.pad_token_id=200"], None, 2, f"`{MC}.pad_token_id` (200) must be in [0, 128)"),
     ("s3-upload", ["s3_upload={upload_s3_path: 's3://b/x', remove_after_upload: true}"], None, None, "`s3_upload` is not supported by mesh3d yet"),
     ("lighteval", ["lighteval={slurm_script_dir: x}"], None, None, "`lighteval` is not supported by mesh3d yet"),
-    ("expert-parallel", ["parallelism.expert_parallel_size=2"], None, None, "`parallelism.expert_parallel_size` is not supported by mesh3d yet"),
+    ("expert-parallel-dense", ["parallelism.expert_parallel_size=2"], None, None, "`parallelism.expert_parallel_size` is 2, but the model has no experts (no moe_config); set it to 1"),
+    ("expert-parallel-dp", ["parallelism.expert_parallel_size=4"], _qwen_moe_ep, None, "`parallelism.expert_parallel_size` (4) must divide `parallelism.dp` (2)"),
+    ("expert-parallel-zero1", ["parallelism.expert_parallel_size=2", "optimizer.zero_stage=1"], _qwen_moe_ep, None, "`parallelism.expert_parallel_size > 1 with optimizer.zero_stage 1 or mesh3d.full_shard` is not supported by mesh3d yet"),
     ("context-parallel-world", ["parallelism.context_parallel_size=2"], None, 1, "parallelism.dp (1) x tp (1) x pp (1) x context_parallel_size (2) = 2, but the world size is 1; change parallelism.dp/context_parallel_size/tp/pp so the product is 1"),
     ("context-parallel-split", ["parallelism.context_parallel_size=3"], None, 3, "must be divisible by `2 x parallelism.context_parallel_size` (6)"),
     ("qwen2-moe", [], _qwen_moe, None, f"`{MC}.moe_config.top_k` (5) must be at most num_experts (4)"),

@@ -6,7 +6,8 @@
   adding it to the loss;
 - training parity (fp32, <= 1e-5 relative in loss, grad norm and weights, against one process)
   at dp2 (zero 0 and 1), pp2, tp2 (both modes), cp2, dp2 x pp2, dp4, cp2 x tp2, dp2 x tp2 x pp2
-  and cp2 x tp2 x pp2, with the
+  and cp2 x tp2 x pp2, and with the experts split over ep ranks (all-to-all dispatch): ep2,
+  ep4, ep2 of dp4, ep2 x tp2, ep2 with pp2, ep2 with cp2 and dp2 x ep2 x tp2 x pp2; with the
   shared expert and the aux loss on; the aux loss and the expert load are the same at every
   layout (the same routing);
 - checkpoints in Nanotron's layout (router, stacked experts, shared expert files) resume at
@@ -119,6 +120,13 @@ def test_moe_layers_and_model_parameters():
 CP2 = "parallelism.context_parallel_size=2"
 
 
+def EP(n: int) -> str:  # noqa: N802
+    return f"parallelism.expert_parallel_size={n}"
+
+
+EP2 = EP(2)
+
+
 def _pp2(schedule: str = "1f1b") -> list[str]:
     return ["parallelism.pp=2", f"mesh3d.pp_schedule={schedule}"]
 
@@ -129,11 +137,19 @@ LAYOUTS = {
         ("pp2 1f1b", layout_overrides(1, 1, "ALL_REDUCE", 0, False) + _pp2()),
         ("tp2 ALL_REDUCE", layout_overrides(1, 2, "ALL_REDUCE", 0, False)),
         ("tp2 REDUCE_SCATTER zero1", layout_overrides(1, 2, "REDUCE_SCATTER", 1, False)),
-        ("cp2", layout_overrides(1, 1, "ALL_REDUCE", 0, False) + [CP2])],
+        ("cp2", layout_overrides(1, 1, "ALL_REDUCE", 0, False) + [CP2]),
+        ("dp2 ep2", layout_overrides(2, 1, "ALL_REDUCE", 0, False) + [EP2])],
     4: [("dp2 pp2 zero1 1f1b", layout_overrides(2, 1, "ALL_REDUCE", 1, False) + _pp2()),
         ("cp2 tp2 ALL_REDUCE", layout_overrides(1, 2, "ALL_REDUCE", 0, False) + [CP2]),
+        ("dp4 ep4", layout_overrides(4, 1, "ALL_REDUCE", 0, False) + [EP(4)]),
+        ("dp4 ep2", layout_overrides(4, 1, "ALL_REDUCE", 0, False) + [EP2]),
+        ("dp2 ep2 tp2 ALL_REDUCE", layout_overrides(2, 2, "ALL_REDUCE", 0, False) + [EP2]),
+        ("dp2 ep2 pp2 1f1b", layout_overrides(2, 1, "ALL_REDUCE", 0, False) + _pp2() + [EP2]),
+        ("dp2 ep2 cp2", layout_overrides(2, 1, "ALL_REDUCE", 0, False) + [EP2, CP2]),
         ("dp4 zero0", layout_overrides(4, 1, "ALL_REDUCE", 0, False))],
-    8: [("dp2 tp2 pp2 REDUCE_SCATTER zero1 1f1b",
+    8: [("dp2 ep2 tp2 pp2 REDUCE_SCATTER 1f1b",
+         layout_overrides(2, 2, "REDUCE_SCATTER", 0, False) + _pp2() + [EP2]),
+        ("dp2 tp2 pp2 REDUCE_SCATTER zero1 1f1b",
          layout_overrides(2, 2, "REDUCE_SCATTER", 1, False) + _pp2()),
         ("cp2 tp2 pp2 REDUCE_SCATTER zero1 1f1b",
          layout_overrides(1, 2, "REDUCE_SCATTER", 1, False) + _pp2() + [CP2])],

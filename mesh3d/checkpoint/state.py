@@ -34,6 +34,7 @@ from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
 from mesh3d.checkpoint.nanotron_weights import Param, fuse, read_param, shard_of, weight_file
 from mesh3d.errors import NonFiniteError, UserError
 from mesh3d.log import Progress
+from mesh3d.parallel.experts import gather_expert_shard, slice_expert_shard
 from mesh3d.parallel.parallelize import canonical_name
 
 
@@ -59,9 +60,15 @@ def held_parameters(modules: Iterable[nn.Module]) -> dict[str, list[nn.Parameter
     return out
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def _full(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The full tensor of `t` (a parameter or an optimizer state of parameter `like`): DTensor
+    shards gathered, and expert-parallel slices gathered over their ep group."""
     t = t.detach()
-    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
+    t = t.full_tensor() if isinstance(t, DTensor) else t
+    shard = getattr(t if like is None else like, "expert_shard", None)
+    if shard is not None:
+        t = gather_expert_shard(t, shard)
+    return t.cpu()
 
 
 def _group_hparams(group: dict) -> dict:
@@ -136,7 +143,7 @@ def write_rank_state(
         state = opt_state.get(first[0], {})
         for k in nanotron_state.ADAM_KEYS:
             if k in state:
-                full = fuse(p, {o: _full(opt_state[q][k]) for o, q in zip(p.ours, first)})
+                full = fuse(p, {o: _full(opt_state[q][k], q) for o, q in zip(p.ours, first)})
                 tensors[k] = _finite(full, f"optimizer state {k} of {p.name}")
             elif any_state:  # no state yet: AdamW's fresh state, in the parameter's dtype
                 tensors[k] = torch.zeros_like(fused)
@@ -177,7 +184,11 @@ def _fit_rows(t: torch.Tensor, p: Param, rows: int | None) -> torch.Tensor:
 
 
 def _place(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `full`, laid out like `like` (a DTensor or a plain tensor)."""
+    """This rank's piece of `full`, laid out like `like` (a DTensor or a plain tensor; an
+    expert-parallel slice takes its rows)."""
+    shard = getattr(like, "expert_shard", None)
+    if shard is not None:
+        full = slice_expert_shard(full, shard)
     full = full.to(device=like.device, dtype=like.dtype)
     if isinstance(like, DTensor):
         return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)

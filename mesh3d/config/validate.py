@@ -69,7 +69,8 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     errors = list(_sizes(cfg))
     if errors:
         return errors
-    checks = (_model, _pipeline, _optimizer, _lr, _data_stages, _run, _choices, _unsupported)
+    checks = (_model, _pipeline, _optimizer, _lr, _data_stages, _run, _choices, _unsupported,
+              _expert_parallel)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
@@ -463,8 +464,6 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         yield _not_yet("s3_upload", "upload checkpoints yourself; set s3_upload: null")
     if cfg.lighteval is not None:
         yield _not_yet("lighteval", "run evaluations separately; set lighteval: null")
-    if p.expert_parallel_size > 1:
-        yield _not_yet("parallelism.expert_parallel_size", "there are no MoE models; set it to 1")
     try:
         spec_of(m.model_config)
     except ConfigError as e:
@@ -493,7 +492,7 @@ def _unsupported(cfg: Config) -> Iterator[str]:
 
 
 def _moe(cfg: Config, mc) -> Iterator[str]:
-    """`moe_config`: its values (expert parallelism is refused with the other "not yet"s)."""
+    """`moe_config`: its values."""
     moe, key = mc.moe_config, f"{MC}.moe_config"
     for k in ("num_experts", "top_k", "moe_intermediate_size"):
         if getattr(moe, k) < 1:
@@ -510,6 +509,26 @@ def _moe(cfg: Config, mc) -> Iterator[str]:
     n = mc.num_hidden_layers
     if list(moe.layers) != [-1] and any(not 0 <= i < n for i in moe.layers):
         yield f"`{key}.layers` {list(moe.layers)} must be [-1] (every layer) or layer indices in 0..{n - 1}"
+
+
+def _expert_parallel(cfg: Config) -> Iterator[str]:
+    """`parallelism.expert_parallel_size`: the experts split over that many dp ranks."""
+    p, ep = cfg.parallelism, cfg.parallelism.expert_parallel_size
+    if ep <= 1:
+        return
+    key = "parallelism.expert_parallel_size"
+    moe = getattr(cfg.model.model_config, "moe_config", None)
+    if moe is None:
+        yield f"`{key}` is {ep}, but the model has no experts (no moe_config); set it to 1"
+        return
+    if p.dp % ep:
+        yield (f"`{key}` ({ep}) must divide `parallelism.dp` ({p.dp}): the experts are split over "
+               "dp ranks (mesh3d, like Nanotron, does not count ep in the world size)")  # fmt: skip
+    if moe.num_experts % ep:
+        yield f"`{MC}.moe_config.num_experts` ({moe.num_experts}) must be divisible by `{key}` ({ep})"
+    if cfg.optimizer.zero_stage > 0 or cfg.mesh3d.full_shard:
+        yield _not_yet(f"{key} > 1 with optimizer.zero_stage 1 or mesh3d.full_shard",
+                       "set zero_stage to 0 (and full_shard to false)")  # fmt: skip
 
 
 # HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".

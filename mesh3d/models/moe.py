@@ -117,6 +117,7 @@ class MoE(nn.Module):
         # cp): the load-balancing statistics are summed over them
         self.grad_placement = None
         self.sequence_groups: list = []
+        self.ep = None  # a parallel.experts.ExpertParallel: this rank holds E / ep experts
 
     def _w(self, p: Tensor) -> Tensor:
         """A weight as the local tensor the block computes with."""
@@ -160,12 +161,20 @@ class MoE(nn.Module):
             weights.reshape(-1, self.top_k),
         )
         counts = torch.bincount(flat_experts.reshape(-1), minlength=self.num_experts)
-        for e in torch.nonzero(counts).flatten().tolist():  # dropless: every routed token
-            token, slot = torch.nonzero(flat_experts == e, as_tuple=True)
-            y = self.experts.expert(e, flat[token], self._w) * flat_weights[token, slot, None].to(
-                x.dtype
+        if self.ep is not None:  # the experts live on the ep ranks: all-to-all there and back
+            from mesh3d.parallel.experts import dispatch_and_combine
+
+            def run(j: int, rows: Tensor) -> Tensor:
+                return self.experts.expert(j, rows, self._w)
+
+            out = dispatch_and_combine(
+                run, flat, flat_experts, flat_weights, self.num_experts, self.ep
             )
-            out = out.index_add(0, token, y)
+        else:
+            for e in torch.nonzero(counts).flatten().tolist():  # dropless: every routed token
+                token, slot = torch.nonzero(flat_experts == e, as_tuple=True)
+                w = flat_weights[token, slot, None].to(x.dtype)
+                out = out.index_add(0, token, self.experts.expert(e, flat[token], self._w) * w)
         out = out.view(b, s, h)
         if self.shared:
             gate = torch.sigmoid(F.linear(x, self._w(self.shared_expert_gate.weight)))

@@ -20,7 +20,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def allreduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Sum every parameter gradient over `group` in one flat all-reduce.
+    """Sum every parameter gradient over `group` in one flat all-reduce; an expert-parallel
+    slice (`expert_shard`) is not replicated over dp and is left out.
 
     Example:
 
@@ -28,7 +29,15 @@ def allreduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> Non
         mesh3d.allreduce_gradients(model, mesh["dp"].get_group())
         optimizer.step()
     """
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if getattr(p, "expert_shard", None) is None]
+    allreduce_param_grads(params, group)
+
+
+@torch.no_grad()
+def allreduce_param_grads(params, group: dist.ProcessGroup) -> None:
+    """Sum the gradients of `params` over `group` in one flat all-reduce (expert slices go over
+    their replicas this way; `allreduce_gradients` leaves them out)."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = _flatten_dense_tensors(grads)

@@ -29,8 +29,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from mesh3d.mesh import replica_mesh
 from mesh3d.models.init import init_full_tensor
 from mesh3d.models.llama import Attention
-from mesh3d.models.moe import MoE
+from mesh3d.models.moe import Experts, MoE
 from mesh3d.parallel.context import ContextParallel
+from mesh3d.parallel.experts import ExpertParallel, slice_expert_shard
 from mesh3d.parallel.tensor import TPPlan, apply_tp, shard_grads_like_params
 
 
@@ -98,15 +99,55 @@ def materialize(model: nn.Module, device: torch.device, source: FullSource) -> N
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     tied = getattr(model, "tied_parameters", {})
+    experts = _expert_shards(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             name = tied.get(canonical_name(name), canonical_name(name))
-            full = source(name, tuple(p.shape)).to(device=device, dtype=torch.float32)
+            shard = experts.get(name.rsplit(".", 1)[0])
+            if shard is None:
+                full = source(name, tuple(p.shape))
+            else:  # an ep slice of the full [E, ...] tensor
+                full = slice_expert_shard(
+                    source(name, (p.shape[0] * shard[2], *p.shape[1:])), shard
+                )
+            full = full.to(device=device, dtype=torch.float32)
             if isinstance(p, DTensor):
                 shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
                 p.to_local().copy_(shard.to_local())
             else:
                 p.copy_(full)
+
+
+def _expert_shards(model: nn.Module) -> dict[str, tuple]:
+    """Module name (canonical) -> its ep shard (group, rank, size), for the expert stacks
+    `apply_ep` cut down."""
+    return {
+        canonical_name(n): m.shard
+        for n, m in model.named_modules()
+        if isinstance(m, Experts) and getattr(m, "shard", None) is not None
+    }
+
+
+def apply_ep(model: nn.Module, ep: ExpertParallel) -> None:
+    """Every MoE block of `model` (on meta) keeps its ep rank's E / ep experts and dispatches
+    tokens over `ep` (`parallel/experts.py`)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.ep = ep
+            ex = module.experts
+            ex.shard = (ep.group, ep.rank, ep.size)
+            for pname, p in list(ex.named_parameters(recurse=False)):
+                local = (p.shape[0] // ep.size, *p.shape[1:])
+                ex.register_parameter(pname, nn.Parameter(torch.empty(local, device=p.device)))
+
+
+def mark_expert_shards(model: nn.Module) -> None:
+    """Tag the final expert parameters with their shard (`expert_shard`): checkpoints gather
+    them, the gradient norm and the gradient sum treat them apart."""
+    for module in model.modules():
+        if isinstance(module, Experts) and getattr(module, "shard", None) is not None:
+            for p in module.parameters(recurse=False):
+                p.expert_shard = module.shard
 
 
 def canonical_name(name: str) -> str:
@@ -152,11 +193,14 @@ def parallelize(
     dtype: torch.dtype = torch.float32,
     compile_classes: tuple[type, ...] = (),
     documents: bool = False,
+    ep: ExpertParallel | None = None,
 ) -> nn.Module:
     """Steps 1-4 above on a model built on meta; returns the model ready to train.
 
     `tp_plan` (used when tp > 1) and `compile_classes` (compiled when not empty) come from the
     model family's spec; `documents`: document masking is on (context parallelism needs it)."""
+    if ep is not None and ep.size > 1:  # before tp: the expert stacks shrink to their slice
+        apply_ep(model, ep)
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], tp_plan)
     if "cp" in mesh.mesh_dim_names and mesh["cp"].size() > 1:
@@ -172,4 +216,5 @@ def parallelize(
     replicas = replica_mesh(mesh)
     if replicas.size() > 1:
         apply_dp(model, replicas, dp)
+    mark_expert_shards(model)
     return model

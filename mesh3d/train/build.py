@@ -22,6 +22,7 @@ from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.models.spec import ModelShape, spec_of
+from mesh3d.parallel.experts import new_groups as new_ep_groups
 from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
     build_schedule,
@@ -47,6 +48,7 @@ class ModelParts:
     embed_rank: int = 0  # pp ranks of the first and last stage (tied-embedding sync)
     head_rank: int = 0
     loss_fn: object = None  # train/loss.py::step_loss of the run: what every path backpropagates
+    expert_replicas: object = None  # with expert parallelism: the group expert grads sum over
 
     def named_parameters(self):
         """(name, parameter) over every module; names are the full model's names."""
@@ -89,6 +91,9 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
         full = spec.build(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
     loss_fn = step_loss(layout)
     source = initial_weights(cfg, vocab)
+    ep, expert_replicas = None, None
+    if layout.expert_parallel > 1:  # every rank makes every group, before any stage is built
+        ep, expert_replicas = new_ep_groups(layout.dims, layout.expert_parallel)
 
     def finish(module: nn.Module) -> nn.Module:
         return parallelize(
@@ -102,10 +107,11 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             dtype=layout.param_dtype,
             compile_classes=spec.compile_classes(p.tp > 1) if cfg.mesh3d.compile else (),
             documents=layout.doc_masking,
+            ep=ep,
         )
 
     if p.pp == 1:
-        parts = ModelParts(modules=[finish(full)], loss_fn=loss_fn)
+        parts = ModelParts(modules=[finish(full)], loss_fn=loss_fn, expert_replicas=expert_replicas)
         set_aux_weights(parts.modules, layout)
         return parts
 
@@ -142,4 +148,5 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
         embed_rank=rank_of_stage(0, p.pp, name),
         head_rank=rank_of_stage(n - 1, p.pp, name),
         loss_fn=loss_fn,
+        expert_replicas=expert_replicas,
     )

@@ -23,7 +23,7 @@ from mesh3d.data.documents import IGNORE, document_positions, mask_document_star
 from mesh3d.layout import RunLayout
 from mesh3d.mesh import replica_mesh
 from mesh3d.parallel.context import shard_batches
-from mesh3d.parallel.data import allreduce_gradients
+from mesh3d.parallel.data import allreduce_gradients, allreduce_param_grads
 from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings
 from mesh3d.parallel.tensor import reduce_partial_grads
 from mesh3d.train.build import ModelParts
@@ -51,10 +51,16 @@ def clip_grad_norm(
 
 
     """
-    grads = [p.grad for p in (params if norm_params is None else norm_params) if p.grad is not None]
+    counted = [p for p in (params if norm_params is None else norm_params) if p.grad is not None]
+    grads = [p.grad for p in counted if getattr(p, "expert_shard", None) is None]
     total = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
     if isinstance(total, DTensor):
         total = total.full_tensor()
+    sliced = [p for p in counted if getattr(p, "expert_shard", None) is not None]
+    if sliced:  # expert-parallel slices: their squares summed over the ep group
+        sq = sum(_local_grad(p).double().pow(2).sum() for p in sliced)
+        dist.all_reduce(sq, group=sliced[0].expert_shard[0])
+        total = (total.double() ** 2 + sq).sqrt().to(total.dtype)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         sq = total.double() ** 2
         dist.all_reduce(sq, group=pp_group)
@@ -62,6 +68,11 @@ def clip_grad_norm(
     if max_norm is not None:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return float(total)
+
+
+def _local_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):
@@ -186,7 +197,10 @@ def train_step(
     if dp * layout.dims.cp > 1:
         if layout.dp_mode == "replicate":
             for m in parts.modules:
-                allreduce_gradients(m, replica_group)
+                allreduce_gradients(m, replica_group)  # expert-parallel slices left out
+            if parts.expert_replicas is not None:  # they sum over the ranks holding them
+                sliced = [p for p in parts.parameters() if getattr(p, "expert_shard", None)]
+                allreduce_param_grads(sliced, parts.expert_replicas)
         dist.all_reduce(total, group=replica_group)
     if pp > 1:
         sync_tied_embeddings(parts.modules, pp_group, parts.embed_rank, parts.head_rank)
@@ -205,7 +219,8 @@ def train_step(
 
 def total_params(parts: ModelParts, mesh) -> int:
     """Parameters of the whole model (all stages, full sizes of shards, a tied copy once)."""
-    n = torch.tensor(sum(p.numel() for p in _counted_once(parts, with_grad=False)))
+    n = torch.tensor(sum(p.numel() * (getattr(p, "expert_shard", None) or (0, 0, 1))[2]
+                         for p in _counted_once(parts, with_grad=False)))  # fmt: skip
     if mesh["pp"].size() > 1:
         dist.all_reduce(n, group=mesh["pp"].get_group())
     return int(n)
