@@ -457,7 +457,7 @@ def _not_yet(key: str, what: str) -> str:
 
 def _unsupported(cfg: Config) -> Iterator[str]:
     """Nanotron settings mesh3d does not implement yet; delete a line when its feature lands."""
-    p, m = cfg.parallelism, cfg.model
+    m = cfg.model
     if cfg.tokens is not None and cfg.tokens.limit_test_batches > 0:
         yield _not_yet("tokens.limit_test_batches", "there is no test pass; set it to 0")
     if cfg.s3_upload is not None:
