@@ -79,6 +79,7 @@ def generation_config(step: Path, tp: int, pp: int, batch: int, length: int, dev
     cfg = load_config(path, [
         "parallelism.dp=1", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
         "parallelism.context_parallel_size=1",  # a model trained at any cp generates at cp 1
+        "parallelism.expert_parallel_size=1",  # and at any ep with every expert on each rank
         "parallelism.pp_engine=afab", "mesh3d.pp_schedule=null", "mesh3d.pp_virtual_stages=1",
         "parallelism.recompute_layer=false", "mesh3d.compile=false", "mesh3d.full_shard=false",
         "optimizer.zero_stage=0", "optimizer.accumulate_grad_in_fp32=false", "data_stages=null",

@@ -211,3 +211,38 @@ def test_moe_checkpoint_is_nanotrons_layout_and_resumes_at_another_layout(tmp_pa
                                            + _pp2() + resume], MOE, timeout=300)[0]  # fmt: skip
     got, want = torch.tensor(resumed["loss"]), torch.tensor(straight["loss"][2:])
     assert float((got - want).abs().max() / want.abs().max()) <= TOL, (got, want)
+
+
+def test_expert_parallel_checkpoint_has_exp_rank_files_and_resumes_at_another_ep(tmp_path):
+    """ep2 (of dp2) saves each ep rank's experts in its own file (Nanotron's `_exp-rank-E-of-EP`
+    names); one process resumes it, and an ep1 checkpoint resumes at ep2: both continue the
+    uninterrupted ep2 run."""
+
+    def save(name):
+        return [
+            f"checkpoints.checkpoints_path={tmp_path / name}",
+            "checkpoints.checkpoint_interval=2",
+        ]
+
+    def resume(name):
+        return [f"checkpoints.resume_checkpoint_path={tmp_path / name}", "tokens.train_steps=4",
+                f"checkpoints.checkpoints_path={tmp_path / (name + '-more')}",
+                "checkpoints.checkpoint_interval=100"]  # fmt: skip
+
+    dp2 = layout_overrides(2, 1, "ALL_REDUCE", 0, False)
+    straight, _, _, from_ep1 = run_ranks(2, train_runs, [
+        dp2 + [EP2, "tokens.train_steps=4"],
+        dp2 + [EP2, "tokens.train_steps=2", *save("ep2")],
+        dp2 + ["tokens.train_steps=2", *save("ep1")],
+        dp2 + [EP2, *resume("ep1")],
+    ], MOE, timeout=300)[0]  # fmt: skip
+    experts = tmp_path / "ep2" / "2" / "model" / "model" / "decoder" / "0" / "pp_block" / "mlp"
+    assert sorted(p.name for p in (experts / "experts").iterdir()) == [
+        f"model_merged_{w}_pp-rank-0-of-1_tp-rank-0-of-1_exp-rank-{e}-of-2.safetensors"
+        for w in ("down_proj", "gate_up_proj") for e in (0, 1)
+    ]  # fmt: skip
+    (from_ep2,) = run_ranks(1, train_runs, [layout_overrides(1, 1, "ALL_REDUCE", 0, False)
+                                            + resume("ep2")], MOE, timeout=120)[0]  # fmt: skip
+    want = torch.tensor(straight["loss"][2:])
+    for got in (from_ep1["loss"], from_ep2["loss"]):
+        assert float((torch.tensor(got) - want).abs().max() / want.abs().max()) <= TOL, (got, want)

@@ -26,6 +26,13 @@ LM_HEAD = "model.lm_head.pp_block.weight"
 SHARDED_FILE = "model_{leaf}_pp-rank-{pp_rank}-of-{pp}_tp-rank-{tp_rank}-of-{tp}.safetensors"
 SHARDED_FILE_REGEX = r"model_{leaf}_pp-rank-(\d+)-of-(\d+)_tp-rank-(\d+)-of-(\d+)\.safetensors"
 UNSHARDED_FILE = "model_{leaf}.safetensors"
+# an expert stack split over ep > 1 ranks (rows ep_rank·E/ep ..), spec §3.3
+EXPERT_FILE = (
+    "model_{leaf}_pp-rank-{pp_rank}-of-{pp}_tp-rank-{tp_rank}-of-{tp}"
+    "_exp-rank-{ep_rank}-of-{ep}.safetensors"
+)
+EXPERT_FILE_REGEX = r"model_{leaf}_pp-rank-(\d+)-of-(\d+)_tp-rank-(\d+)-of-(\d+)_exp-rank-(\d+)-of-(\d+)\.safetensors"
+EXPERT_STACKS = ("experts.merged_gate_up_proj", "experts.merged_down_proj")
 BAD_NAMING_GLOB = "model_model_*"  # checkpoint 1.3's doubled names (spec §3.3)
 TENSOR_KEY = "data"
 

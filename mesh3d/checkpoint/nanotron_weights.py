@@ -321,12 +321,59 @@ def _read_sharded(root: Path, p: Param) -> Tensor:
     return full
 
 
+def is_expert_stack(p: Param) -> bool:
+    """Whether `p` is an MoE layer's stack of experts (split over ep ranks when ep > 1)."""
+    return p.name.endswith(names.EXPERT_STACKS)
+
+
+def expert_files(p: Param, ep: int, pp: int, tp: int) -> list[tuple[str, slice]]:
+    """(path under `model/`, rows) of each ep rank's file of the expert stack `p` (ep > 1)."""
+    *dirs, leaf = p.name.split(".")
+    n = p.shape[0] // ep
+    return [
+        ("/".join([*dirs, names.EXPERT_FILE.format(leaf=leaf, pp_rank=p.pp_rank, pp=pp, tp_rank=0,
+                                                    tp=tp, ep_rank=e, ep=ep)]),
+         slice(e * n, (e + 1) * n))
+        for e in range(ep)
+    ]  # fmt: skip
+
+
+def _read_expert_files(root: Path, p: Param) -> Tensor | None:
+    """An expert stack saved split over ep ranks, put back together; None if not saved so."""
+    *dirs, leaf = p.name.split(".")
+    folder = root.joinpath(*dirs)
+    pattern = re.compile(names.EXPERT_FILE_REGEX.format(leaf=leaf))
+    found = {}
+    for f in folder.glob(f"model_{leaf}_*exp-rank-*.safetensors") if folder.is_dir() else []:
+        m = pattern.fullmatch(f.name)
+        if m:
+            found[int(m.group(5))] = (int(m.group(6)), f)
+    if not found:
+        return None
+    ep = next(iter(found.values()))[0]
+    if sorted(found) != list(range(ep)):
+        raise UserError(
+            f"{folder}: expert files of {p.name} for exp-ranks {sorted(found)}, expected 0..{ep - 1}; "
+            "the checkpoint is incomplete"
+        )
+    full = torch.cat([_read_file(found[e][1])[0] for e in range(ep)])
+    if tuple(full.shape) != p.shape:
+        raise UserError(f"{folder}: the expert files of {p.name} make {tuple(full.shape)}, "
+                        f"but the model config gives {p.shape}")  # fmt: skip
+    return full
+
+
 def read_param(root: str | Path, p: Param) -> Tensor:
-    """The full (fused) tensor of `p` from `root` (= `<step>/model`), saved at any TP/PP."""
+    """The full (fused) tensor of `p` from `root` (= `<step>/model`), saved at any TP/PP (and
+    any ep for expert stacks)."""
     root = Path(root)
     if p.kind != "replicated":
         return _read_sharded(root, p)
     path = root / _path(p, 0, 1, 1)
+    if not path.is_file() and is_expert_stack(p):
+        split = _read_expert_files(root, p)
+        if split is not None:
+            return split
     if not path.is_file():
         raise UserError(f"missing weight file {path} of {p.name}; the checkpoint is incomplete")
     full, _ = _read_file(path)

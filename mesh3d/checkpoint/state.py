@@ -31,7 +31,15 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from mesh3d.checkpoint import names, nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
 from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
-from mesh3d.checkpoint.nanotron_weights import Param, fuse, read_param, shard_of, weight_file
+from mesh3d.checkpoint.nanotron_weights import (
+    Param,
+    expert_files,
+    fuse,
+    is_expert_stack,
+    read_param,
+    shard_of,
+    weight_file,
+)
 from mesh3d.errors import NonFiniteError, UserError
 from mesh3d.log import Progress
 from mesh3d.parallel.experts import gather_expert_shard, slice_expert_shard
@@ -63,9 +71,9 @@ def held_parameters(modules: Iterable[nn.Module]) -> dict[str, list[nn.Parameter
 def _full(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     """The full tensor of `t` (a parameter or an optimizer state of parameter `like`): DTensor
     shards gathered, and expert-parallel slices gathered over their ep group."""
+    shard = getattr(t if like is None else like, "expert_shard", None)
     t = t.detach()
     t = t.full_tensor() if isinstance(t, DTensor) else t
-    shard = getattr(t if like is None else like, "expert_shard", None)
     if shard is not None:
         t = gather_expert_shard(t, shard)
     return t.cpu()
@@ -110,6 +118,7 @@ def write_rank_state(
     model_dtype: torch.dtype | None,
     masters: bool,
     writes_weight: Callable[[Param], bool] = lambda p: True,
+    ep: int = 1,
 ) -> None:
     """This rank's weight, optimizer and random-state files, through `writer` (module doc).
 
@@ -137,8 +146,14 @@ def write_rank_state(
         fused = _finite(fuse(p, {o: _full(held[o][0]) for o in p.ours}), f"parameter {p.name}")
         if writes and D == 0 and (p.kind != "replicated" or T == 0) and writes_weight(p):
             data, meta = shard_of(p, fused.to(model_dtype or fused.dtype), T, tp)
-            rel = f"model/{weight_file(p, T, tp, pp)}"
-            writer.save_tensors(rel, {names.TENSOR_KEY: data.contiguous()}, meta)
+            if ep > 1 and is_expert_stack(p):  # one file per ep rank, Nanotron's exp-rank names
+                for rel, rows in expert_files(p, ep, pp, tp):
+                    writer.save_tensors(
+                        f"model/{rel}", {names.TENSOR_KEY: data[rows].contiguous()}, meta
+                    )
+            else:
+                rel = f"model/{weight_file(p, T, tp, pp)}"
+                writer.save_tensors(rel, {names.TENSOR_KEY: data.contiguous()}, meta)
         tensors = {nanotron_state.MASTER: fused.float()} if masters else {}
         state = opt_state.get(first[0], {})
         for k in nanotron_state.ADAM_KEYS:

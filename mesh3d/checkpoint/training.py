@@ -93,6 +93,7 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler, co
         Layout(par.dp, par.tp, par.pp, coords), zero=cfg.optimizer.zero_stage > 0,
         model_dtype=DTYPES[cfg.model.dtype], masters=_writes_masters(cfg),
         writes_weight=lambda p: p.name != names.EMBEDDING or parts.embed_rank == P,
+        ep=par.expert_parallel_size,
     )  # fmt: skip
     if coords["dp"] == 0 and coords.get("cp", 0) == 0:
         # Nanotron's shape: one entry per parameter of this (pp, tp) rank's optimizer file
