@@ -53,7 +53,6 @@ def test_fixture_parses_and_round_trips(path, tmp_path):
 
 
 UNSUPPORTED_FIXTURES = {
-    "head-config_qwen_with_moe.yaml": "`model.model_config.moe_config` is not supported by mesh3d yet",
     "head-config_tiny_llama_with_s3_upload.yaml": "`s3_upload` is not supported by mesh3d yet",
 }
 
@@ -69,6 +68,7 @@ def test_fixture_asking_for_unsupported_fails_validation(name):
 DATA_FIXTURES = {  # their configs validate; their data is not on this machine: a clear error
     "classic-config_nanoset.yaml": "dataset_folder .* does not exist",
     "head-config_nanoset.yaml": "dataset_folder .* does not exist",
+    "head-config_qwen_with_moe.yaml": "dataset_folder .* does not exist",
     "classic-config_tiny_llama.yaml": "is not a local file or folder; mesh3d runs offline",
     "head-config_custom_dl.yaml": "is not a local file or folder; mesh3d runs offline",
     "head-debug_config_tiny_llama.yaml": "is not a local file or folder; mesh3d runs offline",
