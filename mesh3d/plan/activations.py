@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from mesh3d.plan.sizes import _Sizes
 
 
-def stage_activation_bytes(cfg, layers: int, embedding: bool, head: bool) -> tuple[int, int]:
+def stage_activation_bytes(
+    cfg, layers: int | Sequence[int], embedding: bool, head: bool
+) -> tuple[int, int]:
     """(bytes saved for backward, bytes of the held output) of one stage and microbatch.
+
+    `layers`: the stage's decoder layer indices (an int n: layers 0..n-1), which tells the
+    mixture-of-experts layers (`moe_saved_bytes`) from the dense ones.
 
     T = b·s/cp tokens of a rank (its context-parallel share of the b samples), T' = T/tp under
     sequence parallelism else T, e_p / e_c the bytes of the param / compute dtype, h, F, nq
@@ -24,7 +31,8 @@ def stage_activation_bytes(cfg, layers: int, embedding: bool, head: bool) -> tup
                                   given (document masking, cp), else 1
       + 4·T·(F/tp)·e_c            gate output, its activation, up output, their product
 
-    or, with `recompute_layer`, its input T'·h·e_p. The first stage adds the ids 8·T; the last
+    (an MoE layer replaces the MLP's input and the last line with `moe_saved_bytes`), or, with
+    `recompute_layer`, its input T'·h·e_p. The first stage adds the ids 8·T; the last
     adds its norm T'·(h·(4 + e_p) + 4), the lm_head input T·h·e_c, the fp32 log-softmax
     4·T·V' (V' = the real vocab at tp 1, else the padded V/tp) and the labels 8·T + 4. Held
     until backward: the logits T·(V/tp)·e_c on the last stage, else the output T'·h·e_p.
@@ -34,22 +42,77 @@ def stage_activation_bytes(cfg, layers: int, embedding: bool, head: bool) -> tup
     it unmaterialized in its flash and memory-efficient kernels).
     """
     z = _Sizes.of(cfg)
+    ids = range(layers) if isinstance(layers, int) else layers
     norm = z.local_tokens * (z.h * (4 + z.e_p) + 4)
-    if z.recompute:
-        layer = z.local_tokens * z.h * z.e_p
-    else:
-        layer = 2 * norm + (5 if z.autocast else 2) * z.tokens * z.h * z.e_c
-        kv = z.kv_heads * (z.h // z.heads)
-        q_out = 2 + (z.cp > 1)  # q, attention output (and under cp its concatenation)
-        layer += q_out * z.tokens * (z.h // z.tp) * z.e_c + 2 * z.b * z.s * (kv // z.tp) * z.e_c
-        layer += 4 * z.tokens * (z.ffn // z.tp) * z.e_c
-        rope = 16 * (z.b if z.positions else 1) * (z.s // z.cp) * (z.h // z.heads)
-        layer += 4 * z.b * (z.heads // z.tp) * (z.s // z.cp) + rope
-    saved = layers * layer + 8 * z.tokens * embedding
+    saved = sum(_layer_bytes(z, i in z.moe_layers) for i in ids) + 8 * z.tokens * embedding
     if head:
         saved += norm + z.tokens * z.h * z.e_c + loss_saved_bytes(cfg)
     held = z.tokens * (z.padded // z.tp) * z.e_c if head else z.local_tokens * z.h * z.e_p
     return saved, held
+
+
+def _layer_bytes(z: _Sizes, moe: bool) -> int:
+    """One decoder layer's saved bytes (`stage_activation_bytes`'s table)."""
+    if z.recompute:
+        return z.local_tokens * z.h * z.e_p
+    norm = z.local_tokens * (z.h * (4 + z.e_p) + 4)
+    layer = 2 * norm + (3 if z.autocast else 1) * z.tokens * z.h * z.e_c  # q/k/v input
+    kv = z.kv_heads * (z.h // z.heads)
+    q_out = 2 + (z.cp > 1)  # q, attention output (and under cp its concatenation)
+    layer += q_out * z.tokens * (z.h // z.tp) * z.e_c + 2 * z.b * z.s * (kv // z.tp) * z.e_c
+    rope = 16 * (z.b if z.positions else 1) * (z.s // z.cp) * (z.h // z.heads)
+    layer += 4 * z.b * (z.heads // z.tp) * (z.s // z.cp) + rope
+    if moe:
+        return layer + moe_saved_bytes(z)
+    mlp_in = (2 if z.autocast else 1) * z.tokens * z.h * z.e_c  # gate/up input(s)
+    return layer + mlp_in + 4 * z.tokens * (z.ffn // z.tp) * z.e_c
+
+
+def moe_saved_bytes(z: _Sizes) -> int:
+    """What one MoE block (`models/moe.py`, tp 1, cp 1) saves for backward per microbatch.
+
+    T = b·s tokens, E experts, top k, F / G the expert / shared expert intermediate sizes;
+    the other letters as in `stage_activation_bytes`. Every token reaches exactly k distinct
+    experts, so the rows the experts run sum to k·T whatever the routing, and only the split
+    of those rows among experts depends on it; every term below is linear in the rows:
+
+        4·T·h or T·h·e_c          the router's input: x.float() (x itself in fp32; under
+                                  autocast the bf16 cast its linear saves instead)
+      + r·T·E + 8·T·k + r·b·E     router probabilities (the softmax output), top-k indices
+                                  (int64), the aux loss's per-sequence expert shares; r = 4
+                                  (fp32), but e_c under autocast: CPU autocast runs the
+                                  router's linear and softmax in bf16 (CUDA's would keep the
+                                  softmax in fp32: 2·(T+b)·E more bytes there)
+      + k·T·(16 + 4·F·e_c + h·(2·e_c + e_p) + e_p)
+                                  per routed row: its token and slot indices (one int64
+                                  nonzero result), the gathered input, gate|up output, the
+                                  activation, the product, the expert output, its router
+                                  weight (in x's dtype) and the weighted output index_add keeps
+      + T·(4·G·e_c + h·e_c + e_c) the shared expert: gate/up outputs, activation, product,
+                                  its output and the sigmoid gate
+      + its input: T·h·e_c when it is not the router's input (bf16), 3·T·h·e_c casts under
+        autocast (gate, gate_proj, up_proj)
+      + 4·E·h                     bf16 params without autocast: the router weight's fp32 copy
+      + E·3·h·F·e_c               under autocast: the cast of each expert's weight slices,
+                                  per expert that got a token (a bound: every expert)
+
+    Measured exact in fp32 (tests/test_plan.py). The autocast line assumes every expert got a
+    token (true unless an expert is idle for a whole microbatch).
+    """
+    t, h, e, k, f, g = z.tokens, z.h, z.experts, z.top_k, z.moe_ffn, z.shared_ffn
+    fp32 = z.e_p == 4 and not z.autocast
+    out = t * h * z.e_c if z.autocast else 4 * t * h
+    r = z.e_c if z.autocast else 4
+    out += r * t * e + 8 * t * k + r * z.b * e
+    out += k * t * (16 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p)
+    if g:
+        out += t * (4 * g * z.e_c + h * z.e_c + z.e_c)
+        out += 3 * t * h * z.e_c if z.autocast else 0 if fp32 else t * h * z.e_c
+    if z.e_p != 4 and not z.autocast:
+        out += 4 * e * h
+    if z.autocast:
+        out += e * 3 * h * f * z.e_c
+    return out
 
 
 def loss_saved_bytes(cfg) -> int:

@@ -38,14 +38,15 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
     modules = [full] if n == 1 else [build_stage(full, i, n, split[i]) for i in range(n)]
     stages = []
     for i in range(n):
-        saved, held = stage_activation_bytes(cfg, len(split[i]), i == 0, i == n - 1)
+        saved, held = stage_activation_bytes(cfg, split[i], i == 0, i == n - 1)
         pp_rank = rank_of_stage(i, z.pp, z.schedule) if z.pp > 1 else 0
         stages.append(StagePlan(i, pp_rank, split[i], i == 0, i == n - 1, saved, held))
     orders, source = _orders(z)
     plain = dataclasses.replace(cfg.parallelism, recompute_layer=False)
-    one_layer = stage_activation_bytes(
-        dataclasses.replace(cfg, parallelism=plain), 1, False, False
-    )[0]
+    one_layer = max(  # what a recomputed layer saves: the largest kind of layer
+        stage_activation_bytes(dataclasses.replace(cfg, parallelism=plain), [i], False, False)[0]
+        for i in {0, *z.moe_layers[:1]}
+    )
     tied = mc.tie_word_embeddings
     ends = {stages[0].pp_rank, stages[-1].pp_rank}
     adamw = cfg.optimizer.optimizer_factory.name != "sgd"
@@ -82,10 +83,24 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         optimizer=cfg.optimizer.optimizer_factory.name, recompute_layer=z.recompute,
         tied_embeddings=tied, padded_vocab=z.padded,
         total_params=sum(p.numel() for p in full.parameters()),
+        active_params=sum(p.numel() for p in full.parameters()) - _idle_experts(z),
         groups={axis: dims.groups(axis) for axis in ("tp", "cp", "pp", "dp")}, stages=stages,
         ranks=ranks, bubble=bubble(z.schedule, z.pp, z.v, z.m), order_source=source,
-        notes=_notes(z),
+        notes=_notes(z), moe=_moe(z),
     )  # fmt: skip
+
+
+def _idle_experts(z: _Sizes) -> int:
+    """Expert parameters a token does not run through: E - k experts of 3·h·F per MoE layer."""
+    return len(z.moe_layers) * (z.experts - z.top_k) * 3 * z.h * z.moe_ffn
+
+
+def _moe(z: _Sizes) -> str:
+    if not z.moe_layers:
+        return ""
+    shared = f", a shared expert of {z.shared_ffn}" if z.shared_ffn else ""
+    layers = ",".join(map(str, z.moe_layers))
+    return f"top {z.top_k} of {z.experts} experts of {z.moe_ffn}{shared} in layers {layers}"
 
 
 def _dtype(dtype: torch.dtype) -> str:
@@ -103,4 +118,12 @@ def _notes(z: _Sizes) -> list[str]:
         )
     if z.autocast:
         notes.append("autocast keeps a cast copy of each linear weight for the step")
+    if z.moe_layers:
+        notes.append(
+            "moe: no communication items for the experts: there is no expert parallelism yet "
+            "(every rank holds every expert; their gradients are in the dp reduction above)"
+        )
+        if z.autocast:
+            notes.append("moe: the experts' saved bytes count a cast of every expert's weights "
+                         "per microbatch (a bound: exact when every expert gets a token)")  # fmt: skip
     return notes

@@ -71,7 +71,10 @@ def _params(z: _Sizes, module: nn.Module, coords: dict[str, int]) -> list[_Param
         if z.fsdp:
             local = _chunk(shape[0], z.replicas, z.replica_index(coords)) * row
             gathered = -(-shape[0] // z.replicas) * z.replicas * row
-        matmul = name.endswith("proj.weight") or name == "lm_head.weight"
+        # (the router and shared-expert gate are leaf linear weights too; the experts' stacked
+        # weights are not cast whole: each expert's slice is cast when it runs, see activations)
+        matmul = name.endswith(("proj.weight", "mlp.gate.weight", "shared_expert_gate.weight"))
+        matmul |= name == "lm_head.weight"
         matmul |= head is not None and param is head.weight
         out.append(_Param(name, local, tp_local, gathered, local, matmul))
     return out

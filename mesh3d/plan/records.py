@@ -72,9 +72,11 @@ class Plan:
     tied_embeddings: bool
     padded_vocab: int
     total_params: int  # the whole model, a tied embedding once
+    active_params: int  # what one token runs through: total less the experts it is not routed to
     groups: dict[str, list[list[int]]]
     stages: list[StagePlan]
     ranks: list[RankPlan]
     bubble: Bubble
     order_source: str  # where each rank's order of forwards and backwards comes from
     notes: list[str]
+    moe: str = ""  # "" without experts, else e.g. "top 2 of 8 experts in layers 1,3"

@@ -45,6 +45,15 @@ def _by_value(plan: Plan, key) -> dict[tuple, list[RankPlan]]:
     return groups
 
 
+def _moe_line(plan: Plan) -> list[str]:
+    """Total against active parameters per token, with experts; nothing without."""
+    if not plan.moe:
+        return []
+    share = plan.active_params / plan.total_params
+    return [f"  mixture of experts: {plan.moe}; {plan.active_params:,} parameters active per "
+            f"token of {plan.total_params:,} ({share:.1%})"]  # fmt: skip
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a text report with aligned tables."""
     d, b = plan.dims, plan.bubble
@@ -56,6 +65,7 @@ def format_plan(plan: Plan) -> str:
         f"mesh3d plan: {plan.world_size} ranks = {mesh}; "
         f"{plan.total_params:,} parameters (vocab padded to {plan.padded_vocab}, tied "
         f"{plan.tied_embeddings})",
+        *_moe_line(plan),
         f"  per dp rank and step: {plan.microbatches} microbatch(es) of {plan.micro_batch_size} x "
         f"{plan.sequence_length} tokens{split}; params {plan.param_dtype}, compute "
         f"{plan.compute_dtype}, {plan.optimizer}; dp {plan.dp_mode}, tp {plan.tp_mode}, "

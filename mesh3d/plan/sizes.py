@@ -38,6 +38,11 @@ class _Sizes:
     mode: str  # dp_mode
     schedule: str
     family: str  # the model family (its spec has the TP plan)
+    moe_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts
+    experts: int = 0  # E
+    top_k: int = 0  # k
+    moe_ffn: int = 0  # each expert's intermediate size
+    shared_ffn: int = 0  # the shared expert's, 0 without one
 
     @classmethod
     def of(cls, cfg) -> _Sizes:
@@ -52,7 +57,7 @@ class _Sizes:
             z.autocast_dtype is not None, z.sequence_parallel, z.doc_masking,
             z.positions_everywhere, p.recompute_layer,
             z.dp_mode != "replicate" and p.dp * cp > 1, z.dp_mode, effective_pp_schedule(cfg),
-            z.spec.family,
+            z.spec.family, s.moe_layers, s.num_experts, s.top_k, s.moe_ffn, s.shared_ffn,
         )  # fmt: skip
 
     @property

@@ -1,0 +1,259 @@
+"""Mixture-of-experts step throughput against a dense model with the same active parameters.
+
+    python benchmarks/moe.py            # default: 100 interleaved rounds, ~1 minute on 1 core
+    python benchmarks/moe.py --quick    # 6 rounds, for the test (< 60 s)
+
+One process, CPU, fp32, one intra-op thread by default (`--threads`; benchmarks/throughput.py
+says why). Two Qwen2 models (`mesh3d.models.qwen2.Qwen2`, SDPA) of the same shape, hidden 256,
+4 layers, 8 heads (4 kv), vocab 2048, seq 256, micro batch 2 (512 tokens a step), no shared
+expert on either side:
+  (a) MoE: every layer's MLP is `models/moe.py`'s block, 8 experts of F = 384, top 2, the
+      load-balancing loss on (coefficient 0.01);
+  (b) dense: a SwiGLU MLP of 2F = 768 in every layer.
+A token runs through the same parameters in both (2 experts of F = one MLP of 2F), except the
+MoE router (E·h per layer): active(a) = total(b) + layers·E·h, and total(a) = active(a) +
+layers·(E - k)·3·h·F. Each step: forward, cross-entropy, backward, clip to 1.0, AdamW (torch's,
+not fused), zero_grad; both from the same seed and on the same batches (random ids).
+
+Timing: round r runs step r of (a) and of (b), in an order that alternates every round; the
+first `warmup` rounds are dropped. Reported: median tokens/s of each, and MoE / dense as the
+ratio of the medians and as the median of the per-round ratios with a 95% bootstrap interval.
+
+Where the MoE step goes: one more MoE step under torch.profiler (CPU, input shapes recorded),
+its ops' self times put in classes: expert matmuls (mm/addmm/matmul with an F or 2F dim, forward
+and backward), router (mm with an E dim, softmax, topk and their backwards, the aux loss's
+scatter_add), dispatch (the gathers, index_add, nonzero, bincount, `==`, index backward's
+index_put, the zeros the output starts from), expert weight slices (select of expert e's weights
+and its backward, which writes a [E, h, F]-sized zero gradient per expert run, and the adds that
+accumulate them), the optimizer (clip and AdamW: over every expert's weights) and the rest
+(attention, norms, embedding, lm_head, loss). The shares
+are of the profiled step's total self time; profiling slows small ops more than big ones, so
+they are indicative. There is no all-to-all share: that needs expert parallelism (experts on
+different ranks), which mesh3d does not have yet.
+Raw numbers: `benchmarks/results/local/moe[_quick].json` (`--publish`: `benchmarks/results/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
+from throughput import bootstrap_median
+
+from mesh3d.config.schema import MoEConfig, Qwen2Config
+from mesh3d.models.qwen2 import Qwen2
+
+SHAPE = dict(hidden=256, layers=4, heads=8, kv_heads=4, vocab=2048, seq=256, micro_batch=2,
+             experts=8, top_k=2, expert_ffn=384)  # fmt: skip
+# mode -> (interleaved rounds, warm-up rounds dropped)
+ROUNDS = {"default": (100, 5), "quick": (6, 1)}
+
+
+def model_config(moe: bool, s: dict = SHAPE) -> Qwen2Config:
+    """Qwen2 of `s`: MoE in every layer (E experts of F, top k), or dense with an MLP of k·F."""
+    k, f = s["top_k"], s["expert_ffn"]
+    experts = MoEConfig(num_experts=s["experts"], top_k=k, moe_intermediate_size=f,
+                        shared_expert_intermediate_size=0, enable_shared_expert=False,
+                        router_aux_loss_coef=0.01, layers=[-1])  # fmt: skip
+    return Qwen2Config(
+        hidden_size=s["hidden"], intermediate_size=k * f, num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"], num_hidden_layers=s["layers"], vocab_size=s["vocab"],
+        max_position_embeddings=s["seq"], tie_word_embeddings=False, attention_bias=False,
+        moe_config=experts if moe else None,
+    )  # fmt: skip
+
+
+def param_counts(model: torch.nn.Module, s: dict = SHAPE) -> tuple[int, int]:
+    """(total, active per token): active leaves out the E - k experts a token does not run."""
+    total = sum(p.numel() for p in model.parameters())
+    idle = sum(
+        p.numel() * (s["experts"] - s["top_k"]) // s["experts"]
+        for name, p in model.named_parameters()
+        if ".mlp.experts." in name
+    )
+    return total, total - idle
+
+
+def build(moe: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Qwen2(model_config(moe), attention="sdpa")
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.ones_(p)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    return model, opt
+
+
+def batches(n: int, s: dict = SHAPE) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(s["vocab"], (s["micro_batch"], s["seq"] + 1), generator=g)
+            for _ in range(n)]  # fmt: skip
+
+
+def train_step(model, opt, ids: torch.Tensor) -> float:
+    logits = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    with torch.profiler.record_function("optimizer"):  # a label for `profile_step`
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def interleave(ways: dict, data: list[torch.Tensor]) -> dict[str, dict]:
+    """Per way, each round's seconds and loss; the order alternates every round."""
+    out = {name: {"seconds": [], "loss": []} for name in ways}
+    names = list(ways)
+    for r, ids in enumerate(data):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            loss = train_step(*ways[name], ids)
+            out[name]["seconds"].append(time.perf_counter() - t0)
+            out[name]["loss"].append(loss)
+    return out
+
+
+_DISPATCH = {"aten::index", "aten::index_add", "aten::index_add_", "aten::nonzero",
+             "aten::bincount", "aten::eq", "aten::index_put_", "aten::_index_put_impl_",
+             "aten::index_select", "aten::zeros", "aten::zero_", "aten::new_zeros",
+             "aten::unbind", "aten::item", "aten::_local_scalar_dense"}  # fmt: skip
+_ROUTER = {"aten::softmax", "aten::_softmax", "aten::_softmax_backward_data", "aten::topk",
+           "aten::scatter_add_", "aten::scatter", "aten::scatter_"}  # fmt: skip
+_SLICES = {"aten::select", "aten::select_backward"}
+_MATMUL = {"aten::mm", "aten::addmm", "aten::matmul", "aten::bmm"}
+
+
+def _dims(shapes) -> set[int]:
+    return {d for shape in shapes or [] if isinstance(shape, list) for d in shape}
+
+
+def classify(name: str, shapes, s: dict = SHAPE) -> str:
+    """The class of one op of the MoE step (module doc)."""
+    f, e = s["expert_ffn"], s["experts"]
+    if name in _MATMUL:
+        dims = _dims(shapes)
+        if dims & {f, 2 * f}:
+            return "expert matmuls"
+        return "router" if e in dims else "rest"
+    if name in _ROUTER:
+        return "router"
+    if name in _DISPATCH:
+        return "dispatch"
+    if name in _SLICES:
+        return "expert weight slices"
+    if name == "aten::add_" and {e, s["hidden"], 2 * f} <= _dims(shapes):
+        return "expert weight slices"  # accumulating a select_backward's [E, h, 2F] grad
+    if name == "aten::add_" and {e, f, s["hidden"]} <= _dims(shapes):
+        return "expert weight slices"
+    return "rest"
+
+
+def profile_step(model, opt, ids: torch.Tensor) -> dict[str, float]:
+    """Share of the step's total self CPU time per class (module doc)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        train_step(model, opt, ids)
+    times: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        parent, in_optimizer = ev, False
+        while parent is not None and not in_optimizer:
+            in_optimizer, parent = parent.name == "optimizer", parent.cpu_parent
+        kind = "optimizer (clip, AdamW)" if in_optimizer else classify(ev.name, ev.input_shapes)
+        times[kind] += ev.self_cpu_time_total
+    total = sum(times.values())
+    order = ("expert matmuls", "router", "dispatch", "expert weight slices",
+             "optimizer (clip, AdamW)", "rest")  # fmt: skip
+    return {k: times.get(k, 0.0) / total for k in order}
+
+
+def summarize(runs: dict[str, dict], tokens: int, warmup: int) -> dict:
+    tps = {k: [tokens / t for t in v["seconds"][warmup:]] for k, v in runs.items()}
+    per_round = [m / d for m, d in zip(tps["moe"], tps["dense"])]
+    return {
+        "tokens_per_s_median": {k: statistics.median(v) for k, v in tps.items()},
+        "ratio_of_medians": statistics.median(tps["moe"]) / statistics.median(tps["dense"]),
+        "ratio_paired_median": statistics.median(per_round),
+        "ratio_paired_ci95": bootstrap_median(per_round),
+    }
+
+
+def table(r: dict) -> str:
+    s, p, t = r["shape"], r["params"], r["summary"]
+    lo, hi = t["ratio_paired_ci95"]
+    lines = [
+        f"$ {r['command']}  ({r['date']})",
+        f"torch {r['torch']}, {r['cores']} cores, {r['threads']} thread(s), fp32, "
+        f"{r['rounds']} rounds ({r['warmup']} warm-up dropped), {r['tokens_per_step']} tokens/step",
+        f"shape: hidden {s['hidden']}, {s['layers']} layers, seq {s['seq']}, micro batch "
+        f"{s['micro_batch']}; MoE {s['experts']} experts of {s['expert_ffn']}, top {s['top_k']}"
+        f"; dense FFN {s['top_k'] * s['expert_ffn']}; no shared expert",
+        "",
+        "| model | params | active / token | median tokens/s |",
+        "|---|---:|---:|---:|",
+    ]
+    for k in ("moe", "dense"):
+        lines.append(f"| {k} | {p[k]['total']:,} | {p[k]['active']:,} | "
+                     f"{t['tokens_per_s_median'][k]:,.0f} |")  # fmt: skip
+    lines += [
+        "",
+        f"MoE / dense tokens/s: {t['ratio_of_medians']:.3f} (ratio of medians), "
+        f"{t['ratio_paired_median']:.3f} per-round median, 95% CI [{lo:.3f}, {hi:.3f}]",
+        "",
+        "| share of one MoE step (torch.profiler, self CPU time) | % |",
+        "|---|---:|",
+        *(f"| {k} | {100 * v:.1f} |" for k, v in r["profile"].items()),
+        "| all-to-all (needs expert parallelism, which does not exist yet) | n/a |",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6 rounds, for the test")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    ap.add_argument("--out", help="JSON path (default: benchmarks/results[/local]/moe*.json)")
+    add_publish_flag(ap)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    mode = "quick" if args.quick else "default"
+    rounds, warmup = ROUNDS[mode]
+    ways = {"moe": build(True), "dense": build(False)}
+    params = {k: dict(zip(("total", "active"), param_counts(m))) for k, (m, _) in ways.items()}
+    data = batches(rounds + 1)
+    runs = interleave(ways, data[:rounds])
+    tokens = SHAPE["micro_batch"] * SHAPE["seq"]
+    result = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "cores": os.cpu_count(), "threads": args.threads,
+        "mode": mode, "rounds": rounds, "warmup": warmup, "shape": SHAPE,
+        "tokens_per_step": tokens, "params": params, "runs": runs,
+        "summary": summarize(runs, tokens, warmup),
+        "profile": profile_step(*ways["moe"], data[rounds]),
+    }  # fmt: skip
+    out = args.out or results_dir(args.publish) / f"moe{'_quick' if args.quick else ''}.json"
+    with open(out, "w") as fh:
+        json.dump(result, fh, indent=1)
+    print(table(result))
+    print(f"\nwrote {out}")
+    bad = [k for k, v in result["summary"]["tokens_per_s_median"].items() if not math.isfinite(v)]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

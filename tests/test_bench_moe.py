@@ -1,0 +1,52 @@
+"""benchmarks/moe.py --quick, run as a user would (a subprocess).
+
+It exits 0, prints its table and writes the JSON: every step of both models has positive, finite
+seconds and loss, and both start from about ln(vocab) (random ids); the medians and both ratios
+are positive and finite, the per-round median inside its bootstrap interval; the parameter
+counts are the ones designed (active MoE = dense + the routers, total MoE = active + the idle
+experts, worked out by hand from the shape); the profile shares are in [0, 1], sum to 1 and give
+the expert matmuls a nonzero share. Nothing asserts a speed: a shared CPU is noisy.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _positive(x) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def test_moe_quick_writes_sane_json(tmp_path):
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, "benchmarks/moe.py", "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| model | params |" in proc.stdout and "expert parallelism" in proc.stdout
+    r = json.loads(out.read_text())
+    assert r["mode"] == "quick" and r["tokens_per_step"] == 2 * 256
+    for way in ("moe", "dense"):
+        run = r["runs"][way]
+        assert len(run["seconds"]) == len(run["loss"]) == r["rounds"]
+        assert all(map(_positive, run["seconds"] + run["loss"])), way
+        assert abs(run["loss"][0] - math.log(2048)) < 0.5, run["loss"][0]
+        assert _positive(r["summary"]["tokens_per_s_median"][way])
+    t = r["summary"]
+    assert _positive(t["ratio_of_medians"]) and _positive(t["ratio_paired_median"])
+    lo, hi = t["ratio_paired_ci95"]
+    assert 0 < lo <= t["ratio_paired_median"] <= hi
+    # hidden 256, 4 layers, 8 heads (4 kv, dh 32), vocab 2048 untied; 8 experts of 384, top 2
+    h, layers, vocab, f, e, k = 256, 4, 2048, 384, 8, 2
+    attn = 2 * h * h + 2 * h * 128 + 2 * h  # q, o; k, v; two norms
+    dense = 2 * vocab * h + h + layers * (attn + 3 * h * k * f)
+    p = r["params"]
+    assert p["dense"] == {"total": dense, "active": dense}
+    assert p["moe"]["active"] == dense + layers * e * h  # + the routers
+    assert p["moe"]["total"] == p["moe"]["active"] + layers * (e - k) * 3 * h * f
+    shares = r["profile"]
+    assert all(0 <= v <= 1 for v in shares.values()) and abs(sum(shares.values()) - 1) < 1e-9
+    assert shares["expert matmuls"] > 0 and shares["dispatch"] > 0 and shares["router"] > 0
