@@ -465,13 +465,13 @@ def _cp_measured(rank: int, world: int, runs: list) -> list[dict]:
 def _cpu_causal_masks(cfg, cp_rank: int, itemsize: int) -> int:
     """Bytes the plan leaves out: SDPA on CPU saves the lower-right causal mask of each query
     chunk whose keys outnumber its queries (every chunk but the first) as a [c, keys] tensor
-    in the compute dtype (`itemsize` bytes), once per layer; none under recompute."""
+    in the compute dtype (`itemsize` bytes), one per chunk shape shared by every layer; none
+    under recompute."""
     if cfg.parallelism.recompute_layer:
         return 0
     cp = cfg.parallelism.context_parallel_size
     c = cfg.tokens.sequence_length // (2 * cp)
-    per_layer = sum(c * (k + 1) * c for k in (cp_rank, 2 * cp - 1 - cp_rank) if k > 0)
-    return cfg.model.model_config.num_hidden_layers * per_layer * itemsize
+    return sum(c * (k + 1) * c for k in (cp_rank, 2 * cp - 1 - cp_rank) if k > 0) * itemsize
 
 
 RUNS_CP = {  # on 4 ranks; label -> config

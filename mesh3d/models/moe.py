@@ -127,8 +127,9 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(probabilities [B, S, E] fp32, top-k weights [B, S, k] fp32, top-k experts [B, S, k])."""
-        logits = F.linear(x.float(), self._w(self.gate.weight).float())
-        probs = logits.softmax(dim=-1)
+        with torch.autocast(x.device.type, enabled=False):  # fp32 even under autocast
+            logits = F.linear(x.float(), self._w(self.gate.weight).float())
+            probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         return probs, weights, experts
 
