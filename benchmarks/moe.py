@@ -1,7 +1,7 @@
 """Mixture-of-experts step throughput against a dense model with the same active parameters.
 
-    python benchmarks/moe.py            # default: 100 interleaved rounds, ~1 minute on 1 core
-    python benchmarks/moe.py --quick    # 6 rounds, for the test (< 60 s)
+    python benchmarks/moe.py            # default: 100 + 30 interleaved rounds, ~2 minutes
+    python benchmarks/moe.py --quick    # 6 + 4 rounds, for the test (< 60 s)
 
 One process, CPU, fp32, one intra-op thread by default (`--threads`; benchmarks/throughput.py
 says why). Two Qwen2 models (`mesh3d.models.qwen2.Qwen2`, SDPA) of the same shape, hidden 256,
@@ -28,8 +28,19 @@ and its backward, which writes a [E, h, F]-sized zero gradient per expert run, a
 accumulate them), the optimizer (clip and AdamW: over every expert's weights) and the rest
 (attention, norms, embedding, lm_head, loss). The shares
 are of the profiled step's total self time; profiling slows small ops more than big ones, so
-they are indicative. There is no all-to-all share: that needs expert parallelism (experts on
-different ranks), which mesh3d does not have yet.
+they are indicative.
+
+Expert parallelism: 2 forked ranks (gloo, one thread each), each with its own batches of the
+same shape, train the MoE model (a) at dp 2 twice: ep 1 (every rank holds the 8 experts; all
+grads summed over dp) and ep 2 (`mesh3d.parallel.parallelize.apply_ep`: 4 experts per rank, the
+tokens dispatched by `mesh3d.parallel.experts`' all-to-alls; the non-expert grads summed over
+dp, the experts' have no replica at dp 2), interleaved as above, from the same seed. Reported:
+the median ep2 / ep1 step time (per-round ratio, rank 0's clock, the step ending after the
+gradient all-reduce) and the all-to-all share of the ep2 step: the time inside
+`torch.distributed.all_to_all_single` (the counts exchange and the row all-to-alls, forward
+and backward; timers around each call) over the step's time. On one 2-core host the
+all-to-all is a local copy plus waiting for the other rank, so its share is mostly that wait
+(the ranks' routing, hence work, differs): a lower bound on nothing across real links.
 Raw numbers: `benchmarks/results/local/moe[_quick].json` (`--publish`: `benchmarks/results/`).
 """
 
@@ -57,6 +68,7 @@ SHAPE = dict(hidden=256, layers=4, heads=8, kv_heads=4, vocab=2048, seq=256, mic
              experts=8, top_k=2, expert_ffn=384)  # fmt: skip
 # mode -> (interleaved rounds, warm-up rounds dropped)
 ROUNDS = {"default": (100, 5), "quick": (6, 1)}
+EP_ROUNDS = {"default": (30, 3), "quick": (4, 1)}  # the ep1 / ep2 rounds, warm-up dropped
 
 
 def model_config(moe: bool, s: dict = SHAPE) -> Qwen2Config:
@@ -192,6 +204,100 @@ def summarize(runs: dict[str, dict], tokens: int, warmup: int) -> dict:
     }
 
 
+def _ep_rank(rank: int, world: int, port: int, rounds: int, queue) -> None:
+    """One forked rank of the expert-parallel comparison (module doc): its per-round seconds of
+    ep1 and ep2, and the all-to-all seconds inside each ep2 step."""
+    import torch.distributed as dist
+
+    from mesh3d.parallel.data import allreduce_gradients
+    from mesh3d.parallel.experts import ExpertParallel
+    from mesh3d.parallel.parallelize import apply_ep, mark_expert_shards
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    a2a = [0.0]
+    plain = dist.all_to_all_single
+
+    def timed(*args, **kwargs):  # every all-to-all of the ep2 step: counts, rows, their grads
+        t0 = time.perf_counter()
+        out = plain(*args, **kwargs)
+        a2a[0] += time.perf_counter() - t0
+        return out
+
+    dist.all_to_all_single = timed
+    ways = {}
+    for ep in (1, 2):
+        model, _ = build(True)
+        if ep > 1:
+            apply_ep(model, ExpertParallel(group, ep, rank))
+            torch.manual_seed(rank)  # the new expert slices: this rank's share
+            for name, p in model.named_parameters():
+                if ".experts." in name:
+                    torch.nn.init.normal_(p, std=0.02)
+            mark_expert_shards(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+        ways[f"ep{ep}"] = (model, opt)
+    g = torch.Generator().manual_seed(100 + rank)  # each dp rank its own batches
+    data = [torch.randint(SHAPE["vocab"], (SHAPE["micro_batch"], SHAPE["seq"] + 1), generator=g)
+            for _ in range(rounds)]  # fmt: skip
+    out = {"ep1": [], "ep2": [], "a2a": [], "loss": {"ep1": [], "ep2": []}}
+    names = list(ways)
+    for r, ids in enumerate(data):
+        for name in names if r % 2 == 0 else names[::-1]:
+            model, opt = ways[name]
+            dist.barrier()
+            a2a[0] = 0.0
+            t0 = time.perf_counter()
+            logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+            loss.backward()
+            allreduce_gradients(model, group)  # expert slices left out: no replica at dp 2
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out[name].append(time.perf_counter() - t0)
+            out["loss"][name].append(float(loss.detach()))
+            if name == "ep2":
+                out["a2a"].append(a2a[0])
+    dist.all_to_all_single = plain
+    dist.destroy_process_group()
+    queue.put((rank, out))
+
+
+def expert_parallel(rounds: int, warmup: int) -> dict:
+    """ep2 against ep1 at dp 2 on 2 forked ranks (module doc); rank 0's times."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_ep_rank, args=(r, 2, port, rounds, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    if any(proc.exitcode != 0 for proc in procs):
+        raise RuntimeError(f"an ep rank failed: exit codes {[p.exitcode for p in procs]}")
+    r0 = results[0]
+    ep1, ep2, a2a = (r0[k][warmup:] for k in ("ep1", "ep2", "a2a"))
+    ratios = [b / a for a, b in zip(ep1, ep2)]
+    share = [c / b for b, c in zip(ep2, a2a)]
+    return {
+        "rounds": rounds, "warmup": warmup, "ranks": results,
+        "step_s_median": {"ep1": statistics.median(ep1), "ep2": statistics.median(ep2)},
+        "ep2_over_ep1_median": statistics.median(ratios),
+        "ep2_over_ep1_ci95": bootstrap_median(ratios),
+        "a2a_share_median": statistics.median(share),
+        "a2a_s_median": statistics.median(a2a),
+    }  # fmt: skip
+
+
 def table(r: dict) -> str:
     s, p, t = r["shape"], r["params"], r["summary"]
     lo, hi = t["ratio_paired_ci95"]
@@ -217,7 +323,22 @@ def table(r: dict) -> str:
         "| share of one MoE step (torch.profiler, self CPU time) | % |",
         "|---|---:|",
         *(f"| {k} | {100 * v:.1f} |" for k, v in r["profile"].items()),
-        "| all-to-all (needs expert parallelism, which does not exist yet) | n/a |",
+    ]
+    e = r["expert_parallel"]
+    lo, hi = e["ep2_over_ep1_ci95"]
+    lines += [
+        "",
+        f"expert parallelism, 2 ranks, dp 2, 1 thread each, {e['rounds']} rounds "
+        f"({e['warmup']} warm-up dropped), {r['tokens_per_step']} tokens/step per rank:",
+        "",
+        "| layout | experts per rank | median step s (rank 0) |",
+        "|---|---:|---:|",
+        f"| dp2 ep1 | {s['experts']} | {e['step_s_median']['ep1']:.3f} |",
+        f"| dp2 ep2 | {s['experts'] // 2} | {e['step_s_median']['ep2']:.3f} |",
+        "",
+        f"ep2 / ep1 step time: {e['ep2_over_ep1_median']:.3f} per-round median, 95% CI "
+        f"[{lo:.3f}, {hi:.3f}]; all-to-all share of the ep2 step: "
+        f"{100 * e['a2a_share_median']:.1f}% ({1000 * e['a2a_s_median']:.1f} ms, median)",
     ]
     return "\n".join(lines)
 
@@ -245,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_step": tokens, "params": params, "runs": runs,
         "summary": summarize(runs, tokens, warmup),
         "profile": profile_step(*ways["moe"], data[rounds]),
+        "expert_parallel": expert_parallel(*EP_ROUNDS[mode]),
     }  # fmt: skip
     out = args.out or results_dir(args.publish) / f"moe{'_quick' if args.quick else ''}.json"
     with open(out, "w") as fh:
@@ -252,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(result))
     print(f"\nwrote {out}")
     bad = [k for k, v in result["summary"]["tokens_per_s_median"].items() if not math.isfinite(v)]
+    bad += [k for k, v in result["expert_parallel"]["step_s_median"].items() if not v > 0]
     return 1 if bad else 0
 
 

@@ -5,7 +5,10 @@ seconds and loss, and both start from about ln(vocab) (random ids); the medians 
 are positive and finite, the per-round median inside its bootstrap interval; the parameter
 counts are the ones designed (active MoE = dense + the routers, total MoE = active + the idle
 experts, worked out by hand from the shape); the profile shares are in [0, 1], sum to 1 and give
-the expert matmuls a nonzero share. Nothing asserts a speed: a shared CPU is noisy.
+the expert matmuls a nonzero share. The expert-parallel comparison (2 forked ranks, dp2 ep1 and
+ep2): every step of both ranks timed and finite, both start from about ln(vocab), the ratio
+inside its interval, the all-to-all share in (0, 1). Nothing asserts a speed: a shared CPU is
+noisy.
 """
 
 import json
@@ -26,7 +29,8 @@ def test_moe_quick_writes_sane_json(tmp_path):
     cmd = [sys.executable, "benchmarks/moe.py", "--quick", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| model | params |" in proc.stdout and "expert parallelism" in proc.stdout
+    assert "| model | params |" in proc.stdout and "| dp2 ep2 | 4 |" in proc.stdout
+    assert "all-to-all share of the ep2 step" in proc.stdout
     r = json.loads(out.read_text())
     assert r["mode"] == "quick" and r["tokens_per_step"] == 2 * 256
     for way in ("moe", "dense"):
@@ -50,3 +54,13 @@ def test_moe_quick_writes_sane_json(tmp_path):
     shares = r["profile"]
     assert all(0 <= v <= 1 for v in shares.values()) and abs(sum(shares.values()) - 1) < 1e-9
     assert shares["expert matmuls"] > 0 and shares["dispatch"] > 0 and shares["router"] > 0
+    e = r["expert_parallel"]
+    assert e["rounds"] == 4 and sorted(e["ranks"]) == ["0", "1"]  # JSON keys
+    for rank in e["ranks"].values():
+        for way in ("ep1", "ep2"):
+            assert len(rank[way]) == e["rounds"] and all(map(_positive, rank[way])), way
+            assert abs(rank["loss"][way][0] - math.log(2048)) < 0.5, rank["loss"][way][0]
+        assert len(rank["a2a"]) == e["rounds"] and all(map(_positive, rank["a2a"]))
+    lo, hi = e["ep2_over_ep1_ci95"]
+    assert 0 < lo <= e["ep2_over_ep1_median"] <= hi
+    assert 0 < e["a2a_share_median"] < 1 and _positive(e["a2a_s_median"])

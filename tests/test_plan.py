@@ -14,6 +14,9 @@
   masking): params, grads, optimizer state, the calls and bytes of the cp collectives, and the
   bytes saved for backward equal the plan's, exactly (saved bytes plus what the plan leaves out
   on purpose: CPU SDPA's causal masks, the autocast weight copies it counts as transient).
+- Mixture of experts: parameters and saved-bytes terms by hand; the expert-parallel plan by hand
+  (groups, slices, all-to-alls, the expert-replica reduction); real runs on 2 ranks (dp, zero1,
+  bf16, autocast, pp, tp both modes, cp, ep2 with its recorded routing) exactly.
 """
 
 import copy
@@ -45,6 +48,8 @@ from mesh3d.plan import (
     make_plan,
     stage_activation_bytes,
 )
+from mesh3d.plan.activations import moe_routed_bytes
+from mesh3d.plan.sizes import _Sizes
 from mesh3d.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -537,7 +542,7 @@ def test_moe_parameters_total_and_active_by_hand():
     text = format_plan(plan)
     assert "top 2 of 4 experts of 32, a shared expert of 48 in layers 0,2" in text
     assert f"{plan.active_params:,} parameters active per token of {total:,}" in text
-    assert "no expert parallelism yet" in text
+    assert "no expert parallelism" in text
     assert "mixture of experts" not in format_plan(make_plan(_cfg([])))
 
 
@@ -554,25 +559,81 @@ def test_moe_activation_terms_by_hand():
     assert stage_activation_bytes(cfg, 3, False, False)[0] == 2 * moe + dense
 
 
+def test_expert_parallel_plan_by_hand():
+    # MOE at dp 4, ep 2, one microbatch of 2 x 16 (T 32), h 64, E 4, k 2, F 32, 2 MoE layers
+    cfg = _moe_cfg(["parallelism.dp=4", "parallelism.expert_parallel_size=2", *ONE_STEP])
+    plan, whole = make_plan(cfg, 4), make_plan(_moe_cfg(["parallelism.dp=4", *ONE_STEP]), 4)
+    assert plan.groups["ep"] == [[0, 1], [2, 3]]
+    assert plan.groups["expert_replicas"] == [[0, 2], [1, 3]]
+    experts = 2 * 4 * 3 * 64 * 32  # both MoE layers' stacked experts, all 4
+    rp = plan.ranks[1]
+    assert rp.param_elements == whole.ranks[1].param_elements - experts // 2
+    assert plan.total_params == whole.total_params
+    comm = {c.what: c for c in rp.comm}
+    rows = 2 * 32 * 64 * 4  # k·T rows of h, fp32
+    counts, there = comm["expert counts (fwd)"], comm["routed rows, results back (fwd)"]
+    n = 2 * plan.microbatches  # MoE layers x microbatches
+    assert (counts.collective, counts.count, counts.bytes_each) == ("all_to_all", n, 8 * 4)
+    assert (there.count, there.bytes_each, there.sent_bytes) == (2 * n, rows, 2 * n * rows // 2)
+    assert comm["their grads (bwd)"].count == 2 * n
+    dp, rep = comm["grads, one flat buffer"], comm["expert grads over their replicas (dp/ep = 2)"]
+    assert dp.bytes_each == (rp.param_elements - experts // 2) * 4
+    assert (rep.axis, rep.bytes_each, rep.sent_bytes) == ("dp", experts // 2 * 4, experts // 2 * 4)
+    text = format_plan(plan)
+    assert "ep: [0, 1] [2, 3]" in text and "expert replicas: [0, 2] [1, 3]" in text
+    assert "balanced routing assumed" in text and "no expert parallelism" not in text
+    # dp 2, ep 2: no replica to sum the expert grads over
+    two = make_plan(_moe_cfg(["parallelism.dp=2", "parallelism.expert_parallel_size=2"]), 2)
+    assert not any("replicas" in c.what for c in two.ranks[0].comm)
+
+
 def _moe_measured(rank: int, world: int, runs: list) -> list[dict]:
-    """`_cp_measured` without the cp counters, plus the routed rows per microbatch and layer."""
+    """`_cp_measured` without the cp counters, plus the routed rows per microbatch and layer,
+    and under expert parallelism, per run: the rows each dispatch received (R), and per dtype
+    the calls and send-buffer bytes of `all_to_all_single` (counts int64, rows float)."""
+    import torch.distributed as dist
+
+    import mesh3d.parallel.experts as experts
     from mesh3d.models.moe import MoE
 
-    routed: list[int] = []
+    routed: list[set[int]] = [set() for _ in runs]
+    received: list[list[int]] = [[] for _ in runs]
+    a2a: list[dict] = [{} for _ in runs]
+    run = [0]
 
     def count_rows(module, args, output):
         with torch.no_grad():  # nothing saved: the meter must not see it
-            _, _, experts = module.route(args[0])
-        routed.append(experts.numel())
+            _, _, experts_ = module.route(args[0])
+        routed[run[0]].add(experts_.numel())
+
+    def all_to_all(x, send, recv, group, fn=experts.all_to_all):
+        calls = received[run[0]]
+        calls.append(sum(recv))
+        return fn(x, send, recv, group)
+
+    def all_to_all_single(out, inp, *args, fn=dist.all_to_all_single, **kwargs):
+        key = str(inp.dtype)
+        calls, nbytes = a2a[run[0]].get(key, (0, 0))
+        a2a[run[0]][key] = (calls + 1, nbytes + inp.numel() * inp.element_size())
+        return fn(out, inp, *args, **kwargs)
 
     hook = nn.modules.module.register_module_forward_hook(
         lambda m, a, o: count_rows(m, a, o) if isinstance(m, MoE) else None
     )
+    patched = experts.all_to_all, dist.all_to_all_single
+    experts.all_to_all, dist.all_to_all_single = all_to_all, all_to_all_single
+    out = []
     try:
-        out = _cp_measured(rank, world, runs)
+        for i, cfg in enumerate(runs):
+            run[0] = i
+            out += _cp_measured(rank, world, [cfg])
     finally:
         hook.remove()
-    out[0]["routed"] = routed
+        experts.all_to_all, dist.all_to_all_single = patched
+    for o, rows, calls, k in zip(out, received, a2a, routed):
+        o["routed"] = k
+        o["received"] = rows[::2]  # dispatch, then results back (whose recv is what was sent)
+        o["a2a"] = calls
     return out
 
 
@@ -587,6 +648,17 @@ RUNS_MOE = {  # on 2 ranks; label -> (config overrides, base)
                      *_pp("1f1b")],
     "dense pp2 1f1b": ["parallelism.pp=2", *ONE_STEP, "tokens.batch_accumulation_per_replica=4",
                        *_pp("1f1b"), "model.model_config.moe_config=null"],
+    "moe dp2 ep2": ["parallelism.dp=2", "parallelism.expert_parallel_size=2", *ONE_STEP,
+                    "tokens.batch_accumulation_per_replica=2"],
+    "moe dp2 ep2 bf16 autocast": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
+                                  "model.dtype=bfloat16", *ONE_STEP],
+    "moe dp2 ep2 bf16 params": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
+                                "model.dtype=bfloat16", "optimizer.accumulate_grad_in_fp32=false",
+                                *ONE_STEP],
+    "moe tp2 sequence parallel": ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER",
+                                  *ONE_STEP],
+    "moe tp2 all-reduce": ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE", *ONE_STEP],
+    "moe cp2": _cp(2),
 }  # fmt: skip
 
 
@@ -597,21 +669,55 @@ def test_plan_equals_real_moe_runs():
     every MoE layer routed k·T rows), and every saved tensor is linear in them. Under autocast,
     plus the cached weight casts the plan counts as transient, exactly too (every expert got
     tokens: the plan's bound is met). With a pipeline, the MoE run misses exactly what the same
-    dense run misses (the few bytes per microbatch a schedule keeps that the plan leaves out)."""
+    dense run misses (the few bytes per microbatch a schedule keeps that the plan leaves out).
+    Under tp (both modes) and cp the block runs on the rank's tokens: exact too (cp plus CPU
+    SDPA's causal masks). Under expert parallelism the plan assumes balanced routing: the run's
+    recorded received rows replace it (`_ep_checks`), then the saved bytes and the all-to-all
+    calls and bytes are exact (fp32, bf16 params, bf16 autocast)."""
     cfgs = [_moe_cfg(ov) for ov in RUNS_MOE.values()]
-    measured = run_ranks(2, _moe_measured, cfgs, timeout=240)
-    assert set(measured[0][0]["routed"]) == {2 * 2 * 16}  # k · b · s in every MoE forward
+    measured = run_ranks(2, _moe_measured, cfgs, timeout=300)
     off = {}
     for i, (label, cfg) in enumerate(zip(RUNS_MOE, cfgs)):
-        plan = make_plan(cfg, 2)
+        plan, z = make_plan(cfg, 2), _Sizes.of(cfg)
         for rank, rp in enumerate(plan.ranks):
             got = measured[rank][i]
+            if z.moe_layers:  # k·T in every MoE forward (T: the tokens the block runs on)
+                assert got["routed"] == {z.top_k * z.local_tokens}, (label, got["routed"])
             want = dict(elements=rp.param_elements, params=rp.param_bytes,
                         grads=rp.grad_bytes, optim=rp.optimizer_bytes)  # fmt: skip
             assert {k: got[k] for k in want} == want, f"{label}, rank {rank}"
             saved = rp.saved_activation_bytes + rp.transient.get("autocast_weight_copies", 0)
+            if z.cp > 1:
+                saved += _cpu_causal_masks(cfg, rp.coords["cp"], z.e_c)
+            saved += _ep_checks(z, rp, got, label)
             if plan.dims["pp"] == 1:
                 assert got["saved"] == saved, f"{label}, rank {rank}"
             else:
                 off.setdefault(rank, []).append(got["saved"] - saved)
     assert all(len(set(d)) == 1 for d in off.values()), off  # moe and dense pp2 miss the same
+
+
+def _ep_checks(z, rp, got: dict, label: str) -> int:
+    """Under expert parallelism: the all-to-all calls and bytes against the plan's, with the
+    recorded received rows R in place of the balanced k·T (a rank sends k·T rows and R results
+    back in forward, the grads of both in backward); returns what the plan's saved bytes lack
+    for the recorded R (the largest over the step's microbatches, as the peak is)."""
+    if z.ep == 1:
+        assert not got["a2a"], label
+        return 0
+    rows = got["received"]
+    kt, per_mb = z.top_k * z.local_tokens, len(z.moe_layers)
+    assert len(rows) == z.m * per_mb, label
+    comm = {c.what: c for c in rp.comm if c.axis == "ep"}
+    counts, sent = comm["expert counts (fwd)"], comm["routed rows, results back (fwd)"]
+    grads = comm["their grads (bwd)"]
+    assert got["a2a"]["torch.int64"] == (counts.count, counts.count * 8 * z.experts), label
+    planned = (sent.count + grads.count) * sent.bytes_each
+    skew = 2 * sum(r - kt for r in rows) * z.h * z.e_p  # the R-row halves, routing-dependent
+    float_dtype = str(getattr(torch, {4: "float32", 2: "bfloat16"}[z.e_p]))
+    assert got["a2a"][float_dtype] == (sent.count + grads.count, planned + skew), label
+    base = moe_routed_bytes(z)
+    return max(
+        sum(moe_routed_bytes(z, r) - base for r in rows[j : j + per_mb])
+        for j in range(0, len(rows), per_mb)
+    )

@@ -69,50 +69,77 @@ def _layer_bytes(z: _Sizes, moe: bool) -> int:
 
 
 def moe_saved_bytes(z: _Sizes) -> int:
-    """What one MoE block (`models/moe.py`, tp 1, cp 1) saves for backward per microbatch.
+    """What one MoE block (`models/moe.py`) saves for backward per microbatch.
 
-    T = b·s tokens, E experts, top k, F / G the expert / shared expert intermediate sizes;
-    the other letters as in `stage_activation_bytes`. Every token reaches exactly k distinct
-    experts, so the rows the experts run sum to k·T whatever the routing, and only the split
-    of those rows among experts depends on it; every term below is linear in the rows:
+    T = the tokens the block runs on: b·s/cp, over tp the rank's sequence share under sequence
+    parallelism (each tp rank runs its T/tp tokens) and every token under ALL_REDUCE (each tp
+    rank runs them all, with replicated weights); E experts, top k, F / G the expert / shared
+    expert intermediate sizes; the other letters as in `stage_activation_bytes`. Every token
+    reaches exactly k distinct experts, so the rows the experts run sum to k·T whatever the
+    routing, and only the split of those rows among experts depends on it; every term below is
+    linear in the rows:
 
-        4·T·h or T·h·e_c          the router's input: x.float() (x itself in fp32; under
-                                  autocast the bf16 cast its linear saves instead)
-      + r·T·E + 8·T·k + r·b·E     router probabilities (the softmax output), top-k indices
-                                  (int64), the aux loss's per-sequence expert shares; r = 4
-                                  (fp32), but e_c under autocast: CPU autocast runs the
-                                  router's linear and softmax in bf16 (CUDA's would keep the
-                                  softmax in fp32: 2·(T+b)·E more bytes there)
-      + k·T·(16 + 4·F·e_c + h·(2·e_c + e_p) + e_p)
-                                  per routed row: its token and slot indices (one int64
-                                  nonzero result), the gathered input, gate|up output, the
-                                  activation, the product, the expert output, its router
-                                  weight (in x's dtype) and the weighted output index_add keeps
+        4·T·h                     the router's input: x.float() (x itself in fp32), kept in
+                                  fp32 under autocast too (the router runs outside it)
+      + 4·T·E + 8·T·k + 4·b·E     router probabilities (the fp32 softmax output), top-k
+                                  indices (int64), the aux loss's per-sequence expert shares
+      + the routed rows: `moe_routed_bytes`
       + T·(4·G·e_c + h·e_c + e_c) the shared expert: gate/up outputs, activation, product,
                                   its output and the sigmoid gate
       + its input: T·h·e_c when it is not the router's input (bf16), 3·T·h·e_c casts under
         autocast (gate, gate_proj, up_proj)
       + 4·E·h                     bf16 params without autocast: the router weight's fp32 copy
-      + E·3·h·F·e_c               under autocast: the cast of each expert's weight slices,
-                                  per expert that got a token (a bound: every expert)
+      + (E/ep)·3·h·F·e_c          under autocast: the cast of each (local) expert's weight
+                                  slices, per expert that got a token (a bound: every expert)
 
-    Measured exact in fp32 (tests/test_plan.py). The autocast line assumes every expert got a
-    token (true unless an expert is idle for a whole microbatch).
+    Measured exact in fp32, bf16 and bf16 autocast (tests/test_plan.py). The autocast line
+    assumes every expert got a token (true unless an expert is idle for a whole microbatch).
     """
-    t, h, e, k, f, g = z.tokens, z.h, z.experts, z.top_k, z.moe_ffn, z.shared_ffn
+    t, h, e, k, f, g = z.local_tokens, z.h, z.experts, z.top_k, z.moe_ffn, z.shared_ffn
     fp32 = z.e_p == 4 and not z.autocast
-    out = t * h * z.e_c if z.autocast else 4 * t * h
-    r = z.e_c if z.autocast else 4
-    out += r * t * e + 8 * t * k + r * z.b * e
-    out += k * t * (16 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p)
+    out = 4 * t * h + 4 * t * e + 8 * t * k + 4 * z.b * e + moe_routed_bytes(z)
     if g:
         out += t * (4 * g * z.e_c + h * z.e_c + z.e_c)
         out += 3 * t * h * z.e_c if z.autocast else 0 if fp32 else t * h * z.e_c
     if z.e_p != 4 and not z.autocast:
         out += 4 * e * h
     if z.autocast:
-        out += e * 3 * h * f * z.e_c
+        out += e // z.ep * 3 * h * f * z.e_c
     return out
+
+
+def moe_routed_bytes(z: _Sizes, received: int | None = None) -> int:
+    """What one MoE block saves for its k·T routed rows (T as in `moe_saved_bytes`).
+
+    Without expert parallelism, per routed row:
+
+        k·T·(16 + 4·F·e_c + h·(2·e_c + e_p) + e_p)
+            its token and slot indices (one int64 nonzero result), the gathered input,
+            gate|up output, the activation, the product, the expert output, its router weight
+            (in x's dtype) and the weighted output index_add keeps
+
+    Under expert parallelism (`parallel/experts.py`) a rank sends exactly k·T rows and runs
+    its local experts on the R rows it receives, which depend on the routing:
+
+        k·T·(16 + 2·h·e_p + e_p)  the send side: the sort order and each row's token (int64),
+                                  the results sent back, their router weights and the
+                                  weighted results index_add keeps (x's dtype)
+      + R·(8 + 4·F·e_c + h·(e_c + e_p))
+                                  the receive side: each row's index in its expert's batch
+                                  (int64), the expert's input (its cast under autocast),
+                                  gate|up output, activation, product, and the expert output
+                                  index_copy keeps (in x's dtype)
+
+    `received`: R; default k·T, the expectation under balanced routing (every rank receives
+    on average what it sends). tests/test_plan.py checks a real ep2 run with its recorded R.
+    """
+    t, h, k, f = z.local_tokens, z.h, z.top_k, z.moe_ffn
+    rows = k * t
+    if z.ep == 1:
+        return rows * (16 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p)
+    received = rows if received is None else received
+    sent_side = rows * (16 + 2 * h * z.e_p + z.e_p)
+    return sent_side + received * (8 + 4 * f * z.e_c + h * (z.e_c + z.e_p))
 
 
 def loss_saved_bytes(cfg) -> int:

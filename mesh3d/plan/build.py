@@ -10,6 +10,7 @@ from mesh3d.config import validate
 from mesh3d.layout import param_and_compute_dtypes
 from mesh3d.mesh import ParallelDims
 from mesh3d.models.spec import ModelShape, spec_of
+from mesh3d.parallel.experts import ep_groups
 from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_by_cost, stage_ids_of_rank
 from mesh3d.plan.activations import loss_saved_bytes, stage_activation_bytes
 from mesh3d.plan.comm import _comm
@@ -84,10 +85,19 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         tied_embeddings=tied, padded_vocab=z.padded,
         total_params=sum(p.numel() for p in full.parameters()),
         active_params=sum(p.numel() for p in full.parameters()) - _idle_experts(z),
-        groups={axis: dims.groups(axis) for axis in ("tp", "cp", "pp", "dp")}, stages=stages,
+        groups=_groups(z, dims), stages=stages,
         ranks=ranks, bubble=bubble(z.schedule, z.pp, z.v, z.m), order_source=source,
         notes=_notes(z), moe=_moe(z),
     )  # fmt: skip
+
+
+def _groups(z: _Sizes, dims: ParallelDims) -> dict[str, list[list[int]]]:
+    """The mesh axes' rank groups; under expert parallelism also the ep groups and the expert
+    replica groups (the ranks holding the same experts), as training builds them."""
+    groups = {axis: dims.groups(axis) for axis in ("tp", "cp", "pp", "dp")}
+    if z.ep > 1:
+        groups["ep"], groups["expert_replicas"] = ep_groups(dims.world_size, dims, z.ep)
+    return groups
 
 
 def _idle_experts(z: _Sizes) -> int:
@@ -118,12 +128,21 @@ def _notes(z: _Sizes) -> list[str]:
         )
     if z.autocast:
         notes.append("autocast keeps a cast copy of each linear weight for the step")
-    if z.moe_layers:
+    if z.moe_layers and z.ep == 1:
+        notes.append("moe: no expert parallelism (every rank holds every expert; their "
+                     "gradients are in the dp reduction above)")  # fmt: skip
+    if z.ep > 1:
+        local = z.experts // z.ep
         notes.append(
-            "moe: no communication items for the experts: there is no expert parallelism yet "
-            "(every rank holds every expert; their gradients are in the dp reduction above)"
+            f"moe: expert parallelism {z.ep}: each rank holds {local} of the {z.experts} experts "
+            "of every MoE layer; the ep all-to-alls carry k·T rows each way on average and the "
+            "activations count k·T received rows: balanced routing assumed (the real split, "
+            "so the bytes received, sent back and saved, depends on the routing)"
         )
-        if z.autocast:
-            notes.append("moe: the experts' saved bytes count a cast of every expert's weights "
-                         "per microbatch (a bound: exact when every expert gets a token)")  # fmt: skip
+    if z.moe_layers and z.tp > 1:
+        notes.append("moe: the tp items count the dense MLP's collectives in MoE layers too "
+                     "(the block runs replicated, without them: a bound)")  # fmt: skip
+    if z.moe_layers and z.autocast:
+        notes.append("moe: the experts' saved bytes count a cast of every (local) expert's "
+                     "weights per microbatch (a bound: exact when every expert gets a token)")  # fmt: skip
     return notes

@@ -9,6 +9,7 @@ from mesh3d.plan.sizes import _Sizes
 # bytes one rank sends per byte of payload, ring algorithms over n ranks
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
 WIRE |= {"reduce_scatter": WIRE["all_gather"], "send": lambda n: 1.0}
+WIRE["all_to_all"] = WIRE["all_gather"]  # a rank keeps its own share: balanced splits assumed
 
 
 def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: bool):
@@ -50,9 +51,14 @@ def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: b
         cp.append(("positions (fwd)", "all_gather", fwd // 2, 8 * z.b * z.s))
     # dp: over the flattened dp x cp group, which holds the same parameters
     over = " over dp x cp" if z.cp > 1 else ""
+    ep = _ep(z, stages, params)
     if z.mode == "replicate":
-        grads = sum(p.grad for p in params) * z.e_p
+        grads = sum(p.grad for p in params if not p.expert) * z.e_p
         dp = [(f"grads, one flat buffer{over}", "all_reduce", 1, grads)]
+        experts = sum(p.grad for p in params if p.expert) * z.e_p
+        who = f"dp/ep x cp = {z.expert_replicas}" if z.cp > 1 else f"dp/ep = {z.expert_replicas}"
+        dp.append((f"expert grads over their replicas ({who})", "all_reduce", 1, experts,
+                   z.expert_replicas))  # fmt: skip
     else:  # FSDP2: all units of the rank together; the pipeline defers reduce (and reshard)
         many = m if z.pp == 1 else 1
         gathers = 2 * m if z.mode == "full" else many  # full with pp > 1: a bound
@@ -60,10 +66,30 @@ def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: b
         dp = [(f"parameters (FSDP unshard){over}", "all_gather", gathers, gathered),
               (f"grads{over}", "reduce_scatter", many, gathered)]  # fmt: skip
     items = []
-    for axis, rows, n in (("tp", tp, z.tp), ("cp", cp, z.cp), ("pp", pp, z.pp),
-                          ("dp", dp, z.replicas)):  # fmt: skip
-        for what, kind, count, each in rows:
+    for axis, rows, size in (("tp", tp, z.tp), ("cp", cp, z.cp), ("pp", pp, z.pp),
+                             ("ep", ep, z.ep), ("dp", dp, z.replicas)):  # fmt: skip
+        for what, kind, count, each, *group in rows:
+            n = group[0] if group else size
             if count and each and n > 1:
                 sent = round(count * each * WIRE[kind](n))
                 items.append(CommItem(axis, what, kind, count, each, sent))
     return items
+
+
+def _ep(z: _Sizes, stages: list[StagePlan], params: list[_Param]) -> list[tuple]:
+    """Expert parallelism (`parallel/experts.py`), per MoE layer and microbatch: forward, the
+    expert counts (E int64) and the rows there and back (k·T rows of h in x's dtype, the param
+    dtype); backward, the two row all-to-alls reversed; recompute reruns the forward ones.
+    A rank sends exactly k·T rows; what it receives, and so the results it sends back, depends
+    on the routing: k·T on average (balanced routing assumed), as are the splits the wire
+    bytes assume. Once per step, the expert grads' squared norm (fp64) over the ep group."""
+    if z.ep == 1:
+        return []
+    moe = sum(i in z.moe_layers for s in stages for i in s.layers)
+    fwd, bwd = moe * z.m * (1 + z.recompute), moe * z.m
+    rows = z.top_k * z.local_tokens * z.h * z.e_p
+    return [("expert counts (fwd)", "all_to_all", fwd, 8 * z.experts),
+            ("routed rows, results back (fwd)", "all_to_all", 2 * fwd, rows),
+            ("their grads (bwd)", "all_to_all", 2 * bwd, rows),
+            ("expert grad norm (fp64 squares)", "all_reduce", int(any(p.expert for p in params)),
+             8)]  # fmt: skip

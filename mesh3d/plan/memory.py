@@ -6,6 +6,8 @@ run, exactly):
   TP splits a dim like `torch.chunk`; FSDP2 (zero_stage 1 or full_shard, dp x cp > 1) then
   chunks dim 0 of the tp-local tensor over the flattened dp x cp group (cp ranks hold the same
   parameters, like dp ranks): ceil(rows / (dp·cp)) each, the last ranks get what is left;
+  under expert parallelism (ep > 1, zero_stage 0 only) the stacked expert weights [E, ...]
+  hold the rank's E / ep experts (`parallel/experts.py`);
 - grads, at the optimizer step: as the params (sharded like them: `shard_grads_like_params`);
 - optimizer: AdamW exp_avg + exp_avg_sq in the param dtype and a 4-byte `step` per parameter;
   SGD (no momentum in mesh3d) none.
@@ -34,6 +36,7 @@ class _Param:
     gathered: int  # what FSDP all-gathers: dp x cp x the ceil-sized shard
     grad: int  # the gradient at the optimizer step
     matmul: bool  # a linear weight: autocast keeps a cast copy
+    expert: bool = False  # an expert-parallel slice: E / ep of the experts, reduced apart
 
 
 def _chunk(n: int, parts: int, index: int) -> int:
@@ -63,6 +66,9 @@ def _params(z: _Sizes, module: nn.Module, coords: dict[str, int]) -> list[_Param
     out = []
     for name, param in module.named_parameters():  # a tied head shares the embedding's
         shape = list(param.shape)
+        expert = z.ep > 1 and ".experts.merged_" in name
+        if expert:  # the meta model holds every expert; the rank its ep slice
+            shape[0] //= z.ep
         dim = _tp_dim(module, name, plan)
         if dim is not None:
             shape[dim] = _chunk(shape[dim], z.tp, coords["tp"])
@@ -71,12 +77,13 @@ def _params(z: _Sizes, module: nn.Module, coords: dict[str, int]) -> list[_Param
         if z.fsdp:
             local = _chunk(shape[0], z.replicas, z.replica_index(coords)) * row
             gathered = -(-shape[0] // z.replicas) * z.replicas * row
-        # (the router and shared-expert gate are leaf linear weights too; the experts' stacked
-        # weights are not cast whole: each expert's slice is cast when it runs, see activations)
-        matmul = name.endswith(("proj.weight", "mlp.gate.weight", "shared_expert_gate.weight"))
+        # (the shared-expert gate is a leaf linear weight too; the router is not cast: it runs
+        # in fp32 outside autocast; the experts' stacked weights are not cast whole: each
+        # expert's slice is cast when it runs, see activations)
+        matmul = name.endswith(("proj.weight", "shared_expert_gate.weight"))
         matmul |= name == "lm_head.weight"
         matmul |= head is not None and param is head.weight
-        out.append(_Param(name, local, tp_local, gathered, local, matmul))
+        out.append(_Param(name, local, tp_local, gathered, local, matmul, expert))
     return out
 
 

@@ -73,6 +73,11 @@ def format_plan(plan: Plan) -> str:
         "",
         "1. Rank groups",
         *(f"  {a}: " + " ".join(map(str, plan.groups[a])) for a in axes),
+        *(
+            f"  {a.replace('_', ' ')}: " + " ".join(map(str, plan.groups[a]))
+            for a in ("ep", "expert_replicas")
+            if a in plan.groups
+        ),
         "",
         f"2. Pipeline stages ({plan.schedule}, {plan.virtual_stages} per pp rank)",
     ]
@@ -105,7 +110,8 @@ def format_plan(plan: Plan) -> str:
     out += ["", f"5. Pipeline bubble: {value} ({b.kind}: {b.formula})", ""]
     out.append("6. Communication per step (payload: full tensor; sent: by this rank, ring)")
     for g in _by_value(plan, lambda r: tuple(map(str, r.comm))).values():
-        sent = {a: sum(c.sent_bytes for c in g[0].comm if c.axis == a) for a in axes}
+        axes_sent = (*axes, "ep") if "ep" in plan.groups else axes
+        sent = {a: sum(c.sent_bytes for c in g[0].comm if c.axis == a) for a in axes_sent}
         totals = ", ".join(f"{a} {_size(v)}" for a, v in sent.items())
         out.append(f"  ranks {_ranges([r.rank for r in g])} send {totals}")
         rows = [[c.axis, c.what, c.collective, str(c.count), _size(c.bytes_each),

@@ -43,6 +43,7 @@ class _Sizes:
     top_k: int = 0  # k
     moe_ffn: int = 0  # each expert's intermediate size
     shared_ffn: int = 0  # the shared expert's, 0 without one
+    ep: int = 1  # expert parallelism: each rank of an ep group holds E / ep experts
 
     @classmethod
     def of(cls, cfg) -> _Sizes:
@@ -58,6 +59,7 @@ class _Sizes:
             z.positions_everywhere, p.recompute_layer,
             z.dp_mode != "replicate" and p.dp * cp > 1, z.dp_mode, effective_pp_schedule(cfg),
             z.spec.family, s.moe_layers, s.num_experts, s.top_k, s.moe_ffn, s.shared_ffn,
+            max(1, p.expert_parallel_size),
         )  # fmt: skip
 
     @property
@@ -71,6 +73,10 @@ class _Sizes:
     @property
     def replicas(self) -> int:  # the ranks that hold the same parameters: dp x cp
         return self.dp * self.cp
+
+    @property
+    def expert_replicas(self) -> int:  # the ranks that hold the same experts: dp/ep x cp
+        return self.dp // self.ep * self.cp
 
     def replica_index(self, coords: dict[str, int]) -> int:  # in the flattened dp x cp group
         return coords["dp"] * self.cp + coords["cp"]
