@@ -66,6 +66,19 @@ SHARED_EXPERT: LayerTable = {
 }  # fmt: skip
 
 
+def step_flops(s: ModelShape, seq_len: int, batch_size: int) -> float:
+    """Llama's model FLOPs with each MoE layer's MLP counted as what a token runs: the router,
+    its top-k experts and the shared expert (and its gate), not the dense MLP."""
+    flops = llama_spec.step_flops(s, seq_len, batch_size)
+    if not s.moe_layers:
+        return flops
+    tokens, h = batch_size * seq_len, s.hidden_size
+    dense = 6 * tokens * h * s.intermediate_size  # gate, up, down: 2·h·F each per token
+    routed = 6 * tokens * h * (s.top_k * s.moe_ffn + s.shared_ffn)
+    routed += 2 * tokens * h * (s.num_experts + (1 if s.shared_ffn else 0))  # router, shared gate
+    return flops + 3.0 * len(s.moe_layers) * (routed - dense)
+
+
 def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     """Llama's plan; with `shape`'s MoE layers, their MLP entries replaced by the experts'
     style (replicated weights, the rank's tokens: `parallel/tensor.py::ExpertsReplicated`)."""
@@ -420,6 +433,7 @@ QWEN2 = register(
         shape=shape,
         build=build,
         tp_plan=tp_plan,
+        step_flops=step_flops,
         nanotron_layer=nanotron_layer,
         param_shapes=param_shapes,
         hf=(QWEN2_HF, SMOLLM3, QWEN2_MOE),

@@ -90,13 +90,14 @@ QWEN3_HF = HFSpec(("Qwen3ForCausalLM",), "qwen3", qwen3_from_hf, qwen3_to_hf,
                   llama_spec.ours_to_hf, llama_spec.hf_to_ours)  # fmt: skip
 
 QWEN3 = register(
-    dataclasses.replace(  # Llama's init, FLOPs and pipeline costs; q/k norms in TP and weights
+    dataclasses.replace(  # Llama's init and pipeline costs; q/k norms in TP and weights
         llama_spec.LLAMA,
         family="qwen3",
         config_class=Qwen3Config,
         shape=shape,
         build=build,
         tp_plan=tp_plan,
+        step_flops=qwen2_spec.step_flops,  # Llama's, with MoE layers as what a token runs
         nanotron_layer=nanotron_layer,
         param_shapes=param_shapes,
         hf=(QWEN3_HF,),
