@@ -285,7 +285,6 @@ BAD = [
     ("lighteval", ["lighteval={slurm_script_dir: x}"], None, None, "`lighteval` is not supported by mesh3d yet"),
     ("expert-parallel-dense", ["parallelism.expert_parallel_size=2"], None, None, "`parallelism.expert_parallel_size` is 2, but the model has no experts (no moe_config); set it to 1"),
     ("expert-parallel-dp", ["parallelism.expert_parallel_size=4"], _qwen_moe_ep, None, "`parallelism.expert_parallel_size` (4) must divide `parallelism.dp` (2)"),
-    ("expert-parallel-zero1", ["parallelism.expert_parallel_size=2", "optimizer.zero_stage=1"], _qwen_moe_ep, None, "`parallelism.expert_parallel_size > 1 with optimizer.zero_stage 1 or mesh3d.full_shard` is not supported by mesh3d yet"),
     ("context-parallel-world", ["parallelism.context_parallel_size=2"], None, 1, "parallelism.dp (1) x tp (1) x pp (1) x context_parallel_size (2) = 2, but the world size is 1; change parallelism.dp/context_parallel_size/tp/pp so the product is 1"),
     ("context-parallel-split", ["parallelism.context_parallel_size=3"], None, 3, "must be divisible by `2 x parallelism.context_parallel_size` (6)"),
     ("qwen2-moe", [], _qwen_moe, None, f"`{MC}.moe_config.top_k` (5) must be at most num_experts (4)"),

@@ -526,9 +526,6 @@ def _expert_parallel(cfg: Config) -> Iterator[str]:
                "dp ranks (mesh3d, like Nanotron, does not count ep in the world size)")  # fmt: skip
     if moe.num_experts % ep:
         yield f"`{MC}.moe_config.num_experts` ({moe.num_experts}) must be divisible by `{key}` ({ep})"
-    if cfg.optimizer.zero_stage > 0 or cfg.mesh3d.full_shard:
-        yield _not_yet(f"{key} > 1 with optimizer.zero_stage 1 or mesh3d.full_shard",
-                       "set zero_stage to 0 (and full_shard to false)")  # fmt: skip
 
 
 # HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".

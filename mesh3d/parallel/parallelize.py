@@ -175,9 +175,12 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str, blocks: str = "la
     except AttributeError:
         container = None
     units = container.values() if isinstance(container, nn.ModuleDict) else container or []
+    # expert-parallel slices are not replicated over dp: FSDP leaves them to their own sum
+    ignored = {p for m in model.modules() if getattr(m, "shard", None) is not None
+               and isinstance(m, Experts) for p in m.parameters(recurse=False)}  # fmt: skip
     for layer in units:
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
     return model
 
 

@@ -53,9 +53,15 @@ def param_groups(
         candidates = match_names(name, shape)
         excluded = any(re.match(pat, n) for pat in exclude for n in candidates)
         (no_decay if excluded else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    groups = []
+    for params, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        # expert-parallel slices in groups of their own: under zero 1 they stay plain tensors
+        # beside FSDP's DTensors, and one fused/foreach AdamW call cannot mix the two
+        plain = [p for p in params if getattr(p, "expert_shard", None) is None]
+        sliced = [p for p in params if getattr(p, "expert_shard", None) is not None]
+        for subset in (plain, sliced):
+            if subset or (not groups and params is decay):
+                groups.append({"params": subset, "weight_decay": wd})
     return groups
 
 

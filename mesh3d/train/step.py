@@ -65,8 +65,13 @@ def clip_grad_norm(
         sq = total.double() ** 2
         dist.all_reduce(sq, group=pp_group)
         total = sq.sqrt().to(total.dtype)
-    if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    if max_norm is not None:  # expert slices apart: plain next to FSDP's DTensors under zero 1
+        for subset in (
+            [p for p in params if getattr(p, "expert_shard", None) is None],
+            [p for p in params if getattr(p, "expert_shard", None) is not None],
+        ):
+            if subset:
+                torch.nn.utils.clip_grads_with_norm_(subset, max_norm, total)
     return float(total)
 
 
@@ -198,9 +203,13 @@ def train_step(
         if layout.dp_mode == "replicate":
             for m in parts.modules:
                 allreduce_gradients(m, replica_group)  # expert-parallel slices left out
-            if parts.expert_replicas is not None:  # they sum over the ranks holding them
-                sliced = [p for p in parts.parameters() if getattr(p, "expert_shard", None)]
-                allreduce_param_grads(sliced, parts.expert_replicas)
+        if parts.expert_replicas is not None:  # they sum over the ranks holding them
+            sliced = [p for p in parts.parameters() if getattr(p, "expert_shard", None)]
+            allreduce_param_grads(sliced, parts.expert_replicas)
+            if layout.backward_scale != 1:  # FSDP's scale, which their plain sum does not undo
+                for p in sliced:
+                    if p.grad is not None:
+                        p.grad.div_(layout.backward_scale)
         dist.all_reduce(total, group=replica_group)
     if pp > 1:
         sync_tied_embeddings(parts.modules, pp_group, parts.embed_rank, parts.head_rank)
