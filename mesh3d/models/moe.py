@@ -63,8 +63,18 @@ class Experts(nn.Module):
 
     def expert(self, e: int, x: Tensor, weights=lambda p: p) -> Tensor:
         """Expert `e` on tokens x [n, h] (`weights`: the tensor to compute with, per param)."""
-        gate, up = (x @ weights(self.merged_gate_up_proj)[e]).chunk(2, dim=-1)
-        return (self.act(gate) * up) @ weights(self.merged_down_proj)[e]
+        return self.run(x, weights(self.merged_gate_up_proj)[e], weights(self.merged_down_proj)[e])
+
+    def unbound(self, weights=lambda p: p) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """Every expert's (gate_up, down) weights as views, split once per forward: indexing the
+        stacks per expert would make each expert's backward write a zero gradient the size of
+        the whole stack; one unbind gathers them in one."""
+        return weights(self.merged_gate_up_proj).unbind(0), weights(self.merged_down_proj).unbind(0)
+
+    def run(self, x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+        """One expert (its weights) on tokens x [n, h]."""
+        gate, up = (x @ gate_up).chunk(2, dim=-1)
+        return (self.act(gate) * up) @ down
 
 
 class SharedExpertMLP(nn.Module):
@@ -165,17 +175,22 @@ class MoE(nn.Module):
         if self.ep is not None:  # the experts live on the ep ranks: all-to-all there and back
             from mesh3d.parallel.experts import dispatch_and_combine
 
+            gate_up, down = self.experts.unbound(self._w)
+
             def run(j: int, rows: Tensor) -> Tensor:
-                return self.experts.expert(j, rows, self._w)
+                return self.experts.run(rows, gate_up[j], down[j])
 
             out = dispatch_and_combine(
                 run, flat, flat_experts, flat_weights, self.num_experts, self.ep
             )
         else:
+            gate_up, down = self.experts.unbound(self._w)
             for e in torch.nonzero(counts).flatten().tolist():  # dropless: every routed token
                 token, slot = torch.nonzero(flat_experts == e, as_tuple=True)
                 w = flat_weights[token, slot, None].to(x.dtype)
-                out = out.index_add(0, token, self.experts.expert(e, flat[token], self._w) * w)
+                out = out.index_add(
+                    0, token, self.experts.run(flat[token], gate_up[e], down[e]) * w
+                )
         out = out.view(b, s, h)
         if self.shared:
             gate = torch.sigmoid(F.linear(x, self._w(self.shared_expert_gate.weight)))
