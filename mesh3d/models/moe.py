@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mesh3d.models.llama import MLP
+
 
 class _AttachAux(torch.autograd.Function):
     """Identity on `x`; in backward, `weight` is the gradient of `aux` (as if `weight · aux`
@@ -77,15 +79,9 @@ class Experts(nn.Module):
         return (self.act(gate) * up) @ down
 
 
-class SharedExpertMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) of the shared expert (HF's and Nanotron's names)."""
-
-    def __init__(self, h: int, ffn: int, act):
-        super().__init__()
-        self.gate_proj = nn.Linear(h, ffn, bias=False)
-        self.up_proj = nn.Linear(h, ffn, bias=False)
-        self.down_proj = nn.Linear(ffn, h, bias=False)
-        self.act = act
+class SharedExpertMLP(MLP):
+    """The shared expert: Llama's MLP (HF's and Nanotron's names), run with the weights the
+    block hands it (local tensors under tensor parallelism)."""
 
     def forward(self, x: Tensor, weights=lambda p: p) -> Tensor:
         gate, up = (

@@ -63,7 +63,7 @@ def compile_blocks(model: nn.Module, kinds: tuple[type, ...]) -> None:
     """
     for layer in model.layers.values():
         for module in layer.modules():
-            if isinstance(module, kinds):
+            if type(module) in kinds:  # exactly: not the shared expert (an MLP subclass)
                 module.compile()
 
 
