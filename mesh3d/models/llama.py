@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mesh3d.errors import ConfigError
-from mesh3d.parallel.context import cp_attention
 
 # the dtypes a config's `model.dtype` may name (validated in mesh3d.config)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -179,7 +178,7 @@ class Attention(nn.Module):
         self.rotary = rotary if rope else None
         self.window = window
         self.attention = attention
-        self.cp = None  # a parallel.context.ContextParallel when the sequence is split over cp
+        self.cp = None  # set when the sequence is split over cp: parallel.context.ContextParallel
 
     def _use_flash(self, q: Tensor, mask: Tensor | None) -> bool:
         # flash-attn has no fp32 kernel: fp32 runs (CPU tests, parity checks) take SDPA.
@@ -205,7 +204,7 @@ class Attention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if cp is not None:
-            out = cp_attention(q, k, v, positions, self.window, cp)  # (B, S/cp, nq, dh)
+            out = cp.attend(q, k, v, positions, self.window)  # (B, S/cp, nq, dh)
         elif self._use_flash(q, mask):
             out = flash_attn_func(q, k, v, causal=True)  # (B, S, nq, dh), GQA native
         else:

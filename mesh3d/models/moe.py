@@ -63,10 +63,6 @@ class Experts(nn.Module):
         self.merged_down_proj = nn.Parameter(torch.empty(num_experts, ffn, h))
         self.act = act
 
-    def expert(self, e: int, x: Tensor, weights=lambda p: p) -> Tensor:
-        """Expert `e` on tokens x [n, h] (`weights`: the tensor to compute with, per param)."""
-        return self.run(x, weights(self.merged_gate_up_proj)[e], weights(self.merged_down_proj)[e])
-
     def unbound(self, weights=lambda p: p) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
         """Every expert's (gate_up, down) weights as views, split once per forward: indexing the
         stacks per expert would make each expert's backward write a zero gradient the size of
@@ -117,13 +113,16 @@ class MoE(nn.Module):
         self.num_moe_layers = num_moe_layers
         self.aux_weight: float | None = None  # set by training (module doc)
         self.stats: list[tuple[Tensor, Tensor]] = []
-        # set under tensor parallelism (`parallel/tensor.py::ExpertsReplicated`): the weights
-        # are replicated DTensors, used locally with gradients of this placement; and the
-        # groups over which each sequence's tokens are split (tp under sequence parallelism,
-        # cp): the load-balancing statistics are summed over them
+        # set by the parallel code, which this file does not import:
+        # - under tensor parallelism (`parallel/tensor.py::ExpertsReplicated`) the weights are
+        #   replicated DTensors, used locally with gradients of this placement;
+        # - when a sequence's tokens are split over ranks (tp under sequence parallelism, cp),
+        #   one `f(t) -> group size` per split sums the load statistics over it in place
+        #   (`parallel/experts.py::summed_over`);
+        # - expert parallelism: a `parallel.experts.ExpertParallel`; this rank holds E/ep experts
         self.grad_placement = None
-        self.sequence_groups: list = []
-        self.ep = None  # a parallel.experts.ExpertParallel: this rank holds E / ep experts
+        self.sequence_sums: list = []
+        self.ep = None
 
     def _w(self, p: Tensor) -> Tensor:
         """A weight as the local tensor the block computes with."""
@@ -142,20 +141,17 @@ class MoE(nn.Module):
     def aux_per_sequence(self, probs: Tensor, experts: Tensor) -> Tensor:
         """E · Σₑ fₑ · Pₑ for each sequence [B] (module doc).
 
-        When a sequence's tokens are split over `sequence_groups` (sequence parallelism, context
-        parallelism), the counts behind f are summed over them and each rank returns its tokens'
-        share of the sum over P: the ranks' values add up to the sequence's, and so do their
-        gradients (no differentiable collective needed).
+        When a sequence's tokens are split over ranks (`sequence_sums`: sequence parallelism,
+        context parallelism), the counts behind f are summed over them and each rank returns its
+        tokens' share of the sum over P: the ranks' values add up to the sequence's, and so do
+        their gradients (no differentiable collective needed).
         """
         b, s, e = probs.shape
         chosen = torch.zeros(b, e, device=probs.device, dtype=probs.dtype)
         picks = experts.reshape(b, -1)
         chosen.scatter_add_(1, picks, torch.ones_like(picks, dtype=probs.dtype))
-        for group in self.sequence_groups:
-            import torch.distributed as dist
-
-            dist.all_reduce(chosen, group=group)
-            s = s * dist.get_world_size(group)
+        for sum_over in self.sequence_sums:
+            s = s * sum_over(chosen)
         share = chosen / (s * self.top_k)  # f: fraction of the sequence's routed slots
         return e * (share * probs.sum(dim=1) / s).sum(dim=-1)
 
@@ -169,16 +165,12 @@ class MoE(nn.Module):
         )
         counts = torch.bincount(flat_experts.reshape(-1), minlength=self.num_experts)
         if self.ep is not None:  # the experts live on the ep ranks: all-to-all there and back
-            from mesh3d.parallel.experts import dispatch_and_combine
-
             gate_up, down = self.experts.unbound(self._w)
 
             def run(j: int, rows: Tensor) -> Tensor:
                 return self.experts.run(rows, gate_up[j], down[j])
 
-            out = dispatch_and_combine(
-                run, flat, flat_experts, flat_weights, self.num_experts, self.ep
-            )
+            out = self.ep.dispatch(run, flat, flat_experts, flat_weights, self.num_experts)
         else:
             gate_up, down = self.experts.unbound(self._w)
             for e in torch.nonzero(counts).flatten().tolist():  # dropless: every routed token

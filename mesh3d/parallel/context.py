@@ -57,6 +57,11 @@ class ContextParallel:
     rank: int
     documents: bool = False
 
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, window: int | None):
+        """`cp_attention` over this group: what an attention module calls (it imports nothing
+        of the parallel code)."""
+        return cp_attention(q, k, v, positions, window, self)
+
 
 def local_indices(seq_len: int, cp: int, rank: int, device=None) -> Tensor:
     """The global token indices cp rank `rank` holds, in local order: chunk `rank`, then chunk
@@ -69,9 +74,11 @@ def local_indices(seq_len: int, cp: int, rank: int, device=None) -> Tensor:
     return torch.cat((head, tail))
 
 
+@functools.lru_cache(maxsize=32)
 def gathered_order(seq_len: int, cp: int, device=None) -> Tensor:
     """For the rank-by-rank concatenation of every rank's local tokens, where global token i
-    sits: `gathered[:, order]` is the sequence in its natural order."""
+    sits: `gathered[:, order]` is the sequence in its natural order. Cached: every layer's
+    all-gather asks for it (do not modify the result)."""
     where = torch.cat([local_indices(seq_len, cp, r) for r in range(cp)])  # slot -> token
     order = torch.empty_like(where)
     order[where] = torch.arange(seq_len)

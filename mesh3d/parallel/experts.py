@@ -38,6 +38,22 @@ class ExpertParallel:
     size: int
     rank: int
 
+    def dispatch(self, experts_fn, flat: Tensor, chosen: Tensor, weights: Tensor, num_experts: int):
+        """`dispatch_and_combine` over this group: what an MoE block calls (it imports nothing
+        of the parallel code)."""
+        return dispatch_and_combine(experts_fn, flat, chosen, weights, num_experts, self)
+
+
+def summed_over(group: dist.ProcessGroup):
+    """`f(t)`: all-reduce `t` (a sum) over `group` in place and return the group's size; what
+    an MoE block calls for the load statistics of a sequence split over `group`."""
+
+    def f(t: Tensor) -> int:
+        dist.all_reduce(t, group=group)
+        return dist.get_world_size(group)
+
+    return f
+
 
 def ep_groups(world: int, dims, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     """(ep groups, expert replica groups) as global ranks, for `dims` (a `ParallelDims`).
@@ -118,11 +134,6 @@ def dispatch_and_combine(
     back = all_to_all(out_rows, recv, send, ep.group)  # in `order`
     weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
     return torch.zeros_like(flat).index_add(0, token_of, weighted)
-
-
-def expert_shard_of(p) -> tuple | None:
-    """(group, rank, size) if `p` holds an ep slice of a full [E, ...] tensor, else None."""
-    return getattr(p, "expert_shard", None)
 
 
 def gather_expert_shard(t: Tensor, shard: tuple) -> Tensor:

@@ -31,7 +31,7 @@ from mesh3d.models.init import init_full_tensor
 from mesh3d.models.llama import Attention
 from mesh3d.models.moe import Experts, MoE
 from mesh3d.parallel.context import ContextParallel
-from mesh3d.parallel.experts import ExpertParallel, slice_expert_shard
+from mesh3d.parallel.experts import ExpertParallel, slice_expert_shard, summed_over
 from mesh3d.parallel.tensor import TPPlan, apply_tp, shard_grads_like_params
 
 
@@ -44,7 +44,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool) -> None:
         if isinstance(module, Attention):
             module.cp = cp
         if isinstance(module, MoE):  # its load-balancing statistics span the whole sequence
-            module.sequence_groups.append(cp.group)
+            module.sequence_sums.append(summed_over(cp.group))
 
 
 def checkpoint_layers(model: nn.Module) -> None:

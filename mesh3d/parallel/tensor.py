@@ -30,6 +30,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from mesh3d.parallel.experts import summed_over
+
 TPPlan = dict[str, ParallelStyle]
 
 
@@ -74,7 +76,7 @@ class ExpertsReplicated(ParallelStyle):
     sequence shard and runs the experts on it alone (the block is per token: no gather); the
     weight gradients are partial sums over tp (`Partial()`, reduced once after backward by
     `reduce_partial_grads`), and the block sums its load-balancing statistics over tp. The
-    block reads the mode from `grad_placement` and `sequence_groups`.
+    block reads the mode from `grad_placement` and `sequence_sums`.
     """
 
     def __init__(self, sequence_parallel: bool):
@@ -90,7 +92,7 @@ class ExpertsReplicated(ParallelStyle):
         sp = self.sequence_parallel
         module.grad_placement = Partial() if sp else Replicate()
         if sp:
-            module.sequence_groups.append(device_mesh.get_group())
+            module.sequence_sums.append(summed_over(device_mesh.get_group()))
 
         def to_local(_mod, inputs, mesh):  # the norm's output: a Shard(1) DTensor under SP
             return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
