@@ -64,10 +64,13 @@ def test_stopped_or_dead_rank_ends_the_job_within_the_timeout_and_is_named(
     assert took < 4 + 10, took  # the collective timeout, plus diagnosis and exit
     line = next(x for x in out.splitlines() if x.startswith("error:"))
     cause = "Timed out" if sig == signal.SIGSTOP else "Connection (closed|reset)"
-    assert re.search(rf"a collective failed at step \d+ \(step\): .*{cause}", line), line
+    failed = re.search(rf"a collective failed at step (\d+) \(step\): .*{cause}", line)
+    assert failed, line
     pattern = r"rank 1 \(host .*, pid \d+\) last reported step (\d+) \(step\) \d+ s ago: its (heartbeat stopped|process is gone)"
     found = re.search(pattern, line)
-    assert found and int(found.group(1)) >= 3, line
+    # The heartbeat thread publishes at most 20 times a second, and this model's steps take a few
+    # milliseconds: the step it names may trail the one rank 1 stopped in, never lead it.
+    assert found and 1 <= int(found.group(1)) <= int(failed.group(1)), line
     assert ("Sent SIGKILL to the stopped rank 1" in line) == (sig == signal.SIGSTOP)
 
 
