@@ -17,6 +17,7 @@ Order (each step sees the result of the one before):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -53,18 +54,55 @@ def checkpoint_layers(model: nn.Module) -> None:
         model.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
-def compile_blocks(model: nn.Module, kinds: tuple[type, ...]) -> None:
+def compile_blocks(model: nn.Module, kinds: tuple[type, ...], mesh: DeviceMesh | None = None) -> None:
     """`torch.compile` each block of a kind in `kinds` inside each decoder layer (the family's
     spec names them: attention and MLP, and the norms without tp).
 
     In place (`Module.compile`), so parameter names and state dicts do not change. Each block is
     compiled apart, not the whole layer: a whole tensor-parallel layer fails in backward
-    (FACTS.md), and FSDP's hooks on the layer stay outside the compiled code.
+    (FACTS.md), and FSDP's hooks on the layer stay outside the compiled code. On a mesh, the
+    compile cache is this rank's own first (`private_compile_cache`).
     """
+    if mesh is not None:
+        private_compile_cache(mesh)
     for layer in model.layers.values():
         for module in layer.modules():
             if type(module) in kinds:  # exactly: not the shared expert (an MLP subclass)
                 module.compile()
+
+
+def private_compile_cache(mesh: DeviceMesh) -> str:
+    """Point torch.compile's cache at a folder of this rank and layout; returns the folder.
+
+    torch 2.13's AOTAutograd cache keys a graph with DTensor inputs without the rank, while the
+    graph it stores holds rank-specific code (which shard to slice): with one shared folder, a
+    warm start loads rank 0's graphs on rank 1 (cpu_tiny at tp 2: grad norm 2.06 instead of
+    2.48; pytorch/pytorch#188390). `<cache>/mesh3d-pp1-dp2-cp1-tp2-rank3` keeps the cache warm
+    and correct: the same rank of the same layout compiles the same code. Must run before the
+    first compile (inductor reads the folder then); calling it again changes nothing.
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    layout = "-".join(f"{n}{k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+    own = f"mesh3d-{layout}-rank{torch.distributed.get_rank()}"
+    base = cache_dir()
+    if os.path.basename(base).startswith("mesh3d-"):  # set before, by this function
+        base = os.path.dirname(base)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, own)
+    return cache_dir()
+
+
+def compile_cache_text() -> str:
+    """What torch.compile did so far in this process: graphs compiled, and loaded from its cache."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    aot = counters["aot_autograd"]
+    return (
+        f"torch.compile: {aot['autograd_cache_hit']} graphs loaded from the cache in {cache_dir()}, "
+        f"{aot['autograd_cache_miss']} compiled and saved, {aot['autograd_cache_bypass']} "
+        "compiled and not cacheable"
+    )
 
 
 FullSource = Callable[[str, tuple[int, ...]], torch.Tensor]
@@ -211,7 +249,7 @@ def parallelize(
     if recompute_layer:
         checkpoint_layers(model)
     if compile_classes:
-        compile_blocks(model, compile_classes)
+        compile_blocks(model, compile_classes, mesh)
     materialize(model, device, source)
     model.to(dtype)
     if mesh["tp"].size() > 1:

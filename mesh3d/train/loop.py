@@ -36,6 +36,7 @@ from mesh3d.mesh import (
     resolve_device,
     set_collective_timeout,
 )
+from mesh3d.parallel.parallelize import compile_cache_text
 from mesh3d.train.build import build_model_parts
 from mesh3d.train.evaluate import evaluate, is_evaluation_step
 from mesh3d.train.experts import clear_stats
@@ -256,6 +257,8 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
                     f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}"
                 )
             batches, loss, grad_norm = _run_step(run, step)
+            if cfg.mesh3d.compile and step == start + 1:
+                logger.info(compile_cache_text())
             result.batch_hashes.append(batch_hash(batches))
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
