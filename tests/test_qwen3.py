@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
-from mesh3d.config import Qwen3Config, config_from_dict, config_to_dict, validate
+from mesh3d.config import Qwen3Config, config_from_dict, config_to_dict, load_config, validate
 from mesh3d.errors import ConfigError
 from mesh3d.models.spec import spec_of
 
@@ -48,6 +48,21 @@ def test_yaml_form_keeps_nanotrons_schema():
         ConfigError, match="`mesh3d.head_dim` is only for `mesh3d.model_family: qwen3`"
     ):
         validate(config_from_dict(llama))
+
+
+def test_model_config_json_form_is_saved_with_its_family_in_mesh3d():
+    """A model_config with `is_qwen3_config` (mesh3d's model_config.json form, which `convert
+    from-hf` puts in its config.yaml) is saved as Nanotron's Qwen2 one plus `mesh3d:`, and
+    loads back as the same Qwen3."""
+    d = copy.deepcopy(QWEN3)
+    del d["mesh3d"]["model_family"], d["mesh3d"]["head_dim"]
+    d["model"]["model_config"].update(is_qwen3_config=True, head_dim=16)
+    cfg = config_from_dict(d)
+    assert cfg.mesh3d.model_family == "qwen3" and cfg.mesh3d.head_dim == 16
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    d["mesh3d"]["head_dim"] = 32
+    with pytest.raises(ConfigError, match=r"`mesh3d.head_dim` \(32\) differs"):
+        config_from_dict(d)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +106,8 @@ def test_hf_qwen3_round_trip_and_logits(tmp_path):
     convert.from_hf(tmp_path / "hf", tmp_path / "nt", tp=2, pp=2)
     d = json.loads((tmp_path / "nt" / "model_config.json").read_text())
     assert d["is_qwen3_config"] is True and d["head_dim"] == 32
+    yaml_mc = load_config(tmp_path / "nt" / "config.yaml").model.model_config
+    assert type(yaml_mc) is Qwen3Config and yaml_mc.head_dim == 32
     mc = convert.read_model_config_json(tmp_path / "nt")
     ours = spec_of(mc).build(mc, attention="sdpa").eval()
     full = read_nanotron_weights(tmp_path / "nt" / "model", convert.shape_of(mc))
