@@ -5,6 +5,7 @@ every layout like one process, and converts to and from HF `Qwen3ForCausalLM` ex
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -14,8 +15,9 @@ from parity import TINY, layout_overrides, max_rel_diff, train_runs
 from safetensors.torch import load_file
 
 from mesh3d.checkpoint import hf as convert
-from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
+from mesh3d.checkpoint.nanotron_weights import model_config_json, read_nanotron_weights
 from mesh3d.config import Qwen3Config, config_from_dict, config_to_dict, load_config, validate
+from mesh3d.config.load import model_config_from_dict, nanotron_config_dict
 from mesh3d.errors import ConfigError
 from mesh3d.models.spec import spec_of
 
@@ -63,6 +65,35 @@ def test_model_config_json_form_is_saved_with_its_family_in_mesh3d():
     d["mesh3d"]["head_dim"] = 32
     with pytest.raises(ConfigError, match=r"`mesh3d.head_dim` \(32\) differs"):
         config_from_dict(d)
+
+
+def test_norm_topk_prob_is_a_mesh3d_setting_of_qwen3_moe():
+    """`mesh3d.norm_topk_prob` (Nanotron's moe_config has no such key): in the loaded Qwen3
+    config and its model_config.json, not in Nanotron's model_config; only with experts."""
+    d = copy.deepcopy(QWEN3)
+    d["model"]["model_config"]["moe_config"] = dict(
+        num_experts=4, top_k=2, moe_intermediate_size=32
+    )
+    d["mesh3d"]["norm_topk_prob"] = True
+    cfg = config_from_dict(d)
+    validate(cfg)
+    assert cfg.model.model_config.norm_topk_prob
+    saved = config_to_dict(cfg)
+    assert saved["mesh3d"]["norm_topk_prob"] and config_from_dict(saved) == cfg
+    for mc in (saved["model"]["model_config"], nanotron_config_dict(cfg)["model"]["model_config"]):
+        assert "norm_topk_prob" not in mc and "norm_topk_prob" not in mc["moe_config"]
+    written = model_config_json(cfg)
+    assert written["norm_topk_prob"] is True
+    assert model_config_from_dict(written) == dataclasses.replace(
+        cfg.model.model_config, vocab_size=written["vocab_size"]
+    )
+    no_experts = copy.deepcopy(QWEN3)
+    no_experts["mesh3d"]["norm_topk_prob"] = True
+    qwen2 = copy.deepcopy(d)
+    del qwen2["mesh3d"]["model_family"], qwen2["mesh3d"]["head_dim"]
+    for bad in (no_experts, qwen2):
+        with pytest.raises(ConfigError, match="`mesh3d.norm_topk_prob` is only for"):
+            validate(config_from_dict(bad))
 
 
 @pytest.fixture(scope="module")

@@ -177,7 +177,7 @@ def _upgrade_legacy(raw: dict) -> dict:
 
 
 # Qwen3Config's fields that a YAML keeps in `mesh3d:` (Nanotron's Qwen2 model_config has none)
-QWEN3_KEYS = ("head_dim",)
+QWEN3_KEYS = ("head_dim", "norm_topk_prob")
 
 
 def _qwen3_in_mesh3d(m: Mesh3dArgs, mc: Qwen3Config) -> None:
@@ -247,7 +247,8 @@ _NOT_NANOTRON = ((("parallelism",), "moe_layer_recompute", False),
                  (("model", "model_config"), "interleaved_rotary", None),
                  # a Qwen3 config is written as Nanotron's Qwen2 one plus `mesh3d.model_family`
                  (("model", "model_config"), "is_qwen3_config", True),
-                 (("model", "model_config"), "head_dim", None))  # fmt: skip
+                 (("model", "model_config"), "head_dim", None),
+                 (("model", "model_config"), "norm_topk_prob", False))  # fmt: skip
 
 
 _QWEN3_ONLY = ("is_qwen3_config", *QWEN3_KEYS)  # kept in `mesh3d:` (model_family, QWEN3_KEYS)
