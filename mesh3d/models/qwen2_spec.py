@@ -284,6 +284,8 @@ def moe_from_hf(hf: dict, where, shared: bool, dense_arch: str) -> MoEConfig:
     `layers`; `dense_arch` is what a config without sparse layers converts as."""
     from mesh3d.models.hf_fields import refuse
 
+    if "num_experts" not in hf and "num_local_experts" in hf:  # transformers 5.2x's Qwen3-MoE
+        hf = {**hf, "num_experts": hf["num_local_experts"]}
     keys = ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
     keys += ["shared_expert_intermediate_size"] if shared else []
     missing = [k for k in keys if k not in hf]
