@@ -1,8 +1,9 @@
-"""`python -m mesh3d.convert` for Qwen2 with a `moe_config`, as Hugging Face's
-`Qwen2MoeForCausalLM`, both ways: mesh3d's logits equal transformers' on the converted weights,
-HF -> mesh3d -> HF is bitwise, both on-disk expert forms are read (per expert, what
-`save_pretrained` writes and the Hub holds; stacked, transformers 5's in-memory form), and a
-mesh3d-trained MoE checkpoint converts. What HF's Qwen2-MoE cannot express is refused."""
+"""`python -m mesh3d.convert` for Qwen2 and Qwen3 with a `moe_config`, as Hugging Face's
+`Qwen2MoeForCausalLM` and `Qwen3MoeForCausalLM` (no shared expert, `norm_topk_prob` on and off),
+both ways: mesh3d's logits equal transformers' on the converted weights, HF -> mesh3d -> HF is
+bitwise, both on-disk expert forms are read (per expert, what `save_pretrained` writes and the
+Hub holds; stacked, transformers 5's in-memory form), and a mesh3d-trained MoE checkpoint
+converts. What HF's MoE models cannot express is refused."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
+from mesh3d.config.schema import MoEConfig, Qwen3Config
 from mesh3d.errors import UserError
 from mesh3d.models.spec import spec_of
 
@@ -27,15 +29,23 @@ VOCAB = 101
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
              num_key_value_heads=2, num_hidden_layers=3, rms_norm_eps=1e-5,
              max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
-             moe_intermediate_size=32, shared_expert_intermediate_size=48)  # fmt: skip
+             moe_intermediate_size=32)  # fmt: skip
 IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
 def qwen2_moe(path, **kw):
-    """A random fp32 Qwen2MoeForCausalLM saved with `save_pretrained` (router weights spread
+    cfg = transformers.Qwen2MoeConfig(**{**SIZES, "shared_expert_intermediate_size": 48, **kw})
+    return _random_saved(transformers.Qwen2MoeForCausalLM(cfg), path)
+
+
+def qwen3_moe(path, **kw):
+    cfg = transformers.Qwen3MoeConfig(**{**SIZES, "head_dim": 32, **kw})  # 4 heads x 32 > 64
+    return _random_saved(transformers.Qwen3MoeForCausalLM(cfg), path)
+
+
+def _random_saved(model, path):
+    """`model` with random fp32 weights, saved with `save_pretrained` (router weights spread
     wide enough that the top-k choice is clear of ties)."""
-    cfg = transformers.Qwen2MoeConfig(**{**SIZES, **kw})
-    model = transformers.Qwen2MoeForCausalLM(cfg)
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -63,25 +73,34 @@ def rel_err(got, expected) -> float:
 
 
 CASES = {
-    "dense layer 1, untied": dict(mlp_only_layers=[1]),
-    "every layer MoE, tied, sliding window": dict(
+    "dense layer 1, untied": (qwen2_moe, dict(mlp_only_layers=[1])),
+    "every layer MoE, tied, sliding window": (qwen2_moe, dict(
         tie_word_embeddings=True, use_sliding_window=True, sliding_window=5,
-        layer_types=["sliding_attention"] * 3),
-    "sparse step 2": dict(decoder_sparse_step=2, num_hidden_layers=4),
+        layer_types=["sliding_attention"] * 3)),
+    "sparse step 2": (qwen2_moe, dict(decoder_sparse_step=2, num_hidden_layers=4)),
+    "qwen3: norm_topk_prob, dense layer 1, untied": (
+        qwen3_moe, dict(norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen3: top-k as is, tied, sliding window, sparse step 2": (qwen3_moe, dict(
+        norm_topk_prob=False, tie_word_embeddings=True, use_sliding_window=True,
+        sliding_window=5, decoder_sparse_step=2, num_hidden_layers=4)),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_hf_round_trip_bitwise_and_logits_equal_transformers(tmp_path, case):
-    hf = qwen2_moe(tmp_path / "hf", **CASES[case])
+    make, kw = CASES[case]
+    hf = make(tmp_path / "hf", **kw)
     on_disk = load_file(tmp_path / "hf" / "model.safetensors")
     assert any(k.endswith("mlp.experts.3.gate_proj.weight") for k in on_disk)  # as the Hub
     convert.from_hf(tmp_path / "hf", tmp_path / "nt", tp=1, pp=2)
     mc = convert.read_model_config_json(tmp_path / "nt")
-    assert mc.moe_config is not None and mc.moe_config.enable_shared_expert
+    assert mc.moe_config.enable_shared_expert == (make is qwen2_moe)
+    assert getattr(mc, "norm_topk_prob", False) == kw.get("norm_topk_prob", False)
     expected = hf(IDS).logits.detach()
-    err = rel_err(mesh3d_logits(tmp_path / "nt"), expected)
-    print(f"{case}: HF -> mesh3d max relative logit error {err:.2e}")
+    got = mesh3d_logits(tmp_path / "nt")
+    err = rel_err(got, expected)
+    print(f"{case}: HF -> mesh3d max logit difference {(got - expected).abs().max():.2e} "
+          f"(relative {err:.2e})")  # fmt: skip
     assert err <= 1e-5
 
     convert.to_hf(tmp_path / "nt", tmp_path / "back")
@@ -98,6 +117,7 @@ def test_hf_round_trip_bitwise_and_logits_equal_transformers(tmp_path, case):
         got = back(IDS).logits[..., :VOCAB]
     print(f"{case}: mesh3d -> HF max relative logit error {rel_err(got, expected):.2e}")
     assert torch.equal(got, expected)
+    assert back.config.norm_topk_prob == kw.get("norm_topk_prob", False)
 
 
 def test_stacked_experts_on_disk_convert_the_same(tmp_path):
@@ -144,18 +164,29 @@ def test_what_cannot_convert_is_refused(tmp_path):
         shutil.rmtree(d, ignore_errors=True)  # as mesh3d would have saved it
     with pytest.raises(UserError, match=r"moe_config\.enable_shared_expert"):
         convert.to_hf(tmp_path / "nt2", tmp_path / "back")
+    qwen3_moe(tmp_path / "biased", attention_bias=True)  # HF's bias covers o_proj too
+    with pytest.raises(UserError, match="attention_bias"):
+        convert.from_hf(tmp_path / "biased", tmp_path / "nt3")
+    shared = Qwen3Config(moe_config=MoEConfig(enable_shared_expert=True))
+    with pytest.raises(UserError, match=r"enable_shared_expert: true.*no shared expert"):
+        spec_of(shared).hf_of(shared).config_to_hf(shared, "float32")
 
 
-def test_mesh3d_trained_moe_checkpoint_converts(tmp_path):
-    """A few steps of mesh3d training (pp 2, MoE on layers 0 and 2, no q/k/v bias), then to-hf:
-    transformers loads it and its logits equal mesh3d's."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_mesh3d_trained_moe_checkpoint_converts(tmp_path, family):
+    """A few steps of mesh3d training (pp 2, MoE on layers 0 and 2, no q/k/v bias; Qwen2 with a
+    shared expert, Qwen3 without and with `mesh3d.norm_topk_prob`), then to-hf: transformers
+    loads it and its logits equal mesh3d's."""
     moe = copy.deepcopy(TINY)
     mc = moe["model"]["model_config"]
     mc.pop("is_llama_config")
+    qwen2 = family == "qwen2"
     mc.update(is_qwen2_config=True, num_hidden_layers=3, vocab_size=VOCAB,
               moe_config=dict(num_experts=4, top_k=2, moe_intermediate_size=32,
-                              shared_expert_intermediate_size=48, enable_shared_expert=True,
+                              shared_expert_intermediate_size=48, enable_shared_expert=qwen2,
                               router_aux_loss_coef=0.1, layers=[0, 2]))  # fmt: skip
+    if not qwen2:
+        moe["mesh3d"].update(model_family="qwen3", head_dim=16, norm_topk_prob=True)
     ckpt = tmp_path / "ckpt"
     overrides = layout_overrides(1, 1, "ALL_REDUCE", 0, False) + [
         "parallelism.pp=2", "tokens.train_steps=3",
@@ -164,12 +195,12 @@ def test_mesh3d_trained_moe_checkpoint_converts(tmp_path):
     run_ranks(2, train_runs, [overrides], moe, timeout=300)
     convert.to_hf(ckpt, tmp_path / "hf")
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert cfg["mlp_only_layers"] == [1]
+    assert cfg["mlp_only_layers"] == [1] and cfg["norm_topk_prob"] is not qwen2
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(hf).__name__ == "Qwen2MoeForCausalLM"
+    assert type(hf).__name__ == ("Qwen2MoeForCausalLM" if qwen2 else "Qwen3MoeForCausalLM")
     step = convert.weights_dir(ckpt, "--checkpoint")
     with torch.no_grad():
         expected = hf(IDS).logits[..., :VOCAB]
     err = rel_err(mesh3d_logits(step), expected)
-    print(f"trained checkpoint: max relative logit error {err:.2e}")
+    print(f"trained {family} checkpoint: max relative logit error {err:.2e}")
     assert err <= 1e-5

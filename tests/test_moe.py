@@ -2,6 +2,8 @@
 
 - the block against a token-by-token reference written from the definition (router softmax,
   top-k weights, each chosen expert's SwiGLU, the sigmoid-gated shared expert);
+- `norm_topk_prob` (Qwen3-MoE): each token's top-k weights renormalized to sum 1; off, they
+  are the router probabilities as they are (Nanotron's Qwen2);
 - the load-balancing loss per sequence by hand, and its gradient, attached in backward, equal to
   adding it to the loss;
 - training parity (fp32, <= 1e-5 relative in loss, grad norm and weights, against one process)
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -24,9 +27,10 @@ import torch.nn.functional as F
 from dist import run_ranks
 from parity import TINY, layout_overrides, max_rel_diff, train_runs
 
-from mesh3d.config.schema import MoEConfig, Qwen2Config
+from mesh3d.config.schema import MoEConfig, Qwen2Config, Qwen3Config
 from mesh3d.models.moe import MoE, attach_aux, moe_layers
 from mesh3d.models.qwen2 import Qwen2
+from mesh3d.models.qwen3 import Qwen3
 
 TOL = 1e-5
 MOE = copy.deepcopy(TINY)
@@ -100,6 +104,33 @@ def test_aux_gradient_attached_in_backward_equals_adding_it_to_the_loss():
     assert torch.equal(attach_aux(y, y.sum(), 2.0), y)
 
 
+def test_norm_topk_prob_renormalizes_the_top_k_weights_and_is_off_by_default():
+    block = _block(shared=False)
+    x = torch.randn(3, 7, 16)
+    probs, plain, experts = block.route(x)
+    assert not block.norm_topk_prob  # default: the top-k probabilities as they are
+    assert torch.equal(plain, probs.gather(-1, experts)) and (plain.sum(-1) < 0.99).all()
+    with torch.no_grad():
+        out_plain = block(x)
+    block.norm_topk_prob = True
+    probs_n, normed, experts_n = block.route(x)
+    assert torch.equal(probs_n, probs) and torch.equal(experts_n, experts)  # same routing
+    assert torch.allclose(normed.sum(-1), torch.ones(3, 7), atol=1e-6)
+    assert torch.allclose(normed, plain / plain.sum(-1, keepdim=True))
+    with torch.no_grad():
+        out_normed = block(x)
+    # one expert per token (top_k 1): its weight becomes exactly 1, the output its expert's
+    block.top_k = 1
+    with torch.no_grad():
+        only = block(x)
+    _, w, e = block.route(x)
+    assert torch.equal(w, torch.ones_like(w)) and not torch.allclose(out_normed, out_plain)
+    gu, down = block.experts.unbound()
+    want = torch.stack([block.experts.run(t[None], gu[i], down[i])[0]
+                        for t, i in zip(x.reshape(-1, 16), e.flatten().tolist())])  # fmt: skip
+    assert torch.allclose(only.reshape(-1, 16), want, atol=1e-6)
+
+
 def test_moe_layers_and_model_parameters():
     moe = MoEConfig(num_experts=4, top_k=1, moe_intermediate_size=8, layers=[-1])
     cfg = Qwen2Config(hidden_size=16, intermediate_size=32, num_attention_heads=4,
@@ -112,6 +143,9 @@ def test_moe_layers_and_model_parameters():
     names = {n for n, _ in model.named_parameters()}
     assert "layers.0.mlp.experts.merged_gate_up_proj" in names
     assert "layers.1.mlp.gate_proj.weight" in names and "layers.0.mlp.gate_proj.weight" not in names
+    assert not model.layers["0"].mlp.norm_topk_prob  # Nanotron's Qwen2 MoE: not renormalized
+    qwen3 = Qwen3Config(**{**dataclasses.asdict(cfg), "moe_config": moe}, norm_topk_prob=True)
+    assert Qwen3(qwen3).layers["2"].mlp.norm_topk_prob
 
 
 # ---------------------------------------------------------------- training parity

@@ -176,6 +176,25 @@ def _upgrade_legacy(raw: dict) -> dict:
     return raw
 
 
+# Qwen3Config's fields that a YAML keeps in `mesh3d:` (Nanotron's Qwen2 model_config has none)
+QWEN3_KEYS = ("head_dim", "norm_topk_prob")
+
+
+def _qwen3_in_mesh3d(m: Mesh3dArgs, mc: Qwen3Config) -> None:
+    """Say a Qwen3 model config's own fields in `mesh3d:` too, where the saved YAML keeps them
+    (a model_config with `is_qwen3_config`, as `convert from-hf` writes, would else be saved as
+    a Qwen2 one)."""
+    m.model_family = "qwen3"
+    for key in QWEN3_KEYS:
+        ours, default = getattr(m, key), getattr(Mesh3dArgs, key)
+        if ours not in (default, getattr(mc, key)):
+            raise ConfigError(
+                f"`mesh3d.{key}` ({ours}) differs from `model.model_config.{key}` "
+                f"({getattr(mc, key)}); give it in one place"
+            )
+        setattr(m, key, getattr(mc, key))
+
+
 def _resolve(cfg: Config) -> Config:
     """Fill what Nanotron derives in `__post_init__`, and normalize enum spellings."""
     p = cfg.parallelism
@@ -187,7 +206,10 @@ def _resolve(cfg: Config) -> Config:
         mc.num_key_value_heads = mc.num_attention_heads
     if cfg.mesh3d.model_family == "qwen3" and type(mc) is Qwen2Config:
         fields = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}
-        cfg.model.model_config = Qwen3Config(**fields, head_dim=cfg.mesh3d.head_dim)
+        qwen3 = {k: getattr(cfg.mesh3d, k) for k in QWEN3_KEYS}
+        mc = cfg.model.model_config = Qwen3Config(**fields, **qwen3)
+    if type(mc) is Qwen3Config:  # also from mesh3d's model_config.json form (is_qwen3_config)
+        _qwen3_in_mesh3d(cfg.mesh3d, mc)
     if isinstance(cfg.model.init_method, RandomInit):
         cfg.model.init_method.scaling_method = cfg.model.init_method.scaling_method.upper()
     if cfg.optimizer is not None:
@@ -225,10 +247,11 @@ _NOT_NANOTRON = ((("parallelism",), "moe_layer_recompute", False),
                  (("model", "model_config"), "interleaved_rotary", None),
                  # a Qwen3 config is written as Nanotron's Qwen2 one plus `mesh3d.model_family`
                  (("model", "model_config"), "is_qwen3_config", True),
-                 (("model", "model_config"), "head_dim", None))  # fmt: skip
+                 (("model", "model_config"), "head_dim", None),
+                 (("model", "model_config"), "norm_topk_prob", False))  # fmt: skip
 
 
-_QWEN3_ONLY = ("is_qwen3_config", "head_dim")  # kept in `mesh3d:` (model_family, head_dim)
+_QWEN3_ONLY = ("is_qwen3_config", *QWEN3_KEYS)  # kept in `mesh3d:` (model_family, QWEN3_KEYS)
 
 
 def _drop_not_nanotron(d: dict, always: bool) -> None:

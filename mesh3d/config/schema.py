@@ -124,13 +124,15 @@ class Qwen2Config:
 
 @dataclass
 class Qwen3Config(Qwen2Config):
-    """Qwen3: a Qwen2 config plus RMSNorm of each q and k head and a free head size. Nanotron
-    has no Qwen3: a YAML keeps Nanotron's Qwen2 `model_config` and says `mesh3d: {model_family:
-    qwen3, head_dim: ...}`; this class is what it becomes when loaded. mesh3d-written
-    `model_config.json` files carry `is_qwen3_config` instead."""
+    """Qwen3: a Qwen2 config plus RMSNorm of each q and k head and a free head size; with a
+    `moe_config`, Qwen3-MoE (`norm_topk_prob`: renormalized router weights). Nanotron has no
+    Qwen3: a YAML keeps Nanotron's Qwen2 `model_config` and says `mesh3d: {model_family: qwen3,
+    head_dim: ..., norm_topk_prob: ...}`; this class is what it becomes when loaded.
+    mesh3d-written `model_config.json` files carry `is_qwen3_config` and these fields instead."""
 
     is_qwen3_config: bool = True
     head_dim: int | None = None  # None: hidden_size / num_attention_heads
+    norm_topk_prob: bool = False  # MoE: each token's top-k router weights divided by their sum
 
 
 @dataclass
@@ -389,6 +391,7 @@ class Mesh3dArgs:
     # model families Nanotron lacks, on top of its Qwen2 model_config
     model_family: str | None = None  # null: from model_config; qwen3
     head_dim: int | None = None  # qwen3: the head size (null: hidden_size / num_attention_heads)
+    norm_topk_prob: bool = False  # qwen3 with moe_config: top-k router weights renormalized
 
 
 @dataclass

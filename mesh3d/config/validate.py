@@ -476,7 +476,11 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         )
     if cfg.mesh3d.head_dim is not None and family != "qwen3":
         yield "`mesh3d.head_dim` is only for `mesh3d.model_family: qwen3`; remove it or set the family"
-    if getattr(m.model_config, "moe_config", None) is not None:
+    moe = getattr(m.model_config, "moe_config", None)
+    if cfg.mesh3d.norm_topk_prob and (family != "qwen3" or moe is None):
+        yield ("`mesh3d.norm_topk_prob` is only for `mesh3d.model_family: qwen3` with a "
+               "`model.model_config.moe_config` (Qwen3-MoE); remove it or set both")  # fmt: skip
+    if moe is not None:
         yield from _moe(cfg, m.model_config)
     if isinstance(m.init_method, SpectralMupInit):
         yield _not_yet("model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}")

@@ -2,8 +2,9 @@
 
 What replaces the MLP of an MoE layer:
 - a router: logits = x · Wᵀ in fp32 (W [E, h], kept in fp32 like Nanotron's and HF's), softmax
-  over the E experts, the top-k probabilities taken as the weights, not renormalized (Nanotron's
-  Qwen2 and HF's Qwen2-MoE default);
+  over the E experts, the top-k probabilities taken as the weights: as they are (Nanotron's
+  Qwen2 and HF's Qwen2-MoE default), or with `norm_topk_prob` divided by their sum, so each
+  token's k weights add up to 1 (HF's `norm_topk_prob: true`, what Qwen3-MoE models set);
 - E experts, each down(act(gate(x)) * up(x)) with `moe_intermediate_size` F, stored as
   Nanotron stores them: `merged_gate_up_proj` [E, h, 2F] (gate columns first) and
   `merged_down_proj` [E, F, h], applied as x @ W (not x @ Wᵀ);
@@ -100,9 +101,10 @@ def moe_layers(cfg) -> list[int]:
 class MoE(nn.Module):
     """x [B, S, h] -> [B, S, h]: routed experts (+ the gated shared expert). See the module doc."""
 
-    def __init__(self, h: int, moe, act, num_moe_layers: int = 1):
+    def __init__(self, h: int, moe, act, num_moe_layers: int = 1, norm_topk_prob: bool = False):
         super().__init__()
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(h, moe.num_experts, bias=False)  # the router (HF's name)
         self.experts = Experts(moe.num_experts, h, moe.moe_intermediate_size, act)
         self.shared = bool(moe.enable_shared_expert)
@@ -136,6 +138,8 @@ class MoE(nn.Module):
             logits = F.linear(x.float(), self._w(self.gate.weight).float())
             probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:  # in fp32, before the weights meet the activations' dtype
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, weights, experts
 
     def aux_per_sequence(self, probs: Tensor, experts: Tensor) -> Tensor:

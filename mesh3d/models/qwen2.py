@@ -35,9 +35,11 @@ class Qwen2(Llama):
     def __init__(self, cfg, vocab_size: int | None = None, attention: str = "auto"):
         super().__init__(cfg, vocab_size=vocab_size, attention=attention)
         layers = moe_layers(cfg)
+        norm_topk = bool(getattr(cfg, "norm_topk_prob", False))  # Qwen3's mesh3d.norm_topk_prob
         for i in layers:
             act = activation(cfg.hidden_act)
-            self.layers[str(i)].mlp = MoE(cfg.hidden_size, cfg.moe_config, act, len(layers))
+            self.layers[str(i)].mlp = MoE(cfg.hidden_size, cfg.moe_config, act, len(layers),
+                                          norm_topk_prob=norm_topk)  # fmt: skip
 
     @staticmethod
     def layer_options(cfg, i: int) -> dict:

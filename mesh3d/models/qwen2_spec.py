@@ -14,7 +14,7 @@ Qwen2-MoE's experts: ours are `merged_gate_up_proj` [E, h, 2F] and `merged_down_
 applied as x @ W; transformers 5 holds `experts.gate_up_proj` [E, 2F, h] and `experts.down_proj`
 [E, h, F] in memory (applied as x @ Wᵀ, the same gate-then-up order), and writes (and the Hub
 holds, and transformers 4 reads) one `experts.{e}.{gate,up,down}_proj.weight` per expert. The
-name maps go to the in-memory names; `moe_weights_to_hf` writes the per-expert form, and
+name maps go to the in-memory names; `experts_to_hf` writes the per-expert form, and
 `moe_weights_from_hf` reads either.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mesh3d.config.schema import Qwen2Config
+from mesh3d.config.schema import MoEConfig, Qwen2Config
 from mesh3d.errors import UserError
 from mesh3d.models import llama_spec
 from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, register
@@ -278,25 +278,63 @@ def smollm3_to_hf(mc, dtype: str) -> dict:
 MOE_HF = "Qwen2MoeForCausalLM"
 
 
+def moe_from_hf(hf: dict, where, shared: bool, dense_arch: str) -> MoEConfig:
+    """The `moe_config` of an HF Qwen2-MoE or Qwen3-MoE config (`shared`: with a shared
+    expert): HF's sparse layers (every `decoder_sparse_step`-th, less `mlp_only_layers`) are its
+    `layers`; `dense_arch` is what a config without sparse layers converts as."""
+    from mesh3d.models.hf_fields import refuse
+
+    if "num_experts" not in hf and "num_local_experts" in hf:  # transformers 5.2x's Qwen3-MoE
+        hf = {**hf, "num_experts": hf["num_local_experts"]}
+    keys = ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
+    keys += ["shared_expert_intermediate_size"] if shared else []
+    missing = [k for k in keys if k not in hf]
+    if missing:
+        raise UserError(f"{where} lacks {missing}; is it a complete MoE config?")
+    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
+    dense = set(hf.get("mlp_only_layers") or [])
+    sparse = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    if hf["num_experts"] < 1 or not sparse:
+        refuse(where, "an MoE config without MoE layers (num_experts, decoder_sparse_step and "
+                      f"mlp_only_layers leave none; convert it as {dense_arch})")  # fmt: skip
+    moe = MoEConfig(
+        num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        layers=[-1] if len(sparse) == n else sparse, enable_shared_expert=shared,
+    )  # fmt: skip
+    if shared:
+        moe.shared_expert_intermediate_size = hf["shared_expert_intermediate_size"]
+    return moe
+
+
+def moe_to_hf(mc) -> dict:
+    """The expert fields HF's Qwen2-MoE and Qwen3-MoE configs share: the dense layers listed
+    in `mlp_only_layers`, `decoder_sparse_step` 1."""
+    from mesh3d.models.moe import moe_layers
+
+    moe, sparse = mc.moe_config, set(moe_layers(mc))
+    return {
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "norm_topk_prob": bool(getattr(mc, "norm_topk_prob", False)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(mc.num_hidden_layers) if i not in sparse],
+        "router_aux_loss_coef": moe.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
+
+
 def qwen2_moe_from_hf(hf: dict, where) -> Qwen2Config:
-    """A Qwen2 config with a `moe_config`: HF's sparse layers (every `decoder_sparse_step`-th,
-    less `mlp_only_layers`) are its `layers`."""
-    from mesh3d.config.schema import MoEConfig
+    """A Qwen2 config with a `moe_config` (`moe_from_hf`)."""
     from mesh3d.models.hf_fields import refuse
 
     if hf.get("norm_topk_prob"):
         refuse(where, "`norm_topk_prob: true` (Nanotron's Qwen2 MoE does not renormalize the "
                       "top-k router weights)")  # fmt: skip
-    missing = [k for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                           "shared_expert_intermediate_size") if k not in hf]  # fmt: skip
-    if missing:
-        raise UserError(f"{where} lacks {missing}; is it a complete Qwen2-MoE config?")
-    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
-    dense = set(hf.get("mlp_only_layers") or [])
-    sparse = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    if hf["num_experts"] < 1 or not sparse:
-        refuse(where, "a Qwen2-MoE config without MoE layers (num_experts, decoder_sparse_step "
-                      "and mlp_only_layers leave none; convert it as Qwen2ForCausalLM)")  # fmt: skip
+    moe = moe_from_hf(hf, where, shared=True, dense_arch="Qwen2ForCausalLM")
+    n = hf["num_hidden_layers"]
     if hf.get("use_sliding_window") and not hf.get("layer_types"):
         types = [  # transformers 5's default for Qwen2-MoE: every other layer below the limit
             "sliding_attention" if (i + 1) % 2 and i < hf.get("max_window_layers", 28) else
@@ -304,13 +342,6 @@ def qwen2_moe_from_hf(hf: dict, where) -> Qwen2Config:
         ]  # fmt: skip
         hf = {**hf, "layer_types": types}
     fields = _common(hf, where)
-    moe = MoEConfig(
-        num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
-        moe_intermediate_size=hf["moe_intermediate_size"],
-        shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
-        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-        layers=[-1] if len(sparse) == n else sparse, enable_shared_expert=True,
-    )  # fmt: skip
     return Qwen2Config(
         **fields, attention_bias=bool(hf.get("qkv_bias", True)),
         sliding_window_size=_window_from_hf(hf, where), moe_config=moe,
@@ -319,7 +350,6 @@ def qwen2_moe_from_hf(hf: dict, where) -> Qwen2Config:
 
 def qwen2_moe_to_hf(mc, dtype: str) -> dict:
     from mesh3d.models.hf_fields import refuse
-    from mesh3d.models.moe import moe_layers
 
     if mc.no_rope_layer:
         refuse(MOE_HF, "no_rope_layer with moe_config (Qwen2-MoE has RoPE on every layer)")
@@ -327,21 +357,13 @@ def qwen2_moe_to_hf(mc, dtype: str) -> dict:
     if not moe.enable_shared_expert:
         refuse(MOE_HF, "`moe_config.enable_shared_expert: false` (HF's Qwen2-MoE always has a "
                        "shared expert)")  # fmt: skip
-    sparse = set(moe_layers(mc))
     return {
         **qwen2_to_hf(mc, dtype),
         "architectures": [MOE_HF],
         "model_type": "qwen2_moe",
         "qkv_bias": True,  # zeros when attention_bias is false (`moe_weights_to_hf`)
-        "num_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "moe_intermediate_size": moe.moe_intermediate_size,
         "shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
-        "norm_topk_prob": False,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i in range(mc.num_hidden_layers) if i not in sparse],
-        "router_aux_loss_coef": moe.router_aux_loss_coef,
-        "output_router_logits": False,
+        **moe_to_hf(mc),
     }
 
 
@@ -359,11 +381,11 @@ def moe_hf_to_ours(name: str) -> str | None:
 GATE_UP, DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
 
 
-def moe_weights_to_hf(weights: dict, mc) -> dict:
-    """Zero q/k/v biases if need be, and each layer's experts (still in our layout under HF's
-    in-memory names) as one gate/up/down weight per expert, HF's [out, in]."""
+def experts_to_hf(weights: dict, mc) -> dict:
+    """Each layer's experts (still in our layout under HF's in-memory names) as one
+    gate/up/down weight per expert, HF's [out, in] (what `save_pretrained` writes)."""
     out = {}
-    for k, w in zero_biases(weights, mc).items():
+    for k, w in weights.items():
         if k.endswith(GATE_UP):  # [E, h, 2F]: gate columns, then up
             f, prefix = w.shape[-1] // 2, k.removesuffix("gate_up_proj")
             for e in range(w.shape[0]):
@@ -375,6 +397,11 @@ def moe_weights_to_hf(weights: dict, mc) -> dict:
         else:
             out[k] = w
     return out
+
+
+def moe_weights_to_hf(weights: dict, mc) -> dict:
+    """Qwen2-MoE's: zero q/k/v biases if need be, and the experts per expert."""
+    return experts_to_hf(zero_biases(weights, mc), mc)
 
 
 def moe_weights_from_hf(weights: dict, mc) -> dict:

@@ -1,7 +1,9 @@
 """Single-device Qwen3: Qwen2 (`models/qwen2.py`) with an RMSNorm over each q and k head before
 RoPE (one weight of size head_dim each, shared by the heads) and a head size that need not be
-hidden_size / num_attention_heads. Nanotron has no Qwen3; its config is a Qwen2 one with
-`mesh3d: {model_family: qwen3, head_dim: ...}` (`Qwen3Config` once loaded).
+hidden_size / num_attention_heads. With a `moe_config` it is Qwen3-MoE: Qwen2's MoE layers,
+usually without the shared expert and with `norm_topk_prob` (`models/moe.py`). Nanotron has no
+Qwen3; its config is a Qwen2 one with `mesh3d: {model_family: qwen3, head_dim: ...,
+norm_topk_prob: ...}` (`Qwen3Config` once loaded).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Qwen3's spec (the model is `models/qwen3.py`): Qwen2's, plus the q/k norms, a free head size
-and HF `Qwen3ForCausalLM`.
+and HF `Qwen3ForCausalLM`, or `Qwen3MoeForCausalLM` for one with a `moe_config` (Qwen2's MoE
+layers and names, no shared expert, the top-k router weights renormalized when
+`norm_topk_prob`; HF's sparse layers are the MoE ones, the others its `mlp_only_layers`).
 
 Nanotron has no Qwen3, so its names here are mesh3d's extension of Nanotron's layout: the norms
 are `attn.q_norm.weight` and `attn.k_norm.weight` in each decoder layer, written once (not
@@ -86,8 +88,41 @@ def qwen3_to_hf(mc, dtype: str) -> dict:
     return out
 
 
+MOE_HF = "Qwen3MoeForCausalLM"
+
+
+def qwen3_moe_from_hf(hf: dict, where) -> Qwen3Config:
+    """A Qwen3 config with a `moe_config` (no shared expert) and HF's `norm_topk_prob`."""
+    moe = qwen2_spec.moe_from_hf(hf, where, shared=False, dense_arch="Qwen3ForCausalLM")
+    # HF's Qwen3-MoE slides every layer or none: it has no layer_types nor max_window_layers
+    every_layer = {**hf, "layer_types": None, "max_window_layers": 0}
+    return dataclasses.replace(qwen3_from_hf(every_layer, where), moe_config=moe,
+                               norm_topk_prob=bool(hf.get("norm_topk_prob", False)))  # fmt: skip
+
+
+def qwen3_moe_to_hf(mc, dtype: str) -> dict:
+    from mesh3d.models.hf_fields import refuse
+
+    if mc.moe_config.enable_shared_expert:
+        refuse(MOE_HF, "`moe_config.enable_shared_expert: true` (HF's Qwen3-MoE has no shared "
+                       "expert)")  # fmt: skip
+    out = qwen3_to_hf(mc, dtype)
+    del out["layer_types"], out["max_window_layers"]  # not Qwen3-MoE's: one window for all
+    out.update(architectures=[MOE_HF], model_type="qwen3_moe", **qwen2_spec.moe_to_hf(mc))
+    return out
+
+
+def hf_for(mc) -> HFSpec:
+    return QWEN3_MOE_HF if mc.moe_config is not None else QWEN3_HF
+
+
 QWEN3_HF = HFSpec(("Qwen3ForCausalLM",), "qwen3", qwen3_from_hf, qwen3_to_hf,
                   llama_spec.ours_to_hf, llama_spec.hf_to_ours)  # fmt: skip
+# the experts as Qwen2-MoE's (names, per-expert files); no q/k/v biases
+QWEN3_MOE_HF = HFSpec(
+    (MOE_HF,), "qwen3_moe", qwen3_moe_from_hf, qwen3_moe_to_hf, qwen2_spec.moe_ours_to_hf,
+    qwen2_spec.moe_hf_to_ours, qwen2_spec.experts_to_hf, qwen2_spec.moe_weights_from_hf,
+)  # fmt: skip
 
 QWEN3 = register(
     dataclasses.replace(  # Llama's init and pipeline costs; q/k norms in TP and weights
@@ -100,6 +135,7 @@ QWEN3 = register(
         step_flops=qwen2_spec.step_flops,  # Llama's, with MoE layers as what a token runs
         nanotron_layer=nanotron_layer,
         param_shapes=param_shapes,
-        hf=(QWEN3_HF,),
+        hf=(QWEN3_HF, QWEN3_MOE_HF),
+        hf_for=hf_for,
     )
 )
