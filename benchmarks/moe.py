@@ -9,15 +9,18 @@ says why). Two Qwen2 models (`mesh3d.models.qwen2.Qwen2`, SDPA) of the same shap
 expert on either side:
   (a) MoE: every layer's MLP is `models/moe.py`'s block, 8 experts of F = 384, top 2, the
       load-balancing loss on (coefficient 0.01);
+  (a') the same MoE model with the experts run by a loop over experts instead of two grouped
+      GEMMs (`torch._grouped_mm`; `Experts.grouped_mm = False`), to measure what grouping buys;
   (b) dense: a SwiGLU MLP of 2F = 768 in every layer.
 A token runs through the same parameters in both (2 experts of F = one MLP of 2F), except the
 MoE router (E·h per layer): active(a) = total(b) + layers·E·h, and total(a) = active(a) +
 layers·(E - k)·3·h·F. Each step: forward, cross-entropy, backward, clip to 1.0, AdamW (torch's,
 not fused), zero_grad; both from the same seed and on the same batches (random ids).
 
-Timing: round r runs step r of (a) and of (b), in an order that alternates every round; the
-first `warmup` rounds are dropped. Reported: median tokens/s of each, and MoE / dense as the
-ratio of the medians and as the median of the per-round ratios with a 95% bootstrap interval.
+Timing: round r runs step r of (a), (a') and (b), in an order that reverses every round; the
+first `warmup` rounds are dropped. Reported: median tokens/s of each, MoE / dense as the ratio
+of the medians and as the median of the per-round ratios with a 95% bootstrap interval, and
+grouped / loop the same way.
 
 Where the MoE step goes: one more MoE step under torch.profiler (CPU, input shapes recorded),
 its ops' self times put in classes: expert matmuls (mm/addmm/matmul with an F or 2F dim, forward
@@ -62,6 +65,7 @@ from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path
 from throughput import bootstrap_median
 
 from mesh3d.config.schema import MoEConfig, Qwen2Config
+from mesh3d.models.moe import Experts
 from mesh3d.models.qwen2 import Qwen2
 
 SHAPE = dict(hidden=256, layers=4, heads=8, kv_heads=4, vocab=2048, seq=256, micro_batch=2,
@@ -96,9 +100,12 @@ def param_counts(model: torch.nn.Module, s: dict = SHAPE) -> tuple[int, int]:
     return total, total - idle
 
 
-def build(moe: bool, seed: int = 0):
+def build(moe: bool, seed: int = 0, grouped_mm: bool = True):
     torch.manual_seed(seed)
     model = Qwen2(model_config(moe), attention="sdpa")
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.grouped_mm = grouped_mm
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     for name, p in model.named_parameters():
@@ -142,11 +149,12 @@ def interleave(ways: dict, data: list[torch.Tensor]) -> dict[str, dict]:
 _DISPATCH = {"aten::index", "aten::index_add", "aten::index_add_", "aten::nonzero",
              "aten::bincount", "aten::eq", "aten::index_put_", "aten::_index_put_impl_",
              "aten::index_select", "aten::zeros", "aten::zero_", "aten::new_zeros",
-             "aten::unbind", "aten::item", "aten::_local_scalar_dense"}  # fmt: skip
+             "aten::unbind", "aten::item", "aten::_local_scalar_dense", "aten::sort",
+             "aten::argsort", "aten::cumsum", "aten::split_with_sizes"}  # fmt: skip
 _ROUTER = {"aten::softmax", "aten::_softmax", "aten::_softmax_backward_data", "aten::topk",
            "aten::scatter_add_", "aten::scatter", "aten::scatter_"}  # fmt: skip
 _SLICES = {"aten::select", "aten::select_backward"}
-_MATMUL = {"aten::mm", "aten::addmm", "aten::matmul", "aten::bmm"}
+_MATMUL = {"aten::mm", "aten::addmm", "aten::matmul", "aten::bmm", "aten::_grouped_mm"}
 
 
 def _dims(shapes) -> set[int]:
@@ -196,11 +204,14 @@ def profile_step(model, opt, ids: torch.Tensor) -> dict[str, float]:
 def summarize(runs: dict[str, dict], tokens: int, warmup: int) -> dict:
     tps = {k: [tokens / t for t in v["seconds"][warmup:]] for k, v in runs.items()}
     per_round = [m / d for m, d in zip(tps["moe"], tps["dense"])]
+    grouped = [m / d for m, d in zip(tps["moe"], tps["moe_loop"])]
     return {
         "tokens_per_s_median": {k: statistics.median(v) for k, v in tps.items()},
         "ratio_of_medians": statistics.median(tps["moe"]) / statistics.median(tps["dense"]),
         "ratio_paired_median": statistics.median(per_round),
         "ratio_paired_ci95": bootstrap_median(per_round),
+        "grouped_over_loop_median": statistics.median(grouped),
+        "grouped_over_loop_ci95": bootstrap_median(grouped),
     }
 
 
@@ -312,13 +323,15 @@ def table(r: dict) -> str:
         "| model | params | active / token | median tokens/s |",
         "|---|---:|---:|---:|",
     ]
-    for k in ("moe", "dense"):
+    for k in ("moe", "moe_loop", "dense"):
         lines.append(f"| {k} | {p[k]['total']:,} | {p[k]['active']:,} | "
                      f"{t['tokens_per_s_median'][k]:,.0f} |")  # fmt: skip
     lines += [
         "",
         f"MoE / dense tokens/s: {t['ratio_of_medians']:.3f} (ratio of medians), "
         f"{t['ratio_paired_median']:.3f} per-round median, 95% CI [{lo:.3f}, {hi:.3f}]",
+        "MoE grouped GEMM / expert loop tokens/s: {:.3f} per-round median, 95% CI [{:.3f}, "
+        "{:.3f}]".format(t["grouped_over_loop_median"], *t["grouped_over_loop_ci95"]),
         "",
         "| share of one MoE step (torch.profiler, self CPU time) | % |",
         "|---|---:|",
@@ -353,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     mode = "quick" if args.quick else "default"
     rounds, warmup = ROUNDS[mode]
-    ways = {"moe": build(True), "dense": build(False)}
+    ways = {"moe": build(True), "moe_loop": build(True, grouped_mm=False), "dense": build(False)}
     params = {k: dict(zip(("total", "active"), param_counts(m))) for k, (m, _) in ways.items()}
     data = batches(rounds + 1)
     runs = interleave(ways, data[:rounds])

@@ -1,7 +1,8 @@
 """benchmarks/moe.py --quick, run as a user would (a subprocess).
 
 It exits 0, prints its table and writes the JSON: every step of both models has positive, finite
-seconds and loss, and both start from about ln(vocab) (random ids); the medians and both ratios
+seconds and loss, all start from about ln(vocab) (random ids), the MoE model's grouped-GEMM
+and expert-loop runs have the same losses; the medians and both ratios
 are positive and finite, the per-round median inside its bootstrap interval; the parameter
 counts are the ones designed (active MoE = dense + the routers, total MoE = active + the idle
 experts, worked out by hand from the shape); the profile shares are in [0, 1], sum to 1 and give
@@ -33,7 +34,7 @@ def test_moe_quick_writes_sane_json(tmp_path):
     assert "all-to-all share of the ep2 step" in proc.stdout
     r = json.loads(out.read_text())
     assert r["mode"] == "quick" and r["tokens_per_step"] == 2 * 256
-    for way in ("moe", "dense"):
+    for way in ("moe", "moe_loop", "dense"):
         run = r["runs"][way]
         assert len(run["seconds"]) == len(run["loss"]) == r["rounds"]
         assert all(map(_positive, run["seconds"] + run["loss"])), way
@@ -43,12 +44,17 @@ def test_moe_quick_writes_sane_json(tmp_path):
     assert _positive(t["ratio_of_medians"]) and _positive(t["ratio_paired_median"])
     lo, hi = t["ratio_paired_ci95"]
     assert 0 < lo <= t["ratio_paired_median"] <= hi
+    lo, hi = t["grouped_over_loop_ci95"]
+    assert 0 < lo <= t["grouped_over_loop_median"] <= hi
+    # the grouped GEMM and the loop over experts: the same model, the same losses (fp32)
+    for a, b in zip(r["runs"]["moe"]["loss"], r["runs"]["moe_loop"]["loss"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (a, b)
     # hidden 256, 4 layers, 8 heads (4 kv, dh 32), vocab 2048 untied; 8 experts of 384, top 2
     h, layers, vocab, f, e, k = 256, 4, 2048, 384, 8, 2
     attn = 2 * h * h + 2 * h * 128 + 2 * h  # q, o; k, v; two norms
     dense = 2 * vocab * h + h + layers * (attn + 3 * h * k * f)
     p = r["params"]
-    assert p["dense"] == {"total": dense, "active": dense}
+    assert p["dense"] == {"total": dense, "active": dense} and p["moe_loop"] == p["moe"]
     assert p["moe"]["active"] == dense + layers * e * h  # + the routers
     assert p["moe"]["total"] == p["moe"]["active"] + layers * (e - k) * 3 * h * f
     shares = r["profile"]

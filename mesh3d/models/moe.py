@@ -8,8 +8,10 @@ What replaces the MLP of an MoE layer:
 - E experts, each down(act(gate(x)) * up(x)) with `moe_intermediate_size` F, stored as
   Nanotron stores them: `merged_gate_up_proj` [E, h, 2F] (gate columns first) and
   `merged_down_proj` [E, F, h], applied as x @ W (not x @ Wᵀ);
-- dropless dispatch: every token reaches its k experts, however unbalanced; a loop over the
-  experts gathers each one's tokens, runs it and adds the weighted result back;
+- dropless dispatch: every token reaches its k experts, however unbalanced; the (token, slot)
+  pairs are sorted by expert, every expert runs on its rows (two grouped GEMMs, or a loop over
+  the experts where `torch._grouped_mm` is not available), and the weighted results are added
+  back to their tokens;
 - optionally a shared expert (a plain MLP of `shared_expert_intermediate_size`) whose output is
   gated per token by sigmoid(x · g), g [1, h] (`shared_expert_gate`).
 
@@ -74,6 +76,38 @@ class Experts(nn.Module):
         """One expert (its weights) on tokens x [n, h]."""
         gate, up = (x @ gate_up).chunk(2, dim=-1)
         return (self.act(gate) * up) @ down
+
+    grouped_mm = True  # False: always the loop over experts (benchmarks/moe.py compares)
+
+    def uses_grouped_mm(self, x: Tensor) -> bool:
+        """Whether `run_sorted` takes the grouped GEMM for inputs like `x`: torch has
+        `_grouped_mm`, every row of the operands is 16-byte aligned (what its kernels need), and
+        on CUDA the dtype is bfloat16 on a Hopper-class GPU (its kernel's domain); the CPU kernel
+        takes every float dtype."""
+        if not (self.grouped_mm and hasattr(torch, "_grouped_mm")):
+            return False
+        h, f2 = self.merged_gate_up_proj.shape[-2:]
+        if any(n * x.element_size() % 16 for n in (h, f2 // 2)):
+            return False
+        if x.device.type == "cuda":
+            return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return x.device.type == "cpu"
+
+    def run_sorted(self, rows: Tensor, counts: Tensor, weights=lambda p: p) -> Tensor:
+        """Every expert on its rows: `rows` [n, h] grouped by expert (the first counts[0] rows
+        are expert 0's, then expert 1's, ...); returns [n, h] in the same order. Two grouped
+        GEMMs (`torch._grouped_mm`, offsets = the running sum of `counts`) where
+        `uses_grouped_mm`, else a loop over the experts that have rows; equal results."""
+        gate_up, down = weights(self.merged_gate_up_proj), weights(self.merged_down_proj)
+        if self.uses_grouped_mm(rows):
+            ends = counts.cumsum(0).to(torch.int32)
+            gate, up = torch._grouped_mm(rows, gate_up, offs=ends).chunk(2, dim=-1)
+            return torch._grouped_mm(self.act(gate) * up, down, offs=ends)
+        gate_ups, downs = gate_up.unbind(0), down.unbind(0)
+        parts = rows.split(counts.tolist())
+        return torch.cat(
+            [self.run(x, gate_ups[e], downs[e]) if len(x) else x for e, x in enumerate(parts)]
+        )
 
 
 class SharedExpertMLP(MLP):
@@ -169,20 +203,17 @@ class MoE(nn.Module):
         )
         counts = torch.bincount(flat_experts.reshape(-1), minlength=self.num_experts)
         if self.ep is not None:  # the experts live on the ep ranks: all-to-all there and back
-            gate_up, down = self.experts.unbound(self._w)
 
-            def run(j: int, rows: Tensor) -> Tensor:
-                return self.experts.run(rows, gate_up[j], down[j])
+            def run(rows: Tensor, local_counts: Tensor) -> Tensor:
+                return self.experts.run_sorted(rows, local_counts, self._w)
 
             out = self.ep.dispatch(run, flat, flat_experts, flat_weights, self.num_experts)
-        else:
-            gate_up, down = self.experts.unbound(self._w)
-            for e in torch.nonzero(counts).flatten().tolist():  # dropless: every routed token
-                token, slot = torch.nonzero(flat_experts == e, as_tuple=True)
-                w = flat_weights[token, slot, None].to(x.dtype)
-                out = out.index_add(
-                    0, token, self.experts.run(flat[token], gate_up[e], down[e]) * w
-                )
+        else:  # dropless: every routed (token, slot), grouped by expert
+            order = torch.argsort(flat_experts.reshape(-1), stable=True)
+            token = order // self.top_k
+            rows = self.experts.run_sorted(flat[token], counts, self._w)
+            w = flat_weights.reshape(-1)[order, None].to(x.dtype)
+            out = out.index_add(0, token, rows * w)
         out = out.view(b, s, h)
         if self.shared:
             gate = torch.sigmoid(F.linear(x, self._w(self.shared_expert_gate.weight)))

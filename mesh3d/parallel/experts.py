@@ -112,8 +112,9 @@ def dispatch_and_combine(
 ) -> Tensor:
     """Σ over each token's k experts of weight · expert(token), the experts spread over `ep`.
 
-    flat [T, h]; chosen, weights [T, k]; `experts_fn(j, rows)` runs local expert j. Returns
-    [T, h] in `flat`'s dtype."""
+    flat [T, h]; chosen, weights [T, k]; `experts_fn(rows, counts)` runs the local experts on
+    rows grouped by local expert (counts [E / ep]: rows of each). Returns [T, h] in `flat`'s
+    dtype."""
     t, k = chosen.shape
     local = num_experts // ep.size
     slot_expert = chosen.reshape(-1)
@@ -127,10 +128,9 @@ def dispatch_and_combine(
     rows = all_to_all(flat[token_of], send, recv, ep.group)
     row_expert = torch.arange(local, device=flat.device).repeat(ep.size)
     row_expert = row_expert.repeat_interleave(recv_counts)  # local expert of each arrived row
-    out_rows = torch.zeros_like(rows)
-    for j in torch.unique(row_expert).tolist():
-        idx = torch.nonzero(row_expert == j).flatten()
-        out_rows = out_rows.index_copy(0, idx, experts_fn(j, rows[idx]))
+    by_expert = torch.argsort(row_expert, stable=True)  # arrived by source; run by expert
+    ran = experts_fn(rows[by_expert], torch.bincount(row_expert, minlength=local))
+    out_rows = torch.empty_like(ran).index_copy(0, by_expert, ran)
     back = all_to_all(out_rows, recv, send, ep.group)  # in `order`
     weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
     return torch.zeros_like(flat).index_add(0, token_of, weighted)
