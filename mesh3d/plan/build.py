@@ -14,7 +14,7 @@ from mesh3d.parallel.experts import ep_groups
 from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_by_cost, stage_ids_of_rank
 from mesh3d.plan.activations import loss_saved_bytes, stage_activation_bytes
 from mesh3d.plan.comm import _comm
-from mesh3d.plan.memory import _params, _transient
+from mesh3d.plan.memory import _params, _shapes, _transient
 from mesh3d.plan.records import Plan, RankPlan, StagePlan
 from mesh3d.plan.schedule import _orders, _peaks, bubble
 from mesh3d.plan.sizes import _Sizes
@@ -37,6 +37,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
     with torch.device("meta"):
         full = spec.build(mc, vocab_size=z.padded, attention="sdpa")  # shapes only
     modules = [full] if n == 1 else [build_stage(full, i, n, split[i]) for i in range(n)]
+    shapes = [_shapes(z, m) for m in modules]
     stages = []
     for i in range(n):
         saved, held = stage_activation_bytes(cfg, split[i], i == 0, i == n - 1)
@@ -58,7 +59,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
     for rank in range(dims.world_size):
         coords = dims.coords(rank)
         ids = stage_ids_of_rank(coords["pp"], z.pp, z.v, z.schedule) if z.pp > 1 else [0]
-        params = [x for i in ids for x in _params(z, modules[i], coords)]
+        params = [x for i in ids for x in _params(z, shapes[i], coords)]
         elements = sum(x.local for x in params)
         grads = sum(x.grad for x in params) * z.e_p
         optim = sum(2 * x.local * z.e_p + 4 for x in params) if adamw else 0
