@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
 from mesh3d.config import validate
 from mesh3d.layout import param_and_compute_dtypes
@@ -14,7 +15,7 @@ from mesh3d.parallel.experts import ep_groups
 from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_by_cost, stage_ids_of_rank
 from mesh3d.plan.activations import loss_saved_bytes, stage_activation_bytes
 from mesh3d.plan.comm import _comm
-from mesh3d.plan.memory import _params, _shapes, _transient
+from mesh3d.plan.memory import _params, _Shape, _shapes, _transient
 from mesh3d.plan.records import Plan, RankPlan, StagePlan
 from mesh3d.plan.schedule import _orders, _peaks, bubble
 from mesh3d.plan.sizes import _Sizes
@@ -32,12 +33,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
     z, mc = _Sizes.of(cfg), cfg.model.model_config
     dims = ParallelDims(dp=z.dp, tp=z.tp, pp=z.pp, cp=z.cp)
     n = z.pp * z.v
-    spec = spec_of(mc)
-    split = split_by_cost(*spec.pipeline_costs(ModelShape.from_config(cfg)), n)
-    with torch.device("meta"):
-        full = spec.build(mc, vocab_size=z.padded, attention="sdpa")  # shapes only
-    modules = [full] if n == 1 else [build_stage(full, i, n, split[i]) for i in range(n)]
-    shapes = [_shapes(z, m) for m in modules]
+    full, split, shapes = stage_shapes(cfg, z)
     stages = []
     for i in range(n):
         saved, held = stage_activation_bytes(cfg, split[i], i == 0, i == n - 1)
@@ -90,6 +86,18 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         ranks=ranks, bubble=bubble(z.schedule, z.pp, z.v, z.m), order_source=source,
         notes=_notes(z), moe=_moe(z),
     )  # fmt: skip
+
+
+def stage_shapes(cfg, z: _Sizes) -> tuple[nn.Module, list[list[int]], list[list[_Shape]]]:
+    """(the whole meta model, each stage's decoder layers, each stage's parameters): the cut
+    training makes (`split_by_cost`, `build_stage`), shapes only."""
+    mc, n = cfg.model.model_config, z.pp * z.v
+    spec = spec_of(mc)
+    split = split_by_cost(*spec.pipeline_costs(ModelShape.from_config(cfg)), n)
+    with torch.device("meta"):
+        full = spec.build(mc, vocab_size=z.padded, attention="sdpa")
+    modules = [full] if n == 1 else [build_stage(full, i, n, split[i]) for i in range(n)]
+    return full, split, [_shapes(z, m) for m in modules]
 
 
 def _groups(z: _Sizes, dims: ParallelDims) -> dict[str, list[list[int]]]:
