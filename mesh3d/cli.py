@@ -3,7 +3,7 @@
 mesh3d train [CONFIG] [key=value ...]                           train (starts its own processes)
 mesh3d generate --checkpoint PATH --prompt TEXT [...]           text from a trained checkpoint
 mesh3d plot METRICS.jsonl ... [--output PNG]                    loss, lr, grad norm, tokens/s
-mesh3d plan CONFIG [--world-size N] [--json] [key=value ...]    same as python -m mesh3d.plan
+mesh3d plan CONFIG [--world-size N] [--json] [--dry-run] [...]  same as python -m mesh3d.plan
 mesh3d config CONFIG [--world-size N] [key=value ...]           same as python -m mesh3d.config
 """
 

@@ -127,15 +127,18 @@ def seeded_init(
     return full
 
 
-def materialize(model: nn.Module, device: torch.device, source: FullSource) -> None:
+def materialize(model: nn.Module, device: torch.device, source: FullSource | None) -> None:
     """Allocate `model` on `device` and fill every parameter from `source(name, full_shape)`.
 
     Every rank gets the full tensor of a parameter (a tied alias under its owner's name) and
-    keeps its own shard (`src_data_rank=None`: local slicing, no communication).
+    keeps its own shard (`src_data_rank=None`: local slicing, no communication). On `meta`
+    (`mesh3d plan --dry-run`: shapes only) there is nothing to fill and `source` is not called.
     """
     model.to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+    if device.type == "meta":
+        return
     tied = getattr(model, "tied_parameters", {})
     experts = _expert_shards(model)
     with torch.no_grad():
@@ -227,7 +230,7 @@ def parallelize(
     mesh: DeviceMesh,
     *,
     device: torch.device,
-    source: FullSource,
+    source: FullSource | None,
     tp_plan: TPPlan,
     recompute_layer: bool,
     dp: str,

@@ -1,4 +1,5 @@
-"""Pre-flight plan of a run: `python -m mesh3d.plan CONFIG [--world-size N] [--json] [key=value ...]`.
+"""Pre-flight plan of a run: `python -m mesh3d.plan CONFIG [--world-size N] [--json] [--dry-run]
+[key=value ...]`.
 
 Prints, for the validated config and without starting any process group: the rank groups, the
 layers of each pipeline stage, parameter / gradient / optimizer / activation bytes per rank, the
@@ -21,14 +22,17 @@ Files: `records.py` (the `Plan` dataclasses), `sizes.py` (the numbers read from 
 `activations.py` (bytes saved per stage and microbatch), `memory.py` (parameters, grads,
 optimizer state and transient bytes per rank), `schedule.py` (each rank's order of forwards and
 backwards, the microbatches in flight, the bubble), `comm.py` (collectives and sends per step),
-`build.py` (`make_plan`), `report.py` (`format_plan`), `__main__.py` (the command line).
+`build.py` (`make_plan`), `report.py` (`format_plan`, `format_dry_run`), `dry_run.py` (`--dry-run`:
+every distinct rank's parts built as training builds them, on meta with a fake process group,
+their bytes against the plan's), `__main__.py` (the command line).
 """
 
 from mesh3d.plan.activations import loss_saved_bytes, stage_activation_bytes
 from mesh3d.plan.build import make_plan
 from mesh3d.plan.comm import WIRE
-from mesh3d.plan.records import Bubble, CommItem, Plan, RankPlan, StagePlan
-from mesh3d.plan.report import format_plan
+from mesh3d.plan.dry_run import differences, dry_run
+from mesh3d.plan.records import Bubble, BuiltRank, CommItem, DryRun, Plan, RankPlan, StagePlan
+from mesh3d.plan.report import format_dry_run, format_plan
 from mesh3d.plan.schedule import _orders, _peaks, bubble  # noqa: F401  (benchmarks/schedules.py)
 
 
@@ -44,12 +48,17 @@ def __getattr__(name: str):
 
 __all__ = [
     "Bubble",
+    "BuiltRank",
     "CommItem",
+    "DryRun",
     "Plan",
     "RankPlan",
     "StagePlan",
     "WIRE",
     "bubble",
+    "differences",
+    "dry_run",
+    "format_dry_run",
     "format_plan",
     "loss_saved_bytes",
     "main",

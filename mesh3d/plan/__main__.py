@@ -1,7 +1,11 @@
-"""Pre-flight plan of a run: `python -m mesh3d.plan CONFIG [--world-size N] [--json] [key=value ...]`.
+"""Pre-flight plan of a run: `python -m mesh3d.plan CONFIG [--world-size N] [--json] [--dry-run]
+[key=value ...]`.
 
 Prints the text report of `format_plan`, or with `--json` `dataclasses.asdict(make_plan(...))`;
-exit 0. A config training would refuse prints `error: ...` and exits 2.
+exit 0. A config training would refuse prints `error: ...` and exits 2. `--dry-run` also builds
+every distinct rank's model parts as training does, on meta with a fake process group
+(`dry_run.py`), and compares the bytes they hold with the plan's: a part that fails to build
+prints `error: dry run: rank ...` and exits 2; bytes that differ from the plan exit 1.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import sys
 from mesh3d.config import load_config
 from mesh3d.errors import exit_on_user_error
 from mesh3d.plan.build import make_plan
-from mesh3d.plan.report import format_plan
+from mesh3d.plan.dry_run import differences, dry_run
+from mesh3d.plan.report import format_dry_run, format_plan
 
 
 @exit_on_user_error
@@ -25,11 +30,32 @@ def main(argv: list[str] | None = None) -> None:
         "--world-size", type=int, help="number of processes (default: dp x cp x tp x pp)"
     )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build each distinct rank's model parts on meta (fake process group) and compare",
+    )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)
-    plan = make_plan(load_config(args.config, args.overrides), args.world_size)
-    out = json.dumps(dataclasses.asdict(plan), indent=1) + "\n" if args.json else format_plan(plan)
-    sys.stdout.write(out)
+    cfg = load_config(args.config, args.overrides)
+    plan = make_plan(cfg, args.world_size)
+    run = dry_run(cfg, plan.world_size) if args.dry_run else None
+    diffs = differences(plan, run) if run else {}
+    if args.json:
+        data = dataclasses.asdict(plan)
+        if run:
+            data |= {"dry_run": dataclasses.asdict(run), "differences": diffs}
+        sys.stdout.write(json.dumps(data, indent=1) + "\n")
+    else:
+        dry = "\n" + format_dry_run(plan, run, diffs) if run else ""
+        sys.stdout.write(format_plan(plan) + dry)
+    if diffs:
+        first = next(iter(diffs.values()))[0]
+        ranks = ", ".join(map(str, diffs))
+        sys.stderr.write(
+            f"dry run: the plan differs from the parts built on rank(s) {ranks}: {first}\n"
+        )
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

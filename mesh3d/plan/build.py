@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
 from mesh3d.config import validate
 from mesh3d.layout import param_and_compute_dtypes
@@ -14,7 +15,7 @@ from mesh3d.parallel.experts import ep_groups
 from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_by_cost, stage_ids_of_rank
 from mesh3d.plan.activations import loss_saved_bytes, stage_activation_bytes
 from mesh3d.plan.comm import _comm
-from mesh3d.plan.memory import _params, _transient
+from mesh3d.plan.memory import _params, _Shape, _shapes, _transient
 from mesh3d.plan.records import Plan, RankPlan, StagePlan
 from mesh3d.plan.schedule import _orders, _peaks, bubble
 from mesh3d.plan.sizes import _Sizes
@@ -32,11 +33,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
     z, mc = _Sizes.of(cfg), cfg.model.model_config
     dims = ParallelDims(dp=z.dp, tp=z.tp, pp=z.pp, cp=z.cp)
     n = z.pp * z.v
-    spec = spec_of(mc)
-    split = split_by_cost(*spec.pipeline_costs(ModelShape.from_config(cfg)), n)
-    with torch.device("meta"):
-        full = spec.build(mc, vocab_size=z.padded, attention="sdpa")  # shapes only
-    modules = [full] if n == 1 else [build_stage(full, i, n, split[i]) for i in range(n)]
+    full, split, shapes = stage_shapes(cfg, z)
     stages = []
     for i in range(n):
         saved, held = stage_activation_bytes(cfg, split[i], i == 0, i == n - 1)
@@ -58,7 +55,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
     for rank in range(dims.world_size):
         coords = dims.coords(rank)
         ids = stage_ids_of_rank(coords["pp"], z.pp, z.v, z.schedule) if z.pp > 1 else [0]
-        params = [x for i in ids for x in _params(z, modules[i], coords)]
+        params = [x for i in ids for x in _params(z, shapes[i], coords)]
         elements = sum(x.local for x in params)
         grads = sum(x.grad for x in params) * z.e_p
         optim = sum(2 * x.local * z.e_p + 4 for x in params) if adamw else 0
@@ -89,6 +86,18 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         ranks=ranks, bubble=bubble(z.schedule, z.pp, z.v, z.m), order_source=source,
         notes=_notes(z), moe=_moe(z),
     )  # fmt: skip
+
+
+def stage_shapes(cfg, z: _Sizes) -> tuple[nn.Module, list[list[int]], list[list[_Shape]]]:
+    """(the whole meta model, each stage's decoder layers, each stage's parameters): the cut
+    training makes (`split_by_cost`, `build_stage`), shapes only."""
+    mc, n = cfg.model.model_config, z.pp * z.v
+    spec = spec_of(mc)
+    split = split_by_cost(*spec.pipeline_costs(ModelShape.from_config(cfg)), n)
+    with torch.device("meta"):
+        full = spec.build(mc, vocab_size=z.padded, attention="sdpa")
+    modules = [full] if n == 1 else [build_stage(full, i, n, split[i]) for i in range(n)]
+    return full, split, [_shapes(z, m) for m in modules]
 
 
 def _groups(z: _Sizes, dims: ParallelDims) -> dict[str, list[list[int]]]:

@@ -55,16 +55,16 @@ def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: b
     if z.mode == "replicate":
         grads = sum(p.grad for p in params if not p.expert) * z.e_p
         dp = [(f"grads, one flat buffer{over}", "all_reduce", 1, grads)]
-        experts = sum(p.grad for p in params if p.expert) * z.e_p
-        who = f"dp/ep x cp = {z.expert_replicas}" if z.cp > 1 else f"dp/ep = {z.expert_replicas}"
-        dp.append((f"expert grads over their replicas ({who})", "all_reduce", 1, experts,
-                   z.expert_replicas))  # fmt: skip
     else:  # FSDP2: all units of the rank together; the pipeline defers reduce (and reshard)
         many = m if z.pp == 1 else 1
         gathers = 2 * m if z.mode == "full" else many  # full with pp > 1: a bound
-        gathered = sum(p.gathered for p in params) * z.e_p
+        gathered = sum(p.gathered for p in params) * z.e_p  # expert slices: 0, not FSDP's
         dp = [(f"parameters (FSDP unshard){over}", "all_gather", gathers, gathered),
               (f"grads{over}", "reduce_scatter", many, gathered)]  # fmt: skip
+    experts = sum(p.grad for p in params if p.expert) * z.e_p  # summed apart in either mode
+    who = f"dp/ep x cp = {z.expert_replicas}" if z.cp > 1 else f"dp/ep = {z.expert_replicas}"
+    dp.append((f"expert grads over their replicas ({who})", "all_reduce", 1, experts,
+               z.expert_replicas))  # fmt: skip
     items = []
     for axis, rows, size in (("tp", tp, z.tp), ("cp", cp, z.cp), ("pp", pp, z.pp),
                              ("ep", ep, z.ep), ("dp", dp, z.replicas)):  # fmt: skip

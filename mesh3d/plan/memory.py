@@ -6,8 +6,9 @@ run, exactly):
   TP splits a dim like `torch.chunk`; FSDP2 (zero_stage 1 or full_shard, dp x cp > 1) then
   chunks dim 0 of the tp-local tensor over the flattened dp x cp group (cp ranks hold the same
   parameters, like dp ranks): ceil(rows / (dp·cp)) each, the last ranks get what is left;
-  under expert parallelism (ep > 1, zero_stage 0 only) the stacked expert weights [E, ...]
-  hold the rank's E / ep experts (`parallel/experts.py`);
+  under expert parallelism (ep > 1) the stacked expert weights [E, ...] hold the rank's
+  E / ep experts (`parallel/experts.py`), which FSDP leaves whole (`ignored_params`: they are
+  not replicated over dp x cp);
 - grads, at the optimizer step: as the params (sharded like them: `shard_grads_like_params`);
 - optimizer: AdamW exp_avg + exp_avg_sq in the param dtype and a 4-byte `step` per parameter;
   SGD (no momentum in mesh3d) none.
@@ -33,7 +34,7 @@ class _Param:
     name: str
     local: int  # the rank's shard
     tp_local: int  # before dp sharding
-    gathered: int  # what FSDP all-gathers: dp x cp x the ceil-sized shard
+    gathered: int  # what FSDP all-gathers: dp x cp x the ceil-sized shard (0: an expert slice)
     grad: int  # the gradient at the optimizer step
     matmul: bool  # a linear weight: autocast keeps a cast copy
     expert: bool = False  # an expert-parallel slice: E / ep of the experts, reduced apart
@@ -59,8 +60,20 @@ def _tp_dim(module: nn.Module, name: str, plan: dict) -> int | None:
     return None
 
 
-def _params(z: _Sizes, module: nn.Module, coords: dict[str, int]) -> list[_Param]:
-    """Every parameter of one meta stage module as the rank at `coords` holds it."""
+@dataclass(frozen=True)
+class _Shape:
+    """One parameter of a stage module before a rank's coordinates pick its shard."""
+
+    name: str
+    shape: tuple[int, ...]  # under expert parallelism: the ep slice of the stacked experts
+    tp_dim: int | None  # the dim the TP plan shards; None: replicated over tp
+    matmul: bool  # a linear weight: autocast keeps a cast copy
+    expert: bool
+
+
+def _shapes(z: _Sizes, module: nn.Module) -> list[_Shape]:
+    """Every parameter of one meta stage module, once for all the ranks that run it (matching
+    the TP plan's patterns per rank took 90% of a plan at 4,096 ranks)."""
     plan = spec_named(z.family).tp_plan(z.sp) if z.tp > 1 else {}
     head = getattr(module, "lm_head", None)
     out = []
@@ -69,21 +82,31 @@ def _params(z: _Sizes, module: nn.Module, coords: dict[str, int]) -> list[_Param
         expert = z.ep > 1 and ".experts.merged_" in name
         if expert:  # the meta model holds every expert; the rank its ep slice
             shape[0] //= z.ep
-        dim = _tp_dim(module, name, plan)
-        if dim is not None:
-            shape[dim] = _chunk(shape[dim], z.tp, coords["tp"])
-        row = math.prod(shape[1:])
-        local = tp_local = gathered = row * shape[0]
-        if z.fsdp:
-            local = _chunk(shape[0], z.replicas, z.replica_index(coords)) * row
-            gathered = -(-shape[0] // z.replicas) * z.replicas * row
         # (the shared-expert gate is a leaf linear weight too; the router is not cast: it runs
         # in fp32 outside autocast; the experts' stacked weights are not cast whole: each
         # expert's slice is cast when it runs, see activations)
         matmul = name.endswith(("proj.weight", "shared_expert_gate.weight"))
         matmul |= name == "lm_head.weight"
         matmul |= head is not None and param is head.weight
-        out.append(_Param(name, local, tp_local, gathered, local, matmul, expert))
+        out.append(_Shape(name, tuple(shape), _tp_dim(module, name, plan), matmul, expert))
+    return out
+
+
+def _params(z: _Sizes, shapes: list[_Shape], coords: dict[str, int]) -> list[_Param]:
+    """Every parameter of one stage module (its `_shapes`) as the rank at `coords` holds it."""
+    out = []
+    for s in shapes:
+        shape = list(s.shape)
+        if s.tp_dim is not None:
+            shape[s.tp_dim] = _chunk(shape[s.tp_dim], z.tp, coords["tp"])
+        row = math.prod(shape[1:])
+        local = tp_local = gathered = row * shape[0]
+        if z.fsdp and s.expert:  # FSDP leaves expert slices alone
+            gathered = 0
+        elif z.fsdp:
+            local = _chunk(shape[0], z.replicas, z.replica_index(coords)) * row
+            gathered = -(-shape[0] // z.replicas) * z.replicas * row
+        out.append(_Param(s.name, local, tp_local, gathered, local, s.matmul, s.expert))
     return out
 
 
@@ -104,7 +127,7 @@ def _transient(
         else:  # full shard, no pipeline: the root, the running layer and the prefetched one
             out["fsdp_gathered_params"] = units.get("root", 0) + sum(layers[:2])
         if z.pp > 1:  # schedules accumulate unsharded gradients until the last backward
-            out["fsdp_unsharded_grads"] = sum(p.tp_local for p in params) * z.e_p
+            out["fsdp_unsharded_grads"] = sum(p.tp_local for p in params if not p.expert) * z.e_p
     if z.autocast:
         out["autocast_weight_copies"] = sum(p.tp_local for p in params if p.matmul) * z.e_c
     if z.recompute:

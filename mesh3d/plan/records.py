@@ -80,3 +80,28 @@ class Plan:
     order_source: str  # where each rank's order of forwards and backwards comes from
     notes: list[str]
     moe: str = ""  # "" without experts, else e.g. "top 2 of 8 experts in layers 1,3"
+
+
+@dataclass
+class BuiltRank:
+    """What one representative rank's parts hold, built as training builds them (`--dry-run`)."""
+
+    rank: int
+    ranks: list[int]  # every rank it stands for
+    coords: dict[str, int]
+    stages: list[int]  # the pipeline stages it built
+    param_elements: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    schedule: str  # the schedule class, "" without pipeline parallelism
+    seconds: float
+
+
+@dataclass
+class DryRun:
+    """Every representative rank of a dry run (`mesh3d.plan.dry_run`)."""
+
+    world_size: int
+    built: list[BuiltRank]
+    seconds: float  # every representative, process groups included

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mesh3d.plan.records import Plan, RankPlan
+from mesh3d.plan.records import DryRun, Plan, RankPlan
 
 
 def _size(n: float) -> str:
@@ -118,4 +118,28 @@ def format_plan(plan: Plan) -> str:
                  _size(c.sent_bytes)] for c in g[0].comm]  # fmt: skip
         out += _table(["axis", "what", "collective", "count", "payload", "sent"], rows, left=3)
     out += ["", "Notes:", *(f"  - {n}" for n in plan.notes)] if plan.notes else []
+    return "\n".join(out) + "\n"
+
+
+def format_dry_run(plan: Plan, run: DryRun, differences: dict[int, list[str]]) -> str:
+    """The dry run's section: per representative rank, the plan's bytes against the built ones."""
+    out = [f"7. Dry run: {len(run.built)} representative rank(s) of {run.world_size} built as "
+           "training builds them, on meta, with torch's fake process group"]  # fmt: skip
+    rows = []
+    for b in run.built:
+        rp = plan.ranks[b.rank]
+        pairs = (
+            f"{_size(getattr(rp, k))} / {_size(getattr(b, k))}"
+            for k in ("param_bytes", "grad_bytes", "optimizer_bytes")
+        )
+        check = "DIFFERS" if b.rank in differences else "ok"
+        rows.append([_ranges(b.ranks), str(b.rank), ",".join(map(str, b.stages)),
+                     b.schedule or "-", f"{b.param_elements:,}", *pairs, check,
+                     f"{b.seconds:.1f} s"])  # fmt: skip
+    head = ["ranks", "rank", "stages", "schedule", "params", "param B plan / built",
+            "grad B plan / built", "optim B plan / built", "check", "build"]  # fmt: skip
+    out += _table(head, rows, left=4)
+    for rank, lines in differences.items():
+        out += [f"  rank {rank} differs from the plan:", *(f"    {x}" for x in lines)]
+    out.append(f"  built in {run.seconds:.1f} s")
     return "\n".join(out) + "\n"

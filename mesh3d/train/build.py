@@ -90,7 +90,8 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     with torch.device("meta"):
         full = spec.build(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
     loss_fn = step_loss(layout)
-    source = initial_weights(cfg, vocab)
+    # on meta (a dry run) nothing is filled: a checkpoint's weights are not read
+    source = initial_weights(cfg, vocab) if device.type != "meta" else None
     ep, expert_replicas = None, None
     if layout.expert_parallel > 1:  # every rank makes every group, before any stage is built
         ep, expert_replicas = new_ep_groups(layout.dims, layout.expert_parallel)
