@@ -553,7 +553,7 @@ def test_moe_activation_terms_by_hand():
     t, h = 32, 64
     mlp = t * h * 4 + 4 * t * 128 * 4  # a dense MLP's input and intermediates
     router = t * h * 4 + 4 * t * 4 + 8 * t * 2 + 4 * 2 * 4
-    routed = 2 * t * (16 + 4 * 32 * 4 + h * 12 + 4)
+    routed = 2 * t * (16 + 4 * 32 * 4 + h * 12 + 4) + 4 * 4  # + the grouped GEMMs' int32 offsets
     shared = t * (4 * 48 * 4 + h * 4 + 4)
     assert moe - dense == router + routed + shared - mlp
     assert stage_activation_bytes(cfg, 3, False, False)[0] == 2 * moe + dense

@@ -23,11 +23,11 @@ Backward mirrors it: the input gradient of a column-parallel group is a partial 
 rank holds some output columns) that needs one all-reduce (one reduce-scatter with sequence
 parallelism) per sublayer, and with sequence parallelism the sequence-sharded output gradient is
 all-gathered before the row-parallel backward. The forward is minimal in both modes; the sequence
-is gathered once per sublayer (PrepareModuleInput on self_attn / mlp), not once per projection.
+is gathered once per sublayer (`block_input` on self_attn / mlp), not once per projection.
 
-The backward is minimal because attention and MLP receive their input as one `Replicate()`
-DTensor (`PrepareModuleInput(..., use_local_output=False)` in both modes): the q/k/v (gate/up)
-input-gradient contributions add up locally and are reduced once per sublayer. Handing each
+The backward is minimal because attention and MLP receive their input as one local copy of the
+full activations whose gradient leaves as `Partial()` (`block_input` in both modes): the q/k/v
+(gate/up) input-gradient contributions add up locally and are reduced once per sublayer. Handing each
 projection a plain tensor instead costs 5 all-reduces per block (each projection reduces its own
 input gradient) — 2.5x the volume with ALL_REDUCE and 5x with REDUCE_SCATTER.
 

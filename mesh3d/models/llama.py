@@ -146,11 +146,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # set under tensor parallelism: the weight (a DTensor) is read as a local tensor whose
+        # gradient gets this placement (parallel/tensor.py::LocalReplicated)
+        self.grad_placement = None
 
     def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if self.grad_placement is not None:
+            w = w.to_local(grad_placements=[self.grad_placement])
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return w * h.to(x.dtype)
 
 
 class Attention(nn.Module):

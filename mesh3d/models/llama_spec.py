@@ -70,30 +70,29 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
         mesh3d.apply_tp(llama, mesh["tp"], mesh3d.llama_tp_plan(sequence_parallel=True))
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from mesh3d.parallel.tensor import ReplicateParallel, block_input
+    from mesh3d.parallel.tensor import LocalColwise, LocalReplicated, LocalRowwise, block_input
 
     seq = Shard(1)  # activations are [B, S, h]: the sequence is dim 1
     act = seq if sequence_parallel else Replicate()
-    norm = SequenceParallel if sequence_parallel else ReplicateParallel
+
+    def norm():  # each rank's rows under sequence parallelism: partial weight gradients
+        return LocalReplicated(partial_grads=sequence_parallel)
+
     block_in = block_input(act)
     layer = {
         "input_layernorm": norm(),
         "self_attn": block_in,
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(),
-        "self_attn.o_proj": RowwiseParallel(output_layouts=act),
+        "self_attn.q_proj": LocalColwise(),
+        "self_attn.k_proj": LocalColwise(),
+        "self_attn.v_proj": LocalColwise(),
+        "self_attn.o_proj": LocalRowwise(output_layouts=act),
         "post_attention_layernorm": norm(),
         "mlp": block_in,
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=act),
+        "mlp.gate_proj": LocalColwise(),
+        "mlp.up_proj": LocalColwise(),
+        "mlp.down_proj": LocalRowwise(output_layouts=act),
     }
     head_in = {"input_layouts": seq} if sequence_parallel else {}
     return {

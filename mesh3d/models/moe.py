@@ -57,6 +57,18 @@ def attach_aux(x: Tensor, aux: Tensor, weight: float) -> Tensor:
     return _AttachAux.apply(x, aux, weight)
 
 
+def grouped_gemm_ok(h: int, ffn: int, itemsize: int, device=None, dtype=None) -> bool:
+    """Whether experts of hidden `h` and intermediate `ffn` run as grouped GEMMs: torch has
+    `_grouped_mm`, every operand row is 16-byte aligned (its kernels need it), and on CUDA the
+    dtype is bfloat16 on a Hopper-class GPU (its kernel's domain); the CPU kernel takes every
+    float dtype. `device` None: the CPU (what `mesh3d plan` assumes)."""
+    if not hasattr(torch, "_grouped_mm") or any(n * itemsize % 16 for n in (h, ffn)):
+        return False
+    if device is not None and device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+    return device is None or device.type == "cpu"
+
+
 class Experts(nn.Module):
     """E SwiGLU experts as two stacked parameters (Nanotron's `GroupedMLP` layout)."""
 
@@ -80,34 +92,32 @@ class Experts(nn.Module):
     grouped_mm = True  # False: always the loop over experts (benchmarks/moe.py compares)
 
     def uses_grouped_mm(self, x: Tensor) -> bool:
-        """Whether `run_sorted` takes the grouped GEMM for inputs like `x`: torch has
-        `_grouped_mm`, every row of the operands is 16-byte aligned (what its kernels need), and
-        on CUDA the dtype is bfloat16 on a Hopper-class GPU (its kernel's domain); the CPU kernel
-        takes every float dtype."""
-        if not (self.grouped_mm and hasattr(torch, "_grouped_mm")):
-            return False
+        """Whether `run_sorted` takes the grouped GEMM for inputs like `x` (`grouped_gemm_ok`)."""
         h, f2 = self.merged_gate_up_proj.shape[-2:]
-        if any(n * x.element_size() % 16 for n in (h, f2 // 2)):
-            return False
-        if x.device.type == "cuda":
-            return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-        return x.device.type == "cpu"
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):  # the GEMMs run in autocast's dtype
+            dtype = torch.get_autocast_dtype(x.device.type)
+        return self.grouped_mm and grouped_gemm_ok(h, f2 // 2, dtype.itemsize, x.device, dtype)
 
     def run_sorted(self, rows: Tensor, counts: Tensor, weights=lambda p: p) -> Tensor:
         """Every expert on its rows: `rows` [n, h] grouped by expert (the first counts[0] rows
         are expert 0's, then expert 1's, ...); returns [n, h] in the same order. Two grouped
         GEMMs (`torch._grouped_mm`, offsets = the running sum of `counts`) where
-        `uses_grouped_mm`, else a loop over the experts that have rows; equal results."""
+        `uses_grouped_mm`, else a loop over the experts that have rows; equal results (under
+        autocast in its dtype: the GEMMs run in it, as autocast runs mm)."""
         gate_up, down = weights(self.merged_gate_up_proj), weights(self.merged_down_proj)
         if self.uses_grouped_mm(rows):
+            kind = rows.device.type
+            if torch.is_autocast_enabled(kind):  # autocast does not cover _grouped_mm: as for mm
+                low = torch.get_autocast_dtype(kind)
+                rows, gate_up, down = rows.to(low), gate_up.to(low), down.to(low)
             ends = counts.cumsum(0).to(torch.int32)
             gate, up = torch._grouped_mm(rows, gate_up, offs=ends).chunk(2, dim=-1)
             return torch._grouped_mm(self.act(gate) * up, down, offs=ends)
         gate_ups, downs = gate_up.unbind(0), down.unbind(0)
         parts = rows.split(counts.tolist())
-        return torch.cat(
-            [self.run(x, gate_ups[e], downs[e]) if len(x) else x for e, x in enumerate(parts)]
-        )
+        ran = [self.run(x, gate_ups[e], downs[e]) for e, x in enumerate(parts) if len(x)]
+        return torch.cat(ran) if ran else rows
 
 
 class SharedExpertMLP(MLP):

@@ -36,11 +36,11 @@ def build(mc, vocab_size: int | None = None, attention: str = "auto"):
 def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     """Qwen2's plan, plus the q/k norms on each rank's heads: the input taken as sharded on its
     head dim (2 of [B, S, heads, dh]), the weight replicated (its gradient then sums over tp)."""
-    from torch.distributed.tensor.parallel import SequenceParallel
+    from mesh3d.parallel.tensor import LocalReplicated
 
     plan = qwen2_spec.tp_plan(sequence_parallel, shape)
     for norm in ("q_norm", "k_norm"):
-        plan[f"layers.*.self_attn.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan[f"layers.*.self_attn.{norm}"] = LocalReplicated(partial_grads=True)
     return plan
 
 

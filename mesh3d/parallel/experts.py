@@ -130,7 +130,7 @@ def dispatch_and_combine(
     row_expert = row_expert.repeat_interleave(recv_counts)  # local expert of each arrived row
     by_expert = torch.argsort(row_expert, stable=True)  # arrived by source; run by expert
     ran = experts_fn(rows[by_expert], torch.bincount(row_expert, minlength=local))
-    out_rows = torch.empty_like(ran).index_copy(0, by_expert, ran)
+    out_rows = torch.empty_like(rows).index_copy(0, by_expert, ran)  # in x's dtype
     back = all_to_all(out_rows, recv, send, ep.group)  # in `order`
     weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
     return torch.zeros_like(flat).index_add(0, token_of, weighted)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mesh3d.models.moe import grouped_gemm_ok
 from mesh3d.plan.sizes import _Sizes
 
 
@@ -114,7 +115,7 @@ def moe_routed_bytes(z: _Sizes, received: int | None = None) -> int:
     Without expert parallelism, per routed row:
 
         k·T·(16 + 4·F·e_c + h·(2·e_c + e_p) + e_p)
-            its token and slot indices (one int64 nonzero result), the gathered input,
+            the sort order and each row's token (int64), the gathered input,
             gate|up output, the activation, the product, the expert output, its router weight
             (in x's dtype) and the weighted output index_add keeps
 
@@ -130,16 +131,20 @@ def moe_routed_bytes(z: _Sizes, received: int | None = None) -> int:
                                   gate|up output, activation, product, and the expert output
                                   index_copy keeps (in x's dtype)
 
+    Plus 4·E/ep: the int32 expert offsets the two grouped GEMMs keep, when the experts run as
+    grouped GEMMs (`grouped_gemm_ok`, judged for the CPU; the loop over experts keeps none).
+
     `received`: R; default k·T, the expectation under balanced routing (every rank receives
     on average what it sends). tests/test_plan.py checks a real ep2 run with its recorded R.
     """
     t, h, k, f = z.local_tokens, z.h, z.top_k, z.moe_ffn
     rows = k * t
+    offsets = 4 * z.experts // z.ep if grouped_gemm_ok(h, f, z.e_c) else 0
     if z.ep == 1:
-        return rows * (16 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p)
+        return rows * (16 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p) + offsets
     received = rows if received is None else received
     sent_side = rows * (16 + 2 * h * z.e_p + z.e_p)
-    return sent_side + received * (8 + 4 * f * z.e_c + h * (z.e_c + z.e_p))
+    return sent_side + received * (8 + 4 * f * z.e_c + h * (z.e_c + z.e_p)) + offsets
 
 
 def loss_saved_bytes(cfg) -> int:
