@@ -445,9 +445,9 @@ def _cp_measured(rank: int, world: int, runs: list) -> list[dict]:
             ps = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             grads["bytes"] = _nbytes([p.grad for p in ps])
 
-        flat = context._all_gather_flat, context._reduce_scatter_flat
-        context._all_gather_flat = count(flat[0], "all_gather")
-        context._reduce_scatter_flat = count(flat[1], "reduce_scatter")
+        flat = context.all_gather_flat, context.reduce_scatter_flat
+        context.all_gather_flat = count(flat[0], "all_gather")
+        context.reduce_scatter_flat = count(flat[1], "reduce_scatter")
         handles = [
             register_optimizer_step_pre_hook(before_step),
             nn.modules.module.register_module_forward_pre_hook(meter.note_params),
@@ -456,7 +456,7 @@ def _cp_measured(rank: int, world: int, runs: list) -> list[dict]:
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
                 res = train(cfg, keep_model=True)
         finally:
-            context._all_gather_flat, context._reduce_scatter_flat = flat
+            context.all_gather_flat, context.reduce_scatter_flat = flat
             for h in handles:
                 h.remove()
         params = list(res.model.parameters())
