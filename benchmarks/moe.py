@@ -2,6 +2,7 @@
 
     python benchmarks/moe.py            # default: 100 + 30 interleaved rounds, ~2 minutes
     python benchmarks/moe.py --quick    # 6 + 4 rounds, for the test (< 60 s)
+    python benchmarks/moe.py --ep-only  # only the expert-parallel comparison (~1 minute)
 
 One process, CPU, fp32, one intra-op thread by default (`--threads`; benchmarks/throughput.py
 says why). Two Qwen2 models (`mesh3d.models.qwen2.Qwen2`, SDPA) of the same shape, hidden 256,
@@ -34,17 +35,21 @@ are of the profiled step's total self time; profiling slows small ops more than 
 they are indicative.
 
 Expert parallelism: 2 forked ranks (gloo, one thread each), each with its own batches of the
-same shape, train the MoE model (a) at dp 2 twice: ep 1 (every rank holds the 8 experts; all
-grads summed over dp) and ep 2 (`mesh3d.parallel.parallelize.apply_ep`: 4 experts per rank, the
-tokens dispatched by `mesh3d.parallel.experts`' all-to-alls; the non-expert grads summed over
-dp, the experts' have no replica at dp 2), interleaved as above, from the same seed. Reported:
-the median ep2 / ep1 step time (per-round ratio, rank 0's clock, the step ending after the
-gradient all-reduce) and the all-to-all share of the ep2 step: the time inside
-`torch.distributed.all_to_all_single` (the counts exchange and the row all-to-alls, forward
-and backward; timers around each call) over the step's time. On one 2-core host the
-all-to-all is a local copy plus waiting for the other rank, so its share is mostly that wait
+same shape, train the MoE model (a) at dp 2 three ways: ep 1 (every rank holds the 8 experts; all
+grads summed over dp), ep 2 with all-to-all dispatch and ep 2 with all-gather dispatch
+(`mesh3d.parallel.parallelize.apply_ep`: 4 experts per rank, the tokens dispatched by
+`mesh3d.parallel.experts`, `token_dispatcher_type` alltoall or allgather; the non-expert grads
+summed over dp, the experts' have no replica at dp 2), interleaved as above, from the same
+seed (the two ep2 ways train the same weights on the same batches: the same losses). Reported:
+the median ep2 all-to-all / ep1 and ep2 all-gather / ep2 all-to-all step times (per-round
+ratios, rank 0's clock, the step ending after the gradient all-reduce) and each ep2 way's
+dispatch share: the time inside its collectives (timers around each call, forward and
+backward: `torch.distributed.all_to_all_single` for the counts and rows; the flat all-gathers
+and reduce-scatters, the token-count check included) over the step's time. On one 2-core host
+a collective is a local copy plus waiting for the other rank, so its share is mostly that wait
 (the ranks' routing, hence work, differs): a lower bound on nothing across real links.
-Raw numbers: `benchmarks/results/local/moe[_quick].json` (`--publish`: `benchmarks/results/`).
+Raw numbers: `benchmarks/results/local/moe[_ep][_quick].json` (`--publish`:
+`benchmarks/results/`).
 """
 
 from __future__ import annotations
@@ -215,9 +220,36 @@ def summarize(runs: dict[str, dict], tokens: int, warmup: int) -> dict:
     }
 
 
+EP_WAYS = {"ep1": (1, "alltoall"), "ep2": (2, "alltoall"), "ep2_allgather": (2, "allgather")}
+
+
+def _timed_collectives(clock: list[float]) -> list[tuple]:
+    """Wrap the ep dispatchers' collectives (module doc) to add their seconds to `clock[0]`;
+    returns (module, name, original) to put back."""
+    import torch.distributed as dist
+
+    import mesh3d.parallel.experts as experts
+
+    def timed(fn):
+        def wrapped(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            clock[0] += time.perf_counter() - t0
+            return out
+
+        return wrapped
+
+    patched = [(dist, "all_to_all_single"), (experts, "all_gather_flat"),
+               (experts, "reduce_scatter_flat")]  # fmt: skip
+    originals = [(m, n, getattr(m, n)) for m, n in patched]
+    for m, n, fn in originals:
+        setattr(m, n, timed(fn))
+    return originals
+
+
 def _ep_rank(rank: int, world: int, port: int, rounds: int, queue) -> None:
     """One forked rank of the expert-parallel comparison (module doc): its per-round seconds of
-    ep1 and ep2, and the all-to-all seconds inside each ep2 step."""
+    each way in `EP_WAYS`, and the dispatch collectives' seconds inside each ep2 step."""
     import torch.distributed as dist
 
     from mesh3d.parallel.data import allreduce_gradients
@@ -228,38 +260,31 @@ def _ep_rank(rank: int, world: int, port: int, rounds: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     group = dist.group.WORLD
-    a2a = [0.0]
-    plain = dist.all_to_all_single
-
-    def timed(*args, **kwargs):  # every all-to-all of the ep2 step: counts, rows, their grads
-        t0 = time.perf_counter()
-        out = plain(*args, **kwargs)
-        a2a[0] += time.perf_counter() - t0
-        return out
-
-    dist.all_to_all_single = timed
+    comm = [0.0]
+    originals = _timed_collectives(comm)
     ways = {}
-    for ep in (1, 2):
+    for name, (ep, dispatcher) in EP_WAYS.items():
         model, _ = build(True)
         if ep > 1:
-            apply_ep(model, ExpertParallel(group, ep, rank))
+            apply_ep(model, ExpertParallel(group, ep, rank, dispatcher))
             torch.manual_seed(rank)  # the new expert slices: this rank's share
-            for name, p in model.named_parameters():
-                if ".experts." in name:
+            for pname, p in model.named_parameters():
+                if ".experts." in pname:
                     torch.nn.init.normal_(p, std=0.02)
             mark_expert_shards(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-        ways[f"ep{ep}"] = (model, opt)
+        ways[name] = (model, opt)
     g = torch.Generator().manual_seed(100 + rank)  # each dp rank its own batches
     data = [torch.randint(SHAPE["vocab"], (SHAPE["micro_batch"], SHAPE["seq"] + 1), generator=g)
             for _ in range(rounds)]  # fmt: skip
-    out = {"ep1": [], "ep2": [], "a2a": [], "loss": {"ep1": [], "ep2": []}}
+    out = {"seconds": {n: [] for n in ways}, "loss": {n: [] for n in ways},
+           "comm": {n: [] for n in ways if EP_WAYS[n][0] > 1}}  # fmt: skip
     names = list(ways)
     for r, ids in enumerate(data):
         for name in names if r % 2 == 0 else names[::-1]:
             model, opt = ways[name]
             dist.barrier()
-            a2a[0] = 0.0
+            comm[0] = 0.0
             t0 = time.perf_counter()
             logits = model(ids[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
@@ -268,17 +293,25 @@ def _ep_rank(rank: int, world: int, port: int, rounds: int, queue) -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            out[name].append(time.perf_counter() - t0)
+            out["seconds"][name].append(time.perf_counter() - t0)
             out["loss"][name].append(float(loss.detach()))
-            if name == "ep2":
-                out["a2a"].append(a2a[0])
-    dist.all_to_all_single = plain
+            if name in out["comm"]:
+                out["comm"][name].append(comm[0])
+    for m, n, fn in originals:
+        setattr(m, n, fn)
     dist.destroy_process_group()
     queue.put((rank, out))
 
 
+def _paired(num: list[float], den: list[float]) -> tuple[float, tuple[float, float]]:
+    """Median of the per-round ratios num / den, and its bootstrap 95% interval."""
+    ratios = [a / b for a, b in zip(num, den)]
+    return statistics.median(ratios), bootstrap_median(ratios)
+
+
 def expert_parallel(rounds: int, warmup: int) -> dict:
-    """ep2 against ep1 at dp 2 on 2 forked ranks (module doc); rank 0's times."""
+    """ep2 (all-to-all and all-gather) against ep1 at dp 2 on 2 forked ranks (module doc);
+    rank 0's times."""
     import multiprocessing
     import socket
 
@@ -295,18 +328,42 @@ def expert_parallel(rounds: int, warmup: int) -> dict:
         proc.join(timeout=60)
     if any(proc.exitcode != 0 for proc in procs):
         raise RuntimeError(f"an ep rank failed: exit codes {[p.exitcode for p in procs]}")
-    r0 = results[0]
-    ep1, ep2, a2a = (r0[k][warmup:] for k in ("ep1", "ep2", "a2a"))
-    ratios = [b / a for a, b in zip(ep1, ep2)]
-    share = [c / b for b, c in zip(ep2, a2a)]
+    step = {k: v[warmup:] for k, v in results[0]["seconds"].items()}
+    comm = {k: v[warmup:] for k, v in results[0]["comm"].items()}
+    over_ep1, over_ep1_ci = _paired(step["ep2"], step["ep1"])
+    ag, ag_ci = _paired(step["ep2_allgather"], step["ep2"])
     return {
         "rounds": rounds, "warmup": warmup, "ranks": results,
-        "step_s_median": {"ep1": statistics.median(ep1), "ep2": statistics.median(ep2)},
-        "ep2_over_ep1_median": statistics.median(ratios),
-        "ep2_over_ep1_ci95": bootstrap_median(ratios),
-        "a2a_share_median": statistics.median(share),
-        "a2a_s_median": statistics.median(a2a),
+        "step_s_median": {k: statistics.median(v) for k, v in step.items()},
+        "ep2_over_ep1_median": over_ep1, "ep2_over_ep1_ci95": over_ep1_ci,
+        "allgather_over_alltoall_median": ag, "allgather_over_alltoall_ci95": ag_ci,
+        "comm_share_median": {k: _paired(v, step[k])[0] for k, v in comm.items()},
+        "comm_s_median": {k: statistics.median(v) for k, v in comm.items()},
     }  # fmt: skip
+
+
+def ep_table(e: dict, s: dict, tokens: int) -> list[str]:
+    """The expert-parallel comparison's lines (`expert_parallel`'s result `e`, shape `s`)."""
+    step, share, comm = e["step_s_median"], e["comm_share_median"], e["comm_s_median"]
+    lines = [
+        f"expert parallelism, 2 ranks, dp 2, 1 thread each, {e['rounds']} rounds "
+        f"({e['warmup']} warm-up dropped), {tokens} tokens/step per rank:",
+        "",
+        "| layout | experts per rank | dispatch | median step s (rank 0) | dispatch share |",
+        "|---|---:|---|---:|---:|",
+        f"| dp2 ep1 | {s['experts']} | none | {step['ep1']:.3f} | |",
+    ]
+    for way, label in (("ep2", "all-to-all"), ("ep2_allgather", "all-gather")):
+        lines.append(f"| dp2 ep2 | {s['experts'] // 2} | {label} | {step[way]:.3f} | "
+                     f"{100 * share[way]:.1f}% ({1000 * comm[way]:.1f} ms) |")  # fmt: skip
+    lines += [
+        "",
+        "ep2 all-to-all / ep1 step time: {:.3f} per-round median, 95% CI [{:.3f}, {:.3f}]".format(
+            e["ep2_over_ep1_median"], *e["ep2_over_ep1_ci95"]),
+        "ep2 all-gather / all-to-all step time: {:.3f} per-round median, 95% CI [{:.3f}, "
+        "{:.3f}]".format(e["allgather_over_alltoall_median"], *e["allgather_over_alltoall_ci95"]),
+    ]  # fmt: skip
+    return lines
 
 
 def table(r: dict) -> str:
@@ -337,56 +394,57 @@ def table(r: dict) -> str:
         "|---|---:|",
         *(f"| {k} | {100 * v:.1f} |" for k, v in r["profile"].items()),
     ]
-    e = r["expert_parallel"]
-    lo, hi = e["ep2_over_ep1_ci95"]
-    lines += [
-        "",
-        f"expert parallelism, 2 ranks, dp 2, 1 thread each, {e['rounds']} rounds "
-        f"({e['warmup']} warm-up dropped), {r['tokens_per_step']} tokens/step per rank:",
-        "",
-        "| layout | experts per rank | median step s (rank 0) |",
-        "|---|---:|---:|",
-        f"| dp2 ep1 | {s['experts']} | {e['step_s_median']['ep1']:.3f} |",
-        f"| dp2 ep2 | {s['experts'] // 2} | {e['step_s_median']['ep2']:.3f} |",
-        "",
-        f"ep2 / ep1 step time: {e['ep2_over_ep1_median']:.3f} per-round median, 95% CI "
-        f"[{lo:.3f}, {hi:.3f}]; all-to-all share of the ep2 step: "
-        f"{100 * e['a2a_share_median']:.1f}% ({1000 * e['a2a_s_median']:.1f} ms, median)",
-    ]
+    lines += ["", *ep_table(r["expert_parallel"], s, r["tokens_per_step"])]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="6 rounds, for the test")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
-    ap.add_argument("--out", help="JSON path (default: benchmarks/results[/local]/moe*.json)")
-    add_publish_flag(ap)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    mode = "quick" if args.quick else "default"
+def single_process(mode: str) -> dict:
+    """The one-process part (module doc): MoE grouped, MoE loop and dense, and the profile."""
     rounds, warmup = ROUNDS[mode]
     ways = {"moe": build(True), "moe_loop": build(True, grouped_mm=False), "dense": build(False)}
     params = {k: dict(zip(("total", "active"), param_counts(m))) for k, (m, _) in ways.items()}
     data = batches(rounds + 1)
     runs = interleave(ways, data[:rounds])
     tokens = SHAPE["micro_batch"] * SHAPE["seq"]
+    return {
+        "rounds": rounds, "warmup": warmup, "params": params, "runs": runs,
+        "summary": summarize(runs, tokens, warmup),
+        "profile": profile_step(*ways["moe"], data[rounds]),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6 rounds, for the test")
+    ap.add_argument("--ep-only", action="store_true", help="only the expert-parallel comparison")
+    ap.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    ap.add_argument("--out", help="JSON path (default: benchmarks/results[/local]/moe*.json)")
+    add_publish_flag(ap)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    mode = "quick" if args.quick else "default"
     result = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "torch": torch.__version__, "cores": os.cpu_count(), "threads": args.threads,
-        "mode": mode, "rounds": rounds, "warmup": warmup, "shape": SHAPE,
-        "tokens_per_step": tokens, "params": params, "runs": runs,
-        "summary": summarize(runs, tokens, warmup),
-        "profile": profile_step(*ways["moe"], data[rounds]),
-        "expert_parallel": expert_parallel(*EP_ROUNDS[mode]),
+        "mode": mode, "shape": SHAPE, "tokens_per_step": SHAPE["micro_batch"] * SHAPE["seq"],
     }  # fmt: skip
-    out = args.out or results_dir(args.publish) / f"moe{'_quick' if args.quick else ''}.json"
+    if not args.ep_only:
+        result |= single_process(mode)
+    result["expert_parallel"] = expert_parallel(*EP_ROUNDS[mode])
+    name = "moe" + "_ep" * args.ep_only + "_quick" * args.quick
+    out = args.out or results_dir(args.publish) / f"{name}.json"
     with open(out, "w") as fh:
         json.dump(result, fh, indent=1)
-    print(table(result))
+    if args.ep_only:
+        print(f"$ {result['command']}  ({result['date']})\ntorch {result['torch']}, "
+              f"{result['cores']} cores, fp32\n")  # fmt: skip
+        print("\n".join(ep_table(result["expert_parallel"], SHAPE, result["tokens_per_step"])))
+    else:
+        print(table(result))
     print(f"\nwrote {out}")
-    bad = [k for k, v in result["summary"]["tokens_per_s_median"].items() if not math.isfinite(v)]
+    speeds = result.get("summary", {}).get("tokens_per_s_median", {})
+    bad = [k for k, v in speeds.items() if not math.isfinite(v)]
     bad += [k for k, v in result["expert_parallel"]["step_s_median"].items() if not v > 0]
     return 1 if bad else 0
 

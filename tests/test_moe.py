@@ -9,9 +9,13 @@
 - training parity (fp32, <= 1e-5 relative in loss, grad norm and weights, against one process)
   at dp2 (zero 0 and 1), pp2, tp2 (both modes), cp2, dp2 x pp2, dp4, cp2 x tp2, dp2 x tp2 x pp2
   and cp2 x tp2 x pp2, and with the experts split over ep ranks (all-to-all dispatch): ep2,
-  ep4, ep2 of dp4, ep2 x tp2, ep2 with pp2, ep2 with cp2 and dp2 x ep2 x tp2 x pp2; with the
-  shared expert and the aux loss on; the aux loss and the expert load are the same at every
+  ep4, ep2 of dp4, ep2 x tp2, ep2 with pp2, ep2 with cp2 and dp2 x ep2 x tp2 x pp2; with
+  `token_dispatcher_type: allgather`: ep2, ep2 x tp2 (sequence parallel), ep2 with pp2; with
+  the shared expert and the aux loss on; the aux loss and the expert load are the same at every
   layout (the same routing);
+- the two ep dispatchers (all-to-all, all-gather) on 2 ranks against the block in one process:
+  output, input, router and expert gradients, also with a rank whose experts get no token;
+  all-gather refuses unequal token counts;
 - checkpoints in Nanotron's layout (router, stacked experts, shared expert files) resume at
   another layout.
 """
@@ -42,9 +46,9 @@ _mc.update(is_qwen2_config=True, num_hidden_layers=3,
                            router_aux_loss_coef=0.1, layers=[0, 2]))  # fmt: skip
 
 
-def _block(shared: bool = True, seed: int = 0) -> MoE:
+def _block(shared: bool = True, seed: int = 0, experts: int = 5) -> MoE:
     torch.manual_seed(seed)
-    cfg = MoEConfig(num_experts=5, top_k=2, moe_intermediate_size=12,
+    cfg = MoEConfig(num_experts=experts, top_k=2, moe_intermediate_size=12,
                     shared_expert_intermediate_size=10, enable_shared_expert=shared,
                     router_aux_loss_coef=0.01)  # fmt: skip
     block = MoE(16, cfg, F.silu)
@@ -182,6 +186,79 @@ def test_moe_layers_and_model_parameters():
     assert Qwen3(qwen3).layers["2"].mlp.norm_topk_prob
 
 
+# ---------------------------------------------------------------- expert-parallel dispatch
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b).abs().max() / b.abs().max())
+
+
+def _dispatchers(rank: int, world: int) -> dict:
+    """On each rank: the block (4 experts, top 2) with its experts split over the ranks,
+    dispatching by all-to-all and by all-gather, against the whole block in one process on each
+    rank's tokens: the output, the input's and the router's gradients (this rank's tokens), the
+    expert gradients (every rank's tokens, this rank's experts). Twice: random routing, and
+    every token routed to rank 0's experts (rank 1 runs none). Then unequal token counts."""
+    import torch.distributed as dist
+
+    from mesh3d.parallel.experts import ExpertParallel
+
+    got = {}
+    for case in ("random", "all to rank 0"):
+        whole = _block(shared=False, experts=4)
+        whole.aux_coef = 0.0  # the dispatch alone: no aux gradient into the router
+        g = torch.Generator().manual_seed(5)
+        xs = [torch.randn(2, 6, 16, generator=g) for _ in range(world)]
+        grads = [torch.randn(2, 6, 16, generator=g) for _ in range(world)]
+        if case != "random":  # a large first feature that only experts 0 and 1 weigh
+            with torch.no_grad():
+                whole.gate.weight[:2, 0] = 10.0
+            for x in xs:
+                x[..., 0] = 3.0
+            assert set(whole.route(xs[rank])[2].unique().tolist()) == {0, 1}
+        want = []  # per rank: output, input grad, router grad, expert grads
+        for x, gr in zip(xs, grads):
+            whole.zero_grad()
+            x = x.clone().requires_grad_()
+            out = whole(x)
+            out.backward(gr)
+            want.append((out.detach(), x.grad, whole.gate.weight.grad.clone(),
+                         [p.grad.clone() for p in whole.experts.parameters()]))  # fmt: skip
+        lo, hi = rank * 4 // world, (rank + 1) * 4 // world
+        mine = [sum(w[3][i] for w in want)[lo:hi] for i in range(2)]
+        for kind in ("alltoall", "allgather"):
+            block = copy.deepcopy(whole)
+            block.zero_grad()
+            for name, p in list(block.experts.named_parameters()):
+                block.experts.register_parameter(name, torch.nn.Parameter(p.detach()[lo:hi]))
+            block.ep = ExpertParallel(dist.group.WORLD, world, rank, kind)
+            x = xs[rank].clone().requires_grad_()
+            out = block(x)
+            out.backward(grads[rank])
+            o, xg, rg, _ = want[rank]
+            got[case, kind] = {
+                "out": _rel(out, o), "x grad": _rel(x.grad, xg), "router grad": _rel(block.gate.weight.grad, rg),
+                **{f"expert grad {i}": _rel(p.grad, m) if p.grad is not None and m.abs().max() > 0
+                   else float(p.grad is not None and p.grad.abs().max() > 0)
+                   for i, (p, m) in enumerate(zip(block.experts.parameters(), mine))},
+            }  # fmt: skip
+    block.ep = ExpertParallel(dist.group.WORLD, world, rank, "allgather")
+    with pytest.raises(ValueError, match=r"the same number of tokens .* got \[12, 10\]"):
+        block(torch.randn(2, 6 - rank, 16))
+    return got
+
+
+def test_allgather_dispatch_equals_all_to_all_and_one_process():
+    """2 forked gloo ranks (`_dispatchers`): both dispatchers give the one-process output and
+    gradients (fp32, <= 1e-5 relative), the router's included: under all-gather a weight's
+    gradient is made on the rank that ran its expert and the gather's backward (a
+    reduce-scatter) brings it home. A rank whose experts get no token is fine. Unequal token
+    counts raise a ValueError on every rank (no hang)."""
+    for got in run_ranks(2, _dispatchers, timeout=60):
+        for key, diffs in got.items():
+            assert all(v <= TOL for v in diffs.values()), (key, diffs)
+
+
 # ---------------------------------------------------------------- training parity
 
 
@@ -193,6 +270,7 @@ def EP(n: int) -> str:  # noqa: N802
 
 
 EP2 = EP(2)
+ALLGATHER = "model.model_config.moe_config.token_dispatcher_type=allgather"
 
 
 def _pp2(schedule: str = "1f1b") -> list[str]:
@@ -207,7 +285,8 @@ LAYOUTS = {
         ("tp2 REDUCE_SCATTER zero1", layout_overrides(1, 2, "REDUCE_SCATTER", 1, False)),
         ("cp2", layout_overrides(1, 1, "ALL_REDUCE", 0, False) + [CP2]),
         ("dp2 ep2", layout_overrides(2, 1, "ALL_REDUCE", 0, False) + [EP2]),
-        ("dp2 ep2 zero1", layout_overrides(2, 1, "ALL_REDUCE", 1, False) + [EP2])],
+        ("dp2 ep2 zero1", layout_overrides(2, 1, "ALL_REDUCE", 1, False) + [EP2]),
+        ("dp2 ep2 allgather", layout_overrides(2, 1, "ALL_REDUCE", 0, False) + [EP2, ALLGATHER])],
     4: [("dp2 pp2 zero1 1f1b", layout_overrides(2, 1, "ALL_REDUCE", 1, False) + _pp2()),
         ("cp2 tp2 ALL_REDUCE", layout_overrides(1, 2, "ALL_REDUCE", 0, False) + [CP2]),
         ("dp4 ep4", layout_overrides(4, 1, "ALL_REDUCE", 0, False) + [EP(4)]),
@@ -215,6 +294,10 @@ LAYOUTS = {
         ("dp2 ep2 tp2 ALL_REDUCE", layout_overrides(2, 2, "ALL_REDUCE", 0, False) + [EP2]),
         ("dp2 ep2 pp2 1f1b", layout_overrides(2, 1, "ALL_REDUCE", 0, False) + _pp2() + [EP2]),
         ("dp2 ep2 cp2", layout_overrides(2, 1, "ALL_REDUCE", 0, False) + [EP2, CP2]),
+        ("dp2 ep2 tp2 REDUCE_SCATTER allgather",
+         layout_overrides(2, 2, "REDUCE_SCATTER", 0, False) + [EP2, ALLGATHER]),
+        ("dp2 ep2 pp2 1f1b allgather zero1",
+         layout_overrides(2, 1, "ALL_REDUCE", 1, False) + _pp2() + [EP2, ALLGATHER]),
         ("dp4 zero0", layout_overrides(4, 1, "ALL_REDUCE", 0, False))],
     8: [("dp2 ep2 tp2 pp2 REDUCE_SCATTER zero1 1f1b",
          layout_overrides(2, 2, "REDUCE_SCATTER", 1, False) + _pp2() + [EP2]),

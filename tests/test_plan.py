@@ -445,9 +445,9 @@ def _cp_measured(rank: int, world: int, runs: list) -> list[dict]:
             ps = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
             grads["bytes"] = _nbytes([p.grad for p in ps])
 
-        flat = context._all_gather_flat, context._reduce_scatter_flat
-        context._all_gather_flat = count(flat[0], "all_gather")
-        context._reduce_scatter_flat = count(flat[1], "reduce_scatter")
+        flat = context.all_gather_flat, context.reduce_scatter_flat
+        context.all_gather_flat = count(flat[0], "all_gather")
+        context.reduce_scatter_flat = count(flat[1], "reduce_scatter")
         handles = [
             register_optimizer_step_pre_hook(before_step),
             nn.modules.module.register_module_forward_pre_hook(meter.note_params),
@@ -456,7 +456,7 @@ def _cp_measured(rank: int, world: int, runs: list) -> list[dict]:
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
                 res = train(cfg, keep_model=True)
         finally:
-            context._all_gather_flat, context._reduce_scatter_flat = flat
+            context.all_gather_flat, context.reduce_scatter_flat = flat
             for h in handles:
                 h.remove()
         params = list(res.model.parameters())
@@ -585,6 +585,26 @@ def test_expert_parallel_plan_by_hand():
     # dp 2, ep 2: no replica to sum the expert grads over
     two = make_plan(_moe_cfg(["parallelism.dp=2", "parallelism.expert_parallel_size=2"]), 2)
     assert not any("replicas" in c.what for c in two.ranks[0].comm)
+    # the all-gather dispatcher: every rank's T tokens, whatever the routing
+    ag = make_plan(_moe_cfg(["parallelism.dp=4", "parallelism.expert_parallel_size=2", *ONE_STEP,
+                             f"{MOE_KEY}.token_dispatcher_type=allgather"]), 4)  # fmt: skip
+    got = {c.what: (c.collective, c.count, c.bytes_each) for c in ag.ranks[1].comm
+           if c.axis == "ep"}  # fmt: skip
+    tokens = 2 * 32  # ep·T
+    assert got == {
+        "token counts (fwd)": ("all_gather", n, 8 * 2),
+        "chosen experts (fwd)": ("all_gather", n, 8 * 2 * tokens),
+        "tokens and weights (fwd)": ("all_gather", n, tokens * (64 + 2) * 4),
+        "results (fwd)": ("reduce_scatter", n, tokens * 64 * 4),
+        "result grads (bwd)": ("all_gather", n, tokens * 64 * 4),
+        "token and weight grads (bwd)": ("reduce_scatter", n, tokens * (64 + 2) * 4),
+        "expert grad norm (fp64 squares)": ("all_reduce", 1, 8),
+    }, got
+    # per MoE block it saves k·T·(h·e_p + 16 - 8·ep) bytes fewer than all-to-all (balanced);
+    # the peak holds one microbatch's 2 MoE layers
+    fewer = 2 * 2 * 32 * (64 * 4 + 16 - 8 * 2)
+    assert rp.saved_activation_bytes - ag.ranks[1].saved_activation_bytes == fewer
+    assert "expert parallelism 2 (allgather)" in format_plan(ag)
 
 
 def _moe_measured(rank: int, world: int, runs: list) -> list[dict]:
@@ -598,7 +618,9 @@ def _moe_measured(rank: int, world: int, runs: list) -> list[dict]:
 
     routed: list[set[int]] = [set() for _ in runs]
     received: list[list[int]] = [[] for _ in runs]
+    ran: list[list[int]] = [[] for _ in runs]
     a2a: list[dict] = [{} for _ in runs]
+    flat: list[dict] = [{} for _ in runs]
     run = [0]
 
     def count_rows(module, args, output):
@@ -617,11 +639,32 @@ def _moe_measured(rank: int, world: int, runs: list) -> list[dict]:
         a2a[run[0]][key] = (calls + 1, nbytes + inp.numel() * inp.element_size())
         return fn(out, inp, *args, **kwargs)
 
+    def gather_and_reduce(experts_fn, *args, fn=experts.gather_and_reduce):
+        def counted(rows, counts):
+            ran[run[0]].append(len(rows))
+            return experts_fn(rows, counts)
+
+        return fn(counted, *args)
+
+    def flat_collective(kind, fn):
+        def wrapped(out, inp, group=None):
+            full = out if kind == "all_gather" else inp
+            key = f"{kind} {full.dtype}"
+            calls, nbytes = flat[run[0]].get(key, (0, 0))
+            flat[run[0]][key] = (calls + 1, nbytes + full.numel() * full.element_size())
+            return fn(out, inp, group=group)
+
+        return wrapped
+
     hook = nn.modules.module.register_module_forward_hook(
         lambda m, a, o: count_rows(m, a, o) if isinstance(m, MoE) else None
     )
-    patched = experts.all_to_all, dist.all_to_all_single
-    experts.all_to_all, dist.all_to_all_single = all_to_all, all_to_all_single
+    names = ("all_to_all", "gather_and_reduce", "all_gather_flat", "reduce_scatter_flat")
+    patched = [getattr(experts, n) for n in names] + [dist.all_to_all_single]
+    experts.all_to_all, experts.gather_and_reduce = all_to_all, gather_and_reduce
+    experts.all_gather_flat = flat_collective("all_gather", patched[2])
+    experts.reduce_scatter_flat = flat_collective("reduce_scatter", patched[3])
+    dist.all_to_all_single = all_to_all_single
     out = []
     try:
         for i, cfg in enumerate(runs):
@@ -629,14 +672,20 @@ def _moe_measured(rank: int, world: int, runs: list) -> list[dict]:
             out += _cp_measured(rank, world, [cfg])
     finally:
         hook.remove()
-        experts.all_to_all, dist.all_to_all_single = patched
-    for o, rows, calls, k in zip(out, received, a2a, routed):
+        for n, fn in zip(names, patched):
+            setattr(experts, n, fn)
+        dist.all_to_all_single = patched[-1]
+    for o, rows, rows_ran, calls, flats, k in zip(out, received, ran, a2a, flat, routed):
         o["routed"] = k
-        o["received"] = rows[::2]  # dispatch, then results back (whose recv is what was sent)
-        o["a2a"] = calls
+        # all-to-all: dispatch, then results back (whose recv is what was sent); all-gather:
+        # the rows the local experts ran
+        o["received"] = rows[::2] or rows_ran
+        o["a2a"], o["flat"] = calls, flats
     return out
 
 
+MOE_KEY = "model.model_config.moe_config"
+ALLGATHER = f"{MOE_KEY}.token_dispatcher_type=allgather"
 RUNS_MOE = {  # on 2 ranks; label -> (config overrides, base)
     "moe dp2 zero0": ["parallelism.dp=2", *ONE_STEP],
     "moe dp2 zero1 tied": ["parallelism.dp=2", "optimizer.zero_stage=1", *ONE_STEP,
@@ -655,6 +704,13 @@ RUNS_MOE = {  # on 2 ranks; label -> (config overrides, base)
     "moe dp2 ep2 bf16 params": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
                                 "model.dtype=bfloat16", "optimizer.accumulate_grad_in_fp32=false",
                                 *ONE_STEP],
+    "moe dp2 ep2 allgather": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
+                              *ONE_STEP, "tokens.batch_accumulation_per_replica=2", ALLGATHER],
+    "moe dp2 ep2 allgather bf16 autocast": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
+                                            "model.dtype=bfloat16", *ONE_STEP, ALLGATHER],
+    "moe dp2 ep2 allgather bf16 params": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
+                                          "model.dtype=bfloat16", *ONE_STEP, ALLGATHER,
+                                          "optimizer.accumulate_grad_in_fp32=false"],
     "moe tp2 sequence parallel": ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER",
                                   *ONE_STEP],
     "moe tp2 all-reduce": ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE", *ONE_STEP],
@@ -673,7 +729,8 @@ def test_plan_equals_real_moe_runs():
     Under tp (both modes) and cp the block runs on the rank's tokens: exact too (cp plus CPU
     SDPA's causal masks). Under expert parallelism the plan assumes balanced routing: the run's
     recorded received rows replace it (`_ep_checks`), then the saved bytes and the all-to-all
-    calls and bytes are exact (fp32, bf16 params, bf16 autocast)."""
+    calls and bytes are exact (fp32, bf16 params, bf16 autocast); the same with the all-gather
+    dispatcher, whose collectives are exact without the recorded rows."""
     cfgs = [_moe_cfg(ov) for ov in RUNS_MOE.values()]
     measured = run_ranks(2, _moe_measured, cfgs, timeout=300)
     off = {}
@@ -698,26 +755,46 @@ def test_plan_equals_real_moe_runs():
 
 
 def _ep_checks(z, rp, got: dict, label: str) -> int:
-    """Under expert parallelism: the all-to-all calls and bytes against the plan's, with the
-    recorded received rows R in place of the balanced k·T (a rank sends k·T rows and R results
-    back in forward, the grads of both in backward); returns what the plan's saved bytes lack
-    for the recorded R (the largest over the step's microbatches, as the peak is)."""
+    """Under expert parallelism: the dispatch collectives' calls and bytes against the plan's:
+    all-to-all with the recorded received rows R in place of the balanced k·T (a rank sends
+    k·T rows and R results back in forward, the grads of both in backward), all-gather exactly
+    (its sizes do not depend on the routing); returns what the plan's saved bytes lack for the
+    recorded R (rows received, or run by the local experts under all-gather; the largest over
+    the step's microbatches, as the peak is)."""
     if z.ep == 1:
-        assert not got["a2a"], label
+        assert not got["a2a"] and not got["flat"], label
         return 0
-    rows = got["received"]
-    kt, per_mb = z.top_k * z.local_tokens, len(z.moe_layers)
+    rows, per_mb = got["received"], len(z.moe_layers)
     assert len(rows) == z.m * per_mb, label
     comm = {c.what: c for c in rp.comm if c.axis == "ep"}
-    counts, sent = comm["expert counts (fwd)"], comm["routed rows, results back (fwd)"]
-    grads = comm["their grads (bwd)"]
-    assert got["a2a"]["torch.int64"] == (counts.count, counts.count * 8 * z.experts), label
-    planned = (sent.count + grads.count) * sent.bytes_each
-    skew = 2 * sum(r - kt for r in rows) * z.h * z.e_p  # the R-row halves, routing-dependent
     float_dtype = str(getattr(torch, {4: "float32", 2: "bfloat16"}[z.e_p]))
-    assert got["a2a"][float_dtype] == (sent.count + grads.count, planned + skew), label
+    if z.dispatcher == "allgather":  # exact whatever the routing
+        assert not got["a2a"], label
+        planned = {}
+        for c in comm.values():
+            if c.collective == "all_reduce":
+                continue
+            ints = c.what.startswith(("token counts", "chosen experts"))
+            key = f"{c.collective} {'torch.int64' if ints else float_dtype}"
+            calls, nbytes = planned.get(key, (0, 0))
+            planned[key] = (calls + c.count, nbytes + c.count * c.bytes_each)
+        assert got["flat"] == planned, (label, got["flat"], planned)
+    else:
+        assert not got["flat"], label
+        _a2a_checks(z, comm, got, rows, label, float_dtype)
     base = moe_routed_bytes(z)
     return max(
         sum(moe_routed_bytes(z, r) - base for r in rows[j : j + per_mb])
         for j in range(0, len(rows), per_mb)
     )
+
+
+def _a2a_checks(z, comm: dict, got: dict, rows: list[int], label: str, float_dtype: str) -> None:
+    """The all-to-all calls and bytes against the plan's, with the recorded received rows."""
+    kt = z.top_k * z.local_tokens
+    counts, sent = comm["expert counts (fwd)"], comm["routed rows, results back (fwd)"]
+    grads = comm["their grads (bwd)"]
+    assert got["a2a"]["torch.int64"] == (counts.count, counts.count * 8 * z.experts), label
+    planned = (sent.count + grads.count) * sent.bytes_each
+    skew = 2 * sum(r - kt for r in rows) * z.h * z.e_p  # the R-row halves, routing-dependent
+    assert got["a2a"][float_dtype] == (sent.count + grads.count, planned + skew), label

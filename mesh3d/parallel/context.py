@@ -43,8 +43,8 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); torch 2.11 has only those
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -128,14 +128,14 @@ class _GatherSequence(torch.autograd.Function):
             0, 1
         )  # (cp, B, Sl, ...)
         out = torch.empty(by_rank.shape[1:], dtype=grad.dtype, device=grad.device)
-        _reduce_scatter_flat(out, by_rank.flatten(0, 1).contiguous(), group=cp.group)
+        reduce_scatter_flat(out, by_rank.flatten(0, 1).contiguous(), group=cp.group)
         return out, None
 
 
 def _all_gather(x: Tensor, cp: ContextParallel) -> Tensor:
     """Every cp rank's `x` [B, Sl, ...] side by side along dim 1, in rank order."""
     parts = torch.empty((cp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_flat(parts, x.contiguous(), group=cp.group)
+    all_gather_flat(parts, x.contiguous(), group=cp.group)
     return parts.unflatten(0, (cp.size, x.shape[0])).transpose(0, 1).flatten(1, 2)
 
 

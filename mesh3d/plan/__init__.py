@@ -5,8 +5,8 @@ Prints, for the validated config and without starting any process group: the ran
 layers of each pipeline stage, parameter / gradient / optimizer / activation bytes per rank, the
 pipeline bubble, and the communication per step on each mesh axis (tp, cp, pp, and dp, whose
 gradient reduction runs over dp x cp: context-parallel ranks hold the same parameters; under
-expert parallelism also the ep all-to-alls, and the expert grads' reduction over the ranks
-holding the same experts).
+expert parallelism also the ep dispatch (all-to-all or all-gather), and the expert grads'
+reduction over the ranks holding the same experts).
 `make_plan(cfg, world_size)` returns it as a `Plan` dataclass, `format_plan(plan)` renders it.
 
 Everything comes from the code training runs: `ParallelDims` for the groups, `split_layers`,
@@ -15,8 +15,8 @@ tensor parallelism shards, `dp_mode` for the dp axis, torch's schedules for the 
 forwards and backwards on each rank. tests/test_plan.py compares params, grads and optimizer
 state with a real 2x2x2 run, exactly, activations with saved-tensor hooks, and, for context
 parallelism, activations and the cp collectives with real cp runs, exactly; mixture-of-experts
-runs (dp, tp, cp, pp, expert parallelism: its all-to-alls and saved bytes with the recorded
-received rows in place of the balanced expectation) likewise.
+runs (dp, tp, cp, pp, expert parallelism: its dispatch collectives and saved bytes with the
+recorded received rows in place of the balanced expectation) likewise.
 
 Files: `records.py` (the `Plan` dataclasses), `sizes.py` (the numbers read from a config),
 `activations.py` (bytes saved per stage and microbatch), `memory.py` (parameters, grads,

@@ -131,11 +131,21 @@ def moe_routed_bytes(z: _Sizes, received: int | None = None) -> int:
                                   gate|up output, activation, product, and the expert output
                                   index_copy keeps (in x's dtype)
 
+    With the all-gather dispatcher a rank runs its local experts on the R slots of the
+    group's ep·T tokens routed to them:
+
+        8·k·ep·T                  the order of every gathered slot (int64), which the slice of
+                                  this rank's slots (indexing the weights) keeps alive
+      + R·(8 + 4·F·e_c + h·(e_c + 2·e_p) + e_p)
+                                  each slot's token (int64), the expert's input, gate|up
+                                  output, activation, product, the expert output and the
+                                  weighted one (x's dtype), its router weight
+
     Plus 4·E/ep: the int32 expert offsets the two grouped GEMMs keep, when the experts run as
     grouped GEMMs (`grouped_gemm_ok`, judged for the CPU; the loop over experts keeps none).
 
     `received`: R; default k·T, the expectation under balanced routing (every rank receives
-    on average what it sends). tests/test_plan.py checks a real ep2 run with its recorded R.
+    on average what it sends). tests/test_plan.py checks real ep2 runs with their recorded R.
     """
     t, h, k, f = z.local_tokens, z.h, z.top_k, z.moe_ffn
     rows = k * t
@@ -143,6 +153,8 @@ def moe_routed_bytes(z: _Sizes, received: int | None = None) -> int:
     if z.ep == 1:
         return rows * (16 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p) + offsets
     received = rows if received is None else received
+    if z.dispatcher == "allgather":
+        return 8 * rows * z.ep + received * (8 + 4 * f * z.e_c + h * (z.e_c + 2 * z.e_p) + z.e_p) + offsets
     sent_side = rows * (16 + 2 * h * z.e_p + z.e_p)
     return sent_side + received * (8 + 4 * f * z.e_c + h * (z.e_c + z.e_p)) + offsets
 

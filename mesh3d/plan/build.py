@@ -142,11 +142,17 @@ def _notes(z: _Sizes) -> list[str]:
                      "gradients are in the dp reduction above)")  # fmt: skip
     if z.ep > 1:
         local = z.experts // z.ep
+        if z.dispatcher == "allgather":
+            tail = ("the ep all-gathers and reduce-scatters carry every rank's T tokens whatever "
+                    "the routing; the activations count k·T rows run by the local experts: "
+                    "balanced routing assumed (the real count depends on the routing)")  # fmt: skip
+        else:
+            tail = ("the ep all-to-alls carry k·T rows each way on average and the activations "
+                    "count k·T received rows: balanced routing assumed (the real split, so the "
+                    "bytes received, sent back and saved, depends on the routing)")  # fmt: skip
         notes.append(
-            f"moe: expert parallelism {z.ep}: each rank holds {local} of the {z.experts} experts "
-            "of every MoE layer; the ep all-to-alls carry k·T rows each way on average and the "
-            "activations count k·T received rows: balanced routing assumed (the real split, "
-            "so the bytes received, sent back and saved, depends on the routing)"
+            f"moe: expert parallelism {z.ep} ({z.dispatcher}): each rank holds {local} of the "
+            f"{z.experts} experts of every MoE layer; {tail}"
         )
     if z.moe_layers and z.tp > 1:
         notes.append("moe: the tp items count the dense MLP's collectives in MoE layers too "

@@ -77,19 +77,34 @@ def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: b
 
 
 def _ep(z: _Sizes, stages: list[StagePlan], params: list[_Param]) -> list[tuple]:
-    """Expert parallelism (`parallel/experts.py`), per MoE layer and microbatch: forward, the
-    expert counts (E int64) and the rows there and back (k·T rows of h in x's dtype, the param
-    dtype); backward, the two row all-to-alls reversed; recompute reruns the forward ones.
-    A rank sends exactly k·T rows; what it receives, and so the results it sends back, depends
-    on the routing: k·T on average (balanced routing assumed), as are the splits the wire
-    bytes assume. Once per step, the expert grads' squared norm (fp64) over the ep group."""
+    """Expert parallelism (`parallel/experts.py`), per MoE layer and microbatch, T the block's
+    tokens, payloads in x's dtype (the param dtype); recompute reruns the forward ones.
+
+    all-to-all: forward, the expert counts (E int64) and the rows there and back (k·T rows of
+    h); backward, the two row all-to-alls reversed. A rank sends exactly k·T rows; what it
+    receives, and so the results it sends back, depends on the routing: k·T on average
+    (balanced routing assumed), as are the splits the wire bytes assume.
+    all-gather: forward, the token counts (int64), the chosen experts (ep·T·k int64), the tokens
+    with their k weights (ep·T rows of h + k) and the reduce-scatter of the results (ep·T rows
+    of h); backward, an all-gather of the result grads and a reduce-scatter of the token and
+    weight grads. Exact, whatever the routing.
+    Once per step, the expert grads' squared norm (fp64) over the ep group."""
     if z.ep == 1:
         return []
     moe = sum(i in z.moe_layers for s in stages for i in s.layers)
     fwd, bwd = moe * z.m * (1 + z.recompute), moe * z.m
+    norm = ("expert grad norm (fp64 squares)", "all_reduce", int(any(p.expert for p in params)), 8)
+    if z.dispatcher == "allgather":
+        rows, k = z.ep * z.local_tokens, z.top_k  # every rank's tokens
+        return [("token counts (fwd)", "all_gather", fwd, 8 * z.ep),
+                ("chosen experts (fwd)", "all_gather", fwd, 8 * k * rows),
+                ("tokens and weights (fwd)", "all_gather", fwd, rows * (z.h + k) * z.e_p),
+                ("results (fwd)", "reduce_scatter", fwd, rows * z.h * z.e_p),
+                ("result grads (bwd)", "all_gather", bwd, rows * z.h * z.e_p),
+                ("token and weight grads (bwd)", "reduce_scatter", bwd, rows * (z.h + k) * z.e_p),
+                norm]  # fmt: skip
     rows = z.top_k * z.local_tokens * z.h * z.e_p
     return [("expert counts (fwd)", "all_to_all", fwd, 8 * z.experts),
             ("routed rows, results back (fwd)", "all_to_all", 2 * fwd, rows),
             ("their grads (bwd)", "all_to_all", 2 * bwd, rows),
-            ("expert grad norm (fp64 squares)", "all_reduce", int(any(p.expert for p in params)),
-             8)]  # fmt: skip
+            norm]  # fmt: skip

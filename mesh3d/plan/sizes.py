@@ -44,6 +44,7 @@ class _Sizes:
     moe_ffn: int = 0  # each expert's intermediate size
     shared_ffn: int = 0  # the shared expert's, 0 without one
     ep: int = 1  # expert parallelism: each rank of an ep group holds E / ep experts
+    dispatcher: str = "alltoall"  # moe_config.token_dispatcher_type: alltoall | allgather
 
     @classmethod
     def of(cls, cfg) -> _Sizes:
@@ -51,6 +52,7 @@ class _Sizes:
         cp = p.context_parallel_size
         z = RunLayout.resolve(cfg, world_size(cfg))
         s, compute = z.shape, z.autocast_dtype or z.param_dtype
+        moe = getattr(cfg.model.model_config, "moe_config", None)
         return cls(
             z.microbatch_size, z.sequence_length, s.hidden_size, s.intermediate_size,
             s.num_heads, s.num_kv_heads, p.tp, p.dp, p.pp, cp, z.virtual_stages, z.microbatches,
@@ -59,7 +61,7 @@ class _Sizes:
             z.positions_everywhere, p.recompute_layer,
             z.dp_mode != "replicate" and p.dp * cp > 1, z.dp_mode, effective_pp_schedule(cfg),
             z.spec.family, s.moe_layers, s.num_experts, s.top_k, s.moe_ffn, s.shared_ffn,
-            max(1, p.expert_parallel_size),
+            max(1, p.expert_parallel_size), getattr(moe, "token_dispatcher_type", "alltoall"),
         )  # fmt: skip
 
     @property

@@ -94,7 +94,8 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     source = initial_weights(cfg, vocab) if device.type != "meta" else None
     ep, expert_replicas = None, None
     if layout.expert_parallel > 1:  # every rank makes every group, before any stage is built
-        ep, expert_replicas = new_ep_groups(layout.dims, layout.expert_parallel)
+        dispatcher = mc.moe_config.token_dispatcher_type
+        ep, expert_replicas = new_ep_groups(layout.dims, layout.expert_parallel, dispatcher)
 
     def finish(module: nn.Module) -> nn.Module:
         return parallelize(
