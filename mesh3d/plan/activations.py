@@ -136,10 +136,11 @@ def moe_routed_bytes(z: _Sizes, received: int | None = None) -> int:
 
         8·k·ep·T                  the order of every gathered slot (int64), which the slice of
                                   this rank's slots (indexing the weights) keeps alive
-      + R·(8 + 4·F·e_c + h·(e_c + 2·e_p) + e_p)
-                                  each slot's token (int64), the expert's input, gate|up
-                                  output, activation, product, the expert output and the
-                                  weighted one (x's dtype), its router weight
+      + R·(8 + 4·F·e_c + h·(2·e_c + e_p) + e_p)
+                                  each slot's token (int64), the expert's input (its cast
+                                  under autocast), gate|up output, activation, product, the
+                                  expert output (compute dtype), the weighted one (x's
+                                  dtype), its router weight
 
     Plus 4·E/ep: the int32 expert offsets the two grouped GEMMs keep, when the experts run as
     grouped GEMMs (`grouped_gemm_ok`, judged for the CPU; the loop over experts keeps none).
@@ -154,7 +155,7 @@ def moe_routed_bytes(z: _Sizes, received: int | None = None) -> int:
         return rows * (16 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p) + offsets
     received = rows if received is None else received
     if z.dispatcher == "allgather":
-        return 8 * rows * z.ep + received * (8 + 4 * f * z.e_c + h * (z.e_c + 2 * z.e_p) + z.e_p) + offsets
+        return 8 * rows * z.ep + received * (8 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p) + offsets
     sent_side = rows * (16 + 2 * h * z.e_p + z.e_p)
     return sent_side + received * (8 + 4 * f * z.e_c + h * (z.e_c + z.e_p)) + offsets
 
