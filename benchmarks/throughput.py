@@ -44,142 +44,33 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
+from _ways import (
+    COMMON,
+    CONFIG,
+    ROOT,
+    SHAPES,
+    Stepper,
+    plain_model,
+    shape_overrides,
+    step_batches,
+    steppers,
+)
 
 from mesh3d.config import global_batch_size, load_config
-from mesh3d.data.build import build_dataset
-from mesh3d.data.dummy import microbatches
-from mesh3d.models.init import init_weights
-from mesh3d.models.llama import Llama, num_params
-from mesh3d.train.loop import _run_step, _setup, train
+from mesh3d.models.llama import num_params
+from mesh3d.train.loop import train
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "recipes/configs/cpu_tiny.yaml"
-MC = "model.model_config"
-# name -> (hidden, ffn, layers, heads, kv heads, vocab, seq, micro batch, accumulation)
-SHAPES = {
-    "quick": (512, 1376, 4, 8, 4, 4096, 256, 2, 2),
-    "tiny": (64, 176, 2, 4, 2, 256, 32, 2, 2),
-}
 # name -> (interleaved rounds, warm-up rounds skipped, steps at 8 ranks)
 SCHEDULE = {"quick": (40, 2, 6), "tiny": (4, 1, 3)}
-COMMON = ["logging.log_level=warning", "mesh3d.device=cpu", "mesh3d.dummy_data=random",
-          "mesh3d.wandb=false", "model.dtype=float32", "model.make_vocab_size_divisible_by=1",
-          "optimizer.learning_rate_scheduler.lr_warmup_steps=1"]  # fmt: skip
-
-Batches = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-def shape_overrides(mode: str) -> list[str]:
-    """Config overrides for the model and batch shape of `mode` at dp=tp=pp=1."""
-    h, ffn, layers, heads, kv, vocab, seq, mbs, acc = SHAPES[mode]
-    return [f"{MC}.hidden_size={h}", f"{MC}.intermediate_size={ffn}",
-            f"{MC}.num_hidden_layers={layers}", f"{MC}.num_attention_heads={heads}",
-            f"{MC}.num_key_value_heads={kv}", f"{MC}.vocab_size={vocab}",
-            f"{MC}.max_position_embeddings={seq}", f"tokens.sequence_length={seq}",
-            f"tokens.micro_batch_size={mbs}", f"tokens.batch_accumulation_per_replica={acc}"]  # fmt: skip
 
 
 def run_mesh3d(cfg) -> list[float]:
     """tokens/s of every step of `mesh3d.train.loop.train` on this process."""
     return [m["tokens_per_sec"] for m in train(cfg).metrics]
-
-
-# A way to train, one step at a time: step k (1-based) -> (seconds, loss).
-Stepper = Callable[[int], tuple[float, float]]
-
-
-def mesh3d_stepper(cfg) -> Stepper:
-    """mesh3d's run for `cfg`, stepped as its training loop steps it."""
-    run = _setup(cfg)
-
-    def step(k: int) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        _, loss, _ = _run_step(run, k)
-        return time.perf_counter() - t0, loss
-
-    return step
-
-
-def plain_model(cfg) -> Llama:
-    """The model mesh3d trains, built and initialized the single-device way (same weights)."""
-    mc = cfg.model.model_config
-    model = Llama(mc, vocab_size=mc.vocab_size, attention=cfg.mesh3d.attention)
-    init = cfg.model.init_method
-    init_weights(model, init.std, mc.num_hidden_layers, getattr(init, "scaling_method",
-                 "NUM_LAYERS"), seed=cfg.general.seed)  # fmt: skip
-    return model
-
-
-def hf_model(cfg, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """transformers' LlamaForCausalLM with the same config and weights (SDPA, fp32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from mesh3d.models.llama_spec import LLAMA
-
-    hf_dict = LLAMA.hf[0].config_to_hf(cfg.model.model_config, "float32")
-    hf_cfg = LlamaConfig(**hf_dict, attn_implementation="sdpa")
-    model = LlamaForCausalLM(hf_cfg).float()
-    renamed = {k if k == "lm_head.weight" else f"model.{k}": v for k, v in weights.items()}
-    model.load_state_dict(renamed, strict=True)
-    return model
-
-
-def loop_stepper(
-    model: torch.nn.Module,
-    logits_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
-    cfg,
-    steps: list[Batches],
-) -> Stepper:
-    """A plain training loop over `model`, the batches of step k being `steps[k - 1]`."""
-    o, f = cfg.optimizer, cfg.optimizer.optimizer_factory
-    lr = o.learning_rate_scheduler.learning_rate
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(f.adam_beta1, f.adam_beta2),
-                                  eps=f.adam_eps, weight_decay=o.weight_decay,
-                                  fused=bool(f.torch_adam_is_fused) or None)  # fmt: skip
-    vocab = cfg.model.model_config.vocab_size
-    tokens = global_batch_size(cfg) * cfg.tokens.sequence_length
-    model.train()
-
-    def step(k: int) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        total = torch.zeros(())
-        for inputs, labels in steps[k - 1]:
-            logits = logits_of(model, inputs)  # (B, S, V)
-            loss = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), reduction="sum")
-            loss = loss / tokens  # this microbatch's share of the step's mean token loss
-            loss.backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0, float(total)
-
-    return step
-
-
-def step_batches(cfg, n: int) -> list[Batches]:
-    """The microbatches mesh3d reads at steps 1..n (same dataset, same samples)."""
-    data, gbs = build_dataset(cfg, 0), global_batch_size(cfg)
-    return [microbatches(data, s, gbs, 0, 1, cfg.tokens.micro_batch_size) for s in range(1, n + 1)]
-
-
-def steppers(cfg, steps: list[Batches]) -> dict[str, Stepper]:
-    """name -> a fresh way to train `cfg` (models built and initialized here, not timed)."""
-    plain = plain_model(cfg)
-    hf = hf_model(cfg, plain_model(cfg).state_dict())
-    return {
-        "mesh3d": mesh3d_stepper(cfg),
-        "plain": loop_stepper(plain, lambda m, x: m(x), cfg, steps),
-        "transformers": loop_stepper(
-            hf, lambda m, x: m(input_ids=x, use_cache=False).logits, cfg, steps
-        ),
-    }
 
 
 def interleave(ways: dict[str, Stepper], n_steps: int) -> dict[str, dict]:
