@@ -124,14 +124,29 @@ def step_batches(cfg, n: int) -> list[Batches]:
     return [microbatches(data, s, gbs, 0, 1, cfg.tokens.micro_batch_size) for s in range(1, n + 1)]
 
 
-def steppers(cfg, steps: list[Batches]) -> dict[str, Stepper]:
-    """name -> a fresh way to train `cfg` (models built and initialized here, not timed)."""
+def steppers(cfg, steps: list[Batches], compiled_cfg=None) -> dict[str, Stepper]:
+    """name -> a fresh way to train `cfg` (models built and initialized here, not timed).
+
+    With `compiled_cfg` (`cfg` with `mesh3d.compile: true`) two more: mesh3d's run of it, which
+    compiles each layer's blocks, and transformers' model compiled whole (`model.compile()`, as
+    `torch_compile=True` in HF's Trainer does). Both compile in their first step.
+    """
+    weights = plain_model(cfg).state_dict()
     plain = plain_model(cfg)
-    hf = hf_model(cfg, plain_model(cfg).state_dict())
-    return {
+
+    def hf_stepper(compiled: bool) -> Stepper:
+        hf = hf_model(cfg, weights)
+        if compiled:
+            hf.compile()
+        return loop_stepper(hf, lambda m, x: m(input_ids=x, use_cache=False).logits, cfg, steps)
+
+    ways = {
         "mesh3d": mesh3d_stepper(cfg),
         "plain": loop_stepper(plain, lambda m, x: m(x), cfg, steps),
-        "transformers": loop_stepper(
-            hf, lambda m, x: m(input_ids=x, use_cache=False).logits, cfg, steps
-        ),
+        "transformers": hf_stepper(compiled=False),
     }
+    if compiled_cfg is not None:
+        assert compiled_cfg.mesh3d.compile
+        ways["mesh3d_compiled"] = mesh3d_stepper(compiled_cfg)
+        ways["transformers_compiled"] = hf_stepper(compiled=True)
+    return ways

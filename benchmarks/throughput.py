@@ -1,26 +1,31 @@
 """Training throughput of mesh3d against a plain PyTorch loop and Hugging Face transformers.
 
-    python benchmarks/throughput.py             # "quick": ~13.7M-parameter Llama, a few minutes
-    python benchmarks/throughput.py --tiny      # a toy model, for the test (seconds)
-    python benchmarks/throughput.py --profile   # also: torch.profiler top ops of one step each
+    python benchmarks/throughput.py               # "quick": ~13.7M-parameter Llama, ~8 minutes
+    python benchmarks/throughput.py --no-compile  # without the compiled ways (a', c')
+    python benchmarks/throughput.py --tiny        # a toy model, no compile, for the test (seconds)
+    python benchmarks/throughput.py --profile     # also: torch.profiler top ops of one step each
 
 In one process, the same Llama shapes train from the same initial weights on the same batches,
-three ways, interleaved step by step (round k runs step k of each way, in an order that rotates
-every round, so each way is first, second and third equally often):
+five ways, interleaved step by step (round k runs step k of each way, in an order that rotates
+every round, so each way is first, second, ... about equally often):
   (a) mesh3d at dp=tp=pp=1: the run `mesh3d.train.loop.train` builds (`_setup`), stepped by the
       function its loop calls every step (`_run_step`: read the batch, forward/backward per
       microbatch, clip, AdamW, LR schedule); the loop's logging is not timed,
   (b) a plain loop over the same model class (`mesh3d.models.llama.Llama`): sum cross-entropy /
       tokens per microbatch, `clip_grad_norm_`, the same microbatching and dtype,
   (c) transformers' `LlamaForCausalLM` (config from the Llama spec's HF translation, SDPA, fp32, weights
-      copied from (b)) in the same loop as (b).
-All three use torch's AdamW with the config's settings, fused as its `torch_adam_is_fused: true`
+      copied from (b)) in the same loop as (b),
+  (a') (a) with `mesh3d.compile=true`: mesh3d compiles each layer's attention, MLP and norms,
+  (c') (c) with `model.compile()` on the whole `LlamaForCausalLM`, what `torch_compile=True` in
+      HF's Trainer does (the loss stays outside, as in (c)).
+(a') and (c') compile in round 1 (~30 s each here), which the warm-up rounds leave out.
+All of them use torch's AdamW with the config's settings, fused as its `torch_adam_is_fused: true`
 asks (HF Trainer's default optimizer on torch >= 2.8, `adamw_torch_fused`, is the same kernel).
-Reported: median tokens/s after the warm-up rounds, and mesh3d / plain and mesh3d / transformers
-as the ratio of those medians and as the median of the per-round ratios (with a bootstrap 95%
-interval): a round's three steps run within seconds of each other, so the per-round ratio cancels
-the slow drifts of a shared machine's load. mesh3d's steps include reading its dummy batch; (b)
-and (c) get theirs ready-made. (a, b, c) run on one intra-op thread by default (`--threads`): on a
+Reported: median tokens/s after the warm-up rounds, and the ratios in `TARGETS` (a/b, a/c, a'/c,
+a'/c') as the ratio of those medians and as the median of the per-round ratios (with a bootstrap
+95% interval): a round's steps run within seconds of each other, so the per-round ratio cancels
+the slow drifts of a shared machine's load. mesh3d's steps include reading its dummy batch; the
+loops get theirs ready-made. All ways run on one intra-op thread by default (`--threads`): on a
 busy 2-core machine, a process's second OpenMP thread stalls whenever another process takes its
 core, and steps then vary 10-50x.
 
@@ -147,23 +152,30 @@ def bootstrap_median(values: list[float], n: int = 2000, seed: int = 0) -> tuple
     return float(medians[int(0.025 * n)]), float(medians[int(0.975 * n) - 1])
 
 
+# (way, other way) -> the issue's target for way's tokens/s / the other's
+TARGETS = {("mesh3d", "plain"): 0.97, ("mesh3d", "transformers"): 1.0,
+           ("mesh3d_compiled", "transformers"): 1.15,
+           ("mesh3d_compiled", "transformers_compiled"): 1.0}  # fmt: skip
+
+
 def summarize(impls: dict, tokens: int, warmup: int) -> dict:
-    """tokens/s per step and their median per way; mesh3d's ratios to the other two."""
+    """tokens/s per step and their median per way; the ratios of `TARGETS` whose ways ran."""
     for m in impls.values():
         m["step_tokens_per_sec"] = [tokens / s for s in m["step_seconds"]]
         m["tokens_per_sec_median"] = statistics.median(m["step_tokens_per_sec"][warmup:])
         m["loss_step1"], m["loss_last"] = m["losses"][0], m["losses"][-1]
-    ratios, mine = {}, impls["mesh3d"]
-    for other in ("plain", "transformers"):
-        theirs = impls[other]
-        ratios[f"mesh3d_over_{other}"] = (
-            mine["tokens_per_sec_median"] / theirs["tokens_per_sec_median"]
-        )
-        # tokens/s ratio of the same round = their step time / mesh3d's
+    ratios = {}
+    for (way, other), target in TARGETS.items():
+        if way not in impls or other not in impls:
+            continue
+        mine, theirs, key = impls[way], impls[other], f"{way}_over_{other}"
+        ratios[key] = mine["tokens_per_sec_median"] / theirs["tokens_per_sec_median"]
+        # tokens/s ratio of the same round = their step time / mine
         per_round = [b / a for a, b in zip(mine["step_seconds"], theirs["step_seconds"])][warmup:]
-        ratios[f"mesh3d_over_{other}_per_round"] = per_round
-        ratios[f"mesh3d_over_{other}_paired"] = statistics.median(per_round)
-        ratios[f"mesh3d_over_{other}_paired_ci95"] = bootstrap_median(per_round)
+        ratios[f"{key}_per_round"] = per_round
+        ratios[f"{key}_paired"] = statistics.median(per_round)
+        ratios[f"{key}_paired_ci95"] = bootstrap_median(per_round)
+        ratios[f"{key}_target"] = target
     return ratios
 
 
@@ -173,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="interleaved rounds (one step of each way)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads for (a, b, c)")
     ap.add_argument("--no-scaling", action="store_true", help="skip the 8-rank 2x2x2 run")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                    help="add the compiled ways (default: yes, but not with --tiny)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="print top ops of one step of each")
     ap.add_argument(
         "--out", type=Path, help="JSON path (default benchmarks/results/local/throughput*.json)"
@@ -183,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "tiny" if args.tiny else "quick"
     n_steps, warmup, scale_steps = SCHEDULE[mode]
     n_steps = args.steps or n_steps
+    compiled = not args.tiny if args.compile is None else args.compile
     torch.set_num_threads(args.threads)
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     cores = os.cpu_count()
@@ -203,16 +218,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{gbs} x {seq} = {gbs * seq} tokens per step in {len(steps[0])} microbatches; "
           f"{n_steps} interleaved rounds, the first {warmup} skipped\n")  # fmt: skip
     t_all, load0 = time.time(), os.getloadavg()
-    ways = steppers(cfg, steps)
+    compiled_cfg = load_config(CONFIG, [*overrides, "mesh3d.compile=true"]) if compiled else None
+    ways = steppers(cfg, steps, compiled_cfg)
     impls = interleave(ways, n_steps)
     if args.profile:
         profile(ways, n_steps)  # one more step each (the batches of the last step again)
     result = dict(command=sys.argv, torch=torch.__version__, transformers=transformers.__version__,
                   cores=cores, threads=args.threads, date=now, mode=mode,
                   config=str(CONFIG.relative_to(ROOT)), overrides=overrides, shapes=shapes,
-                  steps=n_steps, warmup_steps=warmup, impls=impls,
-                  ratios=summarize(impls, gbs * seq, warmup),
-                  targets=dict(mesh3d_over_plain=0.97, mesh3d_over_transformers=1.0))  # fmt: skip
+                  steps=n_steps, warmup_steps=warmup, compiled=compiled, impls=impls,
+                  ratios=summarize(impls, gbs * seq, warmup))  # fmt: skip
     if not args.no_scaling:
         print(f"\n2x2x2 on 8 ranks vs 1x1x1: {cores} cores, so the 8 ranks (1 thread each) "
               f"oversubscribe them {8 / cores:g}x; 1x1x1 runs here on {cores} threads", flush=True)  # fmt: skip
@@ -232,19 +247,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(result: dict) -> str:
-    """The results as Markdown: median tokens/s, mesh3d's ratios, first and last loss."""
+    """The results as Markdown: median tokens/s and losses per way, then the targeted ratios."""
     impls, ratios = result["impls"], result["ratios"]
-    mesh3d = impls["mesh3d"]["tokens_per_sec_median"]
-    lines = ["| way | tokens/s (median) | mesh3d / way | per-round ratio: median [95% CI] "
-             "| step-1 loss | last loss |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| way | tokens/s (median) | step-1 loss | last loss |", "|---|---|---|---|"]
     for name, m in impls.items():
-        paired = "1"
-        if name != "mesh3d":
-            lo, hi = ratios[f"mesh3d_over_{name}_paired_ci95"]
-            paired = f"{ratios[f'mesh3d_over_{name}_paired']:.3f} [{lo:.3f}, {hi:.3f}]"
-        lines.append(f"| {name} | {m['tokens_per_sec_median']:.0f} | "
-                     f"{mesh3d / m['tokens_per_sec_median']:.3f} | {paired} | "
-                     f"{m['loss_step1']:.5f} | {m['loss_last']:.5f} |")  # fmt: skip
+        lines.append(f"| {name} | {m['tokens_per_sec_median']:.0f} | {m['loss_step1']:.5f} | "
+                     f"{m['loss_last']:.5f} |")  # fmt: skip
+    lines += ["", "| ratio of tokens/s | of medians | per round: median [95% CI] | target |",
+              "|---|---|---|---|"]  # fmt: skip
+    for way, other in TARGETS:
+        key = f"{way}_over_{other}"
+        if key in ratios:
+            lo, hi = ratios[f"{key}_paired_ci95"]
+            lines.append(f"| {way} / {other} | {ratios[key]:.3f} | "
+                         f"{ratios[f'{key}_paired']:.3f} [{lo:.3f}, {hi:.3f}] | "
+                         f"≥ {ratios[f'{key}_target']:g} |")  # fmt: skip
     s = result.get("scaling")
     if s:
         one, eight = s["one_rank"], s["eight_ranks"]

@@ -5,11 +5,14 @@
   writes the JSON: every way has positive, finite tokens/s for every round; the three ways start
   from the same loss (same weights, same batch); the ratios (of medians, and the per-round median
   inside its bootstrap interval) and the 8-rank efficiency are finite and in a broad sane range. Tokens/s on a shared
-  CPU is noisy, so nothing here asserts a speed.
+  CPU is noisy, so nothing here asserts a speed. `--tiny` compiles nothing (~30 s a way here).
+- The compiled ways' columns without compiling: `summarize` and `table` on made-up step times
+  give each targeted ratio (compiled round 1 left out) and a row per way.
 - Without a GPU, `gpu.sh` exits 0 with its message, and `gpu.py --dry-run` lists the variants,
   with `mesh3d.compile: true` accepted by mesh3d's config validation.
 """
 
+import importlib
 import json
 import math
 import subprocess
@@ -38,6 +41,7 @@ def test_throughput_tiny_writes_sane_json(tmp_path):
     for key in ("command", "torch", "transformers", "cores", "threads", "date", "shapes", "impls"):
         assert key in r, key
     assert r["mode"] == "tiny" and r["shapes"]["tokens_per_step"] > 0
+    assert r["compiled"] is False and set(r["impls"]) == set(WAYS)
     losses = []
     for way in WAYS:
         m = r["impls"][way]
@@ -57,6 +61,27 @@ def test_throughput_tiny_writes_sane_json(tmp_path):
     assert s["cores"] == r["cores"] and s["eight_ranks"]["layout"] == "dp=2 tp=2 pp=2"
     assert len(s["eight_ranks"]["step_tokens_per_sec"]) == len(s["one_rank"]["step_tokens_per_sec"])
     assert _finite_positive(s["efficiency"]) and s["efficiency"] < 5, s["efficiency"]
+
+
+def test_compiled_ways_ratios_and_table():
+    if str(ROOT / "benchmarks") not in sys.path:  # as when the script runs
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = importlib.import_module("throughput")
+    seconds = dict(mesh3d=1.0, plain=1.0, transformers=1.2, mesh3d_compiled=1.0,
+                   transformers_compiled=0.8)  # fmt: skip
+    impls = {  # round 1: compiling (30 s), left out as a warm-up round
+        name: dict(step_seconds=[30.0] + [s] * 4, losses=[5.0, 4.0, 3.0, 2.0, 1.0])
+        for name, s in seconds.items()
+    }
+    ratios = bench.summarize(impls, tokens=1000, warmup=1)
+    assert ratios["mesh3d_compiled_over_transformers"] == pytest.approx(1.2)
+    assert ratios["mesh3d_compiled_over_transformers_compiled"] == pytest.approx(0.8)
+    assert ratios["mesh3d_compiled_over_transformers_paired_ci95"] == pytest.approx((1.2, 1.2))
+    assert ratios["mesh3d_compiled_over_transformers_target"] == 1.15
+    text = bench.table(dict(impls=impls, ratios=ratios))
+    assert "| transformers_compiled | 1250 | 5.00000 | 1.00000 |" in text, text
+    assert "| mesh3d_compiled / transformers | 1.200 | 1.200 [1.200, 1.200] | ≥ 1.15 |" in text
+    assert "| mesh3d_compiled / transformers_compiled | 0.800 | 0.800 [0.800, 0.800] |" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
