@@ -8,6 +8,11 @@ weights). The shapes and config overrides of each benchmark mode are here too.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +34,8 @@ MC = "model.model_config"
 SHAPES = {
     "quick": (512, 1376, 4, 8, 4, 4096, 256, 2, 2),
     "tiny": (64, 176, 2, 4, 2, 256, 32, 2, 2),
+    "peer": (256, 1024, 4, 4, 2, 512, 128, 4, 8),  # the shape peers' 3D numbers use
+    "peer_tiny": (64, 176, 2, 4, 2, 256, 32, 2, 4),
 }
 COMMON = ["logging.log_level=warning", "mesh3d.device=cpu", "mesh3d.dummy_data=random",
           "mesh3d.wandb=false", "model.dtype=float32", "model.make_vocab_size_divisible_by=1",
@@ -47,6 +54,25 @@ def shape_overrides(mode: str) -> list[str]:
             f"{MC}.num_key_value_heads={kv}", f"{MC}.vocab_size={vocab}",
             f"{MC}.max_position_embeddings={seq}", f"tokens.sequence_length={seq}",
             f"tokens.micro_batch_size={mbs}", f"tokens.batch_accumulation_per_replica={acc}"]  # fmt: skip
+
+
+def torchrun_train(ranks: int, overrides: list[str]) -> tuple[list[dict], float]:
+    """Train `CONFIG` + `overrides` with `recipes/train.py` on `ranks` torchrun ranks of one
+    intra-op thread each: (the metrics record of every step, wall seconds of the whole run)."""
+    with tempfile.TemporaryDirectory(prefix="mesh3d-throughput-") as tmp:
+        metrics_file = Path(tmp) / "metrics.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={ranks}", str(ROOT / "recipes/train.py"), "--config-file",
+               str(CONFIG), "--metrics-file", str(metrics_file), *overrides]  # fmt: skip
+        t0 = time.time()
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall = time.time() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"{ranks}-rank run failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+            )
+        return [json.loads(line) for line in metrics_file.read_text().splitlines()], wall
 
 
 def mesh3d_stepper(cfg) -> Stepper:

@@ -4,6 +4,7 @@
     python benchmarks/throughput.py --no-compile  # without the compiled ways (a', c')
     python benchmarks/throughput.py --tiny        # a toy model, no compile, for the test (seconds)
     python benchmarks/throughput.py --profile     # also: torch.profiler top ops of one step each
+    python benchmarks/throughput.py --peer        # only the peer-shaped 3D comparison (_peer.py)
 
 In one process, the same Llama shapes train from the same initial weights on the same batches,
 five ways, interleaved step by step (round k runs step k of each way, in an order that rotates
@@ -33,7 +34,8 @@ Then scaling, at the same global batch: mesh3d at dp=tp=pp=1 in this process on 
 at dp=tp=pp=2 on 8 CPU ranks (torchrun, `recipes/train.py`, one thread each); efficiency = tokens/s
 at 8 ranks / tokens/s at 1 rank. With fewer than 8 cores the ranks oversubscribe the machine, so
 the number measures what the 3D layout costs (communication, pipeline bubble), not a speed-up.
-Raw numbers: `benchmarks/results/local/throughput[_tiny].json` (`--publish`: `benchmarks/results/`).
+Raw numbers: `benchmarks/results/local/throughput[_peer][_tiny].json` (`--publish`:
+`benchmarks/results/`).
 """
 
 from __future__ import annotations
@@ -45,9 +47,7 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,6 +63,7 @@ from _ways import (
     shape_overrides,
     step_batches,
     steppers,
+    torchrun_train,
 )
 
 from mesh3d.config import global_batch_size, load_config
@@ -119,20 +120,8 @@ def scaling(mode: str, steps: int, warmup: int, extra: list[str]) -> dict:
         torch.set_num_threads(threads)
     layout = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2",
               f"tokens.micro_batch_size={gbs // 4}", "tokens.batch_accumulation_per_replica=2"]  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="mesh3d-throughput-") as tmp:
-        metrics_file = Path(tmp) / "metrics.jsonl"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-               str(ROOT / "recipes/train.py"), "--config-file", str(CONFIG),
-               "--metrics-file", str(metrics_file), *base, *layout]  # fmt: skip
-        t0 = time.time()
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        wall = time.time() - t0
-        if proc.returncode != 0:
-            raise RuntimeError(f"8-rank run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        eight = [
-            json.loads(line)["tokens_per_sec"] for line in metrics_file.read_text().splitlines()
-        ]
+    metrics, wall = torchrun_train(8, [*base, *layout])
+    eight = [m["tokens_per_sec"] for m in metrics]
     med1, med8 = statistics.median(one[warmup:]), statistics.median(eight[warmup:])
     return dict(global_batch_size=gbs, warmup_steps=warmup, cores=cores, oversubscribed=cores < 8,
                 one_rank=dict(layout="dp=1 tp=1 pp=1", threads=cores, micro_batch_size=mbs,
@@ -189,12 +178,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="add the compiled ways (default: yes, but not with --tiny)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="print top ops of one step of each")
     ap.add_argument(
+        "--peer", action="store_true", help="only the peer-shaped 3D comparison (_peer.py)"
+    )
+    ap.add_argument(
         "--out", type=Path, help="JSON path (default benchmarks/results/local/throughput*.json)"
     )
     add_publish_flag(ap)
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides, key=value")
     args = ap.parse_args(argv)
-    mode = "tiny" if args.tiny else "quick"
+    mode, suffix = ("tiny", "_tiny") if args.tiny else ("quick", "")
     n_steps, warmup, scale_steps = SCHEDULE[mode]
     n_steps = args.steps or n_steps
     compiled = not args.tiny if args.compile is None else args.compile
@@ -203,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count()
     print(f"command: python {shlex.join(sys.argv)}")
     print(f"torch {torch.__version__} | cores {cores} | threads {args.threads} | {now}")
+    header = dict(command=sys.argv, torch=torch.__version__, cores=cores, date=now)
+    if args.peer:
+        return peer_main(args, header)
     import transformers
 
     overrides = [*COMMON, *shape_overrides(mode), f"tokens.train_steps={n_steps}", *args.overrides]
@@ -223,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     impls = interleave(ways, n_steps)
     if args.profile:
         profile(ways, n_steps)  # one more step each (the batches of the last step again)
-    result = dict(command=sys.argv, torch=torch.__version__, transformers=transformers.__version__,
-                  cores=cores, threads=args.threads, date=now, mode=mode,
+    result = dict(header, transformers=transformers.__version__, threads=args.threads, mode=mode,
                   config=str(CONFIG.relative_to(ROOT)), overrides=overrides, shapes=shapes,
                   steps=n_steps, warmup_steps=warmup, compiled=compiled, impls=impls,
                   ratios=summarize(impls, gbs * seq, warmup))  # fmt: skip
@@ -236,14 +230,32 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("one_rank", "eight_ranks"):
             steps_s = " ".join(f"{v:.0f}" for v in s[key]["step_tokens_per_sec"])
             print(f"{s[key]['layout']}: steps {steps_s} tokens/s")
-    result.update(total_s=time.time() - t_all, loadavg_start=load0, loadavg_end=os.getloadavg())
     print("\n" + table(result))
-    out = args.out or results_dir(args.publish) / f"throughput{'_tiny' if args.tiny else ''}.json"
+    write(result, t_all, load0, args.out or results_dir(args.publish) / f"throughput{suffix}.json")
+    return 0
+
+
+def peer_main(args: argparse.Namespace, header: dict) -> int:
+    """`--peer`: the peer-shaped 3D comparison (`_peer.py`); 1 when the losses differ."""
+    from _peer import run_peer
+    from _peer import table as peer_table
+
+    t_all, load0 = time.time(), os.getloadavg()
+    result = dict(header, **run_peer(args.tiny))
+    print("\n" + peer_table(result))
+    suffix = "_tiny" if args.tiny else ""
+    out = args.out or results_dir(args.publish) / f"throughput_peer{suffix}.json"
+    write(result, t_all, load0, out)
+    return 0 if result["loss_parity"]["ok"] else 1
+
+
+def write(result: dict, t_all: float, load0: tuple[float, ...], out: Path) -> None:
+    """Add the run's time and load to `result` and write it to `out` as JSON."""
+    result.update(total_s=time.time() - t_all, loadavg_start=load0, loadavg_end=os.getloadavg())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ntotal {result['total_s']:.0f}s; load average {load0[0]:.1f} -> "
           f"{result['loadavg_end'][0]:.1f}; wrote {out}")  # fmt: skip
-    return 0
 
 
 def table(result: dict) -> str:
