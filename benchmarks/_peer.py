@@ -83,10 +83,9 @@ def run_way(way: str, mode: str, steps: int) -> dict:
     """One run of `way` in fresh processes: tokens/s and loss of every step, wall seconds."""
     system, dims, tp_mode = WAYS[way]
     if system == "mesh3d":
-        ranks = dims[0] * dims[1] * dims[2]
-        metrics, wall = torchrun_train(
-            ranks, overrides(mode, steps) + layout_overrides(mode, dims, tp_mode)
-        )
+        ranks = math.prod(dims)
+        layout = layout_overrides(mode, dims, tp_mode)
+        metrics, wall = torchrun_train(ranks, overrides(mode, steps) + layout)
         return dict(ranks=ranks, wall_s=wall, step_tokens_per_sec=[m["tokens_per_sec"] for m in metrics],
                     losses=[m["lm_loss"] for m in metrics])  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="mesh3d-peer-") as tmp:

@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="add the compiled ways (default: yes, but not with --tiny)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="print top ops of one step of each")
     ap.add_argument(
-        "--peer", action="store_true", help="only the peer-shaped 3D comparison (_peer.py)"
+        "--peer",
+        action="store_true",
+        help="only the peer-shaped 3D comparison (_peer.py: own shapes, steps)",
     )
     ap.add_argument(
         "--out", type=Path, help="JSON path (default benchmarks/results/local/throughput*.json)"
