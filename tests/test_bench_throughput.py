@@ -5,11 +5,17 @@
   writes the JSON: every way has positive, finite tokens/s for every round; the three ways start
   from the same loss (same weights, same batch); the ratios (of medians, and the per-round median
   inside its bootstrap interval) and the 8-rank efficiency are finite and in a broad sane range. Tokens/s on a shared
-  CPU is noisy, so nothing here asserts a speed.
+  CPU is noisy, so nothing here asserts a speed. `--tiny` compiles nothing (~30 s a way here).
+- `throughput.py --peer --tiny` (toy shapes, 4 steps: mesh3d 1x1x1, 2x2x2 and tp=2 on 1, 8 and 2
+  torchrun ranks, and the plain loop) exits 0 and writes every layout's tokens/s (finite,
+  positive) and efficiency; every mesh3d layout logs the same first and last loss.
+- The compiled ways' columns without compiling: `summarize` and `table` on made-up step times
+  give each targeted ratio (compiled round 1 left out) and a row per way.
 - Without a GPU, `gpu.sh` exits 0 with its message, and `gpu.py --dry-run` lists the variants,
   with `mesh3d.compile: true` accepted by mesh3d's config validation.
 """
 
+import importlib
 import json
 import math
 import subprocess
@@ -38,6 +44,7 @@ def test_throughput_tiny_writes_sane_json(tmp_path):
     for key in ("command", "torch", "transformers", "cores", "threads", "date", "shapes", "impls"):
         assert key in r, key
     assert r["mode"] == "tiny" and r["shapes"]["tokens_per_step"] > 0
+    assert r["compiled"] is False and set(r["impls"]) == set(WAYS)
     losses = []
     for way in WAYS:
         m = r["impls"][way]
@@ -57,6 +64,51 @@ def test_throughput_tiny_writes_sane_json(tmp_path):
     assert s["cores"] == r["cores"] and s["eight_ranks"]["layout"] == "dp=2 tp=2 pp=2"
     assert len(s["eight_ranks"]["step_tokens_per_sec"]) == len(s["one_rank"]["step_tokens_per_sec"])
     assert _finite_positive(s["efficiency"]) and s["efficiency"] < 5, s["efficiency"]
+
+
+def test_throughput_peer_tiny_writes_sane_json(tmp_path):
+    out = tmp_path / "peer.json"
+    cmd = [sys.executable, "benchmarks/throughput.py", "--peer", "--tiny", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| system | 1×1×1 | 2×2×2 | efficiency |" in proc.stdout
+    r = json.loads(out.read_text())
+    ranks = {way: reps[0]["ranks"] for way, reps in r["runs"].items()}
+    assert ranks == {"mesh3d_1x1x1": 1, "plain_1x1x1": 1, "mesh3d_2x2x2_reduce_scatter": 8,
+                     "mesh3d_tp2_all_reduce": 2}  # fmt: skip
+    ref = r["runs"]["mesh3d_1x1x1"][0]["losses"]
+    for way, reps in r["runs"].items():
+        assert len(reps) == r["repetitions"] >= 1
+        for run in reps:
+            assert len(run["step_tokens_per_sec"]) == len(run["losses"]) == r["steps"]
+            assert all(_finite_positive(x) for x in run["step_tokens_per_sec"]), (way, run)
+            assert _finite_positive(run["tokens_per_sec_median"])
+            checked = [0, -1] if way.startswith("mesh3d") else [0]  # the loop's LR is constant
+            for i in checked:
+                assert abs(run["losses"][i] - ref[i]) <= 1e-4 * abs(ref[i]), (way, i, run["losses"])
+        assert _finite_positive(r["efficiency"][way]["median"])
+    assert r["loss_parity"]["ok"]
+
+
+def test_compiled_ways_ratios_and_table():
+    if str(ROOT / "benchmarks") not in sys.path:  # as when the script runs
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = importlib.import_module("throughput")
+    seconds = dict(mesh3d=1.0, plain=1.0, transformers=1.2, mesh3d_compiled=1.0,
+                   transformers_compiled=0.8)  # fmt: skip
+    impls = {  # round 1: compiling (30 s), left out as a warm-up round
+        name: dict(step_seconds=[30.0] + [s] * 4, losses=[5.0, 4.0, 3.0, 2.0, 1.0])
+        for name, s in seconds.items()
+    }
+    ratios = bench.summarize(impls, tokens=1000, warmup=1)
+    assert ratios["mesh3d_compiled_over_transformers"] == pytest.approx(1.2)
+    assert ratios["mesh3d_compiled_over_transformers_compiled"] == pytest.approx(0.8)
+    assert ratios["mesh3d_compiled_over_transformers_paired_ci95"] == pytest.approx((1.2, 1.2))
+    assert ratios["mesh3d_compiled_over_transformers_target"] == 1.15
+    text = bench.table(dict(impls=impls, ratios=ratios))
+    assert "| transformers_compiled | 1250 | 5.00000 | 1.00000 |" in text, text
+    assert "| mesh3d_compiled / transformers | 1.200 | 1.200 [1.200, 1.200] | ≥ 1.15 |" in text
+    assert "| mesh3d_compiled / transformers_compiled | 0.800 | 0.800 [0.800, 0.800] |" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

@@ -1,0 +1,200 @@
+"""The peer-shaped 3D comparison of benchmarks/throughput.py (`--peer`): how much of one process's
+throughput mesh3d keeps at dp=tp=pp=2 and at tp=2 alone, on the shape peers report 3D numbers for.
+
+    python benchmarks/throughput.py --peer          # ~20 minutes here
+    python benchmarks/throughput.py --peer --tiny   # toy shapes, for the test
+
+Shape: Llama hidden 256, ffn 1024, 4 layers, GQA 4 q / 2 kv heads, vocab 512 (tied), sequence 128,
+fp32; 32 sequences = 4,096 tokens per step in microbatches of 4 sequences; 20 steps, reported as
+the median tokens/s of steps 3-20. Every run is a fresh process (or torchrun group), one intra-op
+thread per rank (an in-process 1x1x1 run slowed step by step after other work in the process):
+  - mesh3d 1x1x1: `recipes/train.py` on 1 torchrun rank, 8 microbatches,
+  - mesh3d 2x2x2, tp_mode REDUCE_SCATTER and ALL_REDUCE: 8 gloo ranks, 4 microbatches a replica,
+  - mesh3d tp=2 alone, both tp_modes: 2 ranks, 8 microbatches,
+  - throughput.py's plain loop (b) at 1x1x1: this file run as a script.
+mesh3d's tokens/s are the ones its metrics file logs (the last stage's step time). The ways run
+one after the other, in reversed order every other repetition; efficiency = tokens/s of a layout /
+tokens/s of mesh3d 1x1x1 in the same repetition, reported per repetition and as their median.
+Every mesh3d run trains the same model on the same batches, so all must log the same first and
+last loss (1e-4 relative; the plain loop keeps the LR constant, so only its first loss counts):
+the benchmark exits 1 when they do not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _ways import (
+    COMMON,
+    CONFIG,
+    ROOT,
+    SHAPES,
+    loop_stepper,
+    plain_model,
+    shape_overrides,
+    step_batches,
+    torchrun_train,
+)
+
+from mesh3d.config import load_config
+
+# mode -> (steps, first steps left out, repetitions)
+SCHEDULE = {"peer": (20, 2, 3), "peer_tiny": (4, 1, 1)}
+# way -> (system, (dp, tp, pp), tp_mode)
+WAYS = {
+    "mesh3d_1x1x1": ("mesh3d", (1, 1, 1), None),
+    "plain_1x1x1": ("plain", (1, 1, 1), None),
+    "mesh3d_2x2x2_reduce_scatter": ("mesh3d", (2, 2, 2), "REDUCE_SCATTER"),
+    "mesh3d_2x2x2_all_reduce": ("mesh3d", (2, 2, 2), "ALL_REDUCE"),
+    "mesh3d_tp2_reduce_scatter": ("mesh3d", (1, 2, 1), "REDUCE_SCATTER"),
+    "mesh3d_tp2_all_reduce": ("mesh3d", (1, 2, 1), "ALL_REDUCE"),
+}
+BASELINE = "mesh3d_1x1x1"
+# --tiny (the test): every layout and tp_mode once, not every pair (8 ranks start in ~30 s here)
+TINY_WAYS = ("mesh3d_1x1x1", "plain_1x1x1", "mesh3d_2x2x2_reduce_scatter", "mesh3d_tp2_all_reduce")
+LOSS_RTOL = 1e-4
+TARGETS = {"tp2": 0.85}  # tokens/s at tp=2 (2 ranks) / at 1x1x1
+
+
+def overrides(mode: str, steps: int) -> list[str]:
+    """The config of `mode` at 1x1x1."""
+    return [*COMMON, *shape_overrides(mode), f"tokens.train_steps={steps}"]
+
+
+def layout_overrides(mode: str, dims: tuple[int, int, int], tp_mode: str | None) -> list[str]:
+    """`dims` = (dp, tp, pp) at the global batch of 1x1x1: dp divides the accumulation."""
+    dp, tp, pp = dims
+    acc = SHAPES[mode][-1]
+    out = [f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
+           f"tokens.batch_accumulation_per_replica={acc // dp}"]  # fmt: skip
+    return out + ([f"parallelism.tp_mode={tp_mode}"] if tp_mode else [])
+
+
+def run_way(way: str, mode: str, steps: int) -> dict:
+    """One run of `way` in fresh processes: tokens/s and loss of every step, wall seconds."""
+    system, dims, tp_mode = WAYS[way]
+    if system == "mesh3d":
+        ranks = math.prod(dims)
+        layout = layout_overrides(mode, dims, tp_mode)
+        metrics, wall = torchrun_train(ranks, overrides(mode, steps) + layout)
+        return dict(ranks=ranks, wall_s=wall, step_tokens_per_sec=[m["tokens_per_sec"] for m in metrics],
+                    losses=[m["lm_loss"] for m in metrics])  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="mesh3d-peer-") as tmp:
+        out = Path(tmp) / "plain.json"
+        cmd = [sys.executable, __file__, mode, str(steps), str(out)]
+        t0 = time.time()
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"plain loop failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        return dict(ranks=1, wall_s=time.time() - t0, **json.loads(out.read_text()))
+
+
+def plain_main(mode: str, steps: int, out: Path) -> None:
+    """The plain loop at 1x1x1 on one thread: tokens/s and loss of every step, to `out`."""
+    torch.set_num_threads(1)
+    cfg = load_config(CONFIG, overrides(mode, steps))
+    batches = step_batches(cfg, steps)
+    step = loop_stepper(plain_model(cfg), lambda m, x: m(x), cfg, batches)
+    tokens = sum(x.numel() for x, _ in batches[0])
+    seconds, losses = zip(*(step(k) for k in range(1, steps + 1)), strict=True)
+    out.write_text(json.dumps(dict(step_tokens_per_sec=[tokens / s for s in seconds],
+                                   losses=list(losses))))  # fmt: skip
+
+
+def loss_parity(runs: dict[str, list[dict]]) -> dict:
+    """Largest relative difference of every run's first (and, for mesh3d, last) loss from the
+    first mesh3d 1x1x1 run's, and whether both are within `LOSS_RTOL`."""
+    ref = runs[BASELINE][0]["losses"]
+    first = last = 0.0
+    for way, reps in runs.items():
+        for run in reps:
+            first = max(first, abs(run["losses"][0] - ref[0]) / abs(ref[0]))
+            if WAYS[way][0] == "mesh3d":
+                last = max(last, abs(run["losses"][-1] - ref[-1]) / abs(ref[-1]))
+    return dict(rtol=LOSS_RTOL, max_rel_diff_first=first, max_rel_diff_last=last,
+                ok=first <= LOSS_RTOL and last <= LOSS_RTOL)  # fmt: skip
+
+
+def efficiencies(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """way -> its tokens/s / mesh3d 1x1x1's, per repetition and their median."""
+    base = [r["tokens_per_sec_median"] for r in runs[BASELINE]]
+    out = {}
+    for way, reps in runs.items():
+        per_rep = [r["tokens_per_sec_median"] / b for r, b in zip(reps, base, strict=True)]
+        out[way] = dict(per_repetition=per_rep, median=statistics.median(per_rep))
+    return out
+
+
+def run_peer(tiny: bool) -> dict:
+    """Every way, `SCHEDULE`'s repetitions of each; the result (see `table`)."""
+    mode = "peer_tiny" if tiny else "peer"
+    steps, skip, reps = SCHEDULE[mode]
+    ways = list(TINY_WAYS if tiny else WAYS)
+    print(f"config: {' '.join(overrides(mode, steps))}\n{steps} steps, median of steps "
+          f"{skip + 1}-{steps}; {reps} repetitions of {len(ways)} ways", flush=True)  # fmt: skip
+    runs: dict[str, list[dict]] = {way: [] for way in ways}
+    for rep in range(reps):
+        for way in ways if rep % 2 == 0 else ways[::-1]:
+            run = run_way(way, mode, steps)
+            run["tokens_per_sec_median"] = statistics.median(run["step_tokens_per_sec"][skip:])
+            runs[way].append(run)
+            print(f"repetition {rep + 1} {way}: {run['tokens_per_sec_median']:.0f} tokens/s, "
+                  f"loss {run['losses'][0]:.6f} -> {run['losses'][-1]:.6f}, "
+                  f"{run['wall_s']:.0f} s", flush=True)  # fmt: skip
+    return dict(mode=mode, shape=SHAPES[mode], overrides=overrides(mode, steps), steps=steps,
+                skipped_steps=skip, repetitions=reps, ways={w: list(WAYS[w]) for w in ways},
+                layouts={w: layout_overrides(mode, WAYS[w][1], WAYS[w][2]) for w in ways},
+                runs=runs, efficiency=efficiencies(runs), loss_parity=loss_parity(runs),
+                targets=TARGETS)  # fmt: skip
+
+
+def _cell(values: list[float], fmt: str) -> str:
+    """'median (rep 1, rep 2, ...)'."""
+    each = ", ".join(format(v, fmt) for v in values)
+    return f"{format(statistics.median(values), fmt)} ({each})"
+
+
+def table(result: dict) -> str:
+    """Markdown: tokens/s at 1x1x1 and at 2x2x2 / tp=2 with efficiencies; losses per way."""
+    runs, eff = result["runs"], result["efficiency"]
+
+    def tps(way: str) -> str:
+        return _cell([r["tokens_per_sec_median"] for r in runs[way]], ".0f")
+
+    def rows(dims: tuple[int, int, int], per_rank: bool) -> list[str]:
+        out = []
+        for way in (w for w in runs if WAYS[w][1] == dims):
+            e = eff[way]
+            row = (f"| mesh3d, tp_mode {WAYS[way][2]} | {tps(BASELINE)} | {tps(way)} | "
+                   f"{_cell(e['per_repetition'], '.3f')} |")  # fmt: skip
+            out.append(row + (f" {e['median'] / math.prod(dims):.3f} |" if per_rank else ""))
+        return out
+
+    lines = ["tokens/s: median of repetitions (each repetition's median over steps)", "",
+             "| system | 1×1×1 | 2×2×2 | efficiency |", "|---|---|---|---|",
+             *rows((2, 2, 2), False), f"| plain torch loop | {tps('plain_1x1x1')} | — | — |", "",
+             "| system | 1×1×1 | tp=2 (2 ranks) | efficiency | per rank (÷ 2) |",
+             "|---|---|---|---|---|", *rows((1, 2, 1), True)]  # fmt: skip
+    lines += ["", "| run | step-1 loss | last loss |", "|---|---|---|"]
+    for way, reps in runs.items():
+        firsts = sorted({f"{r['losses'][0]:.6f}" for r in reps})
+        lasts = sorted({f"{r['losses'][-1]:.6f}" for r in reps})
+        lines.append(f"| {way} | {' / '.join(firsts)} | {' / '.join(lasts)} |")
+    p = result["loss_parity"]
+    lines.append(f"\nloss parity (rtol {p['rtol']:g}): first {p['max_rel_diff_first']:.2e}, "
+                 f"last {p['max_rel_diff_last']:.2e} -> {'ok' if p['ok'] else 'FAILED'}")  # fmt: skip
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # the plain loop's fresh process: MODE STEPS OUT
+    plain_main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))
