@@ -18,13 +18,16 @@ torch.profiler (CPU). Rank 0's events are put in classes by name:
 - rest: the step's wall time minus the above (Python, autograd engine, the profiler itself).
 Also printed: the unprofiled median step time of steps 2-4 and its tokens/s. The profile slows
 small ops more than big ones and a 2-core host runs 8 ranks in turn, so the shares are
-indicative; the DTensor op count is exact.
+indicative; the DTensor op count is exact. Raw numbers: `benchmarks/results/local/overhead[_quick].json`
+(`--publish`: `benchmarks/results/`).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime
+import json
 import statistics
 import sys
 import time
@@ -32,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 from _ranks import launch
+from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path
 
 from mesh3d.config import load_config
 
@@ -108,6 +112,8 @@ def _rank(rank: int, world: int, cfg_path: str, ovr: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="toy shapes, 1x1x1 and tp2 (the test)")
+    ap.add_argument("--out", help="JSON path (default: benchmarks/results[/local]/overhead*.json)")
+    add_publish_flag(ap)
     args = ap.parse_args(argv)
     from pathlib import Path
 
@@ -119,16 +125,21 @@ def main(argv: list[str] | None = None) -> int:
     print("| layout | ranks | step ms | tokens/s | DTensor ops | kernels % | DTensor % "
           "| collectives % | rest % |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    losses = {}
+    losses, rows = {}, {}
     for name in names:
         dp, tp, pp, _ = LAYOUTS[name]
         world = dp * tp * pp
         r = launch(world, _rank, cfg_path, overrides(LAYOUTS[name], shape), timeout=900)[0]
         pct = {k: 100 * v / r["wall_s"] for k, v in r["seconds"].items()}
-        losses[name] = r["loss"]
+        losses[name], rows[name] = r["loss"], dict(r, ranks=world)
         print(f"| {name} | {world} | {1000 * r['step_s']:.0f} | {tokens / r['step_s']:,.0f} | "
               f"{r['dtensor_ops']:,} | {pct['kernels']:.0f} | {pct['DTensor']:.0f} | "
               f"{pct['collectives']:.0f} | {pct['rest']:.0f} |", flush=True)  # fmt: skip
+    out = args.out or results_dir(args.publish) / f"overhead{'_quick' if args.quick else ''}.json"
+    with open(out, "w") as fh:
+        json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                   "torch": torch.__version__, "shape": shape, "layouts": rows}, fh, indent=1)
+    print(f"wrote {out}")
     first = next(iter(losses.values()))
     print("step-4 loss per layout: " + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()))
     same = all(abs(v - first) <= 1e-4 * abs(first) for v in losses.values())

@@ -7,6 +7,7 @@ Before the local styles (each block's ops dispatched as DTensors) the same step 
 the bound catches a return to that. Nothing asserts a speed: a shared CPU is noisy.
 """
 
+import json
 import re
 import subprocess
 import sys
@@ -15,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_overhead_quick_profiles_each_layout():
-    cmd = [sys.executable, "benchmarks/overhead.py", "--quick"]
+def test_overhead_quick_profiles_each_layout(tmp_path):
+    cmd = [sys.executable, "benchmarks/overhead.py", "--quick", "--out", str(tmp_path / "o.json")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {}
@@ -29,3 +30,5 @@ def test_overhead_quick_profiles_each_layout():
         assert step_ms > 0 and 96 <= sum(pct) <= 104, (name, pct)
     assert rows["1x1x1"][0] == 1 and rows["1x1x1"][2] == 0
     assert rows["tp2 all-reduce"][0] == 2 and 0 < rows["tp2 all-reduce"][2] < 400, rows
+    saved = json.loads((tmp_path / "o.json").read_text())["layouts"]
+    assert {k: v["dtensor_ops"] for k, v in saved.items()} == {k: v[2] for k, v in rows.items()}
