@@ -100,8 +100,7 @@ def build_stage(
 
         stage = build_stage(gpt, 1, 2, [2, 3], blocks="h", first=("wte", "wpe"), last=("ln_f", "head"))
     """
-    stage = copy.deepcopy(model)  # deepcopy keeps the tie (one Parameter, two owners)
-    container = getattr(stage, blocks)
+    container = getattr(model, blocks)
     if not isinstance(container, nn.ModuleDict):
         raise TypeError(
             f"`{blocks}` of {type(model).__name__} is a {type(container).__name__}; pipeline "
@@ -110,6 +109,13 @@ def build_stage(
     keep = {str(i) for i in layers}
     missing = keep - set(container.keys())
     assert not missing, f"layers {sorted(missing)} are not in the model"
+    dropped = [m for key, m in container.items() if key not in keep]
+    dropped += [getattr(model, n) for n in first if stage_id != 0]
+    dropped += [getattr(model, n) for n in last if stage_id != num_stages - 1]
+    # what the stage drops is copied as None (a stage of 5 of 80 layers copies 5), and deepcopy
+    # keeps a tie both ends of which stay (one Parameter, two owners)
+    stage = copy.deepcopy(model, memo={id(m): None for m in dropped if m is not None})
+    container = getattr(stage, blocks)
     for key in list(container.keys()):
         if key not in keep:
             del container[key]
