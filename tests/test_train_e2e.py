@@ -100,9 +100,9 @@ def _pp_args(engine: str) -> list[str]:
 def test_3d_torchrun_1f1b_matches_one_process(tmp_path):
     # one 8-rank torchrun launch (~20 s here); every engine's parity at 2x2x2 is checked on
     # forked ranks in test_pp_parity.py, this checks the launch path users take
-    steps = ["tokens.train_steps=6", "tokens.batch_accumulation_per_replica=4"]
+    steps = ["tokens.train_steps=6"]
     one = tmp_path / "one.jsonl"
-    r1 = torchrun(1, "--metrics-file", str(one), *steps)
+    r1 = torchrun(1, "--metrics-file", str(one), *steps, "tokens.batch_accumulation_per_replica=4")
     assert r1.returncode == 0, r1.stdout + r1.stderr
     ref = read_metrics(one)
     for engine in ("1f1b",):
