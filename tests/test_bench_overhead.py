@@ -26,7 +26,7 @@ def test_overhead_quick_profiles_each_layout(tmp_path):
         if m:
             rows[m.group(1)] = [int(x.replace(",", "")) for x in m.groups()[1:]]
     assert set(rows) == {"1x1x1", "tp2 all-reduce"}, proc.stdout
-    for name, (ranks, step_ms, ops, *pct) in rows.items():
+    for name, (_ranks, step_ms, _ops, *pct) in rows.items():
         assert step_ms > 0 and 96 <= sum(pct) <= 104, (name, pct)
     assert rows["1x1x1"][0] == 1 and rows["1x1x1"][2] == 0
     assert rows["tp2 all-reduce"][0] == 2 and 0 < rows["tp2 all-reduce"][2] < 400, rows
