@@ -72,6 +72,62 @@ def test_packed_documents_equal_each_document_alone():
     assert labels[0, 5] == labels[0, 9] == -100  # the next document's first token is not a target
 
 
+def _reference_flash(q, k, v, *, causal, window_size, cu_seqlens=None):
+    """flash-attn's documented semantics, written out with explicit loops: per segment of
+    `cu_seqlens` (or per row), query i sees keys j <= i with i - j <= window_size[0] (when >= 0),
+    GQA by query head h -> kv head h // (Hq / Hkv). q, k, v: [T, H, dh] per segment."""
+    assert causal and window_size[1] in (0, -1)
+
+    def attend(q, k, v):  # [T, H, dh]
+        t, hq, dh = q.shape
+        k, v = (x.repeat_interleave(hq // x.shape[1], dim=1) for x in (k, v))
+        out = torch.empty_like(q)
+        for i in range(t):
+            lo = max(0, i - window_size[0]) if window_size[0] >= 0 else 0
+            scores = torch.einsum("hd,jhd->hj", q[i], k[lo : i + 1]) / dh**0.5
+            out[i] = torch.einsum("hj,jhd->hd", scores.softmax(-1), v[lo : i + 1])
+        return out
+
+    if cu_seqlens is None:  # [B, S, H, dh]
+        return torch.stack([attend(*row) for row in zip(q, k, v)])
+    bounds = cu_seqlens.tolist()
+    return torch.cat([attend(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds, bounds[1:])])
+
+
+def test_flash_path_equals_sdpa_masks(monkeypatch):
+    """The flash-attn path (CUDA, half precision) passes the window as `window_size` and the
+    documents as variable-length segments. With a reference of flash-attn's documented kernel
+    semantics in place of flash-attn (absent here), its logits equal the SDPA path's, whose
+    masks `test_packed_documents_equal_each_document_alone` checks: rows of several documents,
+    a row starting mid-document, window, NoPE and GQA."""
+    from mesh3d.models import llama as llama_mod
+
+    torch.manual_seed(0)
+    mc = Qwen2Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                     num_key_value_heads=2, num_hidden_layers=4, vocab_size=VOCAB, eos_token_id=EOS,
+                     attention_bias=True, no_rope_layer=2, sliding_window_size=4)  # fmt: skip
+    model = Qwen2(mc, attention="sdpa")
+    ids = torch.randint(0, VOCAB, (3, 20))
+    positions = document_positions(ids, EOS)
+    positions[2] += 3  # this row starts inside a document (its first tokens are one segment)
+    offsets, longest = llama_mod.document_segments(positions.clone())
+    starts = [r * 20 + c for r in range(3) for c in range(20) if c == 0 or positions[r, c] == 0]
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [*starts, 60]
+    assert longest == max(b - a for a, b in zip(offsets.tolist(), offsets.tolist()[1:]))
+    with torch.no_grad():
+        sdpa = [model(ids, positions=positions), model(ids)]
+        monkeypatch.setattr(llama_mod.Attention, "_use_flash", lambda self, q: True)
+        monkeypatch.setattr(llama_mod, "flash_attn_func", _reference_flash)
+        monkeypatch.setattr(
+            llama_mod, "flash_attn_varlen_func",
+            lambda q, k, v, cu_q, cu_k, max_q, max_k, **kw: _reference_flash(q, k, v, cu_seqlens=cu_q, **kw),
+        )  # fmt: skip
+        flash = [model(ids, positions=positions), model(ids)]
+    for a, b in zip(flash, sdpa):
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+    assert float((sdpa[0] - sdpa[1]).abs().max()) > 1e-3  # the documents do change the logits
+
+
 def test_z_loss_is_nanotrons():
     logits = torch.randn(2, 3, 8)
     labels = torch.randint(0, 8, (2, 3))

@@ -28,9 +28,9 @@ from mesh3d.errors import ConfigError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 try:
-    from flash_attn import flash_attn_func
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:
-    flash_attn_func = None
+    flash_attn_func = flash_attn_varlen_func = None
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -139,6 +139,22 @@ def attention_mask(
     return mask[:, None]  # (B|1, 1, S, S)
 
 
+def document_segments(positions: Tensor) -> tuple[Tensor, int]:
+    """flash-attn's variable-length index of a batch of packed rows, flattened to one sequence:
+    (int32 offsets of every segment's start plus the total, longest segment length).
+
+    A segment starts at each row's first token and wherever the position is 0 (a document
+    start), so no segment crosses a row. Example: positions [[0, 1, 0, 1, 2], [3, 4, 0, 1, 2]]
+    -> offsets [0, 2, 5, 7, 10] and longest 3 (one host sync, for the longest length).
+    """
+    starts = positions == 0
+    starts[:, 0] = True
+    index = starts.flatten().nonzero().flatten()
+    total = torch.tensor([positions.numel()], device=positions.device)
+    offsets = torch.cat([index, total]).to(torch.int32)
+    return offsets, int((offsets[1:] - offsets[:-1]).max())
+
+
 class RMSNorm(nn.Module):
     """weight * x / sqrt(mean(x^2) + eps), normalized in fp32 (HF LlamaRMSNorm numerics)."""
 
@@ -164,8 +180,11 @@ class Attention(nn.Module):
 
     Options the families switch on: `bias` on q/k/v (Qwen2's attention_bias), `rope` off (NoPE
     layers), `window` (sliding window), `qk_norm_eps` (Qwen3: RMSNorm of each q and k head
-    before RoPE), `head_dim` other than h / n_q. `forward(x, positions, mask)` takes the
-    document positions and the mask the model built once for all its layers.
+    before RoPE), `head_dim` other than h / n_q. `forward(x, positions)` takes each token's
+    position in its document (document masking; None: one causal sequence per row). Kernels:
+    flash-attn in half precision on CUDA when installed (variable-length for documents, no
+    mask), else SDPA (causal, or with the boolean mask of `attention_mask`), or the context-
+    parallel attention when the sequence is split over cp.
     """
 
     def __init__(self, h: int, n_q: int, n_kv: int, rotary: Rotary, attention: str, *,
@@ -186,22 +205,28 @@ class Attention(nn.Module):
         self.attention = attention
         self.cp = None  # set when the sequence is split over cp: parallel.context.ContextParallel
 
-    def _use_flash(self, q: Tensor, mask: Tensor | None) -> bool:
+    def _use_flash(self, q: Tensor) -> bool:
         # flash-attn has no fp32 kernel: fp32 runs (CPU tests, parity checks) take SDPA.
         half = q.dtype in (torch.float16, torch.bfloat16)
-        plain = mask is None
-        return (
-            self.attention != "sdpa"
-            and flash_attn_func is not None
-            and q.is_cuda
-            and half
-            and plain
-        )
+        return self.attention != "sdpa" and flash_attn_func is not None and q.is_cuda and half
+
+    def _flash(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None) -> Tensor:
+        """flash-attn on [B, S, H, dh] tensors (GQA native): causal, the sliding window as its
+        `window_size`, and documents through its variable-length kernel, which attends within
+        each segment of the flattened batch (no [S, S] mask is built)."""
+        window = (self.window - 1, 0) if self.window is not None else (-1, -1)
+        if positions is None:
+            return flash_attn_func(q, k, v, causal=True, window_size=window)
+        b, s = positions.shape
+        cu_seqlens, longest = document_segments(positions)
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (B*S, H, dh)
+        out = flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, longest, longest,
+                                     causal=True, window_size=window)  # fmt: skip
+        return out.view(b, s, *out.shape[1:])
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape  # the whole sequence here (this cp rank's part of it under cp)
         cp = self.cp if self.cp is not None and self.cp.size > 1 else None
-        mask = None if cp else attention_mask(positions, s, self.window, x.device)
         q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nq, dh)
         k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nkv, dh)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nkv, dh)
@@ -211,9 +236,10 @@ class Attention(nn.Module):
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         if cp is not None:
             out = cp.attend(q, k, v, positions, self.window)  # (B, S/cp, nq, dh)
-        elif self._use_flash(q, mask):
-            out = flash_attn_func(q, k, v, causal=True)  # (B, S, nq, dh), GQA native
+        elif self._use_flash(q):
+            out = self._flash(q, k, v, positions)  # (B, S, nq, dh)
         else:
+            mask = attention_mask(positions, s, self.window, x.device)  # None: plain causal
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, dh)
             # GQA inside SDPA: no repeated copies of k and v (saves their memory and the
             # gradient sums in backward; torch >= 2.5)
