@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "recipes" / "train.py")
 TINY = ["--config-file", str(ROOT / "recipes" / "configs" / "cpu_tiny.yaml")]
@@ -45,16 +47,33 @@ def test_cpu_default_config_loss_falls(tmp_path):
     assert last < 0.5 * first, (first, last)  # the learnable dummy task is being learned
 
 
-def test_compiled_tp2_cold_and_warm_cache_match_one_eager_process(tmp_path):
+COMPILED_STEPS = ["tokens.train_steps=6", "tokens.batch_accumulation_per_replica=4"]
+
+
+@pytest.fixture(scope="module")
+def one_eager_process(tmp_path_factory) -> list[dict]:
+    """The metrics of one eager process on COMPILED_STEPS: what every compiled layout must log."""
+    one = tmp_path_factory.mktemp("eager") / "one.jsonl"
+    r = torchrun(1, "--metrics-file", str(one), *COMPILED_STEPS)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return read_metrics(one)
+
+
+def assert_same_run(a: list[dict], b: list[dict], what: str) -> None:
+    """Same loss, grad norm and LR at every step (1e-5 relative), same tokens."""
+    assert len(a) == len(b) == 6, what
+    for x, y in zip(a, b):
+        for key in ("lm_loss", "grad_norm", "lr"):
+            assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]), (what, key, x[key], y[key])
+        assert x["consumed_tokens"] == y["consumed_tokens"]
+
+
+def test_compiled_tp2_cold_and_warm_cache_match_one_eager_process(tmp_path, one_eager_process):
     """tp2 with `mesh3d.compile` (attention and MLP compiled) and recomputed layers trains like
     one eager process (same loss, grad norm, LR) with a cold compile cache and again with the
     warm one it left (torch 2.13 shared it across ranks and the warm run's gradients were wrong:
     the cache folder is now per rank and layout). Two ranks: compiling is the cost here."""
-    steps = ["tokens.train_steps=6", "tokens.batch_accumulation_per_replica=4"]
-    one = tmp_path / "one.jsonl"
-    r1 = torchrun(1, "--metrics-file", str(one), *steps)
-    assert r1.returncode == 0, r1.stdout + r1.stderr
-    a = read_metrics(one)
+    steps, a = COMPILED_STEPS, one_eager_process
     layout = ["parallelism.tp=2", "parallelism.recompute_layer=true", "mesh3d.compile=true"]
     cache = tmp_path / "inductor"
     # warm: with torch 2.13 a tp graph's AOTAutograd key holds its DeviceMesh input and differs
@@ -66,14 +85,34 @@ def test_compiled_tp2_cold_and_warm_cache_match_one_eager_process(tmp_path):
                      TORCHINDUCTOR_CACHE_DIR=str(cache))  # fmt: skip
         assert r.returncode == 0, r.stdout + r.stderr
         line = next(x for x in r.stdout.splitlines() if "torch.compile:" in x)
-        assert re.search(loaded + r" from the cache in \S+mesh3d-pp1-dp1-cp1-tp2-rank0,", line), line
-        b = read_metrics(mf)
-        assert len(a) == len(b) == 6
-        for x, y in zip(a, b):
-            for key in ("lm_loss", "grad_norm", "lr"):
-                assert abs(x[key] - y[key]) <= 1e-5 * abs(x[key]), (state, key, x[key], y[key])
-            assert x["consumed_tokens"] == y["consumed_tokens"]
-    assert sorted(p.name for p in cache.iterdir()) == [f"mesh3d-pp1-dp1-cp1-tp2-rank{r}" for r in range(2)]
+        assert re.search(loaded + r" from the cache in \S+mesh3d-pp1-dp1-cp1-tp2-rank0,", line), (
+            line
+        )
+        assert_same_run(a, read_metrics(mf), state)
+    assert sorted(p.name for p in cache.iterdir()) == [
+        f"mesh3d-pp1-dp1-cp1-tp2-rank{r}" for r in range(2)
+    ]
+
+
+def test_compiled_pipeline_schedules_and_fsdp_match_one_eager_process(tmp_path, one_eager_process):
+    """Compiled blocks with recomputed layers under the pipeline schedules whose backward differs
+    most: zbv_zero_bubble (input and weight gradients in separate passes through the compiled
+    backward) at pp2, and interleaved_1f1b with FSDP full sharding at dp2 x pp2. Each trains like
+    one eager process."""
+    common = ["parallelism.pp=2", "mesh3d.pp_virtual_stages=2", "parallelism.recompute_layer=true",
+              "mesh3d.compile=true"]  # fmt: skip
+    runs = {
+        "pp2 zbv_zero_bubble": (2, ["mesh3d.pp_schedule=zbv_zero_bubble"]),
+        "dp2 x pp2 interleaved_1f1b full_shard": (4, [
+            "parallelism.dp=2", "mesh3d.full_shard=true", "mesh3d.pp_schedule=interleaved_1f1b",
+            "tokens.batch_accumulation_per_replica=2"]),
+    }  # fmt: skip
+    for what, (nproc, layout) in runs.items():
+        mf = tmp_path / f"{nproc}.jsonl"
+        r = torchrun(nproc, "--metrics-file", str(mf), *COMPILED_STEPS, *common, *layout,
+                     timeout=900)  # fmt: skip
+        assert r.returncode == 0, what + "\n" + r.stdout + r.stderr
+        assert_same_run(one_eager_process, read_metrics(mf), what)
 
 
 def test_bad_config_exits_2_without_traceback():
