@@ -5,7 +5,9 @@ step, the pre-clip grad norm and the final full weights (all stages merged; a ti
 must equal the embedding bitwise) within 1e-5 relative, replicated parameters bitwise equal.
 - pp in {2, 4} alone: every schedule, microbatches in {pp, 2*pp} (V schedules need 2*pp);
 - dp=2 x tp=2 x pp=2 (8 ranks), REDUCE_SCATTER: every schedule, once tied with zero_stage 1 and
-  once untied with zero_stage 0.
+  once untied with zero_stage 0;
+- pp=2 with `mesh3d.compile` and recomputed layers: every schedule (zero-bubble ones run each
+  compiled backward in two passes).
 """
 
 import pytest
@@ -96,3 +98,16 @@ def test_3d_dp2_tp2_pp2_every_schedule(references):
     results = run_ranks(8, train_runs, overrides, timeout=600)
     labels = [f"dp2 tp2 pp2 {s} tied={t} zero={z}" for s, t, z in runs]
     _check(results, labels, [references[(2, t)] for _, t, _ in runs])
+
+
+def test_pp2_every_schedule_compiled(references):
+    """Compiled blocks under every schedule; one launch (the ranks compile once, then reuse)."""
+    overrides = [
+        layout_overrides(1, 1, "ALL_REDUCE", 0, True, microbatches=4)
+        + _pp(2, s)
+        + [STEPS, _layers(2), "mesh3d.compile=true", "parallelism.recompute_layer=true"]
+        for s in SCHEDULES
+    ]
+    results = run_ranks(2, train_runs, overrides, timeout=600)
+    labels = [f"pp=2 {s} compiled" for s in SCHEDULES]
+    _check(results, labels, [references[(2, True)]] * len(SCHEDULES))

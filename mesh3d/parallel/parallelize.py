@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._functorch import config as functorch_config
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -54,17 +55,23 @@ def checkpoint_layers(model: nn.Module) -> None:
         model.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False)
 
 
-def compile_blocks(model: nn.Module, kinds: tuple[type, ...], mesh: DeviceMesh | None = None) -> None:
+def compile_blocks(model: nn.Module, kinds: tuple[type, ...], mesh: DeviceMesh | None = None,
+                   split_backward: bool = False) -> None:  # fmt: skip
     """`torch.compile` each block of a kind in `kinds` inside each decoder layer (the family's
     spec names them: attention and MLP, and the norms without tp).
 
     In place (`Module.compile`), so parameter names and state dicts do not change. Each block is
     compiled apart, not the whole layer: a whole tensor-parallel layer fails in backward
     (FACTS.md), and FSDP's hooks on the layer stay outside the compiled code. On a mesh, the
-    compile cache is this rank's own first (`private_compile_cache`).
+    compile cache is this rank's own first (`private_compile_cache`). `split_backward`: a
+    zero-bubble schedule runs each backward in two passes (input gradients keep the graph for
+    the weight gradients), which compiled backwards allow only without donated buffers, so
+    this process compiles without them (they only let backward reuse saved activations' memory).
     """
     if mesh is not None:
         private_compile_cache(mesh)
+    if split_backward:
+        functorch_config.donated_buffer = False
     for layer in model.layers.values():
         for module in layer.modules():
             if type(module) in kinds:  # exactly: not the shared expert (an MLP subclass)
@@ -236,13 +243,15 @@ def parallelize(
     dp: str,
     dtype: torch.dtype = torch.float32,
     compile_classes: tuple[type, ...] = (),
+    split_backward: bool = False,
     documents: bool = False,
     ep: ExpertParallel | None = None,
 ) -> nn.Module:
     """Steps 1-4 above on a model built on meta; returns the model ready to train.
 
     `tp_plan` (used when tp > 1) and `compile_classes` (compiled when not empty) come from the
-    model family's spec; `documents`: document masking is on (context parallelism needs it)."""
+    model family's spec; `split_backward`: the pipeline schedule is a zero-bubble one
+    (`compile_blocks`); `documents`: document masking is on (context parallelism needs it)."""
     if ep is not None and ep.size > 1:  # before tp: the expert stacks shrink to their slice
         apply_ep(model, ep)
     if mesh["tp"].size() > 1:
@@ -252,7 +261,7 @@ def parallelize(
     if recompute_layer:
         checkpoint_layers(model)
     if compile_classes:
-        compile_blocks(model, compile_classes, mesh)
+        compile_blocks(model, compile_classes, mesh, split_backward)
     materialize(model, device, source)
     model.to(dtype)
     if mesh["tp"].size() > 1:

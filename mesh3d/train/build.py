@@ -32,6 +32,7 @@ from mesh3d.parallel.pipeline import (
     split_by_cost,
     stage_ids_of_rank,
 )
+from mesh3d.parallel.stages import SCHEDULES
 from mesh3d.train.experts import set_aux_weights
 from mesh3d.train.loss import step_loss
 
@@ -108,6 +109,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             dp=layout.dp_mode,
             dtype=layout.param_dtype,
             compile_classes=spec.compile_classes(p.tp > 1) if cfg.mesh3d.compile else (),
+            split_backward=p.pp > 1 and SCHEDULES[layout.schedule].zero_bubble,
             documents=layout.doc_masking,
             ep=ep,
         )
