@@ -3,6 +3,7 @@
     bash benchmarks/gpu.sh                      # on a GPU machine; a few minutes
     python benchmarks/gpu.py --dry-run          # no GPU needed: the variants and their configs
     python benchmarks/gpu.py --smoke            # every code path on CPU with a toy model
+    python benchmarks/gpu.py --smoke --only docs --only float8    # some variants only
 
 Shapes: TinyLlama-1.1B (hidden 2048, ffn 5632, 22 layers, 32 heads, 4 kv heads, vocab 32000,
 untied embeddings; 1.10B parameters), micro batch 4 x 2048 tokens, 2 microbatches per step.
@@ -12,14 +13,22 @@ fp32 master parameters and gradients, matmuls under bf16 autocast, fused AdamW.
 Variants (each on a fresh model; one that fails is reported and the others still run):
 - mesh3d: `mesh3d.train.loop.train` on one rank (the real path), `mesh3d.attention` sdpa, and
   flash when flash-attn imports, and with `mesh3d.compile: true` (each layer's attention,
-  MLP and norms compiled by `torch.compile`).
+  MLP and norms compiled by `torch.compile`); with `mesh3d.float8: true` (torchao's float8
+  linear layers), eager and compiled, when torchao imports.
+- mesh3d at tp=2 on 2 GPUs (torchrun, `recipes/train.py`), compiled, and with
+  `mesh3d.async_tp: true`; reported as skipped on a machine with one GPU.
 - plain: a hand-written loop over the same model class (`mesh3d.models.llama.Llama`), same
-  precision, loss, clipping and optimizer, eager and with `torch.compile` on every decoder layer.
+  precision, loss, clipping and optimizer, eager and with `torch.compile` on every decoder layer;
+  and eager on packed documents (an EOS every ~512 tokens, `positions` restarting per document):
+  document-masked attention, which flash-attn runs with its variable-length kernel and SDPA with
+  a boolean mask (compare with the causal row of the same attention).
 Reported per variant: median tokens/s after the warm-up steps, MFU (model FLOPs of
 `mesh3d.train.metrics.llama_flops` over the bf16 peak of `peak_tflops`; mesh3d's own `mfu`
 metric for mesh3d) and peak CUDA memory allocated. Raw numbers: `benchmarks/results/local/gpu.json`
 (`--publish`: `benchmarks/results/gpu.json`).
 Without a GPU (and without --dry-run / --smoke) it says so and exits 0. Works on torch >= 2.6.
+`--smoke` runs every variant on CPU (tp=2 as 2 gloo ranks; async TP is refused there, as it
+needs CUDA, and that refusal is the check).
 """
 
 from __future__ import annotations
@@ -33,14 +42,17 @@ import shlex
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
+from _ways import torchrun_train
 
 from mesh3d.config import global_batch_size, load_config, padded_vocab_size, validate
 from mesh3d.data.build import build_dataset
+from mesh3d.data.documents import document_positions, mask_document_starts
 from mesh3d.data.dummy import microbatches
 from mesh3d.errors import ConfigError
 from mesh3d.models.init import init_weights
@@ -68,21 +80,55 @@ COMMON = ["model.dtype=bfloat16", "optimizer.accumulate_grad_in_fp32=true",
           "optimizer.learning_rate_scheduler.learning_rate=0.0003"]  # fmt: skip
 
 
-def variants() -> list[tuple[str, str, str, bool]]:
-    """(name, way, attention, compile) of every variant; flash only where flash-attn imports."""
+EOS, MEAN_DOC = 2, 512  # the packed-documents variants: an EOS every ~MEAN_DOC tokens
+
+
+def _imports(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    way: str  # mesh3d | plain
+    attention: str = "sdpa"
+    compiled: bool = False
+    docs: bool = False  # plain loop on packed documents (document-masked attention)
+    ranks: int = 1  # > 1: mesh3d through torchrun, tp = ranks, one GPU each
+    extra: tuple[str, ...] = ()  # more config overrides
+
+
+def variants() -> list[Variant]:
+    """Every variant; flash ones where flash-attn imports, float8 ones where torchao does."""
     attentions = ["sdpa"] + (["flash"] if flash_attn_func is not None else [])
-    out = [(f"mesh3d {a}", "mesh3d", a, False) for a in attentions]
-    out.append(("mesh3d sdpa compile", "mesh3d", "sdpa", True))
+    out = [Variant(f"mesh3d {a}", "mesh3d", a) for a in attentions]
+    out.append(Variant("mesh3d sdpa compile", "mesh3d", compiled=True))
+    if _imports("torchao"):
+        f8 = ("mesh3d.float8=true",)
+        out.append(Variant("mesh3d sdpa float8", "mesh3d", extra=f8))
+        out.append(Variant("mesh3d sdpa float8 compile", "mesh3d", compiled=True, extra=f8))
+    tp2 = ("parallelism.tp=2",)
+    out.append(Variant("mesh3d tp2 compile", "mesh3d", compiled=True, ranks=2, extra=tp2))
+    out.append(Variant("mesh3d tp2 compile async", "mesh3d", compiled=True, ranks=2,
+                       extra=(*tp2, "mesh3d.async_tp=true")))  # fmt: skip
     for compiled in (False, True):
         tag = " compile" if compiled else ""
-        out += [(f"plain {a}{tag}", "plain", a, compiled) for a in attentions]
+        out += [Variant(f"plain {a}{tag}", "plain", a, compiled) for a in attentions]
+    out += [Variant(f"plain {a} docs", "plain", a, docs=True) for a in attentions]
     return out
 
 
-def make_config(shape: list[str], device: str, steps: int, attention: str, compiled: bool, extra):
-    """The config of one variant; `compiled` sets `mesh3d.compile` (mesh3d variants only)."""
+def make_config(shape: list[str], device: str, steps: int, v: Variant, extra):
+    """The config of variant `v`; its `compiled` sets `mesh3d.compile` for mesh3d variants (the
+    plain loop calls torch.compile itself)."""
+    compiled = v.compiled and v.way == "mesh3d"
     overrides = [*COMMON, *shape, f"mesh3d.device={device}", f"tokens.train_steps={steps}",
-                 f"mesh3d.attention={attention}", f"mesh3d.compile={str(compiled).lower()}", *extra]  # fmt: skip
+                 f"mesh3d.attention={v.attention}", f"mesh3d.compile={str(compiled).lower()}",
+                 *v.extra, *extra]  # fmt: skip
     return load_config(CONFIG, overrides), overrides
 
 
@@ -91,12 +137,27 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_mesh3d(cfg) -> tuple[list[float], list[float | None]]:
-    """(seconds, mfu %) per step of mesh3d's own training loop; raises ConfigError if refused."""
-    validate(cfg, world_size=1)  # a refused config is reported, not run
-    metrics = train(cfg).metrics
+def run_mesh3d(cfg, ranks: int, overrides: list[str], device: torch.device):
+    """(seconds, mfu %) per step of mesh3d's own training loop, in this process or on `ranks`
+    torchrun ranks; raises ConfigError if refused."""
+    validate(cfg, world_size=ranks)  # a refused config is reported, not run
+    if ranks == 1:
+        metrics = train(cfg).metrics
+    elif device.type == "cuda" and torch.cuda.device_count() < ranks:
+        raise Skipped(f"needs {ranks} GPUs, {torch.cuda.device_count()} visible")
+    else:
+        metrics, _ = torchrun_train(ranks, overrides)
     seconds = [m["elapsed_time_per_iteration_ms"] / 1000 for m in metrics]
     return seconds, [m.get("mfu") for m in metrics]
+
+
+def reason(e: ConfigError) -> str:
+    """The line of a config error that says what is wrong."""
+    return str(e).splitlines()[-1].strip(" -")
+
+
+class Skipped(Exception):
+    """A variant this machine cannot run (not enough GPUs)."""
 
 
 def plain_model(cfg, device: torch.device, compiled: bool) -> Llama:
@@ -112,8 +173,9 @@ def plain_model(cfg, device: torch.device, compiled: bool) -> Llama:
     return model
 
 
-def run_plain(cfg, device: torch.device, compiled: bool) -> list[float]:
-    """Seconds per step of a hand-written loop: bf16 autocast, fp32 loss, clip, fused AdamW."""
+def run_plain(cfg, device: torch.device, compiled: bool, docs: bool) -> list[float]:
+    """Seconds per step of a hand-written loop: bf16 autocast, fp32 loss, clip, fused AdamW;
+    `docs`: on packed documents (rows of ~MEAN_DOC-token documents, document-masked attention)."""
     model = plain_model(cfg, device, compiled)
     o, f = cfg.optimizer, cfg.optimizer.optimizer_factory
     optimizer = torch.optim.AdamW(
@@ -124,14 +186,21 @@ def run_plain(cfg, device: torch.device, compiled: bool) -> list[float]:
     data, gbs = build_dataset(cfg, 0), global_batch_size(cfg)
     tokens = gbs * cfg.tokens.sequence_length
     seconds = []
+    g = torch.Generator().manual_seed(0)
     for step in range(1, cfg.tokens.train_steps + 1):
         batches = microbatches(data, step, gbs, 0, 1, cfg.tokens.micro_batch_size)
         sync(device)
         t0 = time.time()
         for inputs, labels in batches:
+            kwargs = {}
+            if docs:  # packed documents: an EOS every ~MEAN_DOC tokens, positions restart after it
+                ends = torch.rand(inputs.shape, generator=g) < 1 / MEAN_DOC
+                inputs = torch.where(ends, torch.full_like(inputs, EOS), inputs)
+                labels = mask_document_starts(torch.roll(inputs, -1, 1), inputs, EOS)
+                kwargs["positions"] = document_positions(inputs, EOS).to(device)
             inputs, labels = inputs.to(device), labels.to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                logits = model(inputs)  # (B, S, V) bf16
+                logits = model(inputs, **kwargs)  # (B, S, V) bf16
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
             (loss / tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
@@ -142,7 +211,7 @@ def run_plain(cfg, device: torch.device, compiled: bool) -> list[float]:
     return seconds
 
 
-def measure(name: str, way: str, compiled: bool, cfg, device: torch.device, warmup: int) -> dict:
+def measure(v: Variant, cfg, overrides: list[str], device: torch.device, warmup: int) -> dict:
     """One variant: tokens/s, MFU and peak memory, or the reason it did not run."""
     gc.collect()
     if device.type == "cuda":
@@ -153,16 +222,18 @@ def measure(name: str, way: str, compiled: bool, cfg, device: torch.device, warm
                         mc.num_key_value_heads, mc.intermediate_size, padded_vocab_size(cfg),
                         seq, gbs)  # fmt: skip
     peak = peak_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
-    row: dict = dict(variant=name)
+    row: dict = dict(variant=v.name)
     t0 = time.time()
     try:
-        if way == "mesh3d":
-            seconds, mfus = run_mesh3d(cfg)
+        if v.way == "mesh3d":
+            seconds, mfus = run_mesh3d(cfg, v.ranks, overrides, device)
         else:
-            seconds = run_plain(cfg, device, compiled)
+            seconds = run_plain(cfg, device, v.compiled, v.docs)
             mfus = [100 * flops / (s * 1e12) / peak if peak else None for s in seconds]
     except ConfigError as e:
-        return dict(row, status="refused", reason=str(e).splitlines()[-1].strip(" -"))
+        return dict(row, status="refused", reason=reason(e))
+    except Skipped as e:
+        return dict(row, status="skipped", reason=str(e))
     except Exception as e:  # one failing variant (OOM, compile) must not stop the rest
         return dict(row, status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
     kept = seconds[warmup:] or seconds
@@ -170,7 +241,7 @@ def measure(name: str, way: str, compiled: bool, cfg, device: torch.device, warm
     mfu = statistics.median(m for m in mfus[warmup:] or mfus) if peak else None
     row.update(status="ok", tokens_per_sec=gbs * seq / median_s, step_s=median_s, mfu=mfu,
                tflops=flops / median_s / 1e12, step_seconds=seconds, wall_s=time.time() - t0)  # fmt: skip
-    if device.type == "cuda":
+    if device.type == "cuda" and v.ranks == 1:
         row["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return row
 
@@ -195,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="every variant on CPU, toy shapes")
     ap.add_argument("--steps", type=int, default=8, help="steps per variant (default 8)")
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out (default 3)")
+    ap.add_argument("--only", action="append", metavar="TEXT",
+                    help="run only the variants whose name contains TEXT (repeatable)")  # fmt: skip
     add_publish_flag(ap)
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides, key=value")
     args = ap.parse_args(argv)
@@ -210,34 +283,41 @@ def main(argv: list[str] | None = None) -> int:
     shape = SMOKE if args.smoke else TINYLLAMA
     steps, warmup = (3, 1) if args.smoke else (args.steps, args.warmup)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name} | flash-attn: {'yes' if flash_attn_func is not None else 'no'}")
-    cfg, overrides = make_config(shape, device.type, steps, "sdpa", False, args.overrides)
+    print(f"device: {name} | flash-attn: {'yes' if flash_attn_func is not None else 'no'} | "
+          f"torchao: {'yes' if _imports('torchao') else 'no'}")  # fmt: skip
+    plan = [v for v in variants() if not args.only or any(t in v.name for t in args.only)]
+    if not plan:
+        names = ", ".join(v.name for v in variants())
+        print(f"error: no variant's name contains {' or '.join(args.only)}; the variants: {names}")
+        return 2
+    cfg, overrides = make_config(shape, device.type, steps, Variant("", "mesh3d"), args.overrides)
     mc, gbs, seq = cfg.model.model_config, global_batch_size(cfg), cfg.tokens.sequence_length
     with torch.device("meta"):
         n_params = num_params(Llama(mc, vocab_size=padded_vocab_size(cfg)))
     print(f"config: {CONFIG.relative_to(ROOT)} + {' '.join(overrides)}")
     print(f"model: {n_params / 1e9:.3f}B parameters; {gbs} x {seq} = {gbs * seq} tokens per step; "
           f"{steps} steps per variant, the first {warmup} left out\n")  # fmt: skip
-    plan = variants()
     if args.dry_run:
-        for vname, way, attention, compiled in plan:
-            mesh3d_compile = compiled and way == "mesh3d"
-            c, _ = make_config(shape, device.type, steps, attention, mesh3d_compile, args.overrides)
+        for v in plan:
             try:
-                validate(c, world_size=1)
+                c, _ = make_config(shape, device.type, steps, v, args.overrides)
+                validate(c, world_size=v.ranks)
                 status = "config valid"
             except ConfigError as e:
-                status = "refused: " + str(e).splitlines()[-1].strip(" -")
-            print(f"{vname:>22}: {way}, attention {attention}, compile {compiled} ({status})")
+                status = "refused: " + reason(e)
+            print(f"{v.name:>26}: {v.way}, attention {v.attention}, compile {v.compiled}, "
+                  f"documents {v.docs}, ranks {v.ranks} ({status})")  # fmt: skip
         return 0
     rows = []
-    for vname, way, attention, compiled in plan:
-        mesh3d_compile = compiled and way == "mesh3d"  # the plain loop calls torch.compile itself
-        c, _ = make_config(shape, device.type, steps, attention, mesh3d_compile, args.overrides)
-        rows.append(measure(vname, way, compiled, c, device, warmup))
+    for v in plan:
+        try:
+            c, v_overrides = make_config(shape, device.type, steps, v, args.overrides)
+            rows.append(measure(v, c, v_overrides, device, warmup))
+        except ConfigError as e:  # a key this mesh3d does not know
+            rows.append(dict(variant=v.name, status="refused", reason=reason(e)))
         r = rows[-1]
         done = f"{r['tokens_per_sec']:.0f} tokens/s" if r["status"] == "ok" else r["status"]
-        print(f"{vname:>22}: {done} ({r.get('wall_s', 0):.0f}s)", flush=True)
+        print(f"{v.name:>26}: {done} ({r.get('wall_s', 0):.0f}s)", flush=True)
     print("\n" + table(rows))
     if device.type == "cuda":
         out = results_dir(args.publish) / "gpu.json"

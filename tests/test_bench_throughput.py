@@ -13,6 +13,9 @@
   give each targeted ratio (compiled round 1 left out) and a row per way.
 - Without a GPU, `gpu.sh` exits 0 with its message, and `gpu.py --dry-run` lists the variants,
   with `mesh3d.compile: true` accepted by mesh3d's config validation.
+- `gpu.py --smoke` runs the float8 (eager and compiled) and packed-documents variants on CPU at
+  a positive rate, and refuses the async-TP one with the reason (it needs CUDA). The tp=2
+  compiled variant is the launch `tests/test_train_e2e.py` checks for parity.
 """
 
 import importlib
@@ -130,3 +133,24 @@ def test_gpu_script_without_gpu_exits_cleanly():
     line = next(x for x in dry.stdout.splitlines() if "mesh3d sdpa compile:" in x)
     assert "compile True (config valid)" in line, line
     assert "plain sdpa compile" in dry.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke path")
+def test_gpu_smoke_runs_the_float8_documents_and_async_tp_variants_on_cpu():
+    pytest.importorskip("torchao", reason="the float8 variants need torchao (the dev extra has it)")
+    only = ["--only", "float8", "--only", "docs", "--only", "async"]
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", *only], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("| ") and not line.startswith(("| variant", "|---")):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells
+    assert set(rows) == {"mesh3d sdpa float8", "mesh3d sdpa float8 compile", "plain sdpa docs",
+                         "mesh3d tp2 compile async"}, proc.stdout  # fmt: skip
+    for name in ("mesh3d sdpa float8", "mesh3d sdpa float8 compile", "plain sdpa docs"):
+        tokens_per_sec = float(rows[name][1])
+        assert math.isfinite(tokens_per_sec) and tokens_per_sec > 0, rows[name]
+    note = rows["mesh3d tp2 compile async"][-1]
+    assert note.startswith("refused:") and "mesh3d.async_tp" in note and "CUDA" in note, note
