@@ -381,6 +381,8 @@ class Mesh3dArgs:
     attention: str = "auto"  # auto | sdpa | flash
     dummy_data: str = "random"  # random (Nanotron's uniform tokens) | learnable
     compile: bool = False
+    float8: bool = False  # decoder linears in float8 through torchao (tp 1, ep 1; README)
+    async_tp: bool = False  # torch's async TP: compile + tp > 1 REDUCE_SCATTER on CUDA/NCCL
     wandb: bool | None = None  # null: on when wandb is installed and can log without a prompt
     tensorboard_dir: str | None = None  # TensorBoard scalars of every logged iteration
     # failing safe on long runs (README "When things go wrong")

@@ -23,6 +23,7 @@ from mesh3d.config.schema import (
     RandomInit,
     SpectralMupInit,
 )
+from mesh3d.config.speed import speed_errors
 from mesh3d.errors import ConfigError
 from mesh3d.models.spec import ModelShape, spec_of
 from mesh3d.parallel.stages import SCHEDULES, microbatches_needed, split_by_cost
@@ -70,7 +71,7 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     if errors:
         return errors
     checks = (_model, _pipeline, _optimizer, _lr, _data_stages, _run, _choices, _unsupported,
-              _expert_parallel)  # fmt: skip
+              _expert_parallel, speed_errors)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))

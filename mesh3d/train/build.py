@@ -1,8 +1,9 @@
 """Build what one rank trains: its model parts (one module, or its pipeline stages) and schedule.
 
-Every part is built on `meta`, then goes through `parallelize` (TP -> recompute -> materialize
-+ init -> DP). With pp > 1 the meta model is first cut into stages (`build_stage`, Nanotron's
-cost-based layer split) and each stage this rank runs is parallelized the same way, wrapped in a
+Every part is built on `meta` (its decoder linears made float8 first with `mesh3d.float8`),
+then goes through `parallelize` (TP -> recompute -> compile -> materialize + init -> DP). With
+pp > 1 the meta model is first cut into stages (`build_stage`, Nanotron's cost-based layer
+split) and each stage this rank runs is parallelized the same way, wrapped in a
 `PipelineStage` with explicit shapes (no communication at construction), and handed to the
 schedule named by `mesh3d.pp_schedule` or `parallelism.pp_engine`.
 """
@@ -22,6 +23,7 @@ from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.models.spec import ModelShape, spec_of
+from mesh3d.parallel.async_tp import check_async_tp, enable_async_tp
 from mesh3d.parallel.experts import new_groups as new_ep_groups
 from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
@@ -34,6 +36,7 @@ from mesh3d.parallel.pipeline import (
 )
 from mesh3d.parallel.stages import SCHEDULES
 from mesh3d.train.experts import set_aux_weights
+from mesh3d.train.float8 import apply_float8
 from mesh3d.train.loss import step_loss
 
 
@@ -90,6 +93,11 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     vocab = layout.padded_vocab
     with torch.device("meta"):
         full = spec.build(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
+    if cfg.mesh3d.float8:  # on the single-device model, before stages, TP, compile and DP
+        apply_float8(full)
+    if cfg.mesh3d.async_tp and device.type != "meta":  # before the first compile
+        check_async_tp(device, mesh["tp"].get_group())
+        enable_async_tp(mesh["tp"].get_group())
     loss_fn = step_loss(layout)
     # on meta (a dry run) nothing is filled: a checkpoint's weights are not read
     source = initial_weights(cfg, vocab) if device.type != "meta" else None
