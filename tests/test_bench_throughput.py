@@ -131,8 +131,11 @@ def test_gpu_script_without_gpu_exits_cleanly():
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert "1.100B parameters" in dry.stdout
     line = next(x for x in dry.stdout.splitlines() if "mesh3d sdpa compile:" in x)
-    assert "compile True (config valid)" in line, line
+    assert "compile True, documents False, ranks 1 (config valid)" in line, line
     assert "plain sdpa compile" in dry.stdout
+    line = next(x for x in dry.stdout.splitlines() if "mesh3d tp2 compile:" in x)
+    assert "ranks 2 (config valid)" in line, line
+    assert "plain sdpa docs: plain, attention sdpa, compile False, documents True" in dry.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU smoke path")
