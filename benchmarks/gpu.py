@@ -111,7 +111,7 @@ def variants() -> list[Variant]:
         f8 = ("mesh3d.float8=true",)
         out.append(Variant("mesh3d sdpa float8", "mesh3d", extra=f8))
         out.append(Variant("mesh3d sdpa float8 compile", "mesh3d", compiled=True, extra=f8))
-    tp2 = ("parallelism.tp=2",)
+    tp2 = ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER")  # what async TP overlaps
     out.append(Variant("mesh3d tp2 compile", "mesh3d", compiled=True, ranks=2, extra=tp2))
     out.append(Variant("mesh3d tp2 compile async", "mesh3d", compiled=True, ranks=2,
                        extra=(*tp2, "mesh3d.async_tp=true")))  # fmt: skip
