@@ -32,6 +32,11 @@ USER_ERROR_EXIT_CODE = 2
 F = TypeVar("F", bound=Callable)
 
 
+def not_supported_yet(key: str, what: str) -> str:
+    """The message for a setting mesh3d does not implement yet: the key, then what to do."""
+    return f"`{key}` is not supported by mesh3d yet ({what})"
+
+
 class UserError(ValueError):
     """A mistake in what the user gave us; the message says what to change.
 

@@ -9,22 +9,21 @@ its line there. No torch import: this runs before anything is set up.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
 
+from mesh3d.config.data_checks import data_stage_errors, unsupported_data
 from mesh3d.config.derive import effective_pp_schedule, padded_vocab_size
+from mesh3d.config.moe_checks import expert_parallel_errors, moe_errors
+from mesh3d.config.optim_checks import lr_errors, optimizer_errors
 from mesh3d.config.schema import (
-    AdamWOptimizerArgs,
     Config,
     LlamaConfig,
-    NanosetDatasetsArgs,
-    PretrainDatasetsArgs,
     Qwen2Config,
     RandomInit,
     SpectralMupInit,
 )
 from mesh3d.config.speed import speed_errors
-from mesh3d.errors import ConfigError
+from mesh3d.errors import ConfigError, not_supported_yet
 from mesh3d.models.spec import ModelShape, spec_of
 from mesh3d.parallel.stages import SCHEDULES, microbatches_needed, split_by_cost
 
@@ -39,7 +38,6 @@ SCALING_METHODS = ("NONE", "NUM_LAYERS", "LAYER_INDEX", "MODEL_SCALE")
 HIDDEN_ACTS = ("gelu", "gelu_pytorch_tanh", "relu", "silu")
 EXISTING_CHECKPOINTS = ("error", "resume", "overwrite")
 MC = "model.model_config"
-LR = "optimizer.learning_rate_scheduler"
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -70,8 +68,8 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     errors = list(_sizes(cfg))
     if errors:
         return errors
-    checks = (_model, _pipeline, _optimizer, _lr, _data_stages, _run, _choices, _unsupported,
-              _expert_parallel, speed_errors)  # fmt: skip
+    checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
+              _unsupported, expert_parallel_errors, speed_errors)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
@@ -300,77 +298,6 @@ def _stage_split(cfg: Config, stages: int) -> Iterator[str]:
         yield str(e)
 
 
-def _optimizer(cfg: Config) -> Iterator[str]:
-    o = cfg.optimizer
-    if o.clip_grad is not None and o.clip_grad <= 0:
-        yield f"`optimizer.clip_grad` must be > 0 or null (no clipping), got {o.clip_grad}"
-    if o.weight_decay < 0:
-        yield f"`optimizer.weight_decay` must be >= 0, got {o.weight_decay}"
-    if o.zero_stage < 0:
-        yield f"`optimizer.zero_stage` must be 0 (off) or 1 (ZeRO-1; Nanotron treats any value > 0 as 1), got {o.zero_stage}"
-    f = o.optimizer_factory
-    if isinstance(f, AdamWOptimizerArgs):
-        for k in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(f, k) < 1:
-                yield f"`optimizer.optimizer_factory.{k}` must be in [0, 1), got {getattr(f, k)}"
-        if f.adam_eps < 0:
-            yield f"`optimizer.optimizer_factory.adam_eps` must be >= 0, got {f.adam_eps}"
-    for i, pattern in enumerate(o.weight_decay_exclude_named_params):
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            yield f"`optimizer.weight_decay_exclude_named_params[{i}]` {pattern!r} is not a regular expression: {e}"
-
-
-def _lr(cfg: Config) -> Iterator[str]:
-    s, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
-    if s.learning_rate <= 0:
-        yield f"`{LR}.learning_rate` must be > 0, got {s.learning_rate}"
-    if s.lr_warmup_style not in ("linear", "constant"):
-        yield f"`{LR}.lr_warmup_style` {s.lr_warmup_style!r} must be linear or constant"
-    if s.lr_decay_style not in ("linear", "cosine", "1-sqrt"):
-        yield f"`{LR}.lr_decay_style` {s.lr_decay_style!r} must be linear, cosine or 1-sqrt"
-    if s.lr_warmup_steps < 0:
-        yield f"`{LR}.lr_warmup_steps` must be >= 0, got {s.lr_warmup_steps}"
-    elif s.lr_warmup_steps > steps:
-        yield f"`{LR}.lr_warmup_steps` ({s.lr_warmup_steps}) is more than tokens.train_steps ({steps}); lower it"
-    if s.lr_decay_steps is not None and s.lr_decay_steps < 0:
-        yield (
-            f"`{LR}.lr_decay_steps` must be >= 0, got {s.lr_decay_steps} (when omitted it is "
-            "tokens.train_steps - lr_warmup_steps)"
-        )
-    start = s.lr_warmup_steps if s.lr_decay_starting_step is None else s.lr_decay_starting_step
-    if not 0 <= start <= steps:
-        yield f"`{LR}.lr_decay_starting_step` ({start}) must be in [0, tokens.train_steps ({steps})]"
-    if not 0 <= s.min_decay_lr <= s.learning_rate:
-        yield f"`{LR}.min_decay_lr` ({s.min_decay_lr}) must be in [0, learning_rate ({s.learning_rate})]"
-
-
-def _data_stages(cfg: Config) -> Iterator[str]:
-    stages = cfg.data_stages or []
-    if stages and not any(s.start_training_step == 1 for s in stages):
-        starts = [s.start_training_step for s in stages]
-        yield f"`data_stages` must have a stage with start_training_step: 1; the stages start at {starts}"
-    names = [s.name for s in stages]
-    for name in sorted({n for n in names if names.count(n) > 1}):
-        yield f"`data_stages` has two stages named {name!r}; stage names must be unique"
-    starts = [s.start_training_step for s in stages]
-    for start in sorted({s for s in starts if starts.count(s) > 1}):
-        yield f"`data_stages` has two stages with start_training_step {start}; each stage needs its own start step"
-    for s in stages:  # a per-stage sequence_length is refused in _unsupported_data
-        where = _stage_key(s)
-        if s.start_training_step < 0:
-            yield f"`{where}.start_training_step` must be >= 0, got {s.start_training_step}"
-        if s.data.num_loading_workers < 0:
-            yield f"`{where}.data.num_loading_workers` must be >= 0, got {s.data.num_loading_workers}"
-
-
-def _stage_key(stage) -> str:
-    """A stage named by its `name`: load sorts data_stages by start step, so the list index
-    here need not be the one written in the YAML (names are checked unique above)."""
-    return f"data_stages[name={stage.name!r}]"
-
-
 def _validation(t) -> Iterator[str]:
     """The validation pass: every `val_check_interval` steps (-1 or 0: never), over
     `limit_val_batches` held-out global batches; a setting that would do nothing is refused."""
@@ -449,22 +376,15 @@ def _choices(cfg: Config) -> Iterator[str]:
         yield f"`logging.iteration_step_info_interval` must be >= 1, got {cfg.logging.iteration_step_info_interval}"
 
 
-_DATASET_KINDS = {NanosetDatasetsArgs: "Nanoset", PretrainDatasetsArgs: "Hugging Face datasets"}
-
-
-def _not_yet(key: str, what: str) -> str:
-    return f"`{key}` is not supported by mesh3d yet ({what})"
-
-
 def _unsupported(cfg: Config) -> Iterator[str]:
     """Nanotron settings mesh3d does not implement yet; delete a line when its feature lands."""
     m = cfg.model
     if cfg.tokens is not None and cfg.tokens.limit_test_batches > 0:
-        yield _not_yet("tokens.limit_test_batches", "there is no test pass; set it to 0")
+        yield not_supported_yet("tokens.limit_test_batches", "there is no test pass; set it to 0")
     if cfg.s3_upload is not None:
-        yield _not_yet("s3_upload", "upload checkpoints yourself; set s3_upload: null")
+        yield not_supported_yet("s3_upload", "upload checkpoints yourself; set s3_upload: null")
     if cfg.lighteval is not None:
-        yield _not_yet("lighteval", "run evaluations separately; set lighteval: null")
+        yield not_supported_yet("lighteval", "run evaluations separately; set lighteval: null")
     try:
         spec_of(m.model_config)
     except ConfigError as e:
@@ -482,82 +402,11 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         yield ("`mesh3d.norm_topk_prob` is only for `mesh3d.model_family: qwen3` with a "
                "`model.model_config.moe_config` (Qwen3-MoE); remove it or set both")  # fmt: skip
     if moe is not None:
-        yield from _moe(cfg, m.model_config)
+        yield from moe_errors(cfg, m.model_config)
     if isinstance(m.init_method, SpectralMupInit):
-        yield _not_yet("model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}")
+        yield not_supported_yet("model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}")
     scaling = getattr(m.init_method, "scaling_method", None)
     if scaling in ("LAYER_INDEX", "MODEL_SCALE"):
-        yield _not_yet("model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE")
+        yield not_supported_yet("model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE")
     for stage in cfg.data_stages or []:
-        yield from _unsupported_data(stage, cfg.tokens)
-
-
-def _moe(cfg: Config, mc) -> Iterator[str]:
-    """`moe_config`: its values."""
-    moe, key = mc.moe_config, f"{MC}.moe_config"
-    for k in ("num_experts", "top_k", "moe_intermediate_size"):
-        if getattr(moe, k) < 1:
-            yield f"`{key}.{k}` must be >= 1, got {getattr(moe, k)}"
-    if 1 <= moe.num_experts < moe.top_k:
-        yield f"`{key}.top_k` ({moe.top_k}) must be at most num_experts ({moe.num_experts})"
-    if moe.enable_shared_expert and moe.shared_expert_intermediate_size < 1:
-        yield (f"`{key}.shared_expert_intermediate_size` must be >= 1 with enable_shared_expert, "
-               f"got {moe.shared_expert_intermediate_size}")  # fmt: skip
-    if moe.router_aux_loss_coef < 0:
-        yield f"`{key}.router_aux_loss_coef` must be >= 0, got {moe.router_aux_loss_coef}"
-    if moe.token_dispatcher_type not in ("alltoall", "allgather"):
-        yield f"`{key}.token_dispatcher_type` {moe.token_dispatcher_type!r} must be alltoall or allgather"
-    n = mc.num_hidden_layers
-    if list(moe.layers) != [-1] and any(not 0 <= i < n for i in moe.layers):
-        yield f"`{key}.layers` {list(moe.layers)} must be [-1] (every layer) or layer indices in 0..{n - 1}"
-
-
-def _expert_parallel(cfg: Config) -> Iterator[str]:
-    """`parallelism.expert_parallel_size`: the experts split over that many dp ranks."""
-    p, ep = cfg.parallelism, cfg.parallelism.expert_parallel_size
-    if ep <= 1:
-        return
-    key = "parallelism.expert_parallel_size"
-    moe = getattr(cfg.model.model_config, "moe_config", None)
-    if moe is None:
-        yield f"`{key}` is {ep}, but the model has no experts (no moe_config); set it to 1"
-        return
-    if p.dp % ep:
-        yield (f"`{key}` ({ep}) must divide `parallelism.dp` ({p.dp}): the experts are split over "
-               "dp ranks (mesh3d, like Nanotron, does not count ep in the world size)")  # fmt: skip
-    if moe.num_experts % ep:
-        yield f"`{MC}.moe_config.num_experts` ({moe.num_experts}) must be divisible by `{key}` ({ep})"
-
-
-# HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".
-# (`shuffle_files` is not among them: files are always shuffled with seed 42, as CLASSIC does.)
-_NANOSET_OFF = {
-    "dataset_read_path": None,
-    "dataset_max_tokens": None,
-    "skip_in_stream": False,
-    "pad_samples_to_global_batch_size": False,
-    "use_old_brrr_dataloader": False,
-}
-
-
-def _unsupported_data(stage, tokens) -> Iterator[str]:
-    where = _stage_key(stage)
-    if stage.sequence_length is not None and stage.sequence_length != tokens.sequence_length:
-        yield _not_yet(
-            f"{where}.sequence_length",
-            f"a per-stage length ({stage.sequence_length}) different from tokens.sequence_length; set it to null",
-        )
-    kind = stage.data.dataset
-    if kind is None or isinstance(kind, PretrainDatasetsArgs):
-        return
-    if not isinstance(kind, NanosetDatasetsArgs):
-        name = _DATASET_KINDS.get(type(kind), "SFT")
-        yield f"`{where}.data.dataset` ({name}) is not supported by mesh3d yet; use a Nanoset (dataset_folder), an HF dataset (hf_dataset_or_datasets) or `dataset: null`"
-        return
-    for key, off in _NANOSET_OFF.items():
-        value = getattr(kind, key)
-        if value != off:
-            yield _not_yet(
-                f"{where}.data.dataset.{key}",
-                f"set it to {off!r}".replace("None", "null").replace("False", "false"),
-            )
+        yield from unsupported_data(stage, cfg.tokens)

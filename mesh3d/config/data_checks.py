@@ -1,0 +1,74 @@
+"""Checks of `data_stages`; part of `validate` (same rules: one message per problem naming the
+key, the values and the fix; no torch import). Data settings mesh3d does not implement yet are
+refused in `unsupported_data`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from mesh3d.config.schema import Config, NanosetDatasetsArgs, PretrainDatasetsArgs
+from mesh3d.errors import not_supported_yet
+
+_DATASET_KINDS = {NanosetDatasetsArgs: "Nanoset", PretrainDatasetsArgs: "Hugging Face datasets"}
+
+
+def data_stage_errors(cfg: Config) -> Iterator[str]:
+    """`data_stages`: one starting at step 1, unique names and start steps, sane values."""
+    stages = cfg.data_stages or []
+    if stages and not any(s.start_training_step == 1 for s in stages):
+        starts = [s.start_training_step for s in stages]
+        yield f"`data_stages` must have a stage with start_training_step: 1; the stages start at {starts}"
+    names = [s.name for s in stages]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        yield f"`data_stages` has two stages named {name!r}; stage names must be unique"
+    starts = [s.start_training_step for s in stages]
+    for start in sorted({s for s in starts if starts.count(s) > 1}):
+        yield f"`data_stages` has two stages with start_training_step {start}; each stage needs its own start step"
+    for s in stages:  # a per-stage sequence_length is refused in unsupported_data
+        where = stage_key(s)
+        if s.start_training_step < 0:
+            yield f"`{where}.start_training_step` must be >= 0, got {s.start_training_step}"
+        if s.data.num_loading_workers < 0:
+            yield f"`{where}.data.num_loading_workers` must be >= 0, got {s.data.num_loading_workers}"
+
+
+def stage_key(stage) -> str:
+    """A stage named by its `name`: load sorts data_stages by start step, so the list index
+    here need not be the one written in the YAML (names are checked unique above)."""
+    return f"data_stages[name={stage.name!r}]"
+
+
+# HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".
+# (`shuffle_files` is not among them: files are always shuffled with seed 42, as CLASSIC does.)
+_NANOSET_OFF = {
+    "dataset_read_path": None,
+    "dataset_max_tokens": None,
+    "skip_in_stream": False,
+    "pad_samples_to_global_batch_size": False,
+    "use_old_brrr_dataloader": False,
+}
+
+
+def unsupported_data(stage, tokens) -> Iterator[str]:
+    """A data stage's settings mesh3d does not implement yet (a per-stage sequence length,
+    SFT data, HEAD-only Nanoset keys)."""
+    where = stage_key(stage)
+    if stage.sequence_length is not None and stage.sequence_length != tokens.sequence_length:
+        yield not_supported_yet(
+            f"{where}.sequence_length",
+            f"a per-stage length ({stage.sequence_length}) different from tokens.sequence_length; set it to null",
+        )
+    kind = stage.data.dataset
+    if kind is None or isinstance(kind, PretrainDatasetsArgs):
+        return
+    if not isinstance(kind, NanosetDatasetsArgs):
+        name = _DATASET_KINDS.get(type(kind), "SFT")
+        yield f"`{where}.data.dataset` ({name}) is not supported by mesh3d yet; use a Nanoset (dataset_folder), an HF dataset (hf_dataset_or_datasets) or `dataset: null`"
+        return
+    for key, off in _NANOSET_OFF.items():
+        value = getattr(kind, key)
+        if value != off:
+            yield not_supported_yet(
+                f"{where}.data.dataset.{key}",
+                f"set it to {off!r}".replace("None", "null").replace("False", "false"),
+            )

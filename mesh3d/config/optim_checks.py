@@ -1,0 +1,59 @@
+"""Checks of the optimizer and its learning-rate schedule; part of `validate` (same rules: one
+message per problem naming the key, the values and the fix; no torch import)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from mesh3d.config.schema import AdamWOptimizerArgs, Config
+
+LR = "optimizer.learning_rate_scheduler"
+
+
+def optimizer_errors(cfg: Config) -> Iterator[str]:
+    """`optimizer`: clipping, weight decay, ZeRO stage, Adam's settings, exclusion patterns."""
+    o = cfg.optimizer
+    if o.clip_grad is not None and o.clip_grad <= 0:
+        yield f"`optimizer.clip_grad` must be > 0 or null (no clipping), got {o.clip_grad}"
+    if o.weight_decay < 0:
+        yield f"`optimizer.weight_decay` must be >= 0, got {o.weight_decay}"
+    if o.zero_stage < 0:
+        yield f"`optimizer.zero_stage` must be 0 (off) or 1 (ZeRO-1; Nanotron treats any value > 0 as 1), got {o.zero_stage}"
+    f = o.optimizer_factory
+    if isinstance(f, AdamWOptimizerArgs):
+        for k in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(f, k) < 1:
+                yield f"`optimizer.optimizer_factory.{k}` must be in [0, 1), got {getattr(f, k)}"
+        if f.adam_eps < 0:
+            yield f"`optimizer.optimizer_factory.adam_eps` must be >= 0, got {f.adam_eps}"
+    for i, pattern in enumerate(o.weight_decay_exclude_named_params):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            yield f"`optimizer.weight_decay_exclude_named_params[{i}]` {pattern!r} is not a regular expression: {e}"
+
+
+def lr_errors(cfg: Config) -> Iterator[str]:
+    """`optimizer.learning_rate_scheduler` against `tokens.train_steps`."""
+    s, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
+    if s.learning_rate <= 0:
+        yield f"`{LR}.learning_rate` must be > 0, got {s.learning_rate}"
+    if s.lr_warmup_style not in ("linear", "constant"):
+        yield f"`{LR}.lr_warmup_style` {s.lr_warmup_style!r} must be linear or constant"
+    if s.lr_decay_style not in ("linear", "cosine", "1-sqrt"):
+        yield f"`{LR}.lr_decay_style` {s.lr_decay_style!r} must be linear, cosine or 1-sqrt"
+    if s.lr_warmup_steps < 0:
+        yield f"`{LR}.lr_warmup_steps` must be >= 0, got {s.lr_warmup_steps}"
+    elif s.lr_warmup_steps > steps:
+        yield f"`{LR}.lr_warmup_steps` ({s.lr_warmup_steps}) is more than tokens.train_steps ({steps}); lower it"
+    if s.lr_decay_steps is not None and s.lr_decay_steps < 0:
+        yield (
+            f"`{LR}.lr_decay_steps` must be >= 0, got {s.lr_decay_steps} (when omitted it is "
+            "tokens.train_steps - lr_warmup_steps)"
+        )
+    start = s.lr_warmup_steps if s.lr_decay_starting_step is None else s.lr_decay_starting_step
+    if not 0 <= start <= steps:
+        yield f"`{LR}.lr_decay_starting_step` ({start}) must be in [0, tokens.train_steps ({steps})]"
+    if not 0 <= s.min_decay_lr <= s.learning_rate:
+        yield f"`{LR}.min_decay_lr` ({s.min_decay_lr}) must be in [0, learning_rate ({s.learning_rate})]"
