@@ -6,8 +6,8 @@ must equal the embedding bitwise) within 1e-5 relative, replicated parameters bi
 - pp in {2, 4} alone: every schedule, microbatches in {pp, 2*pp} (V schedules need 2*pp);
 - dp=2 x tp=2 x pp=2 (8 ranks), REDUCE_SCATTER: every schedule, once tied with zero_stage 1 and
   once untied with zero_stage 0;
-- pp=2 with `mesh3d.compile` and recomputed layers: every schedule (zero-bubble ones run each
-  compiled backward in two passes).
+- dp=2 x pp=2 with `mesh3d.compile`, recomputed layers and FSDP full sharding (ZeRO-1 for the
+  zero-bubble schedules, which run each compiled backward in two passes): every schedule.
 """
 
 import pytest
@@ -26,6 +26,7 @@ SCHEDULES = {  # name -> stages per rank
     "dualpipev": 2,
 }
 V_SHAPED = ("zbv_zero_bubble", "dualpipev")
+ZERO_BUBBLE = ("interleaved_zero_bubble", *V_SHAPED)  # backward in two passes
 
 
 def _layers(pp: int) -> str:
@@ -100,14 +101,17 @@ def test_3d_dp2_tp2_pp2_every_schedule(references):
     _check(results, labels, [references[(2, t)] for _, t, _ in runs])
 
 
-def test_pp2_every_schedule_compiled(references):
-    """Compiled blocks under every schedule; one launch (the ranks compile once, then reuse)."""
+def test_dp2_pp2_every_schedule_compiled(references):
+    """Compiled blocks under every schedule at dp2 x pp2, with FSDP full sharding (ZeRO-1 for
+    the zero-bubble schedules, which refuse full sharding); one launch (each rank compiles once,
+    then reuses its graphs)."""
     overrides = [
-        layout_overrides(1, 1, "ALL_REDUCE", 0, True, microbatches=4)
+        layout_overrides(2, 1, "ALL_REDUCE", 0 if s not in ZERO_BUBBLE else 1, True, microbatches=4)
         + _pp(2, s)
         + [STEPS, _layers(2), "mesh3d.compile=true", "parallelism.recompute_layer=true"]
+        + ([] if s in ZERO_BUBBLE else ["mesh3d.full_shard=true"])
         for s in SCHEDULES
     ]
-    results = run_ranks(2, train_runs, overrides, timeout=600)
-    labels = [f"pp=2 {s} compiled" for s in SCHEDULES]
+    results = run_ranks(4, train_runs, overrides, timeout=900)
+    labels = [f"dp2 pp2 {s} compiled" for s in SCHEDULES]
     _check(results, labels, [references[(2, True)]] * len(SCHEDULES))

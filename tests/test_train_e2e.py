@@ -94,20 +94,6 @@ def test_compiled_tp2_cold_and_warm_cache_match_one_eager_process(tmp_path, one_
     ]
 
 
-def test_compiled_fsdp_pipeline_matches_one_eager_process(tmp_path, one_eager_process):
-    """Compiled blocks with recomputed layers under FSDP full sharding and interleaved_1f1b at
-    dp2 x pp2, launched by torchrun (every schedule compiled is checked on forked ranks in
-    test_pp_parity.py), train like one eager process."""
-    layout = ["parallelism.dp=2", "parallelism.pp=2", "mesh3d.pp_virtual_stages=2",
-              "mesh3d.pp_schedule=interleaved_1f1b", "mesh3d.full_shard=true",
-              "tokens.batch_accumulation_per_replica=2", "parallelism.recompute_layer=true",
-              "mesh3d.compile=true"]  # fmt: skip
-    mf = tmp_path / "fsdp_pp.jsonl"
-    r = torchrun(4, "--metrics-file", str(mf), *COMPILED_STEPS, *layout, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert_same_run(one_eager_process, read_metrics(mf), "dp2 x pp2 interleaved_1f1b full_shard")
-
-
 def test_bad_config_exits_2_without_traceback():
     r = subprocess.run(
         [sys.executable, TRAIN, *TINY, "parallelism.tp=3"],
