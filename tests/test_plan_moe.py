@@ -1,0 +1,303 @@
+"""`mesh3d.plan` for mixture of experts: parameters and saved-bytes terms by hand; the
+expert-parallel plan by hand (groups, slices, all-to-alls, the expert-replica reduction); real runs
+on 2 ranks (dp, zero1, bf16, autocast, pp, tp both modes, cp, ep2 with its recorded routing)
+equal the plan's, exactly."""
+
+import copy
+
+import torch
+from dist import run_ranks
+from plan_measure import (
+    ONE_STEP,
+    cp_measured,
+    cp_overrides,
+    cpu_causal_masks,
+    plan_cfg,
+    pp_schedule,
+)
+from torch import nn
+
+from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.plan import (
+    format_plan,
+    make_plan,
+    stage_activation_bytes,
+)
+from mesh3d.plan.activations import moe_routed_bytes
+from mesh3d.plan.sizes import _Sizes
+
+
+def _moe_cfg(overrides: list[str], base: dict | None = None):
+    from test_moe import MOE  # 3 layers, MoE in 0 and 2: 4 experts, top 2, F 32, shared 48
+
+    return apply_overrides(config_from_dict(copy.deepcopy(base or MOE)), overrides)
+
+
+def test_moe_parameters_total_and_active_by_hand():
+    plan = make_plan(_moe_cfg([]))
+    h, f, v, dense_ffn, kv = 64, 32, plan.padded_vocab, 128, 4 * 8
+    attn = h * h + 2 * h * kv + h * h + 2 * h  # q, k, v, o; the two norms
+    router, experts, shared = 4 * h, 4 * 3 * h * f, 3 * h * 48 + h
+    dense, moe = attn + 3 * h * dense_ffn, attn + router + experts + shared
+    total = 2 * v * h + h + dense + 2 * moe  # untied embedding and lm_head, final norm
+    assert plan.total_params == total and plan.ranks[0].param_elements == total
+    assert plan.active_params == total - 2 * (4 - 2) * 3 * h * f  # 2 of 4 experts idle
+    text = format_plan(plan)
+    assert "top 2 of 4 experts of 32, a shared expert of 48 in layers 0,2" in text
+    assert f"{plan.active_params:,} parameters active per token of {total:,}" in text
+    assert "no expert parallelism" in text
+    assert "mixture of experts" not in format_plan(make_plan(plan_cfg([])))
+
+
+def test_moe_activation_terms_by_hand():
+    # MOE, one microbatch of 2 x 16: T 32, h 64, E 4, k 2, F 32, G 48, fp32
+    cfg = _moe_cfg(ONE_STEP)
+    dense, moe = (stage_activation_bytes(cfg, [i], False, False)[0] for i in (1, 0))
+    t, h = 32, 64
+    mlp = t * h * 4 + 4 * t * 128 * 4  # a dense MLP's input and intermediates
+    router = t * h * 4 + 4 * t * 4 + 8 * t * 2 + 4 * 2 * 4
+    routed = 2 * t * (16 + 4 * 32 * 4 + h * 12 + 4) + 4 * 4  # + the grouped GEMMs' int32 offsets
+    shared = t * (4 * 48 * 4 + h * 4 + 4)
+    assert moe - dense == router + routed + shared - mlp
+    assert stage_activation_bytes(cfg, 3, False, False)[0] == 2 * moe + dense
+
+
+def test_expert_parallel_plan_by_hand():
+    # MOE at dp 4, ep 2, one microbatch of 2 x 16 (T 32), h 64, E 4, k 2, F 32, 2 MoE layers
+    cfg = _moe_cfg(["parallelism.dp=4", "parallelism.expert_parallel_size=2", *ONE_STEP])
+    plan, whole = make_plan(cfg, 4), make_plan(_moe_cfg(["parallelism.dp=4", *ONE_STEP]), 4)
+    assert plan.groups["ep"] == [[0, 1], [2, 3]]
+    assert plan.groups["expert_replicas"] == [[0, 2], [1, 3]]
+    experts = 2 * 4 * 3 * 64 * 32  # both MoE layers' stacked experts, all 4
+    rp = plan.ranks[1]
+    assert rp.param_elements == whole.ranks[1].param_elements - experts // 2
+    assert plan.total_params == whole.total_params
+    comm = {c.what: c for c in rp.comm}
+    rows = 2 * 32 * 64 * 4  # k·T rows of h, fp32
+    counts, there = comm["expert counts (fwd)"], comm["routed rows, results back (fwd)"]
+    n = 2 * plan.microbatches  # MoE layers x microbatches
+    assert (counts.collective, counts.count, counts.bytes_each) == ("all_to_all", n, 8 * 4)
+    assert (there.count, there.bytes_each, there.sent_bytes) == (2 * n, rows, 2 * n * rows // 2)
+    assert comm["their grads (bwd)"].count == 2 * n
+    dp, rep = comm["grads, one flat buffer"], comm["expert grads over their replicas (dp/ep = 2)"]
+    assert dp.bytes_each == (rp.param_elements - experts // 2) * 4
+    assert (rep.axis, rep.bytes_each, rep.sent_bytes) == ("dp", experts // 2 * 4, experts // 2 * 4)
+    text = format_plan(plan)
+    assert "ep: [0, 1] [2, 3]" in text and "expert replicas: [0, 2] [1, 3]" in text
+    assert "balanced routing assumed" in text and "no expert parallelism" not in text
+    # dp 2, ep 2: no replica to sum the expert grads over
+    two = make_plan(_moe_cfg(["parallelism.dp=2", "parallelism.expert_parallel_size=2"]), 2)
+    assert not any("replicas" in c.what for c in two.ranks[0].comm)
+    # the all-gather dispatcher: every rank's T tokens, whatever the routing
+    ag = make_plan(_moe_cfg(["parallelism.dp=4", "parallelism.expert_parallel_size=2", *ONE_STEP,
+                             f"{MOE_KEY}.token_dispatcher_type=allgather"]), 4)  # fmt: skip
+    got = {c.what: (c.collective, c.count, c.bytes_each) for c in ag.ranks[1].comm
+           if c.axis == "ep"}  # fmt: skip
+    tokens = 2 * 32  # ep·T
+    assert got == {
+        "token counts (fwd)": ("all_gather", n, 8 * 2),
+        "chosen experts (fwd)": ("all_gather", n, 8 * 2 * tokens),
+        "tokens and weights (fwd)": ("all_gather", n, tokens * (64 + 2) * 4),
+        "results (fwd)": ("reduce_scatter", n, tokens * 64 * 4),
+        "result grads (bwd)": ("all_gather", n, tokens * 64 * 4),
+        "token and weight grads (bwd)": ("reduce_scatter", n, tokens * (64 + 2) * 4),
+        "expert grad norm (fp64 squares)": ("all_reduce", 1, 8),
+    }, got
+    # per MoE block it saves k·T·(h·e_p + 16 - 8·ep) bytes fewer than all-to-all (balanced);
+    # the peak holds one microbatch's 2 MoE layers
+    fewer = 2 * 2 * 32 * (64 * 4 + 16 - 8 * 2)
+    assert rp.saved_activation_bytes - ag.ranks[1].saved_activation_bytes == fewer
+    assert "expert parallelism 2 (allgather)" in format_plan(ag)
+
+
+def _moe_measured(rank: int, world: int, runs: list) -> list[dict]:
+    """`cp_measured` without the cp counters, plus the routed rows per microbatch and layer,
+    and under expert parallelism, per run: the rows each dispatch received (R), and per dtype
+    the calls and send-buffer bytes of `all_to_all_single` (counts int64, rows float)."""
+    import torch.distributed as dist
+
+    import mesh3d.parallel.experts as experts
+    from mesh3d.models.moe import MoE
+
+    routed: list[set[int]] = [set() for _ in runs]
+    received: list[list[int]] = [[] for _ in runs]
+    ran: list[list[int]] = [[] for _ in runs]
+    a2a: list[dict] = [{} for _ in runs]
+    flat: list[dict] = [{} for _ in runs]
+    run = [0]
+
+    def count_rows(module, args, output):
+        with torch.no_grad():  # nothing saved: the meter must not see it
+            _, _, experts_ = module.route(args[0])
+        routed[run[0]].add(experts_.numel())
+
+    def all_to_all(x, send, recv, group, fn=experts.all_to_all):
+        calls = received[run[0]]
+        calls.append(sum(recv))
+        return fn(x, send, recv, group)
+
+    def all_to_all_single(out, inp, *args, fn=dist.all_to_all_single, **kwargs):
+        key = str(inp.dtype)
+        calls, nbytes = a2a[run[0]].get(key, (0, 0))
+        a2a[run[0]][key] = (calls + 1, nbytes + inp.numel() * inp.element_size())
+        return fn(out, inp, *args, **kwargs)
+
+    def gather_and_reduce(experts_fn, *args, fn=experts.gather_and_reduce):
+        def counted(rows, counts):
+            ran[run[0]].append(len(rows))
+            return experts_fn(rows, counts)
+
+        return fn(counted, *args)
+
+    def flat_collective(kind, fn):
+        def wrapped(out, inp, group=None):
+            full = out if kind == "all_gather" else inp
+            key = f"{kind} {full.dtype}"
+            calls, nbytes = flat[run[0]].get(key, (0, 0))
+            flat[run[0]][key] = (calls + 1, nbytes + full.numel() * full.element_size())
+            return fn(out, inp, group=group)
+
+        return wrapped
+
+    hook = nn.modules.module.register_module_forward_hook(
+        lambda m, a, o: count_rows(m, a, o) if isinstance(m, MoE) else None
+    )
+    names = ("all_to_all", "gather_and_reduce", "all_gather_flat", "reduce_scatter_flat")
+    patched = [getattr(experts, n) for n in names] + [dist.all_to_all_single]
+    experts.all_to_all, experts.gather_and_reduce = all_to_all, gather_and_reduce
+    experts.all_gather_flat = flat_collective("all_gather", patched[2])
+    experts.reduce_scatter_flat = flat_collective("reduce_scatter", patched[3])
+    dist.all_to_all_single = all_to_all_single
+    out = []
+    try:
+        for i, cfg in enumerate(runs):
+            run[0] = i
+            out += cp_measured(rank, world, [cfg])
+    finally:
+        hook.remove()
+        for n, fn in zip(names, patched):
+            setattr(experts, n, fn)
+        dist.all_to_all_single = patched[-1]
+    for o, rows, rows_ran, calls, flats, k in zip(out, received, ran, a2a, flat, routed):
+        o["routed"] = k
+        # all-to-all: dispatch, then results back (whose recv is what was sent); all-gather:
+        # the rows the local experts ran
+        o["received"] = rows[::2] or rows_ran
+        o["a2a"], o["flat"] = calls, flats
+    return out
+
+
+MOE_KEY = "model.model_config.moe_config"
+ALLGATHER = f"{MOE_KEY}.token_dispatcher_type=allgather"
+RUNS_MOE = {  # on 2 ranks; label -> (config overrides, base)
+    "moe dp2 zero0": ["parallelism.dp=2", *ONE_STEP],
+    "moe dp2 zero1 tied": ["parallelism.dp=2", "optimizer.zero_stage=1", *ONE_STEP,
+                           "model.model_config.tie_word_embeddings=true"],
+    "moe dp2 bf16 autocast": ["parallelism.dp=2", "model.dtype=bfloat16", *ONE_STEP],
+    "moe dp2 bf16 params": ["parallelism.dp=2", "model.dtype=bfloat16", *ONE_STEP,
+                            "optimizer.accumulate_grad_in_fp32=false"],
+    "moe pp2 1f1b": ["parallelism.pp=2", *ONE_STEP, "tokens.batch_accumulation_per_replica=4",
+                     *pp_schedule("1f1b")],
+    "dense pp2 1f1b": ["parallelism.pp=2", *ONE_STEP, "tokens.batch_accumulation_per_replica=4",
+                       *pp_schedule("1f1b"), "model.model_config.moe_config=null"],
+    "moe dp2 ep2": ["parallelism.dp=2", "parallelism.expert_parallel_size=2", *ONE_STEP,
+                    "tokens.batch_accumulation_per_replica=2"],
+    "moe dp2 ep2 bf16 autocast": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
+                                  "model.dtype=bfloat16", *ONE_STEP],
+    "moe dp2 ep2 bf16 params": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
+                                "model.dtype=bfloat16", "optimizer.accumulate_grad_in_fp32=false",
+                                *ONE_STEP],
+    "moe dp2 ep2 allgather": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
+                              *ONE_STEP, "tokens.batch_accumulation_per_replica=2", ALLGATHER],
+    "moe dp2 ep2 allgather bf16 autocast": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
+                                            "model.dtype=bfloat16", *ONE_STEP, ALLGATHER],
+    "moe dp2 ep2 allgather bf16 params": ["parallelism.dp=2", "parallelism.expert_parallel_size=2",
+                                          "model.dtype=bfloat16", *ONE_STEP, ALLGATHER,
+                                          "optimizer.accumulate_grad_in_fp32=false"],
+    "moe tp2 sequence parallel": ["parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER",
+                                  *ONE_STEP],
+    "moe tp2 all-reduce": ["parallelism.tp=2", "parallelism.tp_mode=ALL_REDUCE", *ONE_STEP],
+    "moe cp2": cp_overrides(2),
+}  # fmt: skip
+
+
+def test_plan_equals_real_moe_runs():
+    """Params, grads and optimizer state exactly (router, stacked experts, shared expert, dense
+    MLPs elsewhere). The bytes saved for backward exactly without a pipeline in fp32 and bf16
+    params: the experts' rows add up to k·T whatever the routing (checked: every microbatch of
+    every MoE layer routed k·T rows), and every saved tensor is linear in them. Under autocast,
+    plus the cached weight casts the plan counts as transient, exactly too (every expert got
+    tokens: the plan's bound is met). With a pipeline, the MoE run misses exactly what the same
+    dense run misses (the few bytes per microbatch a schedule keeps that the plan leaves out).
+    Under tp (both modes) and cp the block runs on the rank's tokens: exact too (cp plus CPU
+    SDPA's causal masks). Under expert parallelism the plan assumes balanced routing: the run's
+    recorded received rows replace it (`_ep_checks`), then the saved bytes and the all-to-all
+    calls and bytes are exact (fp32, bf16 params, bf16 autocast); the same with the all-gather
+    dispatcher, whose collectives are exact without the recorded rows."""
+    cfgs = [_moe_cfg(ov) for ov in RUNS_MOE.values()]
+    measured = run_ranks(2, _moe_measured, cfgs, timeout=300)
+    off = {}
+    for i, (label, cfg) in enumerate(zip(RUNS_MOE, cfgs)):
+        plan, z = make_plan(cfg, 2), _Sizes.of(cfg)
+        for rank, rp in enumerate(plan.ranks):
+            got = measured[rank][i]
+            if z.moe_layers:  # k·T in every MoE forward (T: the tokens the block runs on)
+                assert got["routed"] == {z.top_k * z.local_tokens}, (label, got["routed"])
+            want = dict(elements=rp.param_elements, params=rp.param_bytes,
+                        grads=rp.grad_bytes, optim=rp.optimizer_bytes)  # fmt: skip
+            assert {k: got[k] for k in want} == want, f"{label}, rank {rank}"
+            saved = rp.saved_activation_bytes + rp.transient.get("autocast_weight_copies", 0)
+            if z.cp > 1:
+                saved += cpu_causal_masks(cfg, rp.coords["cp"], z.e_c)
+            saved += _ep_checks(z, rp, got, label)
+            if plan.dims["pp"] == 1:
+                assert got["saved"] == saved, f"{label}, rank {rank}"
+            else:
+                off.setdefault(rank, []).append(got["saved"] - saved)
+    assert all(len(set(d)) == 1 for d in off.values()), off  # moe and dense pp2 miss the same
+
+
+def _ep_checks(z, rp, got: dict, label: str) -> int:
+    """Under expert parallelism: the dispatch collectives' calls and bytes against the plan's:
+    all-to-all with the recorded received rows R in place of the balanced k·T (a rank sends
+    k·T rows and R results back in forward, the grads of both in backward), all-gather exactly
+    (its sizes do not depend on the routing); returns what the plan's saved bytes lack for the
+    recorded R (rows received, or run by the local experts under all-gather; the largest over
+    the step's microbatches, as the peak is)."""
+    if z.ep == 1:
+        assert not got["a2a"] and not got["flat"], label
+        return 0
+    rows, per_mb = got["received"], len(z.moe_layers)
+    assert len(rows) == z.m * per_mb, label
+    comm = {c.what: c for c in rp.comm if c.axis == "ep"}
+    float_dtype = str(getattr(torch, {4: "float32", 2: "bfloat16"}[z.e_p]))
+    if z.dispatcher == "allgather":  # exact whatever the routing
+        assert not got["a2a"], label
+        planned = {}
+        for c in comm.values():
+            if c.collective == "all_reduce":
+                continue
+            ints = c.what.startswith(("token counts", "chosen experts"))
+            key = f"{c.collective} {'torch.int64' if ints else float_dtype}"
+            calls, nbytes = planned.get(key, (0, 0))
+            planned[key] = (calls + c.count, nbytes + c.count * c.bytes_each)
+        assert got["flat"] == planned, (label, got["flat"], planned)
+    else:
+        assert not got["flat"], label
+        _a2a_checks(z, comm, got, rows, label, float_dtype)
+    base = moe_routed_bytes(z)
+    return max(
+        sum(moe_routed_bytes(z, r) - base for r in rows[j : j + per_mb])
+        for j in range(0, len(rows), per_mb)
+    )
+
+
+def _a2a_checks(z, comm: dict, got: dict, rows: list[int], label: str, float_dtype: str) -> None:
+    """The all-to-all calls and bytes against the plan's, with the recorded received rows."""
+    kt = z.top_k * z.local_tokens
+    counts, sent = comm["expert counts (fwd)"], comm["routed rows, results back (fwd)"]
+    grads = comm["their grads (bwd)"]
+    assert got["a2a"]["torch.int64"] == (counts.count, counts.count * 8 * z.experts), label
+    planned = (sent.count + grads.count) * sent.bytes_each
+    skew = 2 * sum(r - kt for r in rows) * z.h * z.e_p  # the R-row halves, routing-dependent
+    assert got["a2a"][float_dtype] == (sent.count + grads.count, planned + skew), label
