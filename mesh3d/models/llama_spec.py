@@ -69,10 +69,16 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
 
         mesh3d.apply_tp(llama, mesh["tp"], mesh3d.llama_tp_plan(sequence_parallel=True))
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from mesh3d.parallel.tensor import LocalColwise, LocalReplicated, LocalRowwise, block_input
+    from mesh3d.parallel.tensor import (
+        ColwiseParallel,
+        LocalColwise,
+        LocalReplicated,
+        LocalRowwise,
+        Replicate,
+        RowwiseParallel,
+        Shard,
+        block_input,
+    )
 
     seq = Shard(1)  # activations are [B, S, h]: the sequence is dim 1
     act = seq if sequence_parallel else Replicate()
@@ -115,7 +121,7 @@ def hf_llama_tp_plan() -> dict:
         model = transformers.LlamaForCausalLM(config)   # same full weights on every rank
         mesh3d.apply_tp(model, mesh["tp"], mesh3d.hf_llama_tp_plan())
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from mesh3d.parallel.tensor import ColwiseParallel, RowwiseParallel
 
     col, row = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
     where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",

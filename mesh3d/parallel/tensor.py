@@ -24,6 +24,7 @@ from torch.distributed.tensor import (
     DTensor,
     Partial,
     Replicate,
+    Shard,  # noqa: F401  (re-exported: a family's spec writes its tp plan from this module)
     distribute_module,
     distribute_tensor,
 )
