@@ -114,6 +114,10 @@ def test_flash_path_equals_sdpa_masks(monkeypatch):
     starts = [r * 20 + c for r in range(3) for c in range(20) if c == 0 or positions[r, c] == 0]
     assert offsets.dtype == torch.int32 and offsets.tolist() == [*starts, 60]
     assert longest == max(b - a for a, b in zip(offsets.tolist(), offsets.tolist()[1:]))
+    again = positions.clone()
+    assert llama_mod.document_segments(again) is llama_mod.document_segments(again)  # per forward
+    again[0, 1] = 0  # modified in place: computed anew
+    assert llama_mod.document_segments(again)[0].tolist() == [0, 1, *starts[1:], 60]
     with torch.no_grad():
         sdpa = [model(ids, positions=positions), model(ids)]
         monkeypatch.setattr(llama_mod.Attention, "_use_flash", lambda self, q: True)
