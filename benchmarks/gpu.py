@@ -51,6 +51,7 @@ from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path
 from _ways import torchrun_train
 
 from mesh3d.config import global_batch_size, load_config, padded_vocab_size, validate
+from mesh3d.config.speed import torchao_missing
 from mesh3d.data.build import build_dataset
 from mesh3d.data.documents import document_positions, mask_document_starts
 from mesh3d.data.dummy import microbatches
@@ -83,14 +84,6 @@ COMMON = ["model.dtype=bfloat16", "optimizer.accumulate_grad_in_fp32=true",
 EOS, MEAN_DOC = 2, 512  # the packed-documents variants: an EOS every ~MEAN_DOC tokens
 
 
-def _imports(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -107,7 +100,7 @@ def variants() -> list[Variant]:
     attentions = ["sdpa"] + (["flash"] if flash_attn_func is not None else [])
     out = [Variant(f"mesh3d {a}", "mesh3d", a) for a in attentions]
     out.append(Variant("mesh3d sdpa compile", "mesh3d", compiled=True))
-    if _imports("torchao"):
+    if not torchao_missing():
         f8 = ("mesh3d.float8=true",)
         out.append(Variant("mesh3d sdpa float8", "mesh3d", extra=f8))
         out.append(Variant("mesh3d sdpa float8 compile", "mesh3d", compiled=True, extra=f8))
@@ -284,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     steps, warmup = (3, 1) if args.smoke else (args.steps, args.warmup)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name} | flash-attn: {'yes' if flash_attn_func is not None else 'no'} | "
-          f"torchao: {'yes' if _imports('torchao') else 'no'}")  # fmt: skip
+          f"torchao: {'no' if torchao_missing() else 'yes'}")  # fmt: skip
     plan = [v for v in variants() if not args.only or any(t in v.name for t in args.only)]
     if not plan:
         names = ", ".join(v.name for v in variants())
