@@ -353,6 +353,17 @@ REFUSED = [
     ("skip-nonfinite", [f"{M3}.skip_nonfinite_steps=-1"], f"`{M3}.skip_nonfinite_steps` must be >= 0 (0 stops at the first non-finite step), got -1"),
     ("existing-checkpoints", [f"{M3}.existing_checkpoints=keep"], f"`{M3}.existing_checkpoints` 'keep' is not one of error, resume, overwrite"),
     ("pp-engine-only", ["parallelism.pp_engine=gpipe"], "`parallelism.pp_engine` 'gpipe' must be afab or 1f1b (Nanotron's engines); set mesh3d.pp_schedule for the others"),
+    # fuzzed values that passed `python -m mesh3d.config` (issue 25): a negative weight the run
+    # refused later, a stage that never trained, a traceback, two silent hangs
+    ("dataset-weight-negative", ["data_stages[1].data.dataset={dataset_folder: {/a: 0.5, /b: -0.8}}"], "`data_stages[name='Annealing Phase'].data.dataset`: dataset_weights [0.5, -0.8] must be finite and >= 0"),
+    ("hf-fraction", ["data_stages[1].data.dataset={hf_dataset_or_datasets: {/a: 1.5}}"], "`data_stages[name='Annealing Phase'].data.dataset.hf_dataset_or_datasets['/a']` is 1.5; a fraction in [0, 1] of the rows to use"),
+    ("stage-at-0", ["data_stages[1].start_training_step=0"], "`data_stages[name='Annealing Phase'].start_training_step` must be >= 1 (steps count from 1: a stage starting before 1 never trains), got 0"),
+    ("vocab-divisor-2-63", ["model.make_vocab_size_divisible_by=9223372036854775808"], "`model.make_vocab_size_divisible_by` (9223372036854775808) is more than 2147483647 (2**31 - 1), the largest size torch indexes; lower it"),
+    ("vocab-padded-too-far", ["model.make_vocab_size_divisible_by=2000000000", "parallelism.tp=2"], "`model.make_vocab_size_divisible_by` (2000000000) x parallelism.tp (2) pads the vocabulary to 4000000000 rows, more than 2147483647; lower it (Nanotron's configs use 1 to 128)"),
+    ("layers-2-63", [f"{MC}.num_hidden_layers=9223372036854775808"], f"`{MC}.num_hidden_layers` (9223372036854775808) is more than 2147483647 (2**31 - 1), the largest size torch indexes; lower it"),
+    ("accumulation-2-63", ["tokens.batch_accumulation_per_replica=9223372036854775808"], "`tokens.batch_accumulation_per_replica` (9223372036854775808) is more than 2147483647 (2**31 - 1), the largest size torch indexes; lower it"),
+    ("params-too-many", [f"{MC}.num_hidden_layers=2000000000"], f"the model would have more than 1.64e+13 parameters (num_hidden_layers 2000000000, hidden_size 32, intermediate_size 64), more than 1e+13; lower {MC}.num_hidden_layers or the sizes"),
+    ("step-tokens-too-many", ["tokens.batch_accumulation_per_replica=1000000000"], "one optimizer step would read 64000000000 tokens (micro_batch_size 2 x batch_accumulation_per_replica 1000000000 x dp 1 x sequence_length 32), more than 17179869184 (2**34); lower tokens.batch_accumulation_per_replica or tokens.micro_batch_size"),
 ]  # fmt: skip
 
 

@@ -4,6 +4,7 @@ refused in `unsupported_data`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from mesh3d.config.schema import Config, NanosetDatasetsArgs, PretrainDatasetsArgs
@@ -26,10 +27,48 @@ def data_stage_errors(cfg: Config) -> Iterator[str]:
         yield f"`data_stages` has two stages with start_training_step {start}; each stage needs its own start step"
     for s in stages:  # a per-stage sequence_length is refused in unsupported_data
         where = stage_key(s)
-        if s.start_training_step < 0:
-            yield f"`{where}.start_training_step` must be >= 0, got {s.start_training_step}"
+        if s.start_training_step < 1:
+            yield (
+                f"`{where}.start_training_step` must be >= 1 (steps count from 1: a stage "
+                f"starting before 1 never trains), got {s.start_training_step}"
+            )
+        yield from _weight_errors(where, s.data.dataset)
         if s.data.num_loading_workers < 0:
             yield f"`{where}.data.num_loading_workers` must be >= 0, got {s.data.num_loading_workers}"
+
+
+def weight_problem(weights: list[float] | None, num_folders: int) -> str | None:
+    """What is wrong with Nanoset `dataset_weights` for `num_folders` folders, or None: one
+    finite weight >= 0 per folder, with a positive sum (None weighs folders by size)."""
+    if weights is None:
+        return None
+    if len(weights) != num_folders:
+        return (
+            f"dataset_weights has {len(weights)} values {list(weights)} but dataset_folder has "
+            f"{num_folders} folders; give one weight per folder (or drop dataset_weights to weigh "
+            "folders by size)"
+        )
+    if not all(math.isfinite(w) and w >= 0 for w in weights):
+        return f"dataset_weights {list(weights)} must be finite and >= 0"
+    if sum(weights) <= 0:
+        return f"dataset_weights {list(weights)} sum to {sum(weights)}; give a positive sum"
+    return None
+
+
+def _weight_errors(where: str, dataset) -> Iterator[str]:
+    if isinstance(dataset, NanosetDatasetsArgs):
+        problem = weight_problem(dataset.dataset_weights, len(dataset.dataset_folder))
+        if problem:
+            yield f"`{where}.data.dataset`: {problem}"
+    elif isinstance(dataset, PretrainDatasetsArgs) and isinstance(
+        dataset.hf_dataset_or_datasets, dict
+    ):
+        for path, fraction in dataset.hf_dataset_or_datasets.items():
+            if not 0 <= fraction <= 1:
+                yield (
+                    f"`{where}.data.dataset.hf_dataset_or_datasets[{path!r}]` is {fraction}; a "
+                    "fraction in [0, 1] of the rows to use"
+                )
 
 
 def stage_key(stage) -> str:

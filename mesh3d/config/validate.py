@@ -22,6 +22,7 @@ from mesh3d.config.schema import (
     RandomInit,
     SpectralMupInit,
 )
+from mesh3d.config.size_checks import scale_errors, too_large
 from mesh3d.config.speed import speed_errors
 from mesh3d.errors import ConfigError, not_supported_yet
 from mesh3d.models.spec import ModelShape, spec_of
@@ -69,7 +70,7 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     if errors:
         return errors
     checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
-              _unsupported, expert_parallel_errors, speed_errors)  # fmt: skip
+              _unsupported, expert_parallel_errors, speed_errors, scale_errors)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
@@ -99,6 +100,8 @@ def _sizes(cfg: Config) -> Iterator[str]:
     for key, value in sizes.items():
         if value < 1:
             yield f"`{key}` must be >= 1, got {value}"
+        elif message := too_large(key, value):
+            yield message
 
 
 def _layout(cfg: Config, world_size: int | None) -> Iterator[str]:

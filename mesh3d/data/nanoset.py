@@ -35,6 +35,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from mesh3d.config.data_checks import weight_problem
 from mesh3d.errors import UserError
 from mesh3d.log import Progress
 
@@ -225,19 +226,9 @@ class DatatroveFolder:
 
 def check_weights(weights: Sequence[float] | None, num_folders: int) -> None:
     """Raise `UserError` unless `weights` is None or one finite, >= 0 weight per folder, sum > 0."""
-    if weights is None:
-        return
-    if len(weights) != num_folders:
-        raise UserError(
-            f"dataset_weights has {len(weights)} values {list(weights)} but dataset_folder has "
-            f"{num_folders} folders; give one weight per folder (or drop dataset_weights to weigh "
-            "folders by size)"
-        )
-    w = np.asarray(weights, dtype=np.float64)
-    if not np.all(np.isfinite(w)) or np.any(w < 0):
-        raise UserError(f"dataset_weights {list(weights)} must be finite and >= 0")
-    if w.sum() <= 0:
-        raise UserError(f"dataset_weights {list(weights)} sum to {w.sum()}; give a positive sum")
+    problem = weight_problem(None if weights is None else list(weights), num_folders)
+    if problem:
+        raise UserError(problem)
 
 
 def normalize_weights(weights: Sequence[float] | None, sizes: Sequence[int]) -> list[float]:
