@@ -11,12 +11,15 @@ raises a `RunStopped` subclass whose message says what happened, what was kept a
     4     PeerError              a rank did not arrive (stopped, dead, hung) or the launcher died
     5     CheckpointWriteError   a save could not be written (disk full, I/O error); the
                                  previous checkpoint is intact
-    75    Preempted              SIGTERM/SIGUSR1: the step finished, a checkpoint was saved;
-                                 launch the same command again to continue (EX_TEMPFAIL)
+    75    Preempted              SIGTERM/SIGUSR1/SIGINT: the step finished, a checkpoint was
+                                 saved; launch the same command again to continue (EX_TEMPFAIL)
+    128+N Interrupted            signal N stopped the run and nothing was saved: a second
+                                 signal, Ctrl-C before training, or no checkpoints section
+                                 (130 for SIGINT, 143 for SIGTERM, as a shell reports them)
 
 Entry points catch them with `exit_on_user_error`: one `error: ...` line (printed once when every
-rank raised the same error), no traceback, that exit code. Our own broken invariants stay
-`assert`s and keep their tracebacks.
+rank raised the same error), no traceback, that exit code. So no exit code claims a save that did
+not happen. Our own broken invariants stay `assert`s and keep their tracebacks.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import functools
 import os
 import sys
 from collections.abc import Callable
+from signal import SIGINT
 from typing import TypeVar
 
 USER_ERROR_EXIT_CODE = 2
@@ -38,7 +42,9 @@ def not_supported_yet(key: str, what: str) -> str:
 
 
 class UserError(ValueError):
-    """A mistake in what the user gave us; the message says what to change.
+    """A mistake in what the user gave us; the message says what to change. Set
+    `same_on_every_rank` on one that every rank raised alike (a config check, a decision shared
+    by rank 0), so that only rank 0 prints it.
 
 
 
@@ -109,6 +115,14 @@ class Preempted(RunStopped):
     exit_code = 75
 
 
+class Interrupted(RunStopped):
+    """Signal `signum` stopped the run and nothing was saved: exit code 128 + `signum`."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + int(signum)
+
+
 def exit_on_user_error(fn: F) -> F:
     """Decorate a CLI `main`: a `UserError` prints `error: <message>` to stderr and exits 2; a
     `RunStopped` prints its message (`preempted: ...` for a preemption) and exits its code.
@@ -124,6 +138,8 @@ def exit_on_user_error(fn: F) -> F:
             _report(e, USER_ERROR_EXIT_CODE)
         except RunStopped as e:
             _report(e, e.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C before a run's own handling started, or after it
+            _report(Interrupted("SIGINT (Ctrl-C): stopped at once; nothing was saved", SIGINT), 130)
 
     return wrapper  # type: ignore[return-value]
 
@@ -138,7 +154,7 @@ def report(error: Exception) -> None:
         return
     error.reported = True  # type: ignore[attr-defined]
     kind = "preempted" if isinstance(error, Preempted) else "error"
-    same = isinstance(error, RunStopped) and error.same_on_every_rank
+    same = getattr(error, "same_on_every_rank", False)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if rank == 0 or not same:

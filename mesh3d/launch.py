@@ -18,14 +18,16 @@ beside it and a summary (`mesh3d/train/summary.py`). Exit codes are those of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
 
 from mesh3d.config import expand_run_name, load_config, validate, world_size
-from mesh3d.errors import PeerError, Preempted, exit_on_user_error
+from mesh3d.errors import PeerError, exit_on_user_error
 from mesh3d.log import setup_launcher_logging
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
@@ -122,23 +124,66 @@ def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> N
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # the ranks say what went wrong
-    # the agent forwards these to every rank, which saves and exits 75 (README: preemption)
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    agent_signals = _forward_stop_signals()
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = agent_signals  # torch < 2.9 reads only this
+    options = {"signals_to_handle": agent_signals}
+    options = {k: v for k, v in options.items() if k in LaunchConfig.__dataclass_fields__}
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn",
+        start_method="spawn", **options,
     )  # fmt: skip
     args = ["-m", "mesh3d.launch", path, "--metrics-file", metrics_file, *overrides]
     try:
         elastic_launch(config, sys.executable)(*args)
-    except ChildFailedError as e:
+    except ChildFailedError as e:  # the ranks' own codes: 75 only when they saved
         codes = sorted({f.exitcode for f in e.failures.values()})
         code = next((c for c in codes if c > 0), 1)
         raise SystemExit(code) from None
-    except SignalException:  # forwarded to every rank, which saved and said so
-        raise SystemExit(Preempted.exit_code) from None
+    except SignalException as e:  # SIGHUP/SIGQUIT, or any stop signal where /proc is missing:
+        raise SystemExit(128 + int(e.sigval)) from None  # the agent stopped the ranks
+
+
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+
+
+def _forward_stop_signals() -> str:
+    """Forward Ctrl-C, SIGTERM and SIGUSR1 to the ranks, each time one arrives; the signals
+    left to torch's agent. The ranks decide what a stop signal means (finish the step, save,
+    exit 75; a second one: exit at once, 130) and say it with their exit codes, which the agent
+    passes on. torch's agent would instead stop them itself and exit with a code of its own
+    (75 was reported for a Ctrl-C that saved nothing). Needs /proc to find the ranks."""
+    if not Path("/proc/self/stat").is_file():
+        return ",".join((*STOP_SIGNALS, "SIGHUP", "SIGQUIT"))
+
+    def forward(signum, frame) -> None:
+        for pid in _child_pids():
+            try:
+                os.killpg(pid, signum)  # the agent starts each rank in its own session
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signum)
+
+    for name in STOP_SIGNALS:
+        signal.signal(getattr(signal, name), forward)
+    return "SIGHUP,SIGQUIT"
+
+
+def _child_pids() -> list[int]:
+    """The processes this one started (Linux /proc): the ranks."""
+    me, out = os.getpid(), []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == me:
+            out.append(int(entry.name))
+    return out
 
 
 if __name__ == "__main__":

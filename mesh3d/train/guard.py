@@ -4,9 +4,10 @@
 - world rank 0 takes the checkpoints folder (`checkpoint/run_folder.py`: lock, repair, where to
   start) and every rank gets the same answer or the same error;
 - every rank starts its `Watchdog` (heartbeat, launcher check, lock refresh);
-- SIGTERM and SIGUSR1 (Slurm's `--signal`) only set a flag: `stop_requested()`, called once at the
-  end of every step, agrees on it across ranks with one tiny all-reduce, so every rank stops
-  after the same step, saves, and raises `Preempted` (exit code 75);
+- SIGTERM, SIGUSR1 (Slurm's `--signal`) and SIGINT (Ctrl-C) only set a flag (`signals.py`; a
+  second one exits at once): `stop_requested()`, called once at the end of every step, agrees
+  on it across ranks with one tiny all-reduce, so every rank stops after the same step, saves,
+  and raises `Preempted` (exit code 75);
 - on the way out, a failed collective becomes a `PeerError` naming the ranks that did not come,
   and the lock is released.
 `check_finite` is the non-finite guard's decision after each step.
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import math
 import signal
-import threading
 import uuid
 from pathlib import Path
 
@@ -25,11 +25,10 @@ import torch.distributed as dist
 
 from mesh3d.checkpoint.folder import latest_step
 from mesh3d.checkpoint.run_folder import claim_folder
-from mesh3d.errors import NonFiniteError, RunStopped, UserError, report
+from mesh3d.errors import Interrupted, NonFiniteError, RunStopped, UserError, report
 from mesh3d.log import logger
+from mesh3d.train.signals import StopSignals
 from mesh3d.train.watchdog import Watchdog, heartbeat_interval, is_collective_failure
-
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def share(value, src: int = 0):
@@ -56,8 +55,7 @@ class RunGuard:
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.lock, self.resume_path, self.watchdog = None, None, None
-        self.signal: int | None = None
-        self._previous: dict = {}
+        self.signals: StopSignals | None = None
         self.skipped = 0  # non-finite steps skipped so far (resumed runs continue the count)
 
     # -------------------------------------------------------------------------- enter / exit
@@ -80,7 +78,7 @@ class RunGuard:
         interval = heartbeat_interval(self.cfg.mesh3d.collective_timeout_s)
         self.watchdog = Watchdog(self.rank, self.world, interval, run_id, self.lock,
                                  self.last_checkpoint).__enter__()  # fmt: skip
-        self._install_signals()
+        self.signals = StopSignals(self._first_signal, self._second_signal).__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -97,7 +95,10 @@ class RunGuard:
             if isinstance(exc, (RunStopped, UserError)):
                 report(exc)  # now, while SIGTERM from the launcher only sets a flag
         finally:
-            self._restore_signals()
+            if self.watchdog is not None:
+                self.watchdog.exited(_exit_reason(exc))
+            if self.signals is not None:
+                self.signals.__exit__(None, None, None)
             if self.watchdog is not None:
                 self.watchdog.__exit__(None, None, None)
             if self.lock is not None:
@@ -105,29 +106,27 @@ class RunGuard:
 
     # ------------------------------------------------------------------------------- signals
 
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signal handlers live in the main thread; a library caller keeps its own
-        for sig in PREEMPTION_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-
-    def _restore_signals(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-    def _on_signal(self, signum, frame) -> None:
-        self.signal = signum
-        signal.signal(signum, signal.SIG_DFL)  # a second one ends the process at once
+    def _first_signal(self, signum: int) -> None:
         logger.warning(
             f"received {signal.Signals(signum).name}: finishing step {self.watchdog.step}, then "
             "saving a checkpoint and exiting (send it again to exit at once)"
         )
 
+    def _second_signal(self, signum: int) -> None:
+        """Stop now (the process exits after this): one line, the lock let go, peers told."""
+        name, dog = signal.Signals(signum).name, self.watchdog
+        report(Interrupted(
+            f"{name} received a second time: stopped at once in step {dog.step} ({dog.phase}); "
+            f"nothing of this step was saved. {self.last_checkpoint()}", signum,
+        ))  # fmt: skip
+        dog.exited(f"stopped by a second {name}")
+        if self.lock is not None:
+            self.lock.release()
+
     def stop_requested(self) -> str | None:
-        """The preemption signal any rank received by now (same answer on every rank), or None.
+        """The stop signal any rank received by now (same answer on every rank), or None.
         One all-reduce of one integer: it also ends each step in step with every rank."""
-        flag = torch.tensor([self.signal or 0], dtype=torch.int64, device=self.device)
+        flag = torch.tensor([self.signals.received or 0], dtype=torch.int64, device=self.device)
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         value = int(flag.item())
@@ -171,3 +170,11 @@ class RunGuard:
             "(optimizer.learning_rate_scheduler.learning_rate) or clip_grad, check the data, "
             "or set mesh3d.skip_nonfinite_steps to skip a few such steps"
         )
+
+
+def _exit_reason(exc: BaseException | None) -> str:
+    """Why this rank ends its run, for its last heartbeat."""
+    if exc is None:
+        return "it finished"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"[:200]

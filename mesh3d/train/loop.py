@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ from mesh3d.checkpoint.training import (
 )
 from mesh3d.config import validate
 from mesh3d.data.build import StagedData
-from mesh3d.errors import Preempted, UserError
+from mesh3d.errors import Interrupted, Preempted, UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger, setup_logging
 from mesh3d.mesh import (
@@ -187,13 +188,16 @@ def _save(run: _Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | 
                     needed_bytes=checkpoint_bytes(run.n_params, run.cfg))  # fmt: skip
 
 
-def _preempted_text(signal_name: str, step: int, ck, saved: int) -> str:
+def _stopped(signal_name: str, step: int, ck, saved: int) -> Preempted | Interrupted:
+    """What a stop signal ends the run with: `Preempted` (exit 75) when step `saved` was saved,
+    else `Interrupted` (exit 128 + the signal): no exit code claims a save that did not happen."""
     if ck is None:
-        return (
+        return Interrupted(
             f"{signal_name} received: stopped after step {step}; no checkpoints section, so "
-            "nothing was saved and a restart begins at step 1"
+            "nothing was saved and a restart begins at step 1",
+            signal.Signals[signal_name],
         )
-    return (
+    return Preempted(
         f"{signal_name} received: stopped after step {step} and saved "
         f"{ck.checkpoints_path}/{saved}. Launch the same command to continue (with "
         f"checkpoints.resume_checkpoint_path={ck.checkpoints_path} or "
@@ -297,7 +301,7 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
                 saved = step
             if stop:
                 sinks.close()
-                raise Preempted(_preempted_text(stop, step, ck, saved))
+                raise _stopped(stop, step, ck, saved)
     if (
         ck is not None
         and ck.save_final_state

@@ -69,7 +69,7 @@ class Watchdog:
         """`lock`: the checkpoints-folder lock this rank holds (refreshed here); `last_checkpoint`
         says which checkpoint a restart would resume from, for the messages."""
         self.rank, self.world, self.interval = rank, world, interval
-        self.step, self.phase = 0, "start"
+        self.step, self.phase, self.why = 0, "start", None
         self.lock, self.last_checkpoint = lock, last_checkpoint
         self.host, self.pid, self.ppid = socket.gethostname(), os.getpid(), os.getppid()
         self._store = dist.PrefixStore(
@@ -93,9 +93,16 @@ class Watchdog:
         self.step, self.phase = step, phase
         self._wake.set()
 
+    def exited(self, why: str) -> None:
+        """This rank's last heartbeat: it ends its run on purpose, and why (read by `diagnose`,
+        so that peers do not report it as gone)."""
+        self.phase, self.why = "exited", why[:200]
+        with contextlib.suppress(Exception):  # the store may be gone as a job ends
+            self._publish()
+
     def _publish(self) -> None:
         beat = {"step": self.step, "phase": self.phase, "host": self.host, "pid": self.pid,
-                "time": time.time()}  # fmt: skip
+                "time": time.time(), "why": self.why}  # fmt: skip
         self._store.set(str(self.rank), json.dumps(beat))
 
     def _run(self) -> None:
@@ -164,7 +171,10 @@ class Watchdog:
         return PeerError(f"{head} {body} {self.last_checkpoint()}".strip())
 
     def _silent(self, beat: dict, now: float, stale_after: float) -> str | None:
-        """Why a peer cannot be answering (its process is gone, or its heartbeat stopped)."""
+        """Why a peer cannot be answering (it ended its run, its process is gone, or its
+        heartbeat stopped)."""
+        if beat["phase"] == "exited":
+            return f"it ended its run: {beat.get('why') or 'no reason given'}"
         if beat["host"] == self.host and _state_of(beat["pid"]) in (None, "Z", "X"):
             return "its process is gone"
         if now - beat["time"] > stale_after:
@@ -181,6 +191,9 @@ class Watchdog:
         for r, why in sorted(silent.items()):
             b = beats[r]
             where = f"host {b['host']}, pid {b['pid']}"
+            if b["phase"] == "exited":
+                parts.append(f"rank {r} ({where}) at step {b['step']}: {why}")
+                continue
             parts.append(
                 f"rank {r} ({where}) last reported step {b['step']} ({b['phase']}) "
                 f"{now - b['time']:.0f} s ago: {why}"

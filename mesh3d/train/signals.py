@@ -1,0 +1,100 @@
+"""The stop signals of a run: SIGTERM and SIGUSR1 (a scheduler's preemption notice) and SIGINT
+(Ctrl-C) all mean "finish the step, save, exit 75"; a second one means "stop now".
+
+The first signal is only recorded (`received`); the step loop looks at it at the end of each
+step. A second one ends the process at once, after `on_second` printed its one line and let go
+of what others wait on (the folder lock): exit code 128 + its number, as a shell reports a
+process the signal ended. Python runs its signal handlers in the main thread between bytecodes,
+so a main thread waiting inside a collective or a long write would not see a second Ctrl-C for
+minutes; here a thread reads the signal numbers from the wakeup file descriptor, which the
+interpreter writes the moment a signal arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class StopSignals:
+    """Handles `STOP_SIGNALS` while entered (main thread only; elsewhere it does nothing).
+
+    Example:
+
+        with StopSignals(on_first=print, on_second=lambda signum: None) as signals:
+            ...
+            if signals.received: save(); raise Preempted(...)
+    """
+
+    def __init__(self, on_first: Callable[[int], None], on_second: Callable[[int], None]):
+        self.on_first, self.on_second = on_first, on_second
+        self.received: int | None = None
+        self._previous: dict = {}
+        self._wakeup = None
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers live in the main thread; a library caller keeps its own
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._wakeup = (
+            reader,
+            writer,
+            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False),
+        )
+        for sig in STOP_SIGNALS:  # a Python-level handler makes the interpreter write the fd
+            self._previous[sig] = signal.signal(sig, _ignore)
+        self._thread = threading.Thread(target=self._watch, name="mesh3d-signals", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        if self._wakeup is not None:
+            reader, writer, previous_fd = self._wakeup
+            signal.set_wakeup_fd(previous_fd)
+            writer.close()  # the thread reads the end of the stream and returns
+            self._thread.join(timeout=5)
+            reader.close()
+            self._wakeup = None
+
+    def _watch(self) -> None:
+        reader = self._wakeup[0]
+        numbers = {int(s) for s in STOP_SIGNALS}
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in numbers:
+                    self._arrived(signum)
+
+    def _arrived(self, signum: int) -> None:
+        if self.received is None:
+            self.received = signum
+            self.on_first(signum)
+            return
+        try:
+            self.on_second(signum)
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(128 + signum)
+
+
+def _ignore(signum, frame) -> None:
+    """The main thread's part: nothing (the watching thread acts on the wakeup fd)."""
