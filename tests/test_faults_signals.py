@@ -5,6 +5,7 @@ Each test asserts the exit code, the one line printed and what is on disk.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -13,9 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-from launch import REPO, quiet_env
+from dist import run_ranks
+from launch import REPO, free_port, quiet_env
+from parity import TINY as TINY_DICT
+from parity import layout_overrides, train_runs
 
 from mesh3d.checkpoint.folder import verify
+from mesh3d.config import config_from_dict, save_config
+from mesh3d.train.signals import REPEAT_S, StopSignals
 
 TINY = REPO / "recipes" / "configs" / "cpu_tiny.yaml"
 # cpu_tiny steps take ~1 s on these 2 cores: a signal sent after one iteration line lands in
@@ -87,24 +93,51 @@ def test_ctrl_c_on_two_ranks_saves_the_step_and_exits_75(tmp_path):
 
 def test_second_ctrl_c_stops_at_once_with_one_line_and_exit_130(tmp_path):
     """A second Ctrl-C while the ranks finish their step: they stop at once, rank 0 prints one
-    line, every rank exits 130 and so does `mesh3d train`; nothing is saved."""
+    line, every rank exits 130 and so does `mesh3d train`; nothing is saved. (Steps of ~4 s
+    here: the second Ctrl-C must come a second after the first, inside the same step.)"""
     root = tmp_path / "ck"
-    run = Terminal(tmp_path, "parallelism.dp=2", *_ck(root), *RUN)
+    slow = ["parallelism.dp=2", "tokens.batch_accumulation_per_replica=8"]
+    run = Terminal(tmp_path, *slow, *_ck(root), *RUN)
     run.wait_for(r"iteration: 2 / 400")
     run.ctrl_c()
     run.wait_for(r"received SIGINT: finishing step")
-    time.sleep(0.3)
+    time.sleep(REPEAT_S + 0.2)
     run.ctrl_c()
     code, out = run.wait(), run.output()
     assert code == 130, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     (line,) = _lines(out, "error")
     assert re.fullmatch(
-        r"error: SIGINT received a second time: stopped at once in step \d+ \(\w+\); nothing "
+        r"error: SIGINT received a second time: stopped at once in step 3 \(step\); nothing "
         rf"of this step was saved. No complete checkpoint in {root} yet.",
         line,
     ), line
     assert _lines(out, "preempted") == [] and not (root / "latest.txt").exists()
+
+
+def test_a_signal_delivered_twice_or_repeated_by_a_scheduler_does_not_stop_the_save():
+    """Under Slurm, srun and scancel signal every process of the step and torchrun forwards the
+    signal again: each rank got SIGUSR1 twice within milliseconds, and the second one ended it
+    before the save. Only a second SIGINT, a second or more after the first, stops at once."""
+    seconds, codes = [], []
+    own = os.getpid()
+    with StopSignals(
+        on_first=lambda signum: None, on_second=seconds.append, exit=codes.append
+    ) as sig:
+        for signum in (signal.SIGUSR1, signal.SIGUSR1, signal.SIGINT):  # within a second
+            os.kill(own, signum)
+            time.sleep(0.05)
+        assert sig.received == signal.SIGUSR1 and seconds == [] and codes == []
+        time.sleep(REPEAT_S)
+        os.kill(own, signal.SIGTERM)  # a scheduler's repeat: its SIGKILL follows if it must
+        time.sleep(0.05)
+        assert seconds == [] and codes == []
+        os.kill(own, signal.SIGINT)  # a person's second Ctrl-C
+        deadline = time.monotonic() + 5
+        while not codes and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert seconds == [signal.SIGINT] and codes == [130]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
 def test_ctrl_c_on_one_process_saves_and_without_checkpoints_exits_130(tmp_path):
@@ -130,3 +163,55 @@ def test_ctrl_c_on_one_process_saves_and_without_checkpoints_exits_130(tmp_path)
         "was saved and a restart begins at step 1",
         line,
     ), line
+
+
+# ---- recipes/slurm/launch.py ----------------------------------------------------------------
+
+SLURM_LAUNCH = REPO / "recipes" / "slurm" / "launch.py"
+DP2 = layout_overrides(2, 1, "ALL_REDUCE", 0, False)
+
+
+def _losses(metrics: Path) -> list[float]:
+    if not metrics.exists():
+        return []
+    return [json.loads(line)["lm_loss"] for line in metrics.read_text().splitlines()]
+
+
+def test_sigusr1_to_the_slurm_recipe_launcher_saves_and_the_same_command_resumes(tmp_path):
+    """SIGUSR1 (Slurm's --signal notice) to recipes/slurm/launch.py, which execs torchrun: torch
+    2.13's torchrun reset TORCHELASTIC_SIGNALS_TO_HANDLE to its default, died of the signal
+    (-10) and the ranks exited 4 with nothing saved. Now the ranks save the step; the same
+    command resumes and the losses equal an uninterrupted run's bitwise."""
+    cfg, root = tmp_path / "tiny.yaml", tmp_path / "ck"
+    save_config(config_from_dict(TINY_DICT), cfg)
+    overrides = [*DP2, "mesh3d.collective_timeout_s=10", "tokens.train_steps=40",
+                 f"checkpoints.checkpoints_path={root}", "checkpoints.checkpoint_interval=100",
+                 "mesh3d.existing_checkpoints=resume", "logging.log_level=info"]  # fmt: skip
+
+    def launch(metrics: Path) -> subprocess.Popen:
+        cmd = [sys.executable, str(SLURM_LAUNCH), "--config-file", str(cfg), "--gpus-per-node",
+               "2", "--rdzv-host", "127.0.0.1", "--rdzv-port", str(free_port()),
+               "--metrics-file", str(metrics), *overrides]  # fmt: skip
+        return subprocess.Popen(cmd, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    first = launch(tmp_path / "first.jsonl")
+    while len(_losses(tmp_path / "first.jsonl")) < 3:
+        assert first.poll() is None, first.stdout.read()[-3000:]
+        time.sleep(0.05)
+    first.send_signal(signal.SIGUSR1)  # the launcher's pid: it exec'd torchrun
+    out, _ = first.communicate(timeout=120)
+    done = len(_losses(tmp_path / "first.jsonl"))
+    assert (
+        f"preempted: SIGUSR1 received: stopped after step {done} and saved {root}/{done}" in out
+    ), out[-3000:]
+    assert "launcher gone" not in out and "is gone" not in out, out[-3000:]
+    assert (root / "latest.txt").read_text() == str(done) and verify(root / str(done)) == []
+    second = launch(tmp_path / "second.jsonl")
+    out2, _ = second.communicate(timeout=120)
+    assert second.returncode == 0, out2[-3000:]
+    assert f"Resumed from {root} at step {done}" in out2
+    (straight,) = run_ranks(2, train_runs, [DP2 + ["tokens.train_steps=40"]], timeout=120)[0]
+    assert (
+        _losses(tmp_path / "first.jsonl") + _losses(tmp_path / "second.jsonl") == straight["loss"]
+    )

@@ -109,7 +109,7 @@ class RunGuard:
     def _first_signal(self, signum: int) -> None:
         logger.warning(
             f"received {signal.Signals(signum).name}: finishing step {self.watchdog.step}, then "
-            "saving a checkpoint and exiting (send it again to exit at once)"
+            "saving a checkpoint and exiting (Ctrl-C again, a second later, exits at once)"
         )
 
     def _second_signal(self, signum: int) -> None:

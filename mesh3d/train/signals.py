@@ -1,13 +1,19 @@
 """The stop signals of a run: SIGTERM and SIGUSR1 (a scheduler's preemption notice) and SIGINT
-(Ctrl-C) all mean "finish the step, save, exit 75"; a second one means "stop now".
+(Ctrl-C) all mean "finish the step, save, exit 75"; a second Ctrl-C means "stop now".
 
 The first signal is only recorded (`received`); the step loop looks at it at the end of each
-step. A second one ends the process at once, after `on_second` printed its one line and let go
-of what others wait on (the folder lock): exit code 128 + its number, as a shell reports a
-process the signal ended. Python runs its signal handlers in the main thread between bytecodes,
-so a main thread waiting inside a collective or a long write would not see a second Ctrl-C for
-minutes; here a thread reads the signal numbers from the wakeup file descriptor, which the
-interpreter writes the moment a signal arrives.
+step. A second SIGINT, `REPEAT_S` or more after the first, ends the process at once, after
+`on_second` printed its one line and let go of what others wait on (the folder lock): exit code
+128 + its number, as a shell reports a process the signal ended. Repeats that do not stop:
+- a signal within `REPEAT_S` of the first: the same signal delivered twice. Slurm's srun and
+  scancel signal every process of a job step, the ranks and torchrun, and torchrun forwards it
+  to the ranks again, milliseconds later (measured under slurm-wlm 22.05: the save was lost);
+- SIGTERM and SIGUSR1 again: a scheduler that wants the job gone follows them with SIGKILL
+  after its own grace time; until then the save goes on.
+Python runs its signal handlers in the main thread between bytecodes, so a main thread waiting
+inside a collective or a long write would not see a second Ctrl-C for minutes; here a thread
+reads the signal numbers from the wakeup file descriptor, which the interpreter writes the
+moment a signal arrives.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+REPEAT_S = 1.0
 
 
 class StopSignals:
@@ -33,9 +41,12 @@ class StopSignals:
             if signals.received: save(); raise Preempted(...)
     """
 
-    def __init__(self, on_first: Callable[[int], None], on_second: Callable[[int], None]):
-        self.on_first, self.on_second = on_first, on_second
+    def __init__(self, on_first: Callable[[int], None], on_second: Callable[[int], None],
+                 exit: Callable[[int], None] = os._exit):  # fmt: skip
+        """`exit(code)` ends the process after `on_second` (tests pass their own)."""
+        self.on_first, self.on_second, self._exit = on_first, on_second, exit
         self.received: int | None = None
+        self._first_at = 0.0
         self._previous: dict = {}
         self._wakeup = None
         self._thread: threading.Thread | None = None
@@ -84,16 +95,18 @@ class StopSignals:
 
     def _arrived(self, signum: int) -> None:
         if self.received is None:
-            self.received = signum
+            self.received, self._first_at = signum, time.monotonic()
             self.on_first(signum)
             return
+        if signum != signal.SIGINT or time.monotonic() - self._first_at < REPEAT_S:
+            return  # delivered twice, or a scheduler's repeat (see the module doc)
         try:
             self.on_second(signum)
         finally:
             with contextlib.suppress(Exception):
                 sys.stdout.flush()
                 sys.stderr.flush()
-            os._exit(128 + signum)
+            self._exit(128 + signum)
 
 
 def _ignore(signum, frame) -> None:

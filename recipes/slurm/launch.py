@@ -10,8 +10,11 @@ The node count is the config's world size (dp x tp x pp) / --gpus-per-node (chec
 `--nnodes N --nproc_per_node G --rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ID`,
 where HOST is --rdzv-host, else the first host of $SLURM_JOB_NODELIST (via scontrol), else
 this machine; ID is $SLURM_JOB_ID when set. A config or layout mistake exits with code 2 before
-anything starts. torchrun then replaces this process (exec), told to forward SIGUSR1 as well as
-SIGTERM to the ranks, so a preemption notice makes every rank save and exit 75.
+anything starts. torchrun then replaces this process (exec), told with `--signals-to-handle` to
+forward SIGUSR1 as well as SIGTERM and SIGINT to the ranks, so a preemption notice makes every
+rank save and exit 75 (torchrun itself then exits 1). The option, not the environment variable
+TORCHELASTIC_SIGNALS_TO_HANDLE: torch >= 2.9 overwrites the variable with the option's default,
+and SIGUSR1 then killed torchrun (-10) before any rank saved.
 """
 
 from __future__ import annotations
@@ -63,11 +66,20 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     job = args.rdzv_id or os.environ.get("SLURM_JOB_ID", "mesh3d")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
            f"--nproc_per_node={args.gpus_per_node}", "--rdzv_backend=c10d",
-           f"--rdzv_endpoint={host}:{args.rdzv_port}", f"--rdzv_id={job}", str(TRAIN),
-           "--config-file", str(args.config_file)]  # fmt: skip
+           f"--rdzv_endpoint={host}:{args.rdzv_port}", f"--rdzv_id={job}", *_signal_option(),
+           str(TRAIN), "--config-file", str(args.config_file)]  # fmt: skip
     if args.metrics_file:
         cmd += ["--metrics-file", args.metrics_file]
     return cmd + list(args.overrides)
+
+
+def _signal_option() -> list[str]:
+    """torchrun's option for the signals it forwards, where this torch has it (older ones read
+    only TORCHELASTIC_SIGNALS_TO_HANDLE, set in `main`)."""
+    from torch.distributed.run import get_args_parser
+
+    options = {o for action in get_args_parser()._actions for o in action.option_strings}
+    return [f"--signals-to-handle={PREEMPTION_SIGNALS}"] if "--signals-to-handle" in options else []
 
 
 @exit_on_user_error
@@ -90,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.dry_run:
         # torchrun replaces this process, so Slurm's signals reach it directly; it forwards
         # these to every rank, which finish the step, save and exit 75 (README: preemption)
-        os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", PREEMPTION_SIGNALS)
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = PREEMPTION_SIGNALS
         os.execv(cmd[0], cmd)
 
 
