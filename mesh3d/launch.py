@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 
 from mesh3d.config import expand_run_name, load_config, validate, world_size
-from mesh3d.errors import PeerError, exit_on_user_error
+from mesh3d.errors import PeerError, UserError, exit_on_user_error
 from mesh3d.log import setup_launcher_logging
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
@@ -103,7 +103,11 @@ def run_rank(path: str, overrides: list[str], metrics_file: str | None) -> None:
     from mesh3d.train.loop import train
     from mesh3d.train.summary import finish
 
-    cfg = load_config(path, overrides)
+    try:
+        cfg = load_config(path, overrides)
+    except UserError as e:  # the same file and overrides on every rank
+        e.same_on_every_rank = True
+        raise
     peers_gone = False
     try:
         result = train(cfg, metrics_file=metrics_file)

@@ -217,6 +217,35 @@ def test_folder_policies_existing_checkpoints(saved, tmp_path):
     assert r_mix["error"] == "UserError" and "would mix with them" in r_mix["message"]
 
 
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-64:-48] = bytes(b ^ 0xFF for b in data[-64:-48])
+    path.write_bytes(data)
+
+
+def test_overwrite_deletes_nothing_before_the_checkpoint_to_resume_from_loaded(saved, tmp_path):
+    """`existing_checkpoints: overwrite` with a mistyped resume_checkpoint_path deleted step
+    folders 2 and 4, then failed ("... is neither a step folder"): the folder was left empty.
+    Now a typo or a damaged checkpoint to resume from leaves it as it was; a good one loads,
+    and only then are the old steps deleted."""
+    typo, damaged, good = (_copy(saved, tmp_path / n) for n in ("typo", "damaged", "good"))
+    source = _copy(saved, tmp_path / "source")
+    bad_source = _copy(saved, tmp_path / "bad_source")
+    _flip(bad_source / "4" / "optimizer" / "optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt")
+    over = "mesh3d.existing_checkpoints=overwrite"
+    runs = [_ckpt(typo, 6, 2, over, f"checkpoints.resume_checkpoint_path={tmp_path / 'sourc'}"),
+            _ckpt(damaged, 6, 2, over, f"checkpoints.resume_checkpoint_path={bad_source}"),
+            _ckpt(good, 6, 2, over, f"checkpoints.resume_checkpoint_path={source}")]  # fmt: skip
+    r_typo, r_damaged, r_good = run_ranks(1, attempt, runs, timeout=120)[0]
+    assert r_typo["error"] == "UserError" and "is neither a step folder" in r_typo["message"]
+    assert r_damaged["error"] == "UserError" and "failed verification" in r_damaged["message"]
+    for root in (typo, damaged):
+        assert sorted(p.name for p in root.iterdir()) == ["2", "4", "latest.txt"]
+        assert (root / "latest.txt").read_text() == "4" and verify(root / "4") == []
+    assert len(r_good["loss"]) == 2  # resumed at 4, trained 5 and 6
+    assert sorted(p.name for p in good.iterdir()) == ["6", "latest.txt"]
+
+
 def test_flipped_bytes_are_found_and_named(saved, tmp_path):
     """16 bytes flipped in a weight or optimizer file loaded silently (grad norm 7.6 -> 18.5)."""
     roots = []

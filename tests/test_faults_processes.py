@@ -194,3 +194,61 @@ def test_full_disk_refuses_the_save_and_keeps_the_previous_checkpoint(tiny_yaml,
     assert sorted(p.name for p in after.iterdir()) == ["2", "latest.txt"]  # no .tmp-4, no lock
     assert verify(after / "2") == []
     assert not (after / LOCK).exists()
+
+
+def test_refusals_are_said_once_before_any_model_is_built_and_exits_are_not_deaths(
+    tiny_yaml, tmp_path
+):
+    """Four smaller faults, launched side by side: a config mistake on 2 ranks was printed by
+    each rank; a folder held by another run was refused only after the model was built (61-72 s
+    at 4 ranks); `existing_checkpoints: resume` on an empty folder said nothing; a peer that
+    ended its run (here with an error) was reported as gone."""
+    import socket
+
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / LOCK).write_text(json.dumps({"run_id": "other", "host": socket.gethostname(),
+                                         "pid": os.getpid(), "started": "x"}))  # fmt: skip
+    fresh = tmp_path / "fresh"
+    folder = ["checkpoints.checkpoint_interval=10", "mesh3d.existing_checkpoints=resume"]
+    cases = {  # name: (ranks, overrides, environment)
+        "config": (2, [*DP2, "tokens.micro_batch_size=0"], {}),
+        "typo": (2, [*DP2, "tokens.micro_batchsize=2"], {}),
+        "lock": (2, [*DP2, f"checkpoints.checkpoints_path={held}", *folder], {}),
+        "resume": (
+            1,
+            ["tokens.train_steps=2", f"checkpoints.checkpoints_path={fresh}", *folder],
+            {},
+        ),
+        "exited": (2, [*DP2, *TIMEOUT, "tokens.train_steps=400"], {"MESH3D_FAIL_AT": "1:3"}),
+    }
+    launches = {name: Ranks(n, _args(tiny_yaml, *overrides), tmp_path / name, env=env)
+                for name, (n, overrides, env) in cases.items()}  # fmt: skip
+    codes = {name: ranks.wait(timeout=120) for name, ranks in launches.items()}
+    outs = {
+        name: [ranks.output(r) for r in range(len(ranks.procs))] for name, ranks in launches.items()
+    }
+
+    def errors(name: str) -> list[list[str]]:
+        return [[x for x in out.splitlines() if x.startswith("error:")] for out in outs[name]]
+
+    for name, fragment in (("config", "`tokens.micro_batch_size` must be >= 1, got 0"),
+                           ("typo", "unknown key `tokens.micro_batchsize`"),
+                           ("lock", f"checkpoints folder {held} is in use by another run")):  # fmt: skip
+        assert codes[name] == [2, 2], outs[name]
+        (rank0,), rank1 = errors(name)
+        assert fragment in rank0 and rank1 == [], outs[name]  # once, by rank 0
+    assert not any("Total number of parameters" in out for out in outs["lock"])  # no model built
+    assert codes["resume"] == [0], outs["resume"]
+    assert (
+        f"mesh3d.existing_checkpoints=resume: no checkpoint in {fresh} yet: starting fresh"
+        in outs["resume"][0]
+    )
+    assert codes["exited"][0] == 4, outs["exited"][0][-3000:]
+    (line,) = errors("exited")[0]
+    assert re.search(
+        r"rank 1 \(host .*, pid \d+\) at step 3: it ended its run: RuntimeError: MESH3D_FAIL_AT: "
+        "injected failure on rank 1 at step 3",
+        line,
+    ), line
+    assert "is gone" not in line and "heartbeat stopped" not in line, line

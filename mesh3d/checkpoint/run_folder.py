@@ -8,23 +8,30 @@ run per folder), repairs what an interrupted save left, and decides where the ru
 | null | no | any | fresh |
 | null | yes | error (default) | refused: the message says how to resume or overwrite |
 | null | yes | resume | from `latest.txt` |
-| null | yes | overwrite | fresh, after deleting the old step folders |
+| null | yes | overwrite | fresh; the old step folders are deleted (see below) |
+| null | no | resume | fresh, with a notice |
 | the checkpoints folder | no | any | fresh, with a notice (the first start of a requeued job) |
 | a path in the folder | - | any | from it |
 | another path | yes | error / resume | refused: the folder would mix two runs |
-| another path | yes | overwrite | from it, after deleting the folder's old step folders |
+| another path | yes | overwrite | from it; the folder's old step folders are deleted |
 
 So one launch command serves the first start and every restart: set `resume_checkpoint_path` to
-`checkpoints_path` (or `existing_checkpoints: resume`).
+`checkpoints_path` (or `existing_checkpoints: resume`). `overwrite` deletes nothing here: the
+step folders to delete come back in `Claim.stale_steps`, and the run deletes them (`clear_steps`)
+as the last thing before training starts, once everything that can fail (the checkpoint to
+resume from found, verified and loaded) has not. A mistyped `resume_checkpoint_path` used to
+delete them, then fail.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mesh3d.checkpoint.folder import LATEST, latest_step, recover, step_folders
 from mesh3d.checkpoint.lock import FolderLock
+from mesh3d.checkpoint.training import resolve_step_dir
 from mesh3d.errors import UserError
 from mesh3d.log import logger
 
@@ -34,7 +41,20 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def _clear(root: Path, steps: list[int]) -> None:
+@dataclass
+class Claim:
+    """What `claim_folder` decided: the lock (held), the checkpoint to resume from (None:
+    fresh), the step folders `mesh3d.existing_checkpoints: overwrite` is to delete."""
+
+    lock: FolderLock
+    resume: str | None = None
+    stale_steps: list[int] = field(default_factory=list)
+
+
+def clear_steps(root: Path, steps: list[int]) -> None:
+    """Delete the step folders `steps` of `root` and its latest.txt (`overwrite`)."""
+    if not steps:
+        return
     for step in steps:
         shutil.rmtree(root / str(step))
     (root / LATEST).unlink(missing_ok=True)
@@ -49,8 +69,8 @@ def _steps_text(root: Path, steps: list[int]) -> str:
     return f"step folder(s) {shown}" + (f" (latest.txt names {latest})" if latest else "")
 
 
-def claim_folder(cfg, run_id: str) -> tuple[FolderLock, str | None]:
-    """(the lock, now held; the checkpoint to resume from or None). World rank 0 only."""
+def claim_folder(cfg, run_id: str) -> Claim:
+    """Take the folder and decide where the run starts (see the module doc). World rank 0 only."""
     ck, mode = cfg.checkpoints, cfg.mesh3d.existing_checkpoints
     root = Path(ck.checkpoints_path)
     lock = FolderLock(root, run_id)
@@ -61,13 +81,16 @@ def claim_folder(cfg, run_id: str) -> tuple[FolderLock, str | None]:
         resume = ck.resume_checkpoint_path
         if resume is None:
             if not steps:
-                return lock, None
+                if mode == "resume":
+                    logger.info(
+                        f"mesh3d.existing_checkpoints=resume: no checkpoint in {root} yet: starting fresh"
+                    )
+                return Claim(lock)
             if mode == "resume":
                 logger.info(f"mesh3d.existing_checkpoints=resume: resuming from {root}")
-                return lock, str(root)
+                return Claim(lock, str(root))
             if mode == "overwrite":
-                _clear(root, steps)
-                return lock, None
+                return Claim(lock, None, steps)
             raise UserError(
                 f"checkpoints.checkpoints_path {root} already holds {_steps_text(root, steps)} and "
                 f"this run does not resume. To continue that run set "
@@ -78,8 +101,9 @@ def claim_folder(cfg, run_id: str) -> tuple[FolderLock, str | None]:
         if _inside(Path(resume), root):
             if Path(resume).resolve() == root.resolve() and not steps:
                 logger.info(f"no checkpoint in {root} yet: starting fresh")
-                return lock, None
-            return lock, resume
+                return Claim(lock)
+            resolve_step_dir(resume)  # a typo is found now, before any model is built
+            return Claim(lock, resume)
         if steps and mode != "overwrite":
             raise UserError(
                 f"checkpoints.checkpoints_path {root} holds {_steps_text(root, steps)} of another "
@@ -87,9 +111,8 @@ def claim_folder(cfg, run_id: str) -> tuple[FolderLock, str | None]:
                 "Choose an empty checkpoints_path, or set mesh3d.existing_checkpoints=overwrite "
                 "to delete them"
             )
-        if steps:
-            _clear(root, steps)
-        return lock, resume
+        resolve_step_dir(resume)
+        return Claim(lock, resume, steps)
     except BaseException:
         lock.release()
         raise

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.checkpoint.folder import latest_step
-from mesh3d.checkpoint.run_folder import claim_folder
+from mesh3d.checkpoint.run_folder import claim_folder, clear_steps
 from mesh3d.errors import Interrupted, NonFiniteError, RunStopped, UserError, report
 from mesh3d.log import logger
 from mesh3d.train.signals import StopSignals
@@ -55,6 +55,7 @@ class RunGuard:
         self.cfg, self.device = cfg, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.lock, self.resume_path, self.watchdog = None, None, None
+        self.stale_steps: list[int] = []  # to delete before training (existing_checkpoints)
         self.signals: StopSignals | None = None
         self.skipped = 0  # non-finite steps skipped so far (resumed runs continue the count)
 
@@ -67,14 +68,15 @@ class RunGuard:
             outcome = None
             if self.rank == 0:
                 try:
-                    self.lock, resume = claim_folder(self.cfg, run_id)
-                    outcome = ("ok", resume)
+                    claim = claim_folder(self.cfg, run_id)
+                    self.lock = claim.lock
+                    outcome = ("ok", (claim.resume, claim.stale_steps))
                 except UserError as e:
                     outcome = ("error", str(e))
             kind, value = share(outcome)
             if kind == "error":
-                raise UserError(value)
-            self.resume_path = value
+                raise _everyones(UserError(value))
+            self.resume_path, self.stale_steps = value
         interval = heartbeat_interval(self.cfg.mesh3d.collective_timeout_s)
         self.watchdog = Watchdog(self.rank, self.world, interval, run_id, self.lock,
                                  self.last_checkpoint).__enter__()  # fmt: skip
@@ -132,6 +134,23 @@ class RunGuard:
         value = int(flag.item())
         return signal.Signals(value).name if value else None
 
+    def clear_stale_steps(self) -> None:
+        """Delete the old step folders `mesh3d.existing_checkpoints: overwrite` replaces: the
+        last thing before training starts, once loading the checkpoint to resume from (if any)
+        went through. Rank 0 deletes; every rank gets the outcome."""
+        if not self.stale_steps:
+            return
+        problem = None
+        if self.rank == 0:
+            try:
+                clear_steps(Path(self.cfg.checkpoints.checkpoints_path), self.stale_steps)
+            except OSError as e:
+                problem = f"mesh3d.existing_checkpoints=overwrite could not delete {e.filename}: {e.strerror}; delete the old step folders yourself"
+        problem = share(problem)
+        self.stale_steps = []
+        if problem:
+            raise _everyones(UserError(problem))
+
     # ------------------------------------------------------------------------------ progress
 
     def at(self, step: int, phase: str) -> None:
@@ -178,3 +197,9 @@ def _exit_reason(exc: BaseException | None) -> str:
         return "it finished"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}"[:200]
+
+
+def _everyones(error: UserError) -> UserError:
+    """`error`, raised alike on every rank: printed once, by rank 0."""
+    error.same_on_every_rank = True
+    return error

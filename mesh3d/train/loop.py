@@ -103,14 +103,31 @@ class _Run:
 
 def _setup(cfg) -> _Run:
     """Validate, read the data, start the process group, build model, optimizer, schedule."""
+    return _build(cfg, *_start(cfg))
+
+
+def _start(cfg) -> tuple[StagedData, torch.device, RunLayout]:
+    """Validate, read the data, start the process group and the logging: (data, device,
+    layout). A mistake found here is the same on every rank (printed once, by rank 0)."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    validate(cfg, world_size=world)  # before any process-group work: a bad config never hangs
-    data = StagedData(cfg)  # every stage's dataset checked before the first collective too
-    device = resolve_device(cfg.mesh3d.device)
-    timeout_s = cfg.mesh3d.collective_timeout_s
+    try:
+        validate(cfg, world_size=world)  # before any process-group work: a bad config never hangs
+        data = StagedData(cfg)  # every stage's dataset checked before the first collective too
+        device = resolve_device(cfg.mesh3d.device)
+    except UserError as e:
+        e.same_on_every_rank = True
+        raise
     if not dist.is_initialized():
-        init_distributed(timeout_s=timeout_s, device=cfg.mesh3d.device)
+        init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=cfg.mesh3d.device)
     layout = RunLayout.resolve(cfg, dist.get_world_size(), dist.get_rank())
+    level = cfg.logging.log_level if dist.get_rank() == 0 else cfg.logging.log_level_replica
+    setup_logging(layout.coords, level, cp=layout.dims.cp)  # `_build` adds the metrics owner
+    return data, device, layout
+
+
+def _build(cfg, data: StagedData, device: torch.device, layout: RunLayout) -> _Run:
+    """The mesh, model parts, optimizer and schedule of a started process group."""
+    timeout_s = cfg.mesh3d.collective_timeout_s
     dims = layout.dims
     mesh = build_mesh(dims, device.type)
     set_collective_timeout(mesh, timeout_s)  # the mesh's sub-groups too (torch: 30 min)
@@ -154,6 +171,7 @@ def _resume(run: _Run, guard: RunGuard) -> tuple[int, int, str | None]:
     """(last step, consumed samples, W&B run id) from where `guard` decided the run starts."""
     cfg, ck = run.cfg, run.cfg.checkpoints
     if guard.resume_path is None:
+        guard.clear_stale_steps()
         if ck is not None and ck.save_initial_state:
             _save(run, guard, 0, 0, None)
         return 0, 0, None
@@ -171,6 +189,7 @@ def _resume(run: _Run, guard: RunGuard) -> tuple[int, int, str | None]:
             f"checkpoint {guard.resume_path} is at step {start}, past tokens.train_steps "
             f"({cfg.tokens.train_steps}): nothing to train. Raise tokens.train_steps to train on"
         )
+    guard.clear_stale_steps()  # overwrite: only now that the checkpoint loaded
     logger.info(f"Resumed from {guard.resume_path} at step {start}")
     guard.skipped = int(custom.get("skipped_nonfinite_steps", 0) or 0)
     wandb_id = custom.get("wandb_id")
@@ -221,11 +240,12 @@ def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> Run
 
 
     """
-    run = _setup(cfg)
-    run.n_params = total_params(run.parts, run.mesh)
-    n = run.n_params
-    logger.info(f"Total number of parameters: {n} ({n * 4 / 2**20:.2f}MiB fp32)")
-    with RunGuard(cfg, run.device) as guard:
+    data, device, layout = _start(cfg)
+    with RunGuard(cfg, device) as guard:  # the folder first: a refusal builds no model
+        run = _build(cfg, data, device, layout)
+        run.n_params = total_params(run.parts, run.mesh)
+        n = run.n_params
+        logger.info(f"Total number of parameters: {n} ({n * 4 / 2**20:.2f}MiB fp32)")
         return _train(run, guard, metrics_file, keep_model)
 
 
