@@ -328,6 +328,38 @@ def test_one_run_per_folder_lock(saved, tmp_path):
         assert len(run["loss"]) == 2 and (root / "6").is_dir() and not (root / LOCK).exists()
 
 
+def test_a_run_whose_lock_was_taken_stops_before_writing(tmp_path):
+    """A run suspended past the stale time on another host loses its lock to a second run; when
+    it went on, both wrote steps into one folder and exited 0. Now it finds the lock taken at
+    its next save and stops before writing, with one line; the other run's lock stays."""
+    root = tmp_path / "ck"
+    intruder = {"run_id": "intruder", "host": "elsewhere", "pid": 4242, "started": "x"}
+
+    def taken_at_step_3(rank):
+        from mesh3d.train.guard import RunGuard
+
+        real = RunGuard.at
+
+        def at(self, step, phase):
+            real(self, step, phase)
+            if rank == 0 and step == 3 and phase == "step":
+                (root / LOCK).write_text(json.dumps(intruder))
+
+        RunGuard.at = at
+
+    runs = [layout_overrides(2, 1, "ALL_REDUCE", 0, False) + _ckpt(root, 6)]
+    results = run_ranks(2, attempt, runs, patch=taken_at_step_3, timeout=120)
+    for (result,) in results:
+        assert result["error"] == "UserError" and result["code"] == 2, result
+        assert result["message"].startswith(
+            f"checkpoints folder {root} now belongs to another run (run_id intruder, host "
+            "elsewhere, pid 4242): it was taken over while this run did not refresh its lock"
+        )
+        assert "This run stops before writing step 4" in result["message"]
+    assert sorted(p.name for p in root.iterdir()) == sorted(["2", LOCK, "latest.txt"])  # no 4
+    assert json.loads((root / LOCK).read_text())["run_id"] == "intruder"  # left alone
+
+
 def _resave_step_4_and_die(saved: Path) -> None:
     """Child: resume from step 2 and die (SIGKILL) while putting the new step 4 in place,
     between moving the old 4/ aside and renaming the new one in."""

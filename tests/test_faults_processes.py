@@ -252,3 +252,30 @@ def test_refusals_are_said_once_before_any_model_is_built_and_exits_are_not_deat
         line,
     ), line
     assert "is gone" not in line and "heartbeat stopped" not in line, line
+
+
+def test_a_suspended_run_keeps_its_folder(tiny_yaml, tmp_path):
+    """A run stopped (SIGSTOP, what `scontrol suspend` does) for over 60 s: its lock counted as
+    stale, a second run took the folder, and after SIGCONT both wrote steps into it and exited
+    0. A live owner on the same host is never stale now: the second run is refused."""
+    root = tmp_path / "ck"
+    args = _args(tiny_yaml, "tokens.train_steps=60", f"checkpoints.checkpoints_path={root}",
+                 "checkpoints.checkpoint_interval=20", "mesh3d.existing_checkpoints=resume")  # fmt: skip
+    with Ranks(1, args, tmp_path / "a") as first:
+        first.wait_for(r"iteration: 2 / 60")
+        first.send(0, signal.SIGSTOP)
+        old = time.time() - 75  # 75 s without a refresh, as after `scontrol suspend`
+        os.utime(root / LOCK, (old, old))
+        second = subprocess.run([sys.executable, str(TRAIN), *args], cwd=REPO, env=quiet_env(),
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        first.send(0, signal.SIGCONT)
+        (code,) = first.wait(timeout=120)
+    assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+    (line,) = [x for x in second.stderr.splitlines() if x.startswith("error:")]
+    assert f"checkpoints folder {root} is in use by another run" in line
+    assert re.search(rf"pid {first.procs[0].pid}, .*; lock refreshed 7\d s ago\)", line), (
+        first.procs[0].pid,
+        line,
+    )
+    assert code == 0, first.output()[-2000:]
+    assert sorted(p.name for p in root.iterdir()) == ["20", "40", "60", "latest.txt"]

@@ -1,11 +1,19 @@
 """One run per checkpoints folder: a lock file taken atomically when a run starts.
 
-`<checkpoints_path>/mesh3d.lock` holds the owner's run id, host, pid and start time. It is
-created complete (written beside, then hard-linked into place, which fails if it exists), its
-modification time is refreshed every `REFRESH_S` seconds by the owner's watchdog, and it is
-removed when the run ends, however it ends short of SIGKILL. A lock is stale, and taken over
-with a warning, when its process is gone (same host) or it was not refreshed for `STALE_S`
-seconds (any host: a crashed node). Nanotron ignores the file.
+`<checkpoints_path>/mesh3d.lock` holds the owner's run id, host, pid, the pid's start time and
+the run's start. It is created complete (written beside, then hard-linked into place, which
+fails if it exists), its modification time is refreshed every `REFRESH_S` seconds by the
+owner's watchdog, and it is removed when the run ends, however it ends short of SIGKILL.
+
+When a lock is stale, and taken over with a warning:
+- owner on this host: only when its process is gone (or the pid now belongs to a process that
+  started later). A live owner is never stale, however long since its last refresh: a run
+  suspended with SIGSTOP (`scontrol suspend`) for minutes keeps its folder;
+- owner on another host: when it was not refreshed for `STALE_S` seconds (a crashed node). This
+  assumes the hosts' clocks agree within seconds (NTP) and that a run suspended for longer than
+  `STALE_S` may lose its folder: it then finds its lock taken at its next save and stops before
+  writing (`FolderLock.taken_by`).
+Nanotron ignores the file.
 """
 
 from __future__ import annotations
@@ -36,6 +44,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, Linux /proc), None where unknown:
+    with the pid it names one process, even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class FolderLock:
     """The lock of checkpoints folder `root` for run `run_id` (taken by world rank 0 only).
 
@@ -64,10 +82,15 @@ class FolderLock:
         return (info if isinstance(info, dict) else {}), age
 
     def _stale(self, info: dict, age: float) -> str | None:
-        """Why the lock is stale, or None when its owner may be alive."""
+        """Why the lock is stale, or None when its owner may be alive (see the module doc)."""
         pid = info.get("pid")
-        if info.get("host") == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
-            return f"its process {pid} on this host is gone"
+        if info.get("host") == socket.gethostname() and isinstance(pid, int):
+            if not _alive(pid):
+                return f"its process {pid} on this host is gone"
+            started = info.get("pid_start")
+            if started is not None and start_ticks(pid) not in (None, started):
+                return f"its process {pid} on this host is gone (the pid is another process's now)"
+            return None  # alive here: stopped or slow, never stale
         if age > STALE_S:
             return f"it was not refreshed for {age:.0f} s (more than {STALE_S:.0f} s)"
         return None
@@ -78,6 +101,7 @@ class FolderLock:
             "run_id": self.run_id,
             "host": socket.gethostname(),
             "pid": os.getpid(),
+            "pid_start": start_ticks(os.getpid()),
             "started": datetime.datetime.now().isoformat(timespec="seconds"),
         }
         tmp = self.root / f".{LOCK}.{os.getpid()}.tmp"
@@ -114,14 +138,28 @@ class FolderLock:
             f"checkpoints folder {self.root} is in use by another run ({who or 'unreadable lock'}; "
             f"lock refreshed {age:.0f} s ago). Two runs must not share "
             "checkpoints.checkpoints_path: stop that run or choose another folder. If that run "
-            f"is dead, its lock is stale {STALE_S:.0f} s after its last refresh, or delete "
-            f"{self.path}"
+            "is dead, its lock is taken over once its process is gone (same host) or "
+            f"{STALE_S:.0f} s after its last refresh (another host), or delete {self.path}"
         )
 
-    def refresh(self) -> None:
-        if self.held:
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+    def taken_by(self) -> str | None:
+        """None while this run still owns its lock; else who has it now, in words."""
+        found = self._read()
+        if found is None:
+            return f"nobody: {self.path} was deleted"
+        owner, _ = found
+        if owner.get("run_id") == self.run_id:
+            return None
+        who = ", ".join(f"{k} {owner[k]}" for k in ("run_id", "host", "pid") if k in owner)
+        return f"another run ({who or 'unreadable lock'})"
+
+    def refresh(self) -> bool:
+        """Mark the lock alive; False (and nothing touched) once it is no longer this run's."""
+        if not self.held or self.taken_by() is not None:
+            return False
+        with contextlib.suppress(OSError):
+            os.utime(self.path)
+        return True
 
     def release(self) -> None:
         """Remove the lock if this run still owns it."""

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.checkpoint.folder import latest_step
+from mesh3d.checkpoint.lock import STALE_S
 from mesh3d.checkpoint.run_folder import claim_folder, clear_steps
 from mesh3d.errors import Interrupted, NonFiniteError, RunStopped, UserError, report
 from mesh3d.log import logger
@@ -150,6 +151,25 @@ class RunGuard:
         self.stale_steps = []
         if problem:
             raise _everyones(UserError(problem))
+
+    def check_folder_owner(self, step: int) -> None:
+        """Before writing step `step`: stop every rank, with one line, if another run took this
+        run's checkpoints folder (possible across hosts after `STALE_S` without a refresh: a
+        suspended run), so that the two never write into one folder."""
+        if self.cfg.checkpoints is None:
+            return
+        taken = share(self.lock.taken_by() if self.lock is not None else None)
+        if taken is None:
+            return
+        if self.lock is not None:
+            self.lock.held = False  # not ours: never refreshed nor removed again
+        root = self.cfg.checkpoints.checkpoints_path
+        raise _everyones(UserError(
+            f"checkpoints folder {root} now belongs to {taken}: it was taken over while this run "
+            f"did not refresh its lock for over {STALE_S:.0f} s (suspended or stopped on another "
+            f"host). This run stops before writing step {step}, so the two runs do not mix "
+            "their checkpoints; stop one of them or give them different checkpoints_path"
+        ))  # fmt: skip
 
     # ------------------------------------------------------------------------------ progress
 

@@ -201,6 +201,7 @@ def _save(run: _Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | 
     extra = {"wandb_id": wandb_id} if wandb_id else {}
     if guard.skipped:
         extra["skipped_nonfinite_steps"] = guard.skipped
+    guard.check_folder_owner(step)
     guard.at(step, "save")
     save_checkpoint(ck.checkpoints_path, step, run.cfg, run.parts, run.optimizer, run.scheduler,
                     run.mesh, consumed, layout=run.layout, extra=extra,
