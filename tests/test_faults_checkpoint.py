@@ -11,6 +11,8 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import torch
 from dist import run_ranks
 from parity import TINY, layout_overrides
 from safetensors.torch import load_file
+from test_faults_processes import _tmpfs_works
 
 from mesh3d.checkpoint.folder import verify
 from mesh3d.checkpoint.lock import LOCK, STALE_S
@@ -439,3 +442,69 @@ def test_write_error_mid_save_leaves_the_previous_checkpoint(tmp_path):
         assert "free on" in result["message"]
     assert sorted(p.name for p in root.iterdir()) == ["2", "latest.txt"]  # no .tmp-4, no lock
     assert (root / "latest.txt").read_text() == "2" and verify(root / "2") == []
+
+
+# ---- disk space ------------------------------------------------------------------------------
+
+
+def _du(folder: Path) -> int:
+    """Bytes the folder takes on disk, its files and folders (what `du` counts)."""
+    return sum(p.lstat().st_blocks * 512 for p in [folder, *folder.rglob("*")])
+
+
+def test_free_space_estimate_covers_what_a_save_puts_on_disk(saved, tmp_path):
+    """The pre-check counted parameter bytes only (1.53 MB for this model) and passed saves that
+    took more on disk (1.90 MB at dp2 x tp2: block and header overhead, and each tp rank's
+    optimizer file held the embedding's and lm_head's moments whole). Now the estimate covers
+    what lands on disk, within 1.5x, and tp shards are stored at their own size."""
+    from mesh3d.checkpoint.folder import on_disk
+    from mesh3d.checkpoint.size import checkpoint_size
+
+    root = tmp_path / "ck"
+    layout = layout_overrides(2, 2, "ALL_REDUCE", 0, False)
+    run_ranks(4, attempt, [layout + _ckpt(root, 2)], timeout=120)
+    for step_dir, overrides in ((saved / "4", []), (root / "2", layout)):
+        cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
+        estimate, used = on_disk(step_dir, *checkpoint_size(cfg)), _du(step_dir)
+        print(f"{step_dir}: estimate {estimate} bytes, on disk {used}")
+        assert used <= estimate <= 1.5 * used, (step_dir, estimate, used)
+    whole = (saved / "4/optimizer/optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt").stat().st_size
+    halves = [f.stat().st_size for f in (root / "2/optimizer").glob("optimizer_pp-*.pt")]
+    assert len(halves) == 2 and sum(halves) < 1.05 * whole, (halves, whole)
+
+
+def test_disk_full_inside_torch_save_is_a_write_error(tmp_path):
+    """A full disk while torch.save wrote the optimizer file: `RuntimeError ... unexpected
+    pos` (torch's zip writer replaces the OSError), 6 tracebacks and exit 1. Now the
+    CheckpointWriteError every other write gives: the file, the cause, the free space (exit 5)."""
+    from mesh3d.checkpoint.folder import FolderWriter
+    from mesh3d.errors import CheckpointWriteError
+
+    state = {"state": {0: {"exp_avg": torch.ones(100_000)}}}
+    writer = FolderWriter(tmp_path / ".tmp-4")
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64_000, resource.RLIM_INFINITY))
+    try:
+        with pytest.raises(CheckpointWriteError) as err:
+            writer.save_torch("optimizer/optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt", state)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert str(err.value).startswith(
+        f"cannot write {tmp_path}/.tmp-4/optimizer/optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt: "
+        "File too large (errno 27;"
+    )
+    if not _tmpfs_works():
+        return  # no small tmpfs here: the file-size limit above stands for a full disk
+    disk = tmp_path / "disk"  # the same on a full tmpfs: ENOSPC
+    disk.mkdir()
+    code = ("import pathlib, torch; from mesh3d.checkpoint.folder import FolderWriter; "
+            f"FolderWriter(pathlib.Path('{disk}/.tmp-4')).save_torch('o.pt', "
+            "{'state': {0: {'exp_avg': torch.ones(100_000)}}})")  # fmt: skip
+    script = f'mount -t tmpfs -o size=64k tmpfs {disk} && {sys.executable} -c "{code}"'
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})  # fmt: skip
+    assert (
+        f"CheckpointWriteError: cannot write {disk}/.tmp-4/o.pt: no space left on the device (errno 28;"
+        in run.stderr
+    ), run.stderr[-2000:]

@@ -2,7 +2,8 @@
 
     save_atomically(Path("ckpt/10"), write_rank=..., write_rank0=..., needed_bytes=...)
 
-1. rank 0 checks the free space against `needed_bytes` and makes an empty `.tmp-<name>/`;
+1. rank 0 checks the free space against `needed_bytes` in `needed_files` files and folders,
+   and makes an empty `.tmp-<name>/`;
 2. every rank writes its files through a `FolderWriter` (fsynced, checksummed);
 3. every rank reports (its problem or None, its files' checksums) to every other: if any rank
    failed (disk full, a non-finite tensor, a bug), rank 0 removes `.tmp-<name>/` and every rank
@@ -79,6 +80,7 @@ def save_atomically(
     write_rank0: Callable[[FolderWriter], None] | None = None,
     *,
     needed_bytes: int | None = None,
+    needed_files: int = 0,
     step: int | None = None,
     latest: bool = True,
 ) -> Path:
@@ -89,7 +91,7 @@ def save_atomically(
     def prepare() -> None:
         root.mkdir(parents=True, exist_ok=True)
         if needed_bytes is not None:
-            check_free_space(root, needed_bytes, step if step is not None else -1)
+            check_free_space(root, needed_bytes, step if step is not None else -1, needed_files)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
 

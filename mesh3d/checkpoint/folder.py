@@ -36,6 +36,7 @@ MANIFEST = "mesh3d_manifest.json"
 LATEST = "latest.txt"
 UNCHECKED = frozenset({"config.yaml", "checkpoint_metadata.json", MANIFEST})
 _CHUNK = 16 * 2**20
+HEADER_BYTES = 4096  # per file, at most: safetensors metadata, torch's zip records
 
 
 def gib(n: float) -> str:
@@ -85,10 +86,13 @@ def write_error(path: Path, e: OSError, root: Path | None = None) -> CheckpointW
 
 
 class _HashingFile(io.RawIOBase):
-    """A write-only file that keeps the CRC-32 and size of what went through it."""
+    """A write-only file that keeps the CRC-32 and size of what went through it, and the
+    `OSError` a write raised: torch's zip writer replaces it with a RuntimeError ("unexpected
+    pos"), so a full disk inside `torch.save` would not read as one."""
 
     def __init__(self, f):
         self.f, self.crc, self.size = f, 0, 0
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -97,7 +101,11 @@ class _HashingFile(io.RawIOBase):
         view = memoryview(b).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         self.size += len(view)
-        return self.f.write(view)
+        try:
+            return self.f.write(view)
+        except OSError as e:
+            self.error = e
+            raise
 
 
 class FolderWriter:
@@ -122,7 +130,7 @@ class FolderWriter:
         return path, open(path, "wb")  # noqa: SIM115 (closed by the caller's with)
 
     def _write(self, rel: str, fill) -> None:
-        path = self.folder / rel
+        path, f = self.folder / rel, None
         try:
             path, raw = self._open(rel)
             with raw:
@@ -132,6 +140,10 @@ class FolderWriter:
                 os.fsync(raw.fileno())
         except OSError as e:
             raise write_error(path, e, self.folder.parent) from None
+        except Exception:
+            if f is None or f.error is None:
+                raise
+            raise write_error(path, f.error, self.folder.parent) from None  # inside torch.save
         self.files[rel] = (f.size, f.crc)
 
     def write_bytes(self, rel: str, data: bytes) -> None:
@@ -289,8 +301,24 @@ def recover(root: Path) -> list[str]:
     return done
 
 
-def check_free_space(root: Path, needed: int, step: int) -> None:
-    """Refuse a save that cannot fit: `needed` bytes (an estimate) against the free space."""
+def block_size(path: Path) -> int:
+    """The file system's allocation unit at `path` (4 KiB where unknown)."""
+    try:
+        return os.statvfs(path).f_frsize or 4096
+    except (OSError, AttributeError):
+        return 4096
+
+
+def on_disk(root: Path, data: int, files: int) -> int:
+    """About what `data` bytes in `files` files and folders take on the disk of `root`: each
+    may use one more block than its bytes, and `HEADER_BYTES` of headers."""
+    return data + files * (block_size(root) + HEADER_BYTES)
+
+
+def check_free_space(root: Path, needed: int, step: int, files: int = 0) -> None:
+    """Refuse a save that cannot fit: `needed` bytes of data in `files` files and folders (an
+    estimate, `on_disk`) against the free space."""
+    needed = on_disk(root, needed, files)
     free = shutil.disk_usage(root).free
     if free < needed:
         last = latest_step(root)

@@ -45,6 +45,7 @@ from mesh3d.checkpoint.nanotron_weights import (
     model_config_json,
     nanotron_params,
 )
+from mesh3d.checkpoint.size import checkpoint_size, writes_masters
 from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, write_rank_state
 from mesh3d.checkpoint.tokenizer_files import copy_into_checkpoint
 from mesh3d.config import global_batch_size
@@ -55,21 +56,6 @@ from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout
 from mesh3d.models.llama import DTYPES
-
-
-def _writes_masters(cfg) -> bool:
-    """fp32 master weights go to the optimizer files (Nanotron's `gradient_accumulator`) when
-    they differ from the saved weights: fp32 accumulation with a bf16/fp16 model."""
-    return cfg.optimizer.accumulate_grad_in_fp32 and cfg.model.dtype != "float32"
-
-
-def checkpoint_bytes(n_params: int, cfg) -> int:
-    """About how many bytes one checkpoint of `n_params` parameters takes: weights in the model
-    dtype, AdamW's two fp32 moments, fp32 masters when kept (SGD: weights only)."""
-    weight = DTYPES[cfg.model.dtype].itemsize
-    moments = 8 if cfg.optimizer.optimizer_factory.name.lower() == "adamw" else 0
-    masters = 4 if _writes_masters(cfg) else 0
-    return n_params * (weight + moments + masters) + 2**18  # + small files
 
 
 def _rank_params(cfg, parts, pp_rank: int) -> list:
@@ -91,7 +77,7 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler, co
     write_rank_state(
         writer, params, held_parameters(parts.modules), optimizer,
         Layout(par.dp, par.tp, par.pp, coords), zero=cfg.optimizer.zero_stage > 0,
-        model_dtype=DTYPES[cfg.model.dtype], masters=_writes_masters(cfg),
+        model_dtype=DTYPES[cfg.model.dtype], masters=writes_masters(cfg),
         writes_weight=lambda p: p.name != names.EMBEDDING or parts.embed_rank == P,
         ep=par.expert_parallel_size,
     )  # fmt: skip
@@ -113,7 +99,7 @@ def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extr
     writer.write_text("model_config.json", json.dumps(model_config_json(cfg)))
     zero = cfg.optimizer.zero_stage > 0
     kind = "ZeroDistributedOptimizer" if zero else "NamedOptimizer"
-    if not zero and _writes_masters(cfg):
+    if not zero and writes_masters(cfg):
         kind = "OptimizerFromGradientAccumulator"
     opt_cfg = nanotron_state.optimizer_config(
         kind, par.tp, par.dp, par.pp, nanotron_params(shape), zero
@@ -149,25 +135,26 @@ def save_checkpoint(
     *,
     layout: RunLayout,
     extra: dict | None = None,
-    needed_bytes: int | None = None,
 ) -> Path:
     """Write `<root>/<step>/` (all ranks call this); returns the step folder.
 
     `layout` is the run's (`mesh3d.layout.RunLayout`): this rank's coordinates and the shape.
-    `extra` goes into the metadata's `custom_metas` (e.g. the W&B run id to continue);
-    `needed_bytes` (see `checkpoint_bytes`) is checked against the free space first.
+    `extra` goes into the metadata's `custom_metas` (e.g. the W&B run id to continue). The free
+    space is checked first against what the checkpoint takes (`size.checkpoint_size`).
     Raises `CheckpointWriteError` or `NonFiniteError` on every rank when the save fails; the
     checkpoints folder is then as it was.
     """
     root, coords = Path(root), layout.coords
     final = root / str(step)
+    data_bytes, files = checkpoint_size(cfg)
     logger.info(f"Saving checkpoint at {final}")
     with collective_timeout(mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s):
         save_atomically(
             final,
             lambda w: _write_rank_files(w, cfg, parts, optimizer, scheduler, coords),
             lambda w: _write_rank0_files(w, cfg, step, consumed_samples, extra or {}),
-            needed_bytes=needed_bytes,
+            needed_bytes=data_bytes,
+            needed_files=files,
             step=step,
         )
     logger.info(f"Saved checkpoint {final}")

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d.checkpoint.training import (
-    checkpoint_bytes,
     checkpoint_custom_metas,
     load_checkpoint,
     save_checkpoint,
@@ -204,8 +203,7 @@ def _save(run: _Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | 
     guard.check_folder_owner(step)
     guard.at(step, "save")
     save_checkpoint(ck.checkpoints_path, step, run.cfg, run.parts, run.optimizer, run.scheduler,
-                    run.mesh, consumed, layout=run.layout, extra=extra,
-                    needed_bytes=checkpoint_bytes(run.n_params, run.cfg))  # fmt: skip
+                    run.mesh, consumed, layout=run.layout, extra=extra)  # fmt: skip
 
 
 def _stopped(signal_name: str, step: int, ck, saved: int) -> Preempted | Interrupted:
