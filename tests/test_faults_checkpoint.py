@@ -270,6 +270,32 @@ def test_flipped_bytes_are_found_and_named(saved, tmp_path):
         assert (root / "latest.txt").read_text() == "4"
 
 
+def test_a_mesh3d_checkpoint_without_its_manifest_is_refused(saved, tmp_path):
+    """mesh3d_manifest.json deleted from a checkpoint whose metadata says mesh3d wrote it: it
+    loaded unverified (one INFO line) and trained on 16 flipped bytes of a weight (loss 5.5591
+    vs 5.5648). Now refused, naming the override; with it, the run loads the files as they are."""
+    refused, allowed = _copy(saved, tmp_path / "refused"), _copy(saved, tmp_path / "allowed")
+    weight = "model/model/decoder/0/pp_block/attn/o_proj/model_weight_pp-rank-0-of-1_tp-rank-0-of-1.safetensors"
+    for root in (refused, allowed):
+        (root / "4" / "mesh3d_manifest.json").unlink()
+        _flip(root / "4" / weight)
+    resume = "mesh3d.existing_checkpoints=resume"
+    runs = [
+        _ckpt(refused, 6, 2, resume),
+        _ckpt(allowed, 6, 2, resume, "mesh3d.load_without_manifest=true"),
+    ]
+    r_refused, r_allowed = run_ranks(1, attempt, runs, timeout=120)[0]
+    assert r_refused["error"] == "UserError" and r_refused["code"] == 2
+    assert r_refused["message"] == (
+        f"checkpoint {refused / '4'} was written by mesh3d (checkpoint_metadata.json says so) but "
+        "its mesh3d_manifest.json is missing, so its files cannot be verified. Restore the file "
+        "from a copy, resume from another step folder, or set mesh3d.load_without_manifest=true "
+        "to load it unverified"
+    )
+    assert sorted(p.name for p in refused.iterdir()) == ["2", "4", "latest.txt"]
+    assert len(r_allowed["loss"]) == 2  # the user's call: steps 5 and 6 trained
+
+
 def test_metadata_fields_are_checked(saved, tmp_path):
     """Edited metadata: 999 trained nothing (exit 0), -3 trained 'iteration -2', "abc" and a
     missing "tp" gave tracebacks."""

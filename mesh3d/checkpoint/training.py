@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from mesh3d.checkpoint import names, nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
-from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
+from mesh3d.checkpoint.folder import MANIFEST, FolderWriter, damaged_error, verify
 from mesh3d.checkpoint.nanotron_weights import (
     ModelShape,
     model_config_json,
@@ -213,9 +213,27 @@ def _load_scheduler(step_dir: Path, scheduler, optimizer, coords: dict, cfg) -> 
     scheduler._last_lr = lrs
 
 
-def verify_everywhere(step_dir: Path) -> None:
+def verify_everywhere(step_dir: Path, meta: dict, unverified_ok: bool = False) -> None:
     """Check the manifest's checksums, the files spread over the ranks; every rank raises the
-    same `UserError` naming the damaged files. A folder without a manifest (Nanotron's) passes."""
+    same `UserError` naming the damaged files. A folder without a manifest passes when Nanotron
+    wrote it; when its metadata `meta` says mesh3d did, the manifest was lost and the files
+    cannot be checked: refused unless `unverified_ok` (`mesh3d.load_without_manifest`)."""
+    if not (step_dir / MANIFEST).is_file():
+        if (meta.get("custom_metas") or {}).get("writer") != "mesh3d":
+            logger.info(f"{step_dir} has no {MANIFEST} (written by Nanotron?): not verified")
+        elif unverified_ok:
+            logger.warning(f"{step_dir} has lost its {MANIFEST}: loading it unverified "
+                           "(mesh3d.load_without_manifest)")  # fmt: skip
+        else:
+            error = UserError(
+                f"checkpoint {step_dir} was written by mesh3d (checkpoint_metadata.json says "
+                f"so) but its {MANIFEST} is missing, so its files cannot be verified. Restore "
+                "the file from a copy, resume from another step folder, or set "
+                "mesh3d.load_without_manifest=true to load it unverified"
+            )
+            error.same_on_every_rank = True
+            raise error
+        return
     if not dist.is_initialized() or dist.get_world_size() == 1:
         problems = verify(step_dir)
     else:
@@ -224,9 +242,9 @@ def verify_everywhere(step_dir: Path) -> None:
         dist.all_gather_object(everyone, mine)
         problems = [p for ps in everyone for p in ps]
     if problems:
-        raise damaged_error(step_dir, problems)
-    if not (step_dir / "mesh3d_manifest.json").is_file():
-        logger.info(f"{step_dir} has no mesh3d_manifest.json (written by Nanotron?): not verified")
+        error = damaged_error(step_dir, problems)
+        error.same_on_every_rank = True
+        raise error
 
 
 def load_weights(folder: Path, parts, layout: RunLayout, optimizer=None) -> None:
@@ -252,7 +270,7 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layou
     """
     step_dir = resolve_step_dir(path)
     meta = nanotron_state.read_metadata(step_dir)
-    verify_everywhere(step_dir)
+    verify_everywhere(step_dir, meta, cfg.mesh3d.load_without_manifest)
     load_weights(step_dir, parts, layout, optimizer if load_optimizer else None)
     par, coords = cfg.parallelism, layout.coords
     custom = meta.get("custom_metas") or {}

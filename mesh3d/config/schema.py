@@ -390,6 +390,7 @@ class Mesh3dArgs:
     checkpoint_timeout_s: float = 1800.0  # collectives and barriers while saving or loading
     skip_nonfinite_steps: int = 0  # non-finite loss/grad-norm steps skipped before stopping
     existing_checkpoints: str = "error"  # error | resume | overwrite: a fresh run, full folder
+    load_without_manifest: bool = False  # resume from a mesh3d checkpoint whose manifest is gone
     # model families Nanotron lacks, on top of its Qwen2 model_config
     model_family: str | None = None  # null: from model_config; qwen3
     head_dim: int | None = None  # qwen3: the head size (null: hidden_size / num_attention_heads)
