@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh3d.errors import ConfigError, UserError
+from mesh3d.rendezvous import start_process_group
 
 AXES = ("pp", "dp", "cp", "tp")  # mesh dimension names, outermost first; tp varies fastest
 
@@ -163,13 +164,12 @@ def init_distributed(timeout_s: float = 60, device: str = "auto") -> torch.devic
     if dist.is_initialized():
         return dev
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    options = {"timeout": timedelta(seconds=timeout_s)}
-    if dev.type == "cuda":
-        options["device_id"] = dev
-    if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, **options)
+    options = {"device_id": dev} if dev.type == "cuda" else {}
+    if "WORLD_SIZE" in os.environ:  # bounded, and naming who never arrived
+        start_process_group(backend, timeout_s, **options)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s), **options)  # fmt: skip
     return dev
 
 

@@ -279,3 +279,38 @@ def test_a_suspended_run_keeps_its_folder(tiny_yaml, tmp_path):
     )
     assert code == 0, first.output()[-2000:]
     assert sorted(p.name for p in root.iterdir()) == ["20", "40", "60", "latest.txt"]
+
+
+def test_a_rank_that_never_arrives_is_named_within_the_timeout(tiny_yaml, tmp_path):
+    """A rank stopped before the process group was up: the job ended after 182 s with a raw
+    gloo traceback naming nobody (at a 4 s timeout: a store traceback, exit 1). Now the
+    rendezvous is bounded by mesh3d.collective_timeout_s and the others say who never came."""
+    args = _args(tiny_yaml, *DP2, *TIMEOUT)
+    runs = {stopped: Ranks(2, args, tmp_path / f"stop{stopped}") for stopped in (0, 1)}
+    for stopped, ranks in runs.items():
+        ranks.send(stopped, signal.SIGSTOP)  # still starting python
+    started = time.monotonic()
+    codes = {stopped: ranks.procs[1 - stopped].wait(timeout=90) for stopped, ranks in runs.items()}
+    took = time.monotonic() - started
+    for ranks in runs.values():
+        ranks.kill()
+    print(f"a rank stopped at start: the other ended {took:.1f} s later (timeout 4 s)")
+    ranks = runs[1]
+    assert codes[1] == 4, ranks.output(0)[-3000:]
+    (line,) = [x for x in ranks.output(0).splitlines() if x.startswith("error:")]
+    assert re.fullmatch(
+        r"error: \[rank 0\] rendezvous: rank\(s\) 1 of 2 did not arrive within "
+        r"mesh3d.collective_timeout_s \(4 s\): stopped, dead, still starting, or never launched. "
+        r"Arrived: rank 0 \(host .+, pid \d+\). .*",
+        line,
+    ), line
+    ranks = runs[0]
+    assert codes[0] == 4, ranks.output(1)[-3000:]
+    (line,) = [x for x in ranks.output(1).splitlines() if x.startswith("error:")]
+    assert re.match(
+        r"error: \[rank 1\] rendezvous: the store at 127.0.0.1:\d+, hosted by rank 0, did not "
+        r"answer within mesh3d.collective_timeout_s \(4 s\)",
+        line,
+    ), line
+    assert "Traceback" not in runs[0].output(1) + runs[1].output(0)
+    assert took < 40, took  # start-up (both launches side by side on 2 cores) + 4 s + exit

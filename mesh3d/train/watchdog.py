@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from mesh3d.errors import PeerError
+from mesh3d.rendezvous import process_state
 
 # what a failed collective says on gloo and NCCL (a timeout, or a peer that went away)
 _COLLECTIVE_FAILURE = re.compile(
@@ -42,15 +43,6 @@ def is_collective_failure(error: BaseException) -> bool:
 
 def heartbeat_interval(collective_timeout_s: float) -> float:
     return max(0.2, min(10.0, collective_timeout_s / 5))
-
-
-def _state_of(pid: int) -> str | None:
-    """The Linux process state letter of `pid` (T: stopped), None where unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 class Watchdog:
@@ -175,7 +167,7 @@ class Watchdog:
         heartbeat stopped)."""
         if beat["phase"] == "exited":
             return f"it ended its run: {beat.get('why') or 'no reason given'}"
-        if beat["host"] == self.host and _state_of(beat["pid"]) in (None, "Z", "X"):
+        if beat["host"] == self.host and process_state(beat["pid"]) in (None, "Z", "X"):
             return "its process is gone"
         if now - beat["time"] > stale_after:
             return "its heartbeat stopped (the process is stopped, dead, or hung in native code)"
@@ -198,7 +190,7 @@ class Watchdog:
                 f"rank {r} ({where}) last reported step {b['step']} ({b['phase']}) "
                 f"{now - b['time']:.0f} s ago: {why}"
             )
-            if b["host"] == self.host and _state_of(b["pid"]) in ("T", "t"):
+            if b["host"] == self.host and process_state(b["pid"]) in ("T", "t"):
                 try:
                     os.kill(b["pid"], signal.SIGKILL)
                     killed.append(f"rank {r} (pid {b['pid']})")
