@@ -8,6 +8,8 @@ raises a `RunStopped` subclass whose message says what happened, what was kept a
     0     -                      trained to tokens.train_steps
     2     UserError              a config, file or checkpoint that cannot be used as given
     3     NonFiniteError         the loss or gradient norm was NaN/inf; no update, nothing saved
+    3     LossSpikeError         the loss or gradient norm spiked `mesh3d.loss_spike.max_skipped`
+                                 + 1 steps in a row (`train/spike.py`); their updates not applied
     4     PeerError              a rank did not arrive (stopped, dead, hung) or the launcher died
     5     CheckpointWriteError   a save could not be written (disk full, I/O error); the
                                  previous checkpoint is intact
@@ -92,6 +94,12 @@ class RunStopped(Exception):
 
 class NonFiniteError(RunStopped):
     """A non-finite loss or gradient norm (or tensor in a save): nothing of it was kept."""
+
+    exit_code = 3
+
+
+class LossSpikeError(RunStopped):
+    """The loss or gradient norm stayed far above its running median: the run diverged."""
 
     exit_code = 3
 

@@ -353,6 +353,10 @@ REFUSED = [
     ("skip-nonfinite", [f"{M3}.skip_nonfinite_steps=-1"], f"`{M3}.skip_nonfinite_steps` must be >= 0 (0 stops at the first non-finite step), got -1"),
     ("existing-checkpoints", [f"{M3}.existing_checkpoints=keep"], f"`{M3}.existing_checkpoints` 'keep' is not one of error, resume, overwrite"),
     ("pp-engine-only", ["parallelism.pp_engine=gpipe"], "`parallelism.pp_engine` 'gpipe' must be afab or 1f1b (Nanotron's engines); set mesh3d.pp_schedule for the others"),
+    ("loss-spike-factor", [f"{M3}.loss_spike={{factor: 1.0}}"], f"`{M3}.loss_spike.factor` must be a finite number > 1 (a spike is a loss or gradient norm above factor x the running median), got 1.0"),
+    ("loss-spike-window", [f"{M3}.loss_spike={{window: 0}}"], f"`{M3}.loss_spike.window` must be >= 1 (healthy steps in the running median), got 0"),
+    ("loss-spike-warmup", [f"{M3}.loss_spike={{window: 5, warmup: 6}}"], f"`{M3}.loss_spike.warmup` (6) must be in [1, window (5)]: the healthy steps seen before a step can count as a spike"),
+    ("loss-spike-max-skipped", [f"{M3}.loss_spike={{max_skipped: -1}}"], f"`{M3}.loss_spike.max_skipped` must be >= 0 (spiking steps in a row skipped before the run stops; 0 stops at the first), got -1"),
     # fuzzed values that passed `python -m mesh3d.config` (issue 25): a negative weight the run
     # refused later, a stage that never trained, a traceback, two silent hangs
     ("dataset-weight-negative", ["data_stages[1].data.dataset={dataset_folder: {/a: 0.5, /b: -0.8}}"], "`data_stages[name='Annealing Phase'].data.dataset`: dataset_weights [0.5, -0.8] must be finite and >= 0"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -93,6 +94,40 @@ def test_nonfinite_loss_stops_at_once_and_never_reaches_a_checkpoint(tmp_path):
     assert f"step {bad_step + 2}:" in skipping["message"]
     assert "after skipping 2 such step(s)" in skipping["message"]
     assert all_finite(tmp_path / "skip" / str(bad_step + 1))  # a skipped step saves the old weights
+
+
+def test_a_loss_spike_is_skipped_and_its_checkpoints_never_become_latest(tmp_path):
+    """A loss that explodes without becoming NaN passed every guard, and its checkpoints became
+    latest. Here 6 healthy steps, then the same run resumed at lr 1.0: step 7's update makes
+    step 8's loss ~27 (median ~2.9). With mesh3d.loss_spike the spiking updates are not applied,
+    the third spike in a row stops the run (exit 3) naming step 6, and the checkpoints made of
+    spiking weights (7: the next loss spiked; 8, 9: saved while spiking) are marked and never
+    named in latest.txt."""
+    root = tmp_path / "ck"
+    guard = "mesh3d.loss_spike={factor: 3.0, warmup: 3, window: 20, max_skipped: 2}"
+    lr = "optimizer.learning_rate_scheduler"
+    hot = [f"{lr}.learning_rate=1.0", f"{lr}.min_decay_lr=1.0"]
+    runs = [_ckpt(root, 6, 1, guard),
+            _ckpt(root, 14, 1, guard, f"checkpoints.resume_checkpoint_path={root}", *hot)]  # fmt: skip
+    healthy, spiked = run_ranks(1, attempt, runs, timeout=120)[0]
+    assert len(healthy["loss"]) == 6
+    assert spiked["error"] == "LossSpikeError" and spiked["code"] == 3, spiked
+    assert re.fullmatch(
+        r"step 10: the loss spiked 3 step\(s\) in a row \(lm_loss [\d.]+ > 3 x [\d.]+, the median "
+        r"of the last 7 healthy steps\); their updates were not applied. The last healthy "
+        rf"checkpoint is {root}/6. .*raise mesh3d.loss_spike.factor or max_skipped",
+        spiked["message"],
+    ), spiked["message"]
+    assert (root / "latest.txt").read_text() == "6"
+    assert sorted(int(p.name) for p in root.iterdir() if p.name.isdigit()) == list(range(1, 10))
+    marks = {s: (json.loads((root / str(s) / "checkpoint_metadata.json").read_text())
+                 ["custom_metas"].get("loss_spike")) for s in (6, 7, 8, 9)}  # fmt: skip
+    assert marks == {6: None, 7: {"next_step_unhealthy": True},
+                     8: {"saved_while_spiking": 1}, 9: {"saved_while_spiking": 2}}  # fmt: skip
+    weight = "model/model/decoder/0/pp_block/attn/o_proj/model_weight_pp-rank-0-of-1_tp-rank-0-of-1.safetensors"
+    w7, w9 = (load_file(root / str(s) / weight)["data"] for s in (7, 9))
+    assert torch.equal(w7, w9)  # the spiking steps' updates were not applied
+    assert all(verify(root / str(s)) == [] for s in range(1, 10))  # marking kept them intact
 
 
 def test_save_refuses_nonfinite_tensors(tmp_path):

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch.distributed as dist
 
 from mesh3d.checkpoint import names, nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
-from mesh3d.checkpoint.folder import MANIFEST, FolderWriter, damaged_error, verify
+from mesh3d.checkpoint.folder import MANIFEST, FolderWriter, damaged_error, fsync_dir, verify
 from mesh3d.checkpoint.nanotron_weights import (
     ModelShape,
     model_config_json,
@@ -135,11 +136,13 @@ def save_checkpoint(
     *,
     layout: RunLayout,
     extra: dict | None = None,
+    latest: bool = True,
 ) -> Path:
     """Write `<root>/<step>/` (all ranks call this); returns the step folder.
 
     `layout` is the run's (`mesh3d.layout.RunLayout`): this rank's coordinates and the shape.
-    `extra` goes into the metadata's `custom_metas` (e.g. the W&B run id to continue). The free
+    `extra` goes into the metadata's `custom_metas` (e.g. the W&B run id to continue);
+    `latest` False leaves `latest.txt` as it is (a checkpoint no restart should pick). The free
     space is checked first against what the checkpoint takes (`size.checkpoint_size`).
     Raises `CheckpointWriteError` or `NonFiniteError` on every rank when the save fails; the
     checkpoints folder is then as it was.
@@ -156,6 +159,7 @@ def save_checkpoint(
             needed_bytes=data_bytes,
             needed_files=files,
             step=step,
+            latest=latest,
         )
     logger.info(f"Saved checkpoint {final}")
     return final
@@ -188,6 +192,19 @@ def weights_dir(path: str | Path, key: str) -> Path:
     if not path.is_dir():
         raise UserError(f"{key} {path} does not exist; give a step folder or a checkpoints folder")
     return path if (path / "model_config.json").is_file() else resolve_step_dir(path, key)
+
+
+def add_custom_metas(step_dir: Path, extra: dict) -> None:
+    """Add `extra` to the `custom_metas` of a saved step folder's metadata, replaced atomically
+    (the file is outside the manifest: its fields are checked when read)."""
+    path = step_dir / "checkpoint_metadata.json"
+    meta = json.loads(path.read_text())
+    meta["custom_metas"] = {**(meta.get("custom_metas") or {}), **extra}
+    FolderWriter(step_dir).write_text(
+        f".{path.name}.tmp", json.dumps(meta, indent=2, sort_keys=True)
+    )
+    os.replace(step_dir / f".{path.name}.tmp", path)
+    fsync_dir(step_dir)
 
 
 def checkpoint_custom_metas(path: str | Path) -> dict | None:

@@ -371,6 +371,18 @@ PP_SCHEDULES = (
 
 
 @dataclass
+class LossSpikeArgs:
+    """`mesh3d.loss_spike`: a step whose loss, or gradient norm, exceeds `factor` times the
+    median of the last `window` healthy steps is skipped like a non-finite one (README "When
+    things go wrong"); `max_skipped` such steps in a row stop the run."""
+
+    factor: float = 3.0  # a spike: loss (or grad norm) > factor x the running median
+    window: int = 100  # healthy steps the running median is taken over
+    warmup: int = 10  # healthy steps seen before any step can count as a spike
+    max_skipped: int = 5  # spiking steps in a row skipped before the run stops
+
+
+@dataclass
 class Mesh3dArgs:
     """mesh3d's own settings, under `mesh3d:`; a config without the section loads in Nanotron."""
 
@@ -391,6 +403,7 @@ class Mesh3dArgs:
     skip_nonfinite_steps: int = 0  # non-finite loss/grad-norm steps skipped before stopping
     existing_checkpoints: str = "error"  # error | resume | overwrite: a fresh run, full folder
     load_without_manifest: bool = False  # resume from a mesh3d checkpoint whose manifest is gone
+    loss_spike: LossSpikeArgs | None = None  # null: off; {} turns it on with the defaults
     # model families Nanotron lacks, on top of its Qwen2 model_config
     model_family: str | None = None  # null: from model_config; qwen3
     head_dim: int | None = None  # qwen3: the head size (null: hidden_size / num_attention_heads)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from mesh3d.config.data_checks import data_stage_errors, unsupported_data
 from mesh3d.config.derive import effective_pp_schedule, padded_vocab_size
+from mesh3d.config.guard_checks import loss_spike_errors
 from mesh3d.config.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.config.optim_checks import lr_errors, optimizer_errors
 from mesh3d.config.schema import (
@@ -70,7 +71,8 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     if errors:
         return errors
     checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
-              _unsupported, expert_parallel_errors, speed_errors, scale_errors)  # fmt: skip
+              _unsupported, expert_parallel_errors, speed_errors, scale_errors,
+              loss_spike_errors)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
@@ -407,9 +409,13 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     if moe is not None:
         yield from moe_errors(cfg, m.model_config)
     if isinstance(m.init_method, SpectralMupInit):
-        yield not_supported_yet("model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}")
+        yield not_supported_yet(
+            "model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}"
+        )
     scaling = getattr(m.init_method, "scaling_method", None)
     if scaling in ("LAYER_INDEX", "MODEL_SCALE"):
-        yield not_supported_yet("model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE")
+        yield not_supported_yet(
+            "model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE"
+        )
     for stage in cfg.data_stages or []:
         yield from unsupported_data(stage, cfg.tokens)

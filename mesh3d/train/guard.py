@@ -26,9 +26,16 @@ import torch.distributed as dist
 from mesh3d.checkpoint.folder import latest_step
 from mesh3d.checkpoint.lock import STALE_S
 from mesh3d.checkpoint.run_folder import claim_folder, clear_steps
-from mesh3d.errors import Interrupted, NonFiniteError, RunStopped, UserError, report
+from mesh3d.errors import (
+    Interrupted,
+    NonFiniteError,
+    RunStopped,
+    UserError,
+    report,
+)
 from mesh3d.log import logger
 from mesh3d.train.signals import StopSignals
+from mesh3d.train.spike import SpikeGuard
 from mesh3d.train.watchdog import Watchdog, heartbeat_interval, is_collective_failure
 
 
@@ -57,6 +64,8 @@ class RunGuard:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.lock, self.resume_path, self.watchdog = None, None, None
         self.stale_steps: list[int] = []  # to delete before training (existing_checkpoints)
+        spike = cfg.mesh3d.loss_spike
+        self.spikes = SpikeGuard(spike) if spike is not None else None
         self.signals: StopSignals | None = None
         self.skipped = 0  # non-finite steps skipped so far (resumed runs continue the count)
 
@@ -152,6 +161,45 @@ class RunGuard:
         if problem:
             raise _everyones(UserError(problem))
 
+    def accepts(self, loss: float, grad_norm: float) -> bool:
+        """Whether the step's update is applied as far as the loss-spike guard goes."""
+        return self.spikes is None or self.spikes.accepts(loss, grad_norm)
+
+    def step_metrics(self) -> dict:
+        """The guard's counts for the metrics line: steps skipped so far, each kind."""
+        out = {"skipped_steps": self.skipped} if self.skipped else {}
+        if self.spikes is not None and self.spikes.total:
+            out["loss_spikes"] = self.spikes.total
+        return out
+
+    def checkpoint_metas(self) -> dict:
+        """What a checkpoint keeps of the guard (`custom_metas`): counts, spike history, mark."""
+        out = {"skipped_nonfinite_steps": self.skipped} if self.skipped else {}
+        return out | (self.spikes.metas() if self.spikes is not None else {})
+
+    def names_latest(self, step_dir: Path, last_step: bool) -> bool:
+        """Whether the checkpoint about to be saved goes into `latest.txt` at once (`spike.py`:
+        with the loss-spike guard on, only once the next step's loss was healthy)."""
+        return self.spikes is None or self.spikes.names_at_once(step_dir, last_step)
+
+    def resumed(self, custom: dict) -> None:
+        """Continue the counts and history kept in the resumed checkpoint's `custom_metas`."""
+        self.skipped = int(custom.get("skipped_nonfinite_steps", 0) or 0)
+        if self.spikes is not None and isinstance(custom.get("loss_spike_guard"), dict):
+            self.spikes.load(custom["loss_spike_guard"])
+
+    def check_spike(self, step: int, loss: float, grad_norm: float) -> None:
+        """The loss-spike guard after step `step` (`spike.py`): a spike is skipped with a
+        warning, or stops the run; the checkpoint waiting for this step is named or marked."""
+        if self.spikes is None:
+            return
+        healthy = False
+        try:
+            self.spikes.check(step, loss, grad_norm, lambda: self.last_checkpoint("healthy"))
+            healthy = not self.spikes.spiking and math.isfinite(loss) and math.isfinite(grad_norm)
+        finally:
+            self.spikes.settle(healthy, writes=self.rank == 0)
+
     def check_folder_owner(self, step: int) -> None:
         """Before writing step `step`: stop every rank, with one line, if another run took this
         run's checkpoints folder (possible across hosts after `STALE_S` without a refresh: a
@@ -177,15 +225,15 @@ class RunGuard:
         """Tell the watchdog where this rank is (read by peers after a failure)."""
         self.watchdog.at(step, phase)
 
-    def last_checkpoint(self) -> str:
-        """One sentence: the checkpoint a restart would resume from."""
+    def last_checkpoint(self, kind: str = "complete") -> str:
+        """One sentence: the checkpoint a restart would resume from (the last `kind` one)."""
         ck = self.cfg.checkpoints
         if ck is None:
             return "No checkpoints are configured: a restart starts from step 0."
         step = latest_step(Path(ck.checkpoints_path))
         if step is None:
             return f"No complete checkpoint in {ck.checkpoints_path} yet."
-        return f"The last complete checkpoint is {Path(ck.checkpoints_path) / str(step)}."
+        return f"The last {kind} checkpoint is {Path(ck.checkpoints_path) / str(step)}."
 
     def check_finite(self, step: int, loss: float, grad_norm: float) -> bool:
         """True when the step's update was applied. A non-finite loss or gradient norm (whose

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -145,7 +146,7 @@ def _build(cfg, data: StagedData, device: torch.device, layout: RunLayout) -> _R
                 step_flops)  # fmt: skip
 
 
-def _run_step(run: _Run, step: int) -> tuple[list, float, float]:
+def _run_step(run: _Run, step: int, accepts=None) -> tuple[list, float, float]:
     """Read step `step`'s batches and train on them: (batches, loss, grad norm).
 
     The whole per-step work of `train()` but its timing and metrics; benchmarks/throughput.py
@@ -161,7 +162,7 @@ def _run_step(run: _Run, step: int) -> tuple[list, float, float]:
         clear_stats(run.parts.modules)  # what validation forwards left
     loss, grad_norm = train_step(
         run.parts, run.optimizer, run.scheduler, batches, layout=run.layout,
-        clip_grad=cfg.optimizer.clip_grad, mesh=run.mesh, device=run.device,
+        clip_grad=cfg.optimizer.clip_grad, mesh=run.mesh, device=run.device, accepts=accepts,
     )  # fmt: skip
     return batches, loss, grad_norm
 
@@ -190,34 +191,43 @@ def _resume(run: _Run, guard: RunGuard) -> tuple[int, int, str | None]:
         )
     guard.clear_stale_steps()  # overwrite: only now that the checkpoint loaded
     logger.info(f"Resumed from {guard.resume_path} at step {start}")
-    guard.skipped = int(custom.get("skipped_nonfinite_steps", 0) or 0)
+    guard.resumed(custom)
     wandb_id = custom.get("wandb_id")
     return start, consumed, wandb_id if ck.load_lr_scheduler else None
 
 
-def _save(run: _Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | None) -> None:
+def _save(run: _Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | None,
+          last_step: bool = False) -> None:  # fmt: skip
+    """Save step `step`; `last_step`: no step follows (the end, or a stop signal)."""
     ck = run.cfg.checkpoints
     extra = {"wandb_id": wandb_id} if wandb_id else {}
-    if guard.skipped:
-        extra["skipped_nonfinite_steps"] = guard.skipped
+    extra.update(guard.checkpoint_metas())
     guard.check_folder_owner(step)
     guard.at(step, "save")
+    latest = guard.names_latest(Path(ck.checkpoints_path) / str(step), last_step)
     save_checkpoint(ck.checkpoints_path, step, run.cfg, run.parts, run.optimizer, run.scheduler,
-                    run.mesh, consumed, layout=run.layout, extra=extra)  # fmt: skip
+                    run.mesh, consumed, layout=run.layout, extra=extra, latest=latest)  # fmt: skip
 
 
-def _stopped(signal_name: str, step: int, ck, saved: int) -> Preempted | Interrupted:
+def _stopped(signal_name: str, step: int, ck, saved: int, spiked: str) -> Preempted | Interrupted:
     """What a stop signal ends the run with: `Preempted` (exit 75) when step `saved` was saved,
-    else `Interrupted` (exit 128 + the signal): no exit code claims a save that did not happen."""
+    else `Interrupted` (exit 128 + the signal): no exit code claims a save that did not happen.
+    `spiked`: the sentence naming the checkpoint a restart resumes from, when the loss spiked
+    (`saved` is then marked and not in latest.txt)."""
     if ck is None:
         return Interrupted(
             f"{signal_name} received: stopped after step {step}; no checkpoints section, so "
             "nothing was saved and a restart begins at step 1",
             signal.Signals[signal_name],
         )
+    where = f"{ck.checkpoints_path}/{saved}"
+    if spiked:
+        where += (
+            f" while the loss spiked, so it is marked and latest.txt does not name it ({spiked})"
+        )
     return Preempted(
         f"{signal_name} received: stopped after step {step} and saved "
-        f"{ck.checkpoints_path}/{saved}. Launch the same command to continue (with "
+        f"{where}. Launch the same command to continue (with "
         f"checkpoints.resume_checkpoint_path={ck.checkpoints_path} or "
         "mesh3d.existing_checkpoints=resume)"
     )
@@ -279,7 +289,7 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
                 raise RuntimeError(
                     f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}"
                 )
-            batches, loss, grad_norm = _run_step(run, step)
+            batches, loss, grad_norm = _run_step(run, step, guard.accepts)
             if cfg.mesh3d.compile and step == start + 1:
                 logger.info(compile_cache_text())
             result.batch_hashes.append(batch_hash(batches))
@@ -305,29 +315,32 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
             if is_evaluation_step(tok, step):  # validation after the update; not in the step time
                 guard.at(step, "validation")
                 m.update(evaluate(run.parts, run.data.validation, run.layout, run.mesh, run.device))
-            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            unusual = not (math.isfinite(loss) and math.isfinite(grad_norm))
+            unusual = unusual or not guard.accepts(loss, grad_norm)  # a loss spike
             try:
                 guard.check_finite(step, loss, grad_norm)  # skips (counted) or stops the run
+                guard.check_spike(step, loss, grad_norm)  # the same for a loss spike
             finally:
-                if guard.skipped:
-                    m["skipped_steps"] = guard.skipped
+                m.update(guard.step_metrics())
                 result.metrics.append(m)
                 logged = (step - 1) % cfg.logging.iteration_step_info_interval == 0
-                if not finite or logged or "val_loss" in m:
-                    sinks.write(m, step_seconds)  # non-finite and evaluation steps always shown
+                if unusual or logged or "val_loss" in m:
+                    sinks.write(m, step_seconds)  # skipped and evaluation steps always shown
             if ck is not None and (step % ck.checkpoint_interval == 0 or stop):
-                _save(run, guard, step, consumed, wandb_id)
+                last = bool(stop) or step == tok.train_steps
+                _save(run, guard, step, consumed, wandb_id, last_step=last)
                 saved = step
             if stop:
                 sinks.close()
-                raise _stopped(stop, step, ck, saved)
+                spiking = guard.spikes is not None and guard.spikes.spiking
+                raise _stopped(stop, step, ck, saved, guard.last_checkpoint() if spiking else "")
     if (
         ck is not None
         and ck.save_final_state
         and saved != tok.train_steps
         and start < tok.train_steps
     ):
-        _save(run, guard, tok.train_steps, consumed, wandb_id)
+        _save(run, guard, tok.train_steps, consumed, wandb_id, last_step=True)
     sinks.close()
     if keep_model:
         model = parts.modules[0] if len(parts.modules) == 1 else torch.nn.ModuleList(parts.modules)

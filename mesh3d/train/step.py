@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -184,11 +185,13 @@ def train_step(
     clip_grad: float | None,
     mesh,
     device: torch.device,
+    accepts: Callable[[float, float], bool] | None = None,
 ) -> tuple[float, float]:
     """Run one step; return (global mean token loss, pre-clip global gradient norm).
 
     A non-finite loss or gradient norm (the same value on every rank) skips the optimizer
-    update; the caller decides whether the run goes on (`RunGuard.check_finite`). With
+    update, and so does a step `accepts(loss, grad_norm)` refuses (the loss-spike guard); the
+    caller decides whether the run goes on (`RunGuard.check_finite`, `check_spike`). With
     `dp_mode` 'replicate' gradients are summed over dp x cp after the last microbatch; with FSDP
     ('zero1', 'full') they were reduce-scattered in backward.
     """
@@ -219,7 +222,8 @@ def train_step(
         params, clip_grad, _counted_once(parts), pp_group if pp > 1 else None
     )
     loss = float(total)
-    if math.isfinite(loss) and math.isfinite(grad_norm):  # the non-finite guard: never applied
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)  # the non-finite guard
+    if finite and (accepts is None or accepts(loss, grad_norm)):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()

@@ -1,0 +1,34 @@
+"""Checks of `mesh3d.loss_spike`, the loss-spike guard; part of `validate` (no torch import)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from mesh3d.config.schema import Config
+
+KEY = "mesh3d.loss_spike"
+
+
+def loss_spike_errors(cfg: Config) -> Iterator[str]:
+    """`factor` > 1 and finite; `window` >= 1; `warmup` in [1, window]; `max_skipped` >= 0."""
+    spike = cfg.mesh3d.loss_spike
+    if spike is None:
+        return
+    if not (math.isfinite(spike.factor) and spike.factor > 1):
+        yield (
+            f"`{KEY}.factor` must be a finite number > 1 (a spike is a loss or gradient norm "
+            f"above factor x the running median), got {spike.factor}"
+        )
+    if spike.window < 1:
+        yield f"`{KEY}.window` must be >= 1 (healthy steps in the running median), got {spike.window}"
+    elif not 1 <= spike.warmup <= spike.window:
+        yield (
+            f"`{KEY}.warmup` ({spike.warmup}) must be in [1, window ({spike.window})]: the "
+            "healthy steps seen before a step can count as a spike"
+        )
+    if spike.max_skipped < 0:
+        yield (
+            f"`{KEY}.max_skipped` must be >= 0 (spiking steps in a row skipped before the run "
+            f"stops; 0 stops at the first), got {spike.max_skipped}"
+        )
