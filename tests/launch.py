@@ -14,6 +14,7 @@ Every process still running at the end is killed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,3 +134,28 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def losses(metrics: Path) -> list[float]:
+    """The `lm_loss` of every line of a metrics file ([] before it exists)."""
+    if not metrics.exists():
+        return []
+    return [json.loads(line)["lm_loss"] for line in metrics.read_text().splitlines()]
+
+
+def preempt_and_resume(launch: Callable[[Path], subprocess.Popen], sig: int, folder: Path):
+    """`launch(metrics file)` twice: the first is sent `sig` after 3 logged steps and must save
+    the step it stopped after (the caller checks its output); the second, the same command,
+    must resume and finish. Returns (first process, its output, steps it did, both runs' losses,
+    the second run's output)."""
+    first = launch(folder / "first.jsonl")
+    while len(losses(folder / "first.jsonl")) < 3:
+        assert first.poll() is None, first.stdout.read()[-3000:]
+        time.sleep(0.05)
+    first.send_signal(sig)
+    out, _ = first.communicate(timeout=120)
+    done = len(losses(folder / "first.jsonl"))
+    second = launch(folder / "second.jsonl")
+    out2, _ = second.communicate(timeout=120)
+    assert second.returncode == 0, out2[-3000:]
+    return first, out, done, losses(folder / "first.jsonl") + losses(folder / "second.jsonl"), out2

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from dist import run_ranks
-from launch import REPO, TRAIN, Ranks, alive, children, quiet_env
+from launch import REPO, TRAIN, Ranks, alive, children, preempt_and_resume, quiet_env
 from parity import TINY, layout_overrides, train_runs
 
 from mesh3d.checkpoint.folder import verify
@@ -39,10 +39,6 @@ def tiny_yaml(tmp_path_factory) -> Path:
 
 def _args(cfg: Path, *overrides: str) -> list[str]:
     return ["--config-file", str(cfg), "logging.log_level=info", *overrides]
-
-
-def _losses(metrics_file: Path) -> list[float]:
-    return [json.loads(line)["lm_loss"] for line in metrics_file.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
@@ -87,27 +83,13 @@ def test_sigterm_to_torchrun_saves_and_the_same_command_resumes_exactly(tiny_yam
         return subprocess.Popen(cmd, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
-    first = launch(tmp_path / "first.jsonl")
-    while not (tmp_path / "first.jsonl").exists() or len(_losses(tmp_path / "first.jsonl")) < 3:
-        assert first.poll() is None, first.stdout.read()
-        time.sleep(0.1)
-    first.send_signal(signal.SIGTERM)
-    out, _ = first.communicate(timeout=60)
-    done = len(_losses(tmp_path / "first.jsonl"))
+    first, out, done, both, out2 = preempt_and_resume(launch, signal.SIGTERM, tmp_path)
     assert f"preempted: SIGTERM received: stopped after step {done} and saved {root}/{done}" in out
-    assert first.returncode == 1, (
-        first.returncode,
-        out[-3000:],
-    )  # torchrun's own code after a signal
+    assert first.returncode == 1, out[-3000:]  # torchrun's own code after a signal
     assert (root / "latest.txt").read_text() == str(done) and verify(root / str(done)) == []
-    second = launch(tmp_path / "second.jsonl")
-    out2, _ = second.communicate(timeout=120)
-    assert second.returncode == 0, out2[-3000:]
     assert f"Resumed from {root} at step {done}" in out2
     (straight,) = run_ranks(2, train_runs, [DP2 + ["tokens.train_steps=12"]], timeout=120)[0]
-    assert (
-        _losses(tmp_path / "first.jsonl") + _losses(tmp_path / "second.jsonl") == straight["loss"]
-    )
+    assert both == straight["loss"]
 
 
 def test_ranks_stop_when_their_launcher_is_killed(tiny_yaml, tmp_path):

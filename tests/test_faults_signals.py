@@ -5,7 +5,6 @@ Each test asserts the exit code, the one line printed and what is on disk.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 from dist import run_ranks
-from launch import REPO, free_port, quiet_env
+from launch import REPO, free_port, preempt_and_resume, quiet_env
 from parity import TINY as TINY_DICT
 from parity import layout_overrides, train_runs
 
@@ -171,12 +170,6 @@ SLURM_LAUNCH = REPO / "recipes" / "slurm" / "launch.py"
 DP2 = layout_overrides(2, 1, "ALL_REDUCE", 0, False)
 
 
-def _losses(metrics: Path) -> list[float]:
-    if not metrics.exists():
-        return []
-    return [json.loads(line)["lm_loss"] for line in metrics.read_text().splitlines()]
-
-
 def test_sigusr1_to_the_slurm_recipe_launcher_saves_and_the_same_command_resumes(tmp_path):
     """SIGUSR1 (Slurm's --signal notice) to recipes/slurm/launch.py, which execs torchrun: torch
     2.13's torchrun reset TORCHELASTIC_SIGNALS_TO_HANDLE to its default, died of the signal
@@ -195,23 +188,12 @@ def test_sigusr1_to_the_slurm_recipe_launcher_saves_and_the_same_command_resumes
         return subprocess.Popen(cmd, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
-    first = launch(tmp_path / "first.jsonl")
-    while len(_losses(tmp_path / "first.jsonl")) < 3:
-        assert first.poll() is None, first.stdout.read()[-3000:]
-        time.sleep(0.05)
-    first.send_signal(signal.SIGUSR1)  # the launcher's pid: it exec'd torchrun
-    out, _ = first.communicate(timeout=120)
-    done = len(_losses(tmp_path / "first.jsonl"))
+    first, out, done, both, out2 = preempt_and_resume(launch, signal.SIGUSR1, tmp_path)
     assert (
         f"preempted: SIGUSR1 received: stopped after step {done} and saved {root}/{done}" in out
     ), out[-3000:]
-    assert "launcher gone" not in out and "is gone" not in out, out[-3000:]
+    assert "is gone" not in out, out[-3000:]  # before: torchrun died, "the launcher ... is gone"
     assert (root / "latest.txt").read_text() == str(done) and verify(root / str(done)) == []
-    second = launch(tmp_path / "second.jsonl")
-    out2, _ = second.communicate(timeout=120)
-    assert second.returncode == 0, out2[-3000:]
     assert f"Resumed from {root} at step {done}" in out2
     (straight,) = run_ranks(2, train_runs, [DP2 + ["tokens.train_steps=40"]], timeout=120)[0]
-    assert (
-        _losses(tmp_path / "first.jsonl") + _losses(tmp_path / "second.jsonl") == straight["loss"]
-    )
+    assert both == straight["loss"]
