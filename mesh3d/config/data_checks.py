@@ -50,8 +50,9 @@ def weight_problem(weights: list[float] | None, num_folders: int) -> str | None:
         )
     if not all(math.isfinite(w) and w >= 0 for w in weights):
         return f"dataset_weights {list(weights)} must be finite and >= 0"
-    if sum(weights) <= 0:
-        return f"dataset_weights {list(weights)} sum to {sum(weights)}; give a positive sum"
+    total = float(sum(weights))
+    if total <= 0:
+        return f"dataset_weights {list(weights)} sum to {total}; give a positive sum"
     return None
 
 
