@@ -241,10 +241,10 @@ def test_a_suspended_run_keeps_its_folder(tiny_yaml, tmp_path):
     stale, a second run took the folder, and after SIGCONT both wrote steps into it and exited
     0. A live owner on the same host is never stale now: the second run is refused."""
     root = tmp_path / "ck"
-    args = _args(tiny_yaml, "tokens.train_steps=60", f"checkpoints.checkpoints_path={root}",
-                 "checkpoints.checkpoint_interval=20", "mesh3d.existing_checkpoints=resume")  # fmt: skip
+    args = _args(tiny_yaml, "tokens.train_steps=200", f"checkpoints.checkpoints_path={root}",
+                 "checkpoints.checkpoint_interval=100", "mesh3d.existing_checkpoints=resume")  # fmt: skip
     with Ranks(1, args, tmp_path / "a") as first:
-        first.wait_for(r"iteration: 2 / 60")
+        first.wait_for(r"iteration: 2 / 200")
         first.send(0, signal.SIGSTOP)
         old = time.time() - 75  # 75 s without a refresh, as after `scontrol suspend`
         os.utime(root / LOCK, (old, old))
@@ -255,12 +255,10 @@ def test_a_suspended_run_keeps_its_folder(tiny_yaml, tmp_path):
     assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
     (line,) = [x for x in second.stderr.splitlines() if x.startswith("error:")]
     assert f"checkpoints folder {root} is in use by another run" in line
-    assert re.search(rf"pid {first.procs[0].pid}, .*; lock refreshed 7\d s ago\)", line), (
-        first.procs[0].pid,
-        line,
-    )
+    found = re.search(rf"pid {first.procs[0].pid}, .*; lock refreshed (\d+) s ago\)", line)
+    assert found and int(found.group(1)) >= 75, (first.procs[0].pid, line)
     assert code == 0, first.output()[-2000:]
-    assert sorted(p.name for p in root.iterdir()) == ["20", "40", "60", "latest.txt"]
+    assert sorted(p.name for p in root.iterdir()) == ["100", "200", "latest.txt"]
 
 
 def test_a_rank_that_never_arrives_is_named_within_the_timeout(tiny_yaml, tmp_path):
