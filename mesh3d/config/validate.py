@@ -409,13 +409,9 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     if moe is not None:
         yield from moe_errors(cfg, m.model_config)
     if isinstance(m.init_method, SpectralMupInit):
-        yield not_supported_yet(
-            "model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}"
-        )
+        yield not_supported_yet("model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}")
     scaling = getattr(m.init_method, "scaling_method", None)
     if scaling in ("LAYER_INDEX", "MODEL_SCALE"):
-        yield not_supported_yet(
-            "model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE"
-        )
+        yield not_supported_yet("model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE")
     for stage in cfg.data_stages or []:
         yield from unsupported_data(stage, cfg.tokens)

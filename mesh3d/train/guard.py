@@ -119,9 +119,14 @@ class RunGuard:
     # ------------------------------------------------------------------------------- signals
 
     def _first_signal(self, signum: int) -> None:
+        then = (
+            "saving a checkpoint"
+            if self.cfg.checkpoints is not None
+            else "(no checkpoints section) saving nothing"
+        )
         logger.warning(
             f"received {signal.Signals(signum).name}: finishing step {self.watchdog.step}, then "
-            "saving a checkpoint and exiting (Ctrl-C again, a second later, exits at once)"
+            f"{then} and exiting (Ctrl-C again, a second later, exits at once)"
         )
 
     def _second_signal(self, signum: int) -> None:
