@@ -38,7 +38,8 @@ from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path
 import mesh3d.checkpoint.folder as folder
 import mesh3d.checkpoint.training as training
 from mesh3d.checkpoint.training import load_checkpoint, save_checkpoint
-from mesh3d.config import load_config, validate
+from mesh3d.checks import validate
+from mesh3d.config import load_config
 from mesh3d.layout import RunLayout
 from mesh3d.mesh import ParallelDims, build_mesh
 from mesh3d.train.build import build_model_parts

@@ -50,8 +50,9 @@ import torch.nn.functional as F
 from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
 from _ways import torchrun_train
 
-from mesh3d.config import global_batch_size, load_config, padded_vocab_size, validate
-from mesh3d.config.speed import torchao_missing
+from mesh3d.checks import validate
+from mesh3d.checks.speed import torchao_missing
+from mesh3d.config import global_batch_size, load_config, padded_vocab_size
 from mesh3d.data.build import build_dataset
 from mesh3d.data.documents import document_positions, mask_document_starts
 from mesh3d.data.dummy import microbatches

@@ -252,6 +252,7 @@ def _ep_rank(rank: int, world: int, port: int, rounds: int, queue) -> None:
     each way in `EP_WAYS`, and the dispatch collectives' seconds inside each ep2 step."""
     import torch.distributed as dist
 
+    from mesh3d.models.moe import MoE
     from mesh3d.parallel.data import allreduce_gradients
     from mesh3d.parallel.experts import ExpertParallel
     from mesh3d.parallel.parallelize import apply_ep, mark_expert_shards
@@ -266,7 +267,7 @@ def _ep_rank(rank: int, world: int, port: int, rounds: int, queue) -> None:
     for name, (ep, dispatcher) in EP_WAYS.items():
         model, _ = build(True)
         if ep > 1:
-            apply_ep(model, ExpertParallel(group, ep, rank, dispatcher))
+            apply_ep(model, ExpertParallel(group, ep, rank, dispatcher), (MoE,))
             torch.manual_seed(rank)  # the new expert slices: this rank's share
             for pname, p in model.named_parameters():
                 if ".experts." in pname:

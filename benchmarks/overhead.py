@@ -49,7 +49,10 @@ LAYOUTS = {  # name -> (dp, tp, pp, tp_mode)
 }
 QUICK = ("1x1x1", "tp2 all-reduce")
 # hidden, ffn, layers, heads, kv heads, vocab, seq, global batch, micro batch
-SHAPE = {"default": (256, 1024, 4, 4, 2, 512, 128, 32, 4), "quick": (64, 128, 2, 4, 2, 128, 32, 8, 2)}
+SHAPE = {
+    "default": (256, 1024, 4, 4, 2, 512, 128, 32, 4),
+    "quick": (64, 128, 2, 4, 2, 128, 32, 8, 2),
+}
 _DTENSOR = {"PythonSubclass", "_FromTorchTensor", "_ToTorchTensor", "_FromTorchTensorBackward",
             "_ToTorchTensorBackward", "Redistribute", "NestedRedistribute"}  # fmt: skip
 
@@ -122,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     names = QUICK if args.quick else tuple(LAYOUTS)
     tokens = shape[6] * shape[7]
     print(f"torch {torch.__version__}; shape {shape}; {tokens} tokens per step; rank 0's profile")
-    print("| layout | ranks | step ms | tokens/s | DTensor ops | kernels % | DTensor % "
-          "| collectives % | rest % |")
+    print(
+        "| layout | ranks | step ms | tokens/s | DTensor ops | kernels % | DTensor % "
+        "| collectives % | rest % |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     losses, rows = {}, {}
     for name in names:
@@ -137,8 +142,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{pct['collectives']:.0f} | {pct['rest']:.0f} |", flush=True)  # fmt: skip
     out = args.out or results_dir(args.publish) / f"overhead{'_quick' if args.quick else ''}.json"
     with open(out, "w") as fh:
-        json.dump({"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                   "torch": torch.__version__, "shape": shape, "layouts": rows}, fh, indent=1)
+        json.dump(
+            {
+                "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "torch": torch.__version__,
+                "shape": shape,
+                "layouts": rows,
+            },
+            fh,
+            indent=1,
+        )
     print(f"wrote {out}")
     first = next(iter(losses.values()))
     print("step-4 loss per layout: " + ", ".join(f"{k} {v:.5f}" for k, v in losses.items()))

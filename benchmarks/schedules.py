@@ -46,7 +46,8 @@ from _sched_measure import CONFIG, measure_rank, probe_layer, summarize_measured
 from _sched_report import chart, compact_json, tables
 from _sched_sim import UNIT, action_table, simulate, virtual_stages
 
-from mesh3d.config import load_config, validation_errors
+from mesh3d.checks import validation_errors
+from mesh3d.config import load_config
 from mesh3d.parallel.pipeline import SCHEDULES
 from mesh3d.plan import _peaks, bubble, stage_activation_bytes
 

@@ -40,7 +40,8 @@ from _ranks import (  # benchmarks/ is on sys.path when a script runs
 from _results import add_publish_flag, results_dir
 from torch.distributed.tensor import DTensor
 
-from mesh3d.config import global_batch_size, load_config, validate
+from mesh3d.checks import validate
+from mesh3d.config import global_batch_size, load_config
 from mesh3d.data.dummy import DummyTokens, microbatches
 from mesh3d.layout import RunLayout
 from mesh3d.parallel.parallelize import canonical_name

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
     from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights, write_nanotron_weights
     from mesh3d.checkpoint.state import load_state, save_state
-    from mesh3d.config import apply_overrides, config_from_dict, load_config, validate
+    from mesh3d.checks import validate
+    from mesh3d.config import apply_overrides, config_from_dict, load_config
     from mesh3d.config.schema import Config
     from mesh3d.data.dummy import DummyTokens, microbatches
     from mesh3d.data.nanoset import Nanoset
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, mesh_from_config
     from mesh3d.models.llama import Llama
     from mesh3d.models.llama_spec import hf_llama_tp_plan, llama_tp_plan
+    from mesh3d.models.registry import model_shape
     from mesh3d.models.spec import ModelShape
     from mesh3d.parallel.data import allreduce_gradients
     from mesh3d.parallel.parallelize import apply_dp
@@ -45,8 +47,9 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
         run_schedule,
         split_layers,
     )
-    from mesh3d.parallel.tensor import TPPlan, apply_tp
+    from mesh3d.parallel.tensor import apply_tp
     from mesh3d.plan import make_plan
+    from mesh3d.tp_styles import TPPlan
     from mesh3d.train.loop import train
     from mesh3d.train.loss import normalized_loss
     from mesh3d.train.step import clip_grad_norm
@@ -56,6 +59,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
 _EXPORTS = {
     "make_plan": "mesh3d.plan",
     "ModelShape": "mesh3d.models.spec",
+    "model_shape": "mesh3d.models.registry",
     "read_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
     "write_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
     "load_state": "mesh3d.checkpoint.state",
@@ -63,7 +67,7 @@ _EXPORTS = {
     "apply_overrides": "mesh3d.config",
     "config_from_dict": "mesh3d.config",
     "load_config": "mesh3d.config",
-    "validate": "mesh3d.config",
+    "validate": "mesh3d.checks",
     "Config": "mesh3d.config.schema",
     "DummyTokens": "mesh3d.data.dummy",
     "microbatches": "mesh3d.data.dummy",
@@ -82,7 +86,7 @@ _EXPORTS = {
     "build_stage": "mesh3d.parallel.pipeline",
     "run_schedule": "mesh3d.parallel.pipeline",
     "split_layers": "mesh3d.parallel.pipeline",
-    "TPPlan": "mesh3d.parallel.tensor",
+    "TPPlan": "mesh3d.tp_styles",
     "apply_tp": "mesh3d.parallel.tensor",
     "hf_llama_tp_plan": "mesh3d.models.llama_spec",
     "llama_tp_plan": "mesh3d.models.llama_spec",
@@ -140,6 +144,7 @@ __all__ = [
     "save_state",
     "load_state",
     "ModelShape",
+    "model_shape",
     "read_nanotron_weights",
     "write_nanotron_weights",
     # data

@@ -4,7 +4,7 @@ mesh3d train [CONFIG] [key=value ...]                           train (starts it
 mesh3d generate --checkpoint PATH --prompt TEXT [...]           text from a trained checkpoint
 mesh3d plot METRICS.jsonl ... [--output PNG]                    loss, lr, grad norm, tokens/s
 mesh3d plan CONFIG [--world-size N] [--json] [--dry-run] [...]  same as python -m mesh3d.plan
-mesh3d config CONFIG [--world-size N] [key=value ...]           same as python -m mesh3d.config
+mesh3d config CONFIG [--world-size N] [key=value ...]           check a config: exit 0, or 2 with the errors
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ COMMANDS = {  # command -> module whose main(argv) runs it
     "generate": "mesh3d.generate",
     "plot": "mesh3d.plot",
     "plan": "mesh3d.plan",
-    "config": "mesh3d.config.__main__",
+    "config": "mesh3d.checks.__main__",
 }
 
 

@@ -18,8 +18,8 @@ One process runs the single-device model: fp32 on CPU, the checkpoint's dtype on
 `--device` says). Each new token is a plain forward over the whole sequence (no KV cache):
 simple, and fast enough for a look at a small model. Under torchrun (WORLD_SIZE > 1) the
 model runs at `--tp` x `--pp` = the number of processes (dp 1), built and loaded as training
-does: `generate_parallel.py`; a layout that does not fit stops every rank before any
-communication.
+does (`generation/parallel.py`); a layout that does not fit stops every rank before any
+communication. This module is the command; the library is `mesh3d/generation/`.
 """
 
 from __future__ import annotations
@@ -27,132 +27,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-import torch
-from torch import Tensor, nn
-
-from mesh3d.checkpoint.hf import read_model_config_json, shape_of
-from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
-from mesh3d.checkpoint.tokenizer_files import config_tokenizer, saved_config, step_tokenizer
+from mesh3d.checkpoint.hf import read_model_config_json
 from mesh3d.checkpoint.training import weights_dir
 from mesh3d.data.tokenize import load_tokenizer
 from mesh3d.errors import UserError, exit_on_user_error
-from mesh3d.mesh import resolve_device
-from mesh3d.models.spec import spec_of
-
-
-def next_token(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
-               generator: torch.Generator | None = None) -> Tensor:  # fmt: skip
-    """The next token of each row of `logits` [B, V]: the argmax at temperature 0, else a
-    sample from softmax(logits / temperature), restricted to the `top_k` largest when given."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)  # (B,)
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    where = generator.device if generator is not None else probs.device
-    picked = torch.multinomial(probs.to(where), 1, generator=generator)  # (B, 1)
-    return picked.squeeze(-1).to(logits.device)
-
-
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
-    """Raise `ValueError` for settings `generate` cannot use."""
-    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-        raise ValueError(
-            f"need max_new_tokens >= 0 ({max_new_tokens}), temperature >= 0 ({temperature}) "
-            f"and top_k >= 1 or None ({top_k})"
-        )
-
-
-def extend(ids: Tensor, max_new_tokens: int, pick: Callable[[Tensor], Tensor],
-           eos: int | None = None) -> Tensor:  # fmt: skip
-    """`ids` [S] or [B, S] followed by up to `max_new_tokens` tokens, each row's next token
-    `pick(out)` [B] for the sequence so far `out` [B, S']. A row that produced `eos` is
-    finished: it gets `eos` again while others go on (transformers pads with eos when there is
-    no pad token), and generation stops when every row is."""
-    out = ids[None] if ids.dim() == 1 else ids  # (B, S)
-    done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-    for _ in range(max_new_tokens):
-        tok = pick(out)  # (B,)
-        if eos is not None:
-            tok = torch.where(done, eos, tok)
-            done |= tok == eos
-        out = torch.cat([out, tok[:, None].to(out.dtype)], dim=1)  # (B, S + 1)
-        if done.all():
-            break
-    return out[0] if ids.dim() == 1 else out
-
-
-@torch.no_grad()
-def generate(model: nn.Module, ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, eos: int | None = None,
-             generator: torch.Generator | None = None, *, vocab_size: int | None = None,
-             ) -> Tensor:  # fmt: skip
-    """`ids` [S] or [B, S] (on the model's device) followed by up to `max_new_tokens` tokens.
-
-    `model(ids)` gives logits [B, S, V] (mesh3d's models; an object with `.logits`, as
-    transformers' models return, works too). Greedy at `temperature` 0, else sampled (see
-    `next_token`) with `generator`; `eos` ends a row (see `extend`). `vocab_size`: never pick
-    ids at or above it (vocabulary padding). Each step runs the model over the whole sequence
-    (no KV cache), under `torch.no_grad`.
-
-    Example:
-
-        out = mesh3d.generate.generate(model, torch.tensor([1, 5, 9]), 20, eos=2)
-    """
-    check_sampling(max_new_tokens, temperature, top_k)
-
-    def pick(out: Tensor) -> Tensor:
-        logits = model(out)
-        logits = getattr(logits, "logits", logits)[:, -1, :vocab_size]  # (B, V)
-        return next_token(logits, temperature, top_k, generator)
-
-    return extend(ids, max_new_tokens, pick, eos)
-
-
-def load_model(step: Path, device: torch.device) -> tuple[nn.Module, object]:
-    """The single-device model of a step folder with its full weights; its model config."""
-    mc = read_model_config_json(step)
-    if not (step / "model").is_dir():
-        raise UserError(f"{step} has no model/ folder of weights; give a checkpoint step folder")
-    full = read_nanotron_weights(step / "model", shape_of(mc))
-    with torch.device("meta"):  # no random init: every tensor comes from the files
-        model = spec_of(mc).build(mc, vocab_size=mc.vocab_size, attention="auto")
-    missing, unexpected = model.load_state_dict(full, strict=False, assign=True)
-    assert not unexpected and set(missing) <= set(model.tied_parameters), (missing, unexpected)
-    model.tie_weights()
-    dtype = torch.float32 if device.type == "cpu" else full["embed_tokens.weight"].dtype
-    return model.to(device=device, dtype=dtype).eval(), mc
-
-
-def find_tokenizer(step: Path, flag: str | None) -> tuple[str, str]:
-    """(tokenizer path, where it came from): `--tokenizer`, `<step>/tokenizer/`, config.yaml."""
-    if flag:
-        return flag, "--tokenizer"
-    saved = step_tokenizer(step)
-    if saved is not None:
-        return str(saved), "saved with the checkpoint"
-    named = config_tokenizer(step)
-    if named and Path(named).exists():
-        return named, f"{step / 'config.yaml'} tokenizer.tokenizer_name_or_path"
-    said = f"; its config.yaml names {named!r}, which is not a local path" if named else ""
-    raise UserError(
-        f"no tokenizer for {step}: it has no tokenizer/ folder{said}. Give one with "
-        "--tokenizer <folder with tokenizer.json | tokenizer.json> (a hub name must be "
-        "downloaded first, e.g. `huggingface-cli download <repo id> tokenizer.json --local-dir <dir>`)"
-    )
-
-
-def _unpadded_vocab(step: Path, padded: int) -> int:
-    """The trained vocabulary (config.yaml's `vocab_size`; model_config.json has it padded)."""
-    mc = (saved_config(step).get("model") or {}).get("model_config") or {}
-    vocab = mc.get("vocab_size") if isinstance(mc, dict) else None
-    return vocab if isinstance(vocab, int) and 0 < vocab <= padded else padded
+from mesh3d.generation.single import find_tokenizer, generate_here
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -219,19 +100,6 @@ def _prompt_ids(tokenizer, args, step: Path, tok_path: str) -> list[int]:
     return prompt_ids
 
 
-def _generate_here(step: Path, prompt_ids: list[int], args) -> tuple[list[int], str]:
-    """The new token ids on this one process, and how they were made."""
-    device = resolve_device(args.device)
-    model, mc = load_model(step, device)
-    generator = torch.Generator(device).manual_seed(args.seed)
-    start = time.perf_counter()
-    out = generate(model, torch.tensor(prompt_ids, device=device), args.max_new_tokens,
-                   args.temperature, args.top_k, mc.eos_token_id, generator,
-                   vocab_size=_unpadded_vocab(step, mc.vocab_size))  # fmt: skip
-    took = time.perf_counter() - start
-    return out[len(prompt_ids) :].tolist(), f"in {took:.1f} s on {device.type}"
-
-
 def _continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
     """The text `new_ids` add after the prompt (decoded together, so a word split across the
     boundary reads right)."""
@@ -258,9 +126,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: past {positions} tokens (max_position_embeddings) the model was not "
               "trained; expect worse text there", file=sys.stderr)  # fmt: skip
     if world == 1:
-        new_ids, how = _generate_here(step, prompt_ids, args)
+        new_ids, how = generate_here(step, prompt_ids, args)
     else:  # the training stack (build, pipeline, checkpoint loading) only under torchrun
-        from mesh3d.generate_parallel import generate_cli
+        from mesh3d.generation.parallel import generate_cli
 
         new_ids, how = generate_cli(step, prompt_ids, args, tp, pp)
     if first:

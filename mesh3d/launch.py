@@ -11,7 +11,7 @@ torchrun or Slurm (RANK set) it is one rank. Without CONFIG it prepares the defa
 once (`mesh3d/data/corpus.py`) and trains `mesh3d/configs/default.yaml` on it.
 
 Every run writes `runs/<run name>/metrics.jsonl` (or `--metrics-file`) and, at the end, its plot
-beside it and a summary (`mesh3d/train/summary.py`). Exit codes are those of
+beside it and a summary (`mesh3d/summary.py`). Exit codes are those of
 `mesh3d/errors.py`; a failing rank's own `error:` line is the only message.
 """
 
@@ -26,7 +26,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from mesh3d.config import expand_run_name, load_config, validate, world_size
+from mesh3d.checks import validate
+from mesh3d.config import expand_run_name, load_config, world_size
 from mesh3d.errors import PeerError, UserError, exit_on_user_error
 from mesh3d.log import setup_launcher_logging
 
@@ -100,8 +101,8 @@ def run_rank(path: str, overrides: list[str], metrics_file: str | None) -> None:
     """One rank's run (the launched processes, torchrun's ranks, and a one-process run)."""
     import torch.distributed as dist
 
+    from mesh3d.summary import finish
     from mesh3d.train.loop import train
-    from mesh3d.train.summary import finish
 
     try:
         cfg = load_config(path, overrides)

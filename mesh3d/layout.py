@@ -19,8 +19,9 @@ import torch
 
 from mesh3d.config import effective_pp_schedule, global_batch_size, padded_vocab_size
 from mesh3d.mesh import ParallelDims
-from mesh3d.models.llama import DTYPES
-from mesh3d.models.spec import ModelShape, ModelSpec, spec_of
+from mesh3d.models.dtypes import DTYPES
+from mesh3d.models.registry import model_shape, spec_of
+from mesh3d.models.spec import ModelShape, ModelSpec
 
 
 def dp_mode(zero_stage: int, full_shard: bool) -> str:
@@ -79,7 +80,7 @@ class RunLayout:
             padded_vocab=padded_vocab_size(cfg),
             global_batch=global_batch_size(cfg),
             spec=spec_of(mc),
-            shape=ModelShape.from_config(cfg),
+            shape=model_shape(cfg),
             z_loss=mc.z_loss_coefficient if getattr(mc, "z_loss_enabled", False) else 0.0,
             doc_masking=bool(getattr(mc, "_use_doc_masking", False)),
             expert_parallel=p.expert_parallel_size,

@@ -22,7 +22,10 @@ def test_overhead_quick_profiles_each_layout(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {}
     for line in proc.stdout.splitlines():
-        m = re.match(r"\| (1x1x1|tp2 all-reduce) \| (\d) \| (\d+) \| [\d,]+ \| ([\d,]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|", line)
+        m = re.match(
+            r"\| (1x1x1|tp2 all-reduce) \| (\d) \| (\d+) \| [\d,]+ \| ([\d,]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|",
+            line,
+        )
         if m:
             rows[m.group(1)] = [int(x.replace(",", "")) for x in m.groups()[1:]]
     assert set(rows) == {"1x1x1", "tp2 all-reduce"}, proc.stdout

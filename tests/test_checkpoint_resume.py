@@ -14,11 +14,12 @@ from dist import run_ranks
 from parity import layout_overrides, train_runs
 from safetensors import safe_open
 
-from mesh3d.checkpoint import ModelShape, nanotron_params, read_nanotron_weights
+from mesh3d.checkpoint import nanotron_params, read_nanotron_weights
 from mesh3d.checkpoint.nanotron_weights import shard_of, weight_file
 from mesh3d.checkpoint.training import resolve_step_dir
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.errors import UserError
+from mesh3d.models.registry import model_shape
 
 # vocab 256 pads to the same size at every tp here, so any layout can load the checkpoint
 COMMON = ["model.model_config.vocab_size=256", "model.model_config.num_hidden_layers=4"]
@@ -176,7 +177,7 @@ def test_step_folder_contents(runs):
     from parity import TINY
 
     cfg = apply_overrides(config_from_dict(TINY), _layout(2, 2, 2))
-    shape = ModelShape.from_config(cfg)
+    shape = model_shape(cfg)
     weights = read_nanotron_weights(step / "model", shape)
     # the files the 8 ranks wrote are exactly the spec's tree (its listing is checked by hand in
     # test_checkpoint_layout.py), with the same metadata strings

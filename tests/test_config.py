@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mesh3d.checks import validate, validation_errors
 from mesh3d.config import (
     Config,
     LlamaConfig,
@@ -22,8 +23,6 @@ from mesh3d.config import (
     load_config,
     padded_vocab_size,
     save_config,
-    validate,
-    validation_errors,
 )
 from mesh3d.errors import ConfigError
 
@@ -414,11 +413,19 @@ def test_edges_of_the_new_checks_are_valid():
     check(base(), ["checkpoints=null", f"{M3}.existing_checkpoints=overwrite"], world_size=1)
 
 
-def test_hidden_acts_are_the_model_activations():
-    from mesh3d.config.validate import HIDDEN_ACTS
-    from mesh3d.models.llama import ACTIVATIONS  # imports torch, which validate.py must not
+def test_every_hidden_act_the_checks_accept_is_the_function_transformers_means():
+    import torch
+    import torch.nn.functional as F
 
-    assert list(HIDDEN_ACTS) == sorted(ACTIVATIONS)
+    from mesh3d.models.activations import HIDDEN_ACTS
+    from mesh3d.models.llama import activation
+
+    x = torch.linspace(-4, 4, 101)
+    expected = {"silu": F.silu(x), "gelu": F.gelu(x), "relu": F.relu(x),
+                "gelu_pytorch_tanh": F.gelu(x, approximate="tanh")}  # fmt: skip
+    assert set(HIDDEN_ACTS) == set(expected)
+    for name in HIDDEN_ACTS:
+        assert torch.equal(activation(name)(x), expected[name]), name
 
 
 @pytest.mark.parametrize(
@@ -436,7 +443,7 @@ def test_recipe_configs_validate(path):
 def _cli(tmp_path, d, *args):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(d))
-    cmd = [sys.executable, "-m", "mesh3d.config", str(cfg), *args]
+    cmd = [sys.executable, "-m", "mesh3d.checks", str(cfg), *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
 
 

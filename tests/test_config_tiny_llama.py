@@ -16,7 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from mesh3d.config import load_config, validate
+from mesh3d.checks import validate
+from mesh3d.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "recipes" / "config_tiny_llama.py"

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.errors import UserError
-from mesh3d.models.spec import spec_of
+from mesh3d.models.registry import spec_of
 
 transformers = pytest.importorskip("transformers", reason="transformers (dev extra) not installed")
 

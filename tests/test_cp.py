@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from dist import run_ranks
 from parity import layout_overrides, max_rel_diff, train_runs
 
-from mesh3d.config import apply_overrides, config_from_dict, validate
+from mesh3d.checks import validate
+from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.errors import ConfigError
 from mesh3d.mesh import ParallelDims
 from mesh3d.models.llama import attention_mask

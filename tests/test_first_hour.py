@@ -16,7 +16,8 @@ from dist import run_ranks
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.folder import read_manifest, verify
 from mesh3d.checkpoint.tokenizer_files import copy_into_folder, tokenizer_files
-from mesh3d.config import load_config, padded_vocab_size, validate
+from mesh3d.checks import validate
+from mesh3d.config import load_config, padded_vocab_size
 from mesh3d.data.synthetic import make_tokenizer
 from mesh3d.errors import UserError
 from mesh3d.generate import main as generate_main

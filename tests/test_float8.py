@@ -29,12 +29,16 @@ from safetensors import safe_open
 from test_moe import MOE
 from torch import nn
 
-from mesh3d.config import apply_overrides, config_from_dict, validation_errors
+from mesh3d.checks import validation_errors
+from mesh3d.checks.speed import torchao_missing
+from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.config.derive import padded_vocab_size
-from mesh3d.config.speed import torchao_missing
 from mesh3d.errors import ConfigError
-from mesh3d.models.spec import spec_of
+from mesh3d.models.moe import MoE
+from mesh3d.models.registry import spec_of
 from mesh3d.train.loop import train
+
+MOE_BLOCKS = (MoE,)  # the MoE classes the Qwen2 spec names
 
 TOL = 1e-5
 CP_TOL = 5e-3  # loss and grad norm at cp2: other scales, so other roundings
@@ -78,7 +82,7 @@ def test_float8_converts_the_decoder_projections_only():
     from mesh3d.train.float8 import convert_to_float8
 
     model, plain = _meta_model([]), _meta_model([])
-    assert convert_to_float8(model) == (2 * 7, 0)  # 2 layers x q/k/v/o + gate/up/down
+    assert convert_to_float8(model, MOE_BLOCKS) == (2 * 7, 0)  # 2 layers x q/k/v/o + gate/up/down
     converted = sorted(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
     assert converted == sorted(f"layers.{i}.{p}" for i in range(2) for p in PROJECTIONS)
     assert type(model.lm_head) is nn.Linear and type(model.embed_tokens) is nn.Embedding
@@ -95,17 +99,17 @@ def test_float8_leaves_moe_blocks_and_odd_sizes_in_high_precision():
     from mesh3d.train.float8 import apply_float8, convert_to_float8
 
     moe = _meta_model([], MOE)  # layers 0 and 2 are MoE blocks, layer 1 a dense MLP
-    assert convert_to_float8(moe) == (3 * 4 + 3, 0)
+    assert convert_to_float8(moe, MOE_BLOCKS) == (3 * 4 + 3, 0)
     for name, m in moe.named_modules():
         if ".mlp." in name and name.split(".")[1] in ("0", "2"):
             assert not isinstance(m, Float8Linear), name  # router, shared expert and its gate
     odd = _meta_model(["model.model_config.intermediate_size=72"])  # 72 % 16 != 0
-    assert convert_to_float8(odd) == (2 * 4, 2 * 3)
+    assert convert_to_float8(odd, MOE_BLOCKS) == (2 * 4, 2 * 3)
     none = _meta_model(["model.model_config.hidden_size=40", "model.model_config.intermediate_size=72",
                         "model.model_config.num_attention_heads=4",
                         "model.model_config.num_key_value_heads=2"])  # fmt: skip
     with pytest.raises(ConfigError, match="found no linear layer to convert"):
-        apply_float8(none)
+        apply_float8(none, MOE_BLOCKS)
 
 
 # ---------------------------------------------------------------- refusals, in-process
@@ -125,7 +129,7 @@ def test_float8_with_tensor_or_expert_parallelism_is_refused():
 def test_float8_without_torchao_is_a_config_error(monkeypatch, tmp_path, capsys):
     import yaml
 
-    from mesh3d.config.__main__ import main
+    from mesh3d.checks.__main__ import main
     from mesh3d.train.float8 import convert_to_float8
 
     monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` raises ImportError
@@ -135,7 +139,7 @@ def test_float8_without_torchao_is_a_config_error(monkeypatch, tmp_path, capsys)
         f"`mesh3d.float8: true` needs torchao, which is not installed: {fix}"
     ]
     with pytest.raises(ConfigError, match=r"needs torchao, and `import torchao.float8` failed"):
-        convert_to_float8(_meta_model([]))
+        convert_to_float8(_meta_model([]), MOE_BLOCKS)
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(TINY))
     with pytest.raises(SystemExit) as stop:
@@ -174,7 +178,7 @@ def _async_tp_checks(cuda: bool) -> dict:
     from torch.distributed._symmetric_memory import is_symm_mem_enabled_for_group
     from torch.distributed.device_mesh import init_device_mesh
 
-    from mesh3d.parallel.async_tp import enable_async_tp
+    from mesh3d.train.async_tp import enable_async_tp
 
     refused = None
     if not cuda:

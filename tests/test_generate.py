@@ -19,8 +19,10 @@ from mesh3d.checkpoint.nanotron_weights import write_nanotron_weights
 from mesh3d.config import LlamaConfig, Qwen2Config
 from mesh3d.data.synthetic import make_tokenizer
 from mesh3d.data.tokenize import load_tokenizer
-from mesh3d.generate import generate, load_model, main, next_token
-from mesh3d.models.spec import spec_of
+from mesh3d.generate import main
+from mesh3d.generation.sampling import generate, next_token
+from mesh3d.generation.single import load_model
+from mesh3d.models.registry import spec_of
 
 transformers = pytest.importorskip("transformers", reason="transformers (dev extra) not installed")
 

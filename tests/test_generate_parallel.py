@@ -21,8 +21,10 @@ from parity import TINY
 
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.data.synthetic import make_tokenizer
-from mesh3d.generate import generate, load_model, main
-from mesh3d.generate_parallel import generate_parallel, load_parallel_model
+from mesh3d.generate import main
+from mesh3d.generation.parallel import generate_parallel, load_parallel_model
+from mesh3d.generation.sampling import generate
+from mesh3d.generation.single import load_model
 from mesh3d.train.loop import train
 
 VOCAB = 301  # the tokenizer's 300 ids fit; odd, so tp 2 pads it

@@ -101,7 +101,12 @@ def test_grouped_gemm_equals_the_loop_over_experts_forward_and_backward(dtype):
         x = rows.clone().requires_grad_()
         out = experts.run_sorted(x, counts)
         (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        got[grouped] = (out, x.grad, experts.merged_gate_up_proj.grad, experts.merged_down_proj.grad)
+        got[grouped] = (
+            out,
+            x.grad,
+            experts.merged_gate_up_proj.grad,
+            experts.merged_down_proj.grad,
+        )
     experts.grouped_mm = True
     gu, down = experts.unbound()
     first = torch.cat([experts.run(rows[i : i + 1], gu[e], down[e]) for i, e in
@@ -109,7 +114,9 @@ def test_grouped_gemm_equals_the_loop_over_experts_forward_and_backward(dtype):
     tol = 0 if dtype == torch.float32 else 2e-2
     for a, b in zip(got[True], got[False], strict=True):
         assert float((a.float() - b.float()).abs().max()) <= tol * float(b.float().abs().max())
-    assert float((got[True][0].float() - first.float()).abs().max()) <= max(tol, 1e-6) * float(first.float().abs().max())
+    assert float((got[True][0].float() - first.float()).abs().max()) <= max(tol, 1e-6) * float(
+        first.float().abs().max()
+    )
     assert got[True][2][1].abs().sum() == 0  # the empty expert gets no gradient
 
 

@@ -7,6 +7,7 @@ import pytest
 import yaml
 from nanotron_fixtures import FIXTURES, fixture_paths, needs_fixtures
 
+from mesh3d.checks import validate
 from mesh3d.config import (
     AdamWOptimizerArgs,
     NanosetDatasetsArgs,
@@ -16,7 +17,6 @@ from mesh3d.config import (
     load_config,
     padded_vocab_size,
     save_config,
-    validate,
 )
 from mesh3d.errors import ConfigError, UserError
 

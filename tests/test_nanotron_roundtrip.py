@@ -21,13 +21,13 @@ from parity import train_runs
 
 from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.training import _load_scheduler
+from mesh3d.checks import validate
 from mesh3d.config import (
     Qwen2Config,
     apply_overrides,
     config_from_dict,
     config_to_dict,
     load_config,
-    validate,
 )
 from mesh3d.config.load import nanotron_config_dict
 from mesh3d.train.lr_schedule import lr_at, schedule_kwargs

@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.nanotron_weights import model_config_json, read_nanotron_weights
-from mesh3d.config import Qwen3Config, config_from_dict, config_to_dict, load_config, validate
+from mesh3d.checks import validate
+from mesh3d.config import Qwen3Config, config_from_dict, config_to_dict, load_config
 from mesh3d.config.load import model_config_from_dict, nanotron_config_dict
 from mesh3d.errors import ConfigError
-from mesh3d.models.spec import spec_of
+from mesh3d.models.registry import spec_of
 
 TOL = 1e-5
 QWEN3 = copy.deepcopy(TINY)

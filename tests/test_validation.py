@@ -22,7 +22,8 @@ from dist import run_ranks
 from parity import TINY, layout_overrides
 from test_qwen2 import QWEN
 
-from mesh3d.config import apply_overrides, config_from_dict, validation_errors
+from mesh3d.checks import validation_errors
+from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.data.build import StagedData
 from mesh3d.data.hf import TokenWindows
 from mesh3d.data.validation import DUMMY_OFFSET, source_key

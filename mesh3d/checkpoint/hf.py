@@ -37,11 +37,14 @@ from torch import Tensor
 from mesh3d.checkpoint.from_hf_config import training_config
 from mesh3d.checkpoint.tokenizer_files import copy_into_folder, step_tokenizer
 from mesh3d.checkpoint.training import weights_dir
-from mesh3d.config import save_config, validate
+from mesh3d.checks import validate
+from mesh3d.config import save_config
 from mesh3d.config.load import model_config_from_dict
 from mesh3d.errors import ConfigError, UserError, exit_on_user_error
-from mesh3d.models.llama import DTYPES
-from mesh3d.models.spec import ModelShape, families, spec_for_hf, spec_of
+from mesh3d.models import registry
+from mesh3d.models.dtypes import DTYPES
+from mesh3d.models.registry import families, spec_for_hf, spec_of
+from mesh3d.models.spec import ModelShape
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -104,7 +107,7 @@ def read_model_config_json(step: Path):
 
 def shape_of(mc) -> ModelShape:
     """The `ModelShape` of `mc` (its vocab_size taken as the padded one)."""
-    return ModelShape.from_model_config(mc, mc.vocab_size)
+    return registry.shape_of(mc, mc.vocab_size)
 
 
 # --- HF safetensors ------------------------------------------------------------------------

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mesh3d.checkpoint.names import MAX_READ_VERSION, WRITE_VERSION
 from mesh3d.checkpoint.nanotron_weights import Param, local_shape, unshard
 from mesh3d.errors import UserError
+from mesh3d.nanotron_names import MAX_READ_VERSION, WRITE_VERSION
 
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER = "master"  # our key for the fp32 master weight (Nanotron's `gradient_accumulator`)

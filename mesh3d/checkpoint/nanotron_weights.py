@@ -24,10 +24,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from mesh3d.checkpoint import names
+from mesh3d import nanotron_names as names
 from mesh3d.errors import UserError
-from mesh3d.models.spec import ModelShape, spec_named
-from mesh3d.parallel.stages import split_by_cost
+from mesh3d.models.registry import spec_named
+from mesh3d.models.spec import ModelShape
+from mesh3d.parallel.pipeline_layout import split_by_cost
 
 __all__ = [
     "ModelShape",
@@ -395,7 +396,7 @@ def read_nanotron_weights(root: str | Path, s: ModelShape) -> dict[str, Tensor]:
 
 
 
-        full = mesh3d.read_nanotron_weights("ckpt/100/model", mesh3d.ModelShape.from_config(cfg))
+        full = mesh3d.read_nanotron_weights("ckpt/100/model", mesh3d.model_shape(cfg))
 
 
     """

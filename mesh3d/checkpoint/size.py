@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 
-from mesh3d.checkpoint.nanotron_weights import ModelShape, nanotron_params
-from mesh3d.models.llama import DTYPES
+from mesh3d.checkpoint.nanotron_weights import nanotron_params
+from mesh3d.models.dtypes import DTYPES
+from mesh3d.models.registry import model_shape
 
 SMALL_FILES = 16  # config.yaml, metadata, model and optimizer configs, tokenizer, manifest
 
@@ -29,7 +30,7 @@ def writes_masters(cfg) -> bool:
 def checkpoint_size(cfg) -> tuple[int, int]:
     """(data bytes, files and folders) of one checkpoint of `cfg`, every rank's together."""
     par, opt = cfg.parallelism, cfg.optimizer
-    shape = ModelShape.from_config(cfg)
+    shape = model_shape(cfg)
     params = nanotron_params(shape, par.pp)
     weight = DTYPES[cfg.model.dtype].itemsize
     state = 8 if opt.optimizer_factory.name.lower() == "adamw" else 0

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from mesh3d.checkpoint import names, nanotron_state
+from mesh3d import nanotron_names as names
+from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
 from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
 from mesh3d.checkpoint.nanotron_weights import (

@@ -38,11 +38,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mesh3d.checkpoint import names, nanotron_state
+from mesh3d import nanotron_names as names
+from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
 from mesh3d.checkpoint.folder import MANIFEST, FolderWriter, damaged_error, fsync_dir, verify
 from mesh3d.checkpoint.nanotron_weights import (
-    ModelShape,
     model_config_json,
     nanotron_params,
 )
@@ -56,7 +56,8 @@ from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout
-from mesh3d.models.llama import DTYPES
+from mesh3d.models.dtypes import DTYPES
+from mesh3d.models.registry import model_shape
 
 
 def _rank_params(cfg, parts, pp_rank: int) -> list:
@@ -64,7 +65,7 @@ def _rank_params(cfg, parts, pp_rank: int) -> list:
     module order, where a tied lm_head on another stage than the embedding comes last, under
     the embedding's name (Nanotron's loader pairs saved and live states by position)."""
     held = held_parameters(parts.modules)
-    params = [p for p in nanotron_params(ModelShape.from_config(cfg), cfg.parallelism.pp)
+    params = [p for p in nanotron_params(model_shape(cfg), cfg.parallelism.pp)
               if all(o in held for o in p.ours)]  # fmt: skip
     if parts.embed_rank != pp_rank:  # at most the tied lm_head copy is named like the embedding
         params.sort(key=lambda p: p.name == names.EMBEDDING)  # stable: the rest keep their order
@@ -95,7 +96,7 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler, co
 
 def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extra: dict) -> None:
     par = cfg.parallelism
-    shape = ModelShape.from_config(cfg)
+    shape = model_shape(cfg)
     writer.write_text("config.yaml", nanotron_config_yaml(cfg, step, consumed))
     writer.write_text("model_config.json", json.dumps(model_config_json(cfg)))
     zero = cfg.optimizer.zero_stage > 0

@@ -1,12 +1,12 @@
 """Nanotron's YAML config, read strictly, with mesh3d's optional `mesh3d:` section.
 
     cfg = load_config("config.yaml", ["parallelism.tp=2"])  # typed, derived values filled
-    validate(cfg, world_size=8)                             # one ConfigError naming every problem
     save_config(cfg, "out.yaml")                            # all keys, sorted, like Nanotron
 
 Files: `schema.py` (the dataclasses), `typecheck.py` (strict mapping -> dataclass),
 `overrides.py` (dotted `key=value`), `load.py` (YAML in/out, Nanotron's forms and derived values),
-`validate.py` (cross-checks and "not supported by mesh3d yet"), `derive.py` (computed values).
+`derive.py` (computed values). Parsing only: the cross-checks (`mesh3d.checks.validate`) sit
+above the model families, whose specs they consult.
 """
 
 from mesh3d.config.derive import (
@@ -57,7 +57,6 @@ from mesh3d.config.schema import (
     TokenizerArgs,
     TokensArgs,
 )
-from mesh3d.config.validate import validate, validation_errors
 
 __all__ = [
     "layout_text",
@@ -102,6 +101,4 @@ __all__ = [
     "load_config",
     "padded_vocab_size",
     "save_config",
-    "validate",
-    "validation_errors",
 ]

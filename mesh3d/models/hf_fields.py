@@ -7,6 +7,7 @@ version 5 (`rope_parameters`), and writes both. The family specs add their own f
 from __future__ import annotations
 
 from mesh3d.errors import UserError
+from mesh3d.models.activations import HIDDEN_ACTS
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
@@ -38,8 +39,6 @@ def hf_rope(hf: dict) -> tuple[float, dict | None]:
 
 def common_fields(hf: dict, where) -> dict:
     """The Nanotron model-config fields every Llama-like family reads the same way."""
-    from mesh3d.config.validate import HIDDEN_ACTS
-
     act = hf.get("hidden_act", "silu")
     if act not in HIDDEN_ACTS:
         refuse(where, f"hidden_act {act!r} (use one of {', '.join(HIDDEN_ACTS)})")

@@ -24,21 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mesh3d.errors import ConfigError
-
-# the dtypes a config's `model.dtype` may name (validated in mesh3d.config)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from mesh3d.models.activations import ACTIVATIONS, HIDDEN_ACTS
+from mesh3d.models.dtypes import DTYPES  # noqa: F401  (re-exported for library code)
 
 try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:
     flash_attn_func = flash_attn_varlen_func = None
 
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "relu": F.relu,
-}
 ATTENTION_KINDS = ("auto", "sdpa", "flash")
 
 
@@ -47,9 +40,10 @@ def activation(name: str):
     if name not in ACTIVATIONS:
         raise ConfigError(
             f"`model.model_config.hidden_act` {name!r} is not supported; "
-            f"use one of {sorted(ACTIVATIONS)}"
+            f"use one of {', '.join(HIDDEN_ACTS)}"
         )
-    return ACTIVATIONS[name]
+    function, kwargs = ACTIVATIONS[name]
+    return functools.partial(getattr(F, function), **kwargs) if kwargs else getattr(F, function)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> Tensor:

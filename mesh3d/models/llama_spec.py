@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import math
 
-from mesh3d.checkpoint.names import EMBEDDING, FINAL_NORM, LM_HEAD
 from mesh3d.config.schema import LlamaConfig
 from mesh3d.errors import ConfigError
-from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, ModelSpec, register
-from mesh3d.parallel.stages import decoder_cost
+from mesh3d.models.spec import Blocks, HFSpec, LayerTable, ModelShape, ModelSpec, decoder_cost
+from mesh3d.nanotron_names import EMBEDDING, FINAL_NORM, LM_HEAD
 
 NANOTRON_LAYER: LayerTable = {
     "input_layernorm.weight": (("input_layernorm.weight",), "replicated"),
@@ -69,7 +68,7 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
 
         mesh3d.apply_tp(llama, mesh["tp"], mesh3d.llama_tp_plan(sequence_parallel=True))
     """
-    from mesh3d.parallel.tensor import (
+    from mesh3d.tp_styles import (
         ColwiseParallel,
         LocalColwise,
         LocalReplicated,
@@ -121,7 +120,7 @@ def hf_llama_tp_plan() -> dict:
         model = transformers.LlamaForCausalLM(config)   # same full weights on every rank
         mesh3d.apply_tp(model, mesh["tp"], mesh3d.hf_llama_tp_plan())
     """
-    from mesh3d.parallel.tensor import ColwiseParallel, RowwiseParallel
+    from mesh3d.tp_styles import ColwiseParallel, RowwiseParallel
 
     col, row = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
     where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
@@ -137,6 +136,15 @@ def compile_classes(tensor_parallel: bool) -> tuple[type, ...]:
     from mesh3d.models.llama import MLP, Attention, RMSNorm
 
     return (Attention, MLP) if tensor_parallel else (Attention, MLP, RMSNorm)
+
+
+def blocks() -> Blocks:
+    """Attention modules (context parallelism), and the MoE blocks a Llama-like family with a
+    `moe_config` has (the Qwen families' specs reuse this)."""
+    from mesh3d.models.llama import Attention
+    from mesh3d.models.moe import MoE
+
+    return Blocks(attention=(Attention,), moe=(MoE,))
 
 
 def nanotron_layer(s: ModelShape, i: int = 0) -> LayerTable:
@@ -250,25 +258,24 @@ def config_to_hf(mc, dtype: str) -> dict:
     }
 
 
-LLAMA = register(
-    ModelSpec(
-        family="llama",
-        config_class=LlamaConfig,
-        shape=shape,
-        build=build,
-        tp_plan=tp_plan,
-        compile_classes=compile_classes,
-        nanotron_layer=nanotron_layer,
-        nanotron_outer=NANOTRON_OUTER,
-        param_shapes=param_shapes,
-        init_std=init_std,
-        step_flops=step_flops,
-        pipeline_costs=pipeline_costs,
-        hf=(
-            HFSpec(
-                ("LlamaForCausalLM",), "llama", config_from_hf, config_to_hf, ours_to_hf, hf_to_ours
-            ),
-        ),  # fmt: skip
-    )
+LLAMA = ModelSpec(
+    family="llama",
+    config_class=LlamaConfig,
+    shape=shape,
+    build=build,
+    tp_plan=tp_plan,
+    compile_classes=compile_classes,
+    blocks=blocks,
+    nanotron_layer=nanotron_layer,
+    nanotron_outer=NANOTRON_OUTER,
+    param_shapes=param_shapes,
+    init_std=init_std,
+    step_flops=step_flops,
+    pipeline_costs=pipeline_costs,
+    hf=(
+        HFSpec(
+            ("LlamaForCausalLM",), "llama", config_from_hf, config_to_hf, ours_to_hf, hf_to_ours
+        ),
+    ),  # fmt: skip
 )
 llama_tp_plan = tp_plan  # the public name (mesh3d.llama_tp_plan)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mesh3d.models.kernels import grouped_gemm_ok
 from mesh3d.models.llama import MLP
 
 
@@ -55,18 +56,6 @@ class _AttachAux(torch.autograd.Function):
 def attach_aux(x: Tensor, aux: Tensor, weight: float) -> Tensor:
     """`x`, with `weight · aux` contributing to the gradient in backward."""
     return _AttachAux.apply(x, aux, weight)
-
-
-def grouped_gemm_ok(h: int, ffn: int, itemsize: int, device=None, dtype=None) -> bool:
-    """Whether experts of hidden `h` and intermediate `ffn` run as grouped GEMMs: torch has
-    `_grouped_mm`, every operand row is 16-byte aligned (its kernels need it), and on CUDA the
-    dtype is bfloat16 on a Hopper-class GPU (its kernel's domain); the CPU kernel takes every
-    float dtype. `device` None: the CPU (what `mesh3d plan` assumes)."""
-    if not hasattr(torch, "_grouped_mm") or any(n * itemsize % 16 for n in (h, ffn)):
-        return False
-    if device is not None and device.type == "cuda":
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
-    return device is None or device.type == "cpu"
 
 
 class Experts(nn.Module):
@@ -164,7 +153,7 @@ class MoE(nn.Module):
         #   replicated DTensors, used locally with gradients of this placement;
         # - when a sequence's tokens are split over ranks (tp under sequence parallelism, cp),
         #   one `f(t) -> group size` per split sums the load statistics over it in place
-        #   (`parallel/experts.py::summed_over`);
+        #   (`tp_styles.py::summed_over`);
         # - expert parallelism: a `parallel.experts.ExpertParallel`; this rank holds E/ep experts
         self.grad_placement = None
         self.sequence_sums: list = []

@@ -14,18 +14,17 @@ Qwen2-MoE's experts: ours are `merged_gate_up_proj` [E, h, 2F] and `merged_down_
 applied as x @ W; transformers 5 holds `experts.gate_up_proj` [E, 2F, h] and `experts.down_proj`
 [E, h, F] in memory (applied as x @ Wᵀ, the same gate-then-up order), and writes (and the Hub
 holds, and transformers 4 reads) one `experts.{e}.{gate,up,down}_proj.weight` per expert. The
-name maps go to the in-memory names; `experts_to_hf` writes the per-expert form, and
-`moe_weights_from_hf` reads either.
+name maps go to the in-memory names; `moe_spec.experts_to_hf` writes the per-expert form, and
+`moe_spec.moe_weights_from_hf` reads either.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from mesh3d.config.schema import MoEConfig, Qwen2Config
-from mesh3d.errors import UserError
-from mesh3d.models import llama_spec
-from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, register
+from mesh3d.config.schema import Qwen2Config
+from mesh3d.models import llama_spec, moe_spec
+from mesh3d.models.spec import HFSpec, LayerTable, ModelShape
 
 BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
@@ -51,21 +50,6 @@ def build(mc, vocab_size: int | None = None, attention: str = "auto"):
     return Qwen2(mc, vocab_size=vocab_size, attention=attention)
 
 
-# An MoE layer's MLP in Nanotron (`nn/moe.py`): the router and the stacked experts are plain
-# parameters (the same on every tp rank); the shared expert is a tensor-parallel Qwen2 MLP.
-MOE_LAYER: LayerTable = {
-    "mlp.router.weight": (("mlp.gate.weight",), "replicated"),
-    "mlp.experts.merged_gate_up_proj": (("mlp.experts.merged_gate_up_proj",), "replicated"),
-    "mlp.experts.merged_down_proj": (("mlp.experts.merged_down_proj",), "replicated"),
-}
-SHARED_EXPERT: LayerTable = {
-    "mlp.shared_expert.gate_up_proj.weight": (
-        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), "column"),
-    "mlp.shared_expert.down_proj.weight": (("mlp.shared_expert.down_proj.weight",), "row"),
-    "mlp.shared_expert_gate.weight": (("mlp.shared_expert_gate.weight",), "replicated"),
-}  # fmt: skip
-
-
 def step_flops(s: ModelShape, seq_len: int, batch_size: int) -> float:
     """Llama's model FLOPs with each MoE layer's MLP counted as what a token runs: the router,
     its top-k experts and the shared expert (and its gate), not the dense MLP."""
@@ -85,7 +69,7 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     plan = llama_spec.tp_plan(sequence_parallel)
     if shape is None or not shape.moe_layers:
         return plan
-    from mesh3d.parallel.tensor import ExpertsReplicated
+    from mesh3d.tp_styles import ExpertsReplicated
 
     mlp = {k: plan.pop(k) for k in list(plan) if k.startswith("layers.*.mlp")}
     for i in range(shape.num_layers):
@@ -107,9 +91,9 @@ def nanotron_layer(s: ModelShape, i: int = 0) -> LayerTable:
         if key == "attn.qkv_proj.weight" and s.qkv_bias:
             out["attn.qkv_proj.bias"] = (BIAS, "column")
     if i in s.moe_layers:
-        out.update(MOE_LAYER)
+        out.update(moe_spec.MOE_LAYER)
         if s.shared_ffn:
-            out.update(SHARED_EXPERT)
+            out.update(moe_spec.SHARED_EXPERT)
     return out
 
 
@@ -278,62 +262,14 @@ def smollm3_to_hf(mc, dtype: str) -> dict:
 MOE_HF = "Qwen2MoeForCausalLM"
 
 
-def moe_from_hf(hf: dict, where, shared: bool, dense_arch: str) -> MoEConfig:
-    """The `moe_config` of an HF Qwen2-MoE or Qwen3-MoE config (`shared`: with a shared
-    expert): HF's sparse layers (every `decoder_sparse_step`-th, less `mlp_only_layers`) are its
-    `layers`; `dense_arch` is what a config without sparse layers converts as."""
-    from mesh3d.models.hf_fields import refuse
-
-    if "num_experts" not in hf and "num_local_experts" in hf:  # transformers 5.2x's Qwen3-MoE
-        hf = {**hf, "num_experts": hf["num_local_experts"]}
-    keys = ["num_experts", "num_experts_per_tok", "moe_intermediate_size"]
-    keys += ["shared_expert_intermediate_size"] if shared else []
-    missing = [k for k in keys if k not in hf]
-    if missing:
-        raise UserError(f"{where} lacks {missing}; is it a complete MoE config?")
-    n, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step") or 1
-    dense = set(hf.get("mlp_only_layers") or [])
-    sparse = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    if hf["num_experts"] < 1 or not sparse:
-        refuse(where, "an MoE config without MoE layers (num_experts, decoder_sparse_step and "
-                      f"mlp_only_layers leave none; convert it as {dense_arch})")  # fmt: skip
-    moe = MoEConfig(
-        num_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
-        moe_intermediate_size=hf["moe_intermediate_size"],
-        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-        layers=[-1] if len(sparse) == n else sparse, enable_shared_expert=shared,
-    )  # fmt: skip
-    if shared:
-        moe.shared_expert_intermediate_size = hf["shared_expert_intermediate_size"]
-    return moe
-
-
-def moe_to_hf(mc) -> dict:
-    """The expert fields HF's Qwen2-MoE and Qwen3-MoE configs share: the dense layers listed
-    in `mlp_only_layers`, `decoder_sparse_step` 1."""
-    from mesh3d.models.moe import moe_layers
-
-    moe, sparse = mc.moe_config, set(moe_layers(mc))
-    return {
-        "num_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "moe_intermediate_size": moe.moe_intermediate_size,
-        "norm_topk_prob": bool(getattr(mc, "norm_topk_prob", False)),
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [i for i in range(mc.num_hidden_layers) if i not in sparse],
-        "router_aux_loss_coef": moe.router_aux_loss_coef,
-        "output_router_logits": False,
-    }
-
-
 def qwen2_moe_from_hf(hf: dict, where) -> Qwen2Config:
-    """A Qwen2 config with a `moe_config` (`moe_from_hf`)."""
+    """A Qwen2 config with a `moe_config` (`moe_spec.moe_from_hf`)."""
     from mesh3d.models.hf_fields import refuse
 
     if hf.get("norm_topk_prob"):
         refuse(where, "`norm_topk_prob: true` (Nanotron's Qwen2 MoE does not renormalize the "
                       "top-k router weights)")  # fmt: skip
-    moe = moe_from_hf(hf, where, shared=True, dense_arch="Qwen2ForCausalLM")
+    moe = moe_spec.moe_from_hf(hf, where, shared=True, dense_arch="Qwen2ForCausalLM")
     n = hf["num_hidden_layers"]
     if hf.get("use_sliding_window") and not hf.get("layer_types"):
         types = [  # transformers 5's default for Qwen2-MoE: every other layer below the limit
@@ -363,79 +299,13 @@ def qwen2_moe_to_hf(mc, dtype: str) -> dict:
         "model_type": "qwen2_moe",
         "qkv_bias": True,  # zeros when attention_bias is false (`moe_weights_to_hf`)
         "shared_expert_intermediate_size": moe.shared_expert_intermediate_size,
-        **moe_to_hf(mc),
+        **moe_spec.moe_to_hf(mc),
     }
-
-
-def moe_ours_to_hf(name: str) -> str:
-    return llama_spec.ours_to_hf(name.replace(".mlp.experts.merged_", ".mlp.experts."))
-
-
-def moe_hf_to_ours(name: str) -> str | None:
-    ours = llama_spec.hf_to_ours(name)
-    if ours is not None and ours.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-        ours = ours.replace(".mlp.experts.", ".mlp.experts.merged_")
-    return ours
-
-
-GATE_UP, DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
-
-
-def experts_to_hf(weights: dict, mc) -> dict:
-    """Each layer's experts (still in our layout under HF's in-memory names) as one
-    gate/up/down weight per expert, HF's [out, in] (what `save_pretrained` writes)."""
-    out = {}
-    for k, w in weights.items():
-        if k.endswith(GATE_UP):  # [E, h, 2F]: gate columns, then up
-            f, prefix = w.shape[-1] // 2, k.removesuffix("gate_up_proj")
-            for e in range(w.shape[0]):
-                out[f"{prefix}{e}.gate_proj.weight"] = w[e, :, :f].T.contiguous()
-                out[f"{prefix}{e}.up_proj.weight"] = w[e, :, f:].T.contiguous()
-        elif k.endswith(DOWN):  # [E, F, h]
-            for e in range(w.shape[0]):
-                out[f"{k.removesuffix('down_proj')}{e}.down_proj.weight"] = w[e].T.contiguous()
-        else:
-            out[k] = w
-    return out
 
 
 def moe_weights_to_hf(weights: dict, mc) -> dict:
     """Qwen2-MoE's: zero q/k/v biases if need be, and the experts per expert."""
-    return experts_to_hf(zero_biases(weights, mc), mc)
-
-
-def moe_weights_from_hf(weights: dict, mc) -> dict:
-    """The experts of an HF Qwen2-MoE folder, per expert (`experts.{e}.gate_proj.weight`, ...)
-    or stacked (transformers 5's in-memory `experts.gate_up_proj` [E, 2F, h]), in our layout
-    under HF's in-memory names (`moe_hf_to_ours` renames them)."""
-    import re
-
-    import torch
-
-    out, per_expert = {}, {}
-    for k, w in weights.items():
-        m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", k)
-        if m:
-            per_expert.setdefault(m[1], {})[(int(m[2]), m[3])] = w
-        elif k.endswith((GATE_UP, DOWN)):
-            out[k] = w.transpose(1, 2).contiguous()
-        else:
-            out[k] = w
-    n = mc.moe_config.num_experts
-    for prefix, got in per_expert.items():
-        want = [(e, p) for e in range(n) for p in ("gate_proj", "up_proj", "down_proj")]
-        lacking = [f"{prefix}.{e}.{p}.weight" for e, p in want if (e, p) not in got]
-        extra = [f"{prefix}.{e}.{p}.weight" for e, p in sorted(set(got) - set(want))]
-        if lacking or extra:
-            raise UserError(
-                f"{prefix}: the {n} experts of config.json do not match the weights "
-                f"(lacking {lacking[:3]}, unexpected {extra[:3]})"
-            )
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([got[e, "gate_proj"].T, got[e, "up_proj"].T], dim=1) for e in range(n)]
-        )
-        out[f"{prefix}.down_proj"] = torch.stack([got[e, "down_proj"].T for e in range(n)])
-    return out
+    return moe_spec.experts_to_hf(zero_biases(weights, mc), mc)
 
 
 def hf_for(mc) -> HFSpec:
@@ -448,22 +318,20 @@ names = (llama_spec.ours_to_hf, llama_spec.hf_to_ours)
 QWEN2_HF = HFSpec(("Qwen2ForCausalLM",), "qwen2", qwen2_from_hf, qwen2_to_hf, *names, zero_biases)
 SMOLLM3 = HFSpec(("SmolLM3ForCausalLM",), "smollm3", smollm3_from_hf, smollm3_to_hf, *names)
 QWEN2_MOE = HFSpec(
-    (MOE_HF,), "qwen2_moe", qwen2_moe_from_hf, qwen2_moe_to_hf, moe_ours_to_hf, moe_hf_to_ours,
-    moe_weights_to_hf, moe_weights_from_hf,
+    (MOE_HF,), "qwen2_moe", qwen2_moe_from_hf, qwen2_moe_to_hf, moe_spec.moe_ours_to_hf, moe_spec.moe_hf_to_ours,
+    moe_weights_to_hf, moe_spec.moe_weights_from_hf,
 )  # fmt: skip
 
-QWEN2 = register(
-    dataclasses.replace(  # Llama's init, FLOPs and pipeline costs; its own weights, TP plan
-        llama_spec.LLAMA,
-        family="qwen2",
-        config_class=Qwen2Config,
-        shape=shape,
-        build=build,
-        tp_plan=tp_plan,
-        step_flops=step_flops,
-        nanotron_layer=nanotron_layer,
-        param_shapes=param_shapes,
-        hf=(QWEN2_HF, SMOLLM3, QWEN2_MOE),
-        hf_for=hf_for,
-    )
+QWEN2 = dataclasses.replace(  # Llama's init, FLOPs and pipeline costs; its own weights, TP plan
+    llama_spec.LLAMA,
+    family="qwen2",
+    config_class=Qwen2Config,
+    shape=shape,
+    build=build,
+    tp_plan=tp_plan,
+    step_flops=step_flops,
+    nanotron_layer=nanotron_layer,
+    param_shapes=param_shapes,
+    hf=(QWEN2_HF, SMOLLM3, QWEN2_MOE),
+    hf_for=hf_for,
 )

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from mesh3d.config.schema import Qwen3Config
-from mesh3d.models import llama_spec, qwen2_spec
-from mesh3d.models.spec import HFSpec, LayerTable, ModelShape, register
+from mesh3d.models import llama_spec, moe_spec, qwen2_spec
+from mesh3d.models.spec import HFSpec, LayerTable, ModelShape
 
 QK_NORMS = {"attn.q_norm.weight": (("self_attn.q_norm.weight",), "replicated"),
             "attn.k_norm.weight": (("self_attn.k_norm.weight",), "replicated")}  # fmt: skip
@@ -36,7 +36,7 @@ def build(mc, vocab_size: int | None = None, attention: str = "auto"):
 def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     """Qwen2's plan, plus the q/k norms on each rank's heads: the input taken as sharded on its
     head dim (2 of [B, S, heads, dh]), the weight replicated (its gradient then sums over tp)."""
-    from mesh3d.parallel.tensor import LocalReplicated
+    from mesh3d.tp_styles import LocalReplicated
 
     plan = qwen2_spec.tp_plan(sequence_parallel, shape)
     for norm in ("q_norm", "k_norm"):
@@ -93,7 +93,7 @@ MOE_HF = "Qwen3MoeForCausalLM"
 
 def qwen3_moe_from_hf(hf: dict, where) -> Qwen3Config:
     """A Qwen3 config with a `moe_config` (no shared expert) and HF's `norm_topk_prob`."""
-    moe = qwen2_spec.moe_from_hf(hf, where, shared=False, dense_arch="Qwen3ForCausalLM")
+    moe = moe_spec.moe_from_hf(hf, where, shared=False, dense_arch="Qwen3ForCausalLM")
     # HF's Qwen3-MoE slides every layer or none: it has no layer_types nor max_window_layers
     every_layer = {**hf, "layer_types": None, "max_window_layers": 0}
     return dataclasses.replace(qwen3_from_hf(every_layer, where), moe_config=moe,
@@ -108,7 +108,7 @@ def qwen3_moe_to_hf(mc, dtype: str) -> dict:
                        "expert)")  # fmt: skip
     out = qwen3_to_hf(mc, dtype)
     del out["layer_types"], out["max_window_layers"]  # not Qwen3-MoE's: one window for all
-    out.update(architectures=[MOE_HF], model_type="qwen3_moe", **qwen2_spec.moe_to_hf(mc))
+    out.update(architectures=[MOE_HF], model_type="qwen3_moe", **moe_spec.moe_to_hf(mc))
     return out
 
 
@@ -120,22 +120,20 @@ QWEN3_HF = HFSpec(("Qwen3ForCausalLM",), "qwen3", qwen3_from_hf, qwen3_to_hf,
                   llama_spec.ours_to_hf, llama_spec.hf_to_ours)  # fmt: skip
 # the experts as Qwen2-MoE's (names, per-expert files); no q/k/v biases
 QWEN3_MOE_HF = HFSpec(
-    (MOE_HF,), "qwen3_moe", qwen3_moe_from_hf, qwen3_moe_to_hf, qwen2_spec.moe_ours_to_hf,
-    qwen2_spec.moe_hf_to_ours, qwen2_spec.experts_to_hf, qwen2_spec.moe_weights_from_hf,
+    (MOE_HF,), "qwen3_moe", qwen3_moe_from_hf, qwen3_moe_to_hf, moe_spec.moe_ours_to_hf,
+    moe_spec.moe_hf_to_ours, moe_spec.experts_to_hf, moe_spec.moe_weights_from_hf,
 )  # fmt: skip
 
-QWEN3 = register(
-    dataclasses.replace(  # Llama's init and pipeline costs; q/k norms in TP and weights
-        llama_spec.LLAMA,
-        family="qwen3",
-        config_class=Qwen3Config,
-        shape=shape,
-        build=build,
-        tp_plan=tp_plan,
-        step_flops=qwen2_spec.step_flops,  # Llama's, with MoE layers as what a token runs
-        nanotron_layer=nanotron_layer,
-        param_shapes=param_shapes,
-        hf=(QWEN3_HF, QWEN3_MOE_HF),
-        hf_for=hf_for,
-    )
+QWEN3 = dataclasses.replace(  # Llama's init and pipeline costs; q/k norms in TP and weights
+    llama_spec.LLAMA,
+    family="qwen3",
+    config_class=Qwen3Config,
+    shape=shape,
+    build=build,
+    tp_plan=tp_plan,
+    step_flops=qwen2_spec.step_flops,  # Llama's, with MoE layers as what a token runs
+    nanotron_layer=nanotron_layer,
+    param_shapes=param_shapes,
+    hf=(QWEN3_HF, QWEN3_MOE_HF),
+    hf_for=hf_for,
 )

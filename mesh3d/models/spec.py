@@ -4,10 +4,10 @@ A family is one place: `models/<family>.py` (the model, torch only) and `models/
 (a `ModelSpec`: TP plan, block classes, Nanotron and HF name maps, HF config translation, FLOPs,
 pipeline costs, init rules). `parallel/`, `checkpoint/`, `train/` and `plan/` take the spec and
 import no model. This file and the spec files import no torch at module level, so
-`config/validate.py` can use them before anything starts.
+`checks/validate.py` can use them before anything starts.
 
-    spec = spec_of(cfg.model.model_config)        # LLAMA, QWEN2, ...
-    shape = ModelShape.from_config(cfg)
+    spec = spec_of(cfg.model.model_config)        # models/registry.py: LLAMA, QWEN2, ...
+    shape = model_shape(cfg)
     model = spec.build(cfg.model.model_config, vocab_size=shape.padded_vocab)
 """
 
@@ -17,9 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from mesh3d.errors import ConfigError
+from mesh3d.nanotron_names import Kind
 
-Kind = Literal["vocab", "column", "row", "replicated"]
 # Nanotron name suffix inside a decoder layer -> (our tensor names it fuses, TP kind); a
 # family's `nanotron_layer(shape, i)` gives layer i's (MoE layers differ from dense ones)
 LayerTable = dict[str, tuple[tuple[str, ...], Kind]]
@@ -31,7 +30,7 @@ class ModelShape:
 
     Example:
 
-        shape = mesh3d.ModelShape.from_config(cfg)
+        shape = mesh3d.model_shape(cfg)    # models/registry.py
         shape.head_dim, shape.family
     """
 
@@ -56,17 +55,21 @@ class ModelShape:
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
-    @classmethod
-    def from_config(cls, cfg) -> ModelShape:
-        """From a loaded `Config` (vocab padded for its tp, spec §4.1)."""
-        from mesh3d.config import padded_vocab_size
 
-        return cls.from_model_config(cfg.model.model_config, padded_vocab_size(cfg))
+def decoder_cost(hidden_size: int, ffn_size: int, num_heads: int, head_dim: int) -> int:
+    """Nanotron's pipeline cost of one decoder layer (every family it has): 4·nq·dh·h + 3·F·h."""
+    return 4 * num_heads * head_dim * hidden_size + 3 * ffn_size * hidden_size
 
-    @classmethod
-    def from_model_config(cls, mc, padded_vocab: int) -> ModelShape:
-        """From a family's model config and the padded vocabulary size."""
-        return spec_of(mc).shape(mc, padded_vocab)
+
+@dataclass(frozen=True)
+class Blocks:
+    """The module classes of a family that parallel and training code find by type, so that
+    they never import a model: attention modules get the cp group; mixture-of-experts blocks
+    get the ep group and the cp sums of their load statistics, weigh their auxiliary loss,
+    report expert loads and stay out of float8."""
+
+    attention: tuple[type, ...]
+    moe: tuple[type, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class ModelSpec:
     build: Callable[..., Any]  # (model config, vocab_size, attention) -> the nn.Module
     tp_plan: Callable[..., dict]  # (sequence_parallel, shape=None) -> {FQN pattern: ParallelStyle}
     compile_classes: Callable[[bool], tuple[type, ...]]  # tp > 1 -> classes compiled per layer
+    blocks: Callable[[], Blocks]  # the classes parallel and training code act on
     nanotron_layer: Callable[..., LayerTable]  # (shape, layer index=0) -> that layer's table
     nanotron_outer: dict[str, tuple[tuple[str, ...], Kind, Literal["first", "last"]]]
     param_shapes: Callable[[ModelShape], dict[str, tuple[int, ...]]]  # our name -> full shape
@@ -108,53 +112,3 @@ class ModelSpec:
     def hf_of(self, model_config) -> HFSpec:
         """The HF architecture `model_config` converts to (the first, unless `hf_for` says)."""
         return self.hf_for(model_config) or self.hf[0]
-
-
-_SPECS: dict[str, ModelSpec] = {}
-
-
-def register(spec: ModelSpec) -> ModelSpec:
-    _SPECS[spec.family] = spec
-    return spec
-
-
-def _load_specs() -> None:
-    from mesh3d.models import llama_spec, qwen2_spec, qwen3_spec  # noqa: F401  (each registers)
-
-
-def spec_of(model_config) -> ModelSpec:
-    """The spec of a model config object (a LlamaConfig, Qwen2Config, ...)."""
-    _load_specs()
-    for spec in _SPECS.values():
-        if type(model_config) is spec.config_class:
-            return spec
-    family = type(model_config).__name__.removesuffix("Config")
-    raise ConfigError(
-        f"model family {family} is not supported by mesh3d yet; supported: {', '.join(families())}"
-    )
-
-
-def spec_named(family: str) -> ModelSpec:
-    _load_specs()
-    if family not in _SPECS:
-        raise ConfigError(f"unknown model family {family!r}; use one of {', '.join(families())}")
-    return _SPECS[family]
-
-
-def families() -> list[str]:
-    _load_specs()
-    return list(_SPECS)
-
-
-def spec_for_hf(hf_config: dict) -> tuple[ModelSpec, HFSpec] | None:
-    """The spec and HF architecture whose `model_type` matches a config.json (and its
-    `architectures`, if listed), if any."""
-    _load_specs()
-    archs = set(hf_config.get("architectures") or [])
-    for spec in _SPECS.values():
-        for hf in spec.hf:
-            if hf_config.get("model_type") == hf.model_type and (
-                not archs or archs & set(hf.architectures)
-            ):
-                return spec, hf
-    return None

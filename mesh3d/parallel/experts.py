@@ -64,17 +64,6 @@ class ExpertParallel:
         return combine(experts_fn, flat, chosen, weights, num_experts, self)
 
 
-def summed_over(group: dist.ProcessGroup):
-    """`f(t)`: all-reduce `t` (a sum) over `group` in place and return the group's size; what
-    an MoE block calls for the load statistics of a sequence split over `group`."""
-
-    def f(t: Tensor) -> int:
-        dist.all_reduce(t, group=group)
-        return dist.get_world_size(group)
-
-    return f
-
-
 def ep_groups(world: int, dims, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     """(ep groups, expert replica groups) as global ranks, for `dims` (a `ParallelDims`).
 

@@ -30,22 +30,22 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mesh3d.mesh import replica_mesh
 from mesh3d.models.init import init_full_tensor
-from mesh3d.models.llama import Attention
-from mesh3d.models.moe import Experts, MoE
+from mesh3d.models.spec import Blocks
 from mesh3d.parallel.context import ContextParallel
-from mesh3d.parallel.experts import ExpertParallel, slice_expert_shard, summed_over
-from mesh3d.parallel.tensor import TPPlan, apply_tp, shard_grads_like_params
+from mesh3d.parallel.experts import ExpertParallel, slice_expert_shard
+from mesh3d.parallel.tensor import apply_tp, shard_grads_like_params
+from mesh3d.tp_styles import TPPlan, summed_over
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool) -> None:
-    """Every attention module of `model` attends across the sequence shards of `cp_mesh`
-    (`documents`: document masking is on); every MoE block sums its per-sequence load
-    statistics over them."""
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool, blocks: Blocks) -> None:
+    """Every attention module of `model` (`blocks.attention`) attends across the sequence shards
+    of `cp_mesh` (`documents`: document masking is on); every MoE block sums its per-sequence
+    load statistics over them."""
     cp = ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), documents)
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, blocks.attention):
             module.cp = cp
-        if isinstance(module, MoE):  # its load-balancing statistics span the whole sequence
+        if isinstance(module, blocks.moe):  # its load statistics span the whole sequence
             module.sequence_sums.append(summed_over(cp.group))
 
 
@@ -170,20 +170,21 @@ def _expert_shards(model: nn.Module) -> dict[str, tuple]:
     """Module name (canonical) -> its ep shard (group, rank, size), for the expert stacks
     `apply_ep` cut down."""
     return {
-        canonical_name(n): m.shard
+        canonical_name(n): m.ep_shard
         for n, m in model.named_modules()
-        if isinstance(m, Experts) and getattr(m, "shard", None) is not None
+        if getattr(m, "ep_shard", None) is not None
     }
 
 
-def apply_ep(model: nn.Module, ep: ExpertParallel) -> None:
-    """Every MoE block of `model` (on meta) keeps its ep rank's E / ep experts and dispatches
-    tokens over `ep` (`parallel/experts.py`)."""
+def apply_ep(model: nn.Module, ep: ExpertParallel, moe: tuple[type, ...]) -> None:
+    """Every MoE block of `model` (on meta; a class in `moe`) keeps its ep rank's E / ep experts
+    and dispatches tokens over `ep` (`parallel/experts.py`); its expert stacks are marked with
+    `ep_shard` = (group, rank, size)."""
     for module in model.modules():
-        if isinstance(module, MoE):
+        if isinstance(module, moe):
             module.ep = ep
             ex = module.experts
-            ex.shard = (ep.group, ep.rank, ep.size)
+            ex.ep_shard = (ep.group, ep.rank, ep.size)
             for pname, p in list(ex.named_parameters(recurse=False)):
                 local = (p.shape[0] // ep.size, *p.shape[1:])
                 ex.register_parameter(pname, nn.Parameter(torch.empty(local, device=p.device)))
@@ -193,9 +194,9 @@ def mark_expert_shards(model: nn.Module) -> None:
     """Tag the final expert parameters with their shard (`expert_shard`): checkpoints gather
     them, the gradient norm and the gradient sum treat them apart."""
     for module in model.modules():
-        if isinstance(module, Experts) and getattr(module, "shard", None) is not None:
+        if getattr(module, "ep_shard", None) is not None:
             for p in module.parameters(recurse=False):
-                p.expert_shard = module.shard
+                p.expert_shard = module.ep_shard
 
 
 def canonical_name(name: str) -> str:
@@ -224,8 +225,8 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str, blocks: str = "la
         container = None
     units = container.values() if isinstance(container, nn.ModuleDict) else container or []
     # expert-parallel slices are not replicated over dp: FSDP leaves them to their own sum
-    ignored = {p for m in model.modules() if getattr(m, "shard", None) is not None
-               and isinstance(m, Experts) for p in m.parameters(recurse=False)}  # fmt: skip
+    ignored = {p for m in model.modules() if getattr(m, "ep_shard", None) is not None
+               for p in m.parameters(recurse=False)}  # fmt: skip
     for layer in units:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
@@ -246,18 +247,20 @@ def parallelize(
     split_backward: bool = False,
     documents: bool = False,
     ep: ExpertParallel | None = None,
+    blocks: Blocks | None = None,
 ) -> nn.Module:
     """Steps 1-4 above on a model built on meta; returns the model ready to train.
 
     `tp_plan` (used when tp > 1) and `compile_classes` (compiled when not empty) come from the
-    model family's spec; `split_backward`: the pipeline schedule is a zero-bubble one
+    model family's spec, as `blocks` (the classes context and expert parallelism act on; needed
+    with cp or ep > 1); `split_backward`: the pipeline schedule is a zero-bubble one
     (`compile_blocks`); `documents`: document masking is on (context parallelism needs it)."""
     if ep is not None and ep.size > 1:  # before tp: the expert stacks shrink to their slice
-        apply_ep(model, ep)
+        apply_ep(model, ep, blocks.moe)
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], tp_plan)
     if "cp" in mesh.mesh_dim_names and mesh["cp"].size() > 1:
-        apply_cp(model, mesh["cp"], documents)
+        apply_cp(model, mesh["cp"], documents, blocks)
     if recompute_layer:
         checkpoint_layers(model)
     if compile_classes:

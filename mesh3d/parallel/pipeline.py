@@ -1,7 +1,7 @@
 """Pipeline parallelism on the mesh's "pp" axis, with torch.distributed.pipelining.
 
 The pieces, in the order a run uses them:
-- `split_layers` / `stage_ids_of_rank` (torch-free, in `parallel/stages.py`): which decoder
+- `split_layers` / `stage_ids_of_rank` (torch-free, in `parallel/pipeline_layout.py`): which decoder
   layers each stage holds — Nanotron's cost-based walk, so the pp rank of every layer matches the
   `pp-rank-P` of Nanotron's checkpoint files — and which stages a pp rank runs;
 - `build_stage`: a copy of the (meta) model without what the stage does not own; parameter
@@ -39,11 +39,16 @@ from torch.distributed.tensor import DTensor
 
 from mesh3d.errors import ConfigError
 from mesh3d.log import logger
-from mesh3d.parallel import stages as stage_math
+from mesh3d.parallel import pipeline_layout as stage_math
 from mesh3d.parallel.data import _local
-from mesh3d.parallel.stages import rank_of_stage, split_by_cost, split_layers, stage_ids_of_rank
+from mesh3d.parallel.pipeline_layout import (
+    rank_of_stage,
+    split_by_cost,
+    split_layers,
+    stage_ids_of_rank,
+)
 
-__all__ = [  # the arithmetic lives in parallel/stages.py (no torch); re-exported for callers
+__all__ = [  # the arithmetic lives in parallel/pipeline_layout.py (no torch); re-exported for callers
     "SCHEDULES", "build_schedule", "build_stage", "is_multi_stage", "is_v_schedule",
     "pipeline_stage", "rank_of_stage", "run_schedule", "split_by_cost", "split_layers",
     "stage_ids_of_rank",
@@ -61,7 +66,7 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "dualpipev": ScheduleDualPipeV,
 }
 assert list(SCHEDULES) == list(stage_math.SCHEDULES), (
-    "parallel/stages.py and torch's classes differ"
+    "parallel/pipeline_layout.py and torch's classes differ"
 )
 
 

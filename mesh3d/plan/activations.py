@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mesh3d.models.moe import grouped_gemm_ok
+from mesh3d.models.kernels import grouped_gemm_ok
 from mesh3d.plan.sizes import _Sizes
 
 
@@ -155,7 +155,11 @@ def moe_routed_bytes(z: _Sizes, received: int | None = None) -> int:
         return rows * (16 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p) + offsets
     received = rows if received is None else received
     if z.dispatcher == "allgather":
-        return 8 * rows * z.ep + received * (8 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p) + offsets
+        return (
+            8 * rows * z.ep
+            + received * (8 + 4 * f * z.e_c + h * (2 * z.e_c + z.e_p) + z.e_p)
+            + offsets
+        )
     sent_side = rows * (16 + 2 * h * z.e_p + z.e_p)
     return sent_side + received * (8 + 4 * f * z.e_c + h * (z.e_c + z.e_p)) + offsets
 

@@ -7,10 +7,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from mesh3d.config import validate
+from mesh3d.checks import validate
 from mesh3d.layout import param_and_compute_dtypes
 from mesh3d.mesh import ParallelDims
-from mesh3d.models.spec import ModelShape, spec_of
+from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.experts import ep_groups
 from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_by_cost, stage_ids_of_rank
 from mesh3d.plan.activations import loss_saved_bytes, stage_activation_bytes
@@ -93,7 +93,7 @@ def stage_shapes(cfg, z: _Sizes) -> tuple[nn.Module, list[list[int]], list[list[
     training makes (`split_by_cost`, `build_stage`), shapes only."""
     mc, n = cfg.model.model_config, z.pp * z.v
     spec = spec_of(mc)
-    split = split_by_cost(*spec.pipeline_costs(ModelShape.from_config(cfg)), n)
+    split = split_by_cost(*spec.pipeline_costs(model_shape(cfg)), n)
     with torch.device("meta"):
         full = spec.build(mc, vocab_size=z.padded, attention="sdpa")
     modules = [full] if n == 1 else [build_stage(full, i, n, split[i]) for i in range(n)]

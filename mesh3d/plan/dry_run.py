@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.mesh import ParallelDims, build_mesh, replica_mesh
-from mesh3d.parallel.stages import stage_ids_of_rank
+from mesh3d.parallel.pipeline_layout import stage_ids_of_rank
 from mesh3d.plan.build import stage_shapes
 from mesh3d.plan.memory import _params
 from mesh3d.plan.records import BuiltRank, DryRun, Plan

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from mesh3d.models.spec import spec_named
+from mesh3d.models.registry import spec_named
 from mesh3d.plan.sizes import _Sizes
 
 

@@ -22,8 +22,7 @@ from mesh3d.config import ExistingCheckpointInit
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
-from mesh3d.models.spec import ModelShape, spec_of
-from mesh3d.parallel.async_tp import check_async_tp, enable_async_tp
+from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.experts import new_groups as new_ep_groups
 from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
@@ -34,7 +33,8 @@ from mesh3d.parallel.pipeline import (
     split_by_cost,
     stage_ids_of_rank,
 )
-from mesh3d.parallel.stages import SCHEDULES
+from mesh3d.parallel.pipeline_layout import SCHEDULES
+from mesh3d.train.async_tp import check_async_tp, enable_async_tp
 from mesh3d.train.experts import set_aux_weights
 from mesh3d.train.float8 import apply_float8
 from mesh3d.train.loss import step_loss
@@ -73,7 +73,7 @@ def initial_weights(cfg, padded_vocab: int) -> FullSource:
         root = path / "model" if (path / "model").is_dir() else path
         if not root.is_dir():
             raise UserError(f"`model.init_method.path` {path} has no model/ folder of weights")
-        full = read_nanotron_weights(root, ModelShape.from_config(cfg))
+        full = read_nanotron_weights(root, model_shape(cfg))
         n = sum(t.numel() for t in full.values())
         logger.info(f"Initial weights from {root}: {len(full)} tensors, {n:,} parameters")
         tied = {"lm_head.weight": "embed_tokens.weight"} if mc.tie_word_embeddings else {}
@@ -94,7 +94,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     with torch.device("meta"):
         full = spec.build(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
     if cfg.mesh3d.float8:  # on the single-device model, before stages, TP, compile and DP
-        apply_float8(full)
+        apply_float8(full, spec.blocks().moe)
     if cfg.mesh3d.async_tp and device.type != "meta":  # before the first compile
         check_async_tp(device, mesh["tp"].get_group())
         enable_async_tp(mesh["tp"].get_group())
@@ -120,6 +120,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             split_backward=p.pp > 1 and SCHEDULES[layout.schedule].zero_bubble,
             documents=layout.doc_masking,
             ep=ep,
+            blocks=spec.blocks(),
         )
 
     if p.pp == 1:

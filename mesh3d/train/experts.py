@@ -12,23 +12,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mesh3d.models.moe import MoE
 
-
-def moe_blocks(modules) -> list[MoE]:
-    return [m for module in modules for m in module.modules() if isinstance(m, MoE)]
+def moe_blocks(modules, layout) -> list:
+    """The MoE blocks (the family spec's `blocks().moe` classes) of `modules`."""
+    moe = layout.spec.blocks().moe
+    return [m for module in modules for m in module.modules() if isinstance(m, moe)]
 
 
 def set_aux_weights(modules, layout) -> None:
     """The backward weight of every MoE block's auxiliary loss (module doc)."""
-    for block in moe_blocks(modules):
+    for block in moe_blocks(modules, layout):
         block.aux_weight = (
             block.aux_coef / (block.num_moe_layers * layout.global_batch) * layout.backward_scale
         )
 
 
-def clear_stats(modules) -> None:
-    for block in moe_blocks(modules):
+def clear_stats(modules, layout) -> None:
+    for block in moe_blocks(modules, layout):
         block.stats.clear()
 
 
@@ -39,7 +39,7 @@ def step_metrics(
     every rank): the auxiliary loss (coefficient included) and, over MoE layers, the largest
     ratio of an expert's tokens to the mean tokens per expert (1: balanced). Empties the stats.
     `tp_group`: under sequence parallelism each tp rank saw its own tokens; they are summed."""
-    blocks = moe_blocks(modules)
+    blocks = moe_blocks(modules, layout)
     aux = torch.zeros((), dtype=torch.float64, device=device)
     counts = []
     for block in blocks:

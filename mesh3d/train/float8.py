@@ -16,19 +16,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from mesh3d.config.speed import TORCHAO_FIX
+from mesh3d.checks.speed import TORCHAO_FIX
 from mesh3d.errors import ConfigError
 from mesh3d.log import logger
-from mesh3d.models.moe import MoE
 
 FLOAT8_MULTIPLE = 16  # in and out features of a linear that float8 kernels take
 
 
-def convert_to_float8(model: nn.Module) -> tuple[int, int]:
+def convert_to_float8(model: nn.Module, moe: tuple[type, ...]) -> tuple[int, int]:
     """Swap the eligible linears of `model.layers` for torchao `Float8Linear`s, in place (see
-    the module doc); returns (converted, skipped for their sizes)."""
+    the module doc), leaving blocks of a class in `moe` (the family's MoE blocks) alone;
+    returns (converted, skipped for their sizes)."""
     convert = _torchao_convert()
-    in_moe = {id(m) for block in model.modules() if isinstance(block, MoE) for m in block.modules()}
+    in_moe = {id(m) for block in model.modules() if isinstance(block, moe) for m in block.modules()}
     counts = {"converted": 0, "skipped": 0}
 
     def eligible(module: nn.Module, _fqn: str) -> bool:
@@ -43,10 +43,10 @@ def convert_to_float8(model: nn.Module) -> tuple[int, int]:
     return counts["converted"], counts["skipped"]
 
 
-def apply_float8(model: nn.Module) -> None:
+def apply_float8(model: nn.Module, moe: tuple[type, ...]) -> None:
     """`convert_to_float8` for training: logs what it converted, and refuses a model where
     nothing could be (a switch that changes nothing is an error, not a silent no-op)."""
-    converted, skipped = convert_to_float8(model)
+    converted, skipped = convert_to_float8(model, moe)
     if converted == 0:
         raise ConfigError(
             f"`mesh3d.float8` found no linear layer to convert: each of the {skipped} decoder "

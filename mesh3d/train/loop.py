@@ -24,7 +24,7 @@ from mesh3d.checkpoint.training import (
     load_checkpoint,
     save_checkpoint,
 )
-from mesh3d.config import validate
+from mesh3d.checks import validate
 from mesh3d.data.build import StagedData
 from mesh3d.errors import Interrupted, Preempted, UserError
 from mesh3d.layout import RunLayout
@@ -159,7 +159,7 @@ def _run_step(run: _Run, step: int, accepts=None) -> tuple[list, float, float]:
     dp_rank, dp = run.layout.coords["dp"], run.layout.dims.dp
     batches = run.data.batches(step, dp_rank, dp, tok.micro_batch_size) if reads else []
     if run.layout.shape.moe_layers:
-        clear_stats(run.parts.modules)  # what validation forwards left
+        clear_stats(run.parts.modules, run.layout)  # what validation forwards left
     loss, grad_norm = train_step(
         run.parts, run.optimizer, run.scheduler, batches, layout=run.layout,
         clip_grad=cfg.optimizer.clip_grad, mesh=run.mesh, device=run.device, accepts=accepts,

@@ -43,13 +43,13 @@ def llama_flops(
 ) -> float:
     """Model FLOPs of one Llama training step (spec §7.3): the Llama spec's `step_flops` from
     plain sizes. `vocab_size` is the padded vocabulary; `batch_size` the global batch."""
-    from mesh3d.models.llama_spec import LLAMA
+    from mesh3d.models.registry import spec_named
     from mesh3d.models.spec import ModelShape
 
     shape = ModelShape(
         num_layers, hidden_size, ffn_size, num_heads, num_kv_heads, vocab_size, False
     )
-    return LLAMA.step_flops(shape, seq_len, batch_size)
+    return spec_named("llama").step_flops(shape, seq_len, batch_size)
 
 
 # Dense bf16 tensor-core peak, TFLOPs per device (vendor data sheets; no sparsity). Matched in

@@ -15,8 +15,9 @@ import re
 
 import torch
 
-from mesh3d.checkpoint import names
-from mesh3d.models.spec import ModelShape, spec_named
+from mesh3d import nanotron_names as names
+from mesh3d.models.registry import model_shape, spec_named
+from mesh3d.models.spec import ModelShape
 from mesh3d.parallel.parallelize import canonical_name
 from mesh3d.train.lr_schedule import build_lr_scheduler
 
@@ -71,7 +72,7 @@ def build_optimizer(named_params, cfg, device: torch.device):
     f = o.optimizer_factory
     lr = o.learning_rate_scheduler.learning_rate
     exclude = list(o.weight_decay_exclude_named_params or [])
-    groups = param_groups(named_params, o.weight_decay, exclude, ModelShape.from_config(cfg))
+    groups = param_groups(named_params, o.weight_decay, exclude, model_shape(cfg))
     if f.name == "sgd":
         opt = torch.optim.SGD(groups, lr=lr)
     else:

@@ -27,7 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mesh3d.config import layout_text, load_config, validate, world_size
+from mesh3d.checks import validate
+from mesh3d.config import layout_text, load_config, world_size
 from mesh3d.errors import UserError, exit_on_user_error
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"

@@ -1,5 +1,5 @@
 """Pipeline arithmetic, without torch: the table of schedules, which layers each stage holds,
-which stages each pp rank runs. `config/validate.py`, `checkpoint/` and `plan/` use it before
+which stages each pp rank runs. `checks/validate.py`, `checkpoint/` and `plan/` use it before
 any process exists; `parallel/pipeline.py` maps the same names to torch's schedule classes.
 
     split_by_cost([4096, 4096], head_cost=4096, num_stages=2)   # [[0, 1], []]
@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass
 
 from mesh3d.errors import ConfigError
+from mesh3d.models.spec import decoder_cost
 
 
 @dataclass(frozen=True)
@@ -91,11 +92,6 @@ def split_by_cost(layer_costs: list[int], head_cost: int, num_stages: int) -> li
             )
     assert stage_of[-2] == head_stage == num_stages - 1, (stage_of, num_stages)
     return layers
-
-
-def decoder_cost(hidden_size: int, ffn_size: int, num_heads: int, head_dim: int) -> int:
-    """Nanotron's pipeline cost of one decoder layer (every family it has): 4·nq·dh·h + 3·F·h."""
-    return 4 * num_heads * head_dim * hidden_size + 3 * ffn_size * hidden_size
 
 
 def split_layers(

@@ -2,7 +2,7 @@
 
 Part of `validate` (same rules: one message per problem, naming the key and the fix; no torch
 import). What can only be known once torch runs (is there a GPU, is the group NCCL) is checked
-again where the switch is applied: `mesh3d/train/float8.py`, `mesh3d/parallel/async_tp.py`.
+again where the switch is applied: `mesh3d/train/float8.py`, `mesh3d/train/async_tp.py`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ weights, saved at any layout: `load_checkpoint` (no optimizer, no scheduler) for
 Per new token: one forward-only pass, over the pipeline stages with `forward_walk` (the
 evaluation walk: a stage's modules called directly, activations sent on the pp group); the
 last stage's tp ranks gather the last position's vocab-sharded logits (`full_tensor`), its tp
-rank 0 picks the token (`generate.next_token`, with its seeded generator) and broadcasts it to
+rank 0 picks the token (`sampling.next_token`, with its seeded generator) and broadcasts it to
 every rank, so that all ranks extend the same sequence.
 """
 
@@ -33,10 +33,11 @@ from torch.distributed.tensor import DTensor
 
 from mesh3d.checkpoint.nanotron_state import read_metadata
 from mesh3d.checkpoint.training import load_checkpoint, load_weights
-from mesh3d.config import RandomInit, load_config, validate
+from mesh3d.checks import validate
+from mesh3d.config import RandomInit, load_config
 from mesh3d.config.schema import Config
 from mesh3d.errors import UserError
-from mesh3d.generate import check_sampling, extend, next_token
+from mesh3d.generation.sampling import check_sampling, extend, next_token
 from mesh3d.layout import RunLayout
 from mesh3d.mesh import (
     build_mesh,
@@ -125,7 +126,7 @@ def load_parallel_model(step: Path, tp: int, pp: int, batch: int, length: int,
 def generate_parallel(model: ParallelModel, ids: Tensor, max_new_tokens: int,
                       temperature: float = 0.0, top_k: int | None = None, eos: int | None = None,
                       generator: torch.Generator | None = None) -> Tensor:  # fmt: skip
-    """`generate.generate` on the parallel model: every rank calls it with the same `ids` [S]
+    """`sampling.generate` on the parallel model: every rank calls it with the same `ids` [S]
     or [B, S] (B = the model's batch) and gets the same tokens back; `generator` draws on the
     picking rank only. Never picks vocabulary padding.
 

@@ -1,10 +1,16 @@
-"""Nanotron's checkpoint format as data (spec §3-4): TP kinds, name prefixes, file names,
-versions. What a family's layers hold is in its spec (`models/<family>_spec.py`).
+"""Nanotron's checkpoint format as data: TP kinds, name prefixes, file names, versions.
+
+A leaf (no mesh3d import): the family specs (`models/`) name their tensors with it and
+`checkpoint/` reads and writes files with it. What a family's layers hold is in its spec
+(`models/<family>_spec.py`); docs/nanotron-layout.md describes the format.
 """
 
 from __future__ import annotations
 
-from mesh3d.models.spec import Kind
+from typing import Literal
+
+# How Nanotron splits a parameter over TP (see SPLIT_DIM)
+Kind = Literal["vocab", "column", "row", "replicated"]
 
 # kind -> the dim Nanotron splits over TP (None: every TP rank holds a full copy).
 #   vocab:      embedding / lm_head rows [t*V/T, (t+1)*V/T), one contiguous block

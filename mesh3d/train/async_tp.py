@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch.distributed import ProcessGroup
 
-from mesh3d.config.speed import ASYNC_TP_NEEDS
+from mesh3d.checks.speed import ASYNC_TP_NEEDS
 from mesh3d.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""Check a config before launching: `python -m mesh3d.config CONFIG [--world-size N] [key=value ...]`.
+"""Check a config before launching: `mesh3d config CONFIG [--world-size N] [key=value ...]`.
 
 Loads the file, applies the dotted overrides, validates it (for `--world-size`, default
 dp x tp x pp) and prints the resolved YAML; exit 0. A problem prints `error: ...` and exits 2.
@@ -9,16 +9,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mesh3d.checks.validate import validate
 from mesh3d.config.load import config_to_yaml, load_config
-from mesh3d.config.validate import validate
 from mesh3d.errors import exit_on_user_error
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m mesh3d.config", description=__doc__.splitlines()[0]
-    )
+    ap = argparse.ArgumentParser(prog="mesh3d config", description=__doc__.splitlines()[0])
     ap.add_argument("config", help="Nanotron YAML config file")
     ap.add_argument("--world-size", type=int, help="number of processes (default: dp x tp x pp)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")

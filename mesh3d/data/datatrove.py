@@ -1,0 +1,276 @@
+"""datatrove's tokenized files, the format Nanotron's Nanoset reads: written and read here only.
+
+A folder of `*.ds` files, each the raw little-endian token ids of many documents (uint16, or
+uint32 when the vocabulary has more than 65,536 entries; no header), with `.ds.index` (the uint64
+end offset, in tokens, of every document) and `.ds.metadata` (`<tokenizer>|<bytes per token>`
+on line 1, the token count, then a readable count) beside it. Reading follows datatrove: the
+folder's `*.ds` files (not recursive) are sorted, then shuffled at file level with
+`numpy.random.default_rng(42).permutation`; file f holds floor(n_tokens_f / (S+1)) samples,
+sample i being the non-overlapping window of tokens [i*(S+1), (i+1)*(S+1)) (the tail is
+dropped); the folder is its files' samples one after the other. Files are memory-mapped, never
+read whole. Writing (`TokenFileWriter`) is atomic: temporary files renamed into place, the
+`.ds` last.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from mesh3d.errors import UserError
+from mesh3d.log import Progress
+
+DATATROVE_FILE_SEED = 42  # datatrove's default seed for the file-level shuffle
+TOKEN_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+_SCAN_TOKENS = 1 << 22  # tokens per block when scanning a file for out-of-vocabulary ids
+
+
+def token_size_for_vocab(vocab_size: int) -> int:
+    """Bytes per token datatrove uses for a vocabulary: 4 above 65,536 entries, else 2."""
+    return 4 if vocab_size > 65536 else 2
+
+
+def metadata_token_size(ds_path: str | os.PathLike) -> int | None:
+    """Token size from `<file>.ds.metadata` line 1 (`<tokenizer>|<bytes>`), or None if absent.
+
+    Older datatrove versions write only the tokenizer name on line 1; that also gives None.
+    """
+    meta = Path(f"{ds_path}.metadata")
+    if not meta.is_file():
+        return None
+    first = meta.read_text(encoding="utf-8", errors="replace").split("\n", 1)[0].strip()
+    if "|" not in first:
+        return None
+    size = first.rsplit("|", 1)[1].strip()
+    if size not in ("2", "4"):
+        raise UserError(
+            f"{meta}: line 1 is {first!r}; expected '<tokenizer>|2' or '<tokenizer>|4' (bytes per "
+            "token). Fix or delete the metadata file and set token_size_in_bytes instead"
+        )
+    return int(size)
+
+
+class WindowSource(Protocol):
+    """What `BlendedSamples` blends: a list of token windows of S+1 tokens each."""
+
+    def __len__(self) -> int: ...
+
+    def window(self, index: int) -> np.ndarray: ...
+
+
+class DatatroveFile:
+    """One `.ds` file: `len(f)` samples, `f.window(i)` -> the (S+1,) token window i (a memmap view)."""
+
+    def __init__(self, path: str | os.PathLike, seq_len: int, token_size: int):
+        self.path, self.seq_len, self.token_size = str(path), seq_len, token_size
+        self.dtype = TOKEN_DTYPES[token_size]
+        size = os.path.getsize(self.path)
+        if size == 0:
+            raise UserError(
+                f"{self.path} is empty (0 bytes); delete it (and its .index/.metadata) or "
+                "tokenize its data again"
+            )
+        if size % token_size:
+            raise UserError(
+                f"{self.path} has {size} bytes, not a multiple of the token size "
+                f"({token_size} bytes, {self.dtype.name}): the file is truncated, or the token size "
+                "is wrong. Tokenize its data again, or fix token_size_in_bytes / the .ds.metadata"
+            )
+        self.num_tokens = size // token_size
+        self._tokens: np.ndarray | None = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """All token ids of the file, memory-mapped read-only (opened on first use)."""
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        return self._tokens
+
+    def __len__(self) -> int:
+        return self.num_tokens // (self.seq_len + 1)
+
+    def window(self, index: int) -> np.ndarray:
+        """Tokens [index*(S+1), (index+1)*(S+1)) of the file."""
+        w = self.seq_len + 1
+        return self.tokens[index * w : (index + 1) * w]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise `UserError` at the first token id >= `vocab_size` (scans the file in blocks)."""
+        if self.dtype.itemsize == 2 and vocab_size > 65535:
+            return  # every uint16 id fits
+        # read in blocks rather than through the memmap: the scan leaves no mapped pages behind
+        with open(self.path, "rb") as f:
+            for start in range(0, self.num_tokens, _SCAN_TOKENS):  # noqa: B007 (used below)
+                block = np.fromfile(f, dtype=self.dtype, count=_SCAN_TOKENS)
+                if int(block.max()) < vocab_size:
+                    continue
+                break
+            else:
+                return
+        offset = int(np.argmax(block >= vocab_size))
+        value = int(block[offset])
+        raise UserError(
+            f"{self.path}: token {start + offset} is id {value}, but the model's vocabulary "
+            f"has {vocab_size} ids (model.model_config.vocab_size). The folder was tokenized "
+            "with a different (larger) tokenizer: tokenize it again with the model's "
+            f"tokenizer, or set model.model_config.vocab_size to at least {value + 1}"
+        )
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_tokens"] = None  # reopen the memmap after pickling, do not copy the tokens
+        return state
+
+
+class DatatroveFolder:
+    """A folder of `.ds` files read as datatrove does: sorted, shuffled with seed 42, concatenated.
+
+    The token size of each file comes from its `.ds.metadata` line 1 when that says it, else
+    from `token_size_in_bytes`, else from `vocab_size` (4 bytes above 65,536 ids, else 2). With
+    `check_token_ids`, every file is scanned once for ids >= `vocab_size`.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        seq_len: int,
+        *,
+        vocab_size: int | None = None,
+        token_size_in_bytes: int | None = None,
+        check_token_ids: bool = True,
+        file_seed: int = DATATROVE_FILE_SEED,
+    ):
+        self.folder, self.seq_len = str(folder), seq_len
+        if not os.path.exists(self.folder):
+            raise UserError(f"dataset_folder {self.folder!r} does not exist; fix the path")
+        if not os.path.isdir(self.folder):
+            raise UserError(
+                f"dataset_folder {self.folder!r} is a file; give the folder that holds the .ds files"
+            )
+        if token_size_in_bytes is not None and token_size_in_bytes not in TOKEN_DTYPES:
+            raise UserError(f"token_size_in_bytes is {token_size_in_bytes}; use 2 or 4")
+        names = sorted(p.name for p in Path(self.folder).glob("*.ds") if p.is_file())
+        if not names:
+            raise UserError(
+                f"dataset_folder {self.folder!r} has no *.ds files (datatrove's tokenized output). "
+                "Tokenize text into it with `python -m mesh3d.data.tokenize --tokenizer <dir> "
+                f"--input <files> --output {self.folder}`"
+            )
+        order = np.random.default_rng(file_seed).permutation(len(names))
+        self.files = [
+            self._open(os.path.join(self.folder, names[i]), vocab_size, token_size_in_bytes)
+            for i in order
+        ]
+        lengths = [len(f) for f in self.files]
+        self.starts = [0, *np.cumsum(lengths).tolist()]  # starts[f] = first sample of file f
+        if len(self) == 0:
+            tokens = sum(f.num_tokens for f in self.files)
+            raise UserError(
+                f"dataset_folder {self.folder!r} has {tokens} tokens in {len(names)} files, and "
+                f"no file has the {seq_len + 1} tokens (tokens.sequence_length + 1) of one sample; "
+                "add data or lower tokens.sequence_length"
+            )
+        if check_token_ids and vocab_size is not None:
+            progress = Progress(f"Checking token ids in {self.folder}", len(self.files))
+            for f in self.files:
+                f.check_vocab(vocab_size)
+                progress.update()
+            progress.done(f" ({sum(f.num_tokens for f in self.files):,} tokens)")
+
+    def _open(self, path: str, vocab_size: int | None, explicit: int | None) -> DatatroveFile:
+        size = metadata_token_size(path)
+        if size is not None and explicit is not None and size != explicit:
+            raise UserError(
+                f"{path}.metadata says {size} bytes per token but token_size_in_bytes is "
+                f"{explicit}; remove token_size_in_bytes or set it to {size}"
+            )
+        if size is None:
+            size = explicit
+        if size is None:
+            if vocab_size is None:
+                raise UserError(
+                    f"cannot tell the token size of {path}: it has no .ds.metadata; set "
+                    "token_size_in_bytes (2 or 4)"
+                )
+            size = token_size_for_vocab(vocab_size)
+        return DatatroveFile(path, self.seq_len, size)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def window(self, index: int) -> np.ndarray:
+        """Sample `index` of the folder: the (S+1,) token window, from the file that holds it."""
+        f = bisect.bisect_right(self.starts, index) - 1
+        return self.files[f].window(index - self.starts[f])
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """datatrove's token type: little-endian uint32 above 65,536 ids, else uint16."""
+    return TOKEN_DTYPES[token_size_for_vocab(vocab_size)]
+
+
+def readable_count(n: int) -> str:
+    """`1234567` -> `1.23 MT`, like datatrove's third metadata line."""
+    for value, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= value:
+            return f"{n / value:.2f} {prefix}T"
+    return f"{n} T"
+
+
+class TokenFileWriter:
+    """Writes one datatrove `.ds` file with its `.ds.index` and `.ds.metadata`, atomically.
+
+    Use as a context manager: `add(documents)` appends tokenized documents, each followed by
+    `eos`; a clean exit renames the temporary files into place, an exception deletes them.
+    """
+
+    def __init__(self, ds_path: str | os.PathLike, tokenizer_name: str, vocab_size: int, eos: int):
+        self.ds_path = Path(ds_path)
+        self.tokenizer_name, self.eos = tokenizer_name, eos
+        self.dtype = token_dtype(vocab_size)
+        self.paths = {s: Path(f"{self.ds_path}{s}") for s in ("", ".index", ".metadata")}
+        self.temps = {s: p.with_name(f".{p.name}.tmp{os.getpid()}") for s, p in self.paths.items()}
+        self.documents = self.tokens = 0
+
+    def __enter__(self) -> TokenFileWriter:
+        self._ds = open(self.temps[""], "wb")
+        self._index = open(self.temps[".index"], "wb")
+        return self
+
+    def add(self, documents: list[list[int]]) -> None:
+        """Append documents (token id lists); EOS is written after each."""
+        if not documents:
+            return
+        lengths = np.fromiter((len(d) + 1 for d in documents), np.int64, len(documents))
+        ends = np.cumsum(lengths)
+        flat = np.empty(int(ends[-1]), dtype=self.dtype)
+        is_text = np.ones(len(flat), dtype=bool)
+        is_text[ends - 1] = False
+        flat[~is_text] = self.eos
+        flat[is_text] = np.fromiter(
+            itertools.chain.from_iterable(documents), np.int64, len(flat) - len(documents)
+        )
+        self._ds.write(flat.data)
+        self._index.write((ends + self.tokens).astype("<u8").data)
+        self.documents += len(documents)
+        self.tokens += len(flat)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._ds.close()
+        self._index.close()
+        if exc_type is None:
+            self.temps[".metadata"].write_text(
+                f"{self.tokenizer_name}|{self.dtype.itemsize}\n{self.tokens}\n"
+                f"{readable_count(self.tokens)}",
+                encoding="utf-8",
+            )
+            for suffix in (".index", ".metadata", ""):  # the .ds last: readers glob *.ds
+                os.replace(self.temps[suffix], self.paths[suffix])
+        else:
+            for p in self.temps.values():
+                p.unlink(missing_ok=True)

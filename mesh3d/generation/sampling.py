@@ -1,0 +1,84 @@
+"""Picking tokens: greedy or sampled (temperature, top-k, a seeded generator), and the loop
+that extends a batch of sequences until each ends at EOS or the budget is spent.
+
+Shared by the one-process model (`generation/single.py`), the tp/pp model under torchrun
+(`generation/parallel.py`) and the end-of-run sample of `mesh3d train`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+
+def next_token(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
+               generator: torch.Generator | None = None) -> Tensor:  # fmt: skip
+    """The next token of each row of `logits` [B, V]: the argmax at temperature 0, else a
+    sample from softmax(logits / temperature), restricted to the `top_k` largest when given."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)  # (B,)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    where = generator.device if generator is not None else probs.device
+    picked = torch.multinomial(probs.to(where), 1, generator=generator)  # (B, 1)
+    return picked.squeeze(-1).to(logits.device)
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Raise `ValueError` for settings `generate` cannot use."""
+    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+        raise ValueError(
+            f"need max_new_tokens >= 0 ({max_new_tokens}), temperature >= 0 ({temperature}) "
+            f"and top_k >= 1 or None ({top_k})"
+        )
+
+
+def extend(ids: Tensor, max_new_tokens: int, pick: Callable[[Tensor], Tensor],
+           eos: int | None = None) -> Tensor:  # fmt: skip
+    """`ids` [S] or [B, S] followed by up to `max_new_tokens` tokens, each row's next token
+    `pick(out)` [B] for the sequence so far `out` [B, S']. A row that produced `eos` is
+    finished: it gets `eos` again while others go on (transformers pads with eos when there is
+    no pad token), and generation stops when every row is."""
+    out = ids[None] if ids.dim() == 1 else ids  # (B, S)
+    done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    for _ in range(max_new_tokens):
+        tok = pick(out)  # (B,)
+        if eos is not None:
+            tok = torch.where(done, eos, tok)
+            done |= tok == eos
+        out = torch.cat([out, tok[:, None].to(out.dtype)], dim=1)  # (B, S + 1)
+        if done.all():
+            break
+    return out[0] if ids.dim() == 1 else out
+
+
+@torch.no_grad()
+def generate(model: nn.Module, ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, eos: int | None = None,
+             generator: torch.Generator | None = None, *, vocab_size: int | None = None,
+             ) -> Tensor:  # fmt: skip
+    """`ids` [S] or [B, S] (on the model's device) followed by up to `max_new_tokens` tokens.
+
+    `model(ids)` gives logits [B, S, V] (mesh3d's models; an object with `.logits`, as
+    transformers' models return, works too). Greedy at `temperature` 0, else sampled (see
+    `next_token`) with `generator`; `eos` ends a row (see `extend`). `vocab_size`: never pick
+    ids at or above it (vocabulary padding). Each step runs the model over the whole sequence
+    (no KV cache), under `torch.no_grad`.
+
+    Example:
+
+        out = mesh3d.generation.sampling.generate(model, torch.tensor([1, 5, 9]), 20, eos=2)
+    """
+    check_sampling(max_new_tokens, temperature, top_k)
+
+    def pick(out: Tensor) -> Tensor:
+        logits = model(out)
+        logits = getattr(logits, "logits", logits)[:, -1, :vocab_size]  # (B, V)
+        return next_token(logits, temperature, top_k, generator)
+
+    return extend(ids, max_new_tokens, pick, eos)

@@ -1,0 +1,75 @@
+"""Generation on one process: the single-device model of a step folder with its full weights
+(any layout wrote them), its tokenizer, and the new tokens for a prompt.
+
+Each new token is a forward over the whole sequence (no KV cache): simple, and fast enough
+for a look at a small model.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mesh3d.checkpoint.hf import read_model_config_json, shape_of
+from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
+from mesh3d.checkpoint.tokenizer_files import config_tokenizer, saved_config, step_tokenizer
+from mesh3d.errors import UserError
+from mesh3d.generation.sampling import generate
+from mesh3d.mesh import resolve_device
+from mesh3d.models.registry import spec_of
+
+
+def load_model(step: Path, device: torch.device) -> tuple[nn.Module, object]:
+    """The single-device model of a step folder with its full weights; its model config."""
+    mc = read_model_config_json(step)
+    if not (step / "model").is_dir():
+        raise UserError(f"{step} has no model/ folder of weights; give a checkpoint step folder")
+    full = read_nanotron_weights(step / "model", shape_of(mc))
+    with torch.device("meta"):  # no random init: every tensor comes from the files
+        model = spec_of(mc).build(mc, vocab_size=mc.vocab_size, attention="auto")
+    missing, unexpected = model.load_state_dict(full, strict=False, assign=True)
+    assert not unexpected and set(missing) <= set(model.tied_parameters), (missing, unexpected)
+    model.tie_weights()
+    dtype = torch.float32 if device.type == "cpu" else full["embed_tokens.weight"].dtype
+    return model.to(device=device, dtype=dtype).eval(), mc
+
+
+def find_tokenizer(step: Path, flag: str | None) -> tuple[str, str]:
+    """(tokenizer path, where it came from): `--tokenizer`, `<step>/tokenizer/`, config.yaml."""
+    if flag:
+        return flag, "--tokenizer"
+    saved = step_tokenizer(step)
+    if saved is not None:
+        return str(saved), "saved with the checkpoint"
+    named = config_tokenizer(step)
+    if named and Path(named).exists():
+        return named, f"{step / 'config.yaml'} tokenizer.tokenizer_name_or_path"
+    said = f"; its config.yaml names {named!r}, which is not a local path" if named else ""
+    raise UserError(
+        f"no tokenizer for {step}: it has no tokenizer/ folder{said}. Give one with "
+        "--tokenizer <folder with tokenizer.json | tokenizer.json> (a hub name must be "
+        "downloaded first, e.g. `huggingface-cli download <repo id> tokenizer.json --local-dir <dir>`)"
+    )
+
+
+def unpadded_vocab(step: Path, padded: int) -> int:
+    """The trained vocabulary (config.yaml's `vocab_size`; model_config.json has it padded)."""
+    mc = (saved_config(step).get("model") or {}).get("model_config") or {}
+    vocab = mc.get("vocab_size") if isinstance(mc, dict) else None
+    return vocab if isinstance(vocab, int) and 0 < vocab <= padded else padded
+
+
+def generate_here(step: Path, prompt_ids: list[int], args) -> tuple[list[int], str]:
+    """The new token ids on this one process, and how they were made."""
+    device = resolve_device(args.device)
+    model, mc = load_model(step, device)
+    generator = torch.Generator(device).manual_seed(args.seed)
+    start = time.perf_counter()
+    out = generate(model, torch.tensor(prompt_ids, device=device), args.max_new_tokens,
+                   args.temperature, args.top_k, mc.eos_token_id, generator,
+                   vocab_size=unpadded_vocab(step, mc.vocab_size))  # fmt: skip
+    took = time.perf_counter() - start
+    return out[len(prompt_ids) :].tolist(), f"in {took:.1f} s on {device.type}"

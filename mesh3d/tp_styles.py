@@ -1,0 +1,174 @@
+"""The ParallelStyles a family's tensor-parallel plan is written in, and torch's own.
+
+A plan is data, `FQN pattern -> ParallelStyle` (each family's spec writes its own in
+`models/<family>_spec.py`); `parallel/tensor.py` applies it on mesh["tp"]. This module sits
+below the models so that the specs can name these styles; it imports no mesh3d module.
+
+`LocalColwise` / `LocalRowwise` / `LocalReplicated` keep torch's layouts but compute on local
+tensors inside a block; `block_input` hands a block one gathered copy of its input. Every
+parameter ends up a DTensor on the tp mesh (replicated ones as `Replicate()`): mixed plain and
+DTensor parameters would break foreach AdamW and gradient clipping.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (  # noqa: F401  (Shard re-exported for the specs)
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (  # noqa: F401  (re-exported for the specs)
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+)
+
+TPPlan = dict[str, ParallelStyle]
+
+
+class LocalReplicated(ParallelStyle):
+    """Keep a module's weights as `Replicate()` DTensors and run it on local tensors.
+
+    For the norms, and for an MoE block (`ExpertsReplicated`). The module reads its weights
+    through `to_local(grad_placements=[module.grad_placement])` (RMSNorm and the MoE block
+    honour `grad_placement`), so its interior is plain tensor code, not one DTensor dispatch per
+    op. The weight gradient is `Replicate()` when every tp rank computes the same thing (ALL_REDUCE
+    activations: the column-parallel consumers all-reduce their input gradient), `Partial()` when
+    each rank holds other rows (sequence parallelism; the Qwen3 q/k norms on each rank's heads),
+    summed once after backward by `reduce_partial_grads`. Inputs arrive local (a DTensor is
+    made local); the output is local.
+    """
+
+    def __init__(self, partial_grads: bool):
+        super().__init__()
+        self.partial_grads = partial_grads
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate_params(_name, mod, mesh):
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                dt = distribute_tensor(p, mesh, [Replicate()], src_data_rank=None)
+                mod.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+        module.grad_placement = Partial() if self.partial_grads else Replicate()
+
+        def to_local(_mod, inputs, mesh):
+            return tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
+
+        return distribute_module(module, device_mesh, replicate_params, input_fn=to_local)
+
+
+class ExpertsReplicated(LocalReplicated):
+    """A mixture-of-experts block under tensor parallelism: router, experts and shared expert
+    replicated (`Replicate()` DTensor weights, the same on every tp rank), run on the tokens
+    the rank holds, with local tensors inside.
+
+    ALL_REDUCE: the rank holds every token (activations are replicated), so every tp rank
+    computes the same thing and the same weight gradients. REDUCE_SCATTER: the rank holds its
+    sequence shard and runs the experts on it alone (the block is per token: no gather); the
+    weight gradients are partial sums over tp (`Partial()`, reduced once after backward by
+    `reduce_partial_grads`), and the block sums its load-balancing statistics over tp. The
+    block reads the mode from `grad_placement` and `sequence_sums`.
+    """
+
+    def __init__(self, sequence_parallel: bool):
+        super().__init__(partial_grads=sequence_parallel)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.partial_grads:
+            module.sequence_sums.append(summed_over(device_mesh.get_group()))
+        return super()._apply(module, device_mesh)
+
+
+def _local_colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    bias = None if self.bias is None else self.bias.to_local()
+    return F.linear(x, self.weight.to_local(), bias)
+
+
+class LocalColwise(ColwiseParallel):
+    """`ColwiseParallel`'s layout (weight and bias `Shard(0)`), computed on local tensors.
+
+    The input is the block's local copy of the full activations (`block_input`), the output
+    this rank's columns, local. The same math as `ColwiseParallel` fed a `Replicate()` input,
+    with one `to_local` per parameter instead of DTensor's dispatch of each op of the linear
+    and its backward; the weight gradient arrives as a `Shard(0)` DTensor.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh, self._partition_linear_fn)
+        module.forward = types.MethodType(_local_colwise_forward, module)
+        return module
+
+
+class LocalRowwise(RowwiseParallel):
+    """`RowwiseParallel`'s layout (weight `Shard(1)`, bias `Replicate()`), computed on local
+    tensors: this rank's partial product of its input columns, then one reduction to
+    `output_layouts` (all-reduce to `Replicate()`, reduce-scatter to `Shard(1)` under sequence
+    parallelism) and the bias; the output is local."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh, self._partition_linear_fn)
+        layout = self.output_layouts[0]
+        bias_grad = [Partial() if layout.is_shard() else Replicate()]
+
+        def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            partial = DTensor.from_local(F.linear(x, mod.weight.to_local()), device_mesh,
+                                         [Partial()], run_check=False)  # fmt: skip
+            out = partial.redistribute(device_mesh, [layout]).to_local()
+            if mod.bias is not None:
+                out = out + mod.bias.to_local(grad_placements=bias_grad)
+            return out
+
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
+class _BlockInput(ParallelStyle):
+    """`block_input`'s style: a forward pre-hook on the block."""
+
+    def __init__(self, layout):
+        super().__init__()
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_mod, inputs):
+            x, *rest = inputs
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [self.layout], run_check=False)
+            full = x.redistribute(device_mesh, [Replicate()])
+            return (full.to_local(grad_placements=[Partial()]), *rest)
+
+        module.register_forward_pre_hook(gather)
+        return module
+
+
+def block_input(layout) -> ParallelStyle:
+    """Hand attention / MLP their input as one local copy of the full activations (gathered
+    from `layout`: all-gathered under sequence parallelism, as is under ALL_REDUCE).
+
+    q/k/v (and gate/up, `LocalColwise`) then share it: their input-gradient contributions add up
+    locally, as plain tensors, and are reduced once per sublayer on the way back (the gradient
+    leaves as `Partial()`: one all-reduce, or one reduce-scatter under sequence parallelism),
+    not once per projection.
+    """
+    return _BlockInput(layout)
+
+
+def summed_over(group: dist.ProcessGroup):
+    """`f(t)`: all-reduce `t` (a sum) over `group` in place and return the group's size; what
+    an MoE block calls for the load statistics of a sequence split over `group`."""
+
+    def f(t: torch.Tensor) -> int:
+        dist.all_reduce(t, group=group)
+        return dist.get_world_size(group)
+
+    return f
