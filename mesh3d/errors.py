@@ -38,6 +38,13 @@ USER_ERROR_EXIT_CODE = 2
 F = TypeVar("F", bound=Callable)
 
 
+def not_divisible(key: str, value: int, by_key: str, by: int, fix: str) -> list[str]:
+    """[the message] when `key` (value) is not a multiple of `by_key` (by), else []."""
+    return (
+        [f"`{key}` ({value}) must be divisible by `{by_key}` ({by}); {fix}"] if value % by else []
+    )
+
+
 def not_supported_yet(key: str, what: str) -> str:
     """The message for a setting mesh3d does not implement yet: the key, then what to do."""
     return f"`{key}` is not supported by mesh3d yet ({what})"

@@ -55,10 +55,23 @@ def _qwen3() -> dict:
     return d
 
 
+def _qwen3_moe() -> dict:
+    """Qwen3-MoE with renormalized router weights: `norm_topk_prob` lives in `mesh3d:`, so the
+    parallel path must read it back from the metadata as the one-process path does from
+    model_config.json (it once rebuilt the model with False)."""
+    d = _qwen3()
+    d["model"]["model_config"]["moe_config"] = dict(
+        num_experts=4, top_k=2, moe_intermediate_size=32, enable_shared_expert=False, layers=[-1]
+    )
+    d["mesh3d"]["norm_topk_prob"] = True
+    return d
+
+
 FAMILIES = {
     "llama": (TINY, "parallelism.tp=2"),
     "qwen2": (_qwen2(), "parallelism.pp=2"),
     "qwen3": (_qwen3(), "parallelism.tp=2"),
+    "qwen3-moe": (_qwen3_moe(), "parallelism.tp=2"),
 }
 
 
@@ -133,6 +146,19 @@ def test_greedy_tokens_at_tp_and_pp_are_one_process(runs, name):
     sampled = generate(model, PROMPTS, NEW, 2.0, 50, EOS, gen, vocab_size=VOCAB).tolist()
     assert sampled != expected
     assert all(got[name, 2, 2, "sampled"] == sampled for got in four)
+
+
+def test_the_parallel_model_has_every_setting_the_checkpoint_was_trained_with(runs):
+    from mesh3d.generation.parallel import generation_config
+
+    root, _, _ = runs
+    for name in FAMILIES:
+        _, mc = load_model(root / name / "1", torch.device("cpu"))
+        cfg = generation_config(root / name / "1", tp=2, pp=2, batch=1, length=8, device="cpu")
+        ours = cfg.model.model_config
+        assert type(ours) is type(mc), name
+        for key in ("head_dim", "norm_topk_prob", "moe_config", "no_rope_layer"):
+            assert getattr(ours, key, None) == getattr(mc, key, None), (name, key)
 
 
 def test_command_prints_the_one_process_text_on_rank_0(runs, monkeypatch):

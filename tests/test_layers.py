@@ -26,7 +26,9 @@ def test_the_layers_and_the_family_contract_hold():
 
 
 def test_an_upward_function_level_import_and_a_model_import_break_the_contracts(tmp_path):
-    shutil.copytree(REPO / "mesh3d", tmp_path / "mesh3d", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        REPO / "mesh3d", tmp_path / "mesh3d", ignore=shutil.ignore_patterns("__pycache__")
+    )
     shutil.copy(REPO / "pyproject.toml", tmp_path)
     with open(tmp_path / "mesh3d" / "config" / "derive.py", "a") as f:
         f.write("\n\ndef _probe():\n    from mesh3d.train import loop  # noqa: F401\n")

@@ -8,6 +8,7 @@ its line there. No torch import: this runs before anything is set up.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 
@@ -17,16 +18,16 @@ from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.checks.optim_checks import lr_errors, optimizer_errors
 from mesh3d.checks.size_checks import scale_errors, too_large
 from mesh3d.checks.speed import speed_errors
-from mesh3d.config.derive import effective_pp_schedule, padded_vocab_size
+from mesh3d.config.derive import effective_pp_schedule
+from mesh3d.config.families import MESH3D_FAMILIES
 from mesh3d.config.schema import (
     Config,
-    LlamaConfig,
-    Qwen2Config,
+    Mesh3dArgs,
     RandomInit,
     SpectralMupInit,
 )
 from mesh3d.errors import ConfigError, not_supported_yet
-from mesh3d.models.activations import HIDDEN_ACTS, TRAIN_DTYPES
+from mesh3d.models.activations import TRAIN_DTYPES
 from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.pipeline_layout import SCHEDULES, microbatches_needed, split_by_cost
 
@@ -92,11 +93,8 @@ def _sizes(cfg: Config) -> Iterator[str]:
     for k in ("sequence_length", "train_steps", "micro_batch_size"):
         sizes[f"tokens.{k}"] = getattr(t, k)
     sizes["tokens.batch_accumulation_per_replica"] = t.batch_accumulation_per_replica
-    if isinstance(mc, (LlamaConfig, Qwen2Config)):
-        for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers"):
-            sizes[f"{MC}.{k}"] = getattr(mc, k)
-        sizes[f"{MC}.num_key_value_heads"] = mc.num_key_value_heads
-        sizes[f"{MC}.vocab_size"] = mc.vocab_size
+    with contextlib.suppress(ConfigError):  # an unsupported family: `_unsupported` names it
+        sizes.update(spec_of(mc).config_sizes(mc))
     for key, value in sizes.items():
         if value < 1:
             yield f"`{key}` must be >= 1, got {value}"
@@ -144,7 +142,7 @@ def _divides(key: str, value: int, by_key: str, by: int, fix: str) -> Iterator[s
 
 
 def _model(cfg: Config) -> Iterator[str]:
-    m, tp = cfg.model, cfg.parallelism.tp
+    m = cfg.model
     if m.dtype not in DTYPES:
         yield f"`model.dtype` {m.dtype!r} is not a dtype; use one of {', '.join(DTYPES)}"
     elif m.dtype not in TRAIN_DTYPES:
@@ -157,86 +155,11 @@ def _model(cfg: Config) -> Iterator[str]:
             yield f"`model.init_method.scaling_method` {init.scaling_method!r} is not one of {', '.join(SCALING_METHODS)}"
     if m.ddp_bucket_cap_mb < 0:
         yield f"`model.ddp_bucket_cap_mb` must be >= 0, got {m.ddp_bucket_cap_mb}"
-    mc = m.model_config
-    if not isinstance(mc, (LlamaConfig, Qwen2Config)):
-        return
-    heads, kv = mc.num_attention_heads, mc.num_key_value_heads
-    tp_fix = "choose a parallelism.tp that divides it"
-    yield from _divides(f"{MC}.num_attention_heads", heads, "parallelism.tp", tp, tp_fix)
-    yield from _divides(f"{MC}.num_key_value_heads", kv, "parallelism.tp", tp, tp_fix)
-    yield from _divides(
-        f"{MC}.intermediate_size", mc.intermediate_size, "parallelism.tp", tp, tp_fix
-    )
-    head_dim = getattr(mc, "head_dim", None)  # Qwen3's mesh3d.head_dim
-    if head_dim is None:
-        yield from _divides(
-            f"{MC}.hidden_size",
-            mc.hidden_size,
-            f"{MC}.num_attention_heads",
-            heads,
-            "the head dimension is hidden_size / num_attention_heads",
-        )
-    elif head_dim < 2 or head_dim % 2:
-        yield f"`mesh3d.head_dim` ({head_dim}) must be an even number >= 2 (rotary embeddings pair its dims)"
-    yield from _divides(
-        f"{MC}.num_attention_heads",
-        heads,
-        f"{MC}.num_key_value_heads",
-        kv,
-        "each key/value head serves a whole group of query heads",
-    )
-    if head_dim is None and mc.hidden_size % heads == 0 and (mc.hidden_size // heads) % 2:
-        yield f"the head dimension {MC}.hidden_size / num_attention_heads = {mc.hidden_size // heads} must be even for rotary embeddings"
-    shard = padded_vocab_size(cfg) // tp
-    if mc.pad_token_id is not None and not 0 <= mc.pad_token_id < shard:
-        yield (
-            f"`{MC}.pad_token_id` ({mc.pad_token_id}) must be in [0, {shard}): each of the tp ({tp}) "
-            f"embedding shards holds {shard} rows of the padded vocab {padded_vocab_size(cfg)}; "
-            "use a smaller id or null"
-        )
-    if mc._attn_implementation is not None and mc._attn_implementation not in ATTN_IMPLEMENTATIONS:
-        yield f"`{MC}._attn_implementation` {mc._attn_implementation!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} (mesh3d picks attention from mesh3d.attention)"
-    if mc.rms_norm_eps <= 0:
-        yield f"`{MC}.rms_norm_eps` must be > 0, got {mc.rms_norm_eps}"
-    if isinstance(mc, Qwen2Config):
-        yield from _qwen2(mc)
-    if mc.z_loss_enabled and not mc.z_loss_coefficient > 0:
-        yield f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got {mc.z_loss_coefficient}"
-    yield from _model_more(cfg, mc)
-
-
-def _qwen2(mc: Qwen2Config) -> Iterator[str]:
-    k, layers = mc.no_rope_layer, mc.num_hidden_layers
-    if k is not None and (k < 1 or layers % k):
-        yield (
-            f"`{MC}.no_rope_layer` ({k}) must be >= 1 and divide num_hidden_layers ({layers}) "
-            "(every k-th layer has no RoPE, the last one included); use a divisor or null"
-        )
-    if mc.sliding_window_size is not None and mc.sliding_window_size < 1:
-        yield f"`{MC}.sliding_window_size` must be >= 1 or null, got {mc.sliding_window_size}"
-    factor = mc.rope_seq_len_interpolation_factor
-    if factor is not None and not factor > 0:
-        yield f"`{MC}.rope_seq_len_interpolation_factor` must be > 0 or null, got {factor}"
-
-
-def _model_more(cfg: Config, mc: LlamaConfig | Qwen2Config) -> Iterator[str]:
-    """Rotary base, activation, positions and special token ids of a Llama or Qwen2 config."""
-    if not (math.isfinite(mc.rope_theta) and mc.rope_theta > 0):
-        yield f"`{MC}.rope_theta` must be a finite number > 0 (the rotary base, e.g. 10000.0), got {mc.rope_theta}"
-    if mc.hidden_act not in HIDDEN_ACTS:
-        yield f"`{MC}.hidden_act` {mc.hidden_act!r} is not supported; use one of {', '.join(HIDDEN_ACTS)}"
-    positions, seq = mc.max_position_embeddings, cfg.tokens.sequence_length
-    if positions < 1:
-        yield f"`{MC}.max_position_embeddings` must be >= 1, got {positions}"
-    elif positions < seq:
-        yield (
-            f"`{MC}.max_position_embeddings` ({positions}) is smaller than `tokens.sequence_length` "
-            f"({seq}); raise max_position_embeddings to at least {seq} or lower sequence_length"
-        )
-    for k in ("bos_token_id", "eos_token_id"):
-        token = getattr(mc, k)
-        if token is not None and not 0 <= token < mc.vocab_size:
-            yield f"`{MC}.{k}` ({token}) must be in [0, {MC}.vocab_size ({mc.vocab_size})); use an id of the vocabulary"
+    try:
+        spec = spec_of(m.model_config)
+    except ConfigError:
+        return  # `_unsupported` names the family
+    yield from spec.config_errors(cfg)
 
 
 def _pipeline(cfg: Config) -> Iterator[str]:
@@ -362,7 +285,7 @@ def _choices(cfg: Config) -> Iterator[str]:
         "mesh3d.device": (cfg.mesh3d.device, ("auto", "cpu", "cuda")),
         "mesh3d.attention": (cfg.mesh3d.attention, ("auto", "sdpa", "flash")),
         "mesh3d.dummy_data": (cfg.mesh3d.dummy_data, ("random", "learnable")),
-        "mesh3d.model_family": (cfg.mesh3d.model_family, (None, "qwen3")),
+        "mesh3d.model_family": (cfg.mesh3d.model_family, (None, *MESH3D_FAMILIES)),
         "mesh3d.existing_checkpoints": (cfg.mesh3d.existing_checkpoints, EXISTING_CHECKPOINTS),
     }
     if cfg.metrics_logging is not None:
@@ -375,6 +298,25 @@ def _choices(cfg: Config) -> Iterator[str]:
             yield f"`{key}` {value!r} is not one of {shown}"
     if cfg.logging.iteration_step_info_interval < 1:
         yield f"`logging.iteration_step_info_interval` must be >= 1, got {cfg.logging.iteration_step_info_interval}"
+
+
+def _family_keys(cfg: Config) -> Iterator[str]:
+    """`mesh3d.model_family` reads its base family's model_config; a family's own `mesh3d:`
+    keys need that family (config/families.py)."""
+    chosen = MESH3D_FAMILIES.get(cfg.mesh3d.model_family)
+    mc = cfg.model.model_config
+    if chosen is not None and not isinstance(mc, chosen.base):
+        base = chosen.base.__name__.removesuffix("Config")
+        yield (
+            f"`mesh3d.model_family: {chosen.name}` reads a {base} model_config "
+            f"(is_{base.lower()}_config: true) as {chosen.name}; this one is {type(mc).__name__}"
+        )
+    for family in MESH3D_FAMILIES.values():
+        for key in family.keys:
+            default = getattr(Mesh3dArgs, key)
+            if family is not chosen and getattr(cfg.mesh3d, key) != default:
+                yield (f"`mesh3d.{key}` is only for `mesh3d.model_family: {family.name}`; "
+                       "remove it or set the family")  # fmt: skip
 
 
 def _unsupported(cfg: Config) -> Iterator[str]:
@@ -390,18 +332,8 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         spec_of(m.model_config)
     except ConfigError as e:
         yield f"`model.model_config`: {e}"
-    family = cfg.mesh3d.model_family
-    if family == "qwen3" and not isinstance(m.model_config, Qwen2Config):
-        yield (
-            "`mesh3d.model_family: qwen3` reads a Qwen2 model_config (is_qwen2_config: true) as "
-            f"Qwen3; this one is {type(m.model_config).__name__}"
-        )
-    if cfg.mesh3d.head_dim is not None and family != "qwen3":
-        yield "`mesh3d.head_dim` is only for `mesh3d.model_family: qwen3`; remove it or set the family"
+    yield from _family_keys(cfg)
     moe = getattr(m.model_config, "moe_config", None)
-    if cfg.mesh3d.norm_topk_prob and (family != "qwen3" or moe is None):
-        yield ("`mesh3d.norm_topk_prob` is only for `mesh3d.model_family: qwen3` with a "
-               "`model.model_config.moe_config` (Qwen3-MoE); remove it or set both")  # fmt: skip
     if moe is not None:
         yield from moe_errors(cfg, m.model_config)
     if isinstance(m.init_method, SpectralMupInit):

@@ -15,10 +15,11 @@ import copy
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
+from mesh3d.config.families import MESH3D_FAMILIES, Mesh3dFamily, family_of_config
 from mesh3d.config.overrides import apply_to_dict
 from mesh3d.config.schema import (
     AdamWOptimizerArgs,
@@ -26,10 +27,10 @@ from mesh3d.config.schema import (
     ExistingCheckpointInit,
     LlamaConfig,
     Mesh3dArgs,
+    ModelConfig,
     NanosetDatasetsArgs,
     PretrainDatasetsArgs,
     Qwen2Config,
-    Qwen3Config,
     RandomInit,
     SFTDatasetsArgs,
     SGDOptimizerArgs,
@@ -67,8 +68,9 @@ def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     if "is_llama_config" in d:
         return LlamaConfig, d
-    if "is_qwen3_config" in d:  # mesh3d's own model_config.json of a Qwen3 checkpoint
-        return Qwen3Config, d
+    for family in MESH3D_FAMILIES.values():  # mesh3d's own model_config.json of its checkpoint
+        if family.marker in d:
+            return family.config_class, d
     if "is_qwen2_config" in d:
         return Qwen2Config, d
     if "is_starcoder2_config" in d or d.keys() & (star - llama - qwen):
@@ -148,7 +150,7 @@ def _nanoset_forms(d: dict, path: str) -> dict:
 
 
 _PICKERS: Pickers = {
-    frozenset({LlamaConfig, Qwen2Config, Qwen3Config, Starcoder2Config}): _pick_model_config,
+    frozenset(get_args(ModelConfig)): _pick_model_config,
     frozenset({RandomInit, SpectralMupInit, ExistingCheckpointInit}): _pick_init_method,
     frozenset({AdamWOptimizerArgs, SGDOptimizerArgs}): _pick_optimizer_factory,
     frozenset({PretrainDatasetsArgs, NanosetDatasetsArgs, SFTDatasetsArgs}): _pick_dataset,
@@ -176,16 +178,12 @@ def _upgrade_legacy(raw: dict) -> dict:
     return raw
 
 
-# Qwen3Config's fields that a YAML keeps in `mesh3d:` (Nanotron's Qwen2 model_config has none)
-QWEN3_KEYS = ("head_dim", "norm_topk_prob")
-
-
-def _qwen3_in_mesh3d(m: Mesh3dArgs, mc: Qwen3Config) -> None:
-    """Say a Qwen3 model config's own fields in `mesh3d:` too, where the saved YAML keeps them
-    (a model_config with `is_qwen3_config`, as `convert from-hf` writes, would else be saved as
-    a Qwen2 one)."""
-    m.model_family = "qwen3"
-    for key in QWEN3_KEYS:
+def _family_in_mesh3d(m: Mesh3dArgs, mc, family: Mesh3dFamily) -> None:
+    """Say a mesh3d family's own model-config fields in `mesh3d:` too, where the saved YAML
+    keeps them (a model_config with its marker, as `convert from-hf` writes, would else be saved
+    as its base family's)."""
+    m.model_family = family.name
+    for key in family.keys:
         ours, default = getattr(m, key), getattr(Mesh3dArgs, key)
         if ours not in (default, getattr(mc, key)):
             raise ConfigError(
@@ -204,12 +202,14 @@ def _resolve(cfg: Config) -> Config:
     mc = cfg.model.model_config
     if isinstance(mc, (LlamaConfig, Qwen2Config)) and mc.num_key_value_heads is None:
         mc.num_key_value_heads = mc.num_attention_heads
-    if cfg.mesh3d.model_family == "qwen3" and type(mc) is Qwen2Config:
+    family = MESH3D_FAMILIES.get(cfg.mesh3d.model_family)
+    if family is not None and type(mc) is family.base:
         fields = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}
-        qwen3 = {k: getattr(cfg.mesh3d, k) for k in QWEN3_KEYS}
-        mc = cfg.model.model_config = Qwen3Config(**fields, **qwen3)
-    if type(mc) is Qwen3Config:  # also from mesh3d's model_config.json form (is_qwen3_config)
-        _qwen3_in_mesh3d(cfg.mesh3d, mc)
+        own = {k: getattr(cfg.mesh3d, k) for k in family.keys}
+        mc = cfg.model.model_config = family.config_class(**fields, **own)
+    family = family_of_config(mc)
+    if family is not None:  # also from mesh3d's model_config.json form (its marker)
+        _family_in_mesh3d(cfg.mesh3d, mc, family)
     if isinstance(cfg.model.init_method, RandomInit):
         cfg.model.init_method.scaling_method = cfg.model.init_method.scaling_method.upper()
     if cfg.optimizer is not None:
@@ -244,14 +244,10 @@ def config_from_dict(d: dict) -> Config:
 # keys mesh3d accepts (they are in Nanotron's examples) that Nanotron HEAD's strict parser
 # refuses: (section path, key, default)
 _NOT_NANOTRON = ((("parallelism",), "moe_layer_recompute", False),
-                 (("model", "model_config"), "interleaved_rotary", None),
-                 # a Qwen3 config is written as Nanotron's Qwen2 one plus `mesh3d.model_family`
-                 (("model", "model_config"), "is_qwen3_config", True),
-                 (("model", "model_config"), "head_dim", None),
-                 (("model", "model_config"), "norm_topk_prob", False))  # fmt: skip
-
-
-_QWEN3_ONLY = ("is_qwen3_config", *QWEN3_KEYS)  # kept in `mesh3d:` (model_family, QWEN3_KEYS)
+                 (("model", "model_config"), "interleaved_rotary", None))  # fmt: skip
+# a mesh3d family's config is written as its base family's plus `mesh3d:` (config/families.py)
+_FAMILY_ONLY = tuple(dict.fromkeys(
+    k for f in MESH3D_FAMILIES.values() for k in (f.marker, *f.keys)))  # fmt: skip
 
 
 def _drop_not_nanotron(d: dict, always: bool) -> None:
@@ -259,8 +255,11 @@ def _drop_not_nanotron(d: dict, always: bool) -> None:
         section = d
         for part in path:
             section = section[part]
-        if key in section and (always or section[key] == default or key in _QWEN3_ONLY):
+        if key in section and (always or section[key] == default):
             del section[key]
+    model_config = d["model"]["model_config"]
+    for key in _FAMILY_ONLY:
+        model_config.pop(key, None)
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -35,6 +35,7 @@ from mesh3d.checkpoint.nanotron_state import read_metadata
 from mesh3d.checkpoint.training import load_checkpoint, load_weights
 from mesh3d.checks import validate
 from mesh3d.config import RandomInit, load_config
+from mesh3d.config.families import family_keys
 from mesh3d.config.schema import Config
 from mesh3d.errors import UserError
 from mesh3d.generation.sampling import check_sampling, extend, next_token
@@ -49,8 +50,6 @@ from mesh3d.mesh import (
 from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts, build_model_parts
 from mesh3d.train.evaluate import _activation
-
-MODEL_KEYS = ("model_family", "head_dim")  # the saved `mesh3d:` settings that shape the model
 
 
 @dataclass
@@ -86,7 +85,7 @@ def generation_config(step: Path, tp: int, pp: int, batch: int, length: int, dev
         "optimizer.zero_stage=0", "optimizer.accumulate_grad_in_fp32=false", "data_stages=null",
         f"tokens.micro_batch_size={batch}", "tokens.batch_accumulation_per_replica=1",
         f"tokens.sequence_length={seq}", f"mesh3d.device={device}",
-        *(f"mesh3d.{k}={saved[k]}" for k in MODEL_KEYS if saved.get(k) is not None),
+        *(f"mesh3d.{k}={saved[k]}" for k in family_keys() if saved.get(k) is not None),
     ])  # fmt: skip
     if resolve_device(device).type == "cpu":
         cfg.model.dtype = "float32"

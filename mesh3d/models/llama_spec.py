@@ -13,6 +13,7 @@ import math
 
 from mesh3d.config.schema import LlamaConfig
 from mesh3d.errors import ConfigError
+from mesh3d.models.llama_checks import llama_errors, llama_sizes
 from mesh3d.models.spec import Blocks, HFSpec, LayerTable, ModelShape, ModelSpec, decoder_cost
 from mesh3d.nanotron_names import EMBEDDING, FINAL_NORM, LM_HEAD
 
@@ -266,6 +267,8 @@ LLAMA = ModelSpec(
     tp_plan=tp_plan,
     compile_classes=compile_classes,
     blocks=blocks,
+    config_sizes=llama_sizes,
+    config_errors=llama_errors,
     nanotron_layer=nanotron_layer,
     nanotron_outer=NANOTRON_OUTER,
     param_shapes=param_shapes,

@@ -24,6 +24,7 @@ import dataclasses
 
 from mesh3d.config.schema import Qwen2Config
 from mesh3d.models import llama_spec, moe_spec
+from mesh3d.models.llama_checks import qwen2_errors
 from mesh3d.models.spec import HFSpec, LayerTable, ModelShape
 
 BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
@@ -329,6 +330,7 @@ QWEN2 = dataclasses.replace(  # Llama's init, FLOPs and pipeline costs; its own 
     shape=shape,
     build=build,
     tp_plan=tp_plan,
+    config_errors=qwen2_errors,
     step_flops=step_flops,
     nanotron_layer=nanotron_layer,
     param_shapes=param_shapes,

@@ -12,9 +12,11 @@ norm runs on its local heads with the full weight; its gradient is summed over t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 from mesh3d.config.schema import Qwen3Config
 from mesh3d.models import llama_spec, moe_spec, qwen2_spec
+from mesh3d.models.llama_checks import qwen2_errors
 from mesh3d.models.spec import HFSpec, LayerTable, ModelShape
 
 QK_NORMS = {"attn.q_norm.weight": (("self_attn.q_norm.weight",), "replicated"),
@@ -112,6 +114,15 @@ def qwen3_moe_to_hf(mc, dtype: str) -> dict:
     return out
 
 
+def config_errors(cfg) -> Iterator[str]:
+    """Qwen2's checks, and renormalized router weights only with experts (Qwen3-MoE)."""
+    yield from qwen2_errors(cfg)
+    mc = cfg.model.model_config
+    if mc.norm_topk_prob and mc.moe_config is None:
+        yield ("`mesh3d.norm_topk_prob` is only for `mesh3d.model_family: qwen3` with a "
+               "`model.model_config.moe_config` (Qwen3-MoE); remove it or set both")  # fmt: skip
+
+
 def hf_for(mc) -> HFSpec:
     return QWEN3_MOE_HF if mc.moe_config is not None else QWEN3_HF
 
@@ -131,6 +142,7 @@ QWEN3 = dataclasses.replace(  # Llama's init and pipeline costs; q/k norms in TP
     shape=shape,
     build=build,
     tp_plan=tp_plan,
+    config_errors=config_errors,
     step_flops=qwen2_spec.step_flops,  # Llama's, with MoE layers as what a token runs
     nanotron_layer=nanotron_layer,
     param_shapes=param_shapes,

@@ -13,7 +13,7 @@ import no model. This file and the spec files import no torch at module level, s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -100,6 +100,8 @@ class ModelSpec:
     tp_plan: Callable[..., dict]  # (sequence_parallel, shape=None) -> {FQN pattern: ParallelStyle}
     compile_classes: Callable[[bool], tuple[type, ...]]  # tp > 1 -> classes compiled per layer
     blocks: Callable[[], Blocks]  # the classes parallel and training code act on
+    config_sizes: Callable[[Any], dict[str, int]]  # model config -> {dotted key: size >= 1}
+    config_errors: Callable[[Any], Iterator[str]]  # Config -> a message per model-config problem
     nanotron_layer: Callable[..., LayerTable]  # (shape, layer index=0) -> that layer's table
     nanotron_outer: dict[str, tuple[tuple[str, ...], Kind, Literal["first", "last"]]]
     param_shapes: Callable[[ModelShape], dict[str, tuple[int, ...]]]  # our name -> full shape

@@ -1,0 +1,114 @@
+"""The model-config checks of the Llama-like families (Llama, Qwen2, Qwen3), torch-free: each
+family's spec names its own (`ModelSpec.config_sizes`, `ModelSpec.config_errors`), so a new
+config class can never pass without the head, key/value head and tp checks.
+
+`config_errors(cfg)` yields one message per problem, naming the key, the numbers and the fix;
+the sizes (`config_sizes`) are checked >= 1 first, so these never divide by zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from mesh3d.config.derive import padded_vocab_size
+from mesh3d.errors import not_divisible
+from mesh3d.models.activations import HIDDEN_ACTS
+
+MC = "model.model_config"
+# what `_attn_implementation` may say (Nanotron's values); mesh3d picks attention itself
+ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flex_attention", "sdpa", "ring_flash_triton", "ring",
+                        "llama3_ring_attention")  # fmt: skip
+
+
+def llama_sizes(mc) -> dict[str, int]:
+    """The sizes of a Llama-like model config that must be >= 1, by dotted key."""
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+            "num_key_value_heads", "vocab_size")  # fmt: skip
+    return {f"{MC}.{k}": getattr(mc, k) for k in keys}
+
+
+def llama_errors(cfg) -> Iterator[str]:
+    """Heads, key/value heads and the MLP against tp, the head size, token ids, positions."""
+    mc, tp = cfg.model.model_config, cfg.parallelism.tp
+    heads, kv = mc.num_attention_heads, mc.num_key_value_heads
+    tp_fix = "choose a parallelism.tp that divides it"
+    yield from not_divisible(f"{MC}.num_attention_heads", heads, "parallelism.tp", tp, tp_fix)
+    yield from not_divisible(f"{MC}.num_key_value_heads", kv, "parallelism.tp", tp, tp_fix)
+    yield from not_divisible(
+        f"{MC}.intermediate_size", mc.intermediate_size, "parallelism.tp", tp, tp_fix
+    )
+    head_dim = getattr(mc, "head_dim", None)  # Qwen3's mesh3d.head_dim
+    if head_dim is None:
+        yield from not_divisible(
+            f"{MC}.hidden_size",
+            mc.hidden_size,
+            f"{MC}.num_attention_heads",
+            heads,
+            "the head dimension is hidden_size / num_attention_heads",
+        )
+    elif head_dim < 2 or head_dim % 2:
+        yield f"`mesh3d.head_dim` ({head_dim}) must be an even number >= 2 (rotary embeddings pair its dims)"
+    yield from not_divisible(
+        f"{MC}.num_attention_heads",
+        heads,
+        f"{MC}.num_key_value_heads",
+        kv,
+        "each key/value head serves a whole group of query heads",
+    )
+    if head_dim is None and mc.hidden_size % heads == 0 and (mc.hidden_size // heads) % 2:
+        yield f"the head dimension {MC}.hidden_size / num_attention_heads = {mc.hidden_size // heads} must be even for rotary embeddings"
+    shard = padded_vocab_size(cfg) // tp
+    if mc.pad_token_id is not None and not 0 <= mc.pad_token_id < shard:
+        yield (
+            f"`{MC}.pad_token_id` ({mc.pad_token_id}) must be in [0, {shard}): each of the tp ({tp}) "
+            f"embedding shards holds {shard} rows of the padded vocab {padded_vocab_size(cfg)}; "
+            "use a smaller id or null"
+        )
+    if mc._attn_implementation is not None and mc._attn_implementation not in ATTN_IMPLEMENTATIONS:
+        yield f"`{MC}._attn_implementation` {mc._attn_implementation!r} is not one of {', '.join(ATTN_IMPLEMENTATIONS)} (mesh3d picks attention from mesh3d.attention)"
+    if mc.rms_norm_eps <= 0:
+        yield f"`{MC}.rms_norm_eps` must be > 0, got {mc.rms_norm_eps}"
+    if mc.z_loss_enabled and not mc.z_loss_coefficient > 0:
+        yield f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got {mc.z_loss_coefficient}"
+    yield from _positions_and_tokens(cfg, mc)
+
+
+def qwen2_errors(cfg) -> Iterator[str]:
+    """Llama's, plus Qwen2's NoPE layers, sliding window and RoPE interpolation."""
+    yield from llama_errors(cfg)
+    yield from _qwen2_fields(cfg.model.model_config)
+
+
+def _qwen2_fields(mc) -> Iterator[str]:
+    k, layers = mc.no_rope_layer, mc.num_hidden_layers
+    if k is not None and (k < 1 or layers % k):
+        yield (
+            f"`{MC}.no_rope_layer` ({k}) must be >= 1 and divide num_hidden_layers ({layers}) "
+            "(every k-th layer has no RoPE, the last one included); use a divisor or null"
+        )
+    if mc.sliding_window_size is not None and mc.sliding_window_size < 1:
+        yield f"`{MC}.sliding_window_size` must be >= 1 or null, got {mc.sliding_window_size}"
+    factor = mc.rope_seq_len_interpolation_factor
+    if factor is not None and not factor > 0:
+        yield f"`{MC}.rope_seq_len_interpolation_factor` must be > 0 or null, got {factor}"
+
+
+def _positions_and_tokens(cfg, mc) -> Iterator[str]:
+    """Rotary base, activation, positions and special token ids of a Llama or Qwen2 config."""
+    if not (math.isfinite(mc.rope_theta) and mc.rope_theta > 0):
+        yield f"`{MC}.rope_theta` must be a finite number > 0 (the rotary base, e.g. 10000.0), got {mc.rope_theta}"
+    if mc.hidden_act not in HIDDEN_ACTS:
+        yield f"`{MC}.hidden_act` {mc.hidden_act!r} is not supported; use one of {', '.join(HIDDEN_ACTS)}"
+    positions, seq = mc.max_position_embeddings, cfg.tokens.sequence_length
+    if positions < 1:
+        yield f"`{MC}.max_position_embeddings` must be >= 1, got {positions}"
+    elif positions < seq:
+        yield (
+            f"`{MC}.max_position_embeddings` ({positions}) is smaller than `tokens.sequence_length` "
+            f"({seq}); raise max_position_embeddings to at least {seq} or lower sequence_length"
+        )
+    for k in ("bos_token_id", "eos_token_id"):
+        token = getattr(mc, k)
+        if token is not None and not 0 <= token < mc.vocab_size:
+            yield f"`{MC}.{k}` ({token}) must be in [0, {MC}.vocab_size ({mc.vocab_size})); use an id of the vocabulary"
