@@ -5,7 +5,7 @@
 Put many checks into one launch: have `fn` return a dict of named results and assert on it in
 the parent (a module-scoped fixture can share one launch between several tests).
 
-Choices, each measured on the 2-core CPU machines (see shared/FACTS.md):
+Choices, each measured on the 2-core CPU machines:
 - Ranks are forked from this process, which imported torch.distributed's heavy modules when this
   module was imported: an 8-rank launch starts in ~0.3 s, against 7-20 s for spawn or torchrun.
   So `fn`, its arguments and closures need not be picklable; return values must be.

@@ -1,8 +1,8 @@
 """Where Nanotron's own example configs are, and a skip for a checkout that lacks them.
 
-They are real files from huggingface/nanotron, kept beside the repository (in `../shared/`, where
-CI has them) and never copied into it. A clone without them still runs every other test; the
-tests that read them skip with a message that says where they were looked for.
+They are real files from huggingface/nanotron, kept beside the repository (where
+CI has them; `FIXTURES` below) and never copied into it. A clone without them still runs every other
+test; the tests that read them skip with a message that says where they were looked for.
 """
 
 from __future__ import annotations

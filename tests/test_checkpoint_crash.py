@@ -131,7 +131,8 @@ def test_metadata_errors(tmp_path):
 
 
 def test_zero1_ranges_follow_nanotron():
-    # ceil(n/dp) each, the last dp*ceil(n/dp)-n ranks one less (spec §3.8)
+    # ceil(n/dp) each, the last dp*ceil(n/dp)-n ranks one less
+    # (docs/nanotron-layout.md#optimizer-files)
     assert nanotron_state.zero1_ranges(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert nanotron_state.zero1_ranges(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
     assert nanotron_state.zero1_ranges(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]

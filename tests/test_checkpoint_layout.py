@@ -1,5 +1,6 @@
 """Nanotron weight files: the tree and metadata of a tiny 2x2 checkpoint, written by hand from
-spec §3.1-3.5 / §4.3, round trips across TP/PP layouts, and the errors for damaged checkpoints."""
+docs/nanotron-layout.md (checkpoints, tensor-parallel splits), round trips across TP/PP layouts, and
+the errors for damaged checkpoints."""
 
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ def test_tiny_2x2_tree_and_metadata(tmp_path, tied):
     write_nanotron_weights(tmp_path, full, shape, tp=2, pp=2)
     expected = EXPECTED_2x2 if tied else {**EXPECTED_2x2, **LM_HEAD_2x2}
     assert listing(tmp_path) == expected
-    # qkv of tp rank 1 holds its half of Q, then of K, then of V (spec §4.3).
+    # qkv of tp rank 1 holds its half of Q, then of K, then of V.
     qkv1 = load_file(tmp_path / (LAYER.format(i=1) + "attn/qkv_proj/" + SHARDED.format(t=1)))[
         "data"
     ]

@@ -98,7 +98,7 @@ def test_derived_values_filled_at_load():
     cfg = check(d)
     s = cfg.optimizer.learning_rate_scheduler
     assert s.lr_decay_steps == 18  # train_steps 20 - warmup 2
-    assert s.lr_warmup_style == "linear"  # omitted: linear (Nanotron raises, spec §10.1)
+    assert s.lr_warmup_style == "linear"  # omitted: linear (Nanotron raises)
     assert s.min_decay_lr == s.learning_rate
     assert cfg.model.model_config.num_key_value_heads == 4
     assert [st.start_training_step for st in cfg.data_stages] == [1, 10]

@@ -214,7 +214,8 @@ def to_ours(hf, cfg, permute_qk=False) -> Llama:
     """Our model holding `hf`'s weights ("model.X" -> "X"); GPT-J row order if `permute_qk`."""
     ours = Llama(cfg, attention="sdpa").eval()
     dh = cfg.hidden_size // cfg.num_attention_heads
-    # per head: new row 2i = old row i, new row 2i+1 = old row i + dh/2 (spec §4.5)
+    # per head: new row 2i = old row i, new row 2i+1 = old row i + dh/2
+    # (docs/nanotron-layout.md#rotary-layouts)
     perm = torch.stack([torch.arange(dh // 2), torch.arange(dh // 2) + dh // 2], dim=-1).flatten()
     state = {}
     for name, t in hf.state_dict().items():

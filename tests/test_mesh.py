@@ -259,7 +259,8 @@ def _matmuls(rank: int, world_size: int) -> float:
 
 
 def test_ranks_do_not_hang_after_the_parent_ran_threaded_matmuls():
-    # FACTS.md: a forked rank using the intra-op pool the parent already used hangs forever.
+    # a forked rank using the intra-op pool the parent already used hangs forever
+    # (docs/torch-notes.md#a-forked-rank-must-use-one-intra-op-thread)
     a = torch.randn(1024, 1024)
     (a @ a).sum()
     results = run_ranks(8, _matmuls, timeout=60)

@@ -130,7 +130,8 @@ def test_no_mfu_on_cpu_and_memory_reported(sinks):
 
 
 def test_flops_tiny_and_1b_by_hand():
-    # cpu_tiny.yaml: L4 h256 nq8 nkv4 F688 V512 S128 B16, term by term (spec §7.3)
+    # cpu_tiny.yaml: L4 h256 nq8 nkv4 F688 V512 S128 B16, term by term
+    # (docs/nanotron-layout.md#flops-and-mfu)
     qkv = 2 * 4 * 16 * 128 * 256 * 256 + 2 * 4 * 16 * 128 * 256 * 256  # 2 * nkv * dh = 256
     attn = 2 * (2 * 4 * 16 * 8 * 128 * 32 * 128)
     out = 2 * 4 * 16 * 8 * 128 * 32 * 256

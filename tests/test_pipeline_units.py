@@ -37,7 +37,7 @@ from mesh3d.train.loss import normalized_loss
 
 
 def test_split_matches_nanotron_tiny_example():
-    # spec §4.2: decoder cost 4096 each, lm_head 4096 -> PP0 = {emb, dec 0, dec 1}, PP1 = {norm, head}
+    # decoder cost 4096 each, lm_head 4096 -> PP0 = {emb, dec 0, dec 1}, PP1 = {norm, head}
     assert split_layers(2, 2, 16, 64, 4, 4, 256) == [[0, 1], []]
 
 

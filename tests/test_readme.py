@@ -1,7 +1,7 @@
-"""The README's first commands, verbatim, in a clean clone without `../shared` beside it: the
-install line, the default training run, and the test command (collection: running the whole
-suite inside itself would recurse), in a fresh virtual environment that sees this one's
-packages (torch is not downloaded again)."""
+"""The README's first commands, verbatim, in a clean clone without Nanotron's fixture configs beside
+it: the install line, the default training run, and the test command (collection: running the whole
+suite inside itself would recurse), in a fresh virtual environment that sees this one's packages
+(torch is not downloaded again)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_first_commands_run_in_a_clean_clone(tmp_path):
 
     r = run(install, 600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    r = run(test + " --collect-only", 300)  # collects without ../shared: fixture tests skip
+    r = run(test + " --collect-only", 300)  # collects without the fixtures: their tests skip
     assert r.returncode == 0 and "tests collected" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
     r = run(train, 900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -22,7 +22,7 @@ TINY = dict(  # Nanotron's tiny example: lr 3e-4, W=2, cosine, D=13, min 1e-5
 
 
 def test_lr_nanotron_tiny_example_logged_values():
-    # Nanotron logs lr(s) at step s (spec §6.11): 0.00015, 0.0003, 0.000296, 0.000283 ... 1e-05
+    # Nanotron logs lr(s) at step s: 0.00015, 0.0003, 0.000296, 0.000283 ... 1e-05
     logged = [lr_at(s, **TINY) for s in range(1, 16)]
     assert [human_format(x) for x in logged[:4]] == ["0.00015", "0.0003", "0.000296", "0.000283"]
     assert logged[14] == pytest.approx(1e-5)

@@ -58,7 +58,8 @@ def microbatches_needed(name: str, pp: int, virtual: int) -> int:
 
 
 def split_by_cost(layer_costs: list[int], head_cost: int, num_stages: int) -> list[list[int]]:
-    """The decoder-layer indices of each stage: Nanotron's cost-based walk (spec §4.2).
+    """The decoder-layer indices of each stage: Nanotron's cost-based walk
+    (docs/nanotron-layout.md#pipeline-stages).
 
     Blocks in order: embedding (cost 0), decoders 0..L-1 (`layer_costs`), final norm (0),
     lm_head (`head_cost`). With cumulative costs c_j and thresholds t_s = total·(s+1)/stages,

@@ -236,18 +236,10 @@ def _stopped(signal_name: str, step: int, ck, saved: int, spiked: str) -> Preemp
 def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> RunResult:
     """Train `cfg` on the current process group (started here if needed); rank-local result.
 
-
-
     Example:
 
-
-
         result = mesh3d.train(mesh3d.load_config("cfg.yaml"))   # under torchrun
-
-
         [m["lm_loss"] for m in result.metrics]
-
-
     """
     data, device, layout = _start(cfg)
     with RunGuard(cfg, device) as guard:  # the folder first: a refusal builds no model
