@@ -34,7 +34,7 @@ from mesh3d.plan.comm import WIRE
 from mesh3d.plan.dry_run import differences, dry_run
 from mesh3d.plan.records import Bubble, BuiltRank, CommItem, DryRun, Plan, RankPlan, StagePlan
 from mesh3d.plan.report import format_dry_run, format_plan
-from mesh3d.plan.schedule import _orders, _peaks, bubble  # noqa: F401  (benchmarks/schedules.py)
+from mesh3d.plan.schedule import _orders, _peaks, bubble  # noqa: F401  (benchmarks/schedules)
 
 
 def __getattr__(name: str):

@@ -82,12 +82,12 @@ def bubble(schedule: str, pp: int, v: int, m: int) -> Bubble:
         return Bubble((pp - 1) / (v * m + pp - 1), "(pp-1)/(v*m+pp-1)", "exact")
     if schedule == "interleaved_zero_bubble":
         # ZB1P idles (pp-1)(F+B-2W); with F = I = W and chunks 1/v long, torch's order gives
-        # exactly this for m >= pp (benchmarks/schedules.py's replay, pp 2 to 8)
+        # exactly this for m >= pp (benchmarks/schedules's replay, pp 2 to 8)
         why = "(pp-1)/(3*v*m+pp-1): ZB1P idles (pp-1)(F+B-2W), F = I = W, chunks 1/v long"
         return Bubble((pp - 1) / (3 * v * m + pp - 1), why, "exact" if m >= pp else "approximate")
     if schedule == "zbv_zero_bubble":
         # Not the ideal ZB-V's 0 (Qi et al. 2024): torch's ScheduleZBVZeroBubble order (v = 2),
-        # replayed with F = I = W = 1 by benchmarks/schedules.py, idles each rank pp-1 chunk
+        # replayed with F = I = W = 1 by benchmarks/schedules, idles each rank pp-1 chunk
         # times once m >= 3pp/2 (validation asks m >= 2pp), and 2(2pp-1-m) with fewer
         # microbatches; every m from 1 to 4pp matched this for pp 2 to 8.
         idle = max(pp - 1, 2 * (2 * pp - 1 - m))

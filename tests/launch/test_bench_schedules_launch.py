@@ -1,4 +1,4 @@
-"""benchmarks/schedules.py: the simulator against the closed forms, and a `--tiny` run's outputs.
+"""benchmarks/schedules: the simulator against the closed forms, and a `--tiny` run's outputs.
 
 This file holds the tests of that subject that launch real processes; the others are in
 `tests/unit/test_bench_schedules.py`."""

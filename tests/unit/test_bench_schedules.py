@@ -1,17 +1,16 @@
-"""benchmarks/schedules.py: the simulator against the closed forms, and a `--tiny` run's outputs.
+"""benchmarks/schedules: the simulator against the closed forms, and a `--tiny` run's outputs.
 
 - Unit: replaying torch's action tables with uniform costs gives exactly `mesh3d.plan.bubble`'s
   closed forms for afab, 1f1b, interleaved_1f1b and looped_bfs (any pp, m; F = B and F != B), and
   the zero-bubble schedules' (interleaved, ZBV, DualPipeV) with F = I = W; 1F1B's step is
   (m + pp - 1)(F + B); an order that cannot finish raises.
-- End to end: `python benchmarks/schedules.py --tiny --out DIR` (2 forked ranks, a tiny model)
+- End to end: `python benchmarks/schedules --tiny --out DIR` (2 forked ranks, a tiny model)
   exits 0 and writes the JSON (keys, bubbles in [0, 1), timelines), the markdown tables (a row
   per schedule) and a PNG.
 
 The tests of this subject that launch real processes are in
 `tests/launch/test_bench_schedules_launch.py`."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -20,23 +19,21 @@ import pytest
 from mesh3d.plan import bubble
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks/schedules.py"
+SCRIPT = ROOT / "benchmarks/schedules"  # a package: `python benchmarks/schedules` runs __main__.py
 CLOSED_FORMS = ("afab", "1f1b", "interleaved_1f1b", "looped_bfs")
 # closed forms for F = I = W only
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
-def _bench():
-    if str(SCRIPT.parent) not in sys.path:  # as when the script runs: its folder is on sys.path
+def _simulator():
+    if str(SCRIPT.parent) not in sys.path:  # as when the benchmark runs: benchmarks/ on sys.path
         sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_schedules", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    from schedules import sim
+
+    return sim
 
 
-bench = _bench()
+bench = _simulator()
 
 
 @pytest.mark.parametrize("schedule", CLOSED_FORMS)

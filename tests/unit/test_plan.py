@@ -83,7 +83,7 @@ def test_bubble_formulas():
     assert bubble("looped_bfs", 4, 2, 8).fraction == pytest.approx(3 / 19)
     zb = bubble("interleaved_zero_bubble", 4, 2, 8)
     assert zb.fraction == pytest.approx(3 / 51) and zb.kind == "exact"  # 3/(3*2*8+3), m >= pp
-    # torch's ZBV order replayed with F = I = W = 1 (benchmarks/schedules.py): each rank idles
+    # torch's ZBV order replayed with F = I = W = 1 (benchmarks/schedules): each rank idles
     # pp-1 chunk times (once m >= 3pp/2), not the ideal ZB-V's 0
     for pp, m, want in ((2, 4, 1 / 25), (2, 16, 1 / 97), (4, 8, 3 / 51), (4, 32, 3 / 195),
                         (8, 16, 7 / 103), (8, 64, 7 / 391), (4, 4, 6 / 30)):  # fmt: skip
@@ -126,7 +126,7 @@ def test_cli_dispatches_plan_and_refuses_unknown_commands(capsys):
 def test_split_backward_frees_the_loss_at_input_backward():
     # torch's stage_backward_input detaches the loss, so I (not W) frees what the loss saved;
     # with ZB at pp=2, m=2 rank 1's peak is the second F3, after I3 freed the first's loss
-    # (benchmarks/schedules.py meters it: 36.2 MB, not the 39.0 MB of freeing it all at W)
+    # (benchmarks/schedules meters it: 36.2 MB, not the 39.0 MB of freeing it all at W)
     m2 = ["tokens.batch_accumulation_per_replica=2"]
     cfg = plan_cfg(PP2[:2] + ONE_STEP + m2 + pp_schedule("interleaved_zero_bubble", 2))
     plan = make_plan(cfg, 2)

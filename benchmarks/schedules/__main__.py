@@ -1,17 +1,19 @@
 """Pipeline schedules compared: step timelines, bubbles, activation memory and throughput.
 
-    python benchmarks/schedules.py          # quick: measured pp=2 (m = 2, 4, 8) + simulated grid
-    python benchmarks/schedules.py --full   # the same with more repetitions
-    python benchmarks/schedules.py --tiny   # a tiny model, seconds (the test runs this)
+    python benchmarks/schedules          # quick: measured pp=2 (m = 2, 4, 8) + simulated grid
+    python benchmarks/schedules --full   # the same with more repetitions
+    python benchmarks/schedules --tiny   # a tiny model, seconds (the test runs this)
+
+(`python -m benchmarks.schedules` from the repository root does the same.)
 
 Every schedule mesh3d offers (`mesh3d.parallel.pipeline.SCHEDULES`), two ways:
 
-- measured (`_sched_measure`, `_sched_record`): `pp` real processes (forked on CPU with gloo and
+- measured (`measure.py`, `record.py`): `pp` real processes (forked on CPU with gloo and
   one intra-op thread each; spawned on CUDA with nccl when there are >= pp GPUs) run a real mesh3d
   pipeline of a small Llama. Every compute action (F, B, or I and W) is timestamped on the
   system-wide monotonic clock, so ranks share one time axis; sends, receives and their waits count
   as idle. Bytes saved for backward are metered per stage and per rank on the warm-up step.
-- simulated (`_sched_sim`): each rank's compute actions in torch's own order are replayed with
+- simulated (`sim.py`): each rank's compute actions in torch's own order are replayed with
   per-action costs: those of one decoder layer measured on this machine (F, full B, and I / W
   through torch's own `stage_backward_input` / `stage_backward_weight`), times the layers of a
   stage; the simulated model has SIM_LAYERS layers split evenly over the pp x v stages. With unit
@@ -21,11 +23,12 @@ Every schedule mesh3d offers (`mesh3d.parallel.pipeline.SCHEDULES`), two ways:
 
 Bubble = idle / (ranks x step), the step spanning the first action's start to the last one's end.
 Writes benchmarks/results/local/schedules.{json,md,png} (schedules_tiny.* for --tiny; --publish
-writes them to the tracked benchmarks/results/, --out DIR anywhere; `_sched_report` renders them);
+writes them to the tracked benchmarks/results/, --out DIR anywhere; `report.py` renders them);
 the PNG has one panel per schedule: simulated (pp=4, m=8) on the left, measured pp=2 on the right,
 a row per rank, actions colored by kind.
 
-This file holds the models, the modes, the configs of each run, the simulated grid and `main`.
+This file (the package's `__main__`) holds the models, the modes, the configs of each run, the
+simulated grid and `main`.
 """
 
 from __future__ import annotations
@@ -40,21 +43,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed.pipelining  # noqa: F401  (imported before forking: ranks find it loaded)
-from _ranks import keep_freed_memory, launch  # benchmarks/ is on sys.path when a script runs
-from _results import add_publish_flag, results_dir
-from _sched_measure import CONFIG, measure_rank, probe_layer, summarize_measured
-from _sched_report import chart, compact_json, tables
-from _sched_sim import UNIT, action_table, simulate, virtual_stages
+
+# benchmarks/ on the path: its shared helpers, and this package by name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _ranks import keep_freed_memory, launch  # noqa: E402
+from _results import add_publish_flag, results_dir  # noqa: E402
 
 from mesh3d.checks import validation_errors
 from mesh3d.config import load_config
 from mesh3d.parallel.pipeline import SCHEDULES
 from mesh3d.plan import _peaks, bubble, stage_activation_bytes
+from schedules.measure import CONFIG, measure_rank, probe_layer, summarize_measured  # noqa: E402
+from schedules.report import chart, compact_json, tables  # noqa: E402
+from schedules.sim import UNIT, action_table, simulate, virtual_stages  # noqa: E402
 
 # A small Llama whose stages cost about the same: 7 decoder layers and a head (norm, lm_head over
 # 5376 tokens, loss) whose forward + backward take about one layer's time here (measured: with
 # 6144 tokens stage 1 was ~8% slower than stage 0, with 4608 ~8% faster); mesh3d's split
-# (`_sched_measure.stage_layers`) gives each of 2 stages 4 of these 8 units and each of 4
+# (`measure.stage_layers`) gives each of 2 stages 4 of these 8 units and each of 4
 # stages 2.
 MODEL = {
     "model.model_config.hidden_size": 512, "model.model_config.intermediate_size": 1376,

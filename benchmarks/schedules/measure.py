@@ -3,7 +3,7 @@
 `measure_rank` runs on each of `pp` real processes (forked on CPU with gloo and one intra-op
 thread each; spawned on CUDA with nccl when there are >= pp GPUs; `_ranks.launch` starts them) a
 real mesh3d pipeline of a small Llama, built with `build_stage` -> `parallelize` ->
-`pipeline_stage` -> `build_schedule` and stepped with `run_schedule`; `_sched_record` times its
+`pipeline_stage` -> `build_schedule` and stepped with `run_schedule`; `record.py` times its
 actions and meters the bytes saved for backward. `summarize_measured` turns what the ranks
 recorded into one job's numbers. `probe_layer` times one decoder layer in this process: the
 simulator's costs (F, full B, and I / W through torch's own `stage_backward_input` /
@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _sched_record import Recorder, SavedBytes  # benchmarks/ is on sys.path when a script runs
-from _sched_sim import Timeline, action_table, simulate, virtual_stages
 
 from mesh3d.config import load_config, padded_vocab_size
 from mesh3d.mesh import ParallelDims, build_mesh
@@ -38,8 +36,10 @@ from mesh3d.parallel.pipeline import (
 from mesh3d.plan import _peaks, bubble, loss_saved_bytes, stage_activation_bytes
 from mesh3d.train.build import initial_weights
 from mesh3d.train.loss import normalized_loss
+from schedules.record import Recorder, SavedBytes  # benchmarks/ is on sys.path (see __main__)
+from schedules.sim import Timeline, action_table, simulate, virtual_stages
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "recipes/configs/cpu_tiny.yaml"  # every run's base config; the ranks load it too
 
 

@@ -18,7 +18,8 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from _sched_sim import Event  # benchmarks/ is on sys.path when a script runs
+
+from schedules.sim import Event  # benchmarks/ is on sys.path (see __main__)
 
 
 class _Held:
