@@ -207,7 +207,7 @@ def _pipeline(cfg: Config) -> Iterator[str]:
             f"needs at least {what[traits.min_microbatches]} = {need}; raise it to {need} or use "
             "pp_engine: afab"
         )
-    elif sched in ("interleaved_1f1b", "interleaved_zero_bubble") and n % max(1, n // p.pp):
+    elif traits.rounds and n % max(1, n // p.pp):
         yield (
             f"`{key}` ({n}) must be a multiple of the number of rounds {n} // pp ({p.pp}) = "
             f"{n // p.pp} for {sched}, which runs microbatches in rounds; use a multiple of pp"

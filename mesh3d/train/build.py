@@ -146,7 +146,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             hidden_size=mc.hidden_size,
             vocab_size=vocab,
             dtype=layout.param_dtype,
-            logits_dtype=layout.autocast_dtype or layout.param_dtype,
+            logits_dtype=layout.logits_dtype,
         )
         for m, i in zip(modules, ids)
     ]
