@@ -11,8 +11,9 @@ from nanotron_fixtures import FIXTURES, needs_fixtures
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mesh3d.checkpoint import ModelShape, read_nanotron_weights, write_nanotron_weights
+from mesh3d.checkpoint import read_nanotron_weights, write_nanotron_weights
 from mesh3d.errors import UserError
+from mesh3d.models.spec import ModelShape
 
 REPO = Path(__file__).resolve().parents[1]
 
