@@ -86,9 +86,11 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler,
         # Nanotron's shape: one entry per parameter of this (pp, tp) rank's optimizer file
         # (every parameter for ZeRO-1, whose files keep empty groups), peak lr as base
         name = nanotron_state.lr_scheduler_file(P, par.pp, coords["tp"], par.tp)
-        peak = cfg.optimizer.learning_rate_scheduler.learning_rate
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        held = held_parameters(parts.modules)
+        groups = [group_of[id(held[p.ours[0]][0])] for p in params]
         state = nanotron_state.lr_scheduler_state(
-            len(params), peak, scheduler.get_last_lr()[0], scheduler.last_epoch
+            [g["initial_lr"] for g in groups], [g["lr"] for g in groups], scheduler.last_epoch
         )
         writer.save_torch(f"lr_scheduler/{name}", state)
 
