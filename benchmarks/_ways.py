@@ -1,7 +1,7 @@
 """The ways benchmarks/throughput.py trains one Llama, each stepped one step at a time.
 
 A `Stepper` runs step k (1-based) of its way and returns (seconds, loss): mesh3d's own run
-(`mesh3d.train.loop._setup` / `_run_step`), or a plain training loop over a model given by the
+(`mesh3d.train.run.Run`: `Run.prepare` / `run.step`), or a plain training loop over a model given by the
 caller (mesh3d's single-device `Llama`, or transformers' `LlamaForCausalLM` with the same
 weights). The shapes and config overrides of each benchmark mode are here too.
 """
@@ -25,7 +25,7 @@ from mesh3d.data.build import build_dataset
 from mesh3d.data.dummy import microbatches
 from mesh3d.models.init import init_weights
 from mesh3d.models.llama import Llama
-from mesh3d.train.loop import _run_step, _setup
+from mesh3d.train.run import Run
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "recipes/configs/cpu_tiny.yaml"
@@ -77,11 +77,11 @@ def torchrun_train(ranks: int, overrides: list[str]) -> tuple[list[dict], float]
 
 def mesh3d_stepper(cfg) -> Stepper:
     """mesh3d's run for `cfg`, stepped as its training loop steps it."""
-    run = _setup(cfg)
+    run = Run.prepare(cfg)
 
     def step(k: int) -> tuple[float, float]:
         t0 = time.perf_counter()
-        _, loss, _ = _run_step(run, k)
+        loss = run.step(k).loss
         return time.perf_counter() - t0, loss
 
     return step

@@ -18,7 +18,7 @@ fp32, one sample per microbatch, one microbatch per step. Ranks are forked gloo 
    search over sequence lengths that are multiples of 2·cp (doubling, then bisection) measures
    the saved bytes of one forward at each length (the maximum over the cp ranks) and keeps the
    longest that is <= the cap. Measured bytes, not a real out-of-memory.
-3. Step time: a full training step (`mesh3d.train.loop._run_step`: forward, backward, gradient
+3. Step time: a full training step (`mesh3d.train.run.Run.step`: forward, backward, gradient
    all-reduce over cp, clipping, AdamW) of cp 1 on one process with 2 intra-op threads and of
    cp 2 on two processes with 1 thread each (the same 2 cores), plus cp 1 on one thread as a
    reference for what the second thread gives. The runs live side by side; semaphores let one
@@ -57,7 +57,7 @@ from throughput import bootstrap_median  # noqa: E402
 
 from mesh3d.config import apply_overrides, config_from_dict  # noqa: E402
 from mesh3d.data.dummy import DummyTokens, microbatches  # noqa: E402
-from mesh3d.train.loop import _run_step, _setup  # noqa: E402
+from mesh3d.train.run import Run  # noqa: E402
 from mesh3d.train.step import prepare_batches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +191,7 @@ def memory_rank(rank: int, world: int, mem_seq: int, cap_seq: int, cap: int | No
     """One cp rank: saved bytes at `mem_seq` (the run's first batch), then the longest
     sequence whose saved bytes (max over the cp ranks) fit `cap` (cp 1: cap = its own bytes at
     `cap_seq`)."""
-    run = _setup(make_config(mem_seq, world))
+    run = Run.prepare(make_config(mem_seq, world))
     model, loss_fn, layout = run.parts.modules[0], run.parts.loss_fn, run.layout
 
     def measure(batches: list[tuple]) -> tuple[int, int]:
@@ -239,7 +239,7 @@ def timing_rank(
 ) -> dict:
     """Train one step each time group `me` has the turn; rank 0 times it and hands the turn
     on by releasing the next group's semaphore once per rank of that group."""
-    run = _setup(cfg)
+    run = Run.prepare(cfg)
     times, step = [], 0
     for k, who in enumerate(turns):
         if who != me:
@@ -250,7 +250,7 @@ def timing_rank(
             dist.barrier()
         t0 = time.perf_counter()
         step += 1
-        _, loss, _ = _run_step(run, step)
+        loss = run.step(step).loss
         if world > 1:
             dist.barrier()
         times.append(time.perf_counter() - t0)

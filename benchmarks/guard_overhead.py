@@ -3,12 +3,12 @@
     python benchmarks/guard_overhead.py              # dp 2 on 2 forked ranks, 60 rounds
     python benchmarks/guard_overhead.py --rounds 20  # quicker
 
-Each rank builds the run `mesh3d.train` builds (`_setup`, `recipes/configs/cpu_tiny.yaml`, with
+Each rank builds the run `mesh3d.train` builds (`Run.prepare`, `recipes/configs/cpu_tiny.yaml`, with
 `mesh3d.loss_spike: {}`: the loss-spike guard at its defaults) and enters its `RunGuard`
 (heartbeat every second: collective timeout 5 s, 10x the default rate). Round k runs three
 training steps, in an order that rotates every round:
-- bare: `_run_step`, then `dist.barrier()` (how steps ended before the guard);
-- guarded: `RunGuard.at` (wakes the heartbeat thread, which publishes the step), `_run_step`,
+- bare: `run.step`, then `dist.barrier()` (how steps ended before the guard);
+- guarded: `RunGuard.at` (wakes the heartbeat thread, which publishes the step), `run.step`,
   `stop_requested()` (the one-integer all-reduce that replaced the barrier) and
   `check_finite`, as the training loop does without the loss-spike guard;
 - spike: the same, plus the loss-spike guard: `train_step` asks it before the optimizer step
@@ -41,7 +41,7 @@ from throughput import bootstrap_median  # noqa: E402
 from mesh3d.config import load_config  # noqa: E402
 from mesh3d.config.schema import LossSpikeArgs  # noqa: E402
 from mesh3d.train.guard import RunGuard  # noqa: E402
-from mesh3d.train.loop import _run_step, _setup  # noqa: E402
+from mesh3d.train.run import Run  # noqa: E402
 from mesh3d.train.spike import SpikeGuard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,24 +55,26 @@ def rank_main(rank: int, world: int, rounds: int) -> dict:
                  "mesh3d.collective_timeout_s=5", f"tokens.train_steps={3 * rounds + 2}",
                  "mesh3d.loss_spike={}"]  # fmt: skip
     cfg = load_config(ROOT / "recipes" / "configs" / "cpu_tiny.yaml", overrides)
-    run = _setup(cfg)
+    run = Run.prepare(cfg)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     with RunGuard(cfg, run.device) as guard:
         step = 0
 
         def bare() -> None:
-            _run_step(run, step)
+            run.step(step)
             dist.barrier()
 
         def guarded() -> None:
             guard.at(step, "step")
-            _, loss, grad_norm = _run_step(run, step)
+            out = run.step(step)
+            loss, grad_norm = out.loss, out.grad_norm
             guard.stop_requested()
             guard.check_finite(step, loss, grad_norm)
 
         def spike() -> None:
             guard.at(step, "step")
-            _, loss, grad_norm = _run_step(run, step, guard.accepts)
+            out = run.step(step, guard.accepts)
+            loss, grad_norm = out.loss, out.grad_norm
             guard.stop_requested()
             guard.check_finite(step, loss, grad_norm)
             guard.check_spike(step, loss, grad_norm)

@@ -6,7 +6,7 @@
 The shape of issue 20's peer comparison: Llama hidden 256, ffn 1024, 4 layers, GQA 4/2, vocab
 512, seq 128, fp32, a global batch of 32 sequences (4,096 tokens) in microbatches of 4. Each
 layout runs on fresh forked ranks (`_ranks.launch`: gloo, one thread each) through mesh3d's
-training path (`mesh3d.train.loop._setup` / `_run_step`): 4 steps to warm up, then one step under
+training path (`mesh3d.train.run.Run`: `Run.prepare` / `run.step`): 4 steps to warm up, then one step under
 torch.profiler (CPU). Rank 0's events are put in classes by name:
 - kernels: every `aten::` op's self time (the work, plus the copies DTensor and the
   collectives make);
@@ -87,19 +87,19 @@ def classify(name: str) -> str:
 def _rank(rank: int, world: int, cfg_path: str, ovr: list[str]) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from mesh3d.train.loop import _run_step, _setup
+    from mesh3d.train.run import Run
 
-    run = _setup(load_config(cfg_path, ovr))
+    run = Run.prepare(load_config(cfg_path, ovr))
     seconds = []
     for k in range(1, 5):
         dist.barrier()
         t0 = time.perf_counter()
-        _, loss, _ = _run_step(run, k)
+        loss = run.step(k).loss
         seconds.append(time.perf_counter() - t0)
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        _run_step(run, 5)
+        run.step(5)
         wall = time.perf_counter() - t0
     self_s: dict[str, float] = collections.defaultdict(float)
     dtensor_ops = 0

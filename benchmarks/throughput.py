@@ -9,8 +9,8 @@
 In one process, the same Llama shapes train from the same initial weights on the same batches,
 five ways, interleaved step by step (round k runs step k of each way, in an order that rotates
 every round, so each way is first, second, ... about equally often):
-  (a) mesh3d at dp=tp=pp=1: the run `mesh3d.train.loop.train` builds (`_setup`), stepped by the
-      function its loop calls every step (`_run_step`: read the batch, forward/backward per
+  (a) mesh3d at dp=tp=pp=1: the run `mesh3d.train` builds (`Run.prepare`), stepped by the
+      function its loop calls every step (`run.step`: read the batch, forward/backward per
       microbatch, clip, AdamW, LR schedule); the loop's logging is not timed,
   (b) a plain loop over the same model class (`mesh3d.models.llama.Llama`): sum cross-entropy /
       tokens per microbatch, `clip_grad_norm_`, the same microbatching and dtype,

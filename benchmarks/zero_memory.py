@@ -3,7 +3,7 @@
     python benchmarks/zero_memory.py [--dp 2] [--tp 1] [--steps 3] [--config F] [key=value ...]
 
 Each mode trains the config (cpu_tiny.yaml + DEFAULTS + overrides) on freshly forked gloo ranks,
-which then run one more real `train_step` on the model and optimizer `train(keep_model=True)`
+which then run one more real `train_step` on the model and optimizer `train(hooks=[KeepModel()])`
 returned, with sampling hooks. Bytes per rank (local shards): params_rest after the run;
 params_peak = most parameter storage held at a sample point (after each layer's forward, as its
 output gradient arrives in backward, before optimizer.step; FSDP's gathered copies count, storage
@@ -46,6 +46,7 @@ from mesh3d.data.dummy import DummyTokens, microbatches
 from mesh3d.layout import RunLayout
 from mesh3d.parallel.parallelize import canonical_name
 from mesh3d.train.build import ModelParts
+from mesh3d.train.hooks import KeepModel
 from mesh3d.train.loop import train
 from mesh3d.train.loss import step_loss
 from mesh3d.train.step import train_step
@@ -113,7 +114,7 @@ def measure(rank: int, world: int, cfg, steps: int) -> dict:
     """One rank: train, then one sampled extra step; what it held."""
     rss0, t0 = proc_status_kib("VmRSS"), time.time()
     reset_peak_rss()
-    res = train(cfg, keep_model=True)
+    res = train(cfg, hooks=[KeepModel()])
     train_s, run_peak, rss1 = time.time() - t0, proc_status_kib("VmHWM"), proc_status_kib("VmRSS")
     model, optimizer, group = res.model, res.optimizer, res.mesh["dp"].get_group()
     layout = RunLayout.resolve(cfg, world, rank)

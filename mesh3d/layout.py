@@ -40,6 +40,7 @@ class RunLayout:
     coords: dict[str, int]
     dp_mode: str
     sequence_parallel: bool  # tp_mode REDUCE_SCATTER with tp > 1
+    model_dtype: torch.dtype  # `model.dtype`: what the weights are saved in
     param_dtype: torch.dtype  # fp32 master weights with accumulate_grad_in_fp32
     autocast_dtype: torch.dtype | None  # the compute dtype under autocast, None for fp32
     schedule: str | None  # the pipeline schedule when pp > 1
@@ -69,6 +70,7 @@ class RunLayout:
             coords=dims.coords(rank),
             dp_mode=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),
             sequence_parallel=p.tp_mode == "REDUCE_SCATTER" and p.tp > 1,
+            model_dtype=DTYPES[cfg.model.dtype],
             param_dtype=param,
             autocast_dtype=autocast,
             schedule=effective_pp_schedule(cfg) if p.pp > 1 else None,
@@ -86,6 +88,23 @@ class RunLayout:
             expert_parallel=p.expert_parallel_size,
             eos_token_id=getattr(mc, "eos_token_id", None),
         )
+
+    @property
+    def fp32_masters(self) -> bool:
+        """Whether fp32 master weights differ from the saved weights (fp32 accumulation with a
+        bf16/fp16 model): checkpoints then keep them in the optimizer files, as Nanotron's
+        `gradient_accumulator` does."""
+        return self.param_dtype == torch.float32 and self.model_dtype != torch.float32
+
+    @property
+    def logits_dtype(self) -> torch.dtype:
+        return self.autocast_dtype or self.param_dtype
+
+    def activation(self) -> torch.Tensor:
+        """What a pipeline stage hands the next for one microbatch, as a meta tensor: hidden
+        states [mbs, S_local, h] (`parallel/pipeline.py::pipeline_stage` declares the same)."""
+        shape = (self.microbatch_size, self.local_sequence, self.shape.hidden_size)
+        return torch.empty(shape, dtype=self.param_dtype, device="meta")
 
     @property
     def global_tokens(self) -> int:

@@ -101,17 +101,19 @@ def optimizer_payload(entries: list[tuple[str, dict[str, Tensor]]], groups: list
     return out
 
 
-def lr_scheduler_state(n: int, peak: float, current: float, last_epoch: int) -> dict:
-    """The LambdaLR `state_dict` Nanotron saves for a rank whose optimizer has `n` param groups
-    (one per parameter): its loader zips the lists with its own `n` lambdas (strict), so every
-    list has one entry per parameter; `base_lrs` is the peak lr its lambdas scale."""
+def lr_scheduler_state(peaks: list[float], current: list[float], last_epoch: int) -> dict:
+    """The LambdaLR `state_dict` Nanotron saves for a rank whose optimizer has one param group
+    per parameter: its loader zips the lists with its own lambdas (strict), so every list has
+    one entry per parameter; `base_lrs` holds each parameter's peak lr (the configured one, or
+    its spectral-µP scaling), `_last_lr` its current lr."""
+    n = len(peaks)
     return {
-        "base_lrs": [peak] * n,
+        "base_lrs": list(peaks),
         "last_epoch": last_epoch,
         "_step_count": last_epoch + 1,
         "_is_initial": False,
         "_get_lr_called_within_step": False,
-        "_last_lr": [current] * n,
+        "_last_lr": list(current),
         "lr_lambdas": [{}] * n,  # a functools.partial's empty __dict__ per group
     }
 

@@ -15,26 +15,20 @@ from __future__ import annotations
 import math
 
 from mesh3d.checkpoint.nanotron_weights import nanotron_params
-from mesh3d.models.dtypes import DTYPES
-from mesh3d.models.registry import model_shape
+from mesh3d.layout import RunLayout
 
 SMALL_FILES = 16  # config.yaml, metadata, model and optimizer configs, tokenizer, manifest
 
 
-def writes_masters(cfg) -> bool:
-    """fp32 master weights go to the optimizer files (Nanotron's `gradient_accumulator`) when
-    they differ from the saved weights: fp32 accumulation with a bf16/fp16 model."""
-    return cfg.optimizer.accumulate_grad_in_fp32 and cfg.model.dtype != "float32"
-
-
-def checkpoint_size(cfg) -> tuple[int, int]:
-    """(data bytes, files and folders) of one checkpoint of `cfg`, every rank's together."""
+def checkpoint_size(cfg, layout: RunLayout) -> tuple[int, int]:
+    """(data bytes, files and folders) of one checkpoint of a run (`layout`: its resolved
+    layout, `cfg` for the optimizer), every rank's together."""
     par, opt = cfg.parallelism, cfg.optimizer
-    shape = model_shape(cfg)
+    shape = layout.shape
     params = nanotron_params(shape, par.pp)
-    weight = DTYPES[cfg.model.dtype].itemsize
+    weight = layout.model_dtype.itemsize
     state = 8 if opt.optimizer_factory.name.lower() == "adamw" else 0
-    if writes_masters(cfg):
+    if layout.fp32_masters:  # in the optimizer files (Nanotron's `gradient_accumulator`)
         state += 4
     data = 0
     for p in params:

@@ -46,40 +46,39 @@ from mesh3d.checkpoint.nanotron_weights import (
     model_config_json,
     nanotron_params,
 )
-from mesh3d.checkpoint.size import checkpoint_size, writes_masters
+from mesh3d.checkpoint.size import checkpoint_size
 from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, write_rank_state
 from mesh3d.checkpoint.tokenizer_files import copy_into_checkpoint
-from mesh3d.config import global_batch_size
 from mesh3d.config.load import mesh3d_changes, nanotron_config_yaml
 from mesh3d.data.stages import stage_consumption
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout
-from mesh3d.models.dtypes import DTYPES
-from mesh3d.models.registry import model_shape
 
 
-def _rank_params(cfg, parts, pp_rank: int) -> list:
+def _rank_params(layout: RunLayout, parts, pp_rank: int) -> list:
     """The Nanotron parameters this rank holds, in the order of Nanotron's optimizer files:
     module order, where a tied lm_head on another stage than the embedding comes last, under
     the embedding's name (Nanotron's loader pairs saved and live states by position)."""
     held = held_parameters(parts.modules)
-    params = [p for p in nanotron_params(model_shape(cfg), cfg.parallelism.pp)
+    params = [p for p in nanotron_params(layout.shape, layout.dims.pp)
               if all(o in held for o in p.ours)]  # fmt: skip
     if parts.embed_rank != pp_rank:  # at most the tied lm_head copy is named like the embedding
         params.sort(key=lambda p: p.name == names.EMBEDDING)  # stable: the rest keep their order
     return params
 
 
-def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler, coords) -> None:
+def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler,
+                      layout: RunLayout) -> None:  # fmt: skip
     """This rank's weight, optimizer, scheduler and random-state files (collectives inside)."""
-    par, P = cfg.parallelism, coords["pp"]
-    params = _rank_params(cfg, parts, P)
+    par, coords = cfg.parallelism, layout.coords
+    P = coords["pp"]
+    params = _rank_params(layout, parts, P)
     write_rank_state(
         writer, params, held_parameters(parts.modules), optimizer,
         Layout(par.dp, par.tp, par.pp, coords), zero=cfg.optimizer.zero_stage > 0,
-        model_dtype=DTYPES[cfg.model.dtype], masters=writes_masters(cfg),
+        model_dtype=layout.model_dtype, masters=layout.fp32_masters,
         writes_weight=lambda p: p.name != names.EMBEDDING or parts.embed_rank == P,
         ep=par.expert_parallel_size,
     )  # fmt: skip
@@ -87,21 +86,24 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler, co
         # Nanotron's shape: one entry per parameter of this (pp, tp) rank's optimizer file
         # (every parameter for ZeRO-1, whose files keep empty groups), peak lr as base
         name = nanotron_state.lr_scheduler_file(P, par.pp, coords["tp"], par.tp)
-        peak = cfg.optimizer.learning_rate_scheduler.learning_rate
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        held = held_parameters(parts.modules)
+        groups = [group_of[id(held[p.ours[0]][0])] for p in params]
         state = nanotron_state.lr_scheduler_state(
-            len(params), peak, scheduler.get_last_lr()[0], scheduler.last_epoch
+            [g["initial_lr"] for g in groups], [g["lr"] for g in groups], scheduler.last_epoch
         )
         writer.save_torch(f"lr_scheduler/{name}", state)
 
 
-def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extra: dict) -> None:
+def _write_rank0_files(writer: FolderWriter, cfg, layout: RunLayout, step: int, consumed: int,
+                       extra: dict) -> None:  # fmt: skip
     par = cfg.parallelism
-    shape = model_shape(cfg)
+    shape = layout.shape
     writer.write_text("config.yaml", nanotron_config_yaml(cfg, step, consumed))
     writer.write_text("model_config.json", json.dumps(model_config_json(cfg)))
     zero = cfg.optimizer.zero_stage > 0
     kind = "ZeroDistributedOptimizer" if zero else "NamedOptimizer"
-    if not zero and writes_masters(cfg):
+    if not zero and layout.fp32_masters:
         kind = "OptimizerFromGradientAccumulator"
     opt_cfg = nanotron_state.optimizer_config(
         kind, par.tp, par.dp, par.pp, nanotron_params(shape), zero
@@ -109,7 +111,7 @@ def _write_rank0_files(writer: FolderWriter, cfg, step: int, consumed: int, extr
     writer.write_text("optimizer/optimizer_config.json", json.dumps(opt_cfg))
     stages = cfg.data_stages or []
     starts = [s.start_training_step for s in stages] or [1]
-    counts = stage_consumption(starts, step, global_batch_size(cfg))
+    counts = stage_consumption(starts, step, layout.global_batch)
     stage_meta = [
         {"name": s.name, "start_training_step": s.start_training_step, "consumed_train_samples": c,
          "sequence_length": s.sequence_length or cfg.tokens.sequence_length,
@@ -148,15 +150,15 @@ def save_checkpoint(
     Raises `CheckpointWriteError` or `NonFiniteError` on every rank when the save fails; the
     checkpoints folder is then as it was.
     """
-    root, coords = Path(root), layout.coords
+    root = Path(root)
     final = root / str(step)
-    data_bytes, files = checkpoint_size(cfg)
+    data_bytes, files = checkpoint_size(cfg, layout)
     logger.info(f"Saving checkpoint at {final}")
     with collective_timeout(mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s):
         save_atomically(
             final,
-            lambda w: _write_rank_files(w, cfg, parts, optimizer, scheduler, coords),
-            lambda w: _write_rank0_files(w, cfg, step, consumed_samples, extra or {}),
+            lambda w: _write_rank_files(w, cfg, parts, optimizer, scheduler, layout),
+            lambda w: _write_rank0_files(w, cfg, layout, step, consumed_samples, extra or {}),
             needed_bytes=data_bytes,
             needed_files=files,
             step=step,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from mesh3d.config.derive import global_batch_size, padded_vocab_size
-from mesh3d.config.schema import Config, LlamaConfig, Qwen2Config
+from mesh3d.config.schema import Config
 
 MAX_SIZE = 2**31 - 1
 MAX_PARAMS = 10**13
@@ -46,7 +46,7 @@ def scale_errors(cfg: Config) -> Iterator[str]:
             f"{tokens.sequence_length}), more than {MAX_STEP_TOKENS} (2**34); lower "
             "tokens.batch_accumulation_per_replica or tokens.micro_batch_size"
         )
-    if isinstance(mc, (LlamaConfig, Qwen2Config)):
+    if all(hasattr(mc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers")):
         h = mc.hidden_size
         # at least q and o projections and a gated MLP per layer, and one embedding
         per_layer = 2 * h * h + 3 * h * mc.intermediate_size

@@ -28,6 +28,7 @@ from mesh3d.config.schema import (
 )
 from mesh3d.errors import ConfigError, not_supported_yet
 from mesh3d.models.activations import TRAIN_DTYPES
+from mesh3d.models.mup import mup_rules
 from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.pipeline_layout import SCHEDULES, microbatches_needed, split_by_cost
 
@@ -201,7 +202,7 @@ def _pipeline(cfg: Config) -> Iterator[str]:
             f"needs at least {what[traits.min_microbatches]} = {need}; raise it to {need} or use "
             "pp_engine: afab"
         )
-    elif sched in ("interleaved_1f1b", "interleaved_zero_bubble") and n % max(1, n // p.pp):
+    elif traits.rounds and n % max(1, n // p.pp):
         yield (
             f"`{key}` ({n}) must be a multiple of the number of rounds {n} // pp ({p.pp}) = "
             f"{n // p.pp} for {sched}, which runs microbatches in rounds; use a multiple of pp"
@@ -331,9 +332,10 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     if moe is not None:
         yield from moe_errors(cfg, m.model_config)
     if isinstance(m.init_method, SpectralMupInit):
-        yield not_supported_yet(
-            "model.init_method.use_mup", "spectral muP; use init_method: {std: 0.02}"
-        )
+        try:
+            mup_rules(spec_of(m.model_config), model_shape(cfg), m.model_config.vocab_size)
+        except ConfigError as e:
+            yield str(e)
     scaling = getattr(m.init_method, "scaling_method", None)
     if scaling in ("LAYER_INDEX", "MODEL_SCALE"):
         yield not_supported_yet(

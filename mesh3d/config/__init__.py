@@ -26,7 +26,6 @@ from mesh3d.config.load import (
     save_config,
 )
 from mesh3d.config.schema import (
-    PP_SCHEDULES,
     AdamWOptimizerArgs,
     CheckpointsArgs,
     Config,
@@ -61,7 +60,6 @@ from mesh3d.config.schema import (
 __all__ = [
     "layout_text",
     "world_size",
-    "PP_SCHEDULES",
     "AdamWOptimizerArgs",
     "CheckpointsArgs",
     "Config",

@@ -201,7 +201,7 @@ def _resolve(cfg: Config) -> Config:
     if cfg.mesh3d.pp_schedule is not None:
         cfg.mesh3d.pp_schedule = cfg.mesh3d.pp_schedule.lower()
     mc = cfg.model.model_config
-    if isinstance(mc, (LlamaConfig, Qwen2Config)) and mc.num_key_value_heads is None:
+    if hasattr(mc, "num_key_value_heads") and mc.num_key_value_heads is None:
         mc.num_key_value_heads = mc.num_attention_heads
     family = MESH3D_FAMILIES.get(cfg.mesh3d.model_family)
     if family is not None and type(mc) is family.base:

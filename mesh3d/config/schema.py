@@ -359,17 +359,6 @@ class S3UploadArgs:
     s5cmd_path: str | None = None
 
 
-PP_SCHEDULES = (
-    "afab",
-    "1f1b",
-    "interleaved_1f1b",
-    "looped_bfs",
-    "interleaved_zero_bubble",
-    "zbv_zero_bubble",
-    "dualpipev",
-)
-
-
 @dataclass
 class LossSpikeArgs:
     """`mesh3d.loss_spike`: a step whose loss, or gradient norm, exceeds `factor` times the
@@ -386,7 +375,7 @@ class LossSpikeArgs:
 class Mesh3dArgs:
     """mesh3d's own settings, under `mesh3d:`; a config without the section loads in Nanotron."""
 
-    pp_schedule: str | None = None  # overrides parallelism.pp_engine; one of PP_SCHEDULES
+    pp_schedule: str | None = None  # overrides parallelism.pp_engine (parallel/pipeline_layout.py)
     pp_virtual_stages: int = 1  # stages per pp rank (2 for the V schedules)
     full_shard: bool = False  # FSDP full sharding over dp instead of zero_stage semantics
     device: str = "auto"  # auto | cpu | cuda

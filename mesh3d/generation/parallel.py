@@ -49,7 +49,6 @@ from mesh3d.mesh import (
 )
 from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts, build_model_parts
-from mesh3d.train.evaluate import _activation
 
 
 @dataclass
@@ -166,7 +165,7 @@ def _last_logits(model: ParallelModel, out: Tensor) -> Tensor | None:
 
     if parts.schedule is None:
         return last(parts.modules[0](x), None)
-    got = forward_walk(parts.stages, 1, x, x, None, last, _activation(model.layout))
+    got = forward_walk(parts.stages, 1, x, x, None, last, model.layout.activation())
     return got[0] if got else None
 
 

@@ -272,6 +272,7 @@ LLAMA = ModelSpec(
     blocks=blocks,
     config_sizes=llama_sizes,
     config_errors=llama_errors,
+    mup=True,
     nanotron_layer=nanotron_layer,
     nanotron_outer=NANOTRON_OUTER,
     param_shapes=param_shapes,

@@ -110,6 +110,7 @@ class ModelSpec:
     pipeline_costs: Callable[[ModelShape], tuple[list[int], int]]  # (per-layer, lm_head)
     hf: tuple[HFSpec, ...]  # the HF architectures the family converts to and from
     hf_for: Callable[[Any], HFSpec] = lambda mc: None  # which of them a model config becomes
+    mup: bool = False  # spectral µP applies (`models/mup.py`: Nanotron defines it for Llama, Qwen2)
 
     def hf_of(self, model_config) -> HFSpec:
         """The HF architecture `model_config` converts to (the first, unless `hf_for` says)."""

@@ -24,16 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
@@ -55,19 +47,11 @@ __all__ = [  # the arithmetic lives in parallel/pipeline_layout.py (no torch); r
     "sync_tied_embeddings",
 ]  # fmt: skip
 
-# torch's schedule class for each name of `stage_math.SCHEDULES` (the same keys, in the same order)
+# torch's schedule class for each name of the schedule table (`parallel/pipeline_layout.py`)
 SCHEDULES: dict[str, type[_PipelineSchedule]] = {
-    "afab": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "looped_bfs": ScheduleLoopedBFS,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-    "zbv_zero_bubble": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
+    name: getattr(torch_schedules, traits.torch_class)
+    for name, traits in stage_math.SCHEDULES.items()
 }
-assert list(SCHEDULES) == list(stage_math.SCHEDULES), (
-    "parallel/pipeline_layout.py and torch's classes differ"
-)
 
 
 def is_multi_stage(name: str) -> bool:

@@ -9,36 +9,80 @@ any process exists; `parallel/pipeline.py` maps the same names to torch's schedu
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mesh3d.errors import ConfigError
 from mesh3d.models.spec import decoder_cost
 
 
+def _sequential(pp: int, v: int, m: int) -> tuple[float, str, bool]:
+    return (pp - 1) / (m + pp - 1), "(pp-1)/(m+pp-1)", True
+
+
+def _interleaved(pp: int, v: int, m: int) -> tuple[float, str, bool]:
+    return (pp - 1) / (v * m + pp - 1), "(pp-1)/(v*m+pp-1)", True
+
+
+def _zb1p(pp: int, v: int, m: int) -> tuple[float, str, bool]:
+    # ZB1P idles (pp-1)(F+B-2W); with F = I = W and chunks 1/v long, torch's order gives exactly
+    # this for m >= pp (benchmarks/schedules's replay, pp 2 to 8)
+    why = "(pp-1)/(3*v*m+pp-1): ZB1P idles (pp-1)(F+B-2W), F = I = W, chunks 1/v long"
+    return (pp - 1) / (3 * v * m + pp - 1), why, m >= pp
+
+
+def _zbv(pp: int, v: int, m: int) -> tuple[float, str, bool]:
+    # Not the ideal ZB-V's 0 (Qi et al. 2024): torch's ScheduleZBVZeroBubble order (v = 2),
+    # replayed with F = I = W = 1 by benchmarks/schedules, idles each rank pp-1 chunk times
+    # once m >= 3pp/2 (validation asks m >= 2pp), and 2(2pp-1-m) with fewer microbatches;
+    # every m from 1 to 4pp matched this for pp 2 to 8.
+    idle = max(pp - 1, 2 * (2 * pp - 1 - m))
+    d = "pp-1" if idle == pp - 1 else "2(2pp-1-m)"
+    why = f"({d})/(3*v*m+{d}): torch's ZBV order idles {d} chunk times, F = I = W"
+    return idle / (3 * v * m + idle), why, True
+
+
+def _dualpipev(pp: int, v: int, m: int) -> tuple[float, str, bool]:
+    # torch's DualPipeV order (m >= 2pp, v = 2) with its overlapped F&B run one after the other,
+    # as on one device without communication to hide, idles pp-1 chunk times too
+    why = "(pp-1)/(3*v*m+pp-1): torch's DualPipeV order, F&B not overlapped, F = I = W"
+    return (pp - 1) / (3 * v * m + pp - 1), why, True
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """What mesh3d needs to know of a pipeline schedule before building it."""
+    """What mesh3d needs to know of a pipeline schedule before building it: the one place a
+    schedule's name is written (`parallel/pipeline.py` maps `torch_class` to torch's class,
+    `mesh3d plan` reads `bubble`, the checks `min_microbatches` and `rounds`)."""
 
     name: str
+    torch_class: str  # its class in torch.distributed.pipelining.schedules
     multi_stage: bool  # runs a list of stages per rank (virtual stages or a V)
     v_shape: bool  # exactly 2 stages per rank, rank r holding r and 2*pp-1-r
     zero_bubble: bool  # splits backward into input- and weight-gradient passes
     min_microbatches: str  # "1", "pp", "pp-1" (Nanotron's 1F1B) or "stages" (pp x virtual)
+    rounds: bool  # runs microbatches in rounds of pp: their number a multiple of n // pp
+    # (pp, virtual stages, microbatches) -> (idle share with equal stage times and F = I = W,
+    # the formula, whether it is exact there)
+    bubble: Callable[[int, int, int], tuple[float, str, bool]]
 
 
 SCHEDULES: dict[str, Schedule] = {
     s.name: s
     for s in (
-        Schedule("afab", False, False, False, "1"),
+        Schedule("afab", "ScheduleGPipe", False, False, False, "1", False, _sequential),
         # Nanotron's 1F1B needs pp-1; with fewer than pp it is the all-forward-all-backward order
-        Schedule("1f1b", False, False, False, "pp-1"),
-        Schedule("interleaved_1f1b", True, False, False, "pp"),
-        Schedule("looped_bfs", True, False, False, "pp"),
-        Schedule("interleaved_zero_bubble", True, False, True, "pp"),
-        Schedule("zbv_zero_bubble", True, True, True, "stages"),
-        Schedule("dualpipev", True, True, True, "stages"),
+        Schedule("1f1b", "Schedule1F1B", False, False, False, "pp-1", False, _sequential),
+        Schedule("interleaved_1f1b", "ScheduleInterleaved1F1B", True, False, False, "pp", True,
+                 _interleaved),
+        Schedule("looped_bfs", "ScheduleLoopedBFS", True, False, False, "pp", False, _interleaved),
+        Schedule("interleaved_zero_bubble", "ScheduleInterleavedZeroBubble", True, False, True,
+                 "pp", True, _zb1p),
+        Schedule("zbv_zero_bubble", "ScheduleZBVZeroBubble", True, True, True, "stages", False,
+                 _zbv),
+        Schedule("dualpipev", "ScheduleDualPipeV", True, True, True, "stages", False, _dualpipev),
     )
-}
+}  # fmt: skip
 
 
 def schedule(name: str) -> Schedule:

@@ -8,6 +8,7 @@ import types
 from torch import nn
 
 from mesh3d.parallel.pipeline import SCHEDULES, is_multi_stage, stage_ids_of_rank
+from mesh3d.parallel.pipeline_layout import SCHEDULES as SCHEDULE_TRAITS
 from mesh3d.plan.records import Bubble
 from mesh3d.plan.sizes import _Sizes
 
@@ -73,28 +74,9 @@ def _peaks(
 
 
 def bubble(schedule: str, pp: int, v: int, m: int) -> Bubble:
-    """Idle share of a step with equal stage times (and F = I = W for the split backward)."""
+    """Idle share of a step with equal stage times (and F = I = W for the split backward): the
+    schedule table's formula (`parallel/pipeline_layout.py`)."""
     if pp == 1:
         return Bubble(0.0, "no pipeline", "exact")
-    if schedule in ("afab", "1f1b"):
-        return Bubble((pp - 1) / (m + pp - 1), "(pp-1)/(m+pp-1)", "exact")
-    if schedule in ("interleaved_1f1b", "looped_bfs"):
-        return Bubble((pp - 1) / (v * m + pp - 1), "(pp-1)/(v*m+pp-1)", "exact")
-    if schedule == "interleaved_zero_bubble":
-        # ZB1P idles (pp-1)(F+B-2W); with F = I = W and chunks 1/v long, torch's order gives
-        # exactly this for m >= pp (benchmarks/schedules's replay, pp 2 to 8)
-        why = "(pp-1)/(3*v*m+pp-1): ZB1P idles (pp-1)(F+B-2W), F = I = W, chunks 1/v long"
-        return Bubble((pp - 1) / (3 * v * m + pp - 1), why, "exact" if m >= pp else "approximate")
-    if schedule == "zbv_zero_bubble":
-        # Not the ideal ZB-V's 0 (Qi et al. 2024): torch's ScheduleZBVZeroBubble order (v = 2),
-        # replayed with F = I = W = 1 by benchmarks/schedules, idles each rank pp-1 chunk
-        # times once m >= 3pp/2 (validation asks m >= 2pp), and 2(2pp-1-m) with fewer
-        # microbatches; every m from 1 to 4pp matched this for pp 2 to 8.
-        idle = max(pp - 1, 2 * (2 * pp - 1 - m))
-        d = "pp-1" if idle == pp - 1 else "2(2pp-1-m)"
-        why = f"({d})/(3*v*m+{d}): torch's ZBV order idles {d} chunk times, F = I = W"
-        return Bubble(idle / (3 * v * m + idle), why, "exact")
-    # dualpipev: torch's DualPipeV order (m >= 2pp, v = 2) with its overlapped F&B run one after
-    # the other, as on one device without communication to hide, idles pp-1 chunk times too
-    why = "(pp-1)/(3*v*m+pp-1): torch's DualPipeV order, F&B not overlapped, F = I = W"
-    return Bubble((pp - 1) / (3 * v * m + pp - 1), why, "exact")
+    fraction, why, exact = SCHEDULE_TRAITS[schedule].bubble(pp, v, m)
+    return Bubble(fraction, why, "exact" if exact else "approximate")

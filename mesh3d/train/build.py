@@ -18,10 +18,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
-from mesh3d.config import ExistingCheckpointInit
+from mesh3d.config import ExistingCheckpointInit, SpectralMupInit
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
+from mesh3d.models.mup import mup_rules
 from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.experts import new_groups as new_ep_groups
 from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
@@ -64,8 +65,8 @@ class ModelParts:
 
 
 def initial_weights(cfg, padded_vocab: int) -> FullSource:
-    """Where the first weights come from: `init_method: {std: ...}` draws each full tensor from
-    its own seed; `init_method: {path: ...}` reads them from a checkpoint in Nanotron's layout
+    """Where the first weights come from: `init_method: {std: ...}` (or `{use_mup: true}`,
+    `models/mup.py`'s rules) draws each full tensor from its own seed; `init_method: {path: ...}` reads them from a checkpoint in Nanotron's layout
     (written by Nanotron, `mesh3d.convert from-hf`, or mesh3d), saved at any tp/pp."""
     mc, init = cfg.model.model_config, cfg.model.init_method
     if isinstance(init, ExistingCheckpointInit):
@@ -78,12 +79,14 @@ def initial_weights(cfg, padded_vocab: int) -> FullSource:
         logger.info(f"Initial weights from {root}: {len(full)} tensors, {n:,} parameters")
         tied = {"lm_head.weight": "embed_tokens.weight"} if mc.tie_word_embeddings else {}
         return lambda name, shape: full[tied.get(name, name)]
+    rows = {"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size}
+    if isinstance(init, SpectralMupInit):
+        rules = mup_rules(spec_of(mc), model_shape(cfg), mc.vocab_size)
+        return seeded_init(lambda name: rules[name].std, cfg.general.seed, rows)
     scaling = getattr(init, "scaling_method", "NUM_LAYERS")
     init_std = spec_of(mc).init_std
     return seeded_init(
-        lambda name: init_std(name, init.std, mc.num_hidden_layers, scaling),
-        cfg.general.seed,
-        {"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size},
+        lambda name: init_std(name, init.std, mc.num_hidden_layers, scaling), cfg.general.seed, rows
     )
 
 
@@ -146,7 +149,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             hidden_size=mc.hidden_size,
             vocab_size=vocab,
             dtype=layout.param_dtype,
-            logits_dtype=layout.autocast_dtype or layout.param_dtype,
+            logits_dtype=layout.logits_dtype,
         )
         for m, i in zip(modules, ids)
     ]

@@ -39,7 +39,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from mesh3d.data.validation import HeldOut
 from mesh3d.layout import RunLayout
-from mesh3d.mesh import replica_mesh
+from mesh3d.mesh import groups_of
 from mesh3d.parallel.context import shard_batches
 from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
 from mesh3d.parallel.pipeline_forward import forward_walk
@@ -65,7 +65,8 @@ def evaluate(
 ) -> dict[str, float]:
     """{"val_loss", "val_ppl"} over `held`, the same on every rank (call on every rank)."""
     dp, pp, cp = layout.dims.dp, layout.dims.pp, layout.dims.cp
-    dp_group = mesh["dp"].get_group() if dp > 1 else None
+    groups = groups_of(mesh)
+    dp_group = groups.dp if dp > 1 else None
     # middle pipeline stages take activations, not tokens, unless attention needs the positions
     reads = parts.has_first or parts.has_last or layout.positions_everywhere
     mbs, dp_rank = layout.microbatch_size, layout.coords["dp"]
@@ -89,9 +90,9 @@ def evaluate(
             m.train(mode)
         _reshard(parts.modules)
     if pp > 1:
-        dist.all_reduce(total, group=mesh["pp"].get_group())  # only the last stage has sums
+        dist.all_reduce(total, group=groups.pp)  # only the last stage has sums
     if dp * cp > 1:
-        dist.all_reduce(total, group=replica_mesh(mesh).get_group())
+        dist.all_reduce(total, group=groups.replicas)
     loss = float(total) / tokens
     return {"val_loss": loss, "val_ppl": perplexity(loss)}
 
@@ -120,7 +121,7 @@ def _token_loss_sum(
                 if is_v_schedule(layout.schedule):  # torch 2.13's eval() fails for V schedules
                     losses = forward_walk(
                         parts.stages, layout.microbatches, inputs, labels, positions,
-                        parts.loss_fn, _activation(layout),
+                        parts.loss_fn, layout.activation(),
                     )  # fmt: skip
                 else:
                     losses = run_schedule(
@@ -129,13 +130,6 @@ def _token_loss_sum(
             for loss in losses:
                 total += _scalar(loss)
     return total
-
-
-def _activation(layout: RunLayout) -> torch.Tensor:
-    """What a stage hands the next for one microbatch: hidden states [mbs, S_local, h], as
-    `parallel/pipeline.py::pipeline_stage` declares them."""
-    shape = (layout.microbatch_size, layout.local_sequence, layout.shape.hidden_size)
-    return torch.empty(shape, dtype=layout.param_dtype, device="meta")
 
 
 def _cat(batch: list[tuple], i: int, device: torch.device) -> torch.Tensor:

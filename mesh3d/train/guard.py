@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import os
 import signal
 import uuid
 from pathlib import Path
@@ -68,6 +69,7 @@ class RunGuard:
         self.spikes = SpikeGuard(spike) if spike is not None else None
         self.signals: StopSignals | None = None
         self.skipped = 0  # non-finite steps skipped so far (resumed runs continue the count)
+        self.fail_at = _injected_failure(self.rank)
 
     # -------------------------------------------------------------------------- enter / exit
 
@@ -227,8 +229,13 @@ class RunGuard:
     # ------------------------------------------------------------------------------ progress
 
     def at(self, step: int, phase: str) -> None:
-        """Tell the watchdog where this rank is (read by peers after a failure)."""
+        """Tell the watchdog where this rank is (read by peers after a failure); the step a
+        fault was injected at (`MESH3D_FAIL_AT`) fails here."""
         self.watchdog.at(step, phase)
+        if phase == "step" and step == self.fail_at:
+            raise RuntimeError(
+                f"MESH3D_FAIL_AT: injected failure on rank {self.rank} at step {step}"
+            )
 
     def last_checkpoint(self, kind: str = "complete") -> str:
         """One sentence: the checkpoint a restart would resume from (the last `kind` one)."""
@@ -262,6 +269,16 @@ class RunGuard:
             "(optimizer.learning_rate_scheduler.learning_rate) or clip_grad, check the data, "
             "or set mesh3d.skip_nonfinite_steps to skip a few such steps"
         )
+
+
+def _injected_failure(rank: int) -> int | None:
+    """`MESH3D_FAIL_AT=RANK:STEP` makes that rank raise at that step: how the fault tests check
+    that a failing rank ends the job with its peers named, never a hang."""
+    spec = os.environ.get("MESH3D_FAIL_AT")
+    if not spec:
+        return None
+    r, s = (int(x) for x in spec.split(":"))
+    return s if r == rank else None
 
 
 def _exit_reason(exc: BaseException | None) -> str:

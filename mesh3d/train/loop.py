@@ -1,17 +1,18 @@
-"""The training run: config -> mesh -> model -> optimizer -> data -> steps -> metrics.
+"""The training run: each step, then its metrics, evaluation, finite and spike checks, save,
+and the stop check.
 
-`train(cfg)` is what `recipes/train.py` calls on every rank after torchrun started it, and what
-tests call inside forked ranks. Every check that the config and the world size allow runs in
-`validate()` before the first collective.
+`train(cfg)` is what `recipes/train.py` and `mesh3d train` call on every rank, and what tests
+call inside forked ranks. `Run` (`train/run.py`) prepares what a step needs (every check the
+config and the world size allow runs before the first collective); `RunGuard` (`train/guard.py`)
+holds the folder lock, watchdog and stop signals around the loop.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,28 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.checkpoint.training import (
-    checkpoint_custom_metas,
-    load_checkpoint,
-    save_checkpoint,
-)
-from mesh3d.checks import validate
-from mesh3d.data.build import StagedData
 from mesh3d.errors import Interrupted, Preempted, UserError
-from mesh3d.layout import RunLayout
-from mesh3d.log import logger, setup_logging
-from mesh3d.mesh import (
-    build_mesh,
-    collective_timeout,
-    init_distributed,
-    replica_mesh,
-    resolve_device,
-    set_collective_timeout,
-)
+from mesh3d.log import logger
+from mesh3d.mesh import groups_of
 from mesh3d.parallel.parallelize import compile_cache_text
-from mesh3d.train.build import build_model_parts
 from mesh3d.train.evaluate import evaluate, is_evaluation_step
-from mesh3d.train.experts import clear_stats
 from mesh3d.train.experts import step_metrics as moe_step_metrics
 from mesh3d.train.guard import RunGuard, share
 from mesh3d.train.metrics import (
@@ -49,125 +33,23 @@ from mesh3d.train.metrics import (
     peak_memory,
     peak_tflops,
 )
-from mesh3d.train.optim import build_optimizer
 from mesh3d.train.profiling import step_profiler
+from mesh3d.train.run import Run
 from mesh3d.train.sinks import MetricSinks
-from mesh3d.train.step import total_params, train_step
 
 
 @dataclass
 class RunResult:
-    """What a run returns to its caller (tests, benchmarks): one metrics dict per step."""
+    """What a run returns to its caller: one metrics dict per step (and, with the `KeepModel`
+    hook, the model, optimizer and mesh)."""
 
     metrics: list[dict] = field(default_factory=list)
     model: torch.nn.Module | None = None  # the model, or a ModuleList of this rank's stages
     optimizer: torch.optim.Optimizer | None = None
     mesh: DeviceMesh | None = None
-    batch_hashes: list[str] = field(default_factory=list)  # this rank's input tokens, per step
 
 
-def batch_hash(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
-    """A short digest of a step's microbatches (inputs and labels), to compare runs."""
-    h = hashlib.sha1()
-    for inputs, labels in batches:
-        h.update(inputs.numpy().tobytes())
-        h.update(labels.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def _fault_injection(rank: int) -> int | None:
-    """`MESH3D_FAIL_AT=RANK:STEP` makes that rank raise at that step (tests the no-hang path)."""
-    spec = os.environ.get("MESH3D_FAIL_AT")
-    if not spec:
-        return None
-    r, s = (int(x) for x in spec.split(":"))
-    return s if r == rank else None
-
-
-@dataclass
-class _Run:
-    """What the step loop needs, built once by `_setup`."""
-
-    cfg: object
-    data: StagedData
-    device: torch.device
-    layout: RunLayout
-    mesh: DeviceMesh
-    parts: object
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    logger_rank: int
-    step_flops: float = 0.0
-    n_params: int = 0
-
-
-def _setup(cfg) -> _Run:
-    """Validate, read the data, start the process group, build model, optimizer, schedule."""
-    return _build(cfg, *_start(cfg))
-
-
-def _start(cfg) -> tuple[StagedData, torch.device, RunLayout]:
-    """Validate, read the data, start the process group and the logging: (data, device,
-    layout). A mistake found here is the same on every rank (printed once, by rank 0)."""
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    try:
-        validate(cfg, world_size=world)  # before any process-group work: a bad config never hangs
-        data = StagedData(cfg)  # every stage's dataset checked before the first collective too
-        device = resolve_device(cfg.mesh3d.device)
-    except UserError as e:
-        e.same_on_every_rank = True
-        raise
-    if not dist.is_initialized():
-        init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=cfg.mesh3d.device)
-    layout = RunLayout.resolve(cfg, dist.get_world_size(), dist.get_rank())
-    level = cfg.logging.log_level if dist.get_rank() == 0 else cfg.logging.log_level_replica
-    setup_logging(layout.coords, level, cp=layout.dims.cp)  # `_build` adds the metrics owner
-    return data, device, layout
-
-
-def _build(cfg, data: StagedData, device: torch.device, layout: RunLayout) -> _Run:
-    """The mesh, model parts, optimizer and schedule of a started process group."""
-    timeout_s = cfg.mesh3d.collective_timeout_s
-    dims = layout.dims
-    mesh = build_mesh(dims, device.type)
-    set_collective_timeout(mesh, timeout_s)  # the mesh's sub-groups too (torch: 30 min)
-    torch.manual_seed(cfg.general.seed)
-    parts = build_model_parts(cfg, layout, mesh, device)
-    optimizer, scheduler = build_optimizer(parts.named_parameters(), cfg, device)
-    # the metrics owner (pp = last stage, dp 0, tp 0) logs at `log_level` like rank 0, so the
-    # iteration line shows even when log_level_replica is quieter (Nanotron needs INFO there)
-    owner = {"pp": parts.head_rank, "dp": 0, "cp": 0, "tp": 0}
-    logger_rank = next(r for r in range(dims.world_size) if dims.coords(r) == owner)
-    primary = dist.get_rank() in (0, logger_rank)
-    level = cfg.logging.log_level if primary else cfg.logging.log_level_replica
-    setup_logging(layout.coords, level, cp=dims.cp)
-    step_flops = layout.spec.step_flops(layout.shape, layout.sequence_length, layout.global_batch)
-    return _Run(cfg, data, device, layout, mesh, parts, optimizer, scheduler, logger_rank,
-                step_flops)  # fmt: skip
-
-
-def _run_step(run: _Run, step: int, accepts=None) -> tuple[list, float, float]:
-    """Read step `step`'s batches and train on them: (batches, loss, grad norm).
-
-    The whole per-step work of `train()` but its timing and metrics; benchmarks/throughput.py
-    drives it directly to interleave mesh3d's steps with other training loops.
-    """
-    cfg, tok = run.cfg, run.cfg.tokens
-    # middle pipeline stages take activations, not tokens: they read no data, unless their
-    # attention needs the positions (document masking, context parallelism)
-    reads = run.parts.has_first or run.parts.has_last or run.layout.positions_everywhere
-    dp_rank, dp = run.layout.coords["dp"], run.layout.dims.dp
-    batches = run.data.batches(step, dp_rank, dp, tok.micro_batch_size) if reads else []
-    if run.layout.shape.moe_layers:
-        clear_stats(run.parts.modules, run.layout)  # what validation forwards left
-    loss, grad_norm = train_step(
-        run.parts, run.optimizer, run.scheduler, batches, layout=run.layout,
-        clip_grad=cfg.optimizer.clip_grad, mesh=run.mesh, device=run.device, accepts=accepts,
-    )  # fmt: skip
-    return batches, loss, grad_norm
-
-
-def _resume(run: _Run, guard: RunGuard) -> tuple[int, int, str | None]:
+def _resume(run: Run, guard: RunGuard) -> tuple[int, int, str | None]:
     """(last step, consumed samples, W&B run id) from where `guard` decided the run starts."""
     cfg, ck = run.cfg, run.cfg.checkpoints
     if guard.resume_path is None:
@@ -176,14 +58,7 @@ def _resume(run: _Run, guard: RunGuard) -> tuple[int, int, str | None]:
             _save(run, guard, 0, 0, None)
         return 0, 0, None
     guard.at(0, "load")
-    with collective_timeout(
-        run.mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s
-    ):
-        start, consumed = load_checkpoint(
-            guard.resume_path, run.parts, run.optimizer, run.scheduler, cfg, layout=run.layout,
-            load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
-        )  # fmt: skip
-    custom = checkpoint_custom_metas(guard.resume_path) or {}
+    start, consumed, custom = run.load(guard.resume_path)
     if start > cfg.tokens.train_steps:
         raise UserError(
             f"checkpoint {guard.resume_path} is at step {start}, past tokens.train_steps "
@@ -196,7 +71,7 @@ def _resume(run: _Run, guard: RunGuard) -> tuple[int, int, str | None]:
     return start, consumed, wandb_id if ck.load_lr_scheduler else None
 
 
-def _save(run: _Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | None,
+def _save(run: Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | None,
           last_step: bool = False) -> None:  # fmt: skip
     """Save step `step`; `last_step`: no step follows (the end, or a stop signal)."""
     ck = run.cfg.checkpoints
@@ -205,8 +80,7 @@ def _save(run: _Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | 
     guard.check_folder_owner(step)
     guard.at(step, "save")
     latest = guard.names_latest(Path(ck.checkpoints_path) / str(step), last_step)
-    save_checkpoint(ck.checkpoints_path, step, run.cfg, run.parts, run.optimizer, run.scheduler,
-                    run.mesh, consumed, layout=run.layout, extra=extra, latest=latest)  # fmt: skip
+    run.save(step, consumed, extra, latest)
 
 
 def _stopped(signal_name: str, step: int, ck, saved: int, spiked: str) -> Preempted | Interrupted:
@@ -233,26 +107,26 @@ def _stopped(signal_name: str, step: int, ck, saved: int, spiked: str) -> Preemp
     )
 
 
-def train(cfg, metrics_file: str | None = None, keep_model: bool = False) -> RunResult:
+def train(cfg, metrics_file: str | None = None, hooks: Sequence = ()) -> RunResult:
     """Train `cfg` on the current process group (started here if needed); rank-local result.
+    `hooks`: opt-in observers of each step and of the end (`train/hooks.py`).
 
     Example:
 
         result = mesh3d.train(mesh3d.load_config("cfg.yaml"))   # under torchrun
         [m["lm_loss"] for m in result.metrics]
     """
-    data, device, layout = _start(cfg)
-    with RunGuard(cfg, device) as guard:  # the folder first: a refusal builds no model
-        run = _build(cfg, data, device, layout)
-        run.n_params = total_params(run.parts, run.mesh)
+    run = Run.start(cfg)
+    with RunGuard(cfg, run.device) as guard:  # the folder first: a refusal builds no model
+        run.build()
         n = run.n_params
         logger.info(f"Total number of parameters: {n} ({n * 4 / 2**20:.2f}MiB fp32)")
-        return _train(run, guard, metrics_file, keep_model)
+        return _train(run, guard, metrics_file, hooks)
 
 
-def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: bool) -> RunResult:
+def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence) -> RunResult:
     """The step loop of `train`, inside the run's guard."""
-    cfg, parts, rank, world = run.cfg, run.parts, dist.get_rank(), dist.get_world_size()
+    cfg, rank, world = run.cfg, dist.get_rank(), dist.get_world_size()
     tok, ck, gbs = cfg.tokens, cfg.checkpoints, run.layout.global_batch
     start, consumed, wandb_id = _resume(run, guard)
     run.data.resumed = (start, consumed)  # its data lines count samples as this line does
@@ -271,20 +145,16 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
         torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None
     )
     result, step_seconds = RunResult(), []
-    fail_at = _fault_injection(rank)
+    on_step = [h.on_step for h in hooks if hasattr(h, "on_step")]
     saved = start
     with step_profiler(cfg.profiler, rank) as profiler:
         for step in range(start + 1, tok.train_steps + 1):
             t0 = time.time()
             guard.at(step, "step")
-            if step == fail_at:
-                raise RuntimeError(
-                    f"MESH3D_FAIL_AT: injected failure on rank {rank} at step {step}"
-                )
-            batches, loss, grad_norm = _run_step(run, step, guard.accepts)
+            out = run.step(step, guard.accepts)
+            loss, grad_norm = out.loss, out.grad_norm
             if cfg.mesh3d.compile and step == start + 1:
                 logger.info(compile_cache_text())
-            result.batch_hashes.append(batch_hash(batches))
             if run.device.type == "cuda":
                 torch.cuda.synchronize()
             stop = guard.stop_requested()  # every rank ends the step together
@@ -298,9 +168,10 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
                 grad_norm=grad_norm, peak=peak,
             )  # fmt: skip
             if run.layout.shape.moe_layers:  # every rank: collectives inside
-                tp_group = run.mesh["tp"].get_group() if run.layout.sequence_parallel else None
-                m.update(moe_step_metrics(run.parts.modules, run.layout, replica_mesh(run.mesh).get_group(),
-                                          run.mesh["pp"].get_group(), run.device, tp_group))  # fmt: skip
+                g = groups_of(run.mesh)
+                tp_group = g.tp if run.layout.sequence_parallel else None
+                m.update(moe_step_metrics(run.parts.modules, run.layout, g.replicas, g.pp,
+                                          run.device, tp_group))  # fmt: skip
             m.update(peak_memory())
             if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):
                 m.update(memory_metrics())  # Nanotron's extra items of the first steps
@@ -318,6 +189,8 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
                 logged = (step - 1) % cfg.logging.iteration_step_info_interval == 0
                 if unusual or logged or "val_loss" in m:
                     sinks.write(m, step_seconds)  # skipped and evaluation steps always shown
+                for hook in on_step:
+                    hook(run, step, out, m)
             if ck is not None and (step % ck.checkpoint_interval == 0 or stop):
                 last = bool(stop) or step == tok.train_steps
                 _save(run, guard, step, consumed, wandb_id, last_step=last)
@@ -334,7 +207,7 @@ def _train(run: _Run, guard: RunGuard, metrics_file: str | None, keep_model: boo
     ):
         _save(run, guard, tok.train_steps, consumed, wandb_id, last_step=True)
     sinks.close()
-    if keep_model:
-        model = parts.modules[0] if len(parts.modules) == 1 else torch.nn.ModuleList(parts.modules)
-        result.model, result.optimizer, result.mesh = model, run.optimizer, run.mesh
+    for hook in hooks:
+        if hasattr(hook, "on_end"):
+            hook.on_end(run, result)
     return result

@@ -62,7 +62,13 @@ def schedule_kwargs(cfg) -> dict:
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR whose factor times the peak lr is `lr_at(k)` (param groups use the peak lr)."""
+    """A LambdaLR giving each param group `lr_at(k)` with the group's own peak (its `lr`, the
+    configured one unless spectral µP scales it), decaying to the same `min_decay_lr`, as
+    Nanotron's per-group lambdas do."""
     kw = schedule_kwargs(cfg)
-    peak = kw["learning_rate"]
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: lr_at(k, **kw) / peak)
+
+    def factor(peak: float):
+        return lambda k: lr_at(k, **{**kw, "learning_rate": peak}) / peak
+
+    lambdas = [factor(g["lr"]) for g in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)

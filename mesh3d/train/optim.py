@@ -16,6 +16,8 @@ import re
 import torch
 
 from mesh3d import nanotron_names as names
+from mesh3d.config.schema import SpectralMupInit
+from mesh3d.models.mup import mup_rules
 from mesh3d.models.registry import model_shape, spec_named
 from mesh3d.models.spec import ModelShape
 from mesh3d.parallel.parallelize import canonical_name
@@ -43,27 +45,29 @@ def match_names(name: str, shape: ModelShape) -> list[str]:
 
 
 def param_groups(
-    named_params, weight_decay: float, exclude: list[str], shape: ModelShape
-) -> list[dict]:
+    named_params, weight_decay: float, exclude: list[str], shape: ModelShape,
+    lr_scale: dict[str, float] | None = None,
+) -> list[dict]:  # fmt: skip
     """One group with weight decay and, if any parameter's names (`match_names`) match
-    `exclude`, one group without."""
-    decay, no_decay = [], []
+    `exclude`, one group without; with `lr_scale` (our name -> lr / configured lr, spectral
+    µP), one group per scale too, the groups at scale 1 first. Each group says its `lr_scale`."""
+    by_group: dict[tuple, list] = {}
     for name, p in named_params:
         if not p.requires_grad:
             continue
         candidates = match_names(name, shape)
         excluded = any(re.match(pat, n) for pat in exclude for n in candidates)
-        (no_decay if excluded else decay).append(p)
-    groups = []
-    for params, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        scale = lr_scale[candidates[0]] if lr_scale else 1.0
         # expert-parallel slices in groups of their own: under zero 1 they stay plain tensors
         # beside FSDP's DTensors, and one fused/foreach AdamW call cannot mix the two
-        plain = [p for p in params if getattr(p, "expert_shard", None) is None]
-        sliced = [p for p in params if getattr(p, "expert_shard", None) is not None]
-        for subset in (plain, sliced):
-            if subset or (not groups and params is decay):
-                groups.append({"params": subset, "weight_decay": wd})
-    return groups
+        sliced = getattr(p, "expert_shard", None) is not None
+        by_group.setdefault((scale != 1.0, scale, excluded, sliced), []).append(p)
+    if not by_group:
+        by_group[(False, 1.0, False, False)] = []
+    return [
+        {"params": params, "weight_decay": 0.0 if excluded else weight_decay, "lr_scale": scale}
+        for (_, scale, excluded, _), params in sorted(by_group.items(), key=lambda kv: kv[0])
+    ]
 
 
 def build_optimizer(named_params, cfg, device: torch.device):
@@ -72,7 +76,14 @@ def build_optimizer(named_params, cfg, device: torch.device):
     f = o.optimizer_factory
     lr = o.learning_rate_scheduler.learning_rate
     exclude = list(o.weight_decay_exclude_named_params or [])
-    groups = param_groups(named_params, o.weight_decay, exclude, model_shape(cfg))
+    shape, mc = model_shape(cfg), cfg.model.model_config
+    scales = None
+    if isinstance(cfg.model.init_method, SpectralMupInit):
+        rules = mup_rules(spec_named(shape.family), shape, mc.vocab_size)
+        scales = {name: rule.lr_scale for name, rule in rules.items()}
+    groups = param_groups(named_params, o.weight_decay, exclude, shape, scales)
+    for g in groups:
+        g["lr"] = lr * g["lr_scale"]
     if f.name == "sgd":
         opt = torch.optim.SGD(groups, lr=lr)
     else:

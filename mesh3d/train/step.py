@@ -11,7 +11,6 @@ step.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable
 
@@ -22,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from mesh3d.data.documents import IGNORE, document_positions, mask_document_starts
 from mesh3d.layout import RunLayout
-from mesh3d.mesh import replica_mesh
+from mesh3d.mesh import groups_of
 from mesh3d.parallel.context import shard_batches
 from mesh3d.parallel.data import allreduce_gradients, allreduce_param_grads
 from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings
@@ -159,16 +158,6 @@ def prepare_batches(
     return batches, tokens
 
 
-@functools.lru_cache(maxsize=4)
-def _axes(mesh) -> tuple[int, int, int, dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:
-    """(dp, tp, pp, dp group, pp group, replica group: dp x cp) of `mesh`, once per mesh: each
-    `mesh["dp"]` builds a sub-mesh (~2 ms on CPU), which per step cost 10 ms, 50% of a toy
-    model's step."""
-    dp, tp, pp = mesh["dp"].size(), mesh["tp"].size(), mesh["pp"].size()
-    replicas = replica_mesh(mesh)
-    return dp, tp, pp, mesh["dp"].get_group(), mesh["pp"].get_group(), replicas.get_group()
-
-
 def train_step(
     parts: ModelParts,
     optimizer: torch.optim.Optimizer,
@@ -189,7 +178,8 @@ def train_step(
     `dp_mode` 'replicate' gradients are summed over dp x cp after the last microbatch; with FSDP
     ('zero1', 'full') they were reduce-scattered in backward.
     """
-    dp, tp, pp, dp_group, pp_group, replica_group = _axes(mesh)
+    g = groups_of(mesh)
+    dp, pp, dp_group, pp_group, replica_group = g.dp_size, g.pp_size, g.dp, g.pp, g.replicas
     batches, tokens = prepare_batches(batches, layout, dp_group, device)
     if tokens is not None:
         parts.loss_fn.tokens = tokens

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.parallel.experts import gather_expert_shard
 from mesh3d.parallel.parallelize import canonical_name
+from mesh3d.train.hooks import KeepModel
 from mesh3d.train.loop import train
 
 VOCAB = 250  # not a multiple of 4: tp=4 pads the vocabulary
@@ -148,7 +149,7 @@ def train_runs(rank: int, world: int, runs: list[list[str]], base: dict = TINY) 
     results = []
     for overrides in runs:
         cfg = apply_overrides(config_from_dict(copy.deepcopy(base)), overrides)
-        res = train(cfg, keep_model=True)
+        res = train(cfg, hooks=[KeepModel()])
         weights = full_weights(res.model, res.mesh)
         mismatches = replica_mismatches(res.model, res.mesh)
         results.append(

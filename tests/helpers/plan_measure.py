@@ -13,6 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.train.hooks import KeepModel
 from mesh3d.train.loop import train
 
 PP2 = ["parallelism.pp=2", "model.model_config.num_hidden_layers=4", "tokens.train_steps=2"]
@@ -48,7 +49,7 @@ def held_bytes(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
 
         handle = register_optimizer_step_pre_hook(before_step)
         try:
-            res = train(plan_cfg(overrides), keep_model=True)
+            res = train(plan_cfg(overrides), hooks=[KeepModel()])
         finally:
             handle.remove()
         params = list(res.model.parameters())
@@ -188,7 +189,7 @@ def cp_measured(rank: int, world: int, runs: list) -> list[dict]:
         ]
         try:
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                res = train(cfg, keep_model=True)
+                res = train(cfg, hooks=[KeepModel()])
         finally:
             context.all_gather_flat, context.reduce_scatter_flat = flat
             for h in handles:

@@ -20,6 +20,7 @@ from parity import TINY, layout_overrides
 
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.data.tokenize import main as tokenize_main
+from mesh3d.train.hooks import BatchHashes
 from mesh3d.train.loop import train
 
 
@@ -27,8 +28,9 @@ def _runs(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
     out = []
     for overrides in runs:
         cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
-        res = train(cfg)
-        out.append({"loss": [m["lm_loss"] for m in res.metrics], "hashes": res.batch_hashes})
+        hashes = BatchHashes()
+        res = train(cfg, hooks=[hashes])
+        out.append({"loss": [m["lm_loss"] for m in res.metrics], "hashes": hashes.hashes})
     return out
 
 

@@ -468,7 +468,7 @@ def test_write_error_mid_save_leaves_the_previous_checkpoint(tmp_path):
     the file-size limit, EFBIG) now stops every rank with one message; the folder is as it was."""
 
     def small_files_from_the_second_save(rank):
-        import mesh3d.train.loop as loop
+        import mesh3d.train.run as loop
 
         real, calls = loop.save_checkpoint, []
 
@@ -512,13 +512,16 @@ def test_free_space_estimate_covers_what_a_save_puts_on_disk(saved, tmp_path):
     what lands on disk, within 1.5x, and tp shards are stored at their own size."""
     from mesh3d.checkpoint.folder import on_disk
     from mesh3d.checkpoint.size import checkpoint_size
+    from mesh3d.layout import RunLayout
 
     root = tmp_path / "ck"
     layout = layout_overrides(2, 2, "ALL_REDUCE", 0, False)
     run_ranks(4, attempt, [layout + _ckpt(root, 2)], timeout=120)
     for step_dir, overrides in ((saved / "4", []), (root / "2", layout)):
         cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
-        estimate, used = on_disk(step_dir, *checkpoint_size(cfg)), _du(step_dir)
+        world = cfg.parallelism.dp * cfg.parallelism.tp
+        size = checkpoint_size(cfg, RunLayout.resolve(cfg, world))
+        estimate, used = on_disk(step_dir, *size), _du(step_dir)
         print(f"{step_dir}: estimate {estimate} bytes, on disk {used}")
         assert used <= estimate <= 1.5 * used, (step_dir, estimate, used)
     whole = (saved / "4/optimizer/optimizer_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt").stat().st_size

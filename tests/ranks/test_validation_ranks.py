@@ -48,12 +48,14 @@ def _rank(rank: int, world: int, root: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from mesh3d.train.evaluate import evaluate
-    from mesh3d.train.loop import _setup, train
+    from mesh3d.train.hooks import KeepModel
+    from mesh3d.train.loop import train
+    from mesh3d.train.run import Run
 
     out = {}
     for name, (base, one, eight, val) in RUNS.items():
         cfg = _cfg((one if world == 1 else eight) + LAYERS + val, base)
-        res = train(cfg, metrics_file=f"{root}/{world}-{name}.jsonl", keep_model=True)
+        res = train(cfg, metrics_file=f"{root}/{world}-{name}.jsonl", hooks=[KeepModel()])
         stages = list(res.model) if isinstance(res.model, torch.nn.ModuleList) else [res.model]
         at_rest = [
             n for s in stages for n, p in s.named_parameters()
@@ -62,7 +64,7 @@ def _rank(rank: int, world: int, root: str) -> dict:
                      and any("dp" in n.split("_") for n in p.device_mesh.mesh_dim_names))
         ]  # fmt: skip
         out[name] = {"metrics": res.metrics, "not_at_rest": at_rest}
-    run = _setup(_cfg((RUNS["llama 1f1b"][1] if world == 1 else RUNS["llama 1f1b"][2]) + LAYERS
+    run = Run.prepare(_cfg((RUNS["llama 1f1b"][1] if world == 1 else RUNS["llama 1f1b"][2]) + LAYERS
                       + _val(2, 2, 4)))  # fmt: skip
     twice = [evaluate(run.parts, run.data.validation, run.layout, run.mesh, run.device)
              for _ in range(2)]  # fmt: skip

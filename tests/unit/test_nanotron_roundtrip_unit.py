@@ -67,7 +67,7 @@ def test_mesh3d_reads_old_and_new_metadata_and_scheduler_files(tmp_path):
     one_group = {"base_lrs": [PEAK], "last_epoch": 3, "_step_count": 4, "_last_lr": [1e-4],
                  "lr_lambdas": [None], "_is_initial": False, "_get_lr_called_within_step": False}  # fmt: skip
     for meta, sched in (
-        (new, nanotron_state.lr_scheduler_state(11, PEAK, 1e-4, 3)),
+        (new, nanotron_state.lr_scheduler_state([PEAK] * 11, [1e-4] * 11, 3)),
         (old, one_group),
     ):
         (tmp_path / "checkpoint_metadata.json").write_text(json.dumps(meta))

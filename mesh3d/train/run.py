@@ -1,0 +1,168 @@
+"""A prepared training run on this rank: what every step needs, built once, and the step.
+
+`train()` (`train/loop.py`) drives it with metrics, evaluation, the guards and saves around
+each step; benchmarks and tests drive it directly:
+
+    run = Run.prepare(cfg)                 # validate, data, process group, mesh, model, optimizer
+    for step in range(1, 11):
+        out = run.step(step)               # read the step's batches, forward, backward, update
+        out.loss, out.grad_norm
+
+Preparing is two phases so that `train()` can take the checkpoints folder between them (a
+refused folder builds no model): `Run.start(cfg)` validates the config, checks every dataset
+and starts the process group and logging, before any collective; `run.build()` makes the mesh,
+the model parts, the optimizer and the LR schedule.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from mesh3d.checkpoint.training import checkpoint_custom_metas, load_checkpoint, save_checkpoint
+from mesh3d.checks import validate
+from mesh3d.data.build import StagedData
+from mesh3d.errors import UserError
+from mesh3d.layout import RunLayout
+from mesh3d.log import setup_logging
+from mesh3d.mesh import (
+    build_mesh,
+    collective_timeout,
+    init_distributed,
+    resolve_device,
+    set_collective_timeout,
+)
+from mesh3d.train.build import ModelParts, build_model_parts
+from mesh3d.train.experts import clear_stats
+from mesh3d.train.optim import build_optimizer
+from mesh3d.train.step import total_params, train_step
+
+
+@dataclass
+class StepOutput:
+    """One step's result: this rank's microbatches (inputs, labels), the loss and the grad norm
+    (the same on every rank)."""
+
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    loss: float
+    grad_norm: float
+
+
+@dataclass
+class Run:
+    """One rank's run (see the module doc). After `build()`, every field is set."""
+
+    cfg: object
+    data: StagedData
+    device: torch.device
+    layout: RunLayout
+    mesh: DeviceMesh | None = None
+    parts: ModelParts | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: object = None
+    logger_rank: int = 0  # the global rank that owns the metrics (last stage, dp 0, tp 0)
+    step_flops: float = 0.0  # model FLOPs of one step
+    n_params: int = 0
+    extra: dict = field(default_factory=dict)  # room for callers' own state
+
+    @classmethod
+    def prepare(cls, cfg) -> Run:
+        """`start` then `build`: a run ready to step."""
+        return cls.start(cfg).build()
+
+    @classmethod
+    def start(cls, cfg) -> Run:
+        """Validate, read the data, start the process group and the logging. A mistake found
+        here is the same on every rank (printed once, by rank 0)."""
+        env_world = int(os.environ.get("WORLD_SIZE", 1))
+        world = dist.get_world_size() if dist.is_initialized() else env_world
+        try:
+            validate(cfg, world_size=world)  # before any process-group work: never a hang
+            data = StagedData(cfg)  # every stage's dataset checked before the first collective
+            device = resolve_device(cfg.mesh3d.device)
+        except UserError as e:
+            e.same_on_every_rank = True
+            raise
+        if not dist.is_initialized():
+            init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=cfg.mesh3d.device)
+        layout = RunLayout.resolve(cfg, dist.get_world_size(), dist.get_rank())
+        level = cfg.logging.log_level if dist.get_rank() == 0 else cfg.logging.log_level_replica
+        setup_logging(layout.coords, level, cp=layout.dims.cp)  # `build` adds the metrics owner
+        return cls(cfg, data, device, layout)
+
+    def build(self) -> Run:
+        """The mesh, model parts, optimizer and LR schedule of a started run; returns it."""
+        cfg, layout = self.cfg, self.layout
+        dims = layout.dims
+        self.mesh = build_mesh(dims, self.device.type)
+        set_collective_timeout(self.mesh, cfg.mesh3d.collective_timeout_s)  # sub-groups too
+        torch.manual_seed(cfg.general.seed)
+        self.parts = build_model_parts(cfg, layout, self.mesh, self.device)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.parts.named_parameters(), cfg, self.device
+        )
+        # the metrics owner logs at `log_level` like rank 0, so the iteration line shows even
+        # when log_level_replica is quieter (Nanotron needs INFO there)
+        owner = {"pp": self.parts.head_rank, "dp": 0, "cp": 0, "tp": 0}
+        self.logger_rank = next(r for r in range(dims.world_size) if dims.coords(r) == owner)
+        primary = dist.get_rank() in (0, self.logger_rank)
+        level = cfg.logging.log_level if primary else cfg.logging.log_level_replica
+        setup_logging(layout.coords, level, cp=dims.cp)
+        self.step_flops = layout.spec.step_flops(
+            layout.shape, layout.sequence_length, layout.global_batch
+        )
+        self.n_params = total_params(self.parts, self.mesh)
+        return self
+
+    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's microbatches of step `step`. Middle pipeline stages take activations,
+        not tokens, and read nothing, unless their attention needs the positions (document
+        masking, context parallelism)."""
+        parts, layout = self.parts, self.layout
+        if not (parts.has_first or parts.has_last or layout.positions_everywhere):
+            return []
+        return self.data.batches(step, layout.coords["dp"], layout.dims.dp,
+                                 layout.microbatch_size)  # fmt: skip
+
+    def step(self, step: int, accepts=None) -> StepOutput:
+        """Read step `step`'s batches and train on them. `accepts(loss, grad_norm)`: whether
+        the update may be applied (the loss-spike guard); a non-finite step never is."""
+        batches = self.batches(step)
+        if self.layout.shape.moe_layers:
+            clear_stats(self.parts.modules, self.layout)  # what validation forwards left
+        loss, grad_norm = train_step(
+            self.parts, self.optimizer, self.scheduler, batches, layout=self.layout,
+            clip_grad=self.cfg.optimizer.clip_grad, mesh=self.mesh, device=self.device,
+            accepts=accepts,
+        )  # fmt: skip
+        return StepOutput(batches, loss, grad_norm)
+
+    def save(self, step: int, consumed: int, extra: dict | None = None,
+             latest: bool = True) -> None:  # fmt: skip
+        """Save step `step` to `checkpoints.checkpoints_path` (`consumed`: samples so far;
+        `latest`: whether latest.txt may name it)."""
+        ck = self.cfg.checkpoints
+        save_checkpoint(ck.checkpoints_path, step, self.cfg, self.parts, self.optimizer,
+                        self.scheduler, self.mesh, consumed, layout=self.layout,
+                        extra=extra or {}, latest=latest)  # fmt: skip
+
+    def load(self, path: Path) -> tuple[int, int, dict]:
+        """Resume from the step folder `path`: (its step, consumed samples, its custom metas)."""
+        cfg, ck = self.cfg, self.cfg.checkpoints
+        m = cfg.mesh3d
+        with collective_timeout(self.mesh, m.checkpoint_timeout_s, m.collective_timeout_s):
+            start, consumed = load_checkpoint(
+                path, self.parts, self.optimizer, self.scheduler, cfg, layout=self.layout,
+                load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
+            )  # fmt: skip
+        return start, consumed, checkpoint_custom_metas(path) or {}
+
+    def model(self) -> torch.nn.Module:
+        """The model, or a ModuleList of this rank's pipeline stages."""
+        modules = self.parts.modules
+        return modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
