@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import test_data
 from data_fixtures import write_jsonl
+
+# test_data's fixtures, requested here by name
+docs, tok_path = test_data.docs, test_data.tok_path
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import test_generate
 from test_generate import SIZES, run_main, save_step
 
 from mesh3d.config import LlamaConfig
+
+# test_generate's fixture, requested here by name
+ckpts = test_generate.ckpts
 
 
 def test_python_dash_m_runs(ckpts):

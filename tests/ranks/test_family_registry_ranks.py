@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import copy
 
+import test_family_registry
 from dist import run_ranks
 from parity import TINY
 from test_family_registry import _toy_cfg
 
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.train.loop import train
+
+# test_family_registry's fixture, requested here by name
+toy_registered = test_family_registry.toy_registered
 
 
 def _losses(rank, world, overrides, toy=True):

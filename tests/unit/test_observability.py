@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 
 import pytest
-from dist import run_ranks
 from parity import TINY
 
 from mesh3d.config import apply_overrides, config_from_dict
@@ -25,38 +23,6 @@ from mesh3d.train.metrics import (
     peak_tflops,
 )
 from mesh3d.train.sinks import MetricSinks, eta_text
-
-
-def _run(rank: int, world: int, root: str, overrides: list[str]) -> list[dict]:
-    os.environ.update(WANDB_MODE="offline", WANDB_DIR=root, WANDB_SILENT="true")
-    from mesh3d.train.loop import train
-
-    cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
-    return train(cfg, metrics_file=str(Path(root) / "metrics.jsonl")).metrics
-
-
-@pytest.fixture(scope="module")
-def sinks(tmp_path_factory):
-    pytest.importorskip("wandb", reason="wandb is not installed (pip install -e '.[dev]')")
-    pytest.importorskip(
-        "tensorboard", reason="tensorboard is not installed (pip install -e '.[dev]')"
-    )
-    root = tmp_path_factory.mktemp("sinks")
-    common = [
-        "mesh3d.wandb=true",
-        f"mesh3d.tensorboard_dir={root / 'tb'}",
-        f"checkpoints.checkpoints_path={root / 'ck'}",
-        "checkpoints.checkpoint_interval=2",
-        f"profiler.profiler_export_path={root / 'prof'}",
-        "profiler.skip_first=0",
-        "profiler.wait=0",
-        "profiler.warmup=1",
-        "profiler.active=1",
-    ]
-    first = run_ranks(1, _run, str(root), common + ["tokens.train_steps=2"], timeout=200)[0]
-    resumed = common + ["tokens.train_steps=4", f"checkpoints.resume_checkpoint_path={root / 'ck'}"]
-    second = run_ranks(1, _run, str(root), resumed, timeout=200)[0]
-    return root, first, second
 
 
 def test_flops_tiny_and_1b_by_hand():
