@@ -49,7 +49,8 @@ def scale_errors(cfg: Config) -> Iterator[str]:
     if all(hasattr(mc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers")):
         h = mc.hidden_size
         # at least q and o projections and a gated MLP per layer, and one embedding
-        per_layer = 2 * h * h + 3 * h * mc.intermediate_size
+        # (a null intermediate_size, Starcoder2's 4·h default, counts no MLP: still a bound)
+        per_layer = 2 * h * h + 3 * h * (mc.intermediate_size or 0)
         params = mc.num_hidden_layers * per_layer + min(vocab, MAX_SIZE) * h
         if params > MAX_PARAMS:
             yield (

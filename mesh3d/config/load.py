@@ -57,13 +57,24 @@ def _need_mapping(value: Any, path: str) -> dict:
 OTHER_FAMILIES = {"is_mamba_config": "mamba", "is_llamoe_config": "llamoe"}
 
 
+def _nanotron_families() -> str:
+    """The Nanotron model configs the schema holds, with their markers: "llama
+    (is_llama_config), ..."."""
+    out = []
+    for cls in get_args(ModelConfig):
+        family = cls.__name__.removesuffix("Config").lower()
+        if f"is_{family}_config" in _names(cls):
+            out.append(f"{family} (is_{family}_config)")
+    return ", ".join(out)
+
+
 def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
     d = _need_mapping(value, path)
     for marker, family in OTHER_FAMILIES.items():
         if marker in d:
             raise ConfigError(
                 f"`{path}`: model family {family} (`{marker}`) is not supported by mesh3d yet; "
-                "supported: llama (is_llama_config), qwen2 (is_qwen2_config)"
+                f"supported: {_nanotron_families()}"
             )
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     if "is_llama_config" in d:

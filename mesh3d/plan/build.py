@@ -30,7 +30,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         print(mesh3d.plan.format_plan(mesh3d.make_plan(cfg, world_size=8)))
     """
     validate(cfg, world_size=world_size)
-    z, mc = _Sizes.of(cfg), cfg.model.model_config
+    z = _Sizes.of(cfg)
     dims = ParallelDims(dp=z.dp, tp=z.tp, pp=z.pp, cp=z.cp)
     n = z.pp * z.v
     full, split, shapes = stage_shapes(cfg, z)
@@ -45,7 +45,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         stage_activation_bytes(dataclasses.replace(cfg, parallelism=plain), [i], False, False)[0]
         for i in {0, *z.moe_layers[:1]}
     )
-    tied = mc.tie_word_embeddings
+    tied = model_shape(cfg).tied
     ends = {stages[0].pp_rank, stages[-1].pp_rank}
     adamw = cfg.optimizer.optimizer_factory.name != "sgd"
     saved = {s.stage: s.saved_per_microbatch for s in stages}
