@@ -216,6 +216,13 @@ def _mamba(d):
     d["model"]["model_config"] = dict(is_mamba_config=True, d_model=64)
 
 
+def _llamoe(d):  # Nanotron's examples/moe/config_llamoe.yaml model_config
+    d["model"]["model_config"] = dict(
+        is_llamoe_config=True, hidden_size=512, intermediate_size=2048, moe_num_experts=4,
+        num_experts_per_tok=1, moe_capacity_factor=1, num_attention_heads=8,
+        num_hidden_layers=1, vocab_size=32000)  # fmt: skip
+
+
 def _starcoder(d):
     """The base sizes as Nanotron's Starcoder2Config (multi-query, the default)."""
     mc = d["model"]["model_config"]
@@ -295,6 +302,7 @@ BAD = [
     ("starcoder2-heads-tp", ["parallelism.tp=4", f"{MC}.num_attention_heads=6", f"{MC}.hidden_size=36"], _starcoder, 4, f"`{MC}.num_attention_heads` (6) must be divisible by `parallelism.tp` (4); choose a parallelism.tp that divides it"),
     ("starcoder2-mq-gq", [f"{MC}.multi_query=true", f"{MC}.grouped_query=true", f"{MC}.num_kv_heads=2"], _starcoder, None, f"`{MC}.multi_query` and `{MC}.grouped_query` are both true; set one of them"),
     ("starcoder2-global-layers", [f"{MC}.global_attn_layers=[0, 7]"], _starcoder, None, f"`{MC}.global_attn_layers` has [7], outside the layers 0..3; use indices below num_hidden_layers (4)"),
+    ("llamoe", [], _llamoe, None, "model family llamoe (`is_llamoe_config`) is not supported by mesh3d yet (examples/moe's LlaMoE routes like mesh3d's MoE"),
     ("mamba", [], _mamba, None, "`model.model_config`: model family mamba (`is_mamba_config`) is not supported by mesh3d yet"),
     ("spectral-mup", ["model.init_method={use_mup: true}"], None, None, "`model.init_method.use_mup` is not supported by mesh3d yet"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
