@@ -19,7 +19,6 @@ the attention branch with `attn_pdrop`, where HF uses `residual_dropout`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -28,7 +27,7 @@ from mesh3d.errors import not_divisible
 from mesh3d.models import llama_spec
 from mesh3d.models.activations import HIDDEN_ACTS
 from mesh3d.models.llama_checks import ATTN_IMPLEMENTATIONS, MC
-from mesh3d.models.spec import HFSpec, LayerTable, ModelShape
+from mesh3d.models.spec import Blocks, HFSpec, LayerTable, ModelShape, ModelSpec
 from mesh3d.nanotron_names import FINAL_NORM, LM_HEAD
 
 
@@ -131,8 +130,8 @@ def compile_classes(tensor_parallel: bool) -> tuple[type, ...]:
     return blocks if tensor_parallel else (*blocks, LayerNorm)
 
 
-def blocks():
-    from mesh3d.models.spec import Blocks
+def blocks() -> Blocks:
+    """The attention modules (context parallelism); no mixture of experts."""
     from mesh3d.models.starcoder2 import Starcoder2Attention
 
     return Blocks(attention=(Starcoder2Attention,))
@@ -324,16 +323,6 @@ def config_to_hf(mc, dtype: str) -> dict:
     }  # fmt: skip
 
 
-def ours_to_hf(name: str) -> str:
-    return name if name == "lm_head.weight" else "model." + name
-
-
-def hf_to_ours(name: str) -> str | None:
-    if name.endswith("rotary_emb.inv_freq"):
-        return None
-    return name.removeprefix("model.")
-
-
 def _attn(i: int, proj: str, leaf: str) -> str:
     return f"model.layers.{i}.self_attn.{proj}.{leaf}"
 
@@ -382,11 +371,11 @@ def weights_from_hf(weights: dict, mc) -> dict:
     return out
 
 
-HF_SPEC = HFSpec((HF,), "starcoder2", config_from_hf, config_to_hf, ours_to_hf, hf_to_ours,
-                 weights_to_hf, weights_from_hf)  # fmt: skip
+# names as Llama's (a `model.` prefix); our fused projections split in `weights_to_hf`
+HF_SPEC = HFSpec((HF,), "starcoder2", config_from_hf, config_to_hf, llama_spec.ours_to_hf,
+                 llama_spec.hf_to_ours, weights_to_hf, weights_from_hf)  # fmt: skip
 
-STARCODER2 = dataclasses.replace(  # a ModelSpec: every field written here
-    llama_spec.LLAMA,
+STARCODER2 = ModelSpec(
     family="starcoder2",
     config_class=Starcoder2Config,
     shape=shape,
@@ -403,7 +392,6 @@ STARCODER2 = dataclasses.replace(  # a ModelSpec: every field written here
     step_flops=step_flops,
     pipeline_costs=pipeline_costs,
     hf=(HF_SPEC,),
-    hf_for=lambda mc: None,
     mup=False,  # Nanotron defines spectral µP for Llama and Qwen2 only
     dropout=has_dropout,
 )
