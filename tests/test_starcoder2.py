@@ -18,10 +18,11 @@ from mesh3d.checkpoint.nanotron_weights import (
     read_nanotron_weights,
     write_nanotron_weights,
 )
-from mesh3d.config import Starcoder2Config
+from mesh3d.config import Starcoder2Config, apply_overrides, config_from_dict
 from mesh3d.models.dropout import KeyedDropout, token_keys
 from mesh3d.models.registry import shape_of, spec_of
 from mesh3d.parallel.context import local_indices
+from mesh3d.plan import make_plan
 
 TOL = 1e-5
 MC = "model.model_config"
@@ -141,6 +142,36 @@ def test_nanotron_names_files_and_round_trip(tmp_path, grouped):
     assert "model/final_layer_norm/pp_block/model_bias.safetensors" in paths
     back = read_nanotron_weights(tmp_path, shape)
     assert back.keys() == full.keys() and all(torch.equal(back[k], full[k]) for k in full)
+
+
+def test_plan_counts_exact_parameters_and_says_activations_are_estimated():
+    """`mesh3d plan` at dp2 x tp2 x pp2: each rank's parameters are those training holds (the
+    multi-query k/v head whole on both tp ranks, the row-parallel biases replicated); its
+    activation bytes come from Llama's table, and the plan says so."""
+    layout = layout_overrides(2, 2, "REDUCE_SCATTER", 0, None) + ["parallelism.pp=2"]
+    plan = make_plan(apply_overrides(config_from_dict(copy.deepcopy(STAR)), layout), 8)
+    shape = shape_of(config_from_dict(copy.deepcopy(STAR)).model.model_config, VOCAB)
+    h, f, dh = 64, 128, 8
+    per_layer = (
+        4 * h
+        + h * h // 2
+        + h // 2
+        + 2 * dh * h
+        + 2 * dh
+        + h * h // 2
+        + h
+        + f // 2 * h
+        + f // 2
+        + f // 2 * h
+        + h
+    )  # fmt: skip  (tp rank's share)
+    embed = shape.padded_vocab // 2 * h
+    first, last = (len(stage.layers) for stage in plan.stages)  # Nanotron's cost split: 3, 1
+    assert [plan.ranks[r].param_elements for r in (0, 7)] == [
+        embed + first * per_layer,
+        last * per_layer + 2 * h + embed,
+    ]  # fmt: skip  (tied head copy)
+    assert any("starcoder2's layers are counted with Llama's table" in n for n in plan.notes)
 
 
 # ---- layouts ----------------------------------------------------------------------------------

@@ -115,6 +115,9 @@ class ModelSpec:
     # (model config) -> whether training drops values: the model's forward then takes
     # `token_keys` [B, S], each token's dropout key (`models/dropout.py`, `train/step.py`)
     dropout: Callable[[Any], bool] = lambda mc: False
+    # whether `plan/activations.py`'s table (Llama's layer: RMSNorms, gated MLP, SDPA) is this
+    # family's; if not, `mesh3d plan` says its activation bytes are an estimate
+    llama_activations: bool = True
 
     def hf_of(self, model_config) -> HFSpec:
         """The HF architecture `model_config` converts to (the first, unless `hf_for` says)."""

@@ -394,4 +394,5 @@ STARCODER2 = ModelSpec(
     hf=(HF_SPEC,),
     mup=False,  # Nanotron defines spectral µP for Llama and Qwen2 only
     dropout=has_dropout,
+    llama_activations=False,  # LayerNorms, a two-matrix MLP, dropout masks, explicit attention
 )
