@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from dist import run_ranks
+from nanotron_keys import config_key_problems
 from parity import TINY, VOCAB, layout_overrides, max_rel_diff, train_runs
 
 from mesh3d.checkpoint.nanotron_weights import (
@@ -19,6 +20,7 @@ from mesh3d.checkpoint.nanotron_weights import (
     write_nanotron_weights,
 )
 from mesh3d.config import Starcoder2Config, apply_overrides, config_from_dict
+from mesh3d.config.load import nanotron_config_dict
 from mesh3d.models.dropout import KeyedDropout, token_keys
 from mesh3d.models.registry import shape_of, spec_of
 from mesh3d.parallel.context import local_indices
@@ -44,6 +46,21 @@ GQA = [f"{MC}.grouped_query=true", f"{MC}.num_kv_heads=2", f"{MC}.sliding_window
 NO_DROPOUT = [f"{MC}.{k}=0.0" for k in ("attn_pdrop", "embd_pdrop", "resid_pdrop")]
 STEPS = "tokens.train_steps=3"
 ONE = layout_overrides(1, 1, "ALL_REDUCE", 0, None) + [STEPS]
+
+
+def test_every_field_of_nanotrons_config_parses_and_is_written_back():
+    """Nanotron's Starcoder2Config keys (its defaults, then the test model's) load as
+    Starcoder2, and a checkpoint's config.yaml passes Nanotron's strict parser."""
+    cfg = config_from_dict(copy.deepcopy(STAR))
+    mc = cfg.model.model_config
+    assert type(mc) is Starcoder2Config and spec_of(mc).family == "starcoder2"
+    written = nanotron_config_dict(cfg, step=1, consumed=8)
+    assert config_key_problems(written) == []
+    assert type(written["model"]["model_config"]["rope_theta"]) is int  # Nanotron's type
+    everything = copy.deepcopy(STAR)
+    everything["model"]["model_config"] = {k: getattr(Starcoder2Config(), k) for k in
+                                           Starcoder2Config.__dataclass_fields__}  # fmt: skip
+    assert config_from_dict(everything).model.model_config == Starcoder2Config()
 
 
 # ---- dropout masks: a function of each value's identity ---------------------------------------

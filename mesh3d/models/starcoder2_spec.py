@@ -294,7 +294,8 @@ def config_from_hf(hf: dict, where) -> Starcoder2Config:
         max_position_embeddings=hf.get("max_position_embeddings", 4096), multi_query=nkv == 1,
         num_attention_heads=nq, num_hidden_layers=hf["num_hidden_layers"],
         num_kv_heads=None if nkv == 1 else nkv, resid_pdrop=float(hf.get("residual_dropout", 0.0)),
-        rope_theta=theta, sliding_window_size=hf.get("sliding_window"),
+        rope_theta=int(theta) if theta.is_integer() else theta,  # Nanotron's is an int
+        sliding_window_size=hf.get("sliding_window"),
         use_rotary_embeddings=True, vocab_size=hf["vocab_size"],
     )  # fmt: skip
 
