@@ -289,7 +289,6 @@ BAD = [
     ("qwen2-moe", [], _qwen_moe, None, f"`{MC}.moe_config.top_k` (5) must be at most num_experts (4)"),
     ("starcoder2", [], _starcoder, None, "`model.model_config`: model family Starcoder2 is not supported by mesh3d yet; supported: llama, qwen2"),
     ("mamba", [], _mamba, None, "`model.model_config`: model family mamba (`is_mamba_config`) is not supported by mesh3d yet"),
-    ("spectral-mup", ["model.init_method={use_mup: true}"], None, None, "`model.init_method.use_mup` is not supported by mesh3d yet"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
     ("z-loss", [f"{MC}.z_loss_enabled=true", f"{MC}.z_loss_coefficient=0"], None, None, f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got 0.0"),
     ("nanoset-read-path", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_read_path: [/m]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_read_path` is not supported by mesh3d yet (set it to null)"),
