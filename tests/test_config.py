@@ -304,7 +304,6 @@ BAD = [
     ("starcoder2-global-layers", [f"{MC}.global_attn_layers=[0, 7]"], _starcoder, None, f"`{MC}.global_attn_layers` has [7], outside the layers 0..3; use indices below num_hidden_layers (4)"),
     ("llamoe", [], _llamoe, None, "model family llamoe (`is_llamoe_config`) is not supported by mesh3d yet (examples/moe's LlaMoE routes like mesh3d's MoE"),
     ("mamba", [], _mamba, None, "`model.model_config`: model family mamba (`is_mamba_config`) is not supported by mesh3d yet"),
-    ("spectral-mup", ["model.init_method={use_mup: true}"], None, None, "`model.init_method.use_mup` is not supported by mesh3d yet"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
     ("z-loss", [f"{MC}.z_loss_enabled=true", f"{MC}.z_loss_coefficient=0"], None, None, f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got 0.0"),
     ("nanoset-read-path", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_read_path: [/m]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_read_path` is not supported by mesh3d yet (set it to null)"),

@@ -137,7 +137,9 @@ def test_the_scheduler_file_holds_each_parameters_rate(runs):
     from mesh3d.checkpoint.nanotron_state import safe_load
 
     root, _, _ = runs
-    state = safe_load(root / "one/2/lr_scheduler/lr_scheduler_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt", "lr")
+    state = safe_load(
+        root / "one/2/lr_scheduler/lr_scheduler_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt", "lr"
+    )
     lr = MUP["optimizer"]["learning_rate_scheduler"]["learning_rate"]
     bases = sorted(set(round(b / lr, 6) for b in state["base_lrs"]))
     # embedding and norms at 1, o_proj at 1 too, down 64/128, qkv 128/64, gate_up 256/64, head 250/64
