@@ -50,8 +50,7 @@ def scale_errors(cfg: Config) -> Iterator[str]:
     if all(isinstance(getattr(mc, k, None), int) for k in sizes):
         h = mc.hidden_size
         # at least q and o projections and a gated MLP per layer, and one embedding
-        # (a null intermediate_size, Starcoder2's 4·h default, counts no MLP: still a bound)
-        per_layer = 2 * h * h + 3 * h * (mc.intermediate_size or 0)
+        per_layer = 2 * h * h + 3 * h * mc.intermediate_size
         params = mc.num_hidden_layers * per_layer + min(vocab, MAX_SIZE) * h
         if params > MAX_PARAMS:
             yield (
