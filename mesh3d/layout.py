@@ -57,6 +57,8 @@ class RunLayout:
     doc_masking: bool  # attention within documents (Qwen2's _use_doc_masking)
     expert_parallel: int  # ranks of the dp axis the experts are split over (1: none)
     eos_token_id: int | None  # where a document ends (document masking)
+    seed: int  # `general.seed`: the initial weights and the dropout masks
+    dropout: bool  # the model drops values in training: each token gets a key (`spec.dropout`)
 
     @classmethod
     def resolve(cls, cfg, world_size: int, rank: int = 0) -> RunLayout:
@@ -87,6 +89,8 @@ class RunLayout:
             doc_masking=bool(getattr(mc, "_use_doc_masking", False)),
             expert_parallel=p.expert_parallel_size,
             eos_token_id=getattr(mc, "eos_token_id", None),
+            seed=cfg.general.seed,
+            dropout=spec_of(mc).dropout(mc),
         )
 
     @property

@@ -163,6 +163,16 @@ def block_input(layout) -> ParallelStyle:
     return _BlockInput(layout)
 
 
+class RankAware(ParallelStyle):
+    """Tell a module without parameters its rank on the tp mesh (`module.tp_rank`): a dropout
+    that draws each value's mask from the value's global index finds the offset of its heads,
+    or of its sequence shard under sequence parallelism (`models/dropout.py`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.tp_rank = device_mesh.get_local_rank()
+        return module
+
+
 def summed_over(group: dist.ProcessGroup):
     """`f(t)`: all-reduce `t` (a sum) over `group` in place and return the group's size; what
     an MoE block calls for the load statistics of a sequence split over `group`."""

@@ -103,7 +103,8 @@ def read_model_config_json(step: Path):
     except ConfigError as e:
         raise UserError(f"{path} is not a model config mesh3d reads: {e}") from None
     spec_of(mc)  # "not supported by mesh3d yet" for another family
-    mc.num_key_value_heads = mc.num_key_value_heads or mc.num_attention_heads
+    if hasattr(mc, "num_key_value_heads") and mc.num_key_value_heads is None:
+        mc.num_key_value_heads = mc.num_attention_heads  # as loading a config fills it
     return mc
 
 
@@ -152,18 +153,19 @@ def hf_to_ours(hf: dict[str, Tensor], mc, where: Path, arch=None) -> dict[str, T
     spec = spec_of(mc)
     arch = arch or spec.hf_of(mc)
     hf = arch.weights_from_hf(hf, mc) if arch.weights_from_hf else hf
+    tied = shape_of(mc).tied
     ours = {}
     for k, v in hf.items():
         name = arch.hf_to_ours(k)
-        if name is None or (mc.tie_word_embeddings and name == "lm_head.weight"):
+        if name is None or (tied and name == "lm_head.weight"):
             continue
         ours[name] = v
-    if not mc.tie_word_embeddings and "lm_head.weight" not in ours:
+    if not tied and "lm_head.weight" not in ours:
         raise UserError(
             f"{where} has no lm_head.weight and config.json says tie_word_embeddings is false"
         )
     expected = set(spec.param_shapes(shape_of(mc)))
-    if mc.tie_word_embeddings:
+    if tied:
         expected.discard("lm_head.weight")
     extra, missing = sorted(set(ours) - expected), sorted(expected - set(ours))
     if extra:
@@ -192,10 +194,11 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
         raise UserError(f"{step} has no model/ folder of weights")
     from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 
-    full = read_nanotron_weights(step / "model", shape_of(mc))
-    if mc.rope_interleaved:
-        full = permute_qk(full, mc.hidden_size // mc.num_attention_heads, to_interleaved=False)
-    if mc.tie_word_embeddings:
+    shape = shape_of(mc)
+    full = read_nanotron_weights(step / "model", shape)
+    if getattr(mc, "rope_interleaved", False):
+        full = permute_qk(full, shape.head_dim, to_interleaved=False)
+    if shape.tied:
         full.pop("lm_head.weight", None)
     if dtype is not None:
         full = {k: v.to(DTYPES[dtype]) for k, v in full.items()}

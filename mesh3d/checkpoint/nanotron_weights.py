@@ -60,29 +60,36 @@ def _param(name: str, ours: tuple[str, ...], kind: names.Kind, pp_rank: int, sha
     return Param(name, ours, tuple(p[0] for p in parts), shape, kind, pp_rank)
 
 
+EMBEDDING_OURS, HEAD_OURS = ("embed_tokens.weight",), ("lm_head.weight",)
+
+
+def is_embedding(p: Param) -> bool:
+    """Whether `p` is the token embedding (whatever its family calls it in Nanotron)."""
+    return p.ours == EMBEDDING_OURS
+
+
 def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
     """Nanotron's parameters in module order; lm_head left out when tied.
 
-    The names, the tensors each one fuses and their TP kinds come from the family's spec."""
+    The names, the tensors each one fuses and their TP kinds come from the family's spec: its
+    outer parameters on the first stage (the embedding), the decoder layers, then those on the
+    last stage (the final norm, the head)."""
     spec = spec_named(s.family)
     shapes = spec.param_shapes(s)
     layer_costs, head_cost = spec.pipeline_costs(s)
     stage_layers = split_by_cost(layer_costs, head_cost, pp)
     stage_of = {i: st for st, owned in enumerate(stage_layers) for i in owned}
-    outer = {
-        k: (ours, kind, 0 if end == "first" else pp - 1)
-        for k, (ours, kind, end) in spec.nanotron_outer.items()
-    }
-    params = [_param(names.EMBEDDING, *outer[names.EMBEDDING], shapes)]
+    outer = {"first": [], "last": []}
+    for name, (ours, kind, end) in spec.nanotron_outer.items():
+        if not (s.tied and ours == HEAD_OURS):
+            outer[end].append(_param(name, ours, kind, 0 if end == "first" else pp - 1, shapes))
+    params = list(outer["first"])
     for i in range(s.num_layers):
         for key, (ours, kind) in spec.nanotron_layer(s, i).items():
             our_names = tuple(names.LAYER_PREFIX_OURS.format(i=i) + o for o in ours)
             name = names.LAYER_PREFIX_NANOTRON.format(i=i) + key
             params.append(_param(name, our_names, kind, stage_of[i], shapes))
-    for name, where in outer.items():
-        if name != names.EMBEDDING and not (name == names.LM_HEAD and s.tied):
-            params.append(_param(name, *where, shapes))
-    return params
+    return params + outer["last"]
 
 
 def _slice_pairs(p: Param, tp_rank: int, tp: int) -> list[tuple[Slices, Slices]]:
@@ -264,7 +271,7 @@ def _shard_files(directory: Path, p: Param) -> list[Path]:
         )
         tied = (
             " (or the checkpoint has tied embeddings: set tie_word_embeddings: true)"
-            if p.name == names.LM_HEAD
+            if p.ours == HEAD_OURS
             else ""
         )
         raise UserError(

@@ -38,11 +38,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mesh3d import nanotron_names as names
 from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
 from mesh3d.checkpoint.folder import MANIFEST, FolderWriter, damaged_error, fsync_dir, verify
 from mesh3d.checkpoint.nanotron_weights import (
+    is_embedding,
     model_config_json,
     nanotron_params,
 )
@@ -65,7 +65,7 @@ def _rank_params(layout: RunLayout, parts, pp_rank: int) -> list:
     params = [p for p in nanotron_params(layout.shape, layout.dims.pp)
               if all(o in held for o in p.ours)]  # fmt: skip
     if parts.embed_rank != pp_rank:  # at most the tied lm_head copy is named like the embedding
-        params.sort(key=lambda p: p.name == names.EMBEDDING)  # stable: the rest keep their order
+        params.sort(key=is_embedding)  # stable: the rest keep their order
     return params
 
 
@@ -79,7 +79,7 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler,
         writer, params, held_parameters(parts.modules), optimizer,
         Layout(par.dp, par.tp, par.pp, coords), zero=cfg.optimizer.zero_stage > 0,
         model_dtype=layout.model_dtype, masters=layout.fp32_masters,
-        writes_weight=lambda p: p.name != names.EMBEDDING or parts.embed_rank == P,
+        writes_weight=lambda p: not is_embedding(p) or parts.embed_rank == P,
         ep=par.expert_parallel_size,
     )  # fmt: skip
     if coords["dp"] == 0 and coords.get("cp", 0) == 0:

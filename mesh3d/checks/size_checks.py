@@ -46,7 +46,8 @@ def scale_errors(cfg: Config) -> Iterator[str]:
             f"{tokens.sequence_length}), more than {MAX_STEP_TOKENS} (2**34); lower "
             "tokens.batch_accumulation_per_replica or tokens.micro_batch_size"
         )
-    if all(hasattr(mc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers")):
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers")
+    if all(isinstance(getattr(mc, k, None), int) for k in sizes):
         h = mc.hidden_size
         # at least q and o projections and a gated MLP per layer, and one embedding
         per_layer = 2 * h * h + 3 * h * mc.intermediate_size

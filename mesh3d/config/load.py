@@ -54,17 +54,38 @@ def _need_mapping(value: Any, path: str) -> dict:
     return value
 
 
-# Nanotron model families that live in its examples/ with their own config classes
-OTHER_FAMILIES = {"is_mamba_config": "mamba", "is_llamoe_config": "llamoe"}
+# Nanotron model families that live in its examples/ with their own config classes, and why
+# mesh3d does not read them as one of its own
+OTHER_FAMILIES = {
+    "is_mamba_config": ("mamba", "a state-space model: no attention, no MLP"),
+    "is_llamoe_config": (
+        "llamoe",
+        "examples/moe's LlaMoE routes like mesh3d's MoE (moe_num_experts, num_experts_per_tok: "
+        "softmax then top-k, dropless, no balancing loss) but its experts are ungated GELU MLPs "
+        "w2(gelu(w1 x)) where mesh3d's are gated, and its checkpoint names are its own; for a "
+        "Llama with experts use a Qwen2 model_config with moe_config",
+    ),
+}
+
+
+def _nanotron_families() -> str:
+    """The Nanotron model configs the schema holds, with their markers: "llama
+    (is_llama_config), ..."."""
+    out = []
+    for cls in get_args(ModelConfig):
+        family = cls.__name__.removesuffix("Config").lower()
+        if f"is_{family}_config" in _names(cls):
+            out.append(f"{family} (is_{family}_config)")
+    return ", ".join(out)
 
 
 def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
     d = _need_mapping(value, path)
-    for marker, family in OTHER_FAMILIES.items():
+    for marker, (family, why) in OTHER_FAMILIES.items():
         if marker in d:
             raise ConfigError(
-                f"`{path}`: model family {family} (`{marker}`) is not supported by mesh3d yet; "
-                "supported: llama (is_llama_config), qwen2 (is_qwen2_config)"
+                f"`{path}`: model family {family} (`{marker}`) is not supported by mesh3d yet "
+                f"({why}); supported: {_nanotron_families()}"
             )
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     if "is_llama_config" in d:

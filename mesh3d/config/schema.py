@@ -156,7 +156,9 @@ class Starcoder2Config:
     num_hidden_layers: int = 24
     num_kv_heads: int | None = None
     resid_pdrop: float = 0.1
-    rope_theta: float | None = 10000.0
+    # Nanotron types it Optional[int] (its strict parser refuses 10000.0); a float is kept for
+    # bases no int holds (HF starcoder2-3b's 999999.44...)
+    rope_theta: int | float | None = 10000
     scale_attention_softmax_in_fp32: bool = True
     scale_attn_weights: bool = True
     sliding_window_size: int | None = None

@@ -182,32 +182,20 @@ class RMSNorm(nn.Module):
         return w * h.to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Causal multi-head attention with grouped kv heads, RoPE, no dropout.
+class AttentionCore(nn.Module):
+    """Causal attention of projected heads, the part every family's attention shares.
 
-    Options the families switch on: `bias` on q/k/v (Qwen2's attention_bias), `rope` off (NoPE
-    layers), `window` (sliding window), `qk_norm_eps` (Qwen3: RMSNorm of each q and k head
-    before RoPE), `head_dim` other than h / n_q. `forward(x, positions)` takes each token's
-    position in its document (document masking; None: one causal sequence per row). Kernels:
-    flash-attn in half precision on CUDA when installed (variable-length for documents, no
-    mask), else SDPA (causal, or with the boolean mask of `attention_mask`), or the context-
-    parallel attention when the sequence is split over cp.
+    `attend(q, k, v, positions)` on [B, S, H, dh] tensors (GQA: fewer k/v heads) picks the
+    kernel: flash-attn in half precision on CUDA when installed (variable-length for documents,
+    no mask), else SDPA (causal, or with the boolean mask of `attention_mask`), or the
+    context-parallel attention when the sequence is split over cp (`cp`, set from outside).
+    `window`: each query sees its last `window` keys; `rotary`: RoPE, or None (NoPE).
     """
 
-    def __init__(self, h: int, n_q: int, n_kv: int, rotary: Rotary, attention: str, *,
-                 bias: bool = False, rope: bool = True, window: int | None = None,
-                 head_dim: int | None = None, qk_norm_eps: float | None = None):  # fmt: skip
+    def __init__(self, rotary: Rotary | None, attention: str, window: int | None, head_dim: int):
         super().__init__()
-        self.head_dim = head_dim or h // n_q
-        self.q_proj = nn.Linear(h, n_q * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(n_q * self.head_dim, h, bias=False)
-        if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps)
-        self.qk_norm = qk_norm_eps is not None
-        self.rotary = rotary if rope else None
+        self.head_dim = head_dim
+        self.rotary = rotary
         self.window = window
         self.attention = attention
         self.cp = None  # set when the sequence is split over cp: parallel.context.ContextParallel
@@ -231,9 +219,50 @@ class Attention(nn.Module):
                                      causal=True, window_size=window)  # fmt: skip
         return out.view(b, s, *out.shape[1:])
 
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None) -> Tensor:
+        """q [B, S, nq, dh], k and v [B, S, nkv, dh] (RoPE applied) -> [B, S, nq, dh]."""
+        s = q.shape[1]  # the whole sequence here (this cp rank's part of it under cp)
+        if self.cp is not None and self.cp.size > 1:
+            return self.cp.attend(q, k, v, positions, self.window)  # (B, S/cp, nq, dh)
+        if self._use_flash(q):
+            return self._flash(q, k, v, positions)
+        mask = attention_mask(positions, s, self.window, q.device)  # None: plain causal
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, dh)
+        # GQA inside SDPA: no repeated copies of k and v (saves their memory and the
+        # gradient sums in backward; torch >= 2.5)
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+
+class Attention(AttentionCore):
+    """Causal multi-head attention with grouped kv heads, RoPE, no dropout.
+
+    Options the families switch on: `bias` on q/k/v (Qwen2's attention_bias), `rope` off (NoPE
+    layers), `window` (sliding window), `qk_norm_eps` (Qwen3: RMSNorm of each q and k head
+    before RoPE), `head_dim` other than h / n_q. `forward(x, positions)` takes each token's
+    position in its document (document masking; None: one causal sequence per row); the
+    kernels are `AttentionCore`'s.
+    """
+
+    def __init__(self, h: int, n_q: int, n_kv: int, rotary: Rotary, attention: str, *,
+                 bias: bool = False, rope: bool = True, window: int | None = None,
+                 head_dim: int | None = None, qk_norm_eps: float | None = None):  # fmt: skip
+        super().__init__(rotary if rope else None, attention, window, head_dim or h // n_q)
+        self.q_proj = nn.Linear(h, n_q * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_q * self.head_dim, h, bias=False)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(self.head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, qk_norm_eps)
+        self.qk_norm = qk_norm_eps is not None
+
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        b, s, _ = x.shape  # the whole sequence here (this cp rank's part of it under cp)
-        cp = self.cp if self.cp is not None and self.cp.size > 1 else None
+        b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nq, dh)
         k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nkv, dh)
         v = self.v_proj(x).view(b, s, -1, self.head_dim)  # (B, S, nkv, dh)
@@ -241,22 +270,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if cp is not None:
-            out = cp.attend(q, k, v, positions, self.window)  # (B, S/cp, nq, dh)
-        elif self._use_flash(q):
-            out = self._flash(q, k, v, positions)  # (B, S, nq, dh)
-        else:
-            mask = attention_mask(positions, s, self.window, x.device)  # None: plain causal
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, dh)
-            # GQA inside SDPA: no repeated copies of k and v (saves their memory and the
-            # gradient sums in backward; torch >= 2.5)
-            gqa = q.shape[1] != k.shape[1]
-            if mask is None:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-            out = out.transpose(1, 2)
-        return self.o_proj(out.reshape(b, s, -1))  # (B, S, h)
+        return self.o_proj(self.attend(q, k, v, positions).reshape(b, s, -1))  # (B, S, h)
 
 
 class MLP(nn.Module):

@@ -17,8 +17,9 @@ from mesh3d.models.llama_spec import LLAMA
 from mesh3d.models.qwen2_spec import QWEN2
 from mesh3d.models.qwen3_spec import QWEN3
 from mesh3d.models.spec import HFSpec, ModelShape, ModelSpec
+from mesh3d.models.starcoder2_spec import STARCODER2
 
-SPECS: dict[str, ModelSpec] = {spec.family: spec for spec in (LLAMA, QWEN2, QWEN3)}
+SPECS: dict[str, ModelSpec] = {spec.family: spec for spec in (LLAMA, QWEN2, QWEN3, STARCODER2)}
 
 
 def families() -> list[str]:

@@ -45,6 +45,7 @@ class ModelShape:
     head_dim: int = 0  # 0: hidden_size / num_heads (set in __post_init__)
     qkv_bias: bool = False  # q/k/v projections with a bias (Qwen2's attention_bias)
     qk_norm: bool = False  # RMSNorm of q and k per head (Qwen3)
+    multi_query: bool = False  # one key/value head every tp rank holds whole (Starcoder2's MQA)
     moe_layers: tuple[int, ...] = ()  # layers whose MLP is a mixture of experts
     num_experts: int = 0
     top_k: int = 0
@@ -111,6 +112,12 @@ class ModelSpec:
     hf: tuple[HFSpec, ...]  # the HF architectures the family converts to and from
     hf_for: Callable[[Any], HFSpec] = lambda mc: None  # which of them a model config becomes
     mup: bool = False  # spectral µP applies (`models/mup.py`: Nanotron defines it for Llama, Qwen2)
+    # (model config) -> whether training drops values: the model's forward then takes
+    # `token_keys` [B, S], each token's dropout key (`models/dropout.py`, `train/step.py`)
+    dropout: Callable[[Any], bool] = lambda mc: False
+    # whether `plan/activations.py`'s table (Llama's layer: RMSNorms, gated MLP, SDPA) is this
+    # family's; if not, `mesh3d plan` says its activation bytes are an estimate
+    llama_activations: bool = True
 
     def hf_of(self, model_config) -> HFSpec:
         """The HF architecture `model_config` converts to (the first, unless `hf_for` says)."""

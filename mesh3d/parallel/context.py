@@ -62,6 +62,11 @@ class ContextParallel:
         of the parallel code)."""
         return cp_attention(q, k, v, positions, window, self)
 
+    def gather(self, t: Tensor) -> Tensor:
+        """The whole sequence of `t` [B, S/cp, ...] in natural order (`gather_sequence`): for
+        an attention that computes its probabilities itself (e.g. to drop some)."""
+        return gather_sequence(t, self)
+
 
 def local_indices(seq_len: int, cp: int, rank: int, device=None) -> Tensor:
     """The global token indices cp rank `rank` holds, in local order: chunk `rank`, then chunk

@@ -200,12 +200,14 @@ def run_schedule(
     labels: torch.Tensor | None,
     positions: torch.Tensor | None = None,
     forward_only: bool = False,
+    token_keys: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """One step of forward/backward over all microbatches; the per-microbatch losses.
 
     `inputs` [n·mbs, S] (needed where this rank runs stage 0) and `labels` [n·mbs, S] (where it
     runs the last stage) are split along dim 0 into the schedule's n microbatches, and so are
-    `positions` (document masking), which every stage's forward gets as a keyword. Returns
+    `positions` (document masking) and `token_keys` (dropout), which every stage's forward
+    gets as keywords. Returns
     the n losses from `loss_fn` where this rank runs the last stage, [] elsewhere. Logits are
     not kept (`return_outputs=False` where torch has it). With `forward_only` the schedule runs
     its `eval()` (torch's forward-only mode: the same schedule, backward actions skipped; the
@@ -223,8 +225,9 @@ def run_schedule(
     losses: list[torch.Tensor] = []
     kwargs = {"return_outputs": False} if _HAS_RETURN_OUTPUTS else {}
     args = (inputs,) if first else ()
-    if positions is not None:  # [n·mbs, S]: split like the inputs, handed to every stage
-        kwargs["positions"] = positions
+    for key, value in (("positions", positions), ("token_keys", token_keys)):
+        if value is not None:  # [n·mbs, S]: split like the inputs, handed to every stage
+            kwargs[key] = value
     run = schedule.eval if forward_only else schedule.step
     run(*args, target=labels if last else None, losses=losses, **kwargs)
     return losses if last else []

@@ -10,7 +10,7 @@ from torch import nn
 from mesh3d.checks import validate
 from mesh3d.layout import param_and_compute_dtypes
 from mesh3d.mesh import ParallelDims
-from mesh3d.models.registry import model_shape, spec_of
+from mesh3d.models.registry import model_shape, spec_named, spec_of
 from mesh3d.parallel.experts import ep_groups
 from mesh3d.parallel.pipeline import build_stage, rank_of_stage, split_by_cost, stage_ids_of_rank
 from mesh3d.plan.activations import loss_saved_bytes, stage_activation_bytes
@@ -30,7 +30,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         print(mesh3d.plan.format_plan(mesh3d.make_plan(cfg, world_size=8)))
     """
     validate(cfg, world_size=world_size)
-    z, mc = _Sizes.of(cfg), cfg.model.model_config
+    z = _Sizes.of(cfg)
     dims = ParallelDims(dp=z.dp, tp=z.tp, pp=z.pp, cp=z.cp)
     n = z.pp * z.v
     full, split, shapes = stage_shapes(cfg, z)
@@ -45,7 +45,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         stage_activation_bytes(dataclasses.replace(cfg, parallelism=plain), [i], False, False)[0]
         for i in {0, *z.moe_layers[:1]}
     )
-    tied = mc.tie_word_embeddings
+    tied = model_shape(cfg).tied
     ends = {stages[0].pp_rank, stages[-1].pp_rank}
     adamw = cfg.optimizer.optimizer_factory.name != "sgd"
     saved = {s.stage: s.saved_per_microbatch for s in stages}
@@ -128,6 +128,9 @@ def _dtype(dtype: torch.dtype) -> str:
 
 def _notes(z: _Sizes) -> list[str]:
     notes = []
+    if not spec_named(z.family).llama_activations:
+        notes.append(f"activations: {z.family}'s layers are counted with Llama's table "
+                     "(plan/activations.py), an estimate for them")  # fmt: skip
     if z.fsdp and z.pp > 1:
         notes.append("FSDP under a pipeline schedule keeps gradients unsharded (and zero1 the "
                      "parameters gathered) until the step's last backward")  # fmt: skip

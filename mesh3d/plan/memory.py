@@ -56,6 +56,8 @@ def _tp_dim(module: nn.Module, name: str, plan: dict) -> int | None:
             if isinstance(style, ColwiseParallel):  # Linear: out features; Embedding: h
                 return 1 if emb else 0
             if isinstance(style, RowwiseParallel):  # Linear: in features; Embedding: vocab
+                if name.endswith(".bias"):  # a row-parallel linear's bias is replicated
+                    return None
                 return 0 if emb else 1
     return None
 

@@ -77,7 +77,7 @@ def initial_weights(cfg, padded_vocab: int) -> FullSource:
         full = read_nanotron_weights(root, model_shape(cfg))
         n = sum(t.numel() for t in full.values())
         logger.info(f"Initial weights from {root}: {len(full)} tensors, {n:,} parameters")
-        tied = {"lm_head.weight": "embed_tokens.weight"} if mc.tie_word_embeddings else {}
+        tied = {"lm_head.weight": "embed_tokens.weight"} if model_shape(cfg).tied else {}
         return lambda name, shape: full[tied.get(name, name)]
     rows = {"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size}
     if isinstance(init, SpectralMupInit):

@@ -138,7 +138,7 @@ class Run:
         loss, grad_norm = train_step(
             self.parts, self.optimizer, self.scheduler, batches, layout=self.layout,
             clip_grad=self.cfg.optimizer.clip_grad, mesh=self.mesh, device=self.device,
-            accepts=accepts,
+            accepts=accepts, step=step,
         )  # fmt: skip
         return StepOutput(batches, loss, grad_norm)
 

@@ -22,7 +22,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from mesh3d.data.documents import IGNORE, document_positions, mask_document_starts
 from mesh3d.layout import RunLayout
 from mesh3d.mesh import groups_of
-from mesh3d.parallel.context import shard_batches
+from mesh3d.models.dropout import token_keys
+from mesh3d.parallel.context import local_indices, shard_batches
 from mesh3d.parallel.data import allreduce_gradients, allreduce_param_grads
 from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings
 from mesh3d.parallel.tensor import reduce_partial_grads
@@ -92,22 +93,28 @@ def forward_backward(
     batches: list[tuple[torch.Tensor, ...]],
     layout: RunLayout,
     device: torch.device,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Backward of this rank's microbatches; returns its part of the step loss.
 
     `batches` hold (inputs, labels) or, under document masking, (inputs, labels, positions).
-    Both paths backpropagate `parts.loss_fn` (`train/loss.py::StepLoss`). Without a pipeline,
-    each microbatch runs forward and backward in turn. With one, the schedule runs them all
-    (it was given the same loss function at build time) and only the rank holding the last
-    stage gets losses. The sum is divided by the layout's `backward_scale` once, here.
+    `keys` [n·mbs, S/cp]: each token's dropout key (`step_token_keys`), handed to the model as
+    `token_keys` beside the positions. Both paths backpropagate `parts.loss_fn`
+    (`train/loss.py::StepLoss`). Without a pipeline, each microbatch runs forward and backward
+    in turn. With one, the schedule runs them all (it was given the same loss function at
+    build time) and only the rank holding the last stage gets losses. The sum is divided by the
+    layout's `backward_scale` once, here.
     """
     total = torch.zeros((), device=device)
     autocast, tp = layout.autocast_dtype, layout.dims.tp
     if parts.schedule is None:
         model = parts.modules[0]
-        for inputs, labels, *positions in batches:
+        rows = keys.split(layout.microbatch_size) if keys is not None else [None] * len(batches)
+        for (inputs, labels, *positions), mb_keys in zip(batches, rows, strict=True):
             inputs, labels = inputs.to(device), labels.to(device)
             kwargs = {"positions": positions[0].to(device)} if positions else {}
+            if mb_keys is not None:
+                kwargs["token_keys"] = mb_keys
             with _autocast(device, autocast):
                 logits = model(inputs, **kwargs)
             with _loss_ctx(tp):
@@ -123,10 +130,30 @@ def forward_backward(
         ):  # every stage's attention needs them: every rank read the data
             positions = torch.cat([b[2] for b in batches]).to(device)
         with _autocast(device, autocast), _loss_ctx(tp):
-            losses = run_schedule(parts.schedule, parts.stages, inputs, labels, positions)
+            losses = run_schedule(parts.schedule, parts.stages, inputs, labels, positions,
+                                  token_keys=keys)  # fmt: skip
         for loss in losses:
             total += _scalar(loss)
     return total / layout.backward_scale
+
+
+def step_token_keys(layout: RunLayout, step: int, device) -> torch.Tensor | None:
+    """Each token's dropout key for this rank's microbatches of `step`, [n·mbs, S/cp] in the
+    order of the rank's concatenated microbatches (None: the model has no dropout).
+
+    A token's key is a hash of (seed, step, its sample's index in the step's global batch, its
+    position in the sample), `models/dropout.py::token_keys`: dp rank r holds samples
+    r·n·mbs .. (r+1)·n·mbs - 1 (`data/dummy.py::microbatches`), a cp rank the positions of its
+    head and tail chunks. So every layout draws the one-process masks, without any data read
+    (middle pipeline stages have none).
+    """
+    if not layout.dropout:
+        return None
+    rows = layout.microbatches * layout.microbatch_size
+    samples = layout.coords["dp"] * rows + torch.arange(rows)
+    cp, s = layout.dims.cp, layout.sequence_length
+    positions = local_indices(s, cp, layout.coords["cp"]) if cp > 1 else torch.arange(s)
+    return token_keys(layout.seed, step, samples, positions).to(device)
 
 
 def with_documents(batches: list[tuple], layout: RunLayout, dp_group, device) -> tuple[list, int]:
@@ -169,8 +196,10 @@ def train_step(
     mesh,
     device: torch.device,
     accepts: Callable[[float, float], bool] | None = None,
+    step: int = 0,
 ) -> tuple[float, float]:
-    """Run one step; return (global mean token loss, pre-clip global gradient norm).
+    """Run one step (number `step`, which keys the dropout masks); return (global mean token
+    loss, pre-clip global gradient norm).
 
     A non-finite loss or gradient norm (the same value on every rank) skips the optimizer
     update, and so does a step `accepts(loss, grad_norm)` refuses (the loss-spike guard); the
@@ -183,7 +212,7 @@ def train_step(
     batches, tokens = prepare_batches(batches, layout, dp_group, device)
     if tokens is not None:
         parts.loss_fn.tokens = tokens
-    total = forward_backward(parts, batches, layout, device)
+    total = forward_backward(parts, batches, layout, device, step_token_keys(layout, step, device))
     if pp > 1:
         dist.all_reduce(total, group=pp_group)  # only the last stage's ranks hold the loss
     if dp * layout.dims.cp > 1:

@@ -47,6 +47,14 @@ QWEN2 = LLAMA - {"is_llama_config"} | {
     "sliding_window_size", "no_rope_layer", "_fused_rotary_emb", "_fused_rms_norm",
     "_use_qkv_packed", "_use_doc_masking", "log_attn_probs", "ring_attn_heads_k_stride",
     "moe_config"}  # fmt: skip
+STARCODER2 = {"activation_function", "attention_softmax_in_fp32", "attn_pdrop", "bos_token_id",
+              "embd_pdrop", "eos_token_id", "global_attn_layers", "grouped_query", "hidden_size",
+              "initializer_range", "intermediate_size", "is_starcoder2_config",
+              "layer_norm_epsilon", "max_position_embeddings", "multi_query",
+              "num_attention_heads", "num_hidden_layers", "num_kv_heads", "resid_pdrop",
+              "rope_theta", "scale_attention_softmax_in_fp32", "scale_attn_weights",
+              "sliding_window_size", "use_position_embeddings", "use_rotary_embeddings",
+              "vocab_size", "_attn_implementation"}  # fmt: skip
 MOE = {"num_experts", "top_k", "moe_intermediate_size", "shared_expert_intermediate_size",
        "router_aux_loss_coef", "layers", "enable_shared_expert", "token_dispatcher_type"}  # fmt: skip
 INIT = [{"std", "scaling_method"}, {"use_mup"}, {"path"}]
@@ -86,7 +94,8 @@ def config_key_problems(d: dict) -> list[str]:
         keys(name, d.get(name), allowed)
     model = d.get("model") or {}
     mc = model.get("model_config") or {}
-    keys("model.model_config", mc, QWEN2 if "is_qwen2_config" in mc else LLAMA)
+    family = QWEN2 if "is_qwen2_config" in mc else LLAMA
+    keys("model.model_config", mc, STARCODER2 if "is_starcoder2_config" in mc else family)
     keys("model.model_config.moe_config", mc.get("moe_config"), MOE)
     one_of("model.init_method", model.get("init_method"), INIT)
     opt = d.get("optimizer") or {}

@@ -68,11 +68,12 @@ GLOBAL_BATCH = 8  # samples per step at every layout
 
 
 def layout_overrides(
-    dp: int, tp: int, tp_mode: str, zero: int, tied: bool, microbatches: int | None = None
+    dp: int, tp: int, tp_mode: str, zero: int, tied: bool | None, microbatches: int | None = None
 ) -> list[str]:
     """Overrides for a layout that keep the global batch (8 samples) the same at any dp.
 
     `microbatches` per dp rank defaults to 4 // dp (at least 2); the microbatch size follows.
+    `tied` None leaves tie_word_embeddings alone (a family without that key).
     """
     n = microbatches or max(2, 4 // dp)
     mbs = GLOBAL_BATCH // (dp * n)
@@ -82,10 +83,9 @@ def layout_overrides(
         f"parallelism.tp={tp}",
         f"parallelism.tp_mode={tp_mode}",
         f"optimizer.zero_stage={zero}",
-        f"model.model_config.tie_word_embeddings={str(tied).lower()}",
         f"tokens.micro_batch_size={mbs}",
         f"tokens.batch_accumulation_per_replica={n}",
-    ]
+    ] + ([] if tied is None else [f"model.model_config.tie_word_embeddings={str(tied).lower()}"])
 
 
 def full_weights(model: torch.nn.Module, mesh=None) -> dict[str, torch.Tensor]:

@@ -18,7 +18,8 @@ def _cli(tmp_path, d, *args):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
 
 
-CLI_BAD = ["unknown-key", "override-no-equals", "world-size", "qwen2-moe", "mamba"]
+CLI_BAD = ["unknown-key", "override-no-equals", "world-size", "qwen2-moe", "mamba",
+           "starcoder2-heads-tp", "starcoder2-mq-gq", "starcoder2-global-layers"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CLI_BAD)
@@ -30,6 +31,7 @@ def test_cli_exit_2_without_traceback(case, tmp_path):
     r = _cli(tmp_path, d, *overrides, *(["--world-size", str(world)] if world else []))
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and fragment in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr  # one line
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 

@@ -1,6 +1,6 @@
 """`mesh3d generate`: greedy output token for token what transformers' `generate` gives on the
-converted model (Llama, Qwen2), seeded sampling, top-k, and the command line (tokenizer choice,
-printed text, errors that exit 2 without a traceback).
+converted model (Llama, Qwen2, Starcoder2), seeded sampling, top-k, and the command line
+(tokenizer choice, printed text, errors that exit 2 without a traceback).
 
 This file holds the tests of that subject that launch real processes; the others are in
 `tests/unit/test_generate.py`."""

@@ -3,7 +3,8 @@
 
 Two launches. 2 ranks: train one step of a tiny Llama at tp 2 (odd vocabulary: padded at tp 2),
 of a tiny Qwen2 (biases, tied embeddings, a NoPE layer, a sliding window, REDUCE_SCATTER) at
-pp 2 and of a tiny Qwen3 at tp 2, each saving its checkpoint; generate from each at tp 2 and at
+pp 2, of a tiny Qwen3 (and Qwen3-MoE) at tp 2 and of a tiny Starcoder2 at tp 2 (multi-query, windows,
+dropout in training), each saving its checkpoint; generate from each at tp 2 and at
 pp 2; run the command at pp 2, and at a layout that is not the world size. 4 ranks: generate
 from each at tp 2 x pp 2, greedy and sampled.
 """
@@ -67,11 +68,23 @@ def _qwen3_moe() -> dict:
     return d
 
 
+def _starcoder2() -> dict:
+    """Starcoder2: multi-query (its one k/v head whole on each tp rank), a window on all layers
+    but the global one, dropout 0.1 while training (none when generating)."""
+    d = copy.deepcopy(TINY)
+    d["model"]["model_config"] = dict(
+        is_starcoder2_config=True, hidden_size=64, intermediate_size=128, num_attention_heads=8,
+        num_hidden_layers=2, max_position_embeddings=16, vocab_size=VOCAB, sliding_window_size=6,
+        global_attn_layers=[1])  # fmt: skip
+    return d
+
+
 FAMILIES = {
     "llama": (TINY, "parallelism.tp=2"),
     "qwen2": (_qwen2(), "parallelism.pp=2"),
     "qwen3": (_qwen3(), "parallelism.tp=2"),
     "qwen3-moe": (_qwen3_moe(), "parallelism.tp=2"),
+    "starcoder2": (_starcoder2(), "parallelism.tp=2"),
 }
 
 

@@ -216,8 +216,20 @@ def _mamba(d):
     d["model"]["model_config"] = dict(is_mamba_config=True, d_model=64)
 
 
+def _llamoe(d):  # Nanotron's examples/moe/config_llamoe.yaml model_config
+    d["model"]["model_config"] = dict(
+        is_llamoe_config=True, hidden_size=512, intermediate_size=2048, moe_num_experts=4,
+        num_experts_per_tok=1, moe_capacity_factor=1, num_attention_heads=8,
+        num_hidden_layers=1, vocab_size=32000)  # fmt: skip
+
+
 def _starcoder(d):
-    d["model"]["model_config"] = dict(is_starcoder2_config=True)
+    """The base sizes as Nanotron's Starcoder2Config (multi-query, the default)."""
+    mc = d["model"]["model_config"]
+    d["model"]["model_config"] = dict(
+        is_starcoder2_config=True, **{k: mc[k] for k in (
+            "hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+            "vocab_size", "max_position_embeddings")})  # fmt: skip
 
 
 TP2 = ["parallelism.tp=2"]
@@ -287,9 +299,11 @@ BAD = [
     ("context-parallel-world", ["parallelism.context_parallel_size=2"], None, 1, "parallelism.dp (1) x tp (1) x pp (1) x context_parallel_size (2) = 2, but the world size is 1; change parallelism.dp/context_parallel_size/tp/pp so the product is 1"),
     ("context-parallel-split", ["parallelism.context_parallel_size=3"], None, 3, "must be divisible by `2 x parallelism.context_parallel_size` (6)"),
     ("qwen2-moe", [], _qwen_moe, None, f"`{MC}.moe_config.top_k` (5) must be at most num_experts (4)"),
-    ("starcoder2", [], _starcoder, None, "`model.model_config`: model family Starcoder2 is not supported by mesh3d yet; supported: llama, qwen2"),
+    ("starcoder2-heads-tp", ["parallelism.tp=4", f"{MC}.num_attention_heads=6", f"{MC}.hidden_size=36"], _starcoder, 4, f"`{MC}.num_attention_heads` (6) must be divisible by `parallelism.tp` (4); choose a parallelism.tp that divides it"),
+    ("starcoder2-mq-gq", [f"{MC}.multi_query=true", f"{MC}.grouped_query=true", f"{MC}.num_kv_heads=2"], _starcoder, None, f"`{MC}.multi_query` and `{MC}.grouped_query` are both true; set one of them"),
+    ("starcoder2-global-layers", [f"{MC}.global_attn_layers=[0, 7]"], _starcoder, None, f"`{MC}.global_attn_layers` has [7], outside the layers 0..3; use indices below num_hidden_layers (4)"),
+    ("llamoe", [], _llamoe, None, "model family llamoe (`is_llamoe_config`) is not supported by mesh3d yet (examples/moe's LlaMoE routes like mesh3d's MoE"),
     ("mamba", [], _mamba, None, "`model.model_config`: model family mamba (`is_mamba_config`) is not supported by mesh3d yet"),
-    ("spectral-mup", ["model.init_method={use_mup: true}"], None, None, "`model.init_method.use_mup` is not supported by mesh3d yet"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
     ("z-loss", [f"{MC}.z_loss_enabled=true", f"{MC}.z_loss_coefficient=0"], None, None, f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got 0.0"),
     ("nanoset-read-path", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_read_path: [/m]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_read_path` is not supported by mesh3d yet (set it to null)"),

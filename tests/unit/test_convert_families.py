@@ -1,5 +1,6 @@
-"""`python -m mesh3d.convert` for the Qwen2 family: Hugging Face Qwen2ForCausalLM (biases, a
-sliding window, linear rope interpolation) and SmolLM3ForCausalLM (NoPE layers), both ways:
+"""`python -m mesh3d.convert` for the Qwen2 and Starcoder2 families: Hugging Face
+Qwen2ForCausalLM (biases, a sliding window, linear rope interpolation), SmolLM3ForCausalLM (NoPE
+layers) and Starcoder2ForCausalLM (multi-query, grouped-query with a window), both ways:
 bitwise round trips, and mesh3d's logits equal transformers' on the converted weights."""
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ def smollm3(path, **kw):
     return _save(transformers.SmolLM3ForCausalLM(cfg), path)
 
 
+def starcoder2(path, **kw):
+    sizes = {k: v for k, v in SIZES.items() if k not in ("rms_norm_eps", "num_key_value_heads")}
+    cfg = transformers.Starcoder2Config(**sizes, norm_epsilon=1e-5, bos_token_id=0,
+                                        eos_token_id=0, **kw)  # fmt: skip
+    return _save(transformers.Starcoder2ForCausalLM(cfg), path)
+
+
 CASES = {
     "qwen2 untied": (qwen2, dict(tie_word_embeddings=False)),
     "qwen2 tied, sliding window": (
@@ -51,6 +59,9 @@ CASES = {
     "qwen2 linear rope interpolation": (
         qwen2, dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
     "smollm3 NoPE every 2nd layer": (smollm3, dict(no_rope_layer_interval=2)),
+    "starcoder2 multi-query": (starcoder2, dict(num_key_value_heads=1)),
+    "starcoder2 grouped-query, sliding window": (
+        starcoder2, dict(num_key_value_heads=2, sliding_window=5)),
 }  # fmt: skip
 
 
@@ -61,7 +72,7 @@ def test_round_trip_bitwise_and_logits_equal_transformers(tmp_path, case):
     convert.from_hf(tmp_path / "hf", tmp_path / "nt", tp=2, pp=2)
     mc = convert.read_model_config_json(tmp_path / "nt")
     spec = spec_of(mc)
-    assert spec.family == "qwen2"
+    assert spec.hf_of(mc).architectures[0] == type(hf).__name__
     ours = spec.build(mc, attention="sdpa").eval()
     full = read_nanotron_weights(tmp_path / "nt" / "model", convert.shape_of(mc))
     missing, unexpected = ours.load_state_dict(full, strict=False)
@@ -112,3 +123,17 @@ def test_what_cannot_convert_is_refused(tmp_path):
     smollm3(tmp_path / "s", no_rope_layers=[1, 0, 0, 1])
     with pytest.raises(UserError, match="no_rope_layer is every k-th layer"):
         convert.from_hf(tmp_path / "s", tmp_path / "nt2")
+
+
+def test_what_starcoder2_cannot_convert_is_refused(tmp_path):
+    starcoder2(tmp_path / "hf", use_bias=False)
+    with pytest.raises(UserError, match="`use_bias: false`"):
+        convert.from_hf(tmp_path / "hf", tmp_path / "nt")
+    starcoder2(tmp_path / "hf2", num_key_value_heads=2, sliding_window=5)
+    convert.from_hf(tmp_path / "hf2", tmp_path / "nt2")
+    mcj = tmp_path / "nt2" / "model_config.json"
+    d = json.loads(mcj.read_text())
+    assert d["grouped_query"] and d["num_kv_heads"] == 2 and d["sliding_window_size"] == 5
+    mcj.write_text(json.dumps({**d, "global_attn_layers": [1]}))  # HF slides every layer
+    with pytest.raises(UserError, match="global_attn_layers with a sliding window"):
+        convert.to_hf(tmp_path / "nt2", tmp_path / "back")

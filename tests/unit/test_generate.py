@@ -1,6 +1,6 @@
 """`mesh3d generate`: greedy output token for token what transformers' `generate` gives on the
-converted model (Llama, Qwen2), seeded sampling, top-k, and the command line (tokenizer choice,
-printed text, errors that exit 2 without a traceback).
+converted model (Llama, Qwen2, Starcoder2), seeded sampling, top-k, and the command line
+(tokenizer choice, printed text, errors that exit 2 without a traceback).
 
 The tests of this subject that launch real processes are in
 `tests/launch/test_generate_launch.py`."""
@@ -17,7 +17,7 @@ import torch
 from mesh3d import cli
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.nanotron_weights import write_nanotron_weights
-from mesh3d.config import LlamaConfig, Qwen2Config
+from mesh3d.config import LlamaConfig, Qwen2Config, Starcoder2Config
 from mesh3d.data.synthetic import make_tokenizer
 from mesh3d.data.tokenize import load_tokenizer
 from mesh3d.generate import main
@@ -33,6 +33,9 @@ FAMILIES = {
     "llama": LlamaConfig(**SIZES, vocab_size=128),
     "qwen2 bias tied": Qwen2Config(**SIZES, vocab_size=128, attention_bias=True,
                                    tie_word_embeddings=True),
+    "starcoder2 grouped-query": Starcoder2Config(
+        **{k: v for k, v in SIZES.items() if k not in ("rms_norm_eps", "num_key_value_heads")},
+        vocab_size=128, grouped_query=True, num_kv_heads=2, sliding_window_size=4),
 }  # fmt: skip
 CPU = torch.device("cpu")
 

@@ -1,7 +1,7 @@
 """`mesh3d plan --dry-run`: every distinct rank of 512-rank layouts built as training builds them.
 
-- Llama-3-8B and -70B, Qwen2-72B, Qwen3-32B and Qwen1.5-MoE-A2.7B shapes (expert parallelism 4)
-  at 512 ranks, dp x tp x pp = 8 x 8 x 8 or with cp 2, zero 0 / zero 1 / full shard, five
+- Llama-3-8B and -70B, Qwen2-72B, Qwen3-32B, Qwen1.5-MoE-A2.7B (expert parallelism 4) and
+  StarCoder2-15B shapes at 512 ranks, dp x tp x pp = 8 x 8 x 8 or with cp 2, zero 0 / zero 1 / full shard, five
   schedules: each representative rank's parts are built on meta with torch's fake process group
   (in this process, one group at a time), and their parameter, gradient and optimizer-state
   bytes equal make_plan's for every rank they stand for, exactly.
@@ -42,11 +42,18 @@ QWEN15_MOE = dict(QWEN2_72B, hidden_size=2048, intermediate_size=5632, num_hidde
                                   shared_expert_intermediate_size=5632,
                                   enable_shared_expert=True, layers=[-1]))  # fmt: skip
 
+STARCODER2_15B = dict(hidden_size=6144, intermediate_size=24576, num_hidden_layers=40,
+                      num_attention_heads=48, grouped_query=True, num_kv_heads=4,
+                      vocab_size=49152, rope_theta=100000.0, sliding_window_size=4096,
+                      max_position_embeddings=16384, is_starcoder2_config=True)  # fmt: skip
+
 
 def _config(model: dict, layout: list[str], family: dict | None = None):
     d = copy.deepcopy(TINY)
     mc = d["model"]["model_config"]
-    if "is_qwen2_config" in model:
+    if "is_starcoder2_config" in model:  # none of Llama's keys
+        mc.clear()
+    elif "is_qwen2_config" in model:
         del mc["is_llama_config"]
     mc.update(model)
     d["model"]["dtype"] = "bfloat16"  # fp32 master weights: accumulate_grad_in_fp32
@@ -104,6 +111,22 @@ CASES = {  # label -> (config, representatives expected)
             ),
         ),
         12,
+    ),  # fmt: skip
+    "starcoder2-15b dp16 tp4 pp8 zero1 recompute": (
+        _config(
+            STARCODER2_15B,
+            _layout(
+                16,
+                4,
+                8,
+                "1f1b",
+                8,
+                "optimizer.zero_stage=1",
+                "parallelism.tp_mode=REDUCE_SCATTER",
+                "parallelism.recompute_layer=true",
+            ),
+        ),
+        8,
     ),  # fmt: skip
     "llama3-8b dp64 tp8 zero1 (uneven vocab chunks)": (
         _config(LLAMA3_8B, _layout(64, 8, 1, "1f1b", 1, "optimizer.zero_stage=1")),
