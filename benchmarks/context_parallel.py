@@ -2,7 +2,7 @@
 cap, and the step time of cp 2 against cp 1 on the same cores.
 
     python benchmarks/context_parallel.py           # ~4 min here: memory at seq 4096, cap at 2048, steps at 4096
-    python benchmarks/context_parallel.py --quick   # < 1 min: seq 512, for tests/test_bench_context_parallel.py
+    python benchmarks/context_parallel.py --quick   # < 1 min: seq 512, for tests/launch/test_bench_context_parallel.py
 
 Model: Llama, hidden 256, ffn 688, 8 query / 2 kv heads (GQA), 2 layers, vocab 1024 (untied),
 fp32, one sample per microbatch, one microbatch per step. Ranks are forked gloo processes.

@@ -55,39 +55,21 @@ class UserError(ValueError):
     `same_on_every_rank` on one that every rank raised alike (a config check, a decision shared
     by rank 0), so that only rank 0 prints it.
 
-
-
     Example:
 
-
-
         raise mesh3d.UserError("`tokens.sequence_length` 0 must be >= 1; raise it")
-
-
     """
 
 
 class ConfigError(UserError):
     """A config file or override that cannot be used as given.
 
-
-
     Example:
 
-
-
         try:
-
-
             mesh3d.validate(cfg, 8)
-
-
         except mesh3d.ConfigError as e:
-
-
             print(e)
-
-
     """
 
 

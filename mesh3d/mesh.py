@@ -147,15 +147,9 @@ def init_distributed(timeout_s: float = 60, device: str = "auto") -> torch.devic
     so that every code path is the same. nccl on CUDA, gloo on CPU; collectives time out after
     `timeout_s` seconds instead of torch's default 30 minutes.
 
-
-
     Example:
 
-
-
         device = mesh3d.init_distributed()   # under torchrun, or a one-process world
-
-
     """
     dev = resolve_device(device)
     if dev.type == "cuda":
@@ -257,7 +251,6 @@ def mesh_from_config(cfg, device: str | None = None) -> DeviceMesh:
     (`device`: None = `mesh3d.device` of the config).
 
     Example:
-
 
         mesh = mesh_from_config(load_config("cfg.yaml"))
     """

@@ -1,4 +1,11 @@
-"""Shared test setup: the mesh3d logger back to its import-time state after every test.
+"""Shared test setup: the helpers on `sys.path`, and the mesh3d logger reset after every test.
+
+The tests are in three tiers, one folder each (see tests/README.md): `unit/` (one process, no
+process group), `ranks/` (a process group: forked gloo ranks or torch's fake group) and
+`launch/` (real processes). The helpers every tier uses (`dist`, `launch`, `parity`, ...) live
+in `helpers/`; it goes on `sys.path` here, and so does each tier folder, so that the parts of a
+subject split over two tiers share their constants (`from test_moe import MOE`) whichever tier
+runs alone.
 
 `mesh3d.log.setup_logging` (run by `train()` and by tests in this process) gives the logger its
 own handler, a level and `propagate = False`; a later test reading logs through pytest's
@@ -6,8 +13,15 @@ own handler, a level and `propagate = False`; a later test reading logs through 
 """
 
 import logging
+import sys
+from pathlib import Path
 
 import pytest
+
+_HERE = Path(__file__).resolve().parent
+for _folder in ("launch", "ranks", "unit", "helpers"):  # helpers first on the path
+    if str(_HERE / _folder) not in sys.path:
+        sys.path.insert(0, str(_HERE / _folder))
 
 
 @pytest.fixture(autouse=True)

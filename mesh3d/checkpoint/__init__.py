@@ -1,4 +1,4 @@
-"""The only code that knows on-disk checkpoint formats (Nanotron's layout; spec §3, §4).
+"""The only code that knows on-disk checkpoint formats (Nanotron's layout).
 
     full = {name: tensor for name, tensor in model.state_dict().items()}  # full, unsharded
     write_nanotron_weights(step_dir / "model", full, model_shape(cfg), tp=2, pp=2)

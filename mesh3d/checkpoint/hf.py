@@ -18,8 +18,9 @@ sharded or not) and writes `<output>/model/...` (Nanotron's layout at the given 
 runs as is and starts from these weights (`init_method: {path: <output>}`; the other sections
 are small defaults, see `from_hf_config.py`). No optimizer state is written.
 
-Weight math (spec §4.4): the spec maps our names to HF's (for Llama, a `model.` prefix);
-`write_nanotron_weights` / `read_nanotron_weights` fuse and split qkv and gate_up.
+Weight math (docs/nanotron-layout.md#hugging-face-names): the spec maps our names to HF's (for
+Llama, a `model.` prefix); `write_nanotron_weights` / `read_nanotron_weights` fuse and split qkv and
+gate_up.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def interleave_permutation(head_dim: int) -> Tensor:
-    """Row order taking HF rotate-half rows to GPT-J interleaved rows, per head (spec §4.5):
-    new row 2i = old row i, new row 2i+1 = old row i + dh/2."""
+    """Row order taking HF rotate-half rows to GPT-J interleaved rows, per head
+    (docs/nanotron-layout.md#rotary-layouts): new row 2i = old row i, new row 2i+1 = old row i +
+    dh/2."""
     half = torch.arange(head_dim // 2)
     return torch.stack([half, half + head_dim // 2], dim=-1).flatten()
 
@@ -245,7 +247,7 @@ def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> 
     except ConfigError as e:
         raise UserError(f"{model_dir} cannot be trained at --tp {tp} --pp {pp}: {e}") from None
     vocab = mc.vocab_size
-    padded = -(-vocab // tp) * tp  # make_vocab_size_divisible_by 1 (spec §4.1)
+    padded = -(-vocab // tp) * tp  # make_vocab_size_divisible_by 1
     if ours["embed_tokens.weight"].shape[0] != vocab:
         raise UserError(
             f"{model_dir}: embed_tokens has {ours['embed_tokens.weight'].shape[0]} rows, "

@@ -1,4 +1,4 @@
-"""Nanotron's training-state files: optimizer, LR scheduler, random states, metadata (spec §3.6-3.10).
+"""Nanotron's training-state files: optimizer, LR scheduler, random states, metadata.
 
 Pure functions and one reader, no process groups. Optimizer states are handled per TP rank in the
 same local layout as the weight shards (`shard_of` / `unshard`): a ZeRO-0 file holds, for each
@@ -43,7 +43,8 @@ def optimizer_file(pp_rank: int, pp: int, tp_rank: int, tp: int, dp_rank=None, d
 
 
 def lr_scheduler_file(pp_rank: int, pp: int, tp_rank: int, tp: int) -> str:
-    """Nanotron never writes the dp part for the scheduler (spec §3.9)."""
+    """Nanotron never writes the dp part for the scheduler
+    (docs/nanotron-layout.md#lr-scheduler-files)."""
     return f"lr_scheduler_pp-{pp_rank}-of-{pp}_tp-{tp_rank}-of-{tp}_exp-0-of-1.pt"
 
 
@@ -53,7 +54,8 @@ def random_file(tp_rank: int, tp: int, dp_rank: int, dp: int, pp_rank: int, pp: 
 
 def zero1_ranges(numel: int, dp: int) -> list[tuple[int, int]]:
     """Nanotron's ZeRO-1 split of a flattened tensor: ceil(n/dp) elements per dp rank, the last
-    `dp*ceil(n/dp) - n` ranks one less (spec §3.8). Empty ranges are (start, start)."""
+    `dp*ceil(n/dp) - n` ranks one less (docs/nanotron-layout.md#optimizer-files). Empty ranges are
+    (start, start)."""
     base = math.ceil(numel / dp)
     short = dp * base - numel
     out, start = [], 0
@@ -218,10 +220,10 @@ class OptimizerFiles:
 
 def metadata(tp: int, dp: int, step: int, consumed: int, stages: list[dict], extra: dict,
              cp: int = 1) -> dict:  # fmt: skip
-    """`checkpoint_metadata.json` (spec §3.6) with HEAD's fields too (`cp`, per-stage
-    `sequence_length` from `stages`), still version 1.4 so CLASSIC loads it; mesh3d's own fields
-    go in `custom_metas`. `consumed_tokens_total` is null: HEAD then sums the stages' (empty)
-    per-folder counts, where a number would fail its check that they add up."""
+    """`checkpoint_metadata.json` (docs/nanotron-layout.md#metadata-files) with HEAD's fields too
+    (`cp`, per-stage `sequence_length` from `stages`), still version 1.4 so CLASSIC loads it;
+    mesh3d's own fields go in `custom_metas`. `consumed_tokens_total` is null: HEAD then sums the
+    stages' (empty) per-folder counts, where a number would fail its check that they add up."""
     return {
         "cp": cp,
         "custom_metas": extra,

@@ -1,4 +1,5 @@
-"""Nanotron's model-weight files, written and read as full tensors (spec §3.3-3.5, §3.12, §4).
+"""Nanotron's model-weight files, written and read as full tensors
+(docs/nanotron-layout.md#checkpoints).
 
 Pure functions over full (unsharded) tensors keyed by our parameter names, so the layout is
 testable without process groups. One safetensors file per parameter and TP rank, tensor key
@@ -68,7 +69,7 @@ def is_embedding(p: Param) -> bool:
 
 
 def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
-    """Nanotron's parameters in module order; lm_head left out when tied (spec §3.5).
+    """Nanotron's parameters in module order; lm_head left out when tied.
 
     The names, the tensors each one fuses and their TP kinds come from the family's spec: its
     outer parameters on the first stage (the embedding), the decoder layers, then those on the
@@ -92,7 +93,8 @@ def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
 
 
 def _slice_pairs(p: Param, tp_rank: int, tp: int) -> list[tuple[Slices, Slices]]:
-    """(local slices, global slices) of TP rank `tp_rank`: one pair per chunk (spec §3.4)."""
+    """(local slices, global slices) of TP rank `tp_rank`: one pair per chunk
+    (docs/nanotron-layout.md#slice-metadata)."""
     dim, full = names.SPLIT_DIM[p.kind], (slice(None),) * len(p.shape)
     chunks = p.chunks if p.kind == "column" else (p.shape[dim],)
     pairs, offset = [], 0
@@ -180,7 +182,8 @@ def fuse(p: Param, tensors: dict[str, Tensor]) -> Tensor:
 
 
 def weight_file(p: Param, tp_rank: int, tp: int, pp: int) -> str:
-    """Path of `p`'s file for `tp_rank`, relative to a step's `model/` folder (spec §3.3)."""
+    """Path of `p`'s file for `tp_rank`, relative to a step's `model/` folder
+    (docs/nanotron-layout.md#weight-files)."""
     return _path(p, tp_rank, tp, pp)
 
 
@@ -201,15 +204,9 @@ def write_nanotron_weights(
 ) -> list[Path]:
     """Write every file of the (tp, pp) layout under `root` (= `<step>/model`); return the paths.
 
-
-
     Example:
 
-
-
         mesh3d.write_nanotron_weights("out/model", llama.state_dict(), shape, tp=2, pp=2)
-
-
     """
     paths = []
     for rel, (data, meta) in nanotron_shards(full, s, tp, pp).items():
@@ -247,7 +244,7 @@ def _version(path: Path, text: str | None) -> None:
 
 
 def _shape(path: Path, text: str | None) -> tuple[int, ...]:
-    """`str(tuple)` of the full shape; numpy-2 writes `np.int64(48)` for some sizes (spec §3.4)."""
+    """`str(tuple)` of the full shape; numpy-2 writes `np.int64(48)` for some sizes."""
     try:
         shape = ast.literal_eval(re.sub(r"np\.\w+\((-?\d+)\)", r"\1", text or ""))
         return tuple(int(d) for d in shape)
@@ -397,15 +394,9 @@ def read_nanotron_weights(root: str | Path, s: ModelShape) -> dict[str, Tensor]:
 
     With tied embeddings only `embed_tokens.weight` is returned (lm_head is the same tensor).
 
-
-
     Example:
 
-
-
         full = mesh3d.read_nanotron_weights("ckpt/100/model", mesh3d.model_shape(cfg))
-
-
     """
     out = {}
     for p in nanotron_params(s):
@@ -414,7 +405,8 @@ def read_nanotron_weights(root: str | Path, s: ModelShape) -> dict[str, Tensor]:
 
 
 def model_config_json(cfg) -> dict:
-    """`model_config.json` (spec §3.7): the model config's fields in order, vocab padded."""
+    """`model_config.json` (docs/nanotron-layout.md#metadata-files): the model config's fields in
+    order, vocab padded."""
     from mesh3d.config import padded_vocab_size
 
     d = dataclasses.asdict(cfg.model.model_config)

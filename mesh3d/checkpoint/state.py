@@ -335,7 +335,6 @@ def save_state(
 
     Example:
 
-
         mesh3d.save_state("ckpt/100", model, optimizer, mesh=mesh)
     """
     path = Path(path)
@@ -371,7 +370,6 @@ def load_state(
     pp (no collectives). With `optimizer` (AdamW), its state is restored too.
 
     Example:
-
 
         mesh3d.load_state("ckpt/100", model, optimizer)
     """

@@ -1,7 +1,7 @@
 """Save a training checkpoint in Nanotron's layout and resume from it exactly, at any layout.
 
-A step folder `<checkpoints_path>/<step>/` is Nanotron's (spec §3.1), plus what Nanotron
-ignores (`mesh3d_manifest.json`, every file's size and CRC-32; `tokenizer/`):
+A step folder `<checkpoints_path>/<step>/` is Nanotron's (docs/nanotron-layout.md#the-step-folder),
+plus what Nanotron ignores (`mesh3d_manifest.json`, every file's size and CRC-32; `tokenizer/`):
 - `model/...`: weights in the model dtype, one safetensors file per parameter and TP rank;
 - `optimizer/`: `optimizer_config.json` and one `optimizer_pp-*_tp-*_exp-0-of-1.pt` per (pp, tp)
   (ZeRO-0), or per (pp, dp, tp) with `zero_stage: 1`: AdamW state and the fp32 master weights

@@ -33,7 +33,7 @@ from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.pipeline_layout import SCHEDULES, microbatches_needed, split_by_cost
 
 DTYPES = ("float32", "float64", "complex64", "complex128", "float16", "bfloat16")
-DTYPES += ("uint8", "int8", "int16", "int32", "int64", "bool")  # Nanotron's list, spec §1.1
+DTYPES += ("uint8", "int8", "int16", "int32", "int64", "bool")  # Nanotron's list
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flex_attention", "sdpa", "ring_flash_triton", "ring")
 ATTN_IMPLEMENTATIONS += ("llama3_ring_attention",)
@@ -45,15 +45,9 @@ MC = "model.model_config"
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Raise one ConfigError naming every problem; `world_size` None skips the layout product check.
 
-
-
     Example:
 
-
-
         mesh3d.validate(cfg, world_size=8)   # raises ConfigError listing every problem
-
-
     """
     errors = validation_errors(cfg, world_size)
     if len(errors) == 1:

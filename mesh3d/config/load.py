@@ -3,10 +3,11 @@
 Parsing is strict like Nanotron's dacite mode (see `typecheck.py` for the exact rules). Unions
 are picked by their keys as Nanotron does, but with a clear error where Nanotron guesses wrong
 (`{name: adamW}` without Adam keys). Older forms found in Nanotron's own examples are rewritten
-first: flat Adam keys under `optimizer:` and a top-level `data:` (v0.1-v0.4, spec §1.17),
-`dataset_folder` as a string or a `{folder: weight}` mapping. After typing, the values Nanotron
-derives in `__post_init__` are filled in, so a saved config shows them. `general.run` keeps its
-`%date`/`%jobid` placeholders; the trainer calls `expand_run_name`.
+first: flat Adam keys under `optimizer:` and a top-level `data:` (v0.1-v0.4:
+docs/nanotron-layout.md#older-configs-v01-to-v04), `dataset_folder` as a string or a `{folder:
+weight}` mapping. After typing, the values Nanotron derives in `__post_init__` are filled in, so a
+saved config shows them. `general.run` keeps its `%date`/`%jobid` placeholders; the trainer calls
+`expand_run_name`.
 """
 
 from __future__ import annotations
@@ -247,15 +248,9 @@ def _resolve(cfg: Config) -> Config:
 def config_from_dict(d: dict) -> Config:
     """A typed, resolved `Config` from a mapping in Nanotron's YAML schema (plus `mesh3d:`).
 
-
-
     Example:
 
-
-
         cfg = mesh3d.config_from_dict(yaml.safe_load(open("cfg.yaml")))
-
-
     """
     if not isinstance(d, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {show(d)}")
@@ -333,15 +328,9 @@ def save_config(cfg: Config, path: str | Path) -> None:
 def apply_overrides(d_or_cfg: dict | Config, overrides: Sequence[str]) -> dict | Config:
     """Apply dotted `key=value` overrides; a mapping gives a new mapping, a Config a new Config.
 
-
-
     Example:
 
-
-
         cfg = mesh3d.apply_overrides(cfg, ["optimizer.zero_stage=1"])
-
-
     """
     if isinstance(d_or_cfg, Config):
         return config_from_dict(apply_to_dict(config_to_dict(d_or_cfg), overrides))
@@ -351,15 +340,9 @@ def apply_overrides(d_or_cfg: dict | Config, overrides: Sequence[str]) -> dict |
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Read a Nanotron YAML file, apply dotted overrides, type and resolve it.
 
-
-
     Example:
 
-
-
         cfg = mesh3d.load_config("cfg.yaml", ["parallelism.dp=2", "tokens.train_steps=100"])
-
-
     """
     path = Path(path)
     if not path.is_file():

@@ -1,4 +1,4 @@
-"""Nanotron's config schema (CLASSIC and HEAD keys, spec §1) as plain dataclasses, plus `mesh3d:`.
+"""Nanotron's config schema (CLASSIC and HEAD keys) as plain dataclasses, plus `mesh3d:`.
 
 Every section and key that Nanotron reads has a field here, so any Nanotron YAML parses with no
 edit; whether mesh3d *uses* a value is decided in `validate.py`. Fields hold plain values only:
@@ -256,16 +256,16 @@ class SGDOptimizerArgs:
 
 @dataclass
 class LRSchedulerArgs:
-    """Nanotron's LR schedule keys (spec §1.10, §6.11).
+    """Nanotron's LR schedule keys (docs/nanotron-layout.md#learning-rate-keys).
 
-    Differs from Nanotron on purpose (its quirk §10.1): an omitted or null `lr_warmup_style`
-    means `linear` instead of an error, and null is accepted for `lr_decay_style` (-> linear)
-    and `min_decay_lr` (-> learning_rate).
+    Differs from Nanotron on purpose (docs/nanotron-layout.md#how-a-config-is-parsed): an omitted or
+    null `lr_warmup_style` means `linear` instead of an error, and null is accepted for
+    `lr_decay_style` (-> linear) and `min_decay_lr` (-> learning_rate).
     """
 
     learning_rate: float
     lr_warmup_steps: int = 0
-    lr_warmup_style: str = "linear"  # linear | constant (Nanotron requires it, spec §10.1)
+    lr_warmup_style: str = "linear"  # linear | constant (Nanotron requires it)
     lr_decay_style: str = "linear"  # linear | cosine | 1-sqrt
     lr_decay_steps: int | None = None  # null -> train_steps - lr_warmup_steps at load
     lr_decay_starting_step: int | None = None  # null -> lr_warmup_steps (in the schedule)

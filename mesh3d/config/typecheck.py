@@ -5,7 +5,7 @@ Rules, each a deliberate choice:
 - a missing key without a default is an error unless its type is `X | None` (then null);
 - `null` for a key that has a default but is not `X | None` means that default;
 - bool is not an int; an int is a float; a string that reads as a number is a float (PyYAML
-  reads `3e-4` as a string, spec §1.1, which Nanotron rejects);
+  reads `3e-4` as a string, which Nanotron rejects: docs/nanotron-layout.md#how-a-config-is-parsed);
 - an empty mapping for a `dict | None` key is null (Nanotron writes `{}` as null);
 - a union of dataclasses is resolved by a caller-given picker that looks at the keys.
 """

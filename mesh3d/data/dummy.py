@@ -18,15 +18,9 @@ _MIX = 0x9E3779B1  # odd constant to spread (seed, index) pairs over generator s
 class DummyTokens:
     """Map-style dataset: `self[i]` -> (input_ids [S], label_ids [S]) for global sample i.
 
-
-
     Example:
 
-
-
         ds = mesh3d.DummyTokens(vocab_size=256, seq_len=128, seed=42, kind="learnable")
-
-
     """
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int, kind: str = "random"):
@@ -67,15 +61,9 @@ def microbatches(
     The global batch of step s is samples [(s-1)*GBS, s*GBS); dp rank r takes the contiguous
     slice [r*GBS/dp, (r+1)*GBS/dp), cut into microbatches of `micro_batch_size` samples.
 
-
-
     Example:
 
-
-
         batches = mesh3d.microbatches(ds, step, gbs, dp_rank, dp, micro_batch_size)
-
-
     """
     per_rank = global_batch_size // dp
     first = (step - 1) * global_batch_size + dp_rank * per_rank

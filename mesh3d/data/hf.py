@@ -1,4 +1,4 @@
-"""The `PretrainDatasetsArgs` path (spec §5.5): local text datasets through Hugging Face `datasets`.
+"""The `PretrainDatasetsArgs` path: local text datasets through Hugging Face `datasets`.
 
 mesh3d runs offline, so `hf_dataset_or_datasets` names local data only: a `.json`/`.jsonl`
 (JSON Lines), `.parquet`, `.txt` (one row per line) or `.csv` file, a folder of such files

@@ -1,4 +1,5 @@
-"""Nanoset: pretraining samples from datatrove-tokenized folders (spec §5.1, §5.2).
+"""Nanoset: pretraining samples from datatrove-tokenized folders
+(docs/nanotron-layout.md#nanoset-index).
 
 On disk: folders of datatrove's tokenized files (datatrove's `DocumentTokenizer` output, or
 `python -m mesh3d.data.tokenize`), read by `data/datatrove.py`, which describes the format.
@@ -178,21 +179,11 @@ class Nanoset(BlendedSamples):
     `weights` None weighs folders by their sample counts. Construction validates every folder
     and file (see `DatatroveFolder`) and raises `UserError` naming what to fix.
 
-
-
     Example:
 
-
-
         ds = mesh3d.Nanoset(["data/a", "data/b"], [0.7, 0.3], seq_len=2048, num_samples=steps * gbs,
-
-
                            seed=42, vocab_size=50257)
-
-
         input_ids, labels = ds[0]
-
-
     """
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Data stages (Nanotron's `data_stages`, spec §1.11, §5.4): which one is active at a step.
+"""Data stages (Nanotron's `data_stages`): which one is active at a step.
 
 The stage active at step s is the last one (by `start_training_step`) that starts at or before
 s. Every step consumes one global batch from the active stage; each stage reads its dataset

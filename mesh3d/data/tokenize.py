@@ -12,10 +12,10 @@ Inputs, read as a stream (never the whole corpus in memory), in the order given:
   `--split` picks the split.
 `.jsonl.gz`, `.json.gz` and `.txt.gz` are read through gzip. Documents with empty text are skipped.
 
-Output, as datatrove's `DocumentTokenizer` writes it (spec §5.1) with `shuffle=False`:
-`<name>_00000_unshuffled.ds` (without `--name`: `00000_unshuffled.ds`) holds the token ids,
-little-endian uint16, or uint32 when the tokenizer has more than 65,536 ids, no header;
-`.ds.index` the uint64 end offset (in tokens) of every document; `.ds.metadata` the lines
+Output, as datatrove's `DocumentTokenizer` writes it (docs/nanotron-layout.md#datatrove-token-files)
+with `shuffle=False`: `<name>_00000_unshuffled.ds` (without `--name`: `00000_unshuffled.ds`) holds
+the token ids, little-endian uint16, or uint32 when the tokenizer has more than 65,536 ids, no
+header; `.ds.index` the uint64 end offset (in tokens) of every document; `.ds.metadata` the lines
 `<tokenizer>|<bytes per token>`, the token count and a readable count. Like datatrove with an EOS
 token, the tokenizer's own special tokens (e.g. BOS) are not added and EOS follows every document.
 EOS is `--eos-token`, else the first of `</s>`, `<|endoftext|>`, `<|end_of_text|>`, `<eos>` the

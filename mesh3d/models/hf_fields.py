@@ -1,4 +1,5 @@
-"""The `config.json` fields the Llama-like families share, both ways (spec §4.4); torch-free.
+"""The `config.json` fields the Llama-like families share, both ways
+(docs/nanotron-layout.md#hugging-face-names); torch-free.
 
 Reads both forms transformers writes: version 4 (top-level `rope_theta` / `rope_scaling`) and
 version 5 (`rope_parameters`), and writes both. The family specs add their own fields.

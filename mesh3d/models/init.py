@@ -9,8 +9,8 @@ tensor on every rank that holds a piece of it; the gain is that no layout can ch
 
 Tied parameters are seeded by their owner's name (`model.tied_parameters`, alias -> owner), so
 a last pipeline stage holding only the tied `lm_head.weight` gets the embedding's tensor.
-The std rules are Nanotron's (spec §1.5.2) and live in each family's spec (`init_std`); the
-rest is model-agnostic.
+The std rules are Nanotron's (docs/nanotron-layout.md#initialization) and live in each family's spec
+(`init_std`); the rest is model-agnostic.
 """
 
 from __future__ import annotations

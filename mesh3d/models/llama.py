@@ -1,4 +1,4 @@
-"""Single-device Llama, the model every layout trains (Nanotron's Llama, spec §4).
+"""Single-device Llama, the model every layout trains (Nanotron's Llama).
 
 Notable choices:
 - Module names follow Hugging Face (`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...), so HF
@@ -74,9 +74,10 @@ class Rotary:
     """Rotary position embedding on [B, S, H, dh] tensors.
 
     A plain object, not a Module: it holds no parameters or buffers. `interleaved` pairs
-    (2i, 2i+1) as GPT-J; otherwise (i, i + dh/2) as HF "rotate half" (spec §4.5). Positions are
-    0..S-1, or `positions` [B, S] (restarting at 0 in each document under document masking),
-    divided by `interpolation` (Nanotron's `rope_seq_len_interpolation_factor`).
+    (2i, 2i+1) as GPT-J; otherwise (i, i + dh/2) as HF "rotate half"
+    (docs/nanotron-layout.md#rotary-layouts). Positions are 0..S-1, or `positions` [B, S]
+    (restarting at 0 in each document under document masking), divided by `interpolation`
+    (Nanotron's `rope_seq_len_interpolation_factor`).
     """
 
     def __init__(self, inv_freq: Tensor, interleaved: bool, interpolation: float | None = None):
@@ -331,18 +332,10 @@ class Llama(nn.Module):
     `cfg` has the attribute names of Nanotron's LlamaConfig. `attention` is "auto" (flash-attn
     when installed and the tensors are half precision on CUDA, else SDPA), "sdpa" or "flash".
 
-
-
     Example:
 
-
-
         with torch.device("meta"):
-
-
             model = mesh3d.Llama(cfg.model.model_config, vocab_size=padded_vocab)
-
-
     """
 
     def __init__(self, cfg, vocab_size: int | None = None, attention: str = "auto"):

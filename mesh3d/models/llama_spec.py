@@ -1,10 +1,10 @@
 """Llama's spec: everything about the family outside its model file (`models/llama.py`).
 
-Nanotron's names (spec §4.1-4.3): our model keeps q/k/v and gate/up separate (HF names);
-Nanotron fuses them into `qkv_proj` and `gate_up_proj`, each TP rank holding its slice of every
-chunk. A row of `NANOTRON_LAYER` says which of our tensors make one Nanotron parameter
-(concatenated on dim 0 in that order, each one a chunk) and how Nanotron shards it over TP.
-Hugging Face: our names are `LlamaForCausalLM`'s without the `model.` prefix.
+Nanotron's names (docs/nanotron-layout.md#llamas-parameters): our model keeps q/k/v and gate/up
+separate (HF names); Nanotron fuses them into `qkv_proj` and `gate_up_proj`, each TP rank holding
+its slice of every chunk. A row of `NANOTRON_LAYER` says which of our tensors make one Nanotron
+parameter (concatenated on dim 0 in that order, each one a chunk) and how Nanotron shards it over
+TP. Hugging Face: our names are `LlamaForCausalLM`'s without the `model.` prefix.
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ def param_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
 
 
 def init_std(name: str, std: float, num_layers: int, scaling_method: str = "NUM_LAYERS"):
-    """Nanotron's RandomInit std for parameter `name` (None means ones; spec §1.5.2).
+    """Nanotron's RandomInit std for parameter `name` (None means ones;
+    docs/nanotron-layout.md#initialization).
 
     Norm weights: ones. Biases: zeros. o_proj / down_proj and the experts' down projections
     (feeding the residual): std / sqrt(2 * num_layers) with scaling NUM_LAYERS, std with NONE.
@@ -197,7 +198,8 @@ def init_std(name: str, std: float, num_layers: int, scaling_method: str = "NUM_
 
 
 def step_flops(s: ModelShape, seq_len: int, batch_size: int) -> float:
-    """Model FLOPs of one training step (forward + backward = 3x forward), spec §7.3.
+    """Model FLOPs of one training step (forward + backward = 3x forward),
+    docs/nanotron-layout.md#flops-and-mfu.
 
     `batch_size` is the global batch in samples; the vocabulary is the padded one.
     """
@@ -212,7 +214,8 @@ def step_flops(s: ModelShape, seq_len: int, batch_size: int) -> float:
 
 
 def pipeline_costs(s: ModelShape) -> tuple[list[int], int]:
-    """Nanotron's cost of each decoder layer and of the lm_head (spec §4.2)."""
+    """Nanotron's cost of each decoder layer and of the lm_head
+    (docs/nanotron-layout.md#pipeline-stages)."""
     cost = decoder_cost(s.hidden_size, s.intermediate_size, s.num_heads, s.head_dim)
     return [cost] * s.num_layers, s.padded_vocab * s.hidden_size
 

@@ -62,8 +62,8 @@ def compile_blocks(model: nn.Module, kinds: tuple[type, ...], mesh: DeviceMesh |
 
     In place (`Module.compile`), so parameter names and state dicts do not change. Each block is
     compiled apart, not the whole layer: a whole tensor-parallel layer fails in backward
-    (FACTS.md), and FSDP's hooks on the layer stay outside the compiled code. On a mesh, the
-    compile cache is this rank's own first (`private_compile_cache`). `split_backward`: a
+    (docs/torch-notes.md), and FSDP's hooks on the layer stay outside the compiled code. On a mesh,
+    the compile cache is this rank's own first (`private_compile_cache`). `split_backward`: a
     zero-bubble schedule runs each backward in two passes (input gradients keep the graph for
     the weight gradients), which compiled backwards allow only without donated buffers, so
     this process compiles without them (they only let backward reuse saved activations' memory).
@@ -210,7 +210,6 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str, blocks: str = "la
     ModuleDict or ModuleList, if present) becomes its own FSDP unit, then the root.
 
     Example:
-
 
         apply_dp(model, mesh["dp"], "zero1", blocks="h")
     """

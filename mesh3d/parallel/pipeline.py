@@ -86,7 +86,6 @@ def build_stage(
 
     Example:
 
-
         stage = build_stage(gpt, 1, 2, [2, 3], blocks="h", first=("wte", "wpe"), last=("ln_f", "head"))
     """
     container = getattr(model, blocks)
@@ -164,21 +163,11 @@ def build_schedule(
     `loss_fn(logits, labels)` gets one microbatch on the last stage and must return that
     microbatch's share of the normalized step loss (sum of token losses / global tokens).
 
-
-
     Example:
 
-
-
         stage = PipelineStage(module, pp_rank, pp, device, group=mesh["pp"].get_group(),
-
-
                               input_args=(example_in,), output_args=(example_out,))
-
-
         schedule = mesh3d.build_schedule("1f1b", [stage], microbatches, loss_fn)
-
-
     """
     cls = SCHEDULES[stage_math.schedule(name).name]
     if name == "1f1b" and stages and n_microbatches < stages[0].num_stages:
@@ -225,15 +214,9 @@ def run_schedule(
     stages switch their buffers to no-grad and back at the next training step); call it
     under `torch.no_grad()`.
 
-
-
     Example:
 
-
-
         losses = mesh3d.run_schedule(schedule, [stage], input_ids, labels)   # [] off the last stage
-
-
     """
     first = any(s.is_first for s in stages)
     last = any(s.is_last for s in stages)

@@ -26,14 +26,14 @@ def _interleaved(pp: int, v: int, m: int) -> tuple[float, str, bool]:
 
 def _zb1p(pp: int, v: int, m: int) -> tuple[float, str, bool]:
     # ZB1P idles (pp-1)(F+B-2W); with F = I = W and chunks 1/v long, torch's order gives exactly
-    # this for m >= pp (benchmarks/schedules.py's replay, pp 2 to 8)
+    # this for m >= pp (benchmarks/schedules's replay, pp 2 to 8)
     why = "(pp-1)/(3*v*m+pp-1): ZB1P idles (pp-1)(F+B-2W), F = I = W, chunks 1/v long"
     return (pp - 1) / (3 * v * m + pp - 1), why, m >= pp
 
 
 def _zbv(pp: int, v: int, m: int) -> tuple[float, str, bool]:
     # Not the ideal ZB-V's 0 (Qi et al. 2024): torch's ScheduleZBVZeroBubble order (v = 2),
-    # replayed with F = I = W = 1 by benchmarks/schedules.py, idles each rank pp-1 chunk times
+    # replayed with F = I = W = 1 by benchmarks/schedules, idles each rank pp-1 chunk times
     # once m >= 3pp/2 (validation asks m >= 2pp), and 2(2pp-1-m) with fewer microbatches;
     # every m from 1 to 4pp matched this for pp 2 to 8.
     idle = max(pp - 1, 2 * (2 * pp - 1 - m))
@@ -102,7 +102,8 @@ def microbatches_needed(name: str, pp: int, virtual: int) -> int:
 
 
 def split_by_cost(layer_costs: list[int], head_cost: int, num_stages: int) -> list[list[int]]:
-    """The decoder-layer indices of each stage: Nanotron's cost-based walk (spec §4.2).
+    """The decoder-layer indices of each stage: Nanotron's cost-based walk
+    (docs/nanotron-layout.md#pipeline-stages).
 
     Blocks in order: embedding (cost 0), decoders 0..L-1 (`layer_costs`), final norm (0),
     lm_head (`head_cost`). With cumulative costs c_j and thresholds t_s = total·(s+1)/stages,

@@ -80,7 +80,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
 
     Example:
 
-
         apply_tp(model, mesh["tp"], {"h.*.mlp.fc": ColwiseParallel(), "h.*.mlp.proj": RowwiseParallel()})
 
     Plan entries whose module a pipeline stage deleted (None) are skipped. Tied embeddings are

@@ -12,10 +12,10 @@ reduction over the ranks holding the same experts).
 Everything comes from the code training runs: `ParallelDims` for the groups, `split_layers`,
 `stage_ids_of_rank` and `build_stage` on a meta model for the stages, `llama_tp_plan` for the dim
 tensor parallelism shards, `dp_mode` for the dp axis, torch's schedules for the order of
-forwards and backwards on each rank. tests/test_plan.py compares params, grads and optimizer
+forwards and backwards on each rank. tests/ranks/test_plan_ranks.py compares params, grads and optimizer
 state with a real 2x2x2 run, exactly, and activations with saved-tensor hooks;
-tests/test_plan_cp.py, for context parallelism, activations and the cp collectives with real cp
-runs, exactly; tests/test_plan_moe.py mixture-of-experts runs (dp, tp, cp, pp, expert
+tests/ranks/test_plan_cp_ranks.py, for context parallelism, activations and the cp collectives with real cp
+runs, exactly; tests/ranks/test_plan_moe_ranks.py mixture-of-experts runs (dp, tp, cp, pp, expert
 parallelism: its dispatch collectives and saved bytes with the recorded received rows in place
 of the balanced expectation) likewise.
 
@@ -34,7 +34,7 @@ from mesh3d.plan.comm import WIRE
 from mesh3d.plan.dry_run import differences, dry_run
 from mesh3d.plan.records import Bubble, BuiltRank, CommItem, DryRun, Plan, RankPlan, StagePlan
 from mesh3d.plan.report import format_dry_run, format_plan
-from mesh3d.plan.schedule import _orders, _peaks, bubble  # noqa: F401  (benchmarks/schedules.py)
+from mesh3d.plan.schedule import _orders, _peaks, bubble  # noqa: F401  (benchmarks/schedules)
 
 
 def __getattr__(name: str):

@@ -93,7 +93,7 @@ def moe_saved_bytes(z: _Sizes) -> int:
       + (E/ep)·3·h·F·e_c          under autocast: the cast of each (local) expert's weight
                                   slices, per expert that got a token (a bound: every expert)
 
-    Measured exact in fp32, bf16 and bf16 autocast (tests/test_plan_moe.py). The autocast line
+    Measured exact in fp32, bf16 and bf16 autocast (tests/ranks/test_plan_moe_ranks.py). The autocast line
     assumes every expert got a token (true unless an expert is idle for a whole microbatch).
     """
     t, h, e, k, f, g = z.local_tokens, z.h, z.experts, z.top_k, z.moe_ffn, z.shared_ffn
@@ -146,7 +146,7 @@ def moe_routed_bytes(z: _Sizes, received: int | None = None) -> int:
     grouped GEMMs (`grouped_gemm_ok`, judged for the CPU; the loop over experts keeps none).
 
     `received`: R; default k·T, the expectation under balanced routing (every rank receives
-    on average what it sends). tests/test_plan_moe.py checks real ep2 runs with their recorded R.
+    on average what it sends). tests/ranks/test_plan_moe_ranks.py checks real ep2 runs with their recorded R.
     """
     t, h, k, f = z.local_tokens, z.h, z.top_k, z.moe_ffn
     rows = k * t

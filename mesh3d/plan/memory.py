@@ -1,6 +1,6 @@
 """Parameters as one rank holds them, and the bytes alive during part of a step.
 
-Bytes per rank (tests/test_plan.py compares params, grads and optimizer state with a real 2x2x2
+Bytes per rank (tests/ranks/test_plan_ranks.py compares params, grads and optimizer state with a real 2x2x2
 run, exactly):
 - params: local elements x param dtype (fp32 under `accumulate_grad_in_fp32`: master weights).
   TP splits a dim like `torch.chunk`; FSDP2 (zero_stage 1 or full_shard, dp x cp > 1) then

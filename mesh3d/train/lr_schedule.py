@@ -1,4 +1,5 @@
-"""Nanotron's learning-rate schedule (spec §6.11), as a pure function and a torch LambdaLR.
+"""Nanotron's learning-rate schedule (docs/nanotron-layout.md#learning-rate-schedule), as a pure
+function and a torch LambdaLR.
 
 Kept exactly as Nanotron runs it so loss curves line up for users who switch: the scheduler is
 at k=0 after construction and steps after every optimizer step, so optimizer step s (1-based)

@@ -1,8 +1,9 @@
 """Per-iteration metrics: Nanotron's FLOPs formula, its number format and its log line.
 
 One `dict` per logged iteration is built once (`iteration_metrics`) and handed to every sink:
-the console line (`format_iteration_line`, Nanotron CLASSIC item order, spec §7.2) and the
-`--metrics-file` JSON lines (`JsonlWriter`: one file per run, a resumed run continues it).
+the console line (`format_iteration_line`, Nanotron CLASSIC item order,
+docs/nanotron-layout.md#the-iteration-log-line) and the `--metrics-file` JSON lines (`JsonlWriter`:
+one file per run, a resumed run continues it).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def llama_flops(
     seq_len: int,
     batch_size: int,
 ) -> float:
-    """Model FLOPs of one Llama training step (spec §7.3): the Llama spec's `step_flops` from
-    plain sizes. `vocab_size` is the padded vocabulary; `batch_size` the global batch."""
+    """Model FLOPs of one Llama training step (docs/nanotron-layout.md#flops-and-mfu): the Llama
+    spec's `step_flops` from plain sizes. `vocab_size` is the padded vocabulary; `batch_size` the
+    global batch."""
     from mesh3d.models.registry import spec_named
     from mesh3d.models.spec import ModelShape
 

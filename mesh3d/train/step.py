@@ -42,15 +42,9 @@ def clip_grad_norm(
     and, with `pp_group`, summed over the pipeline stages. With DTensor gradients (tp shards,
     FSDP shards) it is the norm of the full tensors: shards count once, replicas once.
 
-
-
     Example:
 
-
-
         norm = mesh3d.clip_grad_norm(list(model.parameters()), 1.0, pp_group=mesh["pp"].get_group())
-
-
     """
     counted = [p for p in (params if norm_params is None else norm_params) if p.grad is not None]
     grads = [p.grad for p in counted if getattr(p, "expert_shard", None) is None]

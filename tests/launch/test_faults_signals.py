@@ -1,0 +1,176 @@
+"""The fault suite, part 3 (real launchers): Ctrl-C and preemption signals sent to what users
+start, `mesh3d train` and `recipes/slurm/launch.py`, as a terminal or a scheduler sends them.
+Each test asserts the exit code, the one line printed and what is on disk.
+
+The tests of this subject that run in one process without a process group are in
+`tests/unit/test_faults_signals_unit.py`."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dist import run_ranks
+from launch import REPO, free_port, preempt_and_resume, quiet_env
+from parity import TINY as TINY_DICT
+from parity import layout_overrides, train_runs
+
+from mesh3d.checkpoint.folder import verify
+from mesh3d.config import config_from_dict, save_config
+from mesh3d.train.signals import REPEAT_S
+
+TINY = REPO / "recipes" / "configs" / "cpu_tiny.yaml"
+# cpu_tiny steps take ~1 s on these 2 cores: a signal sent after one iteration line lands in
+# the middle of the next step, and a second one sent 0.3 s later arrives before it ends
+RUN = ["mesh3d.device=cpu", "logging.log_level=info", "mesh3d.collective_timeout_s=20",
+       "tokens.train_steps=400"]  # fmt: skip
+
+
+def _ck(root: Path) -> list[str]:
+    return [f"checkpoints.checkpoints_path={root}", "checkpoints.checkpoint_interval=1000"]
+
+
+class Terminal:
+    """`mesh3d train ARGS` in its own process group, signalled the way a terminal's Ctrl-C is:
+    the whole foreground group (the launcher; its ranks run in sessions of their own)."""
+
+    def __init__(self, folder: Path, *args: str):
+        self.log = folder / "out.log"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mesh3d.launch", str(TINY), *args], cwd=REPO,
+                env=quiet_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.output()):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.output()[-3000:]
+            time.sleep(0.05)
+
+    def ctrl_c(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGINT)
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _lines(out: str, kind: str) -> list[str]:
+    return [x for x in out.splitlines() if x.startswith(f"{kind}:")]
+
+
+def test_ctrl_c_on_two_ranks_saves_the_step_and_exits_75(tmp_path):
+    """Ctrl-C on `mesh3d train` at dp 2: two 36-line KeyboardInterrupt tracebacks and exit 75
+    ("preempted, checkpoint saved") though nothing was saved. Now it does what SIGTERM does."""
+    root = tmp_path / "ck"
+    run = Terminal(tmp_path, "parallelism.dp=2", *_ck(root), *RUN)
+    run.wait_for(r"iteration: 2 / 400")
+    run.ctrl_c()
+    code, out = run.wait(), run.output()
+    assert code == 75, out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    (line,) = _lines(out, "preempted")
+    step = int(re.search(r"SIGINT received: stopped after step (\d+) and saved", line).group(1))
+    assert line.endswith(
+        f"saved {root}/{step}. Launch the same command to continue (with "
+        f"checkpoints.resume_checkpoint_path={root} or mesh3d.existing_checkpoints=resume)"
+    )
+    assert _lines(out, "error") == []
+    assert (root / "latest.txt").read_text() == str(step) and verify(root / str(step)) == []
+
+
+def test_second_ctrl_c_stops_at_once_with_one_line_and_exit_130(tmp_path):
+    """A second Ctrl-C while the ranks finish their step: they stop at once, rank 0 prints one
+    line, every rank exits 130 and so does `mesh3d train`; nothing is saved. (Steps of ~4 s
+    here: the second Ctrl-C must come a second after the first, inside the same step.)"""
+    root = tmp_path / "ck"
+    slow = ["parallelism.dp=2", "tokens.batch_accumulation_per_replica=8"]
+    run = Terminal(tmp_path, *slow, *_ck(root), *RUN)
+    run.wait_for(r"iteration: 2 / 400")
+    run.ctrl_c()
+    run.wait_for(r"received SIGINT: finishing step")
+    time.sleep(REPEAT_S + 0.2)
+    run.ctrl_c()
+    code, out = run.wait(), run.output()
+    assert code == 130, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    (line,) = _lines(out, "error")
+    assert re.fullmatch(
+        r"error: SIGINT received a second time: stopped at once in step 3 \(step\); nothing "
+        rf"of this step was saved. No complete checkpoint in {root} yet.",
+        line,
+    ), line
+    assert _lines(out, "preempted") == [] and not (root / "latest.txt").exists()
+
+
+def test_ctrl_c_on_one_process_saves_and_without_checkpoints_exits_130(tmp_path):
+    """`mesh3d train` on one process (in place): a 50-line KeyboardInterrupt traceback, exit
+    130, nothing saved. Now: saved, exit 75; and a run with no checkpoints section, which
+    cannot save, says so and exits 130 (before: 75 with "nothing was saved")."""
+    root = tmp_path / "ck"
+    run = Terminal(tmp_path / "a", *_ck(root), *RUN)
+    bare = Terminal(tmp_path / "b", "checkpoints=null", *RUN)
+    for r in (run, bare):
+        r.wait_for(r"iteration: 2 / 400")
+        r.ctrl_c()
+    code, out = run.wait(), run.output()
+    assert code == 75 and "Traceback" not in out, out[-3000:]
+    (line,) = _lines(out, "preempted")
+    step = int(re.search(r"stopped after step (\d+) and saved", line).group(1))
+    assert (root / "latest.txt").read_text() == str(step) and verify(root / str(step)) == []
+    code, out = bare.wait(), bare.output()
+    assert code == 130 and "Traceback" not in out, out[-3000:]
+    (line,) = _lines(out, "error")
+    assert re.fullmatch(
+        r"error: SIGINT received: stopped after step \d+; no checkpoints section, so nothing "
+        "was saved and a restart begins at step 1",
+        line,
+    ), line
+
+
+# ---- recipes/slurm/launch.py ----------------------------------------------------------------
+
+SLURM_LAUNCH = REPO / "recipes" / "slurm" / "launch.py"
+DP2 = layout_overrides(2, 1, "ALL_REDUCE", 0, False)
+
+
+def test_sigusr1_to_the_slurm_recipe_launcher_saves_and_the_same_command_resumes(tmp_path):
+    """SIGUSR1 (Slurm's --signal notice) to recipes/slurm/launch.py, which execs torchrun: torch
+    2.13's torchrun reset TORCHELASTIC_SIGNALS_TO_HANDLE to its default, died of the signal
+    (-10) and the ranks exited 4 with nothing saved. Now the ranks save the step; the same
+    command resumes and the losses equal an uninterrupted run's bitwise."""
+    cfg, root = tmp_path / "tiny.yaml", tmp_path / "ck"
+    save_config(config_from_dict(TINY_DICT), cfg)
+    overrides = [*DP2, "mesh3d.collective_timeout_s=10", "tokens.train_steps=40",
+                 f"checkpoints.checkpoints_path={root}", "checkpoints.checkpoint_interval=100",
+                 "mesh3d.existing_checkpoints=resume", "logging.log_level=info"]  # fmt: skip
+
+    def launch(metrics: Path) -> subprocess.Popen:
+        cmd = [sys.executable, str(SLURM_LAUNCH), "--config-file", str(cfg), "--gpus-per-node",
+               "2", "--rdzv-host", "127.0.0.1", "--rdzv-port", str(free_port()),
+               "--metrics-file", str(metrics), *overrides]  # fmt: skip
+        return subprocess.Popen(cmd, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    first, out, done, both, out2 = preempt_and_resume(launch, signal.SIGUSR1, tmp_path)
+    assert (
+        f"preempted: SIGUSR1 received: stopped after step {done} and saved {root}/{done}" in out
+    ), out[-3000:]
+    assert "is gone" not in out, out[-3000:]  # before: torchrun died, "the launcher ... is gone"
+    assert (root / "latest.txt").read_text() == str(done) and verify(root / str(done)) == []
+    assert f"Resumed from {root} at step {done}" in out2
+    (straight,) = run_ranks(2, train_runs, [DP2 + ["tokens.train_steps=40"]], timeout=120)[0]
+    assert both == straight["loss"]

@@ -1,0 +1,325 @@
+"""Nanotron weight files: the tree and metadata of a tiny 2x2 checkpoint, written by hand from
+docs/nanotron-layout.md (checkpoints, tensor-parallel splits), round trips across TP/PP layouts, and
+the errors for damaged checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from nanotron_fixtures import FIXTURES, needs_fixtures
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from mesh3d.checkpoint import read_nanotron_weights, write_nanotron_weights
+from mesh3d.errors import UserError
+from mesh3d.models.spec import ModelShape
+
+REPO = Path(__file__).resolve().parents[2]
+
+# hidden 16, ffn 64, 4 heads (dh 4), 4 kv heads, 2 layers, padded vocab 256
+TINY = dict(
+    num_layers=2,
+    hidden_size=16,
+    intermediate_size=64,
+    num_heads=4,
+    num_kv_heads=4,
+    padded_vocab=256,
+)
+
+ALL = "None,None,None|None,None,None"
+EMB = "model/token_position_embeddings/pp_block/token_embedding/model_weight_pp-rank-0-of-2_tp-rank-{t}-of-2.safetensors"
+LAYER = "model/decoder/{i}/pp_block/"
+SHARDED = "model_weight_pp-rank-0-of-2_tp-rank-{t}-of-2.safetensors"
+# Per file: (shape of `data`, unsharded_shape, local_global_slices_pairs); None = replicated (no metadata).
+EXPECTED_2x2 = {
+    EMB.format(t=0): ((128, 16), "(256, 16)", f"{ALL}#0,128,None|None,None,None"),
+    EMB.format(t=1): ((128, 16), "(256, 16)", f"{ALL}#128,256,None|None,None,None"),
+    "model/final_layer_norm/pp_block/model_weight.safetensors": ((16,), None, None),
+}
+for _i in (0, 1):
+    _d = LAYER.format(i=_i)
+    EXPECTED_2x2.update(
+        {
+            _d + "input_layernorm/model_weight.safetensors": ((16,), None, None),
+            _d + "post_attention_layernorm/model_weight.safetensors": ((16,), None, None),
+            _d + "attn/qkv_proj/" + SHARDED.format(t=0): (
+                (24, 16),
+                "(48, 16)",
+                "0,8,None|None,None,None#0,8,None|None,None,None;"
+                "8,16,None|None,None,None#16,24,None|None,None,None;"
+                "16,24,None|None,None,None#32,40,None|None,None,None",
+            ),
+            _d + "attn/qkv_proj/" + SHARDED.format(t=1): (
+                (24, 16),
+                "(48, 16)",
+                "0,8,None|None,None,None#8,16,None|None,None,None;"
+                "8,16,None|None,None,None#24,32,None|None,None,None;"
+                "16,24,None|None,None,None#40,48,None|None,None,None",
+            ),
+            _d + "attn/o_proj/" + SHARDED.format(t=0): (
+                (16, 8),
+                "(16, 16)",
+                f"{ALL}#None,None,None|0,8,None",
+            ),
+            _d + "attn/o_proj/" + SHARDED.format(t=1): (
+                (16, 8),
+                "(16, 16)",
+                f"{ALL}#None,None,None|8,16,None",
+            ),
+            _d + "mlp/gate_up_proj/" + SHARDED.format(t=0): (
+                (64, 16),
+                "(128, 16)",
+                "0,32,None|None,None,None#0,32,None|None,None,None;32,64,None|None,None,None#64,96,None|None,None,None",
+            ),
+            _d + "mlp/gate_up_proj/" + SHARDED.format(t=1): (
+                (64, 16),
+                "(128, 16)",
+                "0,32,None|None,None,None#32,64,None|None,None,None;32,64,None|None,None,None#96,128,None|None,None,None",
+            ),
+            _d + "mlp/down_proj/" + SHARDED.format(t=0): (
+                (16, 32),
+                "(16, 64)",
+                f"{ALL}#None,None,None|0,32,None",
+            ),
+            _d + "mlp/down_proj/" + SHARDED.format(t=1): (
+                (16, 32),
+                "(16, 64)",
+                f"{ALL}#None,None,None|32,64,None",
+            ),
+        }
+    )
+LM_HEAD_2x2 = {
+    f"model/lm_head/pp_block/model_weight_pp-rank-1-of-2_tp-rank-{t}-of-2.safetensors": (
+        (128, 16),
+        "(256, 16)",
+        f"{ALL}#{128 * t},{128 * (t + 1)},None|None,None,None",
+    )
+    for t in (0, 1)
+}
+
+
+def full_weights(shape: ModelShape, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, f, dh = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    q, kv = shape.num_heads * dh, shape.num_kv_heads * dh
+    full = {
+        "embed_tokens.weight": torch.randn(shape.padded_vocab, h, generator=g),
+        "norm.weight": torch.randn(h, generator=g),
+    }
+    if not shape.tied:
+        full["lm_head.weight"] = torch.randn(shape.padded_vocab, h, generator=g)
+    for i in range(shape.num_layers):
+        for name, size in {
+            "input_layernorm": (h,),
+            "self_attn.q_proj": (q, h),
+            "self_attn.k_proj": (kv, h),
+            "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q),
+            "post_attention_layernorm": (h,),
+            "mlp.gate_proj": (f, h),
+            "mlp.up_proj": (f, h),
+            "mlp.down_proj": (h, f),
+        }.items():
+            full[f"layers.{i}.{name}.weight"] = torch.randn(*size, generator=g)
+    return full
+
+
+def listing(root) -> dict[str, tuple]:
+    out = {}
+    for path in sorted(root.rglob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            assert list(f.keys()) == ["data"]
+            meta = f.metadata() or {}
+            out[path.relative_to(root).as_posix()] = (
+                tuple(f.get_tensor("data").shape),
+                meta.get("unsharded_shape"),
+                meta.get("local_global_slices_pairs"),
+            )
+            assert set(meta) == (
+                set()
+                if "pp-rank" not in path.name
+                else {"version", "unsharded_shape", "local_global_slices_pairs"}
+            )
+            assert meta.get("version", "1.4") == "1.4"
+    return out
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_tiny_2x2_tree_and_metadata(tmp_path, tied):
+    shape = ModelShape(**TINY, tied=tied)
+    full = full_weights(shape)
+    write_nanotron_weights(tmp_path, full, shape, tp=2, pp=2)
+    expected = EXPECTED_2x2 if tied else {**EXPECTED_2x2, **LM_HEAD_2x2}
+    assert listing(tmp_path) == expected
+    # qkv of tp rank 1 holds its half of Q, then of K, then of V.
+    qkv1 = load_file(tmp_path / (LAYER.format(i=1) + "attn/qkv_proj/" + SHARDED.format(t=1)))[
+        "data"
+    ]
+    p = "layers.1.self_attn."
+    want = torch.cat(
+        [
+            full[p + "q_proj.weight"][8:16],
+            full[p + "k_proj.weight"][8:16],
+            full[p + "v_proj.weight"][8:16],
+        ]
+    )
+    assert torch.equal(qkv1, want)
+    up0 = load_file(tmp_path / (LAYER.format(i=0) + "mlp/gate_up_proj/" + SHARDED.format(t=0)))[
+        "data"
+    ]
+    assert torch.equal(up0[32:], full["layers.0.mlp.up_proj.weight"][:32])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_round_trip_any_layout(tmp_path, tied, kv_heads):
+    shape = ModelShape(**{**TINY, "num_kv_heads": kv_heads}, tied=tied)
+    full = full_weights(shape, seed=kv_heads)
+    for tp, pp in [(2, 2), (1, 1), (4, 1), (2, 1), (1, 2)]:
+        if kv_heads % tp:
+            continue
+        root = tmp_path / f"tp{tp}_pp{pp}"
+        write_nanotron_weights(root, full, shape, tp=tp, pp=pp)
+        back = read_nanotron_weights(root, shape)
+        assert back.keys() == full.keys()
+        for k, v in full.items():
+            assert torch.equal(back[k], v), (tp, pp, k)
+
+
+def test_bf16_and_numpy2_shape_strings(tmp_path):
+    shape = ModelShape(**TINY, tied=True)
+    full = {k: v.bfloat16() for k, v in full_weights(shape).items()}
+    write_nanotron_weights(tmp_path, full, shape, tp=2, pp=2)
+    path = tmp_path / (LAYER.format(i=0) + "attn/qkv_proj/" + SHARDED.format(t=0))
+    rewrite(path, unsharded_shape="(np.int64(48), np.int64(16))")
+    back = read_nanotron_weights(tmp_path, shape)
+    assert all(torch.equal(back[k], v) and back[k].dtype == torch.bfloat16 for k, v in full.items())
+
+
+def rewrite(path, **meta_changes):
+    with safe_open(str(path), framework="pt") as f:
+        meta = {**f.metadata(), **meta_changes}
+    save_file(load_file(path), str(path), metadata=meta)
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path):
+    shape = ModelShape(**TINY, tied=False)
+    write_nanotron_weights(tmp_path, full_weights(shape), shape, tp=2, pp=2)
+    return tmp_path, shape
+
+
+def test_missing_shard_is_named(tiny_ckpt):
+    root, shape = tiny_ckpt
+    rel = LAYER.format(i=1) + "mlp/down_proj/" + SHARDED.format(t=1)
+    (root / rel).unlink()
+    with pytest.raises(UserError, match=f"missing shard .*{rel}"):
+        read_nanotron_weights(root, shape)
+
+
+def test_missing_norm_and_lm_head(tiny_ckpt):
+    root, shape = tiny_ckpt
+    for f in (root / "model/lm_head/pp_block").iterdir():
+        f.unlink()
+    with pytest.raises(
+        UserError, match="missing weights of model.lm_head.pp_block.weight.*tie_word_embeddings"
+    ):
+        read_nanotron_weights(root, shape)
+    (root / "model/final_layer_norm/pp_block/model_weight.safetensors").unlink()
+    with pytest.raises(UserError, match="final_layer_norm/pp_block/model_weight.safetensors"):
+        read_nanotron_weights(root, shape)
+
+
+def test_truncated_file_is_named(tiny_ckpt):
+    root, shape = tiny_ckpt
+    rel = LAYER.format(i=0) + "attn/o_proj/" + SHARDED.format(t=0)
+    data = (root / rel).read_bytes()
+    (root / rel).write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match=f"cannot read weight file .*{rel}"):
+        read_nanotron_weights(root, shape)
+
+
+def test_newer_version_is_refused(tiny_ckpt):
+    root, shape = tiny_ckpt
+    rewrite(root / EMB.format(t=1), version="1.6")
+    with pytest.raises(UserError, match=r"version 1\.6, newer than the 1\.5"):
+        read_nanotron_weights(root, shape)
+
+
+def test_head_version_is_read(tiny_ckpt):
+    root, shape = tiny_ckpt
+    rewrite(root / EMB.format(t=1), version="1.5")
+    read_nanotron_weights(root, shape)
+
+
+def test_shape_mismatch_is_explained(tiny_ckpt):
+    root, shape = tiny_ckpt
+    with pytest.raises(
+        UserError, match=r"full shape \(256, 16\) but the model config gives \(512, 16\)"
+    ):
+        read_nanotron_weights(root, ModelShape(**{**TINY, "padded_vocab": 512}, tied=False))
+    norm = root / "model/final_layer_norm/pp_block/model_weight.safetensors"
+    save_file({"data": torch.zeros(32)}, str(norm))
+    with pytest.raises(
+        UserError,
+        match=r"model_weight.safetensors: shape \(32,\) but the model config gives \(16,\)",
+    ):
+        read_nanotron_weights(root, shape)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_names_are_those_of_our_model(tmp_path, tied):
+    from types import SimpleNamespace
+
+    from mesh3d.models.llama import Llama
+
+    shape = ModelShape(**TINY, tied=tied)
+    cfg = SimpleNamespace(
+        hidden_size=16,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=2,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        rope_interleaved=False,
+        tie_word_embeddings=tied,
+        vocab_size=256,
+        hidden_act="silu",
+        max_position_embeddings=32,
+    )
+    model = Llama(cfg, vocab_size=256, attention="sdpa")
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    write_nanotron_weights(tmp_path, state, shape, tp=2, pp=2)
+    back = read_nanotron_weights(tmp_path, shape)
+    assert set(back) == set(state) - set(model.tied_parameters)
+    model.load_state_dict({**state, **back})
+
+
+@needs_fixtures
+def test_model_config_json_key_order_and_padded_vocab():
+    from mesh3d.checkpoint import model_config_json
+    from mesh3d.config import apply_overrides, load_config
+
+    path = FIXTURES / "classic-config_tiny_llama.yaml"
+    cfg = apply_overrides(
+        load_config(path),
+        [
+            "model.model_config.vocab_size=250",
+            "parallelism.tp=4",
+            "model.make_vocab_size_divisible_by=32",
+        ],
+    )
+    d = model_config_json(cfg)
+    assert list(d)[:6] == [
+        "bos_token_id",
+        "eos_token_id",
+        "hidden_act",
+        "hidden_size",
+        "initializer_range",
+        "intermediate_size",
+    ]
+    assert d["vocab_size"] == 256 and d["tie_word_embeddings"] is True

@@ -1,0 +1,100 @@
+"""A new user's first hour, end to end: a Hugging Face folder (weights + tokenizer) -> `from-hf`
+-> its config.yaml trains as is -> the step folder keeps the tokenizer (in the manifest) ->
+`mesh3d generate` and `to-hf` on the checkpoints folder (the tokenizer comes along); plus the
+defaults of that config, the log line of `init_method.path`, and which tokenizer files are
+copied.
+
+The tests of this subject that need a process group are in
+`tests/ranks/test_first_hour_ranks.py`."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from mesh3d.checkpoint import hf as convert
+from mesh3d.checkpoint.tokenizer_files import copy_into_folder, tokenizer_files
+from mesh3d.checks import validate
+from mesh3d.config import load_config, padded_vocab_size
+from mesh3d.data.synthetic import make_tokenizer
+from mesh3d.errors import UserError
+from mesh3d.log import logger
+from mesh3d.train.build import initial_weights
+
+transformers = pytest.importorskip("transformers", reason="transformers (dev extra) not installed")
+
+
+def hf_folder(path, max_positions: int = 64):
+    """A tiny random LlamaForCausalLM with a 300-id BPE tokenizer, saved as a user downloads it."""
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, max_position_embeddings=max_positions,
+                                   bos_token_id=1, eos_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    make_tokenizer(path, vocab_size=300)
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return path
+
+
+def test_from_hf_config_defaults_validate(tmp_path):
+    hf = hf_folder(tmp_path / "hf", max_positions=4096)
+    convert.from_hf(hf, tmp_path / "nt", tp=2, pp=2)
+    cfg = load_config(tmp_path / "nt" / "config.yaml")
+    validate(cfg, 4)
+    t, opt = cfg.tokens, cfg.optimizer
+    assert (t.sequence_length, t.train_steps, t.micro_batch_size,
+            t.batch_accumulation_per_replica) == (1024, 100, 1, 1)  # fmt: skip
+    sched = opt.learning_rate_scheduler
+    assert opt.optimizer_factory.name == "adamW" and opt.zero_stage == 0 and opt.clip_grad == 1.0
+    assert opt.accumulate_grad_in_fp32
+    assert sched.learning_rate == sched.min_decay_lr == 3e-5 and 0 < sched.lr_warmup_steps <= 10
+    assert [s.data.dataset for s in cfg.data_stages] == [None]
+    assert cfg.checkpoints.checkpoints_path == str((tmp_path / "nt" / "checkpoints").resolve())
+    assert cfg.tokenizer.tokenizer_name_or_path == str(hf.resolve())
+    assert (cfg.parallelism.tp, cfg.parallelism.pp, cfg.parallelism.dp) == (2, 2, 1)
+    with pytest.raises(
+        UserError, match=r"(?s)cannot be trained at --tp 3 --pp 1: .*num_attention_heads"
+    ):
+        convert.from_hf(hf, tmp_path / "tp3", tp=3)
+    assert not (tmp_path / "tp3").exists()  # refused before anything was written
+
+
+def test_init_method_path_logs_what_it_loaded(tmp_path):
+    convert.from_hf(hf_folder(tmp_path / "hf"), tmp_path / "nt", tp=2, pp=2)
+    cfg = load_config(tmp_path / "nt" / "config.yaml")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        source = initial_weights(cfg, padded_vocab_size(cfg))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    # 2 layers x 9 tensors (q, k, v, o, gate, up, down, 2 norms) + embedding, final norm, lm_head
+    per_layer = 64 * 64 * 2 + 32 * 64 * 2 + 3 * 96 * 64 + 2 * 64
+    n = 2 * 300 * 64 + 64 + 2 * per_layer
+    assert seen == [
+        f"Initial weights from {tmp_path / 'nt' / 'model'}: 21 tensors, {n:,} parameters"
+    ]
+    assert source("norm.weight", (64,)).shape == (64,)
+
+
+def test_which_tokenizer_files_are_copied(tmp_path):
+    folder = tmp_path / "tok"
+    make_tokenizer(folder, vocab_size=300)
+    (folder / "vocab.txt").write_text("not copied")
+    assert [n for n, _ in tokenizer_files(folder)] == ["tokenizer.json"]
+    single = tmp_path / "my_tokenizer.json"
+    single.write_bytes((folder / "tokenizer.json").read_bytes())
+    assert tokenizer_files(single) == [("tokenizer.json", single)]
+    assert tokenizer_files("HuggingFaceTB/SmolLM2-135M") == []  # a hub name: nothing copied
+    assert tokenizer_files(None) == []
+    copy_into_folder(single, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == single.read_bytes()

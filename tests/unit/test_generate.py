@@ -1,0 +1,170 @@
+"""`mesh3d generate`: greedy output token for token what transformers' `generate` gives on the
+converted model (Llama, Qwen2, Starcoder2), seeded sampling, top-k, and the command line
+(tokenizer choice, printed text, errors that exit 2 without a traceback).
+
+The tests of this subject that launch real processes are in
+`tests/launch/test_generate_launch.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from mesh3d import cli
+from mesh3d.checkpoint import hf as convert
+from mesh3d.checkpoint.nanotron_weights import write_nanotron_weights
+from mesh3d.config import LlamaConfig, Qwen2Config, Starcoder2Config
+from mesh3d.data.synthetic import make_tokenizer
+from mesh3d.data.tokenize import load_tokenizer
+from mesh3d.generate import main
+from mesh3d.generation.sampling import generate, next_token
+from mesh3d.generation.single import load_model
+from mesh3d.models.registry import spec_of
+
+transformers = pytest.importorskip("transformers", reason="transformers (dev extra) not installed")
+
+SIZES = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+             num_hidden_layers=3, max_position_embeddings=64, rms_norm_eps=1e-5, eos_token_id=2)  # fmt: skip
+FAMILIES = {
+    "llama": LlamaConfig(**SIZES, vocab_size=128),
+    "qwen2 bias tied": Qwen2Config(**SIZES, vocab_size=128, attention_bias=True,
+                                   tie_word_embeddings=True),
+    "starcoder2 grouped-query": Starcoder2Config(
+        **{k: v for k, v in SIZES.items() if k not in ("rms_norm_eps", "num_key_value_heads")},
+        vocab_size=128, grouped_query=True, num_kv_heads=2, sliding_window_size=4),
+}  # fmt: skip
+CPU = torch.device("cpu")
+
+
+def save_step(step, mc, tp: int, pp: int, seed: int = 0):
+    """A random single-device model of `mc` saved as Nanotron-layout weights at tp x pp."""
+    torch.manual_seed(seed)
+    model = spec_of(mc).build(mc, attention="sdpa")
+    write_nanotron_weights(step / "model", model.state_dict(), convert.shape_of(mc), tp=tp, pp=pp)
+    (step / "model_config.json").write_text(json.dumps(dataclasses.asdict(mc)))
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_is_transformers_generate(tmp_path, family):
+    mc = FAMILIES[family]
+    save_step(tmp_path / "ck", mc, tp=2, pp=2)
+    convert.to_hf(tmp_path / "ck", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours, _ = load_model(tmp_path / "ck", CPU)
+    full_length = 0
+    for prompt in ([5, 7, 9], [1, 100, 3, 4, 50], [42], [[3, 4, 5, 6], [9, 8, 7, 6]]):
+        ids = torch.tensor(prompt if isinstance(prompt[0], list) else [prompt])
+        expected = hf.generate(ids, max_new_tokens=12, do_sample=False)
+        got = generate(ours, ids, 12, eos=mc.eos_token_id)
+        assert got.tolist() == expected.tolist(), (family, prompt)
+        full_length += got.shape[1] == ids.shape[1] + 12
+    assert full_length >= 2  # most prompts ran all 12 tokens (eos 2 is rarely drawn)
+
+    # an eos the model produces: both stop right after it
+    ids = torch.tensor([[5, 7, 9]])
+    stop = int(generate(ours, ids, 12)[0, 5])  # the 3rd new token
+    expected = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=stop)
+    got = generate(ours, ids, 12, eos=stop)
+    assert got.tolist() == expected.tolist() and got[0, -1] == stop and got.shape[1] <= 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    mc = LlamaConfig(**SIZES, vocab_size=128)
+    torch.manual_seed(3)
+    return spec_of(mc).build(mc, attention="sdpa").eval()
+
+
+def test_sampling_is_reproducible_with_a_seed(model):
+    ids = torch.tensor([5, 7, 9])
+
+    def sample(seed: int, **kw) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return generate(model, ids, 12, temperature=2.0, generator=gen, **kw)
+
+    assert torch.equal(sample(1), sample(1))
+    assert not torch.equal(sample(1), sample(2))
+    assert not torch.equal(sample(1), generate(model, ids, 12))  # not greedy
+    assert torch.equal(sample(1, top_k=1), generate(model, ids, 12))  # top-1 is greedy
+    assert sample(1, vocab_size=10)[3:].max() < 10  # padding ids are never picked
+
+
+def test_top_k_restricts_tokens():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0, 2.9]])
+    gen = torch.Generator().manual_seed(0)
+    top3 = {int(next_token(logits, 5.0, 3, gen)) for _ in range(300)}
+    assert top3 == {1, 3, 5}
+    free = {int(next_token(logits, 5.0, None, gen)) for _ in range(300)}
+    assert free == set(range(6))
+    assert int(next_token(logits)) == 1  # temperature 0: argmax
+    with pytest.raises(ValueError, match="top_k >= 1"):
+        generate(torch.nn.Identity(), torch.tensor([1]), 3, top_k=0)
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """A checkpoints folder (latest.txt -> 7) whose step holds a tiny Llama (pp 2) and, in
+    tokenizer/, the BPE tokenizer it goes with (300 ids, `</s>` = 2 = eos)."""
+    root = tmp_path_factory.mktemp("gen")
+    tok = make_tokenizer(root / "tok", vocab_size=300).parent
+    step = root / "ckpts" / "7"
+    save_step(step, LlamaConfig(**SIZES, vocab_size=300), tp=1, pp=2)
+    (step / "checkpoint_metadata.json").write_text("{}")
+    shutil.copytree(tok, step / "tokenizer")
+    (root / "ckpts" / "latest.txt").write_text("7")
+    return root
+
+
+def run_main(capsys, *argv: str, entry=main) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the command in this process."""
+    try:
+        entry(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_prints_the_prompt_and_the_generated_text(ckpts, capsys):
+    code, out, err = run_main(capsys, "generate", "--checkpoint", str(ckpts / "ckpts"),
+                              "--prompt", "The cat was", "--max-new-tokens", "8",
+                              entry=cli.main)  # fmt: skip
+    assert code == 0, err
+    assert "(saved with the checkpoint)" in err
+    tok = load_tokenizer(ckpts / "tok")
+    model, _ = load_model(ckpts / "ckpts" / "7", CPU)
+    prompt = tok.encode("The cat was").ids
+    ids = generate(model, torch.tensor(prompt), 8, eos=2).tolist()
+    assert len(ids) > len(prompt)
+    assert out == tok.decode(ids, skip_special_tokens=True) + "\n"
+    assert out.startswith("The cat was") and len(out) > len("The cat was\n")
+
+
+def test_tokenizer_from_flag_then_folder_then_config(ckpts, capsys, tmp_path):
+    step = tmp_path / "5"
+    shutil.copytree(ckpts / "ckpts" / "7", step, ignore=shutil.ignore_patterns("tokenizer"))
+    args = ["--checkpoint", str(step), "--prompt", "The", "--max-new-tokens", "3"]
+    code, _, err = run_main(capsys, *args)
+    assert code == 2 and err.startswith("error: no tokenizer for") and "--tokenizer" in err
+    assert "Traceback" not in err
+
+    (step / "config.yaml").write_text("tokenizer:\n  tokenizer_name_or_path: org/some-tokenizer\n")
+    code, _, err = run_main(capsys, *args)
+    assert code == 2 and "names 'org/some-tokenizer', which is not a local path" in err
+
+    (step / "config.yaml").write_text(f"tokenizer:\n  tokenizer_name_or_path: {ckpts / 'tok'}\n")
+    code, out, err = run_main(capsys, *args)
+    assert code == 0 and "config.yaml tokenizer.tokenizer_name_or_path" in err
+    assert out.startswith("The")
+
+    code, _, err = run_main(capsys, *args, "--tokenizer", str(ckpts / "tok" / "tokenizer.json"))
+    assert code == 0 and "(--tokenizer)" in err
