@@ -9,6 +9,7 @@ Skipped where Slurm is not installed (Debian: `apt-get install slurm-wlm`) or ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -108,9 +109,20 @@ def slurm(tmp_path):
         subprocess.run(["scancel", "--user=root"], env=env, capture_output=True)
         for pidfile in daemons:
             if pidfile.exists():
-                os.kill(int(pidfile.read_text()), signal.SIGTERM)
+                pid = int(pidfile.read_text())
+                for child in _descendants(pid):  # job steps a failed test left running would
+                    with contextlib.suppress(ProcessLookupError):  # hold the node's CPUs
+                        os.kill(child, signal.SIGKILL)
+                os.kill(pid, signal.SIGTERM)
         if started_munge and Path("/run/munge/munged.pid").exists():
             os.kill(int(Path("/run/munge/munged.pid").read_text()), signal.SIGTERM)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first found through `pgrep -P`)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    children = [int(x) for x in out.split()]
+    return [c for child in children for c in (child, *_descendants(child))]
 
 
 def _job(env: dict, job: str) -> str:
