@@ -148,7 +148,9 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     mesh = build_mesh(ParallelDims(1, 1, 1), "cpu")
     parts = build_model_parts(cfg, RunLayout.resolve(cfg, 1), mesh, torch.device("cpu"))
-    optimizer, scheduler = build_optimizer(parts.named_parameters(), cfg, torch.device("cpu"))
+    optimizer, scheduler = build_optimizer(
+        parts.named_parameters(), cfg, RunLayout.resolve(cfg, 1), torch.device("cpu")
+    )
     n_params = sum(p.numel() for p in parts.parameters())
     before = _fill_state(parts, optimizer)
     print(f"parameters: {n_params / 1e9:.3f}B ({n_params * 4 / 2**30:.2f} GiB fp32)")

@@ -93,6 +93,13 @@ class RunLayout:
             dropout=spec_of(mc).dropout(mc),
         )
 
+    @classmethod
+    def of(cls, cfg, rank: int = 0) -> RunLayout:
+        """The layout at the config's own world size (dp x tp x pp x cp): for tools and tests
+        that build one rank's view without launching the others."""
+        p = cfg.parallelism
+        return cls.resolve(cfg, p.dp * p.tp * p.pp * p.context_parallel_size, rank)
+
     @property
     def fp32_masters(self) -> bool:
         """Whether fp32 master weights differ from the saved weights (fp32 accumulation with a

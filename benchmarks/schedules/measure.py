@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.config import load_config, padded_vocab_size
+from mesh3d.layout import RunLayout
 from mesh3d.mesh import ParallelDims, build_mesh
 from mesh3d.models.llama import Llama
 from mesh3d.parallel.parallelize import parallelize
@@ -69,7 +70,7 @@ def _build(cfg, mesh, device: torch.device, schedule: str, recorder: Recorder):
     layers = stage_layers(cfg, n)
     with torch.device("meta"):
         full = Llama(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
-    source, mode = initial_weights(cfg, vocab), "replicate"
+    source, mode = initial_weights(cfg, RunLayout.of(cfg)), "replicate"
     ids = stage_ids_of_rank(mesh["pp"].get_local_rank(), pp, v, schedule)
     modules = [
         parallelize(build_stage(full, i, n, layers[i]), mesh, device=device, source=source,

@@ -215,9 +215,9 @@ def checkpoint_custom_metas(path: str | Path) -> dict | None:
     return nanotron_state.read_metadata(resolve_step_dir(path)).get("custom_metas")
 
 
-def _load_scheduler(step_dir: Path, scheduler, optimizer, coords: dict, cfg) -> None:
+def _load_scheduler(step_dir: Path, scheduler, optimizer, layout: RunLayout) -> None:
     folder = step_dir / "lr_scheduler"
-    par = cfg.parallelism
+    par, coords = layout.dims, layout.coords
     mine = folder / nanotron_state.lr_scheduler_file(coords["pp"], par.pp, coords["tp"], par.tp)
     files = [mine] if mine.is_file() else sorted(folder.glob("lr_scheduler*.pt"))
     if not files:
@@ -292,10 +292,10 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layou
     meta = nanotron_state.read_metadata(step_dir)
     verify_everywhere(step_dir, meta, cfg.mesh3d.load_without_manifest)
     load_weights(step_dir, parts, layout, optimizer if load_optimizer else None)
-    par, coords = cfg.parallelism, layout.coords
+    par, coords = layout.dims, layout.coords
     custom = meta.get("custom_metas") or {}
     saved = (meta["tp"], meta["dp"], custom.get("pp"), meta.get("cp", 1))
-    same_layout = saved == (par.tp, par.dp, par.pp, par.context_parallel_size)
+    same_layout = saved == (par.tp, par.dp, par.pp, par.cp)
     rng = step_dir / "random" / nanotron_state.random_file(coords["tp"], par.tp, coords["dp"], par.dp,
                                               coords["pp"], par.pp)  # fmt: skip
     if custom.get("writer") == "mesh3d" and same_layout and rng.is_file():
@@ -304,6 +304,6 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layou
         )  # Nanotron's: pickled classes
     if not load_lr_scheduler:
         return 0, 0
-    _load_scheduler(step_dir, scheduler, optimizer, coords, cfg)
+    _load_scheduler(step_dir, scheduler, optimizer, layout)
     metas = meta["metas"]
     return int(metas["last_train_step"]), int(metas["consumed_train_samples"])

@@ -140,7 +140,7 @@ def build_rank(cfg, world_size: int, rank: int, ranks: list[int]) -> BuiltRank:
         with fake_world(rank, world_size):
             mesh = build_mesh(layout.dims, "cpu")
             parts = build_model_parts(cfg, layout, mesh, meta)
-            optimizer, _ = build_optimizer(parts.named_parameters(), cfg, meta)
+            optimizer, _ = build_optimizer(parts.named_parameters(), cfg, layout, meta)
             params = parts.parameters()
             state = _optimizer_state(optimizer, params)
     except Exception as e:

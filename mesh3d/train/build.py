@@ -23,7 +23,6 @@ from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.models.mup import mup_rules
-from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.experts import new_groups as new_ep_groups
 from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
@@ -64,29 +63,31 @@ class ModelParts:
         return [p for _, p in self.named_parameters()]
 
 
-def initial_weights(cfg, padded_vocab: int) -> FullSource:
+def initial_weights(cfg, layout: RunLayout) -> FullSource:
     """Where the first weights come from: `init_method: {std: ...}` (or `{use_mup: true}`,
-    `models/mup.py`'s rules) draws each full tensor from its own seed; `init_method: {path: ...}` reads them from a checkpoint in Nanotron's layout
-    (written by Nanotron, `mesh3d.convert from-hf`, or mesh3d), saved at any tp/pp."""
+    `models/mup.py`'s rules) draws each full tensor from its own seed; `init_method: {path: ...}`
+    reads them from a checkpoint in Nanotron's layout (written by Nanotron, `mesh3d.convert
+    from-hf`, or mesh3d), saved at any tp/pp. The shape, spec and seed come from `layout`."""
     mc, init = cfg.model.model_config, cfg.model.init_method
+    shape, spec, seed = layout.shape, layout.spec, layout.seed
     if isinstance(init, ExistingCheckpointInit):
         path = Path(init.path)
         root = path / "model" if (path / "model").is_dir() else path
         if not root.is_dir():
             raise UserError(f"`model.init_method.path` {path} has no model/ folder of weights")
-        full = read_nanotron_weights(root, model_shape(cfg))
+        full = read_nanotron_weights(root, shape)
         n = sum(t.numel() for t in full.values())
         logger.info(f"Initial weights from {root}: {len(full)} tensors, {n:,} parameters")
-        tied = {"lm_head.weight": "embed_tokens.weight"} if model_shape(cfg).tied else {}
+        tied = {"lm_head.weight": "embed_tokens.weight"} if shape.tied else {}
         return lambda name, shape: full[tied.get(name, name)]
     rows = {"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size}
     if isinstance(init, SpectralMupInit):
-        rules = mup_rules(spec_of(mc), model_shape(cfg), mc.vocab_size)
-        return seeded_init(lambda name: rules[name].std, cfg.general.seed, rows)
+        rules = mup_rules(spec, shape, mc.vocab_size)
+        return seeded_init(lambda name: rules[name].std, seed, rows)
     scaling = getattr(init, "scaling_method", "NUM_LAYERS")
-    init_std = spec_of(mc).init_std
+    init_std = spec.init_std
     return seeded_init(
-        lambda name: init_std(name, init.std, mc.num_hidden_layers, scaling), cfg.general.seed, rows
+        lambda name: init_std(name, init.std, mc.num_hidden_layers, scaling), seed, rows
     )
 
 
@@ -103,7 +104,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
         enable_async_tp(mesh["tp"].get_group())
     loss_fn = step_loss(layout)
     # on meta (a dry run) nothing is filled: a checkpoint's weights are not read
-    source = initial_weights(cfg, vocab) if device.type != "meta" else None
+    source = initial_weights(cfg, layout) if device.type != "meta" else None
     ep, expert_replicas = None, None
     if layout.expert_parallel > 1:  # every rank makes every group, before any stage is built
         dispatcher = mc.moe_config.token_dispatcher_type

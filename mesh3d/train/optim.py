@@ -17,8 +17,9 @@ import torch
 
 from mesh3d import nanotron_names as names
 from mesh3d.config.schema import SpectralMupInit
+from mesh3d.layout import RunLayout
 from mesh3d.models.mup import mup_rules
-from mesh3d.models.registry import model_shape, spec_named
+from mesh3d.models.registry import spec_named
 from mesh3d.models.spec import ModelShape
 from mesh3d.parallel.parallelize import canonical_name
 from mesh3d.train.lr_schedule import build_lr_scheduler
@@ -70,16 +71,17 @@ def param_groups(
     ]
 
 
-def build_optimizer(named_params, cfg, device: torch.device):
-    """(optimizer, lr_scheduler) for the (name, parameter) pairs from `cfg.optimizer`."""
+def build_optimizer(named_params, cfg, layout: RunLayout, device: torch.device):
+    """(optimizer, lr_scheduler) for the (name, parameter) pairs from `cfg.optimizer`; the
+    model's shape and family (µP's per-parameter rates, the no-decay names) from `layout`."""
     o = cfg.optimizer
     f = o.optimizer_factory
     lr = o.learning_rate_scheduler.learning_rate
     exclude = list(o.weight_decay_exclude_named_params or [])
-    shape, mc = model_shape(cfg), cfg.model.model_config
+    shape = layout.shape
     scales = None
     if isinstance(cfg.model.init_method, SpectralMupInit):
-        rules = mup_rules(spec_named(shape.family), shape, mc.vocab_size)
+        rules = mup_rules(layout.spec, shape, layout.vocab_size)
         scales = {name: rule.lr_scale for name, rule in rules.items()}
     groups = param_groups(named_params, o.weight_decay, exclude, shape, scales)
     for g in groups:

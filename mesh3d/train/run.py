@@ -104,7 +104,7 @@ class Run:
         torch.manual_seed(cfg.general.seed)
         self.parts = build_model_parts(cfg, layout, self.mesh, self.device)
         self.optimizer, self.scheduler = build_optimizer(
-            self.parts.named_parameters(), cfg, self.device
+            self.parts.named_parameters(), cfg, layout, self.device
         )
         # the metrics owner logs at `log_level` like rank 0, so the iteration line shows even
         # when log_level_replica is quieter (Nanotron needs INFO there)

@@ -18,9 +18,10 @@ import torch
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.tokenizer_files import copy_into_folder, tokenizer_files
 from mesh3d.checks import validate
-from mesh3d.config import load_config, padded_vocab_size
+from mesh3d.config import load_config
 from mesh3d.data.synthetic import make_tokenizer
 from mesh3d.errors import UserError
+from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.train.build import initial_weights
 
@@ -73,7 +74,7 @@ def test_init_method_path_logs_what_it_loaded(tmp_path):
     logger.addHandler(handler)
     level, logger.level = logger.level, logging.INFO
     try:
-        source = initial_weights(cfg, padded_vocab_size(cfg))
+        source = initial_weights(cfg, RunLayout.of(cfg))
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

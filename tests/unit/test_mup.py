@@ -16,7 +16,7 @@ from parity import TINY
 
 from mesh3d.checks import validation_errors
 from mesh3d.config import apply_overrides, config_from_dict
-from mesh3d.config.derive import padded_vocab_size
+from mesh3d.layout import RunLayout
 from mesh3d.models.mup import spectral_std
 from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.train.build import initial_weights
@@ -52,7 +52,7 @@ def test_initial_std_of_every_parameter_is_the_formula(width):
         "mlp.down_proj.weight": spectral_std(f, h),
     }
     assert expected["mlp.down_proj.weight"] == pytest.approx(1 / math.sqrt(f) * math.sqrt(h / f))
-    source = initial_weights(cfg, padded_vocab_size(cfg))
+    source = initial_weights(cfg, RunLayout.of(cfg))
     shapes = spec_of(cfg.model.model_config).param_shapes(model_shape(cfg))
     measured = {}
     for name, shape in shapes.items():
@@ -77,7 +77,9 @@ def test_each_parameter_trains_at_its_own_rate_on_nanotrons_schedule():
                "optimizer.learning_rate_scheduler.lr_warmup_style=linear",
                "tokens.train_steps=10")  # fmt: skip
     model = spec_of(cfg.model.model_config).build(cfg.model.model_config, vocab_size=250)
-    optimizer, scheduler = build_optimizer(model.named_parameters(), cfg, torch.device("cpu"))
+    optimizer, scheduler = build_optimizer(
+        model.named_parameters(), cfg, RunLayout.of(cfg), torch.device("cpu")
+    )
     lr = cfg.optimizer.learning_rate_scheduler.learning_rate
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     h, f, q, kv = 64, 128, 64, 32  # TINY: 8 heads of 8, 4 kv heads

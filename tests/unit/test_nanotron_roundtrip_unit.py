@@ -23,6 +23,7 @@ from mesh3d.config import (
     load_config,
 )
 from mesh3d.config.load import nanotron_config_dict
+from mesh3d.layout import RunLayout
 from mesh3d.train.lr_schedule import lr_at, schedule_kwargs
 from mesh3d.train.optim import build_optimizer
 
@@ -74,8 +75,10 @@ def test_mesh3d_reads_old_and_new_metadata_and_scheduler_files(tmp_path):
         assert nanotron_state.read_metadata(tmp_path)["metas"]["last_train_step"] == 3
         torch.save(sched, folder / "lr_scheduler_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt")
         p = torch.nn.Parameter(torch.zeros(2))
-        optimizer, scheduler = build_optimizer([("norm.weight", p)], cfg, torch.device("cpu"))
-        _load_scheduler(tmp_path, scheduler, optimizer, {"pp": 0, "tp": 0}, cfg)
+        optimizer, scheduler = build_optimizer(
+            [("norm.weight", p)], cfg, RunLayout.of(cfg), torch.device("cpu")
+        )
+        _load_scheduler(tmp_path, scheduler, optimizer, RunLayout.of(cfg))
         assert (scheduler.last_epoch, scheduler._step_count) == (3, 4)
         kw = schedule_kwargs(cfg)
         assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(3, **kw))
