@@ -141,10 +141,13 @@ def write_rank_state(
     # parameter has state, and the files hold none (Nanotron refuses those, as its own).
     any_state = any(k in opt_state.get(held[o][0], {}) for p in params for o in p.ours
                     for k in nanotron_state.ADAM_KEYS)  # fmt: skip
+    # a writer that checks every tensor itself (an asynchronous save's, in the background)
+    # takes that work off the training thread
+    finite = (lambda t, what: t) if getattr(writer, "checks_finite", False) else _finite
     progress = Progress("Saving checkpoint (parameters of this rank)", len(params))
     for p in params:
         first = [held[o][0] for o in p.ours]
-        fused = _finite(fuse(p, {o: _full(held[o][0]) for o in p.ours}), f"parameter {p.name}")
+        fused = finite(fuse(p, {o: _full(held[o][0]) for o in p.ours}), f"parameter {p.name}")
         if writes and D == 0 and (p.kind != "replicated" or T == 0) and writes_weight(p):
             data, meta = shard_of(p, fused.to(model_dtype or fused.dtype), T, tp)
             if ep > 1 and is_expert_stack(p):  # one file per ep rank, Nanotron's exp-rank names
@@ -160,7 +163,7 @@ def write_rank_state(
         for k in nanotron_state.ADAM_KEYS:
             if k in state:
                 full = fuse(p, {o: _full(opt_state[q][k], q) for o, q in zip(p.ours, first)})
-                tensors[k] = _finite(full, f"optimizer state {k} of {p.name}")
+                tensors[k] = finite(full, f"optimizer state {k} of {p.name}")
             elif any_state:  # no state yet: AdamW's fresh state, in the parameter's dtype
                 tensors[k] = torch.zeros_like(fused)
         local = {k: _own(shard_of(p, v, T, tp)[0]) for k, v in tensors.items()}

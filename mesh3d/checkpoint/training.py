@@ -32,6 +32,7 @@ vocabulary padding included, and checkpoints written by Nanotron itself load too
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -39,7 +40,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from mesh3d.checkpoint import nanotron_state
-from mesh3d.checkpoint.atomic import save_atomically
+from mesh3d.checkpoint.atomic import PendingSave, save_atomically, start_save
+from mesh3d.checkpoint.background import live_storages
 from mesh3d.checkpoint.folder import MANIFEST, FolderWriter, damaged_error, fsync_dir, verify
 from mesh3d.checkpoint.nanotron_weights import (
     is_embedding,
@@ -140,7 +142,8 @@ def save_checkpoint(
     layout: RunLayout,
     extra: dict | None = None,
     latest: bool = True,
-) -> Path:
+    background: bool = False,
+) -> Path | PendingSave:
     """Write `<root>/<step>/` (all ranks call this); returns the step folder.
 
     `layout` is the run's (`mesh3d.layout.RunLayout`): this rank's coordinates and the shape.
@@ -148,14 +151,18 @@ def save_checkpoint(
     `latest` False leaves `latest.txt` as it is (a checkpoint no restart should pick). The free
     space is checked first against what the checkpoint takes (`size.checkpoint_size`).
     Raises `CheckpointWriteError` or `NonFiniteError` on every rank when the save fails; the
-    checkpoints folder is then as it was.
+    checkpoints folder is then as it was. `background` (`mesh3d.async_checkpoint`): the state
+    is copied aside and written on a thread; returns the `PendingSave` to poll and finish.
     """
     root = Path(root)
     final = root / str(step)
     data_bytes, files = checkpoint_size(cfg, layout)
-    logger.info(f"Saving checkpoint at {final}")
+    logger.info(f"Saving checkpoint at {final}" + (" (in the background)" if background else ""))
+    save = start_save if background else save_atomically
+    if background:
+        save = functools.partial(start_save, live=live_storages(parts.modules, optimizer))
     with collective_timeout(mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s):
-        save_atomically(
+        out = save(
             final,
             lambda w: _write_rank_files(w, cfg, parts, optimizer, scheduler, layout),
             lambda w: _write_rank0_files(w, cfg, layout, step, consumed_samples, extra or {}),
@@ -164,8 +171,9 @@ def save_checkpoint(
             step=step,
             latest=latest,
         )
-    logger.info(f"Saved checkpoint {final}")
-    return final
+    if not background:
+        logger.info(f"Saved checkpoint {final}")
+    return out
 
 
 def resolve_step_dir(path: str | Path, key: str = "`checkpoints.resume_checkpoint_path`") -> Path:

@@ -395,6 +395,10 @@ class Mesh3dArgs:
     existing_checkpoints: str = "error"  # error | resume | overwrite: a fresh run, full folder
     load_without_manifest: bool = False  # resume from a mesh3d checkpoint whose manifest is gone
     loss_spike: LossSpikeArgs | None = None  # null: off; {} turns it on with the defaults
+    # checkpoints at scale (README "Checkpoints")
+    async_checkpoint: bool = False  # copy the state at the save, write it while training goes on
+    keep_last_checkpoints: int | None = None  # null: keep every step folder (Nanotron)
+    keep_checkpoint_every: int | None = None  # with keep_last: also keep every multiple of this
     # model families Nanotron lacks, on top of its Qwen2 model_config
     model_family: str | None = None  # null: from model_config; qwen3
     head_dim: int | None = None  # qwen3: the head size (null: hidden_size / num_attention_heads)

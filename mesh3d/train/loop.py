@@ -80,7 +80,10 @@ def _save(run: Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | N
     guard.check_folder_owner(step)
     guard.at(step, "save")
     latest = guard.names_latest(Path(ck.checkpoints_path) / str(step), last_step)
-    run.save(step, consumed, extra, latest)
+    # the last save (the end, a stop signal) is written before the run ends, never in the back
+    run.save(
+        step, consumed, extra, latest, background=run.cfg.mesh3d.async_checkpoint and not last_step
+    )
 
 
 def _stopped(signal_name: str, step: int, ck, saved: int, spiked: str) -> Preempted | Interrupted:
@@ -178,6 +181,9 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
             if is_evaluation_step(tok, step):  # validation after the update; not in the step time
                 guard.at(step, "validation")
                 m.update(evaluate(run.parts, run.data.validation, run.layout, run.mesh, run.device))
+            run.poll_save()  # a background save that every rank finished writing is committed
+            if guard.spikes is not None:  # the step about to judge it needs it in place
+                run.finish_save()
             unusual = not (math.isfinite(loss) and math.isfinite(grad_norm))
             unusual = unusual or not guard.accepts(loss, grad_norm)  # a loss spike
             try:
@@ -206,6 +212,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
         and start < tok.train_steps
     ):
         _save(run, guard, tok.train_steps, consumed, wandb_id, last_step=True)
+    run.finish_save()
     sinks.close()
     for hook in hooks:
         if hasattr(hook, "on_end"):

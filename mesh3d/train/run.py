@@ -24,12 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mesh3d.checkpoint.atomic import PendingSave
+from mesh3d.checkpoint.retention import prune
 from mesh3d.checkpoint.training import checkpoint_custom_metas, load_checkpoint, save_checkpoint
 from mesh3d.checks import validate
 from mesh3d.data.build import StagedData
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
-from mesh3d.log import setup_logging
+from mesh3d.log import logger, setup_logging
 from mesh3d.mesh import (
     build_mesh,
     collective_timeout,
@@ -69,6 +71,7 @@ class Run:
     step_flops: float = 0.0  # model FLOPs of one step
     n_params: int = 0
     extra: dict = field(default_factory=dict)  # room for callers' own state
+    pending: PendingSave | None = None  # an asynchronous save still being written
 
     @classmethod
     def prepare(cls, cfg) -> Run:
@@ -143,13 +146,50 @@ class Run:
         return StepOutput(batches, loss, grad_norm)
 
     def save(self, step: int, consumed: int, extra: dict | None = None,
-             latest: bool = True) -> None:  # fmt: skip
+             latest: bool = True, background: bool = False) -> None:  # fmt: skip
         """Save step `step` to `checkpoints.checkpoints_path` (`consumed`: samples so far;
-        `latest`: whether latest.txt may name it)."""
+        `latest`: whether latest.txt may name it). `background`: copy the state now and write
+        it while training goes on (`poll_save` / `finish_save` commit it); a save still in
+        flight is finished first, so at most one is."""
+        self.finish_save()
         ck = self.cfg.checkpoints
-        save_checkpoint(ck.checkpoints_path, step, self.cfg, self.parts, self.optimizer,
-                        self.scheduler, self.mesh, consumed, layout=self.layout,
-                        extra=extra or {}, latest=latest)  # fmt: skip
+        out = save_checkpoint(ck.checkpoints_path, step, self.cfg, self.parts, self.optimizer,
+                              self.scheduler, self.mesh, consumed, layout=self.layout,
+                              extra=extra or {}, latest=latest, background=background)  # fmt: skip
+        if background:
+            self.pending = out
+            logger.info(
+                f"Step {step}: {out.nbytes / 2**20:.1f} MiB copied, written in the background"
+            )
+        else:
+            self._saved()
+
+    def poll_save(self) -> None:
+        """At a step boundary (every rank): commit the background save if every rank wrote it.
+        A failed background write raises here, the previous checkpoint intact."""
+        pending, self.pending = self.pending, None
+        if pending is not None and not pending.poll():
+            self.pending = pending
+
+    def finish_save(self) -> None:
+        """Wait for the background save, if any, and commit it (every rank)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            m = self.cfg.mesh3d
+            with collective_timeout(self.mesh, m.checkpoint_timeout_s, m.collective_timeout_s):
+                pending.finish()
+            self._saved(pending.final)
+
+    def _saved(self, final: Path | None = None) -> None:
+        """After a save committed: log it, and delete what retention does not keep (rank 0)."""
+        if final is not None:
+            logger.info(f"Saved checkpoint {final}")
+        m, root = self.cfg.mesh3d, Path(self.cfg.checkpoints.checkpoints_path)
+        if dist.get_rank() == 0 and m.keep_last_checkpoints:
+            gone = prune(root, m.keep_last_checkpoints, m.keep_checkpoint_every)
+            if gone:
+                logger.info(f"Deleted old checkpoints {gone} in {root} "
+                            f"(mesh3d.keep_last_checkpoints={m.keep_last_checkpoints})")  # fmt: skip
 
     def load(self, path: Path) -> tuple[int, int, dict]:
         """Resume from the step folder `path`: (its step, consumed samples, its custom metas)."""

@@ -370,6 +370,10 @@ REFUSED = [
     ("loss-spike-window", [f"{M3}.loss_spike={{window: 0}}"], f"`{M3}.loss_spike.window` must be >= 1 (healthy steps in the running median), got 0"),
     ("loss-spike-warmup", [f"{M3}.loss_spike={{window: 5, warmup: 6}}"], f"`{M3}.loss_spike.warmup` (6) must be in [1, window (5)]: the healthy steps seen before a step can count as a spike"),
     ("loss-spike-max-skipped", [f"{M3}.loss_spike={{max_skipped: -1}}"], f"`{M3}.loss_spike.max_skipped` must be >= 0 (spiking steps in a row skipped before the run stops; 0 stops at the first), got -1"),
+    ("keep-last-zero", [f"{M3}.keep_last_checkpoints=0"], f"`{M3}.keep_last_checkpoints` must be >= 1 (the newest step folders kept), got 0; leave it null to keep every checkpoint"),
+    ("keep-every-alone", [f"{M3}.keep_checkpoint_every=100"], f"`{M3}.keep_checkpoint_every` only acts with `{M3}.keep_last_checkpoints` (without it every checkpoint is kept): set keep_last_checkpoints or remove it"),
+    ("keep-every-zero", [f"{M3}.keep_last_checkpoints=2", f"{M3}.keep_checkpoint_every=0"], f"`{M3}.keep_checkpoint_every` must be >= 1 (steps between kept folders), got 0"),
+    ("async-without-checkpoints", [f"{M3}.async_checkpoint=true", "checkpoints=null"], f"`{M3}.async_checkpoint` needs a `checkpoints` section (checkpoints_path, interval)"),
     # fuzzed values that passed `python -m mesh3d.config` (issue 25): a negative weight the run
     # refused later, a stage that never trained, a traceback, two silent hangs
     ("dataset-weight-negative", ["data_stages[1].data.dataset={dataset_folder: {/a: 0.5, /b: -0.8}}"], "`data_stages[name='Annealing Phase'].data.dataset`: dataset_weights [0.5, -0.8] must be finite and >= 0"),

@@ -1,0 +1,31 @@
+"""Checks of the checkpoint settings of `mesh3d:` (asynchronous saves, retention); part of
+`validate` (no torch import)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from mesh3d.config.schema import Config
+
+
+def checkpoint_errors(cfg: Config) -> Iterator[str]:
+    """`keep_last_checkpoints` >= 1, `keep_checkpoint_every` >= 1 and only beside it; both and
+    `async_checkpoint` need a `checkpoints` section."""
+    m = cfg.mesh3d
+    keep, every = m.keep_last_checkpoints, m.keep_checkpoint_every
+    if keep is not None and keep < 1:
+        yield (
+            f"`mesh3d.keep_last_checkpoints` must be >= 1 (the newest step folders kept), got "
+            f"{keep}; leave it null to keep every checkpoint"
+        )
+    if every is not None and every < 1:
+        yield f"`mesh3d.keep_checkpoint_every` must be >= 1 (steps between kept folders), got {every}"
+    elif every is not None and keep is None:
+        yield (
+            "`mesh3d.keep_checkpoint_every` only acts with `mesh3d.keep_last_checkpoints` "
+            "(without it every checkpoint is kept): set keep_last_checkpoints or remove it"
+        )
+    used = [k for k, on in (("async_checkpoint", m.async_checkpoint),
+                            ("keep_last_checkpoints", keep is not None)) if on]  # fmt: skip
+    if used and cfg.checkpoints is None:
+        yield f"`mesh3d.{used[0]}` needs a `checkpoints` section (checkpoints_path, interval)"
