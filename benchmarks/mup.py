@@ -3,6 +3,7 @@
     python benchmarks/mup.py                 # widths 64, 128, 256; 9 rates 2^-12 .. 2^-4; ~6 min
     python benchmarks/mup.py --steps 30 --rates 5   # quicker
     python benchmarks/mup.py --publish       # write benchmarks/results/mup.{json,png}
+    python benchmarks/mup.py --replot benchmarks/results/mup.json   # redraw the PNG only
 
 For each width (same depth, heads of 32, MLP 4x, the same tokens: the built-in corpus of
 `mesh3d train`, 16 sequences of 128 tokens per step) and each learning rate, one run under the
@@ -77,15 +78,19 @@ def plot(results: dict, rates: list[float], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    finite = [x for k in results.values() for row in k.values() for x in row.values()
+              if math.isfinite(x)]  # fmt: skip
+    low = min(finite)
     for ax, kind in zip(axes, ("sp", "mup")):
         for width in WIDTHS:
             losses = [results[kind][str(width)][str(r)] for r in rates]
             ax.plot([math.log2(r) for r in rates], [x if math.isfinite(x) else float("nan")
                     for x in losses], marker="o", label=f"width {width}")  # fmt: skip
         ax.set_title("standard parametrization" if kind == "sp" else "spectral µP")
+        ax.set_ylim(low - 0.2, low + 2.5)  # the minima; diverged rates run off the top
         ax.set_xlabel("log2(learning rate)")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("training loss (mean of the last 10 steps)")
+    axes[0].set_ylabel("training loss (mean of the last 10 steps)\n(higher values cut off)")
     axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -95,8 +100,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60, help="training steps per run (default 60)")
     ap.add_argument("--rates", type=int, default=9, help="rates from 2^-12 to 2^-4 (default 9)")
+    ap.add_argument("--replot", type=Path, help="only redraw the PNG beside this mup.json")
     add_publish_flag(ap)
     args = ap.parse_args()
+    if args.replot:
+        record = json.loads(args.replot.read_text())
+        plot(record["loss"], record["rates"], args.replot.with_suffix(".png"))
+        return
     torch.set_num_threads(2)
     rates = [2.0 ** (-12 + 8 * i / (args.rates - 1)) for i in range(args.rates)]
     data = default_run_overrides()
