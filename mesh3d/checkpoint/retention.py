@@ -5,7 +5,8 @@
 
 Called on rank 0 right after a save committed (complete, checksummed, renamed into place), so
 the newest folder is always a verified one. Never deleted: the step `latest.txt` names, the
-last `keep_last` complete folders, every multiple of `keep_every`. A folder is renamed to
+last `keep_last` complete folders, every multiple of `keep_every`. A step's Hugging Face export
+(`hf/<step>/`, `mesh3d.hf_export`) goes with it. A folder is renamed to
 `.del-<step>` before it is removed, so a crash mid-deletion leaves no half folder that looks
 like a checkpoint (`.del-*` leftovers are removed by the next prune).
 """
@@ -31,7 +32,7 @@ def kept(steps: list[int], latest: int | None, keep_last: int | None,
 
 def prune(root: Path, keep_last: int | None, keep_every: int | None) -> list[int]:
     """Delete the step folders of `root` the settings do not keep; returns their steps."""
-    for left in root.glob(".del-*"):
+    for left in [*root.glob(".del-*"), *root.glob("hf/.del-*")]:
         shutil.rmtree(left, ignore_errors=True)
     if not keep_last:
         return []
@@ -39,7 +40,9 @@ def prune(root: Path, keep_last: int | None, keep_every: int | None) -> list[int
     keep = kept(steps, latest_step(root), keep_last, keep_every)
     gone = [s for s in steps if s not in keep]
     for s in gone:
-        doomed = root / f".del-{s}"
-        (root / str(s)).rename(doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        for folder, doomed in ((root / str(s), root / f".del-{s}"),
+                               (root / "hf" / str(s), root / "hf" / f".del-{s}")):  # fmt: skip
+            if folder.is_dir():
+                folder.rename(doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
     return gone

@@ -399,6 +399,9 @@ class Mesh3dArgs:
     async_checkpoint: bool = False  # copy the state at the save, write it while training goes on
     keep_last_checkpoints: int | None = None  # null: keep every step folder (Nanotron)
     keep_checkpoint_every: int | None = None  # with keep_last: also keep every multiple of this
+    hf_export: bool | int = (
+        False  # also write <checkpoints_path>/hf/<step>/ (true: every save; N: every N steps)
+    )
     # model families Nanotron lacks, on top of its Qwen2 model_config
     model_family: str | None = None  # null: from model_config; qwen3
     head_dim: int | None = None  # qwen3: the head size (null: hidden_size / num_attention_heads)

@@ -175,6 +175,6 @@ def _convert_union(tp: Any, members: tuple, value: Any, path: str, pickers: Pick
         return convert(others[0], value, path, pickers)
     for m in others:  # e.g. str | list[str]: the first member whose container type fits
         base = typing.get_origin(m) or m
-        if isinstance(value, base) and not isinstance(value, bool):
+        if isinstance(value, base) and (base is bool or not isinstance(value, bool)):
             return convert(m, value, path, pickers)
     raise ConfigError(f"`{path}` must be {describe(tp)}, got {show(value)}")

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from mesh3d.checkpoint.hf import is_hf_folder, read_hf_for_run
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.config import ExistingCheckpointInit, SpectralMupInit
 from mesh3d.errors import UserError
@@ -72,6 +73,13 @@ def initial_weights(cfg, layout: RunLayout) -> FullSource:
     shape, spec, seed = layout.shape, layout.spec, layout.seed
     if isinstance(init, ExistingCheckpointInit):
         path = Path(init.path)
+        if is_hf_folder(path):  # a Hugging Face model folder, read as `from-hf` would
+            full = read_hf_for_run(path, mc, layout.padded_vocab)
+            n = sum(t.numel() for t in full.values())
+            logger.info(f"Initial weights from {path} (Hugging Face): {len(full)} tensors, "
+                        f"{n:,} parameters")  # fmt: skip
+            tied = {"lm_head.weight": "embed_tokens.weight"} if shape.tied else {}
+            return lambda name, shape: full[tied.get(name, name)]
         root = path / "model" if (path / "model").is_dir() else path
         if not root.is_dir():
             raise UserError(f"`model.init_method.path` {path} has no model/ folder of weights")

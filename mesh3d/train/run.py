@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d.checkpoint.atomic import PendingSave
+from mesh3d.checkpoint.hf import export_hf
 from mesh3d.checkpoint.retention import prune
 from mesh3d.checkpoint.training import checkpoint_custom_metas, load_checkpoint, save_checkpoint
 from mesh3d.checks import validate
@@ -162,7 +163,7 @@ class Run:
                 f"Step {step}: {out.nbytes / 2**20:.1f} MiB copied, written in the background"
             )
         else:
-            self._saved()
+            self._saved(Path(out), background=False)
 
     def poll_save(self) -> None:
         """At a step boundary (every rank): commit the background save if every rank wrote it.
@@ -180,11 +181,15 @@ class Run:
                 pending.finish()
             self._saved(pending.final)
 
-    def _saved(self, final: Path | None = None) -> None:
-        """After a save committed: log it, and delete what retention does not keep (rank 0)."""
-        if final is not None:
+    def _saved(self, final: Path, background: bool = True) -> None:
+        """After a save committed: log it (`save_checkpoint` did for a synchronous one), write
+        its Hugging Face export and delete what retention does not keep (rank 0)."""
+        if background:
             logger.info(f"Saved checkpoint {final}")
         m, root = self.cfg.mesh3d, Path(self.cfg.checkpoints.checkpoints_path)
+        if final is not None and dist.get_rank() == 0 and _exports(m.hf_export, int(final.name)):
+            export_hf(final, root / "hf" / final.name)
+            logger.info(f"Wrote the Hugging Face model {root / 'hf' / final.name}")
         if dist.get_rank() == 0 and m.keep_last_checkpoints:
             gone = prune(root, m.keep_last_checkpoints, m.keep_checkpoint_every)
             if gone:
@@ -206,3 +211,8 @@ class Run:
         """The model, or a ModuleList of this rank's pipeline stages."""
         modules = self.parts.modules
         return modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
+
+
+def _exports(setting: bool | int, step: int) -> bool:
+    """Whether `mesh3d.hf_export` exports the checkpoint of `step`."""
+    return setting if isinstance(setting, bool) else step % setting == 0

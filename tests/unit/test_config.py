@@ -373,6 +373,7 @@ REFUSED = [
     ("keep-last-zero", [f"{M3}.keep_last_checkpoints=0"], f"`{M3}.keep_last_checkpoints` must be >= 1 (the newest step folders kept), got 0; leave it null to keep every checkpoint"),
     ("keep-every-alone", [f"{M3}.keep_checkpoint_every=100"], f"`{M3}.keep_checkpoint_every` only acts with `{M3}.keep_last_checkpoints` (without it every checkpoint is kept): set keep_last_checkpoints or remove it"),
     ("keep-every-zero", [f"{M3}.keep_last_checkpoints=2", f"{M3}.keep_checkpoint_every=0"], f"`{M3}.keep_checkpoint_every` must be >= 1 (steps between kept folders), got 0"),
+    ("hf-export-zero", [f"{M3}.hf_export=0"], f"`{M3}.hf_export` must be true, false or a number of steps >= 1 (export every saved step that is a multiple of it), got 0"),
     ("async-without-checkpoints", [f"{M3}.async_checkpoint=true", "checkpoints=null"], f"`{M3}.async_checkpoint` needs a `checkpoints` section (checkpoints_path, interval)"),
     # fuzzed values that passed `python -m mesh3d.config` (issue 25): a negative weight the run
     # refused later, a stage that never trained, a traceback, two silent hangs
