@@ -10,7 +10,8 @@ asynchronous save followed by steps until the background write is committed (`po
 each step boundary, as the training loop does). The time lost to a save is the time from the
 save's start to the end of the step in which it is committed, minus that many normal steps.
 Also reported: the bytes the asynchronous save copies aside (its extra peak memory) against
-the model's fp32 parameter bytes. Results go to `benchmarks/results/local/async_checkpoint.json`
+the model's fp32 parameter bytes, and the CPU seconds of the writer thread (on a CPU-bound
+step they are what the asynchronous save still takes from training). Results go to `benchmarks/results/local/async_checkpoint.json`
 (`--publish`: `benchmarks/results/`).
 """
 
@@ -65,7 +66,7 @@ def one_round(run: Run, step: int) -> tuple[dict, int]:
     t0 = time.perf_counter()
     run.save(step - 1, 0, latest=False, background=True)
     copy_s = time.perf_counter() - t0
-    copied = run.pending.nbytes
+    copied, job = run.pending.nbytes, run.pending.job
     steps = 0
     while run.pending is not None:
         run.step(step)
@@ -73,7 +74,8 @@ def one_round(run: Run, step: int) -> tuple[dict, int]:
         run.poll_save()
     async_lost = time.perf_counter() - t0 - steps * normal
     r = dict(normal_step_s=normal, sync_save_s=save_s, sync_lost_s=sync_lost, async_copy_s=copy_s,
-             async_steps_in_flight=steps, async_lost_s=async_lost, async_copied_bytes=copied)  # fmt: skip
+             async_steps_in_flight=steps, async_lost_s=async_lost, async_copied_bytes=copied,
+             async_writer_cpu_s=job.cpu_s)  # fmt: skip
     return r, step
 
 
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
         print(f"round {i + 1}: normal step {r['normal_step_s']:.3f} s | sync: save "
               f"{r['sync_save_s']:.2f} s, lost {r['sync_lost_s']:.2f} s | async: copy "
               f"{r['async_copy_s']:.2f} s, {r['async_steps_in_flight']} steps in flight, lost "
-              f"{r['async_lost_s']:.2f} s")  # fmt: skip
+              f"{r['async_lost_s']:.2f} s (writer thread {r['async_writer_cpu_s']:.2f} CPU s)")  # fmt: skip
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     ratio = [r["async_lost_s"] / r["sync_lost_s"] for r in rounds]
     result = dict(

@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu.sh --steps 12      # more steps per variant; extra key=value overrides too
 #   bash benchmarks/gpu.sh --dry-run       # the plan and configs, no GPU needed
 #
-# Without a GPU it prints a message and exits 0. See benchmarks/gpu.py for the details.
+# Without a GPU it prints a message and exits 0. See benchmarks/gpu.py for the details. On a GPU it
+# then runs benchmarks/async_checkpoint.py (sync vs asynchronous checkpoint saves) on CUDA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -16,4 +17,9 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 fi
 # fewer allocator retries on a 1B model with long sequences (available since torch 2.1)
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
-exec python benchmarks/gpu.py "$@"
+python benchmarks/gpu.py "$@"
+# the training time an asynchronous checkpoint save loses when the step runs on the GPU (the CPU
+# measurement is bounded by the writer thread competing with a CPU-bound step; here it should not)
+if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" && [[ " $* " != *" --dry-run "* ]]; then
+    python benchmarks/async_checkpoint.py --rounds 3 mesh3d.device=cuda
+fi

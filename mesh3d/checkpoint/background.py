@@ -20,10 +20,12 @@ may change its own tensors at once. `Background` then replays the record into th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import torch
 
+from mesh3d.checkpoint.finite import non_finite
 from mesh3d.checkpoint.folder import FolderWriter
 from mesh3d.errors import NonFiniteError
 
@@ -112,8 +114,8 @@ class SnapshotWriter:
             torch.cuda.current_stream().synchronize()  # the pinned copies have landed
         for method, args in self.ops:
             for t in _tensors(args):
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    bad = int((~torch.isfinite(t)).sum())
+                bad = non_finite(t)
+                if bad:
                     raise NonFiniteError(
                         f"refusing to save: {args[0]} holds {bad} NaN/inf value(s) of "
                         f"{t.numel()}; the checkpoint was not written and latest.txt still "
@@ -150,12 +152,15 @@ class Background:
 
     def __init__(self, job: Callable[[], None], name: str):
         self.error: BaseException | None = None
+        self.cpu_s = 0.0  # CPU seconds the job took (its thread's), once done
         self._thread = threading.Thread(target=self._run, args=(job,), name=name, daemon=True)
         self._thread.start()
 
     def _run(self, job: Callable[[], None]) -> None:
         try:
+            start = time.thread_time()
             job()
+            self.cpu_s = time.thread_time() - start
         except BaseException as e:  # noqa: BLE001 (handed to the training thread)
             self.error = e
 

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from mesh3d import nanotron_names as names
 from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
+from mesh3d.checkpoint.finite import non_finite
 from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
 from mesh3d.checkpoint.nanotron_weights import (
     Param,
@@ -99,8 +100,8 @@ def _group_hparams(group: dict) -> dict:
 
 def _finite(t: torch.Tensor, what: str) -> torch.Tensor:
     """`t`, or a `NonFiniteError`: a checkpoint never holds NaN or inf."""
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
+    bad = non_finite(t)
+    if bad:
         raise NonFiniteError(
             f"refusing to save: {what} holds {bad} NaN/inf value(s) of {t.numel()}; the "
             "checkpoint was not written and latest.txt still names the last finite one"
