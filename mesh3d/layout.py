@@ -59,6 +59,8 @@ class RunLayout:
     eos_token_id: int | None  # where a document ends (document masking)
     seed: int  # `general.seed`: the initial weights and the dropout masks
     dropout: bool  # the model drops values in training: each token gets a key (`spec.dropout`)
+    recompute: str = "none"  # none | full | selective: `recompute_mode(cfg)`
+    recompute_every: int = 1  # only layers whose index is a multiple of it are recomputed
 
     @classmethod
     def resolve(cls, cfg, world_size: int, rank: int = 0) -> RunLayout:
@@ -91,6 +93,8 @@ class RunLayout:
             eos_token_id=getattr(mc, "eos_token_id", None),
             seed=cfg.general.seed,
             dropout=spec_of(mc).dropout(mc),
+            recompute=recompute_mode(cfg),
+            recompute_every=cfg.mesh3d.recompute_every,
         )
 
     @classmethod
@@ -145,6 +149,13 @@ class RunLayout:
         """Tokens of the residual stream a rank holds per sample: its cp share, split again
         over tp under sequence parallelism."""
         return self.cp_sequence // self.dims.tp if self.sequence_parallel else self.cp_sequence
+
+
+def recompute_mode(cfg) -> str:
+    """`mesh3d.recompute` when set, else Nanotron's `parallelism.recompute_layer` (full or none)."""
+    if cfg.mesh3d.recompute is not None:
+        return cfg.mesh3d.recompute
+    return "full" if cfg.parallelism.recompute_layer else "none"
 
 
 def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:

@@ -33,6 +33,7 @@ from mesh3d.models.mup import mup_rules
 from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.pipeline_layout import SCHEDULES, microbatches_needed, split_by_cost
 
+RECOMPUTE_MODES = ("none", "full", "selective")
 DTYPES = ("float32", "float64", "complex64", "complex128", "float16", "bfloat16")
 DTYPES += ("uint8", "int8", "int16", "int32", "int64", "bool")  # Nanotron's list
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
@@ -67,7 +68,7 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
         return errors
     checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
               _unsupported, expert_parallel_errors, speed_errors, scale_errors,
-              loss_spike_errors, checkpoint_errors)  # fmt: skip
+              loss_spike_errors, checkpoint_errors, _recompute)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
@@ -271,6 +272,26 @@ def _run(cfg: Config) -> Iterator[str]:
         )
     if m.skip_nonfinite_steps < 0:
         yield f"`mesh3d.skip_nonfinite_steps` must be >= 0 (0 stops at the first non-finite step), got {m.skip_nonfinite_steps}"
+
+
+def _recompute(cfg: Config) -> Iterator[str]:
+    """`mesh3d.recompute` one of its modes and not against `recompute_layer`; `recompute_every`
+    >= 1 and only with a mode that recomputes."""
+    m, layer = cfg.mesh3d, cfg.parallelism.recompute_layer
+    if m.recompute is not None and m.recompute not in RECOMPUTE_MODES:
+        yield f"`mesh3d.recompute` {m.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}"
+    elif m.recompute == "none" and layer:
+        yield (
+            "`mesh3d.recompute` none contradicts `parallelism.recompute_layer: true`; drop one "
+            "(recompute_layer alone means full)"
+        )
+    if m.recompute_every < 1:
+        yield f"`mesh3d.recompute_every` must be >= 1 (1: every layer), got {m.recompute_every}"
+    elif m.recompute_every > 1 and m.recompute in (None, "none") and not layer:
+        yield (
+            f"`mesh3d.recompute_every` {m.recompute_every} needs recompute on: set "
+            "mesh3d.recompute (full or selective) or parallelism.recompute_layer: true"
+        )
 
 
 def _choices(cfg: Config) -> Iterator[str]:

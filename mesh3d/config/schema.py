@@ -395,6 +395,9 @@ class Mesh3dArgs:
     existing_checkpoints: str = "error"  # error | resume | overwrite: a fresh run, full folder
     load_without_manifest: bool = False  # resume from a mesh3d checkpoint whose manifest is gone
     loss_spike: LossSpikeArgs | None = None  # null: off; {} turns it on with the defaults
+    # activation recompute beside Nanotron's parallelism.recompute_layer (README "Parallelism")
+    recompute: str | None = None  # null: recompute_layer decides (full); selective | full | none
+    recompute_every: int = 1  # recompute only every k-th decoder layer (index a multiple of k)
     # checkpoints at scale (README "Checkpoints")
     async_checkpoint: bool = False  # copy the state at the save, write it while training goes on
     keep_last_checkpoints: int | None = None  # null: keep every step folder (Nanotron)

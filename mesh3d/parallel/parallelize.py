@@ -17,6 +17,7 @@ Order (each step sees the result of the one before):
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -27,6 +28,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from mesh3d.mesh import replica_mesh
 from mesh3d.models.init import init_full_tensor
@@ -49,10 +51,37 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool, blocks: Blo
             module.sequence_sums.append(summed_over(cp.group))
 
 
-def checkpoint_layers(model: nn.Module) -> None:
-    """Wrap every decoder layer in activation checkpointing (recompute in backward)."""
+# selective recompute keeps what these ops return (the matmuls' and attention's outputs, the
+# expensive part of a layer) and recomputes everything else (norms, activations, RoPE, adds)
+_KEPT_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_grouped_mm",
+    )  # fmt: skip
+    if hasattr(torch.ops.aten, name)
+)
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_layers(model: nn.Module, mode: str = "full", every: int = 1) -> None:
+    """Wrap decoder layers in activation checkpointing (recompute in backward): `full` keeps only
+    each wrapped layer's input; `selective` keeps the outputs of its matmuls and attention too
+    and recomputes the rest. `every` k: only the layers whose index is a multiple of k."""
+    selective = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    extra = {"context_fn": selective} if mode == "selective" else {}
     for key, layer in list(model.layers.items()):
-        model.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False)
+        if layer is not None and int(key) % every == 0:
+            model.layers[key] = checkpoint_wrapper(layer, preserve_rng_state=False, **extra)
 
 
 def compile_blocks(model: nn.Module, kinds: tuple[type, ...], mesh: DeviceMesh | None = None,
@@ -241,6 +270,8 @@ def parallelize(
     tp_plan: TPPlan,
     recompute_layer: bool,
     dp: str,
+    recompute: str = "full",
+    recompute_every: int = 1,
     dtype: torch.dtype = torch.float32,
     compile_classes: tuple[type, ...] = (),
     split_backward: bool = False,
@@ -261,7 +292,7 @@ def parallelize(
     if "cp" in mesh.mesh_dim_names and mesh["cp"].size() > 1:
         apply_cp(model, mesh["cp"], documents, blocks)
     if recompute_layer:
-        checkpoint_layers(model)
+        checkpoint_layers(model, recompute, recompute_every)
     if compile_classes:
         compile_blocks(model, compile_classes, mesh, split_backward)
     materialize(model, device, source)

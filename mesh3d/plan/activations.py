@@ -45,17 +45,21 @@ def stage_activation_bytes(
     z = _Sizes.of(cfg)
     ids = range(layers) if isinstance(layers, int) else layers
     norm = z.local_tokens * (z.h * (4 + z.e_p) + 4)
-    saved = sum(_layer_bytes(z, i in z.moe_layers) for i in ids) + 8 * z.tokens * embedding
+    saved = sum(_layer_bytes(z, i in z.moe_layers, i) for i in ids) + 8 * z.tokens * embedding
     if head:
         saved += norm + z.tokens * z.h * z.e_c + loss_saved_bytes(cfg)
     held = z.tokens * (z.padded // z.tp) * z.e_c if head else z.local_tokens * z.h * z.e_p
     return saved, held
 
 
-def _layer_bytes(z: _Sizes, moe: bool) -> int:
-    """One decoder layer's saved bytes (`stage_activation_bytes`'s table)."""
-    if z.recompute:
-        return z.local_tokens * z.h * z.e_p
+def _layer_bytes(z: _Sizes, moe: bool, index: int = 0) -> int:
+    """Decoder layer `index`'s saved bytes (`stage_activation_bytes`'s table; recomputed
+    layers: `mesh3d.recompute`, every `recompute_every`-th)."""
+    if z.recomputed(index):
+        if z.recompute_mode == "full":
+            return z.local_tokens * z.h * z.e_p
+        if not moe:  # selective: the input, and what its matmuls and attention return
+            return z.local_tokens * z.h * z.e_p + selective_kept_bytes(z)
     norm = z.local_tokens * (z.h * (4 + z.e_p) + 4)
     layer = 2 * norm + (3 if z.autocast else 1) * z.tokens * z.h * z.e_c  # q/k/v input
     kv = z.kv_heads * (z.h // z.heads)
@@ -67,6 +71,23 @@ def _layer_bytes(z: _Sizes, moe: bool) -> int:
         return layer + moe_saved_bytes(z)
     mlp_in = (2 if z.autocast else 1) * z.tokens * z.h * z.e_c  # gate/up input(s)
     return layer + mlp_in + 4 * z.tokens * (z.ffn // z.tp) * z.e_c
+
+
+def selective_kept_bytes(z: _Sizes) -> int:
+    """What `mesh3d.recompute: selective` keeps of a dense decoder layer besides its input:
+    the outputs of its matmuls and of attention (`parallelize._KEPT_OPS`); the rest (norms,
+    RoPE, the activation, residual adds, TP collectives) is recomputed in backward.
+
+        T·(h + 2·nkv·dh)/tp·e_c     q, k, v projections
+      + T·(h/tp)·e_c + 4·b·(nq/tp)·s/cp   attention output and its logsumexp (fp32)
+      + T·h·e_c                   o_proj output (before the tp sum)
+      + 2·T·(F/tp)·e_c + T·h·e_c  gate and up projections, down_proj output
+
+    An MoE layer under selective recompute is counted as if not recomputed (an upper bound)."""
+    t, dh = z.tokens, z.h // z.heads
+    qkv = t * (z.h + 2 * z.kv_heads * dh) // z.tp * z.e_c
+    attention = t * (z.h // z.tp) * z.e_c + 4 * z.b * (z.heads // z.tp) * (z.s // z.cp)
+    return qkv + attention + t * z.h * z.e_c + 2 * t * (z.ffn // z.tp) * z.e_c + t * z.h * z.e_c
 
 
 def moe_saved_bytes(z: _Sizes) -> int:

@@ -40,10 +40,12 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         pp_rank = rank_of_stage(i, z.pp, z.schedule) if z.pp > 1 else 0
         stages.append(StagePlan(i, pp_rank, split[i], i == 0, i == n - 1, saved, held))
     orders, source = _orders(z)
-    plain = dataclasses.replace(cfg.parallelism, recompute_layer=False)
+    plain = dataclasses.replace(
+        cfg, parallelism=dataclasses.replace(cfg.parallelism, recompute_layer=False),
+        mesh3d=dataclasses.replace(cfg.mesh3d, recompute=None, recompute_every=1),
+    )  # fmt: skip
     one_layer = max(  # what a recomputed layer saves: the largest kind of layer
-        stage_activation_bytes(dataclasses.replace(cfg, parallelism=plain), [i], False, False)[0]
-        for i in {0, *z.moe_layers[:1]}
+        stage_activation_bytes(plain, [i], False, False)[0] for i in {0, *z.moe_layers[:1]}
     )
     tied = model_shape(cfg).tied
     ends = {stages[0].pp_rank, stages[-1].pp_rank}

@@ -16,8 +16,9 @@ def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: b
     """What one rank sends per step on each axis; payloads in the dtype that travels."""
     m, tokens, h = z.m, z.tokens, z.h
     layers = sum(len(s.layers) for s in stages)
+    rerun = sum(z.recomputed(i) for s in stages for i in s.layers)  # recompute reruns forwards
     emb, head = m * any(s.embedding for s in stages), m * any(s.head for s in stages)
-    fwd, bwd = 2 * layers * m * (1 + z.recompute), 2 * layers * m  # recompute reruns forwards
+    fwd, bwd = 2 * (layers + rerun) * m, 2 * layers * m
     r, c = tokens * h * z.e_p, tokens * h * z.e_c  # residual / norm outputs, linear outputs
     if z.sp:
         norms = sum(p.local for p in params if "norm" in p.name) * z.e_p
@@ -92,7 +93,8 @@ def _ep(z: _Sizes, stages: list[StagePlan], params: list[_Param]) -> list[tuple]
     if z.ep == 1:
         return []
     moe = sum(i in z.moe_layers for s in stages for i in s.layers)
-    fwd, bwd = moe * z.m * (1 + z.recompute), moe * z.m
+    rerun = sum(i in z.moe_layers and z.recomputed(i) for s in stages for i in s.layers)
+    fwd, bwd = (moe + rerun) * z.m, moe * z.m
     norm = ("expert grad norm (fp64 squares)", "all_reduce", int(any(p.expert for p in params)), 8)
     if z.dispatcher == "allgather":
         rows, k = z.ep * z.local_tokens, z.top_k  # every rank's tokens

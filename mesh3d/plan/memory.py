@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from mesh3d.models.registry import spec_named
+from mesh3d.parallel.buckets import buffer_bytes
 from mesh3d.plan.sizes import _Sizes
 
 
@@ -130,6 +131,9 @@ def _transient(
             out["fsdp_gathered_params"] = units.get("root", 0) + sum(layers[:2])
         if z.pp > 1:  # schedules accumulate unsharded gradients until the last backward
             out["fsdp_unsharded_grads"] = sum(p.tp_local for p in params if not p.expert) * z.e_p
+    if z.mode == "replicate" and z.replicas > 1:  # zero_stage 0: parallel/buckets.py
+        sizes = [p.tp_local * z.e_p for p in params if not p.expert]
+        out["dp_grad_buckets"] = buffer_bytes(sizes, z.bucket_cap)
     if z.autocast:
         out["autocast_weight_copies"] = sum(p.tp_local for p in params if p.matmul) * z.e_c
     if z.recompute:

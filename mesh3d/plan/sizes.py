@@ -45,6 +45,9 @@ class _Sizes:
     shared_ffn: int = 0  # the shared expert's, 0 without one
     ep: int = 1  # expert parallelism: each rank of an ep group holds E / ep experts
     dispatcher: str = "alltoall"  # moe_config.token_dispatcher_type: alltoall | allgather
+    bucket_cap: int = 25 * 2**20  # model.ddp_bucket_cap_mb in bytes (zero_stage 0's buckets)
+    recompute_mode: str = "none"  # none | full | selective (`layout.recompute_mode`)
+    recompute_every: int = 1  # only layers whose index is a multiple of it are recomputed
 
     @classmethod
     def of(cls, cfg) -> _Sizes:
@@ -58,11 +61,17 @@ class _Sizes:
             s.num_heads, s.num_kv_heads, p.tp, p.dp, p.pp, cp, z.virtual_stages, z.microbatches,
             z.vocab_size, z.padded_vocab, z.param_dtype.itemsize, compute.itemsize,
             z.autocast_dtype is not None, z.sequence_parallel, z.doc_masking,
-            z.positions_everywhere, p.recompute_layer,
+            z.positions_everywhere, z.recompute != "none",
             z.dp_mode != "replicate" and p.dp * cp > 1, z.dp_mode, effective_pp_schedule(cfg),
             z.spec.family, s.moe_layers, s.num_experts, s.top_k, s.moe_ffn, s.shared_ffn,
             max(1, p.expert_parallel_size), getattr(moe, "token_dispatcher_type", "alltoall"),
+            bucket_cap=cfg.model.ddp_bucket_cap_mb * 2**20,
+            recompute_mode=z.recompute, recompute_every=z.recompute_every,
         )  # fmt: skip
+
+    def recomputed(self, layer: int) -> bool:
+        """Whether decoder layer `layer` runs under activation checkpointing."""
+        return self.recompute and layer % self.recompute_every == 0
 
     @property
     def tokens(self) -> int:  # a microbatch's tokens on a rank: its cp share

@@ -23,7 +23,9 @@ from mesh3d.config import ExistingCheckpointInit, SpectralMupInit
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
+from mesh3d.mesh import groups_of
 from mesh3d.models.mup import mup_rules
+from mesh3d.parallel.buckets import GradBuckets
 from mesh3d.parallel.experts import new_groups as new_ep_groups
 from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
@@ -54,6 +56,7 @@ class ModelParts:
     head_rank: int = 0
     loss_fn: object = None  # train/loss.py::step_loss of the run: what every path backpropagates
     expert_replicas: object = None  # with expert parallelism: the group expert grads sum over
+    reducers: list = field(default_factory=list)  # zero_stage 0 over dp x cp: parallel/buckets.py
 
     def named_parameters(self):
         """(name, parameter) over every module; names are the full model's names."""
@@ -125,7 +128,9 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             device=device,
             source=source,
             tp_plan=spec.tp_plan(layout.sequence_parallel, layout.shape) if p.tp > 1 else {},
-            recompute_layer=p.recompute_layer,
+            recompute_layer=layout.recompute != "none",
+            recompute=layout.recompute,
+            recompute_every=layout.recompute_every,
             dp=layout.dp_mode,
             dtype=layout.param_dtype,
             compile_classes=spec.compile_classes(p.tp > 1) if cfg.mesh3d.compile else (),
@@ -138,6 +143,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     if p.pp == 1:
         parts = ModelParts(modules=[finish(full)], loss_fn=loss_fn, expert_replicas=expert_replicas)
         set_aux_weights(parts.modules, layout)
+        parts.reducers = _reducers(parts.modules, layout, mesh, cfg.model.ddp_bucket_cap_mb)
         return parts
 
     name, virtual = layout.schedule, layout.virtual_stages
@@ -165,6 +171,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     schedule = build_schedule(name, stages, layout.microbatches, loss_fn)
     set_aux_weights(modules, layout)
     return ModelParts(
+        reducers=_reducers(modules, layout, mesh, cfg.model.ddp_bucket_cap_mb),
         modules=modules,
         schedule=schedule,
         stages=stages,
@@ -175,3 +182,13 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
         loss_fn=loss_fn,
         expert_replicas=expert_replicas,
     )
+
+
+def _reducers(modules: list[nn.Module], layout: RunLayout, mesh: DeviceMesh,
+              cap_mb: int) -> list[GradBuckets]:  # fmt: skip
+    """zero_stage 0 with dp x cp > 1: each module's gradients summed in buckets of `cap_mb`
+    (`model.ddp_bucket_cap_mb`), overlapped with the last backward (`parallel/buckets.py`)."""
+    if layout.dp_mode != "replicate" or layout.dims.dp * layout.dims.cp == 1:
+        return []
+    group = groups_of(mesh).replicas
+    return [GradBuckets(list(m.parameters()), group, cap_mb * 2**20) for m in modules]

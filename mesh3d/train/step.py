@@ -107,6 +107,8 @@ def forward_backward(
     """
     total = torch.zeros((), device=device)
     autocast, tp = layout.autocast_dtype, layout.dims.tp
+    for reducer in parts.reducers:  # zero_stage 0: buckets reduced as the last backward goes
+        reducer.begin(layout.microbatches)
     if parts.schedule is None:
         model = parts.modules[0]
         rows = keys.split(layout.microbatch_size) if keys is not None else [None] * len(batches)
@@ -217,8 +219,11 @@ def train_step(
         dist.all_reduce(total, group=pp_group)  # only the last stage's ranks hold the loss
     if dp * layout.dims.cp > 1:
         if layout.dp_mode == "replicate":
-            for m in parts.modules:
-                allreduce_gradients(m, replica_group)  # expert-parallel slices left out
+            for reducer in parts.reducers:  # what the backward has not reduced yet, then wait
+                reducer.finish()
+            if not parts.reducers:
+                for m in parts.modules:
+                    allreduce_gradients(m, replica_group)  # expert-parallel slices left out
         if parts.expert_replicas is not None:  # they sum over the ranks holding them
             sliced = [p for p in parts.parameters() if getattr(p, "expert_shard", None)]
             allreduce_param_grads(sliced, parts.expert_replicas)

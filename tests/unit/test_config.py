@@ -374,6 +374,10 @@ REFUSED = [
     ("keep-every-alone", [f"{M3}.keep_checkpoint_every=100"], f"`{M3}.keep_checkpoint_every` only acts with `{M3}.keep_last_checkpoints` (without it every checkpoint is kept): set keep_last_checkpoints or remove it"),
     ("keep-every-zero", [f"{M3}.keep_last_checkpoints=2", f"{M3}.keep_checkpoint_every=0"], f"`{M3}.keep_checkpoint_every` must be >= 1 (steps between kept folders), got 0"),
     ("hf-export-zero", [f"{M3}.hf_export=0"], f"`{M3}.hf_export` must be true, false or a number of steps >= 1 (export every saved step that is a multiple of it), got 0"),
+    ("recompute-mode", [f"{M3}.recompute=ops"], f"`{M3}.recompute` 'ops' is not one of none, full, selective"),
+    ("recompute-none-vs-layer", [f"{M3}.recompute=none", "parallelism.recompute_layer=true"], f"`{M3}.recompute` none contradicts `parallelism.recompute_layer: true`; drop one (recompute_layer alone means full)"),
+    ("recompute-every-zero", [f"{M3}.recompute_every=0"], f"`{M3}.recompute_every` must be >= 1 (1: every layer), got 0"),
+    ("recompute-every-off", [f"{M3}.recompute_every=2"], f"`{M3}.recompute_every` 2 needs recompute on: set mesh3d.recompute (full or selective) or parallelism.recompute_layer: true"),
     ("async-without-checkpoints", [f"{M3}.async_checkpoint=true", "checkpoints=null"], f"`{M3}.async_checkpoint` needs a `checkpoints` section (checkpoints_path, interval)"),
     # fuzzed values that passed `python -m mesh3d.config` (issue 25): a negative weight the run
     # refused later, a stage that never trained, a traceback, two silent hangs
