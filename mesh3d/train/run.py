@@ -17,6 +17,7 @@ the model parts, the optimizer and the LR schedule.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d.checkpoint.atomic import PendingSave
 from mesh3d.checkpoint.retention import prune
+from mesh3d.checkpoint.s3 import S5cmd
 from mesh3d.checkpoint.training import checkpoint_custom_metas, load_checkpoint, save_checkpoint
+from mesh3d.checkpoint.upload import Uploader
 from mesh3d.checks import validate
 from mesh3d.data.build import StagedData
 from mesh3d.errors import UserError
@@ -72,6 +75,7 @@ class Run:
     n_params: int = 0
     extra: dict = field(default_factory=dict)  # room for callers' own state
     pending: PendingSave | None = None  # an asynchronous save still being written
+    uploads: Uploader | None = None  # `s3_upload`'s background uploads (rank 0)
 
     @classmethod
     def prepare(cls, cfg) -> Run:
@@ -162,7 +166,7 @@ class Run:
                 f"Step {step}: {out.nbytes / 2**20:.1f} MiB copied, written in the background"
             )
         else:
-            self._saved()
+            self._saved(Path(ck.checkpoints_path) / str(step), announce=False)
 
     def poll_save(self) -> None:
         """At a step boundary (every rank): commit the background save if every rank wrote it.
@@ -180,16 +184,37 @@ class Run:
                 pending.finish()
             self._saved(pending.final)
 
-    def _saved(self, final: Path | None = None) -> None:
-        """After a save committed: log it, and delete what retention does not keep (rank 0)."""
-        if final is not None:
+    def _saved(self, final: Path, announce: bool = True) -> None:
+        """After a save committed: log it; on rank 0 queue its upload (`s3_upload`) and delete
+        what retention does not keep, never a folder not uploaded yet."""
+        if announce:
             logger.info(f"Saved checkpoint {final}")
-        m, root = self.cfg.mesh3d, Path(self.cfg.checkpoints.checkpoints_path)
-        if dist.get_rank() == 0 and m.keep_last_checkpoints:
-            gone = prune(root, m.keep_last_checkpoints, m.keep_checkpoint_every)
+        m, s3 = self.cfg.mesh3d, self.cfg.s3_upload
+        root = Path(self.cfg.checkpoints.checkpoints_path)
+        if dist.get_rank() != 0:
+            return
+        if s3 is not None:
+            if self.uploads is None:
+                self.uploads = Uploader(root, s3.upload_s3_path, S5cmd.of(s3),
+                                        s3.remove_after_upload)  # fmt: skip
+            self.uploads.submit(final)
+        if m.keep_last_checkpoints:
+            up = self.uploads
+            with up.lock if up else nullcontext():
+                gone = prune(root, m.keep_last_checkpoints, m.keep_checkpoint_every,
+                             up.unsent() if up else set())  # fmt: skip
             if gone:
                 logger.info(f"Deleted old checkpoints {gone} in {root} "
                             f"(mesh3d.keep_last_checkpoints={m.keep_last_checkpoints})")  # fmt: skip
+
+    def close_uploads(self) -> None:
+        """Wait for the queued checkpoint uploads (rank 0); a failed one was reported on one
+        line and its local folder is kept."""
+        if self.uploads is not None:
+            failed = self.uploads.close()
+            if failed:
+                logger.error(f"s3_upload: {len(failed)} checkpoint(s) not uploaded, kept in "
+                             f"{self.cfg.checkpoints.checkpoints_path}: steps {sorted(failed)}")  # fmt: skip
 
     def load(self, path: Path) -> tuple[int, int, dict]:
         """Resume from the step folder `path`: (its step, consumed samples, its custom metas)."""
