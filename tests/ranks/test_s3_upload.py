@@ -44,7 +44,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def endpoint():
     """A moto S3 server on 127.0.0.1 for this module; its URL."""
-    pytest.importorskip("moto.server", reason="moto[server] not installed: pip install moto[server]")
+    pytest.importorskip(
+        "moto.server", reason="moto[server] not installed: pip install moto[server]"
+    )
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
