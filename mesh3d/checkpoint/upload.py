@@ -68,7 +68,8 @@ class Uploader:
     def close(self) -> dict[int, str]:
         """Wait for every queued upload; the failures (step -> cause)."""
         if self._thread.is_alive():
-            pending = self._queue.qsize() + len(self._waiting)
+            with self._mu:
+                pending = len(self._waiting)
             if pending:
                 logger.info(f"Waiting for {pending} checkpoint upload(s) to {self.s3_root}")
             self._queue.put(None)
