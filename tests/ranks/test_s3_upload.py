@@ -7,7 +7,8 @@ manifest there with its size and latest.txt naming 6; `remove_after_upload` leav
 with exactly the losses of the first run, and of a resume from the downloaded local folder.
 The uploader alone: an endpoint that refuses, a bucket that does not exist, missing
 credentials each give one line naming the path and the cause, after its retries, and the
-local folder is kept; a damaged download is refused.
+local folder is kept (a whole run too: it trains on, and retention keeps those folders); a
+damaged download is refused.
 """
 
 import json
@@ -27,6 +28,7 @@ from parity import layout_overrides, train_runs
 
 import mesh3d.checkpoint.upload as upload
 from mesh3d.checkpoint.folder import write_manifest
+from mesh3d.checkpoint.retention import prune
 from mesh3d.checkpoint.s3 import S3Error, S5cmd, fetch_step, find_s5cmd, listing
 from mesh3d.checkpoint.upload import Uploader
 from mesh3d.errors import UserError
@@ -201,3 +203,24 @@ def test_a_damaged_or_missing_download_is_refused(tmp_path, s3):
     assert not [p for p in (tmp_path / "down").iterdir() if p.name != "3"]  # no half folder
     assert not (tmp_path / "down" / "3").exists()
     shutil.rmtree(tmp_path / "down")
+
+
+def test_a_run_whose_uploads_fail_trains_on_and_keeps_every_folder(tmp_path, s3, quick,
+                                                                   monkeypatch):  # fmt: skip
+    """An endpoint that refuses: the run ends normally; with remove_after_upload and
+    keep_last_checkpoints 1, retention still keeps the folders not uploaded."""
+    monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    one = layout_overrides(1, 1, "ALL_REDUCE", 0, False)
+    run = one + _ckpt(tmp_path / "a", 4) + _upload(f"s3://{s3}/r", remove=True)
+    run += ["mesh3d.keep_last_checkpoints=1"]
+    run_ranks(1, train_runs, [run], timeout=300)
+    left = sorted(p.name for p in (tmp_path / "a").iterdir() if p.name.isdigit())
+    assert left == ["2", "4"], left
+    assert (tmp_path / "a" / "latest.txt").read_text() == "4"
+
+
+def test_retention_spares_the_folders_not_uploaded(tmp_path):
+    for step in (1, 2, 3, 4):
+        _step_folder(tmp_path, step)
+    assert prune(tmp_path, 1, None, protect={2}) == [1, 3]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["2", "4"]
