@@ -6,7 +6,7 @@ manifest there with its size and latest.txt naming 6; `remove_after_upload` leav
 (latest's) on disk. Resuming from `s3://.../4` downloads and verifies it and trains steps 5-6
 with exactly the losses of the first run, and of a resume from the downloaded local folder.
 The uploader alone: an endpoint that refuses, a bucket that does not exist, missing
-credentials each give one line naming the path and the cause, after its retries, and the
+credentials, an endpoint that never answers each give one line naming the path and the cause, after its retries, and the
 local folder is kept (a whole run too: it trains on, and retention keeps those folders); a
 damaged download is refused.
 """
@@ -26,6 +26,7 @@ import pytest
 from dist import run_ranks
 from parity import layout_overrides, train_runs
 
+import mesh3d.checkpoint.s3 as s3mod
 import mesh3d.checkpoint.upload as upload
 from mesh3d.checkpoint.folder import write_manifest
 from mesh3d.checkpoint.retention import prune
@@ -160,13 +161,19 @@ def test_uploader_removes_verified_folders_but_latest_and_a_checkpoints_prefix_r
     ).read_bytes()
 
 
-@pytest.mark.parametrize("fault", ["refused", "no-bucket", "no-credentials"])
+@pytest.mark.parametrize("fault", ["refused", "silent", "no-bucket", "no-credentials"])
 def test_a_failed_upload_is_one_line_naming_path_and_cause_and_keeps_the_folder(
     tmp_path, s3, quick, monkeypatch, fault
 ):
     root, url = tmp_path / "ck", f"s3://{s3}/x"
+    silent = socket.socket()  # accepts connections and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
     if fault == "refused":
         monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    elif fault == "silent":
+        monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setattr(s3mod, "TIMEOUT_S", 1)
     elif fault == "no-bucket":
         url = "s3://no-such-bucket-here/x"
     else:
@@ -177,10 +184,12 @@ def test_a_failed_upload_is_one_line_naming_path_and_cause_and_keeps_the_folder(
     up.submit(_step_folder(root, 1))
     up.submit(_step_folder(root, 2))
     failed = up.close()
+    silent.close()
     assert sorted(failed) == [1, 2]
     line = failed[2]
     assert "\n" not in line and f"{url}/2" in line and str(root / "2") in line, line
-    cause = {"refused": "connection refused", "no-bucket": "NoSuchBucket",
+    cause = {"refused": "connection refused", "silent": "s5cmd timed out after 1s",
+             "no-bucket": "NoSuchBucket",
              "no-credentials": "NoCredentialProviders"}[fault]  # fmt: skip
     assert cause in line, line
     assert (root / "1" / "mesh3d_manifest.json").is_file() and (root / "2").is_dir()
