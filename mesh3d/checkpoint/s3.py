@@ -182,6 +182,7 @@ def resolve_s3_step(s5: S5cmd, path: str) -> str:
         return path
     name = _cat(s5, f"{path}/{LATEST}")
     if name is None:
+        listing(s5, path)  # a bucket that does not exist, named as such
         raise S3Error(f"checkpoints.resume_checkpoint_path {path} is neither a step prefix (with "
                       "checkpoint_metadata.json) nor a checkpoints prefix with latest.txt")  # fmt: skip
     return f"{path}/{name.strip()}"

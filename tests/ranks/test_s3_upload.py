@@ -204,6 +204,8 @@ def test_a_damaged_or_missing_download_is_refused(tmp_path, s3):
     assert up.close() == {}
     with pytest.raises(S3Error, match=f"{url}/nothing is neither a step prefix"):
         fetch_step(S5cmd(S5CMD), f"{url}/nothing", tmp_path / "down")
+    with pytest.raises(S3Error, match="cannot list s3://no-such-bucket-here/r/: NoSuchBucket"):
+        fetch_step(S5cmd(S5CMD), "s3://no-such-bucket-here/r", tmp_path / "down")
     bad = tmp_path / "bad.bin"
     bad.write_bytes(os.urandom(3000))
     S5cmd(S5CMD).run(["cp", str(bad), f"{url}/3/model/w.safetensors"], "cp", url)
