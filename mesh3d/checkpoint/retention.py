@@ -8,7 +8,8 @@ the newest folder is always a verified one. Never deleted: the step `latest.txt`
 last `keep_last` complete folders, every multiple of `keep_every`. A step's Hugging Face export
 (`hf/<step>/`, `mesh3d.hf_export`) goes with it. A folder is renamed to
 `.del-<step>` before it is removed, so a crash mid-deletion leaves no half folder that looks
-like a checkpoint (`.del-*` leftovers are removed by the next prune).
+like a checkpoint (`.del-*` leftovers are removed by the next prune). `protect`: steps never
+deleted either (the folders `s3_upload` has not uploaded yet, `upload.Uploader.unsent`).
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ def kept(steps: list[int], latest: int | None, keep_last: int | None,
     return keep
 
 
-def prune(root: Path, keep_last: int | None, keep_every: int | None) -> list[int]:
+def prune(root: Path, keep_last: int | None, keep_every: int | None,
+          protect: set[int] = frozenset()) -> list[int]:  # fmt: skip
     """Delete the step folders of `root` the settings do not keep; returns their steps."""
     for left in [*root.glob(".del-*"), *root.glob("hf/.del-*")]:
         shutil.rmtree(left, ignore_errors=True)
     if not keep_last:
         return []
     steps = step_folders(root)
-    keep = kept(steps, latest_step(root), keep_last, keep_every)
+    keep = kept(steps, latest_step(root), keep_last, keep_every) | set(protect)
     gone = [s for s in steps if s not in keep]
     for s in gone:
         for folder, doomed in ((root / str(s), root / f".del-{s}"),

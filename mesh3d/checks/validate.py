@@ -12,7 +12,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 
-from mesh3d.checks.checkpoint_checks import checkpoint_errors
+from mesh3d.checks.checkpoint_checks import checkpoint_errors, s3_errors
 from mesh3d.checks.data_checks import data_stage_errors, unsupported_data
 from mesh3d.checks.guard_checks import loss_spike_errors
 from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
@@ -68,7 +68,7 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
         return errors
     checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
               _unsupported, expert_parallel_errors, speed_errors, scale_errors,
-              loss_spike_errors, checkpoint_errors, _recompute)  # fmt: skip
+              loss_spike_errors, checkpoint_errors, _recompute, s3_errors)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
@@ -341,8 +341,6 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     m = cfg.model
     if cfg.tokens is not None and cfg.tokens.limit_test_batches > 0:
         yield not_supported_yet("tokens.limit_test_batches", "there is no test pass; set it to 0")
-    if cfg.s3_upload is not None:
-        yield not_supported_yet("s3_upload", "upload checkpoints yourself; set s3_upload: null")
     if cfg.lighteval is not None:
         yield not_supported_yet("lighteval", "run evaluations separately; set lighteval: null")
     try:

@@ -354,6 +354,9 @@ class ProfilerArgs:
 
 @dataclass
 class S3UploadArgs:
+    """Nanotron's `s3_upload`: each committed step folder is uploaded in the background with
+    s5cmd to `<upload_s3_path>/<step>/` (README "Checkpoints and resume")."""
+
     upload_s3_path: str
     remove_after_upload: bool
     s5cmd_numworkers: int | None = None

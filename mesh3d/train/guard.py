@@ -35,6 +35,7 @@ from mesh3d.errors import (
     report,
 )
 from mesh3d.log import logger
+from mesh3d.mesh import collective_timeout
 from mesh3d.train.signals import StopSignals
 from mesh3d.train.spike import SpikeGuard
 from mesh3d.train.watchdog import Watchdog, heartbeat_interval, is_collective_failure
@@ -85,7 +86,11 @@ class RunGuard:
                     outcome = ("ok", (claim.resume, claim.stale_steps))
                 except UserError as e:
                     outcome = ("error", str(e))
-            kind, value = share(outcome)
+            m = self.cfg.mesh3d  # a resume from s3:// downloads on rank 0 meanwhile
+            slow = str(self.cfg.checkpoints.resume_checkpoint_path or "").startswith("s3://")
+            wait_s = m.checkpoint_timeout_s if slow else m.collective_timeout_s
+            with collective_timeout(None, wait_s, m.collective_timeout_s):
+                kind, value = share(outcome)
             if kind == "error":
                 raise _everyones(UserError(value))
             self.resume_path, self.stale_steps = value

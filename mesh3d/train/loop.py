@@ -124,7 +124,10 @@ def train(cfg, metrics_file: str | None = None, hooks: Sequence = ()) -> RunResu
         run.build()
         n = run.n_params
         logger.info(f"Total number of parameters: {n} ({n * 4 / 2**20:.2f}MiB fp32)")
-        return _train(run, guard, metrics_file, hooks)
+        try:
+            return _train(run, guard, metrics_file, hooks)
+        finally:
+            run.close_uploads()  # the last checkpoint reaches the bucket before the run ends
 
 
 def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence) -> RunResult:

@@ -17,6 +17,7 @@ the model parts, the optimizer and the LR schedule.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from mesh3d.checkpoint.atomic import PendingSave
 from mesh3d.checkpoint.hf import export_hf
 from mesh3d.checkpoint.retention import prune
+from mesh3d.checkpoint.s3 import S5cmd
 from mesh3d.checkpoint.training import checkpoint_custom_metas, load_checkpoint, save_checkpoint
+from mesh3d.checkpoint.upload import Uploader
 from mesh3d.checks import validate
 from mesh3d.data.build import StagedData
 from mesh3d.errors import UserError
@@ -73,6 +76,7 @@ class Run:
     n_params: int = 0
     extra: dict = field(default_factory=dict)  # room for callers' own state
     pending: PendingSave | None = None  # an asynchronous save still being written
+    uploads: Uploader | None = None  # `s3_upload`'s background uploads (rank 0)
 
     @classmethod
     def prepare(cls, cfg) -> Run:
@@ -163,7 +167,7 @@ class Run:
                 f"Step {step}: {out.nbytes / 2**20:.1f} MiB copied, written in the background"
             )
         else:
-            self._saved(Path(out), background=False)
+            self._saved(Path(out), announce=False)
 
     def poll_save(self) -> None:
         """At a step boundary (every rank): commit the background save if every rank wrote it.
@@ -181,20 +185,41 @@ class Run:
                 pending.finish()
             self._saved(pending.final)
 
-    def _saved(self, final: Path, background: bool = True) -> None:
-        """After a save committed: log it (`save_checkpoint` did for a synchronous one), write
-        its Hugging Face export and delete what retention does not keep (rank 0)."""
-        if background:
+    def _saved(self, final: Path, announce: bool = True) -> None:
+        """After a save committed: log it (`save_checkpoint` did for a synchronous one); on rank
+        0 write its Hugging Face export (`hf_export`), queue its upload (`s3_upload`) and delete
+        what retention does not keep, never a folder not uploaded yet."""
+        if announce:
             logger.info(f"Saved checkpoint {final}")
-        m, root = self.cfg.mesh3d, Path(self.cfg.checkpoints.checkpoints_path)
-        if final is not None and dist.get_rank() == 0 and _exports(m.hf_export, int(final.name)):
+        m, s3 = self.cfg.mesh3d, self.cfg.s3_upload
+        root = Path(self.cfg.checkpoints.checkpoints_path)
+        if dist.get_rank() != 0:
+            return
+        if _exports(m.hf_export, int(final.name)):
             export_hf(final, root / "hf" / final.name)
             logger.info(f"Wrote the Hugging Face model {root / 'hf' / final.name}")
-        if dist.get_rank() == 0 and m.keep_last_checkpoints:
-            gone = prune(root, m.keep_last_checkpoints, m.keep_checkpoint_every)
+        if s3 is not None:
+            if self.uploads is None:
+                self.uploads = Uploader(root, s3.upload_s3_path, S5cmd.of(s3),
+                                        s3.remove_after_upload)  # fmt: skip
+            self.uploads.submit(final)
+        if m.keep_last_checkpoints:
+            up = self.uploads
+            with up.lock if up else nullcontext():
+                gone = prune(root, m.keep_last_checkpoints, m.keep_checkpoint_every,
+                             up.unsent() if up else set())  # fmt: skip
             if gone:
                 logger.info(f"Deleted old checkpoints {gone} in {root} "
                             f"(mesh3d.keep_last_checkpoints={m.keep_last_checkpoints})")  # fmt: skip
+
+    def close_uploads(self) -> None:
+        """Wait for the queued checkpoint uploads (rank 0); a failed one was reported on one
+        line and its local folder is kept."""
+        if self.uploads is not None:
+            failed = self.uploads.close()
+            if failed:
+                logger.error(f"s3_upload: {len(failed)} checkpoint(s) not uploaded, kept in "
+                             f"{self.cfg.checkpoints.checkpoints_path}: steps {sorted(failed)}")  # fmt: skip
 
     def load(self, path: Path) -> tuple[int, int, dict]:
         """Resume from the step folder `path`: (its step, consumed samples, its custom metas)."""

@@ -19,7 +19,7 @@ def _cli(tmp_path, d, *args):
 
 
 CLI_BAD = ["unknown-key", "override-no-equals", "world-size", "qwen2-moe", "mamba",
-           "starcoder2-heads-tp", "starcoder2-mq-gq", "starcoder2-global-layers"]  # fmt: skip
+           "starcoder2-heads-tp", "starcoder2-mq-gq", "starcoder2-global-layers", "s3-no-s5cmd"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CLI_BAD)

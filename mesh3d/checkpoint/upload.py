@@ -1,0 +1,127 @@
+"""The background upload of committed step folders to S3 (`s3_upload`), on world rank 0.
+
+    up = Uploader(Path("ckpt"), "s3://bucket/run", S5cmd.of(cfg.s3_upload), remove=True)
+    up.submit(Path("ckpt/200"))    # right after step 200 committed; returns at once
+    ...
+    up.close()                     # at the end of the run: waits for what is queued
+
+One thread uploads one folder at a time (`s3.upload_step`: files, manifest, verified listing,
+then latest.txt). An upload that fails is tried `ATTEMPTS` times, then reported on one line
+(the folder, the S3 path, the cause) and tried again after the next save; its local folder is
+never removed. With `remove_after_upload`, a verified folder is deleted locally, except the
+one `latest.txt` names: a restart always finds the newest checkpoint on disk (the older ones
+are in the bucket; `checkpoints.resume_checkpoint_path: s3://...` downloads one). Retention
+(`retention.prune`) takes `lock` and spares `unsent()`: the folders queued, being uploaded,
+or whose upload failed.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from mesh3d.checkpoint.folder import latest_step
+from mesh3d.checkpoint.s3 import S5cmd, upload_step
+from mesh3d.log import logger
+
+ATTEMPTS = 3
+BACKOFF_S = 2.0  # before the second attempt; doubled for each next one
+
+
+class Uploader:
+    """See the module doc."""
+
+    def __init__(self, root: Path, s3_root: str, s5: S5cmd, remove: bool):
+        self.root, self.s3_root, self.s5, self.remove = root, s3_root.rstrip("/"), s5, remove
+        self.lock = threading.Lock()  # held while a step folder is deleted (here or retention)
+        self._mu = threading.Lock()  # guards the sets below
+        self._waiting: set[int] = set()  # queued or being uploaded
+        self._failed: dict[int, str] = {}  # step -> the last error, kept locally
+        self._uploaded: set[int] = set()  # verified in the bucket, still on disk
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="mesh3d-s3-upload", daemon=True)
+        self._thread.start()
+
+    def unsent(self) -> set[int]:
+        """The steps retention must not delete: queued, uploading, or failed."""
+        with self._mu:
+            return self._waiting | set(self._failed)
+
+    def failures(self) -> dict[int, str]:
+        """Step -> why its upload failed (each also logged once)."""
+        with self._mu:
+            return dict(self._failed)
+
+    def submit(self, step_dir: Path) -> None:
+        """Queue `step_dir` (committed), and again every folder whose upload failed before."""
+        with self._mu:
+            again = [s for s in sorted(self._failed) if (self.root / str(s)).is_dir()]
+            self._failed.clear()
+            steps = [s for s in [*again, int(step_dir.name)] if s not in self._waiting]
+            self._waiting.update(steps)
+        for s in steps:
+            self._queue.put(s)
+
+    def close(self) -> dict[int, str]:
+        """Wait for every queued upload; the failures (step -> cause)."""
+        if self._thread.is_alive():
+            with self._mu:
+                pending = len(self._waiting)
+            if pending:
+                logger.info(f"Waiting for {pending} checkpoint upload(s) to {self.s3_root}")
+            self._queue.put(None)
+            self._thread.join()
+        return self.failures()
+
+    def _work(self) -> None:
+        while (step := self._queue.get()) is not None:
+            error = self._upload(step)
+            with self._mu:
+                self._waiting.discard(step)
+                if error is None:
+                    self._uploaded.add(step)
+                else:
+                    self._failed[step] = error
+            if error is None and self.remove:
+                self._remove_uploaded()
+
+    def _upload(self, step: int) -> str | None:
+        """Upload step `step`, retrying; None, or the error line (logged)."""
+        step_dir = self.root / str(step)
+        error = ""
+        for attempt in range(ATTEMPTS):
+            if attempt:
+                time.sleep(BACKOFF_S * 2 ** (attempt - 1))
+            if not step_dir.is_dir():
+                return None  # deleted meanwhile (an overwrite): nothing to upload
+            try:
+                prefix = upload_step(self.s5, step_dir, self.s3_root,
+                                     latest=latest_step(self.root) == step)  # fmt: skip
+                logger.info(f"Uploaded checkpoint {step_dir} to {prefix} (verified)")
+                return None
+            except Exception as e:  # noqa: BLE001 - any failure is reported, never raised
+                error = str(e)
+        line = (f"s3_upload: {error} (after {ATTEMPTS} attempts); the local checkpoint "
+                f"{step_dir} is kept and its upload is tried again after the next save")  # fmt: skip
+        logger.error(line)
+        return line
+
+    def _remove_uploaded(self) -> None:
+        """Delete the verified folders but the one latest.txt names."""
+        with self.lock:
+            latest = latest_step(self.root)
+            with self._mu:
+                doomed = sorted(s for s in self._uploaded if s != latest)
+                self._uploaded -= set(doomed)
+            for s in doomed:
+                folder = self.root / str(s)
+                if not folder.is_dir():
+                    continue
+                gone = self.root / f".del-{s}"
+                folder.rename(gone)
+                shutil.rmtree(gone, ignore_errors=True)
+                logger.info(f"Removed {folder} (s3_upload.remove_after_upload: it is in "
+                            f"{self.s3_root}/{s}, verified)")  # fmt: skip
