@@ -8,6 +8,10 @@ READMEs quote; commit those on purpose. A script's own `--out` (where it has one
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import shlex
+import sys
 from pathlib import Path
 
 PUBLISHED = Path(__file__).resolve().parent / "results"
@@ -29,3 +33,14 @@ def results_dir(publish: bool) -> Path:
     folder = PUBLISHED if publish else LOCAL
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def print_header() -> dict:
+    """Print the exact command, torch's version, the core count and the date (what every
+    benchmark prints first); returns them for the result file."""
+    import torch
+
+    print("command:", "python", *map(shlex.quote, sys.argv))
+    head = {"date": str(datetime.date.today()), "torch": torch.__version__, "cores": os.cpu_count()}
+    print(f"torch {head['torch']} | cores {head['cores']} | {head['date']}")
+    return head

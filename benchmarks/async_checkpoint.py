@@ -18,18 +18,19 @@ step they are what the asynchronous save still takes from training). Results go 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
+from _results import (  # benchmarks/ is on sys.path when a script runs
+    add_publish_flag,
+    print_header,
+    results_dir,
+)
 
 from mesh3d.config import load_config
 from mesh3d.train.run import Run
@@ -85,8 +86,7 @@ def main(argv=None) -> int:
     add_publish_flag(ap)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    print("command:", "python", *map(shlex.quote, sys.argv))
-    print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
+    head = print_header()
     work = Path(tempfile.mkdtemp(prefix="mesh3d-async-ckpt-"))
     overrides = MODEL + [f"checkpoints.checkpoints_path={work}"] + args.overrides
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -106,8 +106,7 @@ def main(argv=None) -> int:
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     ratio = [r["async_lost_s"] / r["sync_lost_s"] for r in rounds]
     result = dict(
-        date=str(datetime.date.today()), torch=torch.__version__, cores=os.cpu_count(),
-        parameters=n_params, rounds=rounds, median=med,
+        **head, parameters=n_params, rounds=rounds, median=med,
         async_over_sync_lost=statistics.median(ratio), per_round_ratio=ratio,
         copied_over_fp32_params=med["async_copied_bytes"] / (4 * n_params),
     )  # fmt: skip

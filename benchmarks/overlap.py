@@ -21,10 +21,7 @@ largest bucket), from the implementation's own sizes. Medians over rounds, rank 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -33,7 +30,7 @@ from pathlib import Path
 
 import torch
 from _ranks import launch
-from _results import add_publish_flag, results_dir
+from _results import add_publish_flag, print_header, results_dir
 
 import mesh3d.train.step as step_module
 from mesh3d.config import load_config
@@ -107,10 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="steps of each variant (default 6)")
     add_publish_flag(ap)
     args = ap.parse_args(argv)
-    print("command:", "python", *map(shlex.quote, sys.argv))
-    print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
-    result = {"date": str(datetime.date.today()), "torch": torch.__version__,
-              "cores": os.cpu_count(), "rounds": args.rounds, "layouts": {}}  # fmt: skip
+    head = print_header()
+    result = {**head, "rounds": args.rounds, "layouts": {}}
     for label, world, tp in (("dp2", 2, 1), ("dp2 x tp2", 4, 2)):
         r = launch(world, rank_main, tp, args.rounds, timeout=1800)[0]
         med = {n: (statistics.median(r["times"][n]), statistics.median(r["exposed"][n]))

@@ -17,17 +17,14 @@ tests/ranks/test_plan_ranks.py). Results go to `benchmarks/results/local/recompu
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import torch
-from _results import add_publish_flag, results_dir
+from _results import add_publish_flag, print_header, results_dir
 
 from mesh3d.config import load_config
 from mesh3d.plan import make_plan
@@ -55,8 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6, help="steps of each mode (default 6)")
     add_publish_flag(ap)
     args = ap.parse_args(argv)
-    print("command:", "python", *map(shlex.quote, sys.argv))
-    print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
+    head = print_header()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29537")
     cfgs = {n: load_config(ROOT / "recipes" / "configs" / "cpu_tiny.yaml", MODEL + o)
@@ -83,8 +79,7 @@ def main(argv=None) -> int:
         rows[name] = {"saved_bytes_planned": saved, "saved_over_none": saved / none_b,
                       "step_s": t, "step_over_none": t / none_t, "all_step_s": times[name]}  # fmt: skip
         print(f"{name:>16} {saved / 2**20:17.1f} {saved / none_b:8.2f} {t:8.3f} {t / none_t:8.2f}")
-    result = {"date": str(datetime.date.today()), "torch": torch.__version__,
-              "cores": os.cpu_count(), "rounds": args.rounds, "modes": rows}  # fmt: skip
+    result = {**head, "rounds": args.rounds, "modes": rows}
     out = results_dir(args.publish) / "recompute.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
