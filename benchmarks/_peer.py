@@ -7,14 +7,18 @@ throughput mesh3d keeps at dp=tp=pp=2 and at tp=2 alone, on the shape peers repo
 Shape: Llama hidden 256, ffn 1024, 4 layers, GQA 4 q / 2 kv heads, vocab 512 (tied), sequence 128,
 fp32; 32 sequences = 4,096 tokens per step in microbatches of 4 sequences; 20 steps, reported as
 the median tokens/s of steps 3-20. Every run is a fresh process (or torchrun group), one intra-op
-thread per rank (an in-process 1x1x1 run slowed step by step after other work in the process):
-  - mesh3d 1x1x1: `recipes/train.py` on 1 torchrun rank, 8 microbatches,
+thread per rank unless said (an in-process 1x1x1 run slowed step by step after other work in
+the process):
+  - mesh3d 1x1x1: `recipes/train.py` on 1 torchrun rank, 8 microbatches, once with as many
+    intra-op threads as the machine has cores (the baseline: the one process a user runs) and
+    once with one thread (kept beside it, labelled),
   - mesh3d 2x2x2, tp_mode REDUCE_SCATTER and ALL_REDUCE: 8 gloo ranks, 4 microbatches a replica,
   - mesh3d tp=2 alone, both tp_modes: 2 ranks, 8 microbatches,
   - throughput.py's plain loop (b) at 1x1x1: this file run as a script.
 mesh3d's tokens/s are the ones its metrics file logs (the last stage's step time). The ways run
 one after the other, in reversed order every other repetition; efficiency = tokens/s of a layout /
-tokens/s of mesh3d 1x1x1 in the same repetition, reported per repetition and as their median.
+tokens/s of mesh3d 1x1x1 on every core in the same repetition, reported per repetition and as
+their median (and over the one-thread 1x1x1 beside it).
 Every mesh3d run trains the same model on the same batches, so all must log the same first and
 last loss (1e-4 relative; the plain loop keeps the LR constant, so only its first loss counts):
 the benchmark exits 1 when they do not.
@@ -51,6 +55,7 @@ from mesh3d.config import load_config
 SCHEDULE = {"peer": (20, 2, 3), "peer_tiny": (4, 1, 1)}
 # way -> (system, (dp, tp, pp), tp_mode)
 WAYS = {
+    "mesh3d_1x1x1_cores": ("mesh3d", (1, 1, 1), None),  # threads = cores: what a user runs
     "mesh3d_1x1x1": ("mesh3d", (1, 1, 1), None),
     "plain_1x1x1": ("plain", (1, 1, 1), None),
     "mesh3d_2x2x2_reduce_scatter": ("mesh3d", (2, 2, 2), "REDUCE_SCATTER"),
@@ -58,9 +63,12 @@ WAYS = {
     "mesh3d_tp2_reduce_scatter": ("mesh3d", (1, 2, 1), "REDUCE_SCATTER"),
     "mesh3d_tp2_all_reduce": ("mesh3d", (1, 2, 1), "ALL_REDUCE"),
 }
-BASELINE = "mesh3d_1x1x1"
+THREADS = {"mesh3d_1x1x1_cores": os.cpu_count() or 1}  # the others: one thread per rank
+BASELINE = "mesh3d_1x1x1_cores"  # efficiency against the one-process run on every core
+ONE_THREAD = "mesh3d_1x1x1"  # the one-thread 1x1x1, kept beside it (efficiency_one_thread)
 # --tiny (the test): every layout and tp_mode once, not every pair (8 ranks start in ~30 s here)
-TINY_WAYS = ("mesh3d_1x1x1", "plain_1x1x1", "mesh3d_2x2x2_reduce_scatter", "mesh3d_tp2_all_reduce")
+TINY_WAYS = ("mesh3d_1x1x1_cores", "mesh3d_1x1x1", "plain_1x1x1", "mesh3d_2x2x2_reduce_scatter",
+             "mesh3d_tp2_all_reduce")  # fmt: skip
 LOSS_RTOL = 1e-4
 TARGETS = {"tp2": 0.85}  # tokens/s at tp=2 (2 ranks) / at 1x1x1
 
@@ -85,8 +93,8 @@ def run_way(way: str, mode: str, steps: int) -> dict:
     if system == "mesh3d":
         ranks = math.prod(dims)
         layout = layout_overrides(mode, dims, tp_mode)
-        metrics, wall = torchrun_train(ranks, overrides(mode, steps) + layout)
-        return dict(ranks=ranks, wall_s=wall, step_tokens_per_sec=[m["tokens_per_sec"] for m in metrics],
+        metrics, wall = torchrun_train(ranks, overrides(mode, steps) + layout, THREADS.get(way, 1))
+        return dict(ranks=ranks, threads=THREADS.get(way, 1), wall_s=wall, step_tokens_per_sec=[m["tokens_per_sec"] for m in metrics],
                     losses=[m["lm_loss"] for m in metrics])  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="mesh3d-peer-") as tmp:
         out = Path(tmp) / "plain.json"
@@ -125,9 +133,10 @@ def loss_parity(runs: dict[str, list[dict]]) -> dict:
                 ok=first <= LOSS_RTOL and last <= LOSS_RTOL)  # fmt: skip
 
 
-def efficiencies(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """way -> its tokens/s / mesh3d 1x1x1's, per repetition and their median."""
-    base = [r["tokens_per_sec_median"] for r in runs[BASELINE]]
+def efficiencies(runs: dict[str, list[dict]], baseline: str = BASELINE) -> dict[str, dict]:
+    """way -> its tokens/s / `baseline`'s (mesh3d 1x1x1 on every core), per repetition and
+    their median."""
+    base = [r["tokens_per_sec_median"] for r in runs[baseline]]
     out = {}
     for way, reps in runs.items():
         per_rep = [r["tokens_per_sec_median"] / b for r, b in zip(reps, base, strict=True)]
@@ -154,7 +163,8 @@ def run_peer(tiny: bool) -> dict:
     return dict(mode=mode, shape=SHAPES[mode], overrides=overrides(mode, steps), steps=steps,
                 skipped_steps=skip, repetitions=reps, ways={w: list(WAYS[w]) for w in ways},
                 layouts={w: layout_overrides(mode, WAYS[w][1], WAYS[w][2]) for w in ways},
-                runs=runs, efficiency=efficiencies(runs), loss_parity=loss_parity(runs),
+                runs=runs, efficiency=efficiencies(runs),
+                efficiency_one_thread=efficiencies(runs, ONE_THREAD), loss_parity=loss_parity(runs),
                 targets=TARGETS)  # fmt: skip
 
 
@@ -171,20 +181,25 @@ def table(result: dict) -> str:
     def tps(way: str) -> str:
         return _cell([r["tokens_per_sec_median"] for r in runs[way]], ".0f")
 
+    one = result.get("efficiency_one_thread", eff)
+
     def rows(dims: tuple[int, int, int], per_rank: bool) -> list[str]:
         out = []
         for way in (w for w in runs if WAYS[w][1] == dims):
             e = eff[way]
             row = (f"| mesh3d, tp_mode {WAYS[way][2]} | {tps(BASELINE)} | {tps(way)} | "
-                   f"{_cell(e['per_repetition'], '.3f')} |")  # fmt: skip
+                   f"{_cell(e['per_repetition'], '.3f')} | {one[way]['median']:.3f} |")  # fmt: skip
             out.append(row + (f" {e['median'] / math.prod(dims):.3f} |" if per_rank else ""))
         return out
 
-    lines = ["tokens/s: median of repetitions (each repetition's median over steps)", "",
-             "| system | 1×1×1 | 2×2×2 | efficiency |", "|---|---|---|---|",
-             *rows((2, 2, 2), False), f"| plain torch loop | {tps('plain_1x1x1')} | — | — |", "",
-             "| system | 1×1×1 | tp=2 (2 ranks) | efficiency | per rank (÷ 2) |",
-             "|---|---|---|---|---|", *rows((1, 2, 1), True)]  # fmt: skip
+    cores = runs[BASELINE][0].get("threads", "all")
+    lines = ["tokens/s: median of repetitions (each repetition's median over steps)",
+             f"efficiency: over mesh3d 1×1×1 on {cores} threads (one process using the machine); "
+             f"beside it, over the one-thread 1×1×1 ({tps(ONE_THREAD)} tokens/s)", "",
+             "| system | 1×1×1 | 2×2×2 | efficiency | over 1 thread |", "|---|---|---|---|---|",
+             *rows((2, 2, 2), False), f"| plain torch loop | {tps('plain_1x1x1')} | — | — | — |",
+             "", "| system | 1×1×1 | tp=2 (2 ranks) | efficiency | over 1 thread | per rank (÷ 2) |",
+             "|---|---|---|---|---|---|", *rows((1, 2, 1), True)]  # fmt: skip
     lines += ["", "| run | step-1 loss | last loss |", "|---|---|---|"]
     for way, reps in runs.items():
         firsts = sorted({f"{r['losses'][0]:.6f}" for r in reps})

@@ -22,6 +22,7 @@ The tests of this subject that run in one process without a process group are in
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,11 +76,14 @@ def test_throughput_peer_tiny_writes_sane_json(tmp_path):
     cmd = [sys.executable, "benchmarks/throughput.py", "--peer", "--tiny", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| system | 1×1×1 | 2×2×2 | efficiency |" in proc.stdout
+    assert "| system | 1×1×1 | 2×2×2 | efficiency | over 1 thread |" in proc.stdout
     r = json.loads(out.read_text())
     ranks = {way: reps[0]["ranks"] for way, reps in r["runs"].items()}
-    assert ranks == {"mesh3d_1x1x1": 1, "plain_1x1x1": 1, "mesh3d_2x2x2_reduce_scatter": 8,
-                     "mesh3d_tp2_all_reduce": 2}  # fmt: skip
+    assert ranks == {"mesh3d_1x1x1_cores": 1, "mesh3d_1x1x1": 1, "plain_1x1x1": 1,
+                     "mesh3d_2x2x2_reduce_scatter": 8, "mesh3d_tp2_all_reduce": 2}  # fmt: skip
+    assert r["runs"]["mesh3d_1x1x1_cores"][0]["threads"] == os.cpu_count()
+    assert r["efficiency"]["mesh3d_1x1x1_cores"]["median"] == 1.0
+    assert r["efficiency_one_thread"]["mesh3d_1x1x1"]["median"] == 1.0
     ref = r["runs"]["mesh3d_1x1x1"][0]["losses"]
     for way, reps in r["runs"].items():
         assert len(reps) == r["repetitions"] >= 1
