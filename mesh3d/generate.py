@@ -128,9 +128,15 @@ def main(argv: list[str] | None = None) -> None:
     if world == 1:
         new_ids, how = generate_here(step, prompt_ids, args)
     else:  # the training stack (build, pipeline, checkpoint loading) only under torchrun
-        from mesh3d.generation.parallel import generate_cli
+        import torch.distributed as dist
 
+        from mesh3d.generation.parallel import generate_cli
+        from mesh3d.mesh import shutdown_distributed
+
+        started = dist.is_initialized()  # a caller's group (tests, a library user) stays up
         new_ids, how = generate_cli(step, prompt_ids, args, tp, pp)
+        if not started:  # only after success: after an error a peer may be gone, and tearing
+            shutdown_distributed()  # down could hang; the exit code says it failed anyway
     if first:
         print(f"{step}: tokenizer {tok_path} ({where}); {len(new_ids)} new tokens {how}",
               file=sys.stderr)  # fmt: skip

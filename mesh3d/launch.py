@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_rank(path: str, overrides: list[str], metrics_file: str | None) -> None:
     """One rank's run (the launched processes, torchrun's ranks, and a one-process run)."""
-    import torch.distributed as dist
-
+    from mesh3d.mesh import shutdown_distributed
     from mesh3d.summary import finish
     from mesh3d.train.loop import train
 
@@ -109,16 +108,17 @@ def run_rank(path: str, overrides: list[str], metrics_file: str | None) -> None:
     except UserError as e:  # the same file and overrides on every rank
         e.same_on_every_rank = True
         raise
-    peers_gone = False
+    peers_gone, ok = False, False
     try:
         result = train(cfg, metrics_file=metrics_file)
         finish(cfg, result, metrics_file)
+        ok = True
     except PeerError:
         peers_gone = True  # tearing down a group whose peers are gone can hang: just exit
         raise
     finally:
-        if dist.is_initialized() and not peers_gone:
-            dist.destroy_process_group()
+        if not peers_gone:
+            shutdown_distributed(wait=ok)
 
 
 def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> None:

@@ -257,3 +257,30 @@ def mesh_from_config(cfg, device: str | None = None) -> DeviceMesh:
     dev = init_distributed(device=device or cfg.mesh3d.device)
     p = cfg.parallelism
     return build_mesh(ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, cp=p.context_parallel_size), dev.type)
+
+
+def shutdown_distributed(wait: bool = True) -> None:
+    """End this process's part in the process groups at the end of a command.
+
+    With `wait` (after a success) every rank first waits for the others, so that none tears its
+    connections down while a peer is still receiving; without it (after an error every rank
+    raised) it only tears down. The process groups mesh3d caches are dropped (`groups_of`, `replica_mesh`:
+    a cached group outlives `destroy_process_group` and is then destroyed during interpreter
+    exit, with its gloo threads still alive: `terminate called without an active exception`),
+    then every group is destroyed. Not after a `PeerError`: a group whose peers are gone can
+    hang in teardown."""
+    import gc
+    import sys
+
+    if not dist.is_initialized():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        if wait and dist.get_world_size() > 1:
+            dist.barrier()
+    finally:
+        groups_of.cache_clear()
+        replica_mesh.cache_clear()
+        dist.destroy_process_group()
+        gc.collect()  # model and mesh cycles holding groups go now, not at interpreter exit

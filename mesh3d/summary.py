@@ -8,9 +8,11 @@
     plot         runs/default_20261203_091500/metrics.png
     sample       'def __init__(self' -> ...
 
-World rank 0 prints it after every rank finished (the losses are the same on every rank). The
-sample is greedy text from the last checkpoint, read into one process (any layout wrote it),
-when the run has a checkpoint and a local tokenizer.
+World rank 0 prints it after every rank finished (the losses are the same on every rank). It
+speaks of this run only: after a resume the steps are those it ran (`22 steps ... (resumed from
+step 8)`) and the checkpoint is the one it saved last, not the one it resumed from (none when it
+saved none). The sample is greedy text from that checkpoint, read into one process (any layout
+wrote it), when there is one and a local tokenizer.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mesh3d.checkpoint.folder import latest_step
 from mesh3d.log import logger
 
 PROMPT = "def __init__(self"
@@ -34,19 +35,24 @@ def finish(cfg, result, metrics_file: str | None) -> None:
     if (dist.get_rank() if dist.is_initialized() else 0) != 0 or not result.metrics:
         return
     plot = _plot(metrics_file)
-    step_dir = _last_checkpoint(cfg)
-    lines = summary_lines(cfg, result.metrics, metrics_file, plot, step_dir)
+    step_dir = result.saved_dir
+    lines = summary_lines(cfg, result.metrics, metrics_file, plot, step_dir, result.start_step)
     sample = _sample(cfg, step_dir)
     if sample:
         lines.append(f"sample       {sample}")
     print("\n".join(lines), flush=True)
 
 
-def summary_lines(cfg, metrics: list[dict], metrics_file, plot, step_dir) -> list[str]:
+def summary_lines(cfg, metrics: list[dict], metrics_file, plot, step_dir,
+                  start_step: int = 0) -> list[str]:  # fmt: skip
+    """The summary of a run that ran `metrics` (one per step) after step `start_step` and saved
+    `step_dir` last (None: it saved nothing)."""
     first, last = metrics[0], metrics[-1]
     seconds = sum(m.get("elapsed_time_per_iteration_ms", 0.0) for m in metrics) / 1000
     minutes, secs = divmod(int(seconds), 60)
-    lines = [f"== run {cfg.general.run}: {last['iteration']} steps in {minutes}m{secs:02d}s =="]
+    ran = last["iteration"] - start_step
+    resumed = f" (resumed from step {start_step})" if start_step else ""
+    lines = [f"== run {cfg.general.run}: {ran} steps in {minutes}m{secs:02d}s{resumed} =="]
     loss = (
         f"train loss   {first['lm_loss']:.3f} (step {first['iteration']}) -> {last['lm_loss']:.3f}"
     )
@@ -74,14 +80,6 @@ def _plot(metrics_file: str | None) -> Path | None:
     except Exception as e:  # no matplotlib, a full disk: the run itself succeeded
         logger.warning(f"no plot written: {e}")
         return None
-
-
-def _last_checkpoint(cfg) -> Path | None:
-    if cfg.checkpoints is None:
-        return None
-    root = Path(cfg.checkpoints.checkpoints_path)
-    step = latest_step(root)
-    return root / str(step) if step is not None else None
 
 
 def _sample(cfg, step_dir: Path | None, new_tokens: int = 24) -> str | None:

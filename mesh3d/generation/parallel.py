@@ -170,8 +170,8 @@ def _last_logits(model: ParallelModel, out: Tensor) -> Tensor | None:
 
 
 def generate_cli(step: Path, prompt_ids: list[int], args, tp: int, pp: int) -> tuple[list, str]:
-    """The new token ids for `mesh3d generate` at tp x pp, and how they were made."""
-    started = dist.is_initialized()
+    """The new token ids for `mesh3d generate` at tp x pp, and how they were made (the caller
+    ends the process group: `mesh.shutdown_distributed`)."""
     length = len(prompt_ids) + args.max_new_tokens
     model = load_parallel_model(step, tp, pp, 1, length, args.device)
     generator = torch.Generator(model.device).manual_seed(args.seed)
@@ -180,7 +180,5 @@ def generate_cli(step: Path, prompt_ids: list[int], args, tp: int, pp: int) -> t
                             args.temperature, args.top_k, model.layout.eos_token_id,
                             generator)  # fmt: skip
     took = time.perf_counter() - start
-    if not started:  # after an error a peer may be gone, and tearing down could hang
-        dist.destroy_process_group()
     how = f"in {took:.1f} s at tp {tp} x pp {pp} on {model.device.type}"
     return out[len(prompt_ids) :].tolist(), how

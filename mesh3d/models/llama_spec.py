@@ -17,6 +17,7 @@ from mesh3d.models.llama_checks import llama_errors, llama_sizes
 from mesh3d.models.spec import Blocks, HFSpec, LayerTable, ModelShape, ModelSpec, decoder_cost
 from mesh3d.nanotron_names import EMBEDDING, FINAL_NORM, LM_HEAD
 
+# In the order of Nanotron's Llama decoder layer (`models/llama.py`), which its optimizer files keep
 NANOTRON_LAYER: LayerTable = {
     "input_layernorm.weight": (("input_layernorm.weight",), "replicated"),
     "attn.qkv_proj.weight": (

@@ -81,21 +81,43 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     return plan
 
 
+# Nanotron's order of a Qwen2 decoder layer's parameters (`models/qwen.py`, `nn/moe.py`: the
+# order `named_parameters()` yields them, which its optimizer files follow and its loader pairs by
+# position). `Qwen2DecoderLayer` registers `post_attention_layernorm` before `attn` (both norms
+# are assigned first); `Qwen2MoELayer` registers the router, the shared expert, its gate, then the
+# experts. Llama's layer differs (attn before post_attention_layernorm): `llama_spec`.
+NANOTRON_ORDER = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "attn.qkv_proj.weight",
+    "attn.qkv_proj.bias",
+    "attn.o_proj.weight",
+    "mlp.gate_up_proj.weight",
+    "mlp.down_proj.weight",
+    "mlp.router.weight",
+    "mlp.shared_expert.gate_up_proj.weight",
+    "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_expert_gate.weight",
+    "mlp.experts.merged_gate_up_proj",
+    "mlp.experts.merged_down_proj",
+)
+
+
 def nanotron_layer(s: ModelShape, i: int = 0) -> LayerTable:
-    """Llama's table, with `attn.qkv_proj.bias` right after its weight (Nanotron's order); in
-    an MoE layer the experts replace the MLP."""
+    """Llama's parameters plus `attn.qkv_proj.bias` when `qkv_bias`; in an MoE layer the experts
+    replace the MLP. In `NANOTRON_ORDER`, Nanotron's (not Llama's) module order."""
     out: LayerTable = {}
     for key, value in llama_spec.NANOTRON_LAYER.items():
         if key.startswith("mlp.") and i in s.moe_layers:
             continue
         out[key] = value
-        if key == "attn.qkv_proj.weight" and s.qkv_bias:
-            out["attn.qkv_proj.bias"] = (BIAS, "column")
+    if s.qkv_bias:
+        out["attn.qkv_proj.bias"] = (BIAS, "column")
     if i in s.moe_layers:
         out.update(moe_spec.MOE_LAYER)
         if s.shared_ffn:
             out.update(moe_spec.SHARED_EXPERT)
-    return out
+    return {key: out[key] for key in sorted(out, key=NANOTRON_ORDER.index)}
 
 
 def param_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:

@@ -47,6 +47,8 @@ class RunResult:
     model: torch.nn.Module | None = None  # the model, or a ModuleList of this rank's stages
     optimizer: torch.optim.Optimizer | None = None
     mesh: DeviceMesh | None = None
+    start_step: int = 0  # the step the run resumed from (0: it started fresh)
+    saved_dir: Path | None = None  # the step folder this run saved last (None: it saved none)
 
 
 def _resume(run: Run, guard: RunGuard) -> tuple[int, int, str | None]:
@@ -150,7 +152,9 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
     peak = peak_tflops(
         torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None
     )
-    result, step_seconds = RunResult(), []
+    result, step_seconds = RunResult(start_step=start), []
+    if guard.resume_path is None and ck is not None and ck.save_initial_state:
+        result.saved_dir = Path(ck.checkpoints_path) / "0"  # `_resume` saved it
     on_step = [h.on_step for h in hooks if hasattr(h, "on_step")]
     saved = start
     with step_profiler(cfg.profiler, rank) as profiler:
@@ -203,7 +207,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
             if ck is not None and (step % ck.checkpoint_interval == 0 or stop):
                 last = bool(stop) or step == tok.train_steps
                 _save(run, guard, step, consumed, wandb_id, last_step=last)
-                saved = step
+                saved, result.saved_dir = step, Path(ck.checkpoints_path) / str(step)
             if stop:
                 sinks.close()
                 spiking = guard.spikes is not None and guard.spikes.spiking
@@ -215,6 +219,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
         and start < tok.train_steps
     ):
         _save(run, guard, tok.train_steps, consumed, wandb_id, last_step=True)
+        result.saved_dir = Path(ck.checkpoints_path) / str(tok.train_steps)
     run.finish_save()
     sinks.close()
     for hook in hooks:

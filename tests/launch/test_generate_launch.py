@@ -7,13 +7,17 @@ This file holds the tests of that subject that launch real processes; the others
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import test_generate
 from test_generate import SIZES, run_main, save_step
 
 from mesh3d.config import LlamaConfig
+
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 
 # test_generate's fixture, requested here by name
 ckpts = test_generate.ckpts
@@ -51,3 +55,36 @@ def test_cli_errors_exit_2_without_traceback(ckpts, capsys, tmp_path):
     assert r.returncode == 2
     assert r.stderr == f"error: --checkpoint {tmp_path / 'nope'} does not exist; give a step " \
         "folder or a checkpoints folder\n"  # fmt: skip
+
+
+TRAIN_TINY = """
+import copy, sys
+from parity import TINY
+from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.data.synthetic import make_tokenizer
+from mesh3d.train.loop import train
+make_tokenizer(sys.argv[1] + "/tok", vocab_size=300)
+train(apply_overrides(config_from_dict(copy.deepcopy(TINY)), [
+    "model.model_config.vocab_size=301", "tokens.train_steps=1",
+    "checkpoints.checkpoints_path=" + sys.argv[1] + "/ck", "checkpoints.checkpoint_interval=1",
+    "tokenizer.tokenizer_name_or_path=" + sys.argv[1] + "/tok"]))
+"""
+LAUNCHES = 5
+
+
+def test_torchrun_tp2_exits_cleanly_every_time(tmp_path):
+    """Issue 26: rank 1 sometimes aborted at exit (`terminate called without an active
+    exception`, SIGABRT) after the text was printed. Every launch must exit 0, print the text
+    once, and neither rank may abort."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HELPERS), env.get("PYTHONPATH", "")])
+    made = subprocess.run([sys.executable, "-c", TRAIN_TINY, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", "-m", "mesh3d.generate", "--checkpoint",
+               str(tmp_path / "ck"), "--prompt", "The cat", "--max-new-tokens", "1", "--tp", "2"]  # fmt: skip
+    for i in range(LAUNCHES):
+        r = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "terminate called" not in r.stderr, (i, r.stderr[-3000:])
+        assert r.stdout.startswith("The cat") and r.stdout.count("The cat") == 1, (i, r.stdout)
