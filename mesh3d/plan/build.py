@@ -87,16 +87,18 @@ def plan_basis(cfg, z: _Sizes, split, shapes, orders) -> PlanBasis:
     )  # fmt: skip
 
 
-def rank_plan(z: _Sizes, b: PlanBasis, rank: int, coords: dict[str, int]) -> RankPlan:
-    """One rank's memory and communication (`coords`: its pp, dp, cp, tp indices)."""
+def rank_plan(
+    z: _Sizes, b: PlanBasis, rank: int, coords: dict[str, int], params=None, peaks=None
+) -> RankPlan:
+    """One rank's memory and communication (`coords`: its pp, dp, cp, tp indices). `params`
+    (its stages' `_params`) and `peaks` (`_peaks` of its order) if already known."""
     ids = stage_ids_of_rank(coords["pp"], z.pp, z.v, z.schedule) if z.pp > 1 else [0]
-    params = [x for i in ids for x in _params(z, b.shapes[i], coords)]
+    if params is None:
+        params = [x for i in ids for x in _params(z, b.shapes[i], coords)]
     elements = sum(x.local for x in params)
     grads = sum(x.grad for x in params) * z.e_p
     optim = sum(2 * x.local * z.e_p + 4 for x in params) if b.adamw else 0
-    saved = {s.stage: s.saved_per_microbatch for s in b.stages}
-    held = {s.stage: s.held_per_microbatch for s in b.stages}
-    peak_saved, peak_act, in_flight = _peaks(b.orders[coords["pp"]], saved, held, b.loss)
+    peak_saved, peak_act, in_flight = peaks or rank_peaks(b, coords["pp"])
     transient = _transient(z, params, ids, b.one_layer)
     peak = elements * z.e_p + grads + optim + peak_act + sum(transient.values())
     tied_peer = b.tied and len(b.ends) == 2 and coords["pp"] in b.ends
@@ -107,6 +109,13 @@ def rank_plan(z: _Sizes, b: PlanBasis, rank: int, coords: dict[str, int]) -> Ran
         saved_activation_bytes=peak_saved, activation_bytes=peak_act,
         microbatches_in_flight=in_flight, transient=transient, peak_bytes=peak, comm=comm,
     )  # fmt: skip
+
+
+def rank_peaks(b: PlanBasis, pp_rank: int) -> tuple[int, int, int]:
+    """`_peaks` of one pp rank's order: (peak saved, peak saved + held, chunks in flight)."""
+    saved = {s.stage: s.saved_per_microbatch for s in b.stages}
+    held = {s.stage: s.held_per_microbatch for s in b.stages}
+    return _peaks(b.orders[pp_rank], saved, held, b.loss)
 
 
 def stage_shapes(cfg, z: _Sizes) -> tuple[nn.Module, list[list[int]], list[list[_Shape]]]:

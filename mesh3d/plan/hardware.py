@@ -68,12 +68,15 @@ _A100 = dict(peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
              intra_node_gbps=300, inter_node_gbps=25, latency_us=20)  # fmt: skip
 PROFILES: dict[str, Hardware] = {
     "h100-80g": Hardware("h100-80g", memory_gib=79.6, **_H100, source="NVIDIA H100 datasheet"),
-    "h200": Hardware("h200", memory_gib=140.4, **(_H100 | {"memory_gbps": 4800}),
-                     source="NVIDIA H200 datasheet"),  # fmt: skip
-    "a100-80g": Hardware("a100-80g", memory_gib=80.0, memory_gbps=2039, **_A100,
-                         source="NVIDIA A100 datasheet"),  # fmt: skip
-    "a100-40g": Hardware("a100-40g", memory_gib=40.0, memory_gbps=1555, **_A100,
-                         source="NVIDIA A100 datasheet"),  # fmt: skip
+    "h200": Hardware(
+        "h200", memory_gib=140.4, **(_H100 | {"memory_gbps": 4800}), source="NVIDIA H200 datasheet"
+    ),  # fmt: skip
+    "a100-80g": Hardware(
+        "a100-80g", memory_gib=80.0, memory_gbps=2039, **_A100, source="NVIDIA A100 datasheet"
+    ),  # fmt: skip
+    "a100-40g": Hardware(
+        "a100-40g", memory_gib=40.0, memory_gbps=1555, **_A100, source="NVIDIA A100 datasheet"
+    ),  # fmt: skip
 }
 KNOWN = (*PROFILES, "cpu")
 
