@@ -14,6 +14,7 @@ per shape and reused across candidates.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -22,7 +23,6 @@ from mesh3d.config import effective_pp_schedule
 from mesh3d.errors import ConfigError
 from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.pipeline import stage_ids_of_rank
-from mesh3d.parallel.pipeline_layout import SCHEDULES
 from mesh3d.plan.build import plan_basis, rank_peaks, rank_plan, stage_shapes
 from mesh3d.plan.cost import step_time
 from mesh3d.plan.hardware import Hardware
@@ -112,7 +112,7 @@ def candidates(cfg, world_size: int):
                     continue
                 pipes = PIPELINES if pp > 1 else [(effective_pp_schedule(cfg), 1)]
                 eps = [e for e in _divisors(dp) if experts % e == 0] if experts else [1]
-                for ep, (zero, full), rc, mbs, (sched, v) in _product(
+                for ep, (zero, full), rc, mbs, (sched, v) in itertools.product(
                     eps, DP_MODES if dp * cp > 1 else DP_MODES[:1], (False, True),
                     _divisors(batch // dp), pipes,
                 ):  # fmt: skip
@@ -120,12 +120,6 @@ def candidates(cfg, world_size: int):
                                   sched, v)  # fmt: skip
                     if not validation_errors(c.apply(cfg), world_size):
                         yield c
-
-
-def _product(*lists):
-    import itertools
-
-    return itertools.product(*lists)
 
 
 class Search:
@@ -162,7 +156,7 @@ class Search:
             params = [
                 x for i in ids for x in self._cached(
                     ("params", n, z.tp, z.sp, z.ep, z.fsdp, z.replicas, i),
-                    lambda i=i: _params(z, shapes[i], coords))
+                    lambda i=i, c=coords: _params(z, shapes[i], c))
             ]  # fmt: skip
             peaks = self._cached(("peaks", *key, r), lambda r=r: rank_peaks(basis, r))
             ranks.append(rank_plan(z, basis, r, coords, params, peaks))
