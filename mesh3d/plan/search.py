@@ -199,9 +199,11 @@ def why_not(best: Candidate, hw: Hardware) -> str:
     helps = []
     if not best.recompute:
         helps.append("recompute (parallelism.recompute_layer)")
-    if best.zero_stage == 0 or not best.full_shard:
-        helps.append("ZeRO / full shard")
-    helps.append(f"about {math.ceil(need / have)}x the ranks")
+    sharded = best.dp * best.cp > 1
+    if sharded and (best.zero_stage == 0 or not best.full_shard):
+        helps.append("ZeRO-1 / full shard (optimizer.zero_stage, mesh3d.full_shard)")
+    more = "" if sharded else ", with ZeRO over the added dp ranks"
+    helps.append(f"about {math.ceil(need / have)}x the ranks{more}")
     return (
         f"no layout fits in {hw.name}'s memory: the smallest needs {need:.1f} GiB per rank "
         f"({best.label}), {have:.1f} GiB usable; what would help: {', '.join(helps)}"
