@@ -1,0 +1,119 @@
+"""Does `mesh3d plan --search` rank layouts as they really run? Predicted vs measured on CPU.
+
+    python benchmarks/plan_search.py             # ~18 layouts of the CPU tiny Llama at 8 ranks
+    python benchmarks/plan_search.py --quick     # 6 layouts, 2 timed steps (the test)
+
+The cpu hardware profile is measured first (`mesh3d.plan.hardware.measure_cpu`: one thread's
+matmul rate, a gloo all-reduce, the per-op dispatch cost; 8 ranks share the machine's cores).
+Then `search` predicts every valid layout of recipes/configs/cpu_tiny.yaml (global batch 16 x 128
+tokens) at 8 ranks, and a set of them runs for real on 8 forked gloo ranks (`_ranks.launch`,
+`Run.prepare` / `run.step`, one thread each): every mesh shape (dp x tp x pp x cp) once, in its
+predicted-fastest variant, plus the predicted top 3 overall; each is timed as the median of its
+steps after one warm-up step (the slowest rank's median). Reported: Spearman's rank correlation
+of predicted vs measured step time (target >= 0.8), and the measured rank of the predicted best
+(target: top 3). The machine is shared with other jobs: the load average is printed with it.
+Result: benchmarks/results/local/plan_search[_quick].json (`--publish`: benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ranks import keep_freed_memory, launch  # noqa: E402
+from _results import add_publish_flag, results_dir  # noqa: E402
+
+from mesh3d.config import load_config  # noqa: E402
+from mesh3d.plan.hardware import measure_cpu  # noqa: E402
+from mesh3d.plan.search import search  # noqa: E402
+
+CONFIG = str(Path(__file__).resolve().parents[1] / "recipes" / "configs" / "cpu_tiny.yaml")
+WORLD = 8
+
+
+def _rank(rank: int, world: int, overrides: list[str], steps: int) -> float:
+    from mesh3d.train.run import Run
+
+    run = Run.prepare(load_config(CONFIG, overrides))
+    seconds = []
+    for k in range(1, steps + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run.step(k)
+        seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds[1:])
+
+
+def pick(found, quick: bool):
+    """Every mesh shape once (its predicted-fastest variant) and the predicted top 3."""
+    chosen, shapes = list(found[:3]), set()
+    for c in found:
+        shape = (c.dp, c.tp, c.pp, c.cp)
+        if shape not in shapes:
+            shapes.add(shape)
+            if c not in chosen:
+                chosen.append(c)
+    return chosen[:6] if quick else chosen[:18]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x):
+        order = sorted(range(len(x)), key=x.__getitem__)
+        r = [0.0] * len(x)
+        for i, j in enumerate(order):
+            r[j] = float(i)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="6 layouts, 2 timed steps")
+    add_publish_flag(ap)
+    args = ap.parse_args(argv)
+    print(f"$ python {' '.join(sys.argv)}\ntorch {torch.__version__}, {os.cpu_count()} cores, "
+          f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, load {os.getloadavg()}")  # fmt: skip
+    keep_freed_memory()
+    t_all = time.perf_counter()
+    hw = measure_cpu(WORLD)
+    found = [c for c in search(load_config(CONFIG), WORLD, hw, WORLD) if c.fits]
+    rows = []
+    for c in pick(found, args.quick):
+        extra = ["optimizer.learning_rate_scheduler.lr_warmup_steps=1"]
+        measured = launch(WORLD, _rank, c.overrides() + extra, 2 if args.quick else 3,
+                          timeout=600)  # fmt: skip
+        rows.append({"layout": c.label, "predicted_s": c.step_time_s, "measured_s": max(measured),
+                     "predicted_rank": found.index(c) + 1, "dominant": c.dominant})  # fmt: skip
+        print(f"  {c.label:<52} predicted {c.step_time_s:7.3f} s  measured {max(measured):7.3f} s"
+              f"  ({c.dominant})", flush=True)  # fmt: skip
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    by_measured = sorted(rows, key=lambda r: r["measured_s"])
+    best_rank = 1 + by_measured.index(min(rows, key=lambda r: r["predicted_s"]))
+    result = {"hardware": hw.__dict__, "layouts": rows, "spearman": rho,
+              "predicted_best_measured_rank": best_rank, "valid_layouts": len(found),
+              "seconds": time.perf_counter() - t_all, "load_after": os.getloadavg()}  # fmt: skip
+    print(f"Spearman {rho:.2f} over {len(rows)} layouts (target >= 0.8); the predicted best is "
+          f"measured #{best_rank} (target: top 3); {result['seconds']:.0f} s")  # fmt: skip
+    out = results_dir(args.publish) / f"plan_search{'_quick' if args.quick else ''}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
