@@ -2,6 +2,7 @@
 
     python benchmarks/plan_search.py             # ~18 layouts of the CPU tiny Llama at 8 ranks
     python benchmarks/plan_search.py --quick     # 6 layouts, 2 timed steps (the test)
+    python benchmarks/plan_search.py --published # published GPU runs through the model (seconds)
 
 The cpu hardware profile is measured first (`mesh3d.plan.hardware.measure_cpu`: one thread's
 matmul rate, a gloo all-reduce, the per-op dispatch cost; 8 ranks share the machine's cores).
@@ -81,11 +82,76 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / var
 
 
+def _llama(h, ffn, layers, heads, seq) -> list[str]:
+    mc = "model.model_config"
+    return [f"{mc}.hidden_size={h}", f"{mc}.intermediate_size={ffn}",
+            f"{mc}.num_hidden_layers={layers}", f"{mc}.num_attention_heads={heads}",
+            f"{mc}.num_key_value_heads=8", f"{mc}.vocab_size=128256",
+            f"{mc}.tie_word_embeddings=false", f"{mc}.max_position_embeddings={seq}",
+            f"tokens.sequence_length={seq}", "model.dtype=bfloat16"]  # fmt: skip
+
+
+L8B, L70B, L405B = (4096, 14336, 32, 32), (8192, 28672, 80, 64), (16384, 53248, 126, 128)
+TT = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TT_A100 = "torchtitan docs/performance.md (2024, 64 A100 80GB)"
+# (source, table row, hardware, model, seq, (dp, tp, pp, zero, full, recompute, mbs, acc,
+# schedule, v), published tokens/s/GPU, what the published run had that mesh3d's model lacks)
+PUBLISHED = [
+    (TT, "Table 1 FSDP, 8B, 8 GPUs", "h100-80g", L8B, 8192,
+     (8, 1, 1, 1, True, False, 2, 1, "1f1b", 1), 5762, "selective AC (counted as none)"),
+    (TT, "Table 3 FSDP, 8B, 128 GPUs", "h100-80g", L8B, 8192,
+     (128, 1, 1, 1, True, False, 2, 1, "1f1b", 1), 5605, "selective AC (counted as none)"),
+    (TT, "Table 4 2D, 70B, 256 GPUs", "h100-80g", L70B, 8192,
+     (32, 8, 1, 1, True, True, 16, 1, "1f1b", 1), 829, "compile + Float8"),
+    (TT, "Table 5 1F1B, 405B, 512 GPUs", "h100-80g", L405B, 8192,
+     (8, 8, 8, 1, True, True, 1, 32, "1f1b", 1), 100, "compile + Float8 + async TP"),
+    (TT, "Table 5 Interleaved 1F1B, 405B", "h100-80g", L405B, 8192,
+     (8, 8, 8, 1, True, True, 1, 32, "interleaved_1f1b", 2), 128,
+     "compile + Float8 + async TP; v=2 assumed"),
+    (TT_A100, "Llama 3 8B, bs 1, selective layer AC", "a100-80g", L8B, 8192,
+     (64, 1, 1, 1, True, False, 1, 1, "1f1b", 1), 2904, "selective AC (counted as none)"),
+    (TT_A100, "Llama 3 70B, bs 1, full AC", "a100-80g", L70B, 8192,
+     (64, 1, 1, 1, True, True, 1, 1, "1f1b", 1), 331, ""),
+]  # fmt: skip
+
+
+def published() -> list[dict]:
+    """Each published run's layout through the cost model (no process starts)."""
+    from mesh3d.plan.hardware import PROFILES
+    from mesh3d.plan.search import Candidate, Search
+
+    rows = []
+    for source, what, hw, shape, seq, lay, tps, lacks in PUBLISHED:
+        dp, tp, pp, cp, full, rc, mbs, acc, sched, v = lay
+        world = dp * tp * pp * cp
+        cfg = load_config(CONFIG, [*_llama(*shape, seq), f"parallelism.dp={dp}",
+                                   f"tokens.micro_batch_size={mbs}",
+                                   f"tokens.batch_accumulation_per_replica={acc}"])  # fmt: skip
+        c = Candidate(dp, tp, pp, cp, 1, 1, full, rc, mbs, acc, sched, v)
+        c = Search(cfg, world, PROFILES[hw], 8).predict(c)
+        rows.append({"source": source, "run": what, "hardware": hw, "layout": c.label,
+                     "published": tps, "predicted": round(c.tokens_per_s_per_gpu, 1),
+                     "ratio": round(c.tokens_per_s_per_gpu / tps, 2), "mfu": round(c.mfu, 3),
+                     "dominant": c.dominant, "memory_gib": round(c.memory_gib, 1),
+                     "published_had": lacks})  # fmt: skip
+        print(f"  {what:<40} {c.label:<44} published {tps:>6}  predicted "
+              f"{c.tokens_per_s_per_gpu:>7.0f}  x{c.tokens_per_s_per_gpu / tps:.2f}  "
+              f"({c.dominant}) {lacks}")  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="6 layouts, 2 timed steps")
+    ap.add_argument("--published", action="store_true", help="only the published GPU runs")
     add_publish_flag(ap)
     args = ap.parse_args(argv)
+    if args.published:
+        rows = published()
+        out = results_dir(args.publish) / "plan_search_published.json"
+        out.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"wrote {out}")
+        return 0
     print(f"$ python {' '.join(sys.argv)}\ntorch {torch.__version__}, {os.cpu_count()} cores, "
           f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, load {os.getloadavg()}")  # fmt: skip
     keep_freed_memory()
