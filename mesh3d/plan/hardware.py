@@ -22,7 +22,7 @@ published runs.
 
 `cpu`: measured on the spot (`measure_cpu`, each figure the best of 5 tries): one thread's fp32
 256^3 matmul rate (the peak) and an MLP-shaped forward and backward's rate (its ratio is the
-efficiency), a 2-process gloo all-reduce's bandwidth and latency, memory bandwidth and the
+efficiency), a gloo all-reduce's bandwidth and latency among as many processes as ranks (at most 16), memory bandwidth and the
 per-op dispatch cost (x 40 ops per layer); the machine's cores are shared by the ranks
 (`cpu_share` = cores / ranks).
 """
@@ -187,12 +187,12 @@ def _memory_gbps() -> float:
     return 5 * 2 * a.numel() * 4 / _best(once) / 1e9
 
 
-def _gloo_rank(rank: int, store: str, q) -> None:
+def _gloo_rank(rank: int, n: int, store: str, q) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+    dist.init_process_group("gloo", store=dist.FileStore(store, n), rank=rank, world_size=n,
                             timeout=timedelta(seconds=60))  # fmt: skip
     small, big = torch.zeros(1), torch.zeros(2**20)  # 4 MiB
     dist.all_reduce(big)
@@ -206,17 +206,18 @@ def _gloo_rank(rank: int, store: str, q) -> None:
         dist.all_reduce(big)
         per = min(per, time.perf_counter() - t)
     per -= lat
-    if rank == 0:  # a 2-rank ring all-reduce sends the payload once: 2(n-1)/n = 1
-        q.put((lat, big.numel() * 4 / max(per, 1e-9)))
+    if rank == 0:  # a ring all-reduce: each rank sends 2(n-1)/n of the payload
+        q.put((lat, 2 * (n - 1) / n * big.numel() * 4 / max(per, 1e-9)))
     dist.destroy_process_group()
 
 
-def _gloo() -> tuple[float, float]:
-    """(latency s, bytes/s one rank sends) of a 2-process gloo all-reduce."""
+def _gloo(n: int) -> tuple[float, float]:
+    """(latency s, bytes/s one rank sends) of an `n`-process gloo all-reduce: as many processes
+    as the run will have, so a machine with fewer cores than ranks shows what that costs."""
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_gloo_rank, args=(r, f"{tmp}/store", q)) for r in range(2)]
+        procs = [ctx.Process(target=_gloo_rank, args=(r, n, f"{tmp}/store", q)) for r in range(n)]
         for p in procs:
             p.start()
         lat, bw = q.get(timeout=120)
@@ -227,7 +228,7 @@ def _gloo() -> tuple[float, float]:
 
 def measure_cpu(world_size: int) -> Hardware:
     """This machine, now: ranks run one thread each and share its cores."""
-    lat, bw = _gloo()
+    lat, bw = _gloo(max(2, min(world_size, 16)))
     flops = _matmul_flops()
     efficiency = min(1.0, _mlp_flops() / flops)
     cores = os.cpu_count() or 1
@@ -238,5 +239,5 @@ def measure_cpu(world_size: int) -> Hardware:
         inter_node_gbps=bw / 1e9, latency_us=lat * 1e6, efficiency=efficiency,
         layer_overhead_us=ops_per_layer * _op_seconds() * 1e6, gpus_per_node=world_size,
         cpu_share=min(1.0, cores / max(1, world_size)),
-        source=f"measured: 1-thread fp32 matmul 256^3, gloo all-reduce 4 MiB / 4 B, {cores} cores",
+        source=f"measured: 1-thread fp32 matmul 256^3, MLP fwd+bwd, gloo all-reduce 4 MiB / 4 B, {cores} cores",
     )  # fmt: skip
