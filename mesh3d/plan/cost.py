@@ -10,7 +10,9 @@ shards) of every pp rank:
   crosses (intra-node when its group fits in `nodes_of` consecutive ranks: the mesh is
   (pp, dp, cp, tp), tp innermost), plus the latency per collective; none of it overlaps compute
   (mesh3d runs TP, CP and EP collectives inline, and a stage waits for its input);
-- bubble: the busiest pp rank's time / (1 - the schedule's bubble fraction);
+- bubble: the busiest pp rank's time / (1 - the schedule's bubble fraction); with more ranks
+  than cores (`cpu_share` < 1) an idle rank's core runs the others, so the bubble costs only
+  what the busiest rank at a whole core's speed / (1 - fraction) exceeds the shared-core time;
 - dp: zero 0 all-reduces one flat gradient buffer after the last microbatch: all exposed; FSDP
   (zero 1, full shard) without a pipeline overlaps its gathers and reduce-scatters with compute
   except one layer's share; under a pipeline its reduction waits for the last backward: exposed;
@@ -74,7 +76,10 @@ def step_time(
         if total >= busy:
             busy, worst, dp_rank, layers_worst = total, parts, rank, layers
     parts = dict(worst)
-    parts["bubble"] = busy / (1 - bubble) - busy if bubble < 1 else float("inf")
+    idle = busy / (1 - bubble) - busy if bubble < 1 else float("inf")
+    if hw.cpu_share < 1:  # more ranks than cores: a rank waiting in the bubble lends its core
+        idle = max(0.0, busy * hw.cpu_share / (1 - bubble) - busy)
+    parts["bubble"] = idle
     dp_items = [c for c in dp_rank.comm if c.axis == "dp"]
     bw, lat = link("dp", dims, ep, nodes_of, hw)
     dp_s = sum(c.sent_bytes for c in dp_items) / bw + sum(c.count for c in dp_items) * lat

@@ -22,7 +22,8 @@ published runs.
 
 `cpu`: measured on the spot (`measure_cpu`, each figure the best of 5 tries): one thread's fp32
 256^3 matmul rate (the peak) and an MLP-shaped forward and backward's rate (its ratio is the
-efficiency), a gloo all-reduce's bandwidth and latency among as many processes as ranks (at most 16), memory bandwidth and the
+efficiency), a gloo all-reduce's bandwidth and latency among as many processes as ranks (at most 16; the
+latency between bursts of compute, so it includes waiting for parked peers), memory bandwidth and the
 per-op dispatch cost (x 40 ops per layer); the machine's cores are shared by the ranks
 (`cpu_share` = cores / ranks).
 """
@@ -206,8 +207,22 @@ def _gloo_rank(rank: int, n: int, store: str, q) -> None:
         dist.all_reduce(big)
         per = min(per, time.perf_counter() - t)
     per -= lat
+    # a collective between bursts of compute, as in a step: with more processes than cores, it
+    # waits for the peers the scheduler has parked; that wait counts as its latency
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    times = []
+    for sync in (False, True, False, True):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(20):
+            for _ in range(10):
+                a @ b
+            if sync:
+                dist.all_reduce(small)
+        times.append(time.perf_counter() - t)
+    loaded = max(lat, (times[1] + times[3] - times[0] - times[2]) / 40)
     if rank == 0:  # a ring all-reduce: each rank sends 2(n-1)/n of the payload
-        q.put((lat, 2 * (n - 1) / n * big.numel() * 4 / max(per, 1e-9)))
+        q.put((loaded, 2 * (n - 1) / n * big.numel() * 4 / max(per, 1e-9)))
     dist.destroy_process_group()
 
 
