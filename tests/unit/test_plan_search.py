@@ -6,7 +6,9 @@ the model against measured CPU steps and published GPU runs is benchmarks/plan_s
 
 import dataclasses
 import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from test_plan import CPU_TINY
@@ -130,8 +132,8 @@ def test_hardware_file(tmp_path):
 
 
 def test_speed_llama_70b_at_1024_ranks():
-    """Thousands of candidates in under a minute (41 s measured on the shared 2-core machine;
-    the bound is generous for its noise)."""
+    """Thousands of candidates in under a minute (41 s measured on the shared 2-core machine when quiet, 145 s
+    when loaded; the bound is generous for its noise)."""
     cfg = load_config(CPU_TINY, [*LLAMA_70B, "parallelism.dp=8", "parallelism.tp=8",
                                  "parallelism.pp=8", "tokens.micro_batch_size=1",
                                  "tokens.batch_accumulation_per_replica=16"])  # fmt: skip
@@ -139,4 +141,17 @@ def test_speed_llama_70b_at_1024_ranks():
     found = search(cfg, 1024, PROFILES["h100-80g"])
     secs = time.perf_counter() - start
     assert len(found) > 5000 and found[0].fits
-    assert secs < 180, secs
+    assert secs < 300, secs
+
+
+def test_published_runs_go_through_the_model():
+    """benchmarks/plan_search.py --published: every published run predicts a positive rate."""
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    if str(bench) not in sys.path:  # as when the benchmark runs: benchmarks/ on sys.path
+        sys.path.insert(0, str(bench))
+    import plan_search
+
+    rows = plan_search.published()
+    assert len(rows) == len(plan_search.PUBLISHED)
+    for r in rows:
+        assert r["predicted"] > 0 and 0 < r["mfu"] < 1 and r["source"].startswith("torchtitan")
