@@ -11,11 +11,13 @@ shards) of every pp rank:
   (pp, dp, cp, tp), tp innermost), plus the latency per collective; none of it overlaps compute
   (mesh3d runs TP, CP and EP collectives inline, and a stage waits for its input);
 - bubble: the busiest pp rank's time / (1 - the schedule's bubble fraction); with more ranks
-  than cores (`cpu_share` < 1) an idle rank's core runs the others, so the bubble costs only
-  what the busiest rank at a whole core's speed / (1 - fraction) exceeds the shared-core time;
+  than cores (`cpu_share` < 1) a waiting rank's core runs the others: the pp ranks' mean time
+  sets the pace, and the bubble costs only what the busiest rank at a whole core's speed
+  / (1 - fraction) exceeds it;
 - dp: zero 0 all-reduces one flat gradient buffer after the last microbatch: all exposed; FSDP
   (zero 1, full shard) without a pipeline overlaps its gathers and reduce-scatters with compute
-  except one layer's share; under a pipeline its reduction waits for the last backward: exposed;
+  except one layer's share; under a pipeline its reduction waits for the last backward, and with
+  more ranks than cores no core is free to run it alongside: exposed;
 - optimizer: AdamW reads parameter, gradient and both moments and writes three of them, at the
   memory bandwidth.
 """
@@ -62,7 +64,7 @@ def step_time(
     """`ranks`: one per pp rank; `shares`: per pp rank (its share of the step FLOPs in its
     decoder layers, its decoder layers); `flops`: the model FLOPs of the whole step."""
     replicas = dims["dp"] * dims["cp"] * dims["tp"]
-    busy, worst = 0.0, {}
+    busy, worst, totals = 0.0, {}, []
     for rank, (layer_share, head_share, layers) in zip(ranks, shares):
         f = flops / replicas * (layer_share * (1 + recompute / 3) + head_share)
         parts = {"compute": f / hw.flops(dtype)}
@@ -73,17 +75,23 @@ def step_time(
             t = sum(c.sent_bytes for c in items) / bw + sum(c.count for c in items) * lat
             parts[f"{axis} comm"] = t
         total = sum(parts.values())
+        totals.append(total)
         if total >= busy:
             busy, worst, dp_rank, layers_worst = total, parts, rank, layers
     parts = dict(worst)
     idle = busy / (1 - bubble) - busy if bubble < 1 else float("inf")
-    if hw.cpu_share < 1:  # more ranks than cores: a rank waiting in the bubble lends its core
-        idle = max(0.0, busy * hw.cpu_share / (1 - bubble) - busy)
+    if hw.cpu_share < 1:  # more ranks than cores: a rank that waits (bubble, a lighter stage)
+        # lends its core, so the machine's total work sets the pace, unless the busiest rank at
+        # a whole core's speed is slower still
+        mean = sum(totals) / len(totals)
+        parts = {k: v * mean / busy for k, v in parts.items()}
+        idle = max(0.0, busy * hw.cpu_share / (1 - bubble) - mean)
     parts["bubble"] = idle
     dp_items = [c for c in dp_rank.comm if c.axis == "dp"]
     bw, lat = link("dp", dims, ep, nodes_of, hw)
     dp_s = sum(c.sent_bytes for c in dp_items) / bw + sum(c.count for c in dp_items) * lat
-    if mode != "replicate" and dims["pp"] == 1:  # FSDP overlaps all but about one layer's share
+    if mode != "replicate" and dims["pp"] == 1 and hw.cpu_share >= 1:
+        # FSDP overlaps all but about one layer's share (not where the ranks already share cores)
         dp_s = max(dp_s - parts["compute"], dp_s / max(1, layers_worst))
     parts["dp comm"] = dp_s
     parts["optimizer"] = 7 * dp_rank.param_elements * e_p / (hw.memory_gbps * 1e9)
