@@ -1,6 +1,10 @@
 """Pre-flight plan of a run: `python -m mesh3d.plan CONFIG [--world-size N] [--json] [--dry-run]
 [key=value ...]`.
 
+`--search` instead ranks every valid layout of the config's model and global batch on
+`--world-size` ranks of `--hardware` (or `--hardware-file`) by predicted step time
+(search.py, cost.py; docs/plan-search.md); `--write FILE` saves the best as a config.
+
 Prints the text report of `format_plan`, or with `--json` `dataclasses.asdict(make_plan(...))`;
 exit 0. A config training would refuse prints `error: ...` and exits 2. `--dry-run` also builds
 every distinct rank's model parts as training does, on meta with a fake process group
@@ -20,6 +24,7 @@ from mesh3d.errors import exit_on_user_error
 from mesh3d.plan.build import make_plan
 from mesh3d.plan.dry_run import differences, dry_run
 from mesh3d.plan.report import format_dry_run, format_plan
+from mesh3d.plan.search_report import run_search
 
 
 @exit_on_user_error
@@ -35,9 +40,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="build each distinct rank's model parts on meta (fake process group) and compare",
     )
+    ap.add_argument("--search", action="store_true", help="rank every valid layout by step time")
+    ap.add_argument("--hardware", default="h100-80g", help="profile name (--search); cpu: measured")
+    ap.add_argument("--hardware-file", help="a YAML/JSON hardware profile (--search)")
+    ap.add_argument("--nodes-of", type=int, help="ranks per node (--search; default the profile's)")
+    ap.add_argument("--top", type=int, default=10, help="layouts to print (--search)")
+    ap.add_argument("--write", help="save the best layout's config to this file (--search)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
+    if args.search:
+        run_search(cfg, args)
+        return
     plan = make_plan(cfg, args.world_size)
     run = dry_run(cfg, plan.world_size) if args.dry_run else None
     diffs = differences(plan, run) if run else {}

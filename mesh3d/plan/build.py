@@ -32,48 +32,10 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
     validate(cfg, world_size=world_size)
     z = _Sizes.of(cfg)
     dims = ParallelDims(dp=z.dp, tp=z.tp, pp=z.pp, cp=z.cp)
-    n = z.pp * z.v
     full, split, shapes = stage_shapes(cfg, z)
-    stages = []
-    for i in range(n):
-        saved, held = stage_activation_bytes(cfg, split[i], i == 0, i == n - 1)
-        pp_rank = rank_of_stage(i, z.pp, z.schedule) if z.pp > 1 else 0
-        stages.append(StagePlan(i, pp_rank, split[i], i == 0, i == n - 1, saved, held))
-    orders, source = _orders(z)
-    plain = dataclasses.replace(
-        cfg, parallelism=dataclasses.replace(cfg.parallelism, recompute_layer=False),
-        mesh3d=dataclasses.replace(cfg.mesh3d, recompute=None, recompute_every=1),
-    )  # fmt: skip
-    one_layer = max(  # what a recomputed layer saves: the largest kind of layer
-        stage_activation_bytes(plain, [i], False, False)[0] for i in {0, *z.moe_layers[:1]}
-    )
-    tied = model_shape(cfg).tied
-    ends = {stages[0].pp_rank, stages[-1].pp_rank}
-    adamw = cfg.optimizer.optimizer_factory.name != "sgd"
-    saved = {s.stage: s.saved_per_microbatch for s in stages}
-    held = {s.stage: s.held_per_microbatch for s in stages}
-    loss = {n - 1: loss_saved_bytes(cfg)}  # freed at I by a split backward
-    ranks = []
-    for rank in range(dims.world_size):
-        coords = dims.coords(rank)
-        ids = stage_ids_of_rank(coords["pp"], z.pp, z.v, z.schedule) if z.pp > 1 else [0]
-        params = [x for i in ids for x in _params(z, shapes[i], coords)]
-        elements = sum(x.local for x in params)
-        grads = sum(x.grad for x in params) * z.e_p
-        optim = sum(2 * x.local * z.e_p + 4 for x in params) if adamw else 0
-        peak_saved, peak_act, in_flight = _peaks(orders[coords["pp"]], saved, held, loss)
-        transient = _transient(z, params, ids, one_layer)
-        peak = elements * z.e_p + grads + optim + peak_act + sum(transient.values())
-        tied_peer = tied and len(ends) == 2 and coords["pp"] in ends
-        comm = _comm(z, [stages[i] for i in ids], params, tied_peer)
-        ranks.append(
-            RankPlan(
-                rank=rank, coords=coords, stages=ids, param_elements=elements,
-                param_bytes=elements * z.e_p, grad_bytes=grads, optimizer_bytes=optim,
-                saved_activation_bytes=peak_saved, activation_bytes=peak_act,
-                microbatches_in_flight=in_flight, transient=transient, peak_bytes=peak, comm=comm,
-            )
-        )  # fmt: skip
+    basis = plan_basis(cfg, z, split, shapes, _orders(z))
+    stages, source = basis.stages, basis.order_source
+    ranks = [rank_plan(z, basis, r, dims.coords(r)) for r in range(dims.world_size)]
     param_dtype, autocast = param_and_compute_dtypes(cfg)
     return Plan(
         world_size=dims.world_size, dims={"pp": z.pp, "dp": z.dp, "cp": z.cp, "tp": z.tp},
@@ -81,13 +43,82 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         micro_batch_size=z.b, sequence_length=z.s, dp_mode=z.mode, tp_mode=cfg.parallelism.tp_mode,
         param_dtype=_dtype(param_dtype), compute_dtype=_dtype(autocast or param_dtype),
         optimizer=cfg.optimizer.optimizer_factory.name, recompute_layer=z.recompute,
-        tied_embeddings=tied, padded_vocab=z.padded,
+        tied_embeddings=basis.tied, padded_vocab=z.padded,
         total_params=sum(p.numel() for p in full.parameters()),
         active_params=sum(p.numel() for p in full.parameters()) - _idle_experts(z),
         groups=_groups(z, dims), stages=stages,
         ranks=ranks, bubble=bubble(z.schedule, z.pp, z.v, z.m), order_source=source,
         notes=_notes(z), moe=_moe(z),
     )  # fmt: skip
+
+
+@dataclasses.dataclass
+class PlanBasis:
+    """What every rank's plan reads: the stages, the schedule's orders, the bytes per chunk."""
+
+    stages: list[StagePlan]
+    orders: dict[int, list[tuple[str, int]]]
+    order_source: str
+    shapes: list[list[_Shape]]
+    one_layer: int  # what a recomputed layer saves: the largest kind of layer
+    loss: dict[int, int]  # stage -> the loss's saved bytes, freed at I by a split backward
+    tied: bool
+    ends: set[int]  # the pp ranks of the first and last stages
+    adamw: bool
+
+
+def plan_basis(cfg, z: _Sizes, split, shapes, orders) -> PlanBasis:
+    """The rank-independent part of a plan (`orders`: `schedule._orders(z)`)."""
+    n = z.pp * z.v
+    stages = []
+    for i in range(n):
+        saved, held = stage_activation_bytes(cfg, split[i], i == 0, i == n - 1)
+        pp_rank = rank_of_stage(i, z.pp, z.schedule) if z.pp > 1 else 0
+        stages.append(StagePlan(i, pp_rank, split[i], i == 0, i == n - 1, saved, held))
+    plain = dataclasses.replace(
+        cfg, parallelism=dataclasses.replace(cfg.parallelism, recompute_layer=False),
+        mesh3d=dataclasses.replace(cfg.mesh3d, recompute=None, recompute_every=1),
+    )  # fmt: skip
+    one_layer = max(
+        stage_activation_bytes(plain, [i], False, False)[0]
+        for i in {0, *z.moe_layers[:1]}
+    )
+    return PlanBasis(
+        stages, orders[0], orders[1], shapes, one_layer, {n - 1: loss_saved_bytes(cfg)},
+        model_shape(cfg).tied, {stages[0].pp_rank, stages[-1].pp_rank},
+        cfg.optimizer.optimizer_factory.name != "sgd",
+    )  # fmt: skip
+
+
+def rank_plan(
+    z: _Sizes, b: PlanBasis, rank: int, coords: dict[str, int], params=None, peaks=None
+) -> RankPlan:
+    """One rank's memory and communication (`coords`: its pp, dp, cp, tp indices). `params`
+    (its stages' `_params`) and `peaks` (`_peaks` of its order) if already known."""
+    ids = stage_ids_of_rank(coords["pp"], z.pp, z.v, z.schedule) if z.pp > 1 else [0]
+    if params is None:
+        params = [x for i in ids for x in _params(z, b.shapes[i], coords)]
+    elements = sum(x.local for x in params)
+    grads = sum(x.grad for x in params) * z.e_p
+    optim = sum(2 * x.local * z.e_p + 4 for x in params) if b.adamw else 0
+    peak_saved, peak_act, in_flight = peaks or rank_peaks(b, coords["pp"])
+    transient = _transient(z, params, ids, b.one_layer)
+    peak = elements * z.e_p + grads + optim + peak_act + sum(transient.values())
+    tied_peer = b.tied and len(b.ends) == 2 and coords["pp"] in b.ends
+    comm = _comm(z, [b.stages[i] for i in ids], params, tied_peer)
+    return RankPlan(
+        rank=rank, coords=coords, stages=ids, param_elements=elements,
+        param_bytes=elements * z.e_p, grad_bytes=grads, optimizer_bytes=optim,
+        saved_activation_bytes=peak_saved, activation_bytes=peak_act,
+        microbatches_in_flight=in_flight, transient=transient, peak_bytes=peak, comm=comm,
+    )  # fmt: skip
+
+
+def rank_peaks(b: PlanBasis, pp_rank: int) -> tuple[int, int, int]:
+    """`_peaks` of one pp rank's order: (peak saved, peak saved + held, chunks in flight)."""
+    saved = {s.stage: s.saved_per_microbatch for s in b.stages}
+    held = {s.stage: s.held_per_microbatch for s in b.stages}
+    return _peaks(b.orders[pp_rank], saved, held, b.loss)
 
 
 def stage_shapes(cfg, z: _Sizes) -> tuple[nn.Module, list[list[int]], list[list[_Shape]]]:

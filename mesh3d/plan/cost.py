@@ -1,0 +1,99 @@
+"""The step-time model of `mesh3d plan --search` (docs/plan-search.md states it in full).
+
+One step of one layout, from its plan's representative ranks (tp, dp, cp index 0: the largest
+shards) of every pp rank:
+- compute: the rank's share of the model FLOPs of the step (`spec.step_flops`, split over
+  dp x cp x tp, and over pp ranks by Nanotron's per-layer costs), a third more on its decoder
+  layers under recompute, at `Hardware.flops(compute dtype)`; plus `layer_overhead_us` per
+  decoder layer and microbatch;
+- tp, cp, ep, pp: every byte the plan says the rank sends on that axis, over the link that axis
+  crosses (intra-node when its group fits in `nodes_of` consecutive ranks: the mesh is
+  (pp, dp, cp, tp), tp innermost), plus the latency per collective; none of it overlaps compute
+  (mesh3d runs TP, CP and EP collectives inline, and a stage waits for its input);
+- bubble: the busiest pp rank's time / (1 - the schedule's bubble fraction); with more ranks
+  than cores (`cpu_share` < 1) a waiting rank's core runs the others: the pp ranks' mean time
+  sets the pace, and the bubble costs only what the busiest rank at a whole core's speed
+  / (1 - fraction) exceeds it;
+- dp: zero 0 all-reduces one flat gradient buffer after the last microbatch: all exposed; FSDP
+  (zero 1, full shard) without a pipeline overlaps its gathers and reduce-scatters with compute
+  except one layer's share; under a pipeline its reduction waits for the last backward, and with
+  more ranks than cores no core is free to run it alongside: exposed;
+- optimizer: AdamW reads parameter, gradient and both moments and writes three of them, at the
+  memory bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mesh3d.plan.hardware import Hardware
+from mesh3d.plan.records import RankPlan
+
+AXIS_ORDER = ("pp", "dp", "cp", "tp")  # the mesh's axes, outermost first
+
+
+@dataclass
+class StepTime:
+    step_s: float
+    parts: dict[str, float]  # seconds on the critical path by cause
+    dominant: str  # compute | tp comm | cp comm | ep comm | pp comm | bubble | dp comm | optimizer
+
+
+def link(axis: str, dims: dict[str, int], ep: int, nodes_of: int, hw: Hardware):
+    """(bytes/s, latency s) of the link an axis's groups cross."""
+    stride = 1
+    for a in reversed(AXIS_ORDER):
+        if a == axis:
+            break
+        stride *= dims[a]
+    size = dims.get(axis, 1) * (dims["cp"] if axis == "dp" else 1)  # dp: over dp x cp
+    if axis == "dp":
+        stride //= dims["cp"]
+    if axis == "ep":  # ep groups take consecutive dp ranks
+        stride, size = dims["tp"] * dims["cp"], ep
+    intra = stride * size <= nodes_of
+    bw = hw.intra_node_gbps if intra else hw.inter_node_gbps
+    return bw * 1e9, hw.latency_us * 1e-6
+
+
+def step_time(
+    ranks: list[RankPlan], shares: list[tuple[float, int]], flops: float, dtype: str,
+    dims: dict[str, int], ep: int, m: int, recompute: bool, mode: str, bubble: float,
+    e_p: int, nodes_of: int, hw: Hardware,
+) -> StepTime:  # fmt: skip
+    """`ranks`: one per pp rank; `shares`: per pp rank (its share of the step FLOPs in its
+    decoder layers, its decoder layers); `flops`: the model FLOPs of the whole step."""
+    replicas = dims["dp"] * dims["cp"] * dims["tp"]
+    busy, worst, totals = 0.0, {}, []
+    for rank, (layer_share, head_share, layers) in zip(ranks, shares):
+        f = flops / replicas * (layer_share * (1 + recompute / 3) + head_share)
+        parts = {"compute": f / hw.flops(dtype)}
+        parts["compute"] += layers * m * hw.layer_overhead_us * 1e-6 * (1 + recompute / 3)
+        for axis in ("tp", "cp", "ep", "pp"):
+            items = [c for c in rank.comm if c.axis == axis]
+            bw, lat = link(axis, dims, ep, nodes_of, hw)
+            t = sum(c.sent_bytes for c in items) / bw + sum(c.count for c in items) * lat
+            parts[f"{axis} comm"] = t
+        total = sum(parts.values())
+        totals.append(total)
+        if total >= busy:
+            busy, worst, dp_rank, layers_worst = total, parts, rank, layers
+    parts = dict(worst)
+    idle = busy / (1 - bubble) - busy if bubble < 1 else float("inf")
+    if hw.cpu_share < 1:  # more ranks than cores: a rank that waits (bubble, a lighter stage)
+        # lends its core, so the machine's total work sets the pace, unless the busiest rank at
+        # a whole core's speed is slower still
+        mean = sum(totals) / len(totals)
+        parts = {k: v * mean / busy for k, v in parts.items()}
+        idle = max(0.0, busy * hw.cpu_share / (1 - bubble) - mean)
+    parts["bubble"] = idle
+    dp_items = [c for c in dp_rank.comm if c.axis == "dp"]
+    bw, lat = link("dp", dims, ep, nodes_of, hw)
+    dp_s = sum(c.sent_bytes for c in dp_items) / bw + sum(c.count for c in dp_items) * lat
+    if mode != "replicate" and dims["pp"] == 1 and hw.cpu_share >= 1:
+        # FSDP overlaps all but about one layer's share (not where the ranks already share cores)
+        dp_s = max(dp_s - parts["compute"], dp_s / max(1, layers_worst))
+    parts["dp comm"] = dp_s
+    parts["optimizer"] = 7 * dp_rank.param_elements * e_p / (hw.memory_gbps * 1e9)
+    step = sum(parts.values())
+    return StepTime(step, parts, max(parts, key=parts.get))

@@ -1,0 +1,258 @@
+"""Hardware profiles for `mesh3d plan --search`: what the cost model (`cost.py`) needs of a GPU and
+its links, as data.
+
+Units in the table and in a `--hardware-file` (YAML or JSON, the same keys): peak_tflops per
+compute dtype (dense, no sparsity), memory_gib (what the device reports as total), memory_gbps
+(HBM bandwidth: the optimizer step streams its state), intra_node_gbps / inter_node_gbps (GB/s
+one GPU sends in one direction: NVLink within a node, its network card across nodes),
+latency_us (added per collective or send), efficiency (the fraction of the peak the model's
+matmuls achieve), layer_overhead_us (fixed cost per decoder layer per microbatch, forward and
+backward together: kernel launches on a GPU, Python dispatch on a CPU).
+
+Sources (datasheets, dense figures):
+- H100 SXM5 80GB: NVIDIA H100 Tensor Core GPU datasheet: BF16 989 TFLOPS, FP32 67 TFLOPS,
+  HBM3 3.35 TB/s, NVLink 900 GB/s (both directions); ConnectX-7 400 Gb/s per GPU (DGX H100).
+- H200 SXM 141GB: NVIDIA H200 datasheet: the H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s.
+- A100 SXM4 80GB / 40GB: NVIDIA A100 datasheet: BF16 312 TFLOPS, FP32 19.5 TFLOPS, 2.04 / 1.56
+  TB/s, NVLink 600 GB/s (both directions); HDR 200 Gb/s per GPU (DGX A100).
+FP32 is the plain FP32 rate: torch's default matmul precision does not use TF32.
+`efficiency` 0.6: an assumption (large bf16 GEMMs reach 60-75% of peak on these parts; attention,
+norms and elementwise kernels less), not fitted; benchmarks/README.md compares the result with
+published runs.
+
+`cpu`: measured on the spot (`measure_cpu`, each figure the best of 5 tries): one thread's fp32
+256^3 matmul rate (the peak) and an MLP-shaped forward and backward's rate (its ratio is the
+efficiency), a gloo all-reduce's bandwidth and latency among as many processes as ranks (at most 16; the
+latency between bursts of compute, so it includes waiting for parked peers), memory bandwidth and the
+per-op dispatch cost (x 40 ops per layer); the machine's cores are shared by the ranks
+(`cpu_share` = cores / ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from pathlib import Path
+
+import yaml
+
+from mesh3d.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: dict[str, float]  # compute dtype -> dense TFLOP/s
+    memory_gib: float
+    memory_gbps: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    latency_us: float
+    efficiency: float = 0.6
+    layer_overhead_us: float = 0.0
+    gpus_per_node: int = 8
+    cpu_share: float = 1.0  # the fraction of one core each rank gets (cpu: cores / ranks)
+    source: str = field(default="", compare=False)
+
+    def flops(self, dtype: str) -> float:
+        """Achievable FLOP/s of one rank in `dtype`."""
+        peak = self.peak_tflops.get(dtype) or self.peak_tflops["float32"]
+        return peak * 1e12 * self.efficiency * self.cpu_share
+
+
+_H100 = dict(peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
+             memory_gbps=3350, intra_node_gbps=450, inter_node_gbps=50, latency_us=15)  # fmt: skip
+_A100 = dict(peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+             intra_node_gbps=300, inter_node_gbps=25, latency_us=20)  # fmt: skip
+PROFILES: dict[str, Hardware] = {
+    "h100-80g": Hardware("h100-80g", memory_gib=79.6, **_H100, source="NVIDIA H100 datasheet"),
+    "h200": Hardware(
+        "h200", memory_gib=140.4, **(_H100 | {"memory_gbps": 4800}), source="NVIDIA H200 datasheet"
+    ),  # fmt: skip
+    "a100-80g": Hardware(
+        "a100-80g", memory_gib=80.0, memory_gbps=2039, **_A100, source="NVIDIA A100 datasheet"
+    ),  # fmt: skip
+    "a100-40g": Hardware(
+        "a100-40g", memory_gib=40.0, memory_gbps=1555, **_A100, source="NVIDIA A100 datasheet"
+    ),  # fmt: skip
+}
+KNOWN = (*PROFILES, "cpu")
+
+
+def hardware_named(name: str, world_size: int = 1) -> Hardware:
+    """A profile by name; `cpu` is measured now for `world_size` ranks on this machine."""
+    if name == "cpu":
+        return measure_cpu(world_size)
+    if name not in PROFILES:
+        raise ConfigError(
+            f"unknown hardware {name!r}; use one of {', '.join(KNOWN)}, or --hardware-file"
+        )
+    return PROFILES[name]
+
+
+def hardware_file(path: str | Path) -> Hardware:
+    """A profile from a YAML or JSON file with the dataclass's keys (`name` optional)."""
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    keys = {f.name for f in fields(Hardware)}
+    needed = keys - {"name", "efficiency", "layer_overhead_us", "gpus_per_node", "cpu_share"}
+    needed -= {"source"}
+    if not isinstance(data, dict) or needed - data.keys() or data.keys() - keys:
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ConfigError(
+            f"hardware file {path}: needs keys {', '.join(sorted(needed))} (optional: "
+            f"name, efficiency, layer_overhead_us, gpus_per_node), got {got}"
+        )
+    return Hardware(**({"name": Path(path).stem} | data))
+
+
+# ------------------------------------------------------------------------- cpu, measured
+
+
+def _best(fn, repeats: int = 5) -> float:
+    """The least time of `repeats` runs on one thread: a shared machine's other jobs only add."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return min(fn() for _ in range(repeats))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _matmul_flops(n: int = 256, count: int = 20) -> float:
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+
+    def once():
+        start = time.perf_counter()
+        for _ in range(count):
+            a @ b
+        return time.perf_counter() - start
+
+    return 2 * n**3 * count / _best(once)
+
+
+def _mlp_flops(tokens: int = 256, h: int = 256, f: int = 688, count: int = 5) -> float:
+    """FLOP/s of an MLP-shaped forward and backward (what a layer's matmuls achieve with their
+    elementwise work and autograd around them)."""
+    import torch
+
+    x = torch.randn(tokens, h)
+    w1 = torch.randn(h, f, requires_grad=True)
+    w2 = torch.randn(f, h, requires_grad=True)
+
+    def once():
+        start = time.perf_counter()
+        for _ in range(count):
+            torch.nn.functional.silu(x @ w1).matmul(w2).sum().backward()
+        return time.perf_counter() - start
+
+    return 3 * 2 * 2 * tokens * h * f * count / _best(once)
+
+
+def _op_seconds(count: int = 2000) -> float:
+    """Dispatch cost of one small autograd op, forward and backward."""
+    import torch
+
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def once():
+        start = time.perf_counter()
+        for _ in range(count // 4):
+            (x * 2 + 1).relu().sum().backward()
+        return time.perf_counter() - start
+
+    return _best(once) / count
+
+
+def _memory_gbps() -> float:
+    import torch
+
+    a = torch.empty(2**23)  # 32 MiB
+    b = torch.empty_like(a)
+
+    def once():
+        start = time.perf_counter()
+        for _ in range(5):
+            b.copy_(a)
+        return time.perf_counter() - start
+
+    return 5 * 2 * a.numel() * 4 / _best(once) / 1e9
+
+
+def _gloo_rank(rank: int, n: int, store: str, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, n), rank=rank, world_size=n,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    small, big = torch.zeros(1), torch.zeros(2**20)  # 4 MiB
+    dist.all_reduce(big)
+    lat = per = float("inf")
+    for _ in range(5):  # the best of 5: other jobs only add
+        t = time.perf_counter()
+        for _ in range(10):
+            dist.all_reduce(small)
+        lat = min(lat, (time.perf_counter() - t) / 10)
+        t = time.perf_counter()
+        dist.all_reduce(big)
+        per = min(per, time.perf_counter() - t)
+    per -= lat
+    # a collective between bursts of compute, as in a step: with more processes than cores, it
+    # waits for the peers the scheduler has parked; that wait counts as its latency
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    times = []
+    for sync in (False, True, False, True):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(20):
+            for _ in range(10):
+                a @ b
+            if sync:
+                dist.all_reduce(small)
+        times.append(time.perf_counter() - t)
+    loaded = max(lat, (times[1] + times[3] - times[0] - times[2]) / 40)
+    if rank == 0:  # a ring all-reduce: each rank sends 2(n-1)/n of the payload
+        q.put((loaded, 2 * (n - 1) / n * big.numel() * 4 / max(per, 1e-9)))
+    dist.destroy_process_group()
+
+
+def _gloo(n: int) -> tuple[float, float]:
+    """(latency s, bytes/s one rank sends) of an `n`-process gloo all-reduce: as many processes
+    as the run will have, so a machine with fewer cores than ranks shows what that costs."""
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_gloo_rank, args=(r, n, f"{tmp}/store", q)) for r in range(n)]
+        for p in procs:
+            p.start()
+        lat, bw = q.get(timeout=120)
+        for p in procs:
+            p.join(30)
+    return lat, bw
+
+
+def measure_cpu(world_size: int) -> Hardware:
+    """This machine, now: ranks run one thread each and share its cores."""
+    lat, bw = _gloo(max(2, min(world_size, 16)))
+    flops = _matmul_flops()
+    efficiency = min(1.0, _mlp_flops() / flops)
+    cores = os.cpu_count() or 1
+    ops_per_layer = 40  # a Llama layer's autograd ops, forward and backward (order of magnitude)
+    return Hardware(
+        "cpu", peak_tflops={"float32": flops / 1e12}, memory_gib=os.sysconf("SC_PHYS_PAGES")
+        * os.sysconf("SC_PAGE_SIZE") / 2**30 / max(1, world_size), memory_gbps=_memory_gbps(), intra_node_gbps=bw / 1e9,
+        inter_node_gbps=bw / 1e9, latency_us=lat * 1e6, efficiency=efficiency,
+        layer_overhead_us=ops_per_layer * _op_seconds() * 1e6, gpus_per_node=world_size,
+        cpu_share=min(1.0, cores / max(1, world_size)),
+        source=f"measured: 1-thread fp32 matmul 256^3, MLP fwd+bwd, gloo all-reduce 4 MiB / 4 B, {cores} cores",
+    )  # fmt: skip

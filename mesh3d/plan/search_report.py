@@ -1,0 +1,77 @@
+"""`mesh3d plan --search`: the ranked table, the line saying why the first wins, `--json`,
+`--write` (the best layout as a config file)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+from mesh3d.config import save_config
+from mesh3d.errors import ConfigError
+from mesh3d.plan.hardware import Hardware, hardware_file, hardware_named
+from mesh3d.plan.search import USABLE, Candidate, search, why_not
+
+JSON_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "full_shard", "recompute",
+               "micro_batch_size", "batch_accumulation", "schedule", "virtual_stages",
+               "memory_gib", "fits", "step_time_s", "tokens_per_s_per_gpu", "mfu", "dominant",
+               "parts")  # fmt: skip
+
+
+def why_first(a: Candidate, b: Candidate) -> str:
+    """One line: what makes `a` faster than `b` (the part of the step that differs most)."""
+    gap = {k: b.parts.get(k, 0.0) - a.parts.get(k, 0.0) for k in a.parts | b.parts}
+    part = max(gap, key=gap.get)
+    return (
+        f"why: {a.label} beats {b.label} by {b.step_time_s - a.step_time_s:.3g} s/step, mostly "
+        f"{part} ({a.parts.get(part, 0):.3g} s vs {b.parts.get(part, 0):.3g} s); memory "
+        f"{a.memory_gib:.1f} vs {b.memory_gib:.1f} GiB"
+    )
+
+
+def format_search(found: list[Candidate], hw: Hardware, world: int, top: int, secs: float) -> str:
+    fits = [c for c in found if c.fits]
+    cap = USABLE * hw.memory_gib
+    lines = [
+        f"mesh3d plan --search: {len(found)} valid layouts on {world} ranks of {hw.name}, "
+        f"{len(fits)} fit in {cap:.1f} GiB ({USABLE:.0%} of {hw.memory_gib:.1f}); {secs:.1f} s",
+        f"  {'#':>3}  {'layout':<58} {'GiB/rank':>9} {'step s':>9} {'tok/s/GPU':>10} "
+        f"{'MFU':>6}  dominant",
+    ]
+    for i, c in enumerate(fits[:top], 1):
+        lines.append(
+            f"  {i:>3}  {c.label:<58} {c.memory_gib:>9.1f} {c.step_time_s:>9.4g} "
+            f"{c.tokens_per_s_per_gpu:>10.1f} {c.mfu:>6.1%}  {c.dominant}"
+        )
+    if len(fits) > 1:
+        lines.append(why_first(fits[0], fits[1]))
+    return "\n".join(lines) + "\n"
+
+
+def run_search(cfg, args) -> None:
+    """The `--search` command: print, and `--write` the best layout's config."""
+    world = args.world_size or (
+        cfg.parallelism.dp * cfg.parallelism.tp * cfg.parallelism.pp
+        * cfg.parallelism.context_parallel_size
+    )  # fmt: skip
+    hw = hardware_file(args.hardware_file) if args.hardware_file else None
+    hw = hw or hardware_named(args.hardware, world)
+    nodes_of = args.nodes_of or hw.gpus_per_node
+    start = time.perf_counter()
+    found = search(cfg, world, hw, nodes_of)
+    secs = time.perf_counter() - start
+    fits = [c for c in found if c.fits]
+    if not fits:
+        raise ConfigError(why_not(min(found, key=lambda c: c.memory_gib), hw))
+    if args.write:
+        save_config(fits[0].apply(cfg), args.write)
+    if args.json:
+        rows = [{k: getattr(c, k) for k in JSON_FIELDS} | {"layout": c.label} for c in fits]
+        out = {"world_size": world, "hardware": dataclasses.asdict(hw), "nodes_of": nodes_of,
+               "valid": len(found), "seconds": secs, "candidates": rows[: args.top]}  # fmt: skip
+        sys.stdout.write(json.dumps(out, indent=1) + "\n")
+    else:
+        sys.stdout.write(format_search(found, hw, world, args.top, secs))
+        if args.write:
+            sys.stdout.write(f"wrote {args.write}: {' '.join(fits[0].overrides())}\n")
