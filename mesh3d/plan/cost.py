@@ -14,7 +14,10 @@ shards) of every pp rank:
   than cores (`cpu_share` < 1) a waiting rank's core runs the others: the pp ranks' mean time
   sets the pace, and the bubble costs only what the busiest rank at a whole core's speed
   / (1 - fraction) exceeds it;
-- dp: zero 0 all-reduces one flat gradient buffer after the last microbatch: all exposed; FSDP
+- dp: zero 0 all-reduces the gradients in buckets launched during the last microbatch's
+  backward (`parallel/buckets.py`): what exceeds that backward (2/3 of a microbatch's compute)
+  is exposed, and at least one layer's share (the last buckets); with more ranks than cores
+  the collective's work competes for the same cores: exposed; FSDP
   (zero 1, full shard) without a pipeline overlaps its gathers and reduce-scatters with compute
   except one layer's share; under a pipeline its reduction waits for the last backward, and with
   more ranks than cores no core is free to run it alongside: exposed;
@@ -93,6 +96,9 @@ def step_time(
     if mode != "replicate" and dims["pp"] == 1 and hw.cpu_share >= 1:
         # FSDP overlaps all but about one layer's share (not where the ranks already share cores)
         dp_s = max(dp_s - parts["compute"], dp_s / max(1, layers_worst))
+    elif mode == "replicate" and hw.cpu_share >= 1:
+        # zero 0's buckets go out during the last microbatch's backward
+        dp_s = max(dp_s - parts["compute"] * 2 / 3 / m, dp_s / max(1, layers_worst))
     parts["dp comm"] = dp_s
     parts["optimizer"] = 7 * dp_rank.param_elements * e_p / (hw.memory_gbps * 1e9)
     step = sum(parts.values())
