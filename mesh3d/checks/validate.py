@@ -12,7 +12,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 
-from mesh3d.checks.data_checks import data_stage_errors, unsupported_data
+from mesh3d.checks.data_checks import data_stage_errors, sft_errors, unsupported_data
 from mesh3d.checks.guard_checks import loss_spike_errors
 from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.checks.optim_checks import lr_errors, optimizer_errors
@@ -343,3 +343,4 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         )
     for stage in cfg.data_stages or []:
         yield from unsupported_data(stage, cfg.tokens)
+    yield from sft_errors(cfg)
