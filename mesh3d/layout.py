@@ -88,7 +88,9 @@ class RunLayout:
             shape=model_shape(cfg),
             z_loss=mc.z_loss_coefficient if getattr(mc, "z_loss_enabled", False) else 0.0,
             doc_masking=bool(getattr(mc, "_use_doc_masking", False)),
-            sft=any(type(s.data.dataset).__name__ == "SFTDatasetsArgs" for s in cfg.data_stages or []),
+            sft=any(
+                type(s.data.dataset).__name__ == "SFTDatasetsArgs" for s in cfg.data_stages or []
+            ),
             expert_parallel=p.expert_parallel_size,
             eos_token_id=getattr(mc, "eos_token_id", None),
             seed=cfg.general.seed,

@@ -118,7 +118,9 @@ class SFTSequences:
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.epoch_len)}
+            self._orders = {
+                epoch: np.random.default_rng([self.seed, epoch]).permutation(self.epoch_len)
+            }
         return self._orders[epoch]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:

@@ -20,7 +20,6 @@ from data_fixtures import make_tokenizer
 from dist import run_ranks
 from parity import TINY, max_rel_diff, train_runs
 
-from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.data.sft import build_sequences
 
 SEQ = 32
@@ -116,7 +115,9 @@ def test_step_one_loss_equals_transformers_completion_loss(data):
 def test_dp2_tp2_pp2_sft_matches_one_process(data):
     common = ["tokens.train_steps=3", "tokens.micro_batch_size=1",
               "model.model_config.num_hidden_layers=4"]  # fmt: skip
-    one = _overrides(data, True, *common, "tokens.batch_accumulation_per_replica=4", file="many.jsonl")
+    one = _overrides(
+        data, True, *common, "tokens.batch_accumulation_per_replica=4", file="many.jsonl"
+    )
     ref = run_ranks(1, train_runs, [one], BASE, timeout=300)[0][0]
     assert ref["loss"][-1] < ref["loss"][0]
     layout = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2",

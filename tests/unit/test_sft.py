@@ -25,7 +25,9 @@ SEQ = 32
 
 
 def arithmetic(n: int, start: int = 0) -> list[dict]:
-    return [{"prompt": f"Q: {i}+{2 * i}=", "completion": f" {3 * i}"} for i in range(start, start + n)]
+    return [
+        {"prompt": f"Q: {i}+{2 * i}=", "completion": f" {3 * i}"} for i in range(start, start + n)
+    ]
 
 
 def write_jsonl(path, rows: list[dict]):
