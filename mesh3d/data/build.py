@@ -85,7 +85,8 @@ def build_dataset(cfg, index: int):
         from mesh3d.data.sft import load_sft_dataset
 
         ds = load_sft_dataset(data.dataset, tokenizer, tok.sequence_length, seed, num_samples,
-                              mc.vocab_size, packing=cfg.mesh3d.sft_packing, where=where)  # fmt: skip
+                              mc.vocab_size, packing=cfg.mesh3d.sft_packing, where=where,
+                              turns=cfg.mesh3d.sft_assistant_turns)  # fmt: skip
         check_enough(ds.epoch_len, gbs, f"{where} hf_dataset_or_datasets")
         return ds
     raise UserError(

@@ -29,6 +29,10 @@ Nanotron pads each map batch to its longest example on the left; mesh3d pads on 
 which gives each example the same loss (causal attention never lets a real token see padding).
 Token efficiency (real tokens / sequence tokens) is logged when the dataset is built.
 
+Chat data (a `messages` column instead of prompt/completion): `mesh3d.data.chat` renders each
+conversation with the tokenizer's chat template and trains the assistant turns
+(`mesh3d.sft_assistant_turns`: all or last); packing, truncation and skipping are the same.
+
 Samples: `ds[i]` -> (input_ids [S], label_ids [S], positions [S]) int64; sequence order is a
 permutation per epoch from (seed, epoch), repeated when the run needs more sequences.
 
@@ -68,10 +72,15 @@ def encode_example(tokenizer, prompt: str, completion: str, eos: int, seq_len: i
     return ids[: seq_len + 1], prompt_len
 
 
-def example_rows(ids: list[int], prompt_len: int) -> tuple[list, list, list]:
-    """(inputs, labels, positions) of one encoded example, labels ignored on the prompt."""
+def example_rows(ids: list[int], prompt_len: int | list[bool]) -> tuple[list, list, list]:
+    """(inputs, labels, positions) of one encoded example: the label of target ids[k] is kept
+    when k >= `prompt_len`, or when `prompt_len[k]` (a per-id trained flag, chat data)."""
+    trained = prompt_len if isinstance(prompt_len, list) else None
     inputs, targets = ids[:-1], ids[1:]
-    labels = [t if j + 1 >= prompt_len else IGNORE for j, t in enumerate(targets)]
+    labels = [
+        t if (trained[j + 1] if trained is not None else j + 1 >= prompt_len) else IGNORE
+        for j, t in enumerate(targets)
+    ]
     return inputs, labels, list(range(len(inputs)))
 
 
@@ -130,35 +139,48 @@ class SFTSequences:
 
 
 def build_sequences(rows, tokenizer_path: str, seq_len: int, seed: int, packing: bool,
-                    debug_max_samples: int | None, where: str):  # fmt: skip
+                    debug_max_samples: int | None, where: str, turns: str = "all"):  # fmt: skip
     """(sequences [N, 3, S], real tokens, examples kept, examples skipped) of SFT `rows`."""
     from mesh3d.data.tokenize import find_eos, load_tokenizer
 
     check_columns(rows.column_names, where)
     if debug_max_samples is not None:
         rows = rows.select(range(min(debug_max_samples, len(rows))))
-    if PROMPT not in rows.column_names:
-        from mesh3d.data.chat import render_messages
-
-        rows = render_messages(rows, tokenizer_path, where)
     tokenizer = load_tokenizer(tokenizer_path)
-    eos = find_eos(tokenizer)
-    if eos is None:
-        raise UserError(
-            f"tokenizer {tokenizer_path!r} has no EOS token (</s>, <|endoftext|>, "
-            "<|end_of_text|> or <eos>); SFT appends one to every example: use a tokenizer with one"
-        )
     examples, skipped = [], 0
-    for prompt, completion in zip(rows[PROMPT], rows[COMPLETION], strict=True):
-        ids, prompt_len = encode_example(tokenizer, prompt or "", completion or "", eos, seq_len)
-        if prompt_len >= len(ids):
+    if PROMPT in rows.column_names and COMPLETION in rows.column_names:
+        eos = find_eos(tokenizer)
+        if eos is None:
+            raise UserError(
+                f"tokenizer {tokenizer_path!r} has no EOS token (</s>, <|endoftext|>, "
+                "<|end_of_text|> or <eos>); SFT appends one to every example: use a tokenizer "
+                "with one"
+            )
+        encoded = (
+            encode_example(tokenizer, p or "", c or "", eos, seq_len)
+            for p, c in zip(rows[PROMPT], rows[COMPLETION], strict=True)
+        )
+        has_target = lambda ids, prompt_len: prompt_len < len(ids)  # noqa: E731
+    else:
+        from mesh3d.data.chat import check_messages, conversation_renderer, encode_conversation
+
+        render = conversation_renderer(tokenizer_path, where)
+        encoded = (
+            encode_conversation(tokenizer, check_messages(m, where, i), render, turns, seq_len)
+            for i, m in enumerate(rows[MESSAGES])
+        )
+        has_target = lambda ids, trained: any(trained[1:])  # noqa: E731
+        eos = find_eos(tokenizer) or 0  # padding id only
+    for ids, trained in encoded:
+        if not has_target(ids, trained):
             skipped += 1
             continue
-        examples.append(example_rows(ids, prompt_len))
+        examples.append(example_rows(ids, trained))
     if skipped:
         logger.warning(
-            f"{where}: {skipped} of {len(rows)} SFT examples have a prompt of tokens.sequence_length"
-            f" + 1 = {seq_len + 1} tokens or more, leaving no completion token: skipped"
+            f"{where}: {skipped} of {len(rows)} SFT examples have no completion (or assistant) "
+            f"token within tokens.sequence_length + 1 = {seq_len + 1} tokens (the prompt fills "
+            "the sequence): skipped"
         )
     if not examples:
         raise UserError(
@@ -174,7 +196,7 @@ def build_sequences(rows, tokenizer_path: str, seq_len: int, seed: int, packing:
 
 def load_sft_dataset(args, tokenizer_path: str | None, seq_len: int, seed: int,
                      num_samples: int, vocab_size: int, *, packing: bool = True,
-                     where: str = "hf_dataset_or_datasets",
+                     where: str = "hf_dataset_or_datasets", turns: str = "all",
                      cache_dir: str | None = None) -> SFTSequences:  # fmt: skip
     """The SFT samples of `args` (an `SFTDatasetsArgs`), see the module docstring."""
     from mesh3d.data.hf import check_tokenizer_vocab, load_rows
@@ -187,7 +209,7 @@ def load_sft_dataset(args, tokenizer_path: str | None, seq_len: int, seed: int,
     check_tokenizer_vocab(tokenizer_path, vocab_size)
     rows = load_rows(args, cache_dir)
     sequences, real, kept, _ = build_sequences(
-        rows, tokenizer_path, seq_len, seed, packing, args.debug_max_samples, where
+        rows, tokenizer_path, seq_len, seed, packing, args.debug_max_samples, where, turns
     )
     ds = SFTSequences(sequences, num_samples, seed, real)
     logger.info(

@@ -174,3 +174,72 @@ def test_sft_with_validation_is_refused(tok, tmp_path):
                "tokens.val_check_interval=2", "tokens.limit_val_batches=1")  # fmt: skip
     errors = [e for e in validation_errors(cfg, 1) if "SFT" in e]
     assert len(errors) == 1 and "val_check_interval to -1" in errors[0]
+
+
+# --- chat data (`messages`) ----------------------------------------------------------------
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Q: 2+3="},
+    {"role": "assistant", "content": "5"},
+    {"role": "user", "content": "Q: 4+4="},
+    {"role": "assistant", "content": "8"},
+]
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tok, tmp_path_factory):
+    """The test tokenizer with ChatML's <|im_start|> and <|im_end|> added."""
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(f"{tok}/tokenizer.json")
+    t.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    folder = tmp_path_factory.mktemp("chat_tok")
+    t.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def _trained_text(seqs, tok_dir) -> str:
+    t = load_tokenizer(tok_dir)
+    labels = seqs[:, 1][seqs[:, 1] != IGNORE].tolist()
+    return t.decode(labels, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("turns, expected", [("all", "5<|im_end|>\n8<|im_end|>\n"),
+                                             ("last", "8<|im_end|>\n")])  # fmt: skip
+def test_chat_trains_assistant_turns_only(chat_tok, turns, expected):
+    seqs, _, kept, _ = build_sequences(
+        _rows([{"messages": CHAT}]), chat_tok, 160, 0, False, None, "t", turns
+    )
+    assert kept == 1
+    assert _trained_text(seqs, chat_tok) == expected
+    t = load_tokenizer(chat_tok)  # the whole conversation, rendered as ChatML, is the input
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CHAT)
+    ids = t.encode(text, add_special_tokens=False).ids
+    assert seqs[0, 0, : len(ids) - 1].tolist() == ids[:-1]
+
+
+def test_chat_template_from_tokenizer_config(tok, tmp_path):
+    import shutil
+
+    shutil.copy(f"{tok}/tokenizer.json", tmp_path / "tokenizer.json")
+    template = (
+        "{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}### assistant: {% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    seqs, _, _, _ = build_sequences(_rows([{"messages": CHAT}]), str(tmp_path), 160, 0, False,
+                                    None, "t")  # fmt: skip
+    assert _trained_text(seqs, str(tmp_path)) == "5\n8\n"
+
+
+def test_chat_without_template_is_refused(tok):
+    with pytest.raises(UserError) as e:
+        build_sequences(_rows([{"messages": CHAT}]), tok, 64, 0, False, None, "stage")
+    msg = str(e.value)
+    assert "\n" not in msg and "no chat template" in msg and "'prompt' and 'completion'" in msg
+
+
+def test_chat_rows_must_be_messages(chat_tok):
+    with pytest.raises(UserError, match="row 0 of the 'messages' column"):
+        build_sequences(_rows([{"messages": ["hi"]}]), chat_tok, 64, 0, False, None, "t")
