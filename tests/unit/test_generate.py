@@ -178,6 +178,30 @@ def test_cli_prints_the_prompt_and_the_generated_text(ckpts, capsys):
     assert out.startswith("The cat was") and len(out) > len("The cat was\n")
 
 
+def test_cli_prompts_file_one_line_each_cache_or_not(ckpts, capsys, tmp_path):
+    lines = ["The cat was", "", "A dog", "It is the"]
+    (tmp_path / "p.txt").write_text("\n".join(lines) + "\n")
+    outs = {}
+    for flags in ((), ("--no-cache",)):
+        code, out, err = run_main(capsys, "generate", "--checkpoint", str(ckpts / "ckpts"),
+                                  "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "6",
+                                  *flags, entry=cli.main)  # fmt: skip
+        assert code == 0, err
+        assert ("no cache" if flags else "KV cache") in err and "tokens/s" in err
+        outs[flags] = out
+    tok = load_tokenizer(ckpts / "tok")
+    model, _ = load_model(ckpts / "ckpts" / "7", CPU)
+    expected = ""
+    for text in (t for t in lines if t):  # each prompt alone, the empty line skipped
+        ids = generate(model, torch.tensor(tok.encode(text).ids), 6, eos=2, cache=False).tolist()
+        expected += tok.decode(ids, skip_special_tokens=True) + "\n"
+    assert outs[()] == outs[("--no-cache",)] == expected
+    (tmp_path / "empty.txt").write_text("\n\n")
+    code, _, err = run_main(capsys, "generate", "--checkpoint", str(ckpts / "ckpts"),
+                            "--prompts", str(tmp_path / "empty.txt"), entry=cli.main)  # fmt: skip
+    assert code == 2 and err.count("error:") == 1 and "no non-empty line" in err
+
+
 def test_tokenizer_from_flag_then_folder_then_config(ckpts, capsys, tmp_path):
     step = tmp_path / "5"
     shutil.copytree(ckpts / "ckpts" / "7", step, ignore=shutil.ignore_patterns("tokenizer"))
