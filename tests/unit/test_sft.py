@@ -127,7 +127,7 @@ def test_debug_max_samples_keeps_the_first_rows(tok):
     assert kept == 4 and real == real4
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "parquet", "save_to_disk"])
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "arrow", "save_to_disk"])
 def test_local_files_load(tok, tmp_path, kind):
     import datasets
 
@@ -137,6 +137,9 @@ def test_local_files_load(tok, tmp_path, kind):
     elif kind == "parquet":
         path = tmp_path / "d.parquet"
         datasets.Dataset.from_list(rows).to_parquet(str(path))
+    elif kind == "arrow":
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "s"))
+        path = next((tmp_path / "s").glob("*.arrow"))
     else:
         path = tmp_path / "saved"
         datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(path))
