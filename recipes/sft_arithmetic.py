@@ -1,9 +1,10 @@
-"""An SFT starter, offline: a tiny Llama learns two-digit addition from prompt/completion
-examples, and the summary shows its exact-match accuracy on held-out problems before and after.
+"""An SFT starter, offline: a tiny Llama learns addition (a + b with a, b < 20) from
+prompt/completion examples; the summary shows its exact-match accuracy on held-out problems
+(pairs it never trained on) before and after.
 
-    python recipes/sft_arithmetic.py [--output runs/sft_arithmetic] [--steps 300]
+    python recipes/sft_arithmetic.py [--output runs/sft_arithmetic] [--steps 150]
 
-Writes `<output>/train.jsonl` (rows {"prompt": "12+34=", "completion": "46"}),
+Writes `<output>/train.jsonl` (rows {"prompt": "12+7=", "completion": "19"}),
 `<output>/tokenizer/tokenizer.json` (a BPE trained on such text: digits, '+', '=', `</s>`),
 and trains one process through `mesh3d.train` on an SFT data stage (`sft_dataloader: true`,
 packing on), saving the initial and the final weights under `<output>/checkpoints/`. Each is
@@ -59,7 +60,7 @@ CONFIG = dict(
         ),  # fmt: skip
     ),
     parallelism=dict(dp=1, tp=1, pp=1),
-    tokens=dict(sequence_length=32, micro_batch_size=8, batch_accumulation_per_replica=1),
+    tokens=dict(sequence_length=32, micro_batch_size=16, batch_accumulation_per_replica=1),
     mesh3d=dict(device="cpu", sft_packing=True),
 )
 
@@ -68,7 +69,7 @@ def problems(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        a, b = rng.randint(0, 19), rng.randint(0, 19)
         out.append({"prompt": f"{a}+{b}=", "completion": str(a + b)})
     return out
 
@@ -89,7 +90,7 @@ def exact_match(step: Path, tokenizer, held: list[dict]) -> int:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--output", default="runs/sft_arithmetic")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--held-out", type=int, default=50)
     args = ap.parse_args(argv)
     out = Path(args.output)
