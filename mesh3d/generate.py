@@ -14,9 +14,10 @@ path. Greedy by default (temperature 0: the most likely token, as transformers' 
 tokens when `--top-k` is given, reproducibly for a `--seed`. It stops after `--max-new-tokens`
 or at the model config's `eos_token_id`, and prints the prompt followed by the generated text.
 
-One process runs the single-device model: fp32 on CPU, the checkpoint's dtype on CUDA (or as
-`--device` says). Each new token is a plain forward over the whole sequence (no KV cache):
-simple, and fast enough for a look at a small model. Under torchrun (WORLD_SIZE > 1) the
+`--prompts FILE` gives one prompt per line (one process): each is continued in turn and printed
+on its own. One process runs the single-device model: fp32 on CPU, the checkpoint's dtype on
+CUDA (or as `--device` says), with a KV cache (the prompt once, then one token per forward;
+`--no-cache` runs the whole sequence for every token). Under torchrun (WORLD_SIZE > 1) the
 model runs at `--tp` x `--pp` = the number of processes (dp 1), built and loaded as training
 does (`generation/parallel.py`); a layout that does not fit stops every rank before any
 communication. This module is the command; the library is `mesh3d/generation/`.
@@ -44,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
         "runs at --tp x --pp = the number of processes",
     )  # fmt: skip
     ap.add_argument("--checkpoint", required=True, help="step folder or checkpoints folder")
-    ap.add_argument("--prompt", required=True, help="text to continue")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--prompt", help="text to continue")
+    which.add_argument("--prompts", help="a text file: one prompt per line (empty lines skipped)")
     ap.add_argument("--max-new-tokens", type=int, default=50, help="default 50")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     ap.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
@@ -52,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", help="tokenizer.json or a folder holding one")
     ap.add_argument("--tp", type=int, help="tensor-parallel degree (default: processes / pp)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="run the whole sequence for every new token (no KV cache)")  # fmt: skip
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto (default): cuda when torch sees a GPU, else cpu")  # fmt: skip
     return ap
@@ -86,12 +91,29 @@ def _degrees(args, world: int) -> tuple[int, int]:
     return tp, args.pp
 
 
-def _prompt_ids(tokenizer, args, step: Path, tok_path: str) -> list[int]:
+def _prompts(args, world: int) -> list[str]:
+    """The prompts: `--prompt`, or the non-empty lines of the `--prompts` file."""
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise UserError(
+            f"--prompts {args.prompts!r} is not a file; give a text file, one prompt a line"
+        )
+    if world > 1:
+        raise UserError("--prompts runs on one process; under torchrun give one --prompt")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise UserError(f"--prompts {args.prompts!r} has no non-empty line; give one prompt a line")
+    return lines
+
+
+def _prompt_ids(tokenizer, prompt: str, step: Path, tok_path: str) -> list[int]:
     """The prompt's token ids, checked against the checkpoint's vocabulary."""
-    prompt_ids = tokenizer.encode(args.prompt).ids
+    prompt_ids = tokenizer.encode(prompt).ids
     vocab = read_model_config_json(step).vocab_size  # checked before the weights are read
     if not prompt_ids:
-        raise UserError(f"--prompt {args.prompt!r} gives no tokens; give some text")
+        raise UserError(f"prompt {prompt!r} gives no tokens; give some text")
     if max(prompt_ids) >= vocab:
         raise UserError(
             f"tokenizer {tok_path} gives id {max(prompt_ids)}, but the model's vocabulary has "
@@ -119,14 +141,15 @@ def main(argv: list[str] | None = None) -> None:
     step = weights_dir(args.checkpoint, "--checkpoint")
     tok_path, where = find_tokenizer(step, args.tokenizer)
     tokenizer = load_tokenizer(tok_path)
-    prompt_ids = _prompt_ids(tokenizer, args, step, tok_path)
+    texts = _prompts(args, world)
+    prompts = [_prompt_ids(tokenizer, t, step, tok_path) for t in texts]
     first = int(os.environ.get("RANK", "0")) == 0
     positions = read_model_config_json(step).max_position_embeddings
-    if first and len(prompt_ids) + args.max_new_tokens > positions:
+    if first and max(map(len, prompts)) + args.max_new_tokens > positions:
         print(f"note: past {positions} tokens (max_position_embeddings) the model was not "
               "trained; expect worse text there", file=sys.stderr)  # fmt: skip
     if world == 1:
-        new_ids, how = generate_here(step, prompt_ids, args)
+        new_ids, how = generate_here(step, prompts, args)
     else:  # the training stack (build, pipeline, checkpoint loading) only under torchrun
         import torch.distributed as dist
 
@@ -134,13 +157,16 @@ def main(argv: list[str] | None = None) -> None:
         from mesh3d.mesh import shutdown_distributed
 
         started = dist.is_initialized()  # a caller's group (tests, a library user) stays up
-        new_ids, how = generate_cli(step, prompt_ids, args, tp, pp)
+        one, how = generate_cli(step, prompts[0], args, tp, pp)
+        new_ids = [one]
         if not started:  # only after success: after an error a peer may be gone, and tearing
             shutdown_distributed()  # down could hang; the exit code says it failed anyway
     if first:
-        print(f"{step}: tokenizer {tok_path} ({where}); {len(new_ids)} new tokens {how}",
+        total = sum(map(len, new_ids))
+        print(f"{step}: tokenizer {tok_path} ({where}); {total} new tokens {how}",
               file=sys.stderr)  # fmt: skip
-        print(args.prompt + _continuation(tokenizer, prompt_ids, new_ids))
+        for text, ids, new in zip(texts, prompts, new_ids, strict=True):
+            print(text + _continuation(tokenizer, ids, new))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ class RunLayout:
     shape: ModelShape
     z_loss: float  # the z-loss coefficient, 0 when off
     doc_masking: bool  # attention within documents (Qwen2's _use_doc_masking)
+    sft: bool  # a data stage is SFT data: samples carry positions and masked labels
     expert_parallel: int  # ranks of the dp axis the experts are split over (1: none)
     eos_token_id: int | None  # where a document ends (document masking)
     seed: int  # `general.seed`: the initial weights and the dropout masks
@@ -89,6 +90,9 @@ class RunLayout:
             shape=model_shape(cfg),
             z_loss=mc.z_loss_coefficient if getattr(mc, "z_loss_enabled", False) else 0.0,
             doc_masking=bool(getattr(mc, "_use_doc_masking", False)),
+            sft=any(
+                type(s.data.dataset).__name__ == "SFTDatasetsArgs" for s in cfg.data_stages or []
+            ),
             expert_parallel=p.expert_parallel_size,
             eos_token_id=getattr(mc, "eos_token_id", None),
             seed=cfg.general.seed,
@@ -136,8 +140,14 @@ class RunLayout:
     @property
     def positions_everywhere(self) -> bool:
         """Whether every pipeline stage's attention needs each token's position, so every rank
-        reads the data: document masking, or context parallelism (RoPE of split sequences)."""
-        return self.doc_masking or self.dims.cp > 1
+        reads the data: document masking, SFT data (examples are documents), or context
+        parallelism (RoPE of split sequences)."""
+        return self.doc_masking or self.sft or self.dims.cp > 1
+
+    @property
+    def documents(self) -> bool:
+        """Whether attention stays within documents (document masking or SFT examples)."""
+        return self.doc_masking or self.sft
 
     @property
     def cp_sequence(self) -> int:

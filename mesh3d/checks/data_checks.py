@@ -7,10 +7,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from mesh3d.config.schema import Config, NanosetDatasetsArgs, PretrainDatasetsArgs
+from mesh3d.config.schema import (
+    Config,
+    NanosetDatasetsArgs,
+    PretrainDatasetsArgs,
+    SFTDatasetsArgs,
+)
 from mesh3d.errors import not_supported_yet
 
-_DATASET_KINDS = {NanosetDatasetsArgs: "Nanoset", PretrainDatasetsArgs: "Hugging Face datasets"}
+_DATASET_KINDS = {
+    NanosetDatasetsArgs: "Nanoset",
+    PretrainDatasetsArgs: "Hugging Face datasets",
+    SFTDatasetsArgs: "SFT",
+}
 
 
 def data_stage_errors(cfg: Config) -> Iterator[str]:
@@ -91,7 +100,7 @@ _NANOSET_OFF = {
 
 def unsupported_data(stage, tokens) -> Iterator[str]:
     """A data stage's settings mesh3d does not implement yet (a per-stage sequence length,
-    SFT data, HEAD-only Nanoset keys)."""
+    HEAD-only Nanoset keys)."""
     where = stage_key(stage)
     if stage.sequence_length is not None and stage.sequence_length != tokens.sequence_length:
         yield not_supported_yet(
@@ -99,10 +108,10 @@ def unsupported_data(stage, tokens) -> Iterator[str]:
             f"a per-stage length ({stage.sequence_length}) different from tokens.sequence_length; set it to null",
         )
     kind = stage.data.dataset
-    if kind is None or isinstance(kind, PretrainDatasetsArgs):
+    if kind is None or isinstance(kind, (PretrainDatasetsArgs, SFTDatasetsArgs)):
         return
     if not isinstance(kind, NanosetDatasetsArgs):
-        name = _DATASET_KINDS.get(type(kind), "SFT")
+        name = _DATASET_KINDS.get(type(kind), type(kind).__name__)
         yield f"`{where}.data.dataset` ({name}) is not supported by mesh3d yet; use a Nanoset (dataset_folder), an HF dataset (hf_dataset_or_datasets) or `dataset: null`"
         return
     for key, off in _NANOSET_OFF.items():
@@ -112,3 +121,18 @@ def unsupported_data(stage, tokens) -> Iterator[str]:
                 f"{where}.data.dataset.{key}",
                 f"set it to {off!r}".replace("None", "null").replace("False", "false"),
             )
+
+
+def has_sft(cfg: Config) -> bool:
+    """Whether a data stage of `cfg` is SFT data (`SFTDatasetsArgs`)."""
+    return any(isinstance(s.data.dataset, SFTDatasetsArgs) for s in cfg.data_stages or [])
+
+
+def sft_errors(cfg: Config) -> Iterator[str]:
+    """What SFT data does not combine with yet: a validation pass."""
+    t = cfg.tokens
+    if has_sft(cfg) and t.val_check_interval > 0 and t.limit_val_batches > 0:
+        yield (
+            "validation (`tokens.val_check_interval` > 0) on SFT data is not supported by mesh3d "
+            "yet; set tokens.val_check_interval to -1"
+        )

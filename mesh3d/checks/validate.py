@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterator
 
 from mesh3d.checks.checkpoint_checks import checkpoint_errors, s3_errors
-from mesh3d.checks.data_checks import data_stage_errors, unsupported_data
+from mesh3d.checks.data_checks import data_stage_errors, sft_errors, unsupported_data
 from mesh3d.checks.guard_checks import loss_spike_errors
 from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.checks.optim_checks import lr_errors, optimizer_errors
@@ -302,6 +302,7 @@ def _choices(cfg: Config) -> Iterator[str]:
         "mesh3d.device": (cfg.mesh3d.device, ("auto", "cpu", "cuda")),
         "mesh3d.attention": (cfg.mesh3d.attention, ("auto", "sdpa", "flash")),
         "mesh3d.dummy_data": (cfg.mesh3d.dummy_data, ("random", "learnable")),
+        "mesh3d.sft_assistant_turns": (cfg.mesh3d.sft_assistant_turns, ("all", "last")),
         "mesh3d.model_family": (cfg.mesh3d.model_family, (None, *MESH3D_FAMILIES)),
         "mesh3d.existing_checkpoints": (cfg.mesh3d.existing_checkpoints, EXISTING_CHECKPOINTS),
     }
@@ -363,3 +364,4 @@ def _unsupported(cfg: Config) -> Iterator[str]:
         )
     for stage in cfg.data_stages or []:
         yield from unsupported_data(stage, cfg.tokens)
+    yield from sft_errors(cfg)

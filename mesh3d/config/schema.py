@@ -386,6 +386,8 @@ class Mesh3dArgs:
     device: str = "auto"  # auto | cpu | cuda
     attention: str = "auto"  # auto | sdpa | flash
     dummy_data: str = "random"  # random (Nanotron's uniform tokens) | learnable
+    sft_packing: bool = True  # SFT data: several examples per sequence (mesh3d/data/sft.py)
+    sft_assistant_turns: str = "all"  # chat SFT data: the assistant turns that train: all | last
     compile: bool = False
     float8: bool = False  # decoder linears in float8 through torchao (tp 1, ep 1; README)
     async_tp: bool = False  # torch's async TP: compile + tp > 1 REDUCE_SCATTER on CUDA/NCCL

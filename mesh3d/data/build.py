@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mesh3d.config import global_batch_size
-from mesh3d.config.schema import NanosetDatasetsArgs, PretrainDatasetsArgs
+from mesh3d.config.schema import NanosetDatasetsArgs, PretrainDatasetsArgs, SFTDatasetsArgs
 from mesh3d.data.dummy import DummyTokens, microbatches
 from mesh3d.data.stages import consumed_in_stage, stage_index_at
 from mesh3d.errors import UserError
@@ -58,7 +58,8 @@ def build_dataset(cfg, index: int):
     where = f"data_stages[{index}] ({stage.name!r})"
     if data.dataset is None:
         return DummyTokens(mc.vocab_size, tok.sequence_length, seed, cfg.mesh3d.dummy_data)
-    tokenizer = _tokenizer_path(cfg, required=isinstance(data.dataset, PretrainDatasetsArgs))
+    hf = isinstance(data.dataset, (PretrainDatasetsArgs, SFTDatasetsArgs))
+    tokenizer = _tokenizer_path(cfg, required=hf)
     if isinstance(data.dataset, NanosetDatasetsArgs):
         from mesh3d.data.hf import check_tokenizer_vocab
         from mesh3d.data.nanoset import Nanoset, check_enough
@@ -77,6 +78,15 @@ def build_dataset(cfg, index: int):
         ds = load_pretrain_dataset(
             data.dataset, tokenizer, tok.sequence_length, seed, num_samples, mc.vocab_size
         )
+        check_enough(ds.epoch_len, gbs, f"{where} hf_dataset_or_datasets")
+        return ds
+    if isinstance(data.dataset, SFTDatasetsArgs):
+        from mesh3d.data.nanoset import check_enough
+        from mesh3d.data.sft import load_sft_dataset
+
+        ds = load_sft_dataset(data.dataset, tokenizer, tok.sequence_length, seed, num_samples,
+                              mc.vocab_size, packing=cfg.mesh3d.sft_packing, where=where,
+                              turns=cfg.mesh3d.sft_assistant_turns)  # fmt: skip
         check_enough(ds.epoch_len, gbs, f"{where} hf_dataset_or_datasets")
         return ds
     raise UserError(

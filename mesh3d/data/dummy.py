@@ -70,5 +70,7 @@ def microbatches(
     out = []
     for m in range(per_rank // micro_batch_size):
         rows = [dataset[first + m * micro_batch_size + j] for j in range(micro_batch_size)]
-        out.append((torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])))
+        out.append(
+            tuple(torch.stack(column) for column in zip(*rows))
+        )  # (inputs, labels[, positions])
     return out

@@ -1,9 +1,10 @@
 """The `PretrainDatasetsArgs` path: local text datasets through Hugging Face `datasets`.
 
 mesh3d runs offline, so `hf_dataset_or_datasets` names local data only: a `.json`/`.jsonl`
-(JSON Lines), `.parquet`, `.txt` (one row per line) or `.csv` file, a folder of such files
-(loaded with `datasets.load_dataset(folder, name=hf_dataset_config_name)`), or a folder written
-by `save_to_disk` (`load_from_disk`; a saved `DatasetDict` is split by `hf_dataset_splits`, a
+(JSON Lines), `.parquet`, `.arrow` (as `save_to_disk` writes them), `.txt` (one row per line)
+or `.csv` file, a folder of such files (loaded with
+`datasets.load_dataset(folder, name=hf_dataset_config_name)`), or a folder written by
+`save_to_disk` (`load_from_disk`; a saved `DatasetDict` is split by `hf_dataset_splits`, a
 saved `Dataset` is taken whole). A hub id that is not a local path is a `UserError` saying to
 download it first. Several splits are concatenated. The `{path: fraction}` form takes the first
 int(fraction * rows) rows of each, concatenates them and shuffles the rows with seed 42, as
@@ -37,6 +38,7 @@ _FILE_BUILDERS = {
     ".json": "json",
     ".jsonl": "json",
     ".parquet": "parquet",
+    ".arrow": "arrow",
     ".txt": "text",
     ".csv": "csv",
 }

@@ -61,20 +61,25 @@ def extend(ids: Tensor, max_new_tokens: int, pick: Callable[[Tensor], Tensor],
 def generate(model: nn.Module, ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, eos: int | None = None,
              generator: torch.Generator | None = None, *, vocab_size: int | None = None,
-             ) -> Tensor:  # fmt: skip
+             cache: bool = True) -> Tensor:  # fmt: skip
     """`ids` [S] or [B, S] (on the model's device) followed by up to `max_new_tokens` tokens.
 
     `model(ids)` gives logits [B, S, V] (mesh3d's models; an object with `.logits`, as
     transformers' models return, works too). Greedy at `temperature` 0, else sampled (see
     `next_token`) with `generator`; `eos` ends a row (see `extend`). `vocab_size`: never pick
-    ids at or above it (vocabulary padding). Each step runs the model over the whole sequence
-    (no KV cache), under `torch.no_grad`.
+    ids at or above it (vocabulary padding). With `cache` (mesh3d's models) the prompt runs once
+    and each new token is a forward of that token alone against the keys and values kept so far
+    (`generation/cache.py`); without, each step runs the model over the whole sequence. Both
+    pick the same tokens. Under `torch.no_grad`.
 
     Example:
 
         out = mesh3d.generation.sampling.generate(model, torch.tensor([1, 5, 9]), 20, eos=2)
     """
     check_sampling(max_new_tokens, temperature, top_k)
+    if cache and max_new_tokens > 0 and any(hasattr(m, "kv") for m in model.modules()):
+        return _generate_cached(model, ids, max_new_tokens, temperature, top_k, eos, generator,
+                                vocab_size)  # fmt: skip
 
     def pick(out: Tensor) -> Tensor:
         logits = model(out)
@@ -82,3 +87,23 @@ def generate(model: nn.Module, ids: Tensor, max_new_tokens: int, temperature: fl
         return next_token(logits, temperature, top_k, generator)
 
     return extend(ids, max_new_tokens, pick, eos)
+
+
+def _generate_cached(model, ids, max_new_tokens, temperature, top_k, eos, generator, vocab_size):
+    """`generate` with a KV cache: the prompt once, then one token per forward."""
+    from mesh3d.generation.cache import KVCache
+
+    rows = ids[None] if ids.dim() == 1 else ids  # (B, S)
+    b, s = rows.shape
+    state = {"fed": 0}
+
+    def pick(out: Tensor) -> Tensor:
+        new = out[:, state["fed"] :]  # what the cache has not seen: the prompt, then 1 token
+        at = torch.arange(state["fed"], out.shape[1], device=out.device).expand(b, -1)
+        logits = model(new, positions=at)[:, -1, :vocab_size]  # (B, V)
+        state["fed"] = out.shape[1]
+        return next_token(logits, temperature, top_k, generator)
+
+    with KVCache(model, s + max_new_tokens):
+        out = extend(rows, max_new_tokens, pick, eos)
+    return out[0] if ids.dim() == 1 else out

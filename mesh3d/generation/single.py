@@ -1,8 +1,9 @@
 """Generation on one process: the single-device model of a step folder with its full weights
 (any layout wrote them), its tokenizer, and the new tokens for a prompt.
 
-Each new token is a forward over the whole sequence (no KV cache): simple, and fast enough
-for a look at a small model.
+The prompt runs once and each new token is one forward of that token against the keys and
+values kept so far (a KV cache, `generation/cache.py`); `--no-cache` runs the whole sequence
+for every token instead (the same tokens, slower).
 """
 
 from __future__ import annotations
@@ -62,14 +63,21 @@ def unpadded_vocab(step: Path, padded: int) -> int:
     return vocab if isinstance(vocab, int) and 0 < vocab <= padded else padded
 
 
-def generate_here(step: Path, prompt_ids: list[int], args) -> tuple[list[int], str]:
-    """The new token ids on this one process, and how they were made."""
+def generate_here(step: Path, prompts: list[list[int]], args) -> tuple[list[list[int]], str]:
+    """The new token ids of each prompt on this one process (one model, the prompts in turn),
+    and how they were made."""
     device = resolve_device(args.device)
     model, mc = load_model(step, device)
-    generator = torch.Generator(device).manual_seed(args.seed)
-    start = time.perf_counter()
-    out = generate(model, torch.tensor(prompt_ids, device=device), args.max_new_tokens,
-                   args.temperature, args.top_k, mc.eos_token_id, generator,
-                   vocab_size=unpadded_vocab(step, mc.vocab_size))  # fmt: skip
+    vocab = unpadded_vocab(step, mc.vocab_size)
+    cache = not getattr(args, "no_cache", False)
+    start, out, new = time.perf_counter(), [], 0
+    for prompt_ids in prompts:
+        generator = torch.Generator(device).manual_seed(args.seed)
+        ids = generate(model, torch.tensor(prompt_ids, device=device), args.max_new_tokens,
+                       args.temperature, args.top_k, mc.eos_token_id, generator,
+                       vocab_size=vocab, cache=cache)  # fmt: skip
+        out.append(ids[len(prompt_ids) :].tolist())
+        new += len(out[-1])
     took = time.perf_counter() - start
-    return out[len(prompt_ids) :].tolist(), f"in {took:.1f} s on {device.type}"
+    how = "KV cache" if cache else "no cache"
+    return out, f"in {took:.1f} s on {device.type} ({how}, {new / max(took, 1e-9):.1f} tokens/s)"

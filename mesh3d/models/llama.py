@@ -188,7 +188,8 @@ class AttentionCore(nn.Module):
     `attend(q, k, v, positions)` on [B, S, H, dh] tensors (GQA: fewer k/v heads) picks the
     kernel: flash-attn in half precision on CUDA when installed (variable-length for documents,
     no mask), else SDPA (causal, or with the boolean mask of `attention_mask`), or the
-    context-parallel attention when the sequence is split over cp (`cp`, set from outside).
+    context-parallel attention when the sequence is split over cp (`cp`, set from outside), or
+    the KV cache's attention while generating (`kv`, set from outside).
     `window`: each query sees its last `window` keys; `rotary`: RoPE, or None (NoPE).
     """
 
@@ -199,6 +200,7 @@ class AttentionCore(nn.Module):
         self.window = window
         self.attention = attention
         self.cp = None  # set when the sequence is split over cp: parallel.context.ContextParallel
+        self.kv = None  # set while generating with a KV cache: generation.cache.LayerCache
 
     def _use_flash(self, q: Tensor) -> bool:
         # flash-attn has no fp32 kernel: fp32 runs (CPU tests, parity checks) take SDPA.
@@ -222,6 +224,8 @@ class AttentionCore(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None) -> Tensor:
         """q [B, S, nq, dh], k and v [B, S, nkv, dh] (RoPE applied) -> [B, S, nq, dh]."""
         s = q.shape[1]  # the whole sequence here (this cp rank's part of it under cp)
+        if self.kv is not None:  # generation: the new tokens against every cached key
+            return self.kv.attend(q, k, v, self.window)
         if self.cp is not None and self.cp.size > 1:
             return self.cp.attend(q, k, v, positions, self.window)  # (B, S/cp, nq, dh)
         if self._use_flash(q):

@@ -80,8 +80,7 @@ def plan_basis(cfg, z: _Sizes, split, shapes, orders) -> PlanBasis:
         mesh3d=dataclasses.replace(cfg.mesh3d, recompute=None, recompute_every=1),
     )  # fmt: skip
     one_layer = max(
-        stage_activation_bytes(plain, [i], False, False)[0]
-        for i in {0, *z.moe_layers[:1]}
+        stage_activation_bytes(plain, [i], False, False)[0] for i in {0, *z.moe_layers[:1]}
     )
     return PlanBasis(
         stages, orders[0], orders[1], shapes, one_layer, {n - 1: loss_saved_bytes(cfg)},

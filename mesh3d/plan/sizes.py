@@ -60,7 +60,7 @@ class _Sizes:
             z.microbatch_size, z.sequence_length, s.hidden_size, s.intermediate_size,
             s.num_heads, s.num_kv_heads, p.tp, p.dp, p.pp, cp, z.virtual_stages, z.microbatches,
             z.vocab_size, z.padded_vocab, z.param_dtype.itemsize, compute.itemsize,
-            z.autocast_dtype is not None, z.sequence_parallel, z.doc_masking,
+            z.autocast_dtype is not None, z.sequence_parallel, z.documents,
             z.positions_everywhere, z.recompute != "none",
             z.dp_mode != "replicate" and p.dp * cp > 1, z.dp_mode, effective_pp_schedule(cfg),
             z.spec.family, s.moe_layers, s.num_experts, s.top_k, s.moe_ffn, s.shared_ffn,

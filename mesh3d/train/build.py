@@ -135,7 +135,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             dtype=layout.param_dtype,
             compile_classes=spec.compile_classes(p.tp > 1) if cfg.mesh3d.compile else (),
             split_backward=p.pp > 1 and SCHEDULES[layout.schedule].zero_bubble,
-            documents=layout.doc_masking,
+            documents=layout.documents,
             ep=ep,
             blocks=spec.blocks(),
         )

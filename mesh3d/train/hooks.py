@@ -23,7 +23,7 @@ class BatchHashes:
 
     def on_step(self, run, step: int, out, metrics: dict) -> None:
         h = hashlib.sha1()
-        for inputs, labels in out.batches:
+        for inputs, labels, *_ in out.batches:
             h.update(inputs.numpy().tobytes())
             h.update(labels.numpy().tobytes())
         self.hashes.append(h.hexdigest()[:16])

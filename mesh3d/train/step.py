@@ -180,11 +180,37 @@ def prepare_batches(
     added (document masking, counted over dp), then this cp rank's tokens (context parallelism;
     the count is over the full samples, which every cp rank of a dp rank shares)."""
     tokens = None
-    if layout.doc_masking:
+    if layout.sft:
+        batches, tokens = with_sft(batches, layout, dp_group, device)
+    elif layout.doc_masking:
         batches, tokens = with_documents(batches, layout, dp_group, device)
     if layout.dims.cp > 1:
-        batches = shard_batches(batches, layout.dims.cp, layout.coords["cp"], layout.doc_masking)
+        batches = shard_batches(batches, layout.dims.cp, layout.coords["cp"], layout.documents)
     return batches, tokens
+
+
+def with_sft(batches: list[tuple], layout: RunLayout, dp_group, device) -> tuple[list, int]:
+    """SFT data (`data/sft.py`): microbatches (inputs, labels, positions) as they come, and
+    the number of trained (completion) tokens of the global batch, summed over dp: the loss's
+    denominator, the same at every layout. A pretraining stage's microbatch in an SFT run gets
+    its document positions (document masking) or 0..S-1. Never 0: a global batch without a
+    trained token (impossible from `data/sft.py`, which drops such examples) divides by 1."""
+    out, valid = [], 0
+    for inputs, labels, *rest in batches:
+        if rest:
+            positions = rest[0]
+        elif layout.doc_masking:
+            labels = mask_document_starts(labels, inputs, layout.eos_token_id)
+            positions = document_positions(inputs, layout.eos_token_id)
+        else:
+            b, s = inputs.shape
+            positions = torch.arange(s).expand(b, s)
+        out.append((inputs, labels, positions))
+        valid += int((labels != IGNORE).sum())
+    count = torch.tensor([valid], dtype=torch.int64, device=device)
+    if layout.dims.dp > 1:
+        dist.all_reduce(count, group=dp_group)
+    return out, max(int(count.item()), 1)
 
 
 def train_step(

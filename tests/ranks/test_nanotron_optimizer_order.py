@@ -103,7 +103,9 @@ def check_pairing(step, cfg, dp: int, tp: int, zero: bool) -> tuple[int, list[st
 def test_optimizer_states_pair_with_nanotron_parameters_by_position(saved, family, layout):
     base, root = saved[family]
     dp, tp, zero = LAYOUTS[layout]
-    cfg = apply_overrides(config_from_dict(base), layout_overrides(dp, tp, "ALL_REDUCE", zero, None))
+    cfg = apply_overrides(
+        config_from_dict(base), layout_overrides(dp, tp, "ALL_REDUCE", zero, None)
+    )
     checked, bad = check_pairing(root / layout.replace(" ", "_") / "1", cfg, dp, tp, bool(zero))
     print(f"\n{family} {layout}: {checked} state tensors paired by position, {len(bad)} mismatched")
     assert checked > 0 and bad == [], bad[:5]

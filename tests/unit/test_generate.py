@@ -60,8 +60,10 @@ def test_greedy_is_transformers_generate(tmp_path, family):
     for prompt in ([5, 7, 9], [1, 100, 3, 4, 50], [42], [[3, 4, 5, 6], [9, 8, 7, 6]]):
         ids = torch.tensor(prompt if isinstance(prompt[0], list) else [prompt])
         expected = hf.generate(ids, max_new_tokens=12, do_sample=False)
-        got = generate(ours, ids, 12, eos=mc.eos_token_id)
+        got = generate(ours, ids, 12, eos=mc.eos_token_id)  # KV cache
         assert got.tolist() == expected.tolist(), (family, prompt)
+        plain = generate(ours, ids, 12, eos=mc.eos_token_id, cache=False)  # whole sequence
+        assert plain.tolist() == expected.tolist(), (family, prompt)
         full_length += got.shape[1] == ids.shape[1] + 12
     assert full_length >= 2  # most prompts ran all 12 tokens (eos 2 is rarely drawn)
 
@@ -71,6 +73,33 @@ def test_greedy_is_transformers_generate(tmp_path, family):
     expected = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=stop)
     got = generate(ours, ids, 12, eos=stop)
     assert got.tolist() == expected.tolist() and got[0, -1] == stop and got.shape[1] <= 6
+
+
+def _qwen3_dense(path):
+    from test_convert_moe import _random_saved
+
+    cfg = transformers.Qwen3Config(vocab_size=101, hidden_size=64, intermediate_size=96,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   num_hidden_layers=3, max_position_embeddings=64)  # fmt: skip
+    return _random_saved(transformers.Qwen3ForCausalLM(cfg), path)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "qwen2_moe"])
+def test_cached_greedy_is_transformers_generate_from_hf(tmp_path, family):
+    """Families converted from transformers' own models: the KV-cached greedy tokens equal
+    `generate`'s, 40 new tokens, a batch of two prompts and a single one."""
+    from test_convert_moe import qwen2_moe, qwen3_moe
+
+    make = {"qwen3": _qwen3_dense, "qwen3_moe": qwen3_moe, "qwen2_moe": qwen2_moe}[family]
+    hf = make(tmp_path / "hf")
+    convert.from_hf(tmp_path / "hf", tmp_path / "nt")
+    ours, mc = load_model(tmp_path / "nt", CPU)
+    for prompt in ([[5, 7, 9, 11], [60, 2, 33, 4]], [[42]]):
+        ids = torch.tensor(prompt)
+        expected = hf.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)  # fmt: skip
+        got = generate(ours, ids, 40, vocab_size=101)
+        assert got.tolist() == expected.tolist(), (family, prompt)
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +176,30 @@ def test_cli_prints_the_prompt_and_the_generated_text(ckpts, capsys):
     assert len(ids) > len(prompt)
     assert out == tok.decode(ids, skip_special_tokens=True) + "\n"
     assert out.startswith("The cat was") and len(out) > len("The cat was\n")
+
+
+def test_cli_prompts_file_one_line_each_cache_or_not(ckpts, capsys, tmp_path):
+    lines = ["The cat was", "", "A dog", "It is the"]
+    (tmp_path / "p.txt").write_text("\n".join(lines) + "\n")
+    outs = {}
+    for flags in ((), ("--no-cache",)):
+        code, out, err = run_main(capsys, "generate", "--checkpoint", str(ckpts / "ckpts"),
+                                  "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "6",
+                                  *flags, entry=cli.main)  # fmt: skip
+        assert code == 0, err
+        assert ("no cache" if flags else "KV cache") in err and "tokens/s" in err
+        outs[flags] = out
+    tok = load_tokenizer(ckpts / "tok")
+    model, _ = load_model(ckpts / "ckpts" / "7", CPU)
+    expected = ""
+    for text in (t for t in lines if t):  # each prompt alone, the empty line skipped
+        ids = generate(model, torch.tensor(tok.encode(text).ids), 6, eos=2, cache=False).tolist()
+        expected += tok.decode(ids, skip_special_tokens=True) + "\n"
+    assert outs[()] == outs[("--no-cache",)] == expected
+    (tmp_path / "empty.txt").write_text("\n\n")
+    code, _, err = run_main(capsys, "generate", "--checkpoint", str(ckpts / "ckpts"),
+                            "--prompts", str(tmp_path / "empty.txt"), entry=cli.main)  # fmt: skip
+    assert code == 2 and err.count("error:") == 1 and "no non-empty line" in err
 
 
 def test_tokenizer_from_flag_then_folder_then_config(ckpts, capsys, tmp_path):

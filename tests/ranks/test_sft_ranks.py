@@ -1,0 +1,133 @@
+"""SFT training (`data/sft.py`): the step-1 loss against transformers, and layout parity.
+
+Reference: the test tokenizes every example itself (prompt + completion + EOS), runs a
+transformers `LlamaForCausalLM` holding the run's initial weights on each example alone (no
+padding, no packing), and sums the cross-entropy of the completion targets over all examples,
+divided by their count. A run whose one global batch holds every example (learning rate 1e-30,
+far below a weight's fp32 rounding step, so the weights it returns are the initial ones) must report that loss at step 1, packed and not.
+Then a dp2 x tp2 x pp2 run (8 forked ranks) trains packed SFT data like one process (fp32,
+relative difference <= 1e-5 over losses, grad norms and weights).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from data_fixtures import make_tokenizer
+from dist import run_ranks
+from parity import TINY, max_rel_diff, train_runs
+
+from mesh3d.data.sft import build_sequences
+
+SEQ = 32
+VOCAB = 320
+N_EXAMPLES = 8
+
+
+def _examples() -> list[dict]:
+    rows = [{"prompt": f"Q: {i}+{3 * i}=", "completion": f" {4 * i}"} for i in range(N_EXAMPLES)]
+    rows[3]["completion"] = " the sum is twelve"  # a longer completion
+    rows[5]["prompt"] = "Q: five+15="
+    return rows
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sft")
+    make_tokenizer(d / "tok", vocab_size=300)
+    with open(d / "sft.jsonl", "w") as f:
+        for r in _examples():
+            f.write(json.dumps(r) + "\n")
+    with open(d / "many.jsonl", "w") as f:  # enough packed sequences for 3 steps of 4
+        for i in range(60):
+            f.write(json.dumps({"prompt": f"Q: {i}*2=", "completion": f" {2 * i}"}) + "\n")
+    return d
+
+
+BASE = copy.deepcopy(TINY)
+BASE["model"]["model_config"].update(vocab_size=VOCAB, max_position_embeddings=SEQ)
+BASE["tokens"]["sequence_length"] = SEQ
+
+
+def _overrides(d, packing: bool, *more: str, file: str = "sft.jsonl") -> list[str]:
+    stage = (f"data_stages=[{{name: sft, start_training_step: 1, data: {{seed: 5, dataset: "
+             f"{{hf_dataset_or_datasets: {d / file}, sft_dataloader: true}}}}}}]")  # fmt: skip
+    return [f"tokenizer.tokenizer_name_or_path={d / 'tok'}", stage,
+            f"mesh3d.sft_packing={str(packing).lower()}", *more]  # fmt: skip
+
+
+def _hf_reference(weights: dict, tok_dir) -> float:
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    mc = BASE["model"]["model_config"]
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=mc["hidden_size"], intermediate_size=mc["intermediate_size"],
+        num_attention_heads=mc["num_attention_heads"], num_key_value_heads=mc["num_key_value_heads"],
+        num_hidden_layers=mc["num_hidden_layers"], rms_norm_eps=mc["rms_norm_eps"],
+        max_position_embeddings=SEQ, tie_word_embeddings=False, hidden_act="silu",
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    state = {("" if k == "lm_head.weight" else "model.") + k: v for k, v in weights.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    tok = Tokenizer.from_file(str(tok_dir / "tok" / "tokenizer.json"))
+    eos = tok.token_to_id("</s>")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ex in _examples():
+            ids = tok.encode(ex["prompt"] + ex["completion"]).ids + [eos]
+            prompt = len(tok.encode(ex["prompt"]).ids)
+            assert len(ids) <= SEQ + 1
+            logits = model(torch.tensor([ids[:-1]])).logits[0].double()
+            targets = torch.tensor(ids[1:])
+            ce = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+            total += float(ce[prompt - 1 :].sum())  # targets at index >= prompt in `ids`
+            count += len(ids) - prompt
+    return total / count
+
+
+def test_step_one_loss_equals_transformers_completion_loss(data):
+    import datasets
+
+    rows = datasets.Dataset.from_list(_examples())
+    packed = len(build_sequences(rows, str(data / "tok"), SEQ, 5, True, None, "t")[0])
+    assert packed < N_EXAMPLES  # packing puts several examples in one sequence
+    zero_lr = ["tokens.train_steps=1", "optimizer.learning_rate_scheduler.learning_rate=1e-30",
+               "optimizer.learning_rate_scheduler.min_decay_lr=1e-30", "tokens.micro_batch_size=1"]  # fmt: skip
+    runs = [  # one global batch = every sequence, so every example
+        _overrides(data, False, *zero_lr, f"tokens.batch_accumulation_per_replica={N_EXAMPLES}"),
+        _overrides(data, True, *zero_lr, f"tokens.batch_accumulation_per_replica={packed}"),
+    ]
+    single, multi = run_ranks(1, train_runs, runs, BASE, timeout=300)[0]
+    ref = _hf_reference(single["weights"], data)
+    assert torch.equal(single["weights"]["lm_head.weight"], multi["weights"]["lm_head.weight"])
+    print(f"\nstep-1 loss: transformers {ref:.8f}, one per sequence {single['loss'][0]:.8f}, "
+          f"packed {multi['loss'][0]:.8f}")  # fmt: skip
+    assert abs(single["loss"][0] - ref) <= 1e-5 * ref
+    assert abs(multi["loss"][0] - ref) <= 1e-5 * ref
+
+
+def test_dp2_tp2_pp2_sft_matches_one_process(data):
+    common = ["tokens.train_steps=3", "tokens.micro_batch_size=1",
+              "model.model_config.num_hidden_layers=4"]  # fmt: skip
+    one = _overrides(
+        data, True, *common, "tokens.batch_accumulation_per_replica=4", file="many.jsonl"
+    )
+    ref = run_ranks(1, train_runs, [one], BASE, timeout=300)[0][0]
+    assert ref["loss"][-1] < ref["loss"][0]
+    layout = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2",
+              "parallelism.tp_mode=REDUCE_SCATTER", "tokens.batch_accumulation_per_replica=2"]  # fmt: skip
+    runs = [_overrides(data, True, *common, *layout, file="many.jsonl")]
+    results = run_ranks(8, train_runs, runs, BASE, timeout=600)
+    run = results[0][0]
+    for r in results[1:]:
+        assert r[0]["loss"] == run["loss"]
+        assert not r[0]["replica_mismatches"]
+    diff = max_rel_diff(run, ref, vocab=VOCAB)
+    print(f"\ndp2 x tp2 x pp2 SFT vs one process: max relative difference {diff:.2e}")
+    assert diff <= 1e-5
