@@ -137,7 +137,11 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
         f"{start + 1} | consumed_train_samples: {consumed}"
     )
     if start == tok.train_steps:
-        logger.info(f"nothing to train: the checkpoint is at tokens.train_steps ({start})")
+        logger.info(
+            f"nothing to train: the checkpoint is at tokens.train_steps ({start}); raise "
+            "tokens.train_steps to train on, or set mesh3d.existing_checkpoints=overwrite to "
+            "start again from step 1"
+        )
     logger.info("grad_norm in the iteration line is the global gradient norm before clipping")
     sinks = MetricSinks(cfg, rank == run.logger_rank, metrics_file, wandb_id, start_step=start)
     wandb_id = share(sinks.wandb_id, src=run.logger_rank)
