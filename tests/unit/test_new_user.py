@@ -29,3 +29,11 @@ def test_default_run_has_one_folder_and_resumes(no_corpus):
     assert cfg.general.run == "default" == expand_run_name(cfg.general.run)
     assert cfg.checkpoints.checkpoints_path == "runs/default/checkpoints"
     assert cfg.mesh3d.existing_checkpoints == "resume"
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])
+def test_default_model_runs_tensor_parallel(no_corpus, tp, pp):
+    """The default model's heads divide by 2 and 4 (README: `generate --tp 2 --pp 2`)."""
+    path, overrides = launch._resolved(launch._split([]))
+    cfg = load_config(path, [*overrides, f"parallelism.tp={tp}", f"parallelism.pp={pp}"])
+    validate(cfg, world_size=tp * pp)
