@@ -26,7 +26,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from mesh3d.checks import validate
+from mesh3d.checks import validate, warn_once
 from mesh3d.config import expand_run_name, load_config, world_size
 from mesh3d.errors import PeerError, UserError, exit_on_user_error
 from mesh3d.log import setup_launcher_logging
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(path, overrides)
     world = world_size(cfg)
     validate(cfg, world_size=world)  # before any process starts: one message, exit 2
+    warn_once(cfg)
     metrics = args.metrics_file or f"runs/{cfg.general.run}/metrics.jsonl"
     if world == 1:  # in this process: a one-process world, no launcher
         return run_rank(path, overrides, metrics)

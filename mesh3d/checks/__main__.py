@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mesh3d.checks.validate import validate
+from mesh3d.checks.validate import config_warnings, validate
 from mesh3d.config.load import config_to_yaml, load_config
 from mesh3d.errors import exit_on_user_error
 
@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world_size=args.world_size)
+    for line in config_warnings(cfg):
+        sys.stderr.write(f"warning: {line}\n")
     sys.stdout.write(config_to_yaml(cfg))
 
 

@@ -237,7 +237,7 @@ def _resolve(cfg: Config) -> Config:
     if cfg.optimizer is not None:
         s = cfg.optimizer.learning_rate_scheduler
         if s.lr_decay_steps is None and cfg.tokens is not None:
-            s.lr_decay_steps = cfg.tokens.train_steps - s.lr_warmup_steps
+            s.lr_decay_steps = max(0, cfg.tokens.train_steps - s.lr_warmup_steps)
         if s.min_decay_lr is None:
             s.min_decay_lr = s.learning_rate
     if cfg.data_stages is not None:

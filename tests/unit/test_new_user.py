@@ -37,3 +37,42 @@ def test_default_model_runs_tensor_parallel(no_corpus, tp, pp):
     path, overrides = launch._resolved(launch._split([]))
     cfg = load_config(path, [*overrides, f"parallelism.tp={tp}", f"parallelism.pp={pp}"])
     validate(cfg, world_size=tp * pp)
+
+
+RECIPE = "recipes/configs/cpu_tiny.yaml"
+
+
+def test_short_run_validates_at_its_last_step_with_one_warning():
+    """`train_steps` below `val_check_interval`: accepted, one warning, evaluated at the end."""
+    from mesh3d.checks import config_warnings
+    from mesh3d.train.evaluate import is_evaluation_step
+
+    cfg = load_config(RECIPE, ["tokens.train_steps=20", "tokens.val_check_interval=50",
+                               "tokens.limit_val_batches=2"])  # fmt: skip
+    validate(cfg, world_size=1)
+    (line,) = config_warnings(cfg)
+    assert "`tokens.val_check_interval` (50) is larger than `tokens.train_steps` (20)" in line
+    assert "at the last step (20)" in line
+    assert [s for s in range(1, 21) if is_evaluation_step(cfg.tokens, s)] == [20]
+
+
+def test_warmup_longer_than_the_run_is_one_warning():
+    """cpu_tiny (5 warmup steps) with train_steps=3: one cause, reported once, not 3 errors."""
+    from mesh3d.checks import config_warnings
+    from mesh3d.train.lr_schedule import lr_at, schedule_kwargs
+
+    cfg = load_config(RECIPE, ["tokens.train_steps=3"])
+    validate(cfg, world_size=1)
+    (line,) = config_warnings(cfg)
+    assert "lr_warmup_steps` (5) is more than tokens.train_steps (3)" in line
+    assert cfg.optimizer.learning_rate_scheduler.lr_decay_steps == 0
+    lrs = [lr_at(k, **schedule_kwargs(cfg)) for k in range(3)]
+    assert lrs == sorted(lrs) and lrs[-1] < cfg.optimizer.learning_rate_scheduler.learning_rate
+
+
+def test_mesh3d_config_prints_the_warning(capsys):
+    from mesh3d.checks.__main__ import main
+
+    main([RECIPE, "tokens.train_steps=3"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: `optimizer.learning_rate_scheduler")
