@@ -32,6 +32,7 @@ from mesh3d.errors import PeerError, UserError, exit_on_user_error
 from mesh3d.log import setup_launcher_logging
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
+LAUNCHED_ENV = "MESH3D_LAUNCHED"  # set in the ranks `mesh3d train` starts itself
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,6 +73,30 @@ def _resolved(args: argparse.Namespace) -> tuple[str, list[str]]:
     return path, overrides
 
 
+def _resolved_on_ranks(args: argparse.Namespace) -> tuple[str, list[str], str]:
+    """A rank that torchrun or Slurm started: the config checked before any collective (a
+    mistake is one `error:` line, from rank 0), then world rank 0's run name for every rank
+    (`%date` read once) and the same metrics file and plot as `mesh3d train`."""
+    import torch.distributed as dist
+
+    from mesh3d.mesh import init_distributed
+
+    try:
+        path, overrides = _resolved(args)
+        cfg = load_config(path, overrides)
+        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    except UserError as e:  # the same file and overrides on every rank
+        e.same_on_every_rank = True
+        raise
+    warn_once(cfg)
+    init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=cfg.mesh3d.device)
+    shared = [overrides]
+    dist.broadcast_object_list(shared, src=0)
+    overrides = shared[0]
+    run = load_config(path, overrides).general.run
+    return path, overrides, args.metrics_file or f"runs/{run}/metrics.jsonl"
+
+
 def _is_rank() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -79,13 +104,10 @@ def _is_rank() -> bool:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     args = _split(sys.argv[1:] if argv is None else argv)
-    if _is_rank():  # under torchrun / Slurm, or started by `_launch`: one rank
-        overrides = list(args.overrides)
-        if args.config is None:
-            from mesh3d.data.corpus import default_run_overrides
-
-            overrides = default_run_overrides() + overrides  # the same folder on every rank
-        return run_rank(args.config or str(DEFAULT_CONFIG), overrides, args.metrics_file)
+    if _is_rank() and os.environ.get(LAUNCHED_ENV):  # started by `_launch`: all resolved there
+        return run_rank(args.config, list(args.overrides), args.metrics_file)
+    if _is_rank():  # under torchrun / Slurm: one rank, resolved as `mesh3d train` would
+        return run_rank(*_resolved_on_ranks(args))
     setup_launcher_logging()  # the default run's data preparation is shown
     path, overrides = _resolved(args)
     cfg = load_config(path, overrides)
@@ -141,6 +163,7 @@ def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> N
         start_method="spawn", **options,
     )  # fmt: skip
     args = ["-m", "mesh3d.launch", path, "--metrics-file", metrics_file, *overrides]
+    os.environ[LAUNCHED_ENV] = "1"  # the ranks inherit it
     try:
         elastic_launch(config, sys.executable)(*args)
     except ChildFailedError as e:  # the ranks' own codes: 75 only when they saved
@@ -149,6 +172,8 @@ def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> N
         raise SystemExit(code) from None
     except SignalException as e:  # SIGHUP/SIGQUIT, or any stop signal where /proc is missing:
         raise SystemExit(128 + int(e.sigval)) from None  # the agent stopped the ranks
+    finally:
+        os.environ.pop(LAUNCHED_ENV, None)
 
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
