@@ -146,6 +146,19 @@ def run_rank(path: str, overrides: list[str], metrics_file: str | None) -> None:
 
 def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> None:
     """`world` local ranks of `python -m mesh3d.launch`, through torch's elastic agent."""
+    os.environ[LAUNCHED_ENV] = "1"  # the ranks inherit it: everything is resolved here
+    try:
+        run_agent(["-m", "mesh3d.launch", path, "--metrics-file", metrics_file, *overrides], world)
+    finally:
+        os.environ.pop(LAUNCHED_ENV, None)
+
+
+def run_agent(args: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str = "localhost:0",
+              run_id: str | None = None) -> None:  # fmt: skip
+    """Run `python ARGS` as `nproc` ranks on this node (of `nnodes`, meeting at `rdzv_endpoint`
+    by c10d rendezvous) through torch's elastic agent, what torchrun does, but a failing rank's
+    own `error:` line is the only message and the exit code is the ranks' (2 for a mistake in
+    the config or the data, 75 only when they saved), not torchrun's traceback and 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -158,12 +171,10 @@ def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> N
     options = {"signals_to_handle": agent_signals}
     options = {k: v for k, v in options.items() if k in LaunchConfig.__dataclass_fields__}
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", **options,
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
+        run_id=run_id or str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint,
+        max_restarts=0, monitor_interval=0.1, start_method="spawn", **options,
     )  # fmt: skip
-    args = ["-m", "mesh3d.launch", path, "--metrics-file", metrics_file, *overrides]
-    os.environ[LAUNCHED_ENV] = "1"  # the ranks inherit it
     try:
         elastic_launch(config, sys.executable)(*args)
     except ChildFailedError as e:  # the ranks' own codes: 75 only when they saved
@@ -172,8 +183,6 @@ def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> N
         raise SystemExit(code) from None
     except SignalException as e:  # SIGHUP/SIGQUIT, or any stop signal where /proc is missing:
         raise SystemExit(128 + int(e.sigval)) from None  # the agent stopped the ranks
-    finally:
-        os.environ.pop(LAUNCHED_ENV, None)
 
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
