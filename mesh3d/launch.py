@@ -1,11 +1,11 @@
 """`mesh3d train [CONFIG] [key=value ...]`: train, starting the processes the config asks for.
 
     mesh3d train                                 # the default run: real text, CPU, minutes
-    mesh3d train cfg.yaml parallelism.dp=2       # dp x tp x pp processes on this machine
+    mesh3d train cfg.yaml parallelism.dp=2       # dp x cp x tp x pp processes here
     torchrun --nproc_per_node=8 -m mesh3d.launch cfg.yaml    # under a launcher: one rank each
 
 Outside a launcher, `mesh3d train` checks the config first (a mistake prints one `error:` line
-and exits 2 before anything starts), then runs one process in place, or starts dp x tp x pp
+and exits 2 before anything starts), then runs one process in place, or starts dp x cp x tp x pp
 local processes with torch's elastic launcher used as a library (what torchrun does). Under
 torchrun or Slurm (RANK set) it is one rank. Without CONFIG it prepares the default run's data
 once (`mesh3d/data/corpus.py`) and trains `mesh3d/configs/default.yaml` on it.

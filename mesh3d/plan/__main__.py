@@ -1,5 +1,5 @@
-"""Pre-flight plan of a run: `python -m mesh3d.plan CONFIG [--world-size N] [--json] [--dry-run]
-[key=value ...]`.
+"""Pre-flight plan of a run: `mesh3d plan CONFIG [--world-size N] [--json] [--dry-run]
+[key=value ...]` (or `python -m mesh3d.plan ...`).
 
 Prints the text report of `format_plan`, or with `--json` `dataclasses.asdict(make_plan(...))`;
 exit 0. A config training would refuse prints `error: ...` and exits 2. `--dry-run` also builds
@@ -24,7 +24,7 @@ from mesh3d.plan.report import format_dry_run, format_plan
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mesh3d.plan", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="mesh3d plan", description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("config", help="Nanotron YAML config file")
     ap.add_argument(
         "--world-size", type=int, help="number of processes (default: dp x cp x tp x pp)"

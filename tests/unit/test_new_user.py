@@ -76,3 +76,24 @@ def test_mesh3d_config_prints_the_warning(capsys):
     main([RECIPE, "tokens.train_steps=3"])
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("warning: `optimizer.learning_rate_scheduler")
+
+
+@pytest.mark.parametrize("command", ["plan", "config"])
+def test_help_names_the_command_and_closes_its_backticks(command, capsys):
+    from mesh3d import cli
+
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: mesh3d {command} ") and "python -m mesh3d.plan CONFIG" not in out
+    description = out.split("\n\n")[1]
+    assert description.count("`") % 2 == 0, description
+    assert "dp x cp x tp x pp" in out
+
+
+def test_missing_metrics_file_suggests_a_path_a_run_writes(tmp_path):
+    from mesh3d.errors import UserError
+    from mesh3d.plot import read_metrics
+
+    with pytest.raises(UserError, match=r"mesh3d plot runs/default/metrics.jsonl"):
+        read_metrics(tmp_path / "nope.jsonl")
