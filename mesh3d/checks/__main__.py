@@ -16,9 +16,13 @@ from mesh3d.errors import exit_on_user_error
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="mesh3d config", description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap = argparse.ArgumentParser(
+        prog="mesh3d config", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     ap.add_argument("config", help="Nanotron YAML config file")
-    ap.add_argument("--world-size", type=int, help="number of processes (default: dp x cp x tp x pp)")
+    ap.add_argument(
+        "--world-size", type=int, help="number of processes (default: dp x cp x tp x pp)"
+    )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)

@@ -24,7 +24,9 @@ from mesh3d.plan.report import format_dry_run, format_plan
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="mesh3d plan", description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap = argparse.ArgumentParser(
+        prog="mesh3d plan", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     ap.add_argument("config", help="Nanotron YAML config file")
     ap.add_argument(
         "--world-size", type=int, help="number of processes (default: dp x cp x tp x pp)"
