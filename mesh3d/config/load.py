@@ -346,6 +346,12 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """
     path = Path(path)
     if not path.is_file():
+        text = str(path)
+        if "." in text and "/" not in text and path.suffix not in (".yaml", ".yml", ".json"):
+            raise ConfigError(  # `mesh3d train parallelism.dp`: an override without its value
+                f"{text!r} is not a config file and has no `=value`: write an override as "
+                f"{text}=VALUE (e.g. parallelism.dp=2)"
+            )
         raise ConfigError(f"config file {path} does not exist or is not a file")
     try:
         raw = yaml.safe_load(path.read_text())

@@ -97,3 +97,24 @@ def test_missing_metrics_file_suggests_a_path_a_run_writes(tmp_path):
 
     with pytest.raises(UserError, match=r"mesh3d plot runs/default/metrics.jsonl"):
         read_metrics(tmp_path / "nope.jsonl")
+
+
+def test_cli_version_and_did_you_mean(capsys):
+    from mesh3d import __version__, cli
+
+    cli.main(["--version"])
+    assert capsys.readouterr().out == f"mesh3d {__version__}\n"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["trian"])
+    assert e.value.code == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("error: unknown command 'trian' (did you mean 'train'?)")
+
+
+def test_override_without_value_is_named_as_such():
+    from mesh3d.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"'parallelism.dp' is not a config file and has no `=value`"
+    ):
+        load_config("parallelism.dp")
