@@ -118,3 +118,16 @@ def test_override_without_value_is_named_as_such():
         ConfigError, match=r"'parallelism.dp' is not a config file and has no `=value`"
     ):
         load_config("parallelism.dp")
+
+
+def test_throughput_benchmark_default_is_short_and_full_is_a_flag():
+    import importlib
+    import sys
+
+    from test_bench_throughput import ROOT
+
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = importlib.import_module("throughput")
+    assert bench.SCHEDULE["quick"][0] <= 10 and bench.SCHEDULE["full"][0] == 40
+    assert "--full" in (ROOT / "benchmarks" / "README.md").read_text()
