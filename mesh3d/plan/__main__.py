@@ -19,7 +19,7 @@ from mesh3d.config import load_config
 from mesh3d.errors import exit_on_user_error
 from mesh3d.plan.build import make_plan
 from mesh3d.plan.dry_run import differences, dry_run
-from mesh3d.plan.report import format_dry_run, format_plan
+from mesh3d.plan.report import format_dry_run, format_plan, gpu_memory_gib
 
 
 @exit_on_user_error
@@ -37,8 +37,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="build each distinct rank's model parts on meta (fake process group) and compare",
     )
+    ap.add_argument(
+        "--gpu-memory",
+        help="memory per device, GiB or a name (H100, A100-40GB, H200, ...): says whether the "
+        "largest per-rank peak fits",
+    )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)
+    gib = gpu_memory_gib(args.gpu_memory) if args.gpu_memory else None
     cfg = load_config(args.config, args.overrides)
     plan = make_plan(cfg, args.world_size)
     run = dry_run(cfg, plan.world_size) if args.dry_run else None
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write(json.dumps(data, indent=1) + "\n")
     else:
         dry = "\n" + format_dry_run(plan, run, diffs) if run else ""
-        sys.stdout.write(format_plan(plan) + dry)
+        sys.stdout.write(format_plan(plan, gib) + dry)
     if diffs:
         first = next(iter(diffs.values()))[0]
         ranks = ", ".join(map(str, diffs))

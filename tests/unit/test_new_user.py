@@ -131,3 +131,28 @@ def test_throughput_benchmark_default_is_short_and_full_is_a_flag():
     bench = importlib.import_module("throughput")
     assert bench.SCHEDULE["quick"][0] <= 10 and bench.SCHEDULE["full"][0] == 40
     assert "--full" in (ROOT / "benchmarks" / "README.md").read_text()
+
+
+def test_plan_abbreviates_many_rank_groups():
+    from mesh3d.plan.report import groups_line
+
+    assert groups_line([[0, 1], [2, 3]]) == "[0, 1] [2, 3]"  # short: unchanged
+    tp = [list(range(i, i + 8)) for i in range(0, 512, 8)]
+    assert groups_line(tp) == "64 groups of 8: [0-7] [8-15] [16-23] ... [504-511]"
+    pp = [list(range(i, 512, 64)) for i in range(64)]
+    line = groups_line(pp)
+    assert line.startswith("64 groups of 8: [0, 64, ..., 448] [1, 65, ..., 449]") and len(line) < 120
+
+
+def test_plan_says_whether_the_peak_fits():
+    from mesh3d.errors import UserError
+    from mesh3d.plan.build import make_plan
+    from mesh3d.plan.report import format_plan, gpu_memory_gib
+
+    plan = make_plan(load_config(RECIPE), None)
+    assert "pass --gpu-memory GiB" in format_plan(plan)
+    assert "  fits: largest peak" in format_plan(plan, gpu_memory_gib("H100"))
+    assert "DOES NOT FIT" in format_plan(plan, 1e-6)
+    assert gpu_memory_gib("h100") == 80 and gpu_memory_gib("40") == 40
+    with pytest.raises(UserError, match="--gpu-memory 'P100x'"):
+        gpu_memory_gib("P100x")
