@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from mesh3d.checkpoint.from_hf_config import training_config
@@ -212,7 +211,9 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
     config = output / "config.json"
     config.write_text(json.dumps(hf_config, indent=2) + "\n")
     weights = output / "model.safetensors"
-    save_file(hf, str(weights), metadata={"format": "pt"})
+    from mesh3d.checkpoint.nanotron_weights import save_readable
+
+    save_readable(hf, weights, {"format": "pt"})
     return [config, weights, *copy_into_folder(step_tokenizer(step), output)]
 
 
@@ -306,9 +307,12 @@ def main(argv: list[str] | None = None) -> None:
         paths = to_hf(args.checkpoint, args.output, args.dtype)
     else:
         paths = from_hf(args.model, args.output, args.tp, args.pp)
+    shards = [p for p in paths if p.parent != Path(args.output)]  # from-hf's model/ files
     print(f"wrote {len(paths)} files under {args.output}:")
-    for p in paths:
+    for p in (p for p in paths if p not in shards):
         print(f"  {p}")
+    if shards:
+        print(f"  {len(shards)} weight files under {Path(args.output) / 'model'}/")
     if args.command == "from-hf":
         yaml_path = Path(args.output).resolve() / "config.yaml"
         print(f"train from it: torchrun --nproc_per_node={args.tp * args.pp} recipes/train.py "

@@ -156,3 +156,34 @@ def test_plan_says_whether_the_peak_fits():
     assert gpu_memory_gib("h100") == 80 and gpu_memory_gib("40") == 40
     with pytest.raises(UserError, match="--gpu-memory 'P100x'"):
         gpu_memory_gib("P100x")
+
+
+def test_weight_files_get_the_usual_mode(tmp_path):
+    """safetensors creates 0600 files; HF exports and Nanotron weights are readable by others."""
+    import os
+    import stat
+
+    import torch
+
+    from mesh3d.checkpoint.nanotron_weights import save_readable
+
+    umask = os.umask(0o022)
+    try:
+        save_readable({"w": torch.zeros(2)}, tmp_path / "model.safetensors", {"format": "pt"})
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_from_hf_lists_its_few_files_and_counts_the_shards(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from test_first_hour import hf_folder
+
+    from mesh3d.checkpoint.hf import main
+
+    hf_folder(tmp_path / "hf")
+    main(["from-hf", "--model", str(tmp_path / "hf"), "--output", str(tmp_path / "out"),
+          "--tp", "2"])  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("wrote ") and "model_config.json" in out[1] and "config.yaml" in out[2]
+    assert out[3].startswith("  ") and "weight files under" in out[3] and len(out) == 5
