@@ -4,7 +4,7 @@ mesh3d train [CONFIG] [key=value ...]                           train (starts it
 mesh3d generate --checkpoint PATH --prompt TEXT [...]           text from a trained checkpoint
 mesh3d plot METRICS.jsonl ... [--output PNG]                    loss, lr, grad norm, tokens/s
 mesh3d plan CONFIG [--world-size N] [--json] [--dry-run] [...]  same as python -m mesh3d.plan
-mesh3d config CONFIG [--world-size N] [key=value ...]           check a config: exit 0, or 2 with the errors
+mesh3d config CONFIG [--world-size N] [--check-data] [...]      check a config: exit 0, or 2 with the errors
 mesh3d --version                                                the installed version
 """
 
@@ -32,6 +32,11 @@ def main(argv: list[str] | None = None) -> None:
         from mesh3d import __version__
 
         sys.stdout.write(f"mesh3d {__version__}\n")
+        return
+    if argv and argv[0] == "config":  # with what `--check-data` opens (data/ is above checks/)
+        from mesh3d.data.build import StagedData
+
+        importlib.import_module(COMMANDS["config"]).main(argv[1:], data_check=StagedData)
         return
     if argv and argv[0] in COMMANDS:
         importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])

@@ -187,3 +187,18 @@ def test_from_hf_lists_its_few_files_and_counts_the_shards(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("wrote ") and "model_config.json" in out[1] and "config.yaml" in out[2]
     assert out[3].startswith("  ") and "weight files under" in out[3] and len(out) == 5
+
+
+def test_mesh3d_config_check_data_opens_the_dataset_folders(tmp_path, monkeypatch, capsys):
+    from mesh3d import cli
+
+    monkeypatch.chdir(tmp_path)  # runs/tiny_data/ is not there
+    nanoset = str(launch.DEFAULT_CONFIG.parents[2] / "recipes" / "configs" / "cpu_nanoset.yaml")
+    cli.main(["config", nanoset])  # the config alone: fine
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["config", nanoset, "--check-data"])
+    assert e.value.code == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert err == ["error: dataset_folder 'runs/tiny_data/tokenized' does not exist; fix the path "
+                   "(`python recipes/tiny_data.py` writes it)"]  # fmt: skip
