@@ -311,6 +311,7 @@ def _choices(cfg: Config) -> Iterator[str]:
         "mesh3d.device": (cfg.mesh3d.device, ("auto", "cpu", "cuda")),
         "mesh3d.attention": (cfg.mesh3d.attention, ("auto", "sdpa", "flash")),
         "mesh3d.dummy_data": (cfg.mesh3d.dummy_data, ("random", "learnable")),
+        "mesh3d.console": (cfg.mesh3d.console, ("auto", "nanotron", "compact")),
         "mesh3d.model_family": (cfg.mesh3d.model_family, (None, *MESH3D_FAMILIES)),
         "mesh3d.existing_checkpoints": (cfg.mesh3d.existing_checkpoints, EXISTING_CHECKPOINTS),
     }

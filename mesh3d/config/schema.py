@@ -388,6 +388,9 @@ class Mesh3dArgs:
     async_tp: bool = False  # torch's async TP: compile + tp > 1 REDUCE_SCATTER on CUDA/NCCL
     wandb: bool | None = None  # null: on when wandb is installed and can log without a prompt
     tensorboard_dir: str | None = None  # TensorBoard scalars of every logged iteration
+    # console progress: nanotron (its iteration line every iteration_step_info_interval steps),
+    # compact (one short line per step), auto (compact on a terminal, nanotron otherwise)
+    console: str = "auto"
     # failing safe on long runs (README "When things go wrong")
     collective_timeout_s: float = 600.0  # every process group: a stopped rank ends the job
     checkpoint_timeout_s: float = 1800.0  # collectives and barriers while saving or loading

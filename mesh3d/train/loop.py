@@ -191,6 +191,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                 m.update(guard.step_metrics())
                 result.metrics.append(m)
                 logged = (step - 1) % cfg.logging.iteration_step_info_interval == 0
+                sinks.progress(m, step_seconds)  # the compact console line, every step
                 if unusual or logged or "val_loss" in m:
                     sinks.write(m, step_seconds)  # skipped and evaluation steps always shown
                 for hook in on_step:

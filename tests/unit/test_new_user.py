@@ -202,3 +202,40 @@ def test_mesh3d_config_check_data_opens_the_dataset_folders(tmp_path, monkeypatc
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
     assert err == ["error: dataset_folder 'runs/tiny_data/tokenized' does not exist; fix the path "
                    "(`python recipes/tiny_data.py` writes it)"]  # fmt: skip
+
+
+def _sinks(console: str, steps: int = 200):
+    from mesh3d.train.sinks import MetricSinks
+
+    cfg = load_config(RECIPE, ["mesh3d.wandb=false", f"mesh3d.console={console}",
+                               f"tokens.train_steps={steps}"])  # fmt: skip
+    return MetricSinks(cfg, True, None)
+
+
+def test_compact_console_is_one_short_line_per_step(caplog):
+    import logging
+
+    record = {"iteration": 12, "consumed_tokens": 1000, "lm_loss": 5.12341, "lr": 0.003,
+              "tokens_per_sec": 2950.0, "grad_norm": 1.0}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="mesh3d"):
+        compact = _sinks("compact")
+        compact.progress(record, [1.0] * 12)
+        compact.write(record, [1.0] * 12)  # the Nanotron line is left out of the console
+        _sinks("nanotron").progress(record, [1.0] * 12)  # nothing: nanotron's form only
+    lines = [r.getMessage() for r in caplog.records if r.name == "mesh3d"]
+    assert lines == ["step 12/200 | loss 5.1234 | lr 3.00e-03 | 2,950 tokens/s | eta 0:03:08"]
+    assert _sinks("auto").compact is False  # the tests' output is not a terminal
+
+
+def test_eta_is_steady_when_one_step_is_slow():
+    """A median of the run's steps: one slow step (a loaded host) barely moves it."""
+    sinks = _sinks("nanotron", steps=100)
+    steady = sinks.eta(50, [5.0] + [1.0] * 49)
+    assert steady == 50.0 and sinks.eta(51, [5.0] + [1.0] * 49 + [10.0]) == 49.0
+
+
+def test_console_value_is_checked():
+    from mesh3d.checks import validation_errors
+
+    errors = validation_errors(load_config(RECIPE, ["mesh3d.console=fancy"]), 1)
+    assert len(errors) == 1 and "`mesh3d.console` 'fancy'" in errors[0]
