@@ -279,10 +279,12 @@ def _drop_not_nanotron(d: dict, always: bool) -> None:
 
 
 def config_to_dict(cfg: Config) -> dict:
-    """Plain mapping of every field (Nanotron writes all of them); `mesh3d` only if not default,
-    and keys Nanotron HEAD refuses (`_NOT_NANOTRON`) only if set."""
+    """Plain mapping of every field (Nanotron writes all of them); of `mesh3d:` only the keys
+    that differ from their defaults (no section when none), and keys Nanotron HEAD refuses
+    (`_NOT_NANOTRON`) only if set."""
     d = dataclasses.asdict(cfg)
-    if cfg.mesh3d == Mesh3dArgs():
+    d["mesh3d"] = mesh3d_changes(cfg)
+    if not d["mesh3d"]:
         del d["mesh3d"]
     _drop_not_nanotron(d, always=False)
     return d

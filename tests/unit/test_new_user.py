@@ -239,3 +239,21 @@ def test_console_value_is_checked():
 
     errors = validation_errors(load_config(RECIPE, ["mesh3d.console=fancy"]), 1)
     assert len(errors) == 1 and "`mesh3d.console` 'fancy'" in errors[0]
+
+
+def test_starter_config_writes_only_the_mesh3d_keys_it_changes(tmp_path):
+    import yaml
+
+    from test_bench_throughput import ROOT
+
+    sys_path = str(ROOT / "recipes")
+    import sys
+
+    if sys_path not in sys.path:
+        sys.path.insert(0, sys_path)
+    import config_tiny_llama
+
+    config_tiny_llama.main(["--output", str(tmp_path / "a.yaml")])
+    assert yaml.safe_load((tmp_path / "a.yaml").read_text())["mesh3d"] == {"dummy_data": "learnable"}
+    config_tiny_llama.main(["--output", str(tmp_path / "b.yaml"), "--dummy-data", "random"])
+    assert "mesh3d" not in yaml.safe_load((tmp_path / "b.yaml").read_text())
