@@ -141,7 +141,9 @@ def test_plan_abbreviates_many_rank_groups():
     assert groups_line(tp) == "64 groups of 8: [0-7] [8-15] [16-23] ... [504-511]"
     pp = [list(range(i, 512, 64)) for i in range(64)]
     line = groups_line(pp)
-    assert line.startswith("64 groups of 8: [0, 64, ..., 448] [1, 65, ..., 449]") and len(line) < 120
+    assert (
+        line.startswith("64 groups of 8: [0, 64, ..., 448] [1, 65, ..., 449]") and len(line) < 120
+    )
 
 
 def test_plan_says_whether_the_peak_fits():
@@ -243,7 +245,6 @@ def test_console_value_is_checked():
 
 def test_starter_config_writes_only_the_mesh3d_keys_it_changes(tmp_path):
     import yaml
-
     from test_bench_throughput import ROOT
 
     sys_path = str(ROOT / "recipes")
@@ -254,6 +255,8 @@ def test_starter_config_writes_only_the_mesh3d_keys_it_changes(tmp_path):
     import config_tiny_llama
 
     config_tiny_llama.main(["--output", str(tmp_path / "a.yaml")])
-    assert yaml.safe_load((tmp_path / "a.yaml").read_text())["mesh3d"] == {"dummy_data": "learnable"}
+    assert yaml.safe_load((tmp_path / "a.yaml").read_text())["mesh3d"] == {
+        "dummy_data": "learnable"
+    }
     config_tiny_llama.main(["--output", str(tmp_path / "b.yaml"), "--dummy-data", "random"])
     assert "mesh3d" not in yaml.safe_load((tmp_path / "b.yaml").read_text())
