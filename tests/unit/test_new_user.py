@@ -260,3 +260,17 @@ def test_starter_config_writes_only_the_mesh3d_keys_it_changes(tmp_path):
     }
     config_tiny_llama.main(["--output", str(tmp_path / "b.yaml"), "--dummy-data", "random"])
     assert "mesh3d" not in yaml.safe_load((tmp_path / "b.yaml").read_text())
+
+
+def test_exported_tokenizer_loads_with_its_special_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from mesh3d.checkpoint.hf import set_special_tokens
+    from mesh3d.config.schema import LlamaConfig
+    from mesh3d.data.synthetic import make_tokenizer
+
+    make_tokenizer(tmp_path, vocab_size=300)  # specials <unk> 0, <s> 1, </s> 2; no roles
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).eos_token is None
+    assert set_special_tokens(tmp_path, LlamaConfig()) == [tmp_path / "tokenizer_config.json"]
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "</s>")
+    assert tok.eos_token_id == 2
