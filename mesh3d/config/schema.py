@@ -44,8 +44,8 @@ class ParallelismArgs:
 
 @dataclass
 class LlamaConfig:
-    bos_token_id: int = 1
-    eos_token_id: int = 2
+    bos_token_id: int | None = 1  # null kept (an HF config's null; from-hf writes it)
+    eos_token_id: int | None = 2
     hidden_act: str = "silu"
     hidden_size: int = 4096
     initializer_range: float = 0.02
@@ -84,8 +84,8 @@ class MoEConfig:
 
 @dataclass
 class Qwen2Config:
-    bos_token_id: int = 1
-    eos_token_id: int = 2
+    bos_token_id: int | None = 1  # null kept (an HF config's null; from-hf writes it)
+    eos_token_id: int | None = 2
     hidden_act: str = "silu"
     hidden_size: int = 4096
     initializer_range: float = 0.02

@@ -274,3 +274,26 @@ def test_exported_tokenizer_loads_with_its_special_tokens(tmp_path):
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "</s>")
     assert tok.eos_token_id == 2
+
+
+def test_from_hf_keeps_null_special_token_ids(tmp_path):
+    """An HF config with bos/eos null: from-hf's config.yaml says null, not Nanotron's 1 / 2."""
+    import json
+
+    import yaml
+
+    pytest.importorskip("transformers")
+    from test_first_hour import hf_folder
+
+    from mesh3d.checkpoint.hf import from_hf
+
+    hf_folder(tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    hf_cfg = json.loads(cfg_path.read_text()) | {"bos_token_id": None, "eos_token_id": None}
+    cfg_path.write_text(json.dumps(hf_cfg))
+    from_hf(tmp_path / "hf", tmp_path / "out")
+    mc = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["model"]["model_config"]
+    assert mc["bos_token_id"] is None and mc["eos_token_id"] is None
+    cfg = load_config(tmp_path / "out" / "config.yaml")
+    assert cfg.model.model_config.eos_token_id is None
+    validate(cfg, world_size=1)
