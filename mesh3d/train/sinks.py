@@ -133,9 +133,19 @@ class MetricSinks:
             )
 
     def close(self) -> None:
+        """Close every sink; name where TensorBoard and W&B wrote (printed just before the
+        run's summary)."""
         if self.jsonl:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+            where = self.tb.get_logdir()
+            logger.info(f"TensorBoard scalars written to {where} (tensorboard --logdir {where})")
+            self.tb = None
         if self.wandb:
-            self.wandb.finish()
+            run = self.wandb
+            url = getattr(run, "url", None) or "offline: wandb sync to upload"
+            where = getattr(run, "dir", None) or "wandb/"
+            logger.info(f"Weights & Biases run {run.id} written to {where} ({url})")
+            run.finish()
+            self.wandb = None

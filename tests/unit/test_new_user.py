@@ -297,3 +297,19 @@ def test_from_hf_keeps_null_special_token_ids(tmp_path):
     cfg = load_config(tmp_path / "out" / "config.yaml")
     assert cfg.model.model_config.eos_token_id is None
     validate(cfg, world_size=1)
+
+
+def test_the_end_of_a_run_names_where_tensorboard_wrote(tmp_path, caplog):
+    import logging
+
+    pytest.importorskip("tensorboard")
+    from mesh3d.train.sinks import MetricSinks
+
+    cfg = load_config(RECIPE, ["mesh3d.wandb=false", f"mesh3d.tensorboard_dir={tmp_path / 'tb'}"])
+    with caplog.at_level(logging.INFO, logger="mesh3d"):
+        sinks = MetricSinks(cfg, True, None)
+        sinks.write({"iteration": 1, "lm_loss": 1.0}, [0.1])
+        sinks.close()
+    lines = [r.getMessage() for r in caplog.records if "TensorBoard" in r.getMessage()]
+    assert lines == [f"TensorBoard scalars written to {tmp_path / 'tb'} "
+                     f"(tensorboard --logdir {tmp_path / 'tb'})"]  # fmt: skip
