@@ -1,6 +1,7 @@
 """Training throughput of mesh3d against a plain PyTorch loop and Hugging Face transformers.
 
-    python benchmarks/throughput.py               # "quick": ~13.7M-parameter Llama, ~8 minutes
+    python benchmarks/throughput.py               # "quick": ~13.7M-parameter Llama, 10 rounds, minutes
+    python benchmarks/throughput.py --full        # the same, 40 rounds (the published numbers)
     python benchmarks/throughput.py --no-compile  # without the compiled ways (a', c')
     python benchmarks/throughput.py --tiny        # a toy model, no compile, for the test (seconds)
     python benchmarks/throughput.py --profile     # also: torch.profiler top ops of one step each
@@ -71,7 +72,7 @@ from mesh3d.models.llama import num_params
 from mesh3d.train.loop import train
 
 # name -> (interleaved rounds, warm-up rounds skipped, steps at 8 ranks)
-SCHEDULE = {"quick": (40, 2, 6), "tiny": (4, 1, 3)}
+SCHEDULE = {"quick": (10, 2, 4), "full": (40, 2, 6), "tiny": (4, 1, 3)}
 
 
 def run_mesh3d(cfg) -> list[float]:
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="toy shapes and few steps (for tests)")
     ap.add_argument("--steps", type=int, help="interleaved rounds (one step of each way)")
+    ap.add_argument("--full", action="store_true",
+                    help="40 rounds instead of 10 (over 15 minutes on a loaded 2-core host)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads for (a, b, c)")
     ap.add_argument("--no-scaling", action="store_true", help="skip the 8-rank 2x2x2 run")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction,
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides, key=value")
     args = ap.parse_args(argv)
     mode, suffix = ("tiny", "_tiny") if args.tiny else ("quick", "")
-    n_steps, warmup, scale_steps = SCHEDULE[mode]
+    n_steps, warmup, scale_steps = SCHEDULE["full" if args.full and not args.tiny else mode]
     n_steps = args.steps or n_steps
     compiled = not args.tiny if args.compile is None else args.compile
     torch.set_num_threads(args.threads)

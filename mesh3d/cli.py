@@ -5,11 +5,13 @@ mesh3d generate --checkpoint PATH --prompt TEXT [...]           text from a trai
 mesh3d plot METRICS.jsonl ... [--output PNG]                    loss, lr, grad norm, tokens/s
 mesh3d plan CONFIG [--world-size N] [--json] [--dry-run] [...]  same as python -m mesh3d.plan
 mesh3d plan --search CONFIG --world-size N [--hardware h100-80g] [--write best.yaml]  rank layouts
-mesh3d config CONFIG [--world-size N] [key=value ...]           check a config: exit 0, or 2 with the errors
+mesh3d config CONFIG [--world-size N] [--check-data] [...]      check a config: exit 0, or 2 with the errors
+mesh3d --version                                                the installed version
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
@@ -27,6 +29,16 @@ COMMANDS = {  # command -> module whose main(argv) runs it
 def main(argv: list[str] | None = None) -> None:
     """Run `COMMAND` with the remaining arguments; no or an unknown command prints the usage."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-V", "--version"):
+        from mesh3d import __version__
+
+        sys.stdout.write(f"mesh3d {__version__}\n")
+        return
+    if argv and argv[0] == "config":  # with what `--check-data` opens (data/ is above checks/)
+        from mesh3d.data.build import StagedData
+
+        importlib.import_module(COMMANDS["config"]).main(argv[1:], data_check=StagedData)
+        return
     if argv and argv[0] in COMMANDS:
         importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
         return
@@ -35,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write(f"usage:\n{usage}")
         return
     what = f"unknown command {argv[0]!r}" if argv else "no command"
+    close = difflib.get_close_matches(argv[0], COMMANDS, n=1) if argv else []
+    if close:
+        what += f" (did you mean {close[0]!r}?)"
     sys.stderr.write(f"error: {what}; use one of: {', '.join(COMMANDS)}\nusage:\n{usage}")
     raise SystemExit(USER_ERROR_EXIT_CODE)
 

@@ -1,11 +1,11 @@
 """`mesh3d train [CONFIG] [key=value ...]`: train, starting the processes the config asks for.
 
     mesh3d train                                 # the default run: real text, CPU, minutes
-    mesh3d train cfg.yaml parallelism.dp=2       # dp x tp x pp processes on this machine
+    mesh3d train cfg.yaml parallelism.dp=2       # dp x cp x tp x pp processes here
     torchrun --nproc_per_node=8 -m mesh3d.launch cfg.yaml    # under a launcher: one rank each
 
 Outside a launcher, `mesh3d train` checks the config first (a mistake prints one `error:` line
-and exits 2 before anything starts), then runs one process in place, or starts dp x tp x pp
+and exits 2 before anything starts), then runs one process in place, or starts dp x cp x tp x pp
 local processes with torch's elastic launcher used as a library (what torchrun does). Under
 torchrun or Slurm (RANK set) it is one rank. Without CONFIG it prepares the default run's data
 once (`mesh3d/data/corpus.py`) and trains `mesh3d/configs/default.yaml` on it.
@@ -26,12 +26,13 @@ import sys
 import uuid
 from pathlib import Path
 
-from mesh3d.checks import validate
+from mesh3d.checks import validate, warn_once
 from mesh3d.config import expand_run_name, load_config, world_size
 from mesh3d.errors import PeerError, UserError, exit_on_user_error
 from mesh3d.log import setup_launcher_logging
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
+LAUNCHED_ENV = "MESH3D_LAUNCHED"  # set in the ranks `mesh3d train` starts itself
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,6 +73,30 @@ def _resolved(args: argparse.Namespace) -> tuple[str, list[str]]:
     return path, overrides
 
 
+def _resolved_on_ranks(args: argparse.Namespace) -> tuple[str, list[str], str]:
+    """A rank that torchrun or Slurm started: the config checked before any collective (a
+    mistake is one `error:` line, from rank 0), then world rank 0's run name for every rank
+    (`%date` read once) and the same metrics file and plot as `mesh3d train`."""
+    import torch.distributed as dist
+
+    from mesh3d.mesh import init_distributed
+
+    try:
+        path, overrides = _resolved(args)
+        cfg = load_config(path, overrides)
+        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    except UserError as e:  # the same file and overrides on every rank
+        e.same_on_every_rank = True
+        raise
+    warn_once(cfg)
+    init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=cfg.mesh3d.device)
+    shared = [overrides]
+    dist.broadcast_object_list(shared, src=0)
+    overrides = shared[0]
+    run = load_config(path, overrides).general.run
+    return path, overrides, args.metrics_file or f"runs/{run}/metrics.jsonl"
+
+
 def _is_rank() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -79,18 +104,16 @@ def _is_rank() -> bool:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     args = _split(sys.argv[1:] if argv is None else argv)
-    if _is_rank():  # under torchrun / Slurm, or started by `_launch`: one rank
-        overrides = list(args.overrides)
-        if args.config is None:
-            from mesh3d.data.corpus import default_run_overrides
-
-            overrides = default_run_overrides() + overrides  # the same folder on every rank
-        return run_rank(args.config or str(DEFAULT_CONFIG), overrides, args.metrics_file)
+    if _is_rank() and os.environ.get(LAUNCHED_ENV):  # started by `_launch`: all resolved there
+        return run_rank(args.config, list(args.overrides), args.metrics_file)
+    if _is_rank():  # under torchrun / Slurm: one rank, resolved as `mesh3d train` would
+        return run_rank(*_resolved_on_ranks(args))
     setup_launcher_logging()  # the default run's data preparation is shown
     path, overrides = _resolved(args)
     cfg = load_config(path, overrides)
     world = world_size(cfg)
     validate(cfg, world_size=world)  # before any process starts: one message, exit 2
+    warn_once(cfg)
     metrics = args.metrics_file or f"runs/{cfg.general.run}/metrics.jsonl"
     if world == 1:  # in this process: a one-process world, no launcher
         return run_rank(path, overrides, metrics)
@@ -123,6 +146,19 @@ def run_rank(path: str, overrides: list[str], metrics_file: str | None) -> None:
 
 def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> None:
     """`world` local ranks of `python -m mesh3d.launch`, through torch's elastic agent."""
+    os.environ[LAUNCHED_ENV] = "1"  # the ranks inherit it: everything is resolved here
+    try:
+        run_agent(["-m", "mesh3d.launch", path, "--metrics-file", metrics_file, *overrides], world)
+    finally:
+        os.environ.pop(LAUNCHED_ENV, None)
+
+
+def run_agent(args: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str = "localhost:0",
+              run_id: str | None = None) -> None:  # fmt: skip
+    """Run `python ARGS` as `nproc` ranks on this node (of `nnodes`, meeting at `rdzv_endpoint`
+    by c10d rendezvous) through torch's elastic agent, what torchrun does, but a failing rank's
+    own `error:` line is the only message and the exit code is the ranks' (2 for a mistake in
+    the config or the data, 75 only when they saved), not torchrun's traceback and 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -135,11 +171,10 @@ def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> N
     options = {"signals_to_handle": agent_signals}
     options = {k: v for k, v in options.items() if k in LaunchConfig.__dataclass_fields__}
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-        start_method="spawn", **options,
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
+        run_id=run_id or str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint,
+        max_restarts=0, monitor_interval=0.1, start_method="spawn", **options,
     )  # fmt: skip
-    args = ["-m", "mesh3d.launch", path, "--metrics-file", metrics_file, *overrides]
     try:
         elastic_launch(config, sys.executable)(*args)
     except ChildFailedError as e:  # the ranks' own codes: 75 only when they saved

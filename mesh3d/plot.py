@@ -28,7 +28,7 @@ PANELS = [
     ("gradient norm (before clipping)", "grad_norm", [("grad_norm", "-", "", "")]),
     ("throughput", "tokens/s", [("tokens_per_sec", "-", "", "")]),
 ]
-EXAMPLE = "runs/cpu_tiny/metrics.jsonl"
+EXAMPLE = "runs/default/metrics.jsonl"
 
 
 def read_metrics(path: Path) -> list[dict]:

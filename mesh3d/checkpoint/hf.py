@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from mesh3d.checkpoint.from_hf_config import training_config
@@ -214,8 +213,42 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
     config = output / "config.json"
     config.write_text(json.dumps(hf_config, indent=2) + "\n")
     weights = output / "model.safetensors"
-    save_file(hf, str(weights), metadata={"format": "pt"})
-    return [config, weights, *copy_into_folder(step_tokenizer(step), output)]
+    from mesh3d.checkpoint.nanotron_weights import save_readable
+
+    save_readable(hf, weights, {"format": "pt"})
+    copied = copy_into_folder(step_tokenizer(step), output)
+    specials = set_special_tokens(output, mc)
+    return [config, weights, *copied, *(p for p in specials if p not in copied)]
+
+
+def set_special_tokens(folder: Path, mc) -> list[Path]:
+    """Name the model config's bos / eos (/ pad) ids in `folder/tokenizer_config.json`, where it
+    leaves them unset, so the exported tokenizer loads with `eos_token` etc. set (a bare
+    `tokenizer.json` has no such roles). Pad: the config's pad id, else eos. [] without a
+    `tokenizer.json`."""
+    tok_json, conf_path = folder / "tokenizer.json", folder / "tokenizer_config.json"
+    if not tok_json.is_file():
+        return []
+    try:
+        tok = json.loads(tok_json.read_text(encoding="utf-8"))
+        conf = json.loads(conf_path.read_text(encoding="utf-8")) if conf_path.is_file() else {}
+    except (OSError, ValueError):
+        return []  # a tokenizer mesh3d cannot read is copied as it is
+    vocab = tok.get("model", {}).get("vocab") or {}
+    names = {i: t for t, i in vocab.items()} if isinstance(vocab, dict) else {}
+    names |= {a["id"]: a["content"] for a in tok.get("added_tokens", []) if "id" in a}
+    eos = getattr(mc, "eos_token_id", None)
+    pad = getattr(mc, "pad_token_id", None)
+    wanted = {"bos_token": getattr(mc, "bos_token_id", None), "eos_token": eos,
+              "pad_token": pad if pad is not None else eos}  # fmt: skip
+    changed = False
+    for role, token_id in wanted.items():
+        if conf.get(role) is None and token_id in names:
+            conf[role], changed = names[token_id], True
+    if not changed:
+        return []
+    conf_path.write_text(json.dumps(conf, indent=2) + "\n", encoding="utf-8")
+    return [conf_path]
 
 
 def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> list[Path]:
@@ -379,9 +412,12 @@ def main(argv: list[str] | None = None) -> None:
         paths = to_hf(args.checkpoint, args.output, args.dtype)
     else:
         paths = from_hf(args.model, args.output, args.tp, args.pp)
+    shards = [p for p in paths if p.parent != Path(args.output)]  # from-hf's model/ files
     print(f"wrote {len(paths)} files under {args.output}:")
-    for p in paths:
+    for p in (p for p in paths if p not in shards):
         print(f"  {p}")
+    if shards:
+        print(f"  {len(shards)} weight files under {Path(args.output) / 'model'}/")
     if args.command == "from-hf":
         yaml_path = Path(args.output).resolve() / "config.yaml"
         print(f"train from it: torchrun --nproc_per_node={args.tp * args.pp} recipes/train.py "

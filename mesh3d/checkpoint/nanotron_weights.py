@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,9 +213,18 @@ def write_nanotron_weights(
     for rel, (data, meta) in nanotron_shards(full, s, tp, pp).items():
         path = Path(root) / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({names.TENSOR_KEY: data}, str(path), metadata=meta or None)
+        save_readable({names.TENSOR_KEY: data}, path, meta or None)
         paths.append(path)
     return paths
+
+
+def save_readable(tensors: dict[str, Tensor], path: Path, metadata: dict | None) -> None:
+    """`safetensors.torch.save_file`, then the mode a new file gets here (0666 less the umask):
+    safetensors creates its files 0600, unreadable to the other users of a shared model folder."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _read_file(path: Path) -> tuple[Tensor, dict[str, str]]:

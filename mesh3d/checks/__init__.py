@@ -6,6 +6,6 @@ torch-free pipeline arithmetic, and below everything that builds a run. Files: `
 `optim_checks`, `guard_checks`, `size_checks`, `speed`), `__main__.py` (`mesh3d config`).
 """
 
-from mesh3d.checks.validate import validate, validation_errors
+from mesh3d.checks.validate import config_warnings, validate, validation_errors, warn_once
 
-__all__ = ["validate", "validation_errors"]
+__all__ = ["config_warnings", "validate", "validation_errors", "warn_once"]

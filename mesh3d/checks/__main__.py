@@ -1,7 +1,7 @@
 """Check a config before launching: `mesh3d config CONFIG [--world-size N] [key=value ...]`.
 
 Loads the file, applies the dotted overrides, validates it (for `--world-size`, default
-dp x tp x pp) and prints the resolved YAML; exit 0. A problem prints `error: ...` and exits 2.
+dp x cp x tp x pp) and prints the resolved YAML; exit 0. A problem prints `error: ...` and exits 2.
 """
 
 from __future__ import annotations
@@ -9,20 +9,39 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mesh3d.checks.validate import validate
+from mesh3d.checks.validate import config_warnings, validate
 from mesh3d.config.load import config_to_yaml, load_config
-from mesh3d.errors import exit_on_user_error
+from mesh3d.errors import UserError, exit_on_user_error
 
 
 @exit_on_user_error
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="mesh3d config", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, data_check=None) -> None:
+    """`data_check(cfg)`: opens every data stage's dataset and the tokenizer, raising a
+    UserError (`mesh3d config --check-data`; given by `mesh3d.cli`, which sits above data/)."""
+    ap = argparse.ArgumentParser(
+        prog="mesh3d config", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     ap.add_argument("config", help="Nanotron YAML config file")
-    ap.add_argument("--world-size", type=int, help="number of processes (default: dp x tp x pp)")
+    ap.add_argument(
+        "--world-size", type=int, help="number of processes (default: dp x cp x tp x pp)"
+    )
+    ap.add_argument(
+        "--check-data",
+        action="store_true",
+        help="also open every data stage's dataset folder and the tokenizer (as a run starts)",
+    )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides)
     validate(cfg, world_size=args.world_size)
+    if args.check_data:
+        if data_check is None:
+            raise UserError(
+                "--check-data needs the data code: run it as `mesh3d config --check-data`"
+            )
+        data_check(cfg)
+    for line in config_warnings(cfg):
+        sys.stderr.write(f"warning: {line}\n")
     sys.stdout.write(config_to_yaml(cfg))
 
 

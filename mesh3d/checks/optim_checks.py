@@ -45,15 +45,30 @@ def lr_errors(cfg: Config) -> Iterator[str]:
         yield f"`{LR}.lr_decay_style` {s.lr_decay_style!r} must be linear, cosine or 1-sqrt"
     if s.lr_warmup_steps < 0:
         yield f"`{LR}.lr_warmup_steps` must be >= 0, got {s.lr_warmup_steps}"
-    elif s.lr_warmup_steps > steps:
-        yield f"`{LR}.lr_warmup_steps` ({s.lr_warmup_steps}) is more than tokens.train_steps ({steps}); lower it"
     if s.lr_decay_steps is not None and s.lr_decay_steps < 0:
         yield (
             f"`{LR}.lr_decay_steps` must be >= 0, got {s.lr_decay_steps} (when omitted it is "
             "tokens.train_steps - lr_warmup_steps)"
         )
     start = s.lr_warmup_steps if s.lr_decay_starting_step is None else s.lr_decay_starting_step
-    if not 0 <= start <= steps:
+    if s.lr_decay_starting_step is None and s.lr_warmup_steps > steps:
+        pass  # warmup longer than the run: a warning (`lr_warnings`), no decay
+    elif not 0 <= start <= steps:
         yield f"`{LR}.lr_decay_starting_step` ({start}) must be in [0, tokens.train_steps ({steps})]"
     if not 0 <= s.min_decay_lr <= s.learning_rate:
         yield f"`{LR}.min_decay_lr` ({s.min_decay_lr}) must be in [0, learning_rate ({s.learning_rate})]"
+
+
+def lr_warnings(cfg: Config) -> Iterator[str]:
+    """What the schedule accepts but a user may not mean: a warmup longer than the run."""
+    s, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
+    if s.lr_warmup_steps > steps > 0:
+        reach = ""
+        if s.lr_warmup_style == "linear":  # the last step uses lr(train_steps - 1)
+            lr = s.learning_rate * (steps - 1) / s.lr_warmup_steps
+            reach = f" and the learning rate reaches only {lr:.3g} (of {s.learning_rate:g})"
+        yield (
+            f"`{LR}.lr_warmup_steps` ({s.lr_warmup_steps}) is more than tokens.train_steps "
+            f"({steps}): the whole run warms up{reach}, with no decay; lower lr_warmup_steps "
+            "for the full schedule"
+        )

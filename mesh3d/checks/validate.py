@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import Iterator
 
 from mesh3d.checks.checkpoint_checks import checkpoint_errors, s3_errors
 from mesh3d.checks.data_checks import data_stage_errors, sft_errors, unsupported_data
 from mesh3d.checks.guard_checks import loss_spike_errors
 from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
-from mesh3d.checks.optim_checks import lr_errors, optimizer_errors
+from mesh3d.checks.optim_checks import lr_errors, lr_warnings, optimizer_errors
 from mesh3d.checks.size_checks import scale_errors, too_large
 from mesh3d.checks.speed import speed_errors
 from mesh3d.config.derive import effective_pp_schedule
@@ -56,6 +57,42 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(errors[0])
     if errors:
         raise ConfigError(f"{len(errors)} problems in the config:\n  - " + "\n  - ".join(errors))
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """What a valid config asks for that probably differs from what the user meant, one line per
+    cause (the run goes on; the launcher, `mesh3d config` and rank 0 print them once).
+
+    Example:
+
+        for line in mesh3d.checks.config_warnings(cfg): print("warning:", line)
+    """
+    if validation_errors(cfg):
+        return []
+    warnings = list(lr_warnings(cfg))
+    t = cfg.tokens
+    if t.val_check_interval > t.train_steps > 0 and t.limit_val_batches > 0:
+        warnings.append(
+            f"`tokens.val_check_interval` ({t.val_check_interval}) is larger than "
+            f"`tokens.train_steps` ({t.train_steps}): validating once, at the last step "
+            f"({t.train_steps}); set val_check_interval to -1 for none"
+        )
+    return warnings
+
+
+WARNED_ENV = "MESH3D_CONFIG_WARNED"  # set once the warnings are out: the ranks started after
+
+
+def warn_once(cfg: Config) -> None:
+    """Log `config_warnings` once per launch: in the launcher, or on world rank 0 of a run that
+    no mesh3d launcher started (torchrun); the processes started after it inherit the mark."""
+    from mesh3d.log import logger
+
+    if os.environ.get(WARNED_ENV) or int(os.environ.get("RANK", 0)) != 0:
+        return
+    for line in config_warnings(cfg):
+        logger.warning(line)
+    os.environ[WARNED_ENV] = "1"
 
 
 def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
@@ -240,12 +277,6 @@ def _validation(t) -> Iterator[str]:
             "(never), so no validation would run: set val_check_interval to evaluate every that "
             "many steps, or limit_val_batches to 0"
         )
-    elif every > t.train_steps > 0 and batches > 0:
-        yield (
-            f"`tokens.val_check_interval` ({every}) is larger than `tokens.train_steps` "
-            f"({t.train_steps}), so no step would evaluate: lower val_check_interval to at most "
-            f"{t.train_steps}, or set it to -1"
-        )
 
 
 def _run(cfg: Config) -> Iterator[str]:
@@ -303,6 +334,7 @@ def _choices(cfg: Config) -> Iterator[str]:
         "mesh3d.attention": (cfg.mesh3d.attention, ("auto", "sdpa", "flash")),
         "mesh3d.dummy_data": (cfg.mesh3d.dummy_data, ("random", "learnable")),
         "mesh3d.sft_assistant_turns": (cfg.mesh3d.sft_assistant_turns, ("all", "last")),
+        "mesh3d.console": (cfg.mesh3d.console, ("auto", "nanotron", "compact")),
         "mesh3d.model_family": (cfg.mesh3d.model_family, (None, *MESH3D_FAMILIES)),
         "mesh3d.existing_checkpoints": (cfg.mesh3d.existing_checkpoints, EXISTING_CHECKPOINTS),
     }

@@ -237,7 +237,7 @@ def _resolve(cfg: Config) -> Config:
     if cfg.optimizer is not None:
         s = cfg.optimizer.learning_rate_scheduler
         if s.lr_decay_steps is None and cfg.tokens is not None:
-            s.lr_decay_steps = cfg.tokens.train_steps - s.lr_warmup_steps
+            s.lr_decay_steps = max(0, cfg.tokens.train_steps - s.lr_warmup_steps)
         if s.min_decay_lr is None:
             s.min_decay_lr = s.learning_rate
     if cfg.data_stages is not None:
@@ -279,10 +279,12 @@ def _drop_not_nanotron(d: dict, always: bool) -> None:
 
 
 def config_to_dict(cfg: Config) -> dict:
-    """Plain mapping of every field (Nanotron writes all of them); `mesh3d` only if not default,
-    and keys Nanotron HEAD refuses (`_NOT_NANOTRON`) only if set."""
+    """Plain mapping of every field (Nanotron writes all of them); of `mesh3d:` only the keys
+    that differ from their defaults (no section when none), and keys Nanotron HEAD refuses
+    (`_NOT_NANOTRON`) only if set."""
     d = dataclasses.asdict(cfg)
-    if cfg.mesh3d == Mesh3dArgs():
+    d["mesh3d"] = mesh3d_changes(cfg)
+    if not d["mesh3d"]:
         del d["mesh3d"]
     _drop_not_nanotron(d, always=False)
     return d
@@ -346,6 +348,12 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """
     path = Path(path)
     if not path.is_file():
+        text = str(path)
+        if "." in text and "/" not in text and path.suffix not in (".yaml", ".yml", ".json"):
+            raise ConfigError(  # `mesh3d train parallelism.dp`: an override without its value
+                f"{text!r} is not a config file and has no `=value`: write an override as "
+                f"{text}=VALUE (e.g. parallelism.dp=2)"
+            )
         raise ConfigError(f"config file {path} does not exist or is not a file")
     try:
         raw = yaml.safe_load(path.read_text())

@@ -44,8 +44,8 @@ class ParallelismArgs:
 
 @dataclass
 class LlamaConfig:
-    bos_token_id: int = 1
-    eos_token_id: int = 2
+    bos_token_id: int | None = 1  # null kept (an HF config's null; from-hf writes it)
+    eos_token_id: int | None = 2
     hidden_act: str = "silu"
     hidden_size: int = 4096
     initializer_range: float = 0.02
@@ -84,8 +84,8 @@ class MoEConfig:
 
 @dataclass
 class Qwen2Config:
-    bos_token_id: int = 1
-    eos_token_id: int = 2
+    bos_token_id: int | None = 1  # null kept (an HF config's null; from-hf writes it)
+    eos_token_id: int | None = 2
     hidden_act: str = "silu"
     hidden_size: int = 4096
     initializer_range: float = 0.02
@@ -393,6 +393,9 @@ class Mesh3dArgs:
     async_tp: bool = False  # torch's async TP: compile + tp > 1 REDUCE_SCATTER on CUDA/NCCL
     wandb: bool | None = None  # null: on when wandb is installed and can log without a prompt
     tensorboard_dir: str | None = None  # TensorBoard scalars of every logged iteration
+    # console progress: nanotron (its iteration line every iteration_step_info_interval steps),
+    # compact (one short line per step), auto (compact on a terminal, nanotron otherwise)
+    console: str = "auto"
     # failing safe on long runs (README "When things go wrong")
     collective_timeout_s: float = 600.0  # every process group: a stopped rank ends the job
     checkpoint_timeout_s: float = 1800.0  # collectives and barriers while saving or loading

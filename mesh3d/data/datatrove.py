@@ -147,7 +147,12 @@ class DatatroveFolder:
     ):
         self.folder, self.seq_len = str(folder), seq_len
         if not os.path.exists(self.folder):
-            raise UserError(f"dataset_folder {self.folder!r} does not exist; fix the path")
+            hint = (
+                " (`python recipes/tiny_data.py` writes it)"
+                if "tiny_data" in str(self.folder)
+                else " (`mesh3d.data.tokenize` writes one from text)"
+            )
+            raise UserError(f"dataset_folder {self.folder!r} does not exist; fix the path{hint}")
         if not os.path.isdir(self.folder):
             raise UserError(
                 f"dataset_folder {self.folder!r} is a file; give the folder that holds the .ds files"

@@ -1,5 +1,5 @@
-"""Pre-flight plan of a run: `python -m mesh3d.plan CONFIG [--world-size N] [--json] [--dry-run]
-[key=value ...]`.
+"""Pre-flight plan of a run: `mesh3d plan CONFIG [--world-size N] [--json] [--dry-run]
+[key=value ...]` (or `python -m mesh3d.plan ...`).
 
 Prints, for the validated config and without starting any process group: the rank groups, the
 layers of each pipeline stage, parameter / gradient / optimizer / activation bytes per rank, the

@@ -1,5 +1,5 @@
-"""Pre-flight plan of a run: `python -m mesh3d.plan CONFIG [--world-size N] [--json] [--dry-run]
-[key=value ...]`.
+"""Pre-flight plan of a run: `mesh3d plan CONFIG [--world-size N] [--json] [--dry-run]
+[key=value ...]` (or `python -m mesh3d.plan ...`).
 
 `--search` instead ranks every valid layout of the config's model and global batch on
 `--world-size` ranks of `--hardware` (or `--hardware-file`) by predicted step time
@@ -23,13 +23,15 @@ from mesh3d.config import load_config
 from mesh3d.errors import exit_on_user_error
 from mesh3d.plan.build import make_plan
 from mesh3d.plan.dry_run import differences, dry_run
-from mesh3d.plan.report import format_dry_run, format_plan
+from mesh3d.plan.report import format_dry_run, format_plan, gpu_memory_gib
 from mesh3d.plan.search_report import run_search
 
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mesh3d.plan", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="mesh3d plan", description=" ".join(__doc__.split("\n\n")[0].split())
+    )
     ap.add_argument("config", help="Nanotron YAML config file")
     ap.add_argument(
         "--world-size", type=int, help="number of processes (default: dp x cp x tp x pp)"
@@ -46,8 +48,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nodes-of", type=int, help="ranks per node (--search; default the profile's)")
     ap.add_argument("--top", type=int, default=10, help="layouts to print (--search)")
     ap.add_argument("--write", help="save the best layout's config to this file (--search)")
+    ap.add_argument(
+        "--gpu-memory",
+        help="memory per device, GiB or a name (H100, A100-40GB, H200, ...): says whether the "
+        "largest per-rank peak fits",
+    )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)
+    gib = gpu_memory_gib(args.gpu_memory) if args.gpu_memory else None
     cfg = load_config(args.config, args.overrides)
     if args.search:
         run_search(cfg, args)
@@ -62,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.stdout.write(json.dumps(data, indent=1) + "\n")
     else:
         dry = "\n" + format_dry_run(plan, run, diffs) if run else ""
-        sys.stdout.write(format_plan(plan) + dry)
+        sys.stdout.write(format_plan(plan, gib) + dry)
     if diffs:
         first = next(iter(diffs.values()))[0]
         ranks = ", ".join(map(str, diffs))

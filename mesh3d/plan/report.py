@@ -24,6 +24,63 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
+GPU_MEMORY_GIB = {  # --gpu-memory by name: the memory of one device, GiB
+    "A100-40GB": 40, "A100": 80, "A100-80GB": 80, "H100": 80, "H100-80GB": 80, "H800": 80,
+    "H200": 141, "B200": 180, "L4": 24, "L40S": 48, "A10": 24, "V100": 32, "MI300X": 192,
+}  # fmt: skip
+GROUPS_SHOWN = 3  # groups printed before `...` and the last one, on an axis with many
+
+
+def _group(g: list[int]) -> str:
+    """[0, 64, 128, ..., 448] -> '[0, 64, ..., 448]' when evenly spaced and long."""
+    if len(g) > 4 and len({b - a for a, b in zip(g, g[1:])}) == 1:
+        return f"[{g[0]}-{g[-1]}]" if g[1] - g[0] == 1 else f"[{g[0]}, {g[1]}, ..., {g[-1]}]"
+    return "[" + ", ".join(map(str, g)) + "]"
+
+
+def groups_line(groups: list[list[int]], width: int = 100) -> str:
+    """An axis's groups as `[0, 1] [2, 3]`; past `width` characters abbreviated: the first
+    GROUPS_SHOWN, `...`, the last, and how many of what size."""
+    full = " ".join(map(str, groups))
+    if len(full) <= width:
+        return full
+    shown = [*groups[:GROUPS_SHOWN], None, groups[-1]] if len(groups) > GROUPS_SHOWN + 1 else groups
+    text = " ".join("..." if g is None else _group(g) for g in shown)
+    return f"{len(groups)} groups of {len(groups[0])}: {text}"
+
+
+def gpu_memory_gib(value: str) -> float:
+    """`--gpu-memory`: a number of GiB or a device name of `GPU_MEMORY_GIB`."""
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    key = value.upper().replace("_", "-")
+    if key not in GPU_MEMORY_GIB:
+        from mesh3d.errors import UserError
+
+        raise UserError(
+            f"--gpu-memory {value!r} is neither a number of GiB nor a known device; use a number "
+            f"(e.g. --gpu-memory 80) or one of {', '.join(GPU_MEMORY_GIB)}"
+        )
+    return float(GPU_MEMORY_GIB[key])
+
+
+def fit_line(plan: Plan, gib: float | None) -> str:
+    """Whether the largest per-rank peak fits in `gib` GiB per device (None: how to ask)."""
+    worst = max(plan.ranks, key=lambda r: r.peak_bytes)
+    peak = f"largest peak {_size(worst.peak_bytes)} (rank {worst.rank})"
+    if gib is None:
+        return f"  {peak}; pass --gpu-memory GiB (or a name, e.g. H100) to check that it fits"
+    if worst.peak_bytes <= gib * 2**30:
+        return f"  fits: {peak} <= {gib:g} GiB per device ({worst.peak_bytes / 2**30 / gib:.0%})"
+    over = [r.rank for r in plan.ranks if r.peak_bytes > gib * 2**30]
+    return (
+        f"  DOES NOT FIT: {peak} > {gib:g} GiB per device, on ranks {_ranges(over)}; raise tp, "
+        "pp or dp with zero_stage 1, lower micro_batch_size, or recompute layers"
+    )
+
+
 def _table(head: list[str], rows: list[list[str]], left: int) -> list[str]:
     """Cells padded to their column's width: the first `left` columns left, the rest right."""
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -54,8 +111,9 @@ def _moe_line(plan: Plan) -> list[str]:
             f"token of {plan.total_params:,} ({share:.1%})"]  # fmt: skip
 
 
-def format_plan(plan: Plan) -> str:
-    """The plan as a text report with aligned tables."""
+def format_plan(plan: Plan, gpu_memory: float | None = None) -> str:
+    """The plan as a text report with aligned tables; `gpu_memory` GiB per device: whether the
+    peaks fit."""
     d, b = plan.dims, plan.bubble
     cp = d.get("cp", 1)
     axes = ("tp", "cp", "pp", "dp") if cp > 1 else ("tp", "pp", "dp")  # cp shown when on
@@ -72,9 +130,9 @@ def format_plan(plan: Plan) -> str:
         f"recompute {plan.recompute_layer}",
         "",
         "1. Rank groups",
-        *(f"  {a}: " + " ".join(map(str, plan.groups[a])) for a in axes),
+        *(f"  {a}: " + groups_line(plan.groups[a]) for a in axes),
         *(
-            f"  {a.replace('_', ' ')}: " + " ".join(map(str, plan.groups[a]))
+            f"  {a.replace('_', ' ')}: " + groups_line(plan.groups[a])
             for a in ("ep", "expert_replicas")
             if a in plan.groups
         ),
@@ -97,6 +155,7 @@ def format_plan(plan: Plan) -> str:
     head = ["ranks", "stages", "params", "param B", "grad B", "optim B", "activations",
             "in flight", "transient", "peak"]  # fmt: skip
     out += _table(head, rows, left=2)
+    out.append(fit_line(plan, gpu_memory))
     for g in groups.values():
         if g[0].transient:
             items = ", ".join(f"{k} {_size(v)}" for k, v in g[0].transient.items())

@@ -1,6 +1,7 @@
 """Validation loss: a forward-only pass over the held-out batches, at any layout.
 
-Every `tokens.val_check_interval` steps (step % interval == 0; -1 or 0: never), after that step's
+Every `tokens.val_check_interval` steps (step % interval == 0; -1 or 0: never; an interval longer
+than the run: its last step only, with a warning at the start), after that step's
 optimizer update, the run evaluates the `tokens.limit_val_batches` held-out global batches of
 `mesh3d.data.validation` and reports
 
@@ -51,6 +52,8 @@ from mesh3d.train.step import _autocast, _loss_ctx, _scalar, with_documents
 def is_evaluation_step(tokens, step: int) -> bool:
     """Whether step `step` (1-based) ends with a validation pass (`tokens` = cfg.tokens)."""
     interval = tokens.val_check_interval
+    if interval > tokens.train_steps:  # a run shorter than the interval: its last step
+        return tokens.limit_val_batches > 0 and step == tokens.train_steps
     return interval > 0 and tokens.limit_val_batches > 0 and step % interval == 0
 
 

@@ -145,7 +145,11 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
         f"{start + 1} | consumed_train_samples: {consumed}"
     )
     if start == tok.train_steps:
-        logger.info(f"nothing to train: the checkpoint is at tokens.train_steps ({start})")
+        logger.info(
+            f"nothing to train: the checkpoint is at tokens.train_steps ({start}); raise "
+            "tokens.train_steps to train on, or set mesh3d.existing_checkpoints=overwrite to "
+            "start again from step 1"
+        )
     logger.info("grad_norm in the iteration line is the global gradient norm before clipping")
     sinks = MetricSinks(cfg, rank == run.logger_rank, metrics_file, wandb_id, start_step=start)
     wandb_id = share(sinks.wandb_id, src=run.logger_rank)
@@ -200,6 +204,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                 m.update(guard.step_metrics())
                 result.metrics.append(m)
                 logged = (step - 1) % cfg.logging.iteration_step_info_interval == 0
+                sinks.progress(m, step_seconds)  # the compact console line, every step
                 if unusual or logged or "val_loss" in m:
                     sinks.write(m, step_seconds)  # skipped and evaluation steps always shown
                 for hook in on_step:

@@ -31,7 +31,7 @@ from mesh3d.checkpoint.retention import prune
 from mesh3d.checkpoint.s3 import S5cmd
 from mesh3d.checkpoint.training import checkpoint_custom_metas, load_checkpoint, save_checkpoint
 from mesh3d.checkpoint.upload import Uploader
-from mesh3d.checks import validate
+from mesh3d.checks import validate, warn_once
 from mesh3d.data.build import StagedData
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
@@ -101,6 +101,7 @@ class Run:
         layout = RunLayout.resolve(cfg, dist.get_world_size(), dist.get_rank())
         level = cfg.logging.log_level if dist.get_rank() == 0 else cfg.logging.log_level_replica
         setup_logging(layout.coords, level, cp=layout.dims.cp)  # `build` adds the metrics owner
+        warn_once(cfg)  # rank 0, unless the launcher printed them
         return cls(cfg, data, device, layout)
 
     def build(self) -> Run:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import statistics
+import sys
 from pathlib import Path
 
 from mesh3d.config import config_to_dict, expand_run_name
@@ -64,6 +66,8 @@ class MetricSinks:
         start_step: int = 0,
     ):
         self.active, self.train_steps = active, cfg.tokens.train_steps
+        console = cfg.mesh3d.console
+        self.compact = console == "compact" or (console == "auto" and sys.stdout.isatty())
         self.jsonl = JsonlWriter(metrics_file, start_step) if active and metrics_file else None
         self.tb = self.wandb = None
         self.wandb_id = wandb_id
@@ -87,13 +91,32 @@ class MetricSinks:
             self.wandb_id = self.wandb.id
             logger.info(f"Weights & Biases run {self.wandb.id} ({self.wandb.name})")
 
+    def eta(self, iteration: int, step_seconds: list[float]) -> float:
+        """Seconds left: the steps left times the median step of this run (the first, which
+        warms up, left out once there are others), steady where a loaded host's steps vary."""
+        timed = step_seconds[1:] or step_seconds
+        return (self.train_steps - iteration) * (statistics.median(timed) if timed else 0.0)
+
+    def progress(self, record: dict, step_seconds: list[float]) -> None:
+        """The compact console line of every step (`mesh3d.console: compact`, or `auto` on a
+        terminal): `step 12/200 | loss 5.1234 | lr 3.00e-03 | 2,950 tokens/s | eta 0:01:05`."""
+        if not (self.active and self.compact):
+            return
+        val = f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+        logger.info(
+            f"step {record['iteration']}/{self.train_steps} | loss {record['lm_loss']:.4f}{val} | "
+            f"lr {record['lr']:.2e} | {record.get('tokens_per_sec', 0.0):,.0f} tokens/s | eta "
+            f"{eta_text(self.eta(record['iteration'], step_seconds))}"
+        )
+
     def write(self, record: dict, step_seconds: list[float]) -> None:
-        """Send one iteration's record everywhere; `step_seconds` (recent steps) gives the ETA."""
+        """Send one iteration's record everywhere; `step_seconds` (this run's steps) gives the
+        ETA. In the compact console form the Nanotron line is left out (`progress` shows it)."""
         if not self.active:
             return
-        recent = step_seconds[-10:]
-        eta = (self.train_steps - record["iteration"]) * sum(recent) / max(len(recent), 1)
-        logger.info(format_iteration_line(record, self.train_steps) + f" | eta: {eta_text(eta)}")
+        if not self.compact:
+            eta = eta_text(self.eta(record["iteration"], step_seconds))
+            logger.info(format_iteration_line(record, self.train_steps) + f" | eta: {eta}")
         if self.jsonl:
             self.jsonl.write(record)
         numbers = {
@@ -110,9 +133,19 @@ class MetricSinks:
             )
 
     def close(self) -> None:
+        """Close every sink; name where TensorBoard and W&B wrote (printed just before the
+        run's summary)."""
         if self.jsonl:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+            where = self.tb.get_logdir()
+            logger.info(f"TensorBoard scalars written to {where} (tensorboard --logdir {where})")
+            self.tb = None
         if self.wandb:
-            self.wandb.finish()
+            run = self.wandb
+            url = getattr(run, "url", None) or "offline: wandb sync to upload"
+            where = getattr(run, "dir", None) or "wandb/"
+            logger.info(f"Weights & Biases run {run.id} written to {where} ({url})")
+            run.finish()
+            self.wandb = None

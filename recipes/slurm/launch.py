@@ -10,11 +10,11 @@ The node count is the config's world size (dp x tp x pp) / --gpus-per-node (chec
 `--nnodes N --nproc_per_node G --rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ID`,
 where HOST is --rdzv-host, else the first host of $SLURM_JOB_NODELIST (via scontrol), else
 this machine; ID is $SLURM_JOB_ID when set. A config or layout mistake exits with code 2 before
-anything starts. torchrun then replaces this process (exec), told with `--signals-to-handle` to
-forward SIGUSR1 as well as SIGTERM and SIGINT to the ranks, so a preemption notice makes every
-rank save and exit 75 (torchrun itself then exits 1). The option, not the environment variable
-TORCHELASTIC_SIGNALS_TO_HANDLE: torch >= 2.9 overwrites the variable with the option's default,
-and SIGUSR1 then killed torchrun (-10) before any rank saved.
+anything starts. It prints that command, then runs it in this process through torch's elastic
+agent (`mesh3d.launch.run_agent`, what torchrun does): SIGUSR1, SIGTERM and SIGINT are forwarded
+to the ranks, so a preemption notice makes every rank save and exit 75, and this process exits
+with the ranks' code (2 for a mistake only a rank sees, such as a missing data folder: its one
+`error:` line, without torchrun's ChildFailedError traceback and exit 1).
 """
 
 from __future__ import annotations
@@ -101,10 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     cmd = torchrun_command(args)
     print(" ".join(map(shlex.quote, cmd)), flush=True)
     if not args.dry_run:
-        # torchrun replaces this process, so Slurm's signals reach it directly; it forwards
-        # these to every rank, which finish the step, save and exit 75 (README: preemption)
-        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = PREEMPTION_SIGNALS
-        os.execv(cmd[0], cmd)
+        # what that command does, run here by torch's elastic agent (mesh3d/launch.py): this
+        # process forwards Slurm's SIGTERM/SIGINT/SIGUSR1 to every rank, which finish the step,
+        # save and exit 75; a rank's mistake is its one `error:` line and exit code 2, with no
+        # torchrun traceback
+        from mesh3d.launch import run_agent
+
+        at = cmd.index(str(TRAIN))
+        opts = dict(o[2:].split("=", 1) for o in cmd[3:at] if o.startswith("--") and "=" in o)
+        run_agent(cmd[at:], int(opts["nproc_per_node"]), int(opts["nnodes"]),
+                  opts["rdzv_endpoint"], opts["rdzv_id"])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -269,7 +269,6 @@ BAD = [
     ("unknown-schedule", ["mesh3d.pp_schedule=gpipe"], None, None, "`mesh3d.pp_schedule` 'gpipe' is not a pipeline schedule; use one of afab, 1f1b"),
     ("pp-engine", ["parallelism.pp_engine=gpipe"], None, None, "`parallelism.pp_engine` 'gpipe' must be afab or 1f1b"),
     ("seq-tp", [*TP2, "tokens.sequence_length=33"], None, 2, "`tokens.sequence_length` (33) must be divisible by `parallelism.tp` (2); tp_mode REDUCE_SCATTER"),
-    ("warmup-steps", [f"{LRS}.lr_warmup_steps=50"], None, None, f"`{LRS}.lr_warmup_steps` (50) is more than tokens.train_steps (20)"),
     ("warmup-style", [f"{LRS}.lr_warmup_style=cosine"], None, None, f"`{LRS}.lr_warmup_style` 'cosine' must be linear or constant"),
     ("decay-style", [f"{LRS}.lr_decay_style=exp"], None, None, f"`{LRS}.lr_decay_style` 'exp' must be linear, cosine or 1-sqrt"),
     ("learning-rate", [f"{LRS}.learning_rate=0"], None, None, f"`{LRS}.learning_rate` must be > 0, got 0.0"),

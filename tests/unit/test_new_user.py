@@ -1,0 +1,315 @@
+"""What a new user meets first (issue 26, items 4-14): the default run resumes by running it
+again, its model runs at tp 2 and 4, the first tweaks of a config are accepted with one warning,
+and the CLI's small helps. The tests that start processes are in
+`tests/launch/test_new_user_launch.py`."""
+
+from __future__ import annotations
+
+import pytest
+
+from mesh3d import launch
+from mesh3d.checks import validate
+from mesh3d.config import expand_run_name, load_config
+
+
+@pytest.fixture
+def no_corpus(monkeypatch):
+    """The default run without preparing its data (its folder overrides are not needed here)."""
+    import mesh3d.data.corpus as corpus
+
+    monkeypatch.setattr(corpus, "default_run_overrides", lambda: [])
+
+
+def test_default_run_has_one_folder_and_resumes(no_corpus):
+    """Two launches of `mesh3d train` resolve to the same run folder, and the second resumes."""
+    first = launch._resolved(launch._split([]))
+    second = launch._resolved(launch._split([]))
+    assert first == second
+    cfg = load_config(*first)
+    assert cfg.general.run == "default" == expand_run_name(cfg.general.run)
+    assert cfg.checkpoints.checkpoints_path == "runs/default/checkpoints"
+    assert cfg.mesh3d.existing_checkpoints == "resume"
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])
+def test_default_model_runs_tensor_parallel(no_corpus, tp, pp):
+    """The default model's heads divide by 2 and 4 (README: `generate --tp 2 --pp 2`)."""
+    path, overrides = launch._resolved(launch._split([]))
+    cfg = load_config(path, [*overrides, f"parallelism.tp={tp}", f"parallelism.pp={pp}"])
+    validate(cfg, world_size=tp * pp)
+
+
+RECIPE = "recipes/configs/cpu_tiny.yaml"
+
+
+def test_short_run_validates_at_its_last_step_with_one_warning():
+    """`train_steps` below `val_check_interval`: accepted, one warning, evaluated at the end."""
+    from mesh3d.checks import config_warnings
+    from mesh3d.train.evaluate import is_evaluation_step
+
+    cfg = load_config(RECIPE, ["tokens.train_steps=20", "tokens.val_check_interval=50",
+                               "tokens.limit_val_batches=2"])  # fmt: skip
+    validate(cfg, world_size=1)
+    (line,) = config_warnings(cfg)
+    assert "`tokens.val_check_interval` (50) is larger than `tokens.train_steps` (20)" in line
+    assert "at the last step (20)" in line
+    assert [s for s in range(1, 21) if is_evaluation_step(cfg.tokens, s)] == [20]
+
+
+def test_warmup_longer_than_the_run_is_one_warning():
+    """cpu_tiny (5 warmup steps) with train_steps=3: one cause, reported once, not 3 errors."""
+    from mesh3d.checks import config_warnings
+    from mesh3d.train.lr_schedule import lr_at, schedule_kwargs
+
+    cfg = load_config(RECIPE, ["tokens.train_steps=3"])
+    validate(cfg, world_size=1)
+    (line,) = config_warnings(cfg)
+    assert "lr_warmup_steps` (5) is more than tokens.train_steps (3)" in line
+    assert cfg.optimizer.learning_rate_scheduler.lr_decay_steps == 0
+    lrs = [lr_at(k, **schedule_kwargs(cfg)) for k in range(3)]
+    assert lrs == sorted(lrs) and lrs[-1] < cfg.optimizer.learning_rate_scheduler.learning_rate
+
+
+def test_mesh3d_config_prints_the_warning(capsys):
+    from mesh3d.checks.__main__ import main
+
+    main([RECIPE, "tokens.train_steps=3"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: `optimizer.learning_rate_scheduler")
+
+
+@pytest.mark.parametrize("command", ["plan", "config"])
+def test_help_names_the_command_and_closes_its_backticks(command, capsys):
+    from mesh3d import cli
+
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: mesh3d {command} ") and "python -m mesh3d.plan CONFIG" not in out
+    description = out.split("\n\n")[1]
+    assert description.count("`") % 2 == 0, description
+    assert "dp x cp x tp x pp" in out
+
+
+def test_missing_metrics_file_suggests_a_path_a_run_writes(tmp_path):
+    from mesh3d.errors import UserError
+    from mesh3d.plot import read_metrics
+
+    with pytest.raises(UserError, match=r"mesh3d plot runs/default/metrics.jsonl"):
+        read_metrics(tmp_path / "nope.jsonl")
+
+
+def test_cli_version_and_did_you_mean(capsys):
+    from mesh3d import __version__, cli
+
+    cli.main(["--version"])
+    assert capsys.readouterr().out == f"mesh3d {__version__}\n"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["trian"])
+    assert e.value.code == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("error: unknown command 'trian' (did you mean 'train'?)")
+
+
+def test_override_without_value_is_named_as_such():
+    from mesh3d.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"'parallelism.dp' is not a config file and has no `=value`"
+    ):
+        load_config("parallelism.dp")
+
+
+def test_throughput_benchmark_default_is_short_and_full_is_a_flag():
+    import importlib
+    import sys
+
+    from test_bench_throughput import ROOT
+
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = importlib.import_module("throughput")
+    assert bench.SCHEDULE["quick"][0] <= 10 and bench.SCHEDULE["full"][0] == 40
+    assert "--full" in (ROOT / "benchmarks" / "README.md").read_text()
+
+
+def test_plan_abbreviates_many_rank_groups():
+    from mesh3d.plan.report import groups_line
+
+    assert groups_line([[0, 1], [2, 3]]) == "[0, 1] [2, 3]"  # short: unchanged
+    tp = [list(range(i, i + 8)) for i in range(0, 512, 8)]
+    assert groups_line(tp) == "64 groups of 8: [0-7] [8-15] [16-23] ... [504-511]"
+    pp = [list(range(i, 512, 64)) for i in range(64)]
+    line = groups_line(pp)
+    assert (
+        line.startswith("64 groups of 8: [0, 64, ..., 448] [1, 65, ..., 449]") and len(line) < 120
+    )
+
+
+def test_plan_says_whether_the_peak_fits():
+    from mesh3d.errors import UserError
+    from mesh3d.plan.build import make_plan
+    from mesh3d.plan.report import format_plan, gpu_memory_gib
+
+    plan = make_plan(load_config(RECIPE), None)
+    assert "pass --gpu-memory GiB" in format_plan(plan)
+    assert "  fits: largest peak" in format_plan(plan, gpu_memory_gib("H100"))
+    assert "DOES NOT FIT" in format_plan(plan, 1e-6)
+    assert gpu_memory_gib("h100") == 80 and gpu_memory_gib("40") == 40
+    with pytest.raises(UserError, match="--gpu-memory 'P100x'"):
+        gpu_memory_gib("P100x")
+
+
+def test_weight_files_get_the_usual_mode(tmp_path):
+    """safetensors creates 0600 files; HF exports and Nanotron weights are readable by others."""
+    import os
+    import stat
+
+    import torch
+
+    from mesh3d.checkpoint.nanotron_weights import save_readable
+
+    umask = os.umask(0o022)
+    try:
+        save_readable({"w": torch.zeros(2)}, tmp_path / "model.safetensors", {"format": "pt"})
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "model.safetensors").stat().st_mode) == 0o644
+
+
+def test_from_hf_lists_its_few_files_and_counts_the_shards(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from test_first_hour import hf_folder
+
+    from mesh3d.checkpoint.hf import main
+
+    hf_folder(tmp_path / "hf")
+    main(["from-hf", "--model", str(tmp_path / "hf"), "--output", str(tmp_path / "out"),
+          "--tp", "2"])  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("wrote ") and "model_config.json" in out[1] and "config.yaml" in out[2]
+    assert out[3].startswith("  ") and "weight files under" in out[3] and len(out) == 5
+
+
+def test_mesh3d_config_check_data_opens_the_dataset_folders(tmp_path, monkeypatch, capsys):
+    from mesh3d import cli
+
+    monkeypatch.chdir(tmp_path)  # runs/tiny_data/ is not there
+    nanoset = str(launch.DEFAULT_CONFIG.parents[2] / "recipes" / "configs" / "cpu_nanoset.yaml")
+    cli.main(["config", nanoset])  # the config alone: fine
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["config", nanoset, "--check-data"])
+    assert e.value.code == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert err == ["error: dataset_folder 'runs/tiny_data/tokenized' does not exist; fix the path "
+                   "(`python recipes/tiny_data.py` writes it)"]  # fmt: skip
+
+
+def _sinks(console: str, steps: int = 200):
+    from mesh3d.train.sinks import MetricSinks
+
+    cfg = load_config(RECIPE, ["mesh3d.wandb=false", f"mesh3d.console={console}",
+                               f"tokens.train_steps={steps}"])  # fmt: skip
+    return MetricSinks(cfg, True, None)
+
+
+def test_compact_console_is_one_short_line_per_step(caplog):
+    import logging
+
+    record = {"iteration": 12, "consumed_tokens": 1000, "lm_loss": 5.12341, "lr": 0.003,
+              "tokens_per_sec": 2950.0, "grad_norm": 1.0}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="mesh3d"):
+        compact = _sinks("compact")
+        compact.progress(record, [1.0] * 12)
+        compact.write(record, [1.0] * 12)  # the Nanotron line is left out of the console
+        _sinks("nanotron").progress(record, [1.0] * 12)  # nothing: nanotron's form only
+    lines = [r.getMessage() for r in caplog.records if r.name == "mesh3d"]
+    assert lines == ["step 12/200 | loss 5.1234 | lr 3.00e-03 | 2,950 tokens/s | eta 0:03:08"]
+    assert _sinks("auto").compact is False  # the tests' output is not a terminal
+
+
+def test_eta_is_steady_when_one_step_is_slow():
+    """A median of the run's steps: one slow step (a loaded host) barely moves it."""
+    sinks = _sinks("nanotron", steps=100)
+    steady = sinks.eta(50, [5.0] + [1.0] * 49)
+    assert steady == 50.0 and sinks.eta(51, [5.0] + [1.0] * 49 + [10.0]) == 49.0
+
+
+def test_console_value_is_checked():
+    from mesh3d.checks import validation_errors
+
+    errors = validation_errors(load_config(RECIPE, ["mesh3d.console=fancy"]), 1)
+    assert len(errors) == 1 and "`mesh3d.console` 'fancy'" in errors[0]
+
+
+def test_starter_config_writes_only_the_mesh3d_keys_it_changes(tmp_path):
+    import yaml
+    from test_bench_throughput import ROOT
+
+    sys_path = str(ROOT / "recipes")
+    import sys
+
+    if sys_path not in sys.path:
+        sys.path.insert(0, sys_path)
+    import config_tiny_llama
+
+    config_tiny_llama.main(["--output", str(tmp_path / "a.yaml")])
+    assert yaml.safe_load((tmp_path / "a.yaml").read_text())["mesh3d"] == {
+        "dummy_data": "learnable"
+    }
+    config_tiny_llama.main(["--output", str(tmp_path / "b.yaml"), "--dummy-data", "random"])
+    assert "mesh3d" not in yaml.safe_load((tmp_path / "b.yaml").read_text())
+
+
+def test_exported_tokenizer_loads_with_its_special_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from mesh3d.checkpoint.hf import set_special_tokens
+    from mesh3d.config.schema import LlamaConfig
+    from mesh3d.data.synthetic import make_tokenizer
+
+    make_tokenizer(tmp_path, vocab_size=300)  # specials <unk> 0, <s> 1, </s> 2; no roles
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).eos_token is None
+    assert set_special_tokens(tmp_path, LlamaConfig()) == [tmp_path / "tokenizer_config.json"]
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<s>", "</s>", "</s>")
+    assert tok.eos_token_id == 2
+
+
+def test_from_hf_keeps_null_special_token_ids(tmp_path):
+    """An HF config with bos/eos null: from-hf's config.yaml says null, not Nanotron's 1 / 2."""
+    import json
+
+    import yaml
+
+    pytest.importorskip("transformers")
+    from test_first_hour import hf_folder
+
+    from mesh3d.checkpoint.hf import from_hf
+
+    hf_folder(tmp_path / "hf")
+    cfg_path = tmp_path / "hf" / "config.json"
+    hf_cfg = json.loads(cfg_path.read_text()) | {"bos_token_id": None, "eos_token_id": None}
+    cfg_path.write_text(json.dumps(hf_cfg))
+    from_hf(tmp_path / "hf", tmp_path / "out")
+    mc = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["model"]["model_config"]
+    assert mc["bos_token_id"] is None and mc["eos_token_id"] is None
+    cfg = load_config(tmp_path / "out" / "config.yaml")
+    assert cfg.model.model_config.eos_token_id is None
+    validate(cfg, world_size=1)
+
+
+def test_the_end_of_a_run_names_where_tensorboard_wrote(tmp_path, caplog):
+    import logging
+
+    pytest.importorskip("tensorboard")
+    from mesh3d.train.sinks import MetricSinks
+
+    cfg = load_config(RECIPE, ["mesh3d.wandb=false", f"mesh3d.tensorboard_dir={tmp_path / 'tb'}"])
+    with caplog.at_level(logging.INFO, logger="mesh3d"):
+        sinks = MetricSinks(cfg, True, None)
+        sinks.write({"iteration": 1, "lm_loss": 1.0}, [0.1])
+        sinks.close()
+    lines = [r.getMessage() for r in caplog.records if "TensorBoard" in r.getMessage()]
+    assert lines == [f"TensorBoard scalars written to {tmp_path / 'tb'} "
+                     f"(tensorboard --logdir {tmp_path / 'tb'})"]  # fmt: skip
