@@ -105,6 +105,9 @@ def variants() -> list[Variant]:
         f8 = ("mesh3d.float8=true",)
         out.append(Variant("mesh3d sdpa float8", "mesh3d", extra=f8))
         out.append(Variant("mesh3d sdpa float8 compile", "mesh3d", compiled=True, extra=f8))
+    for mode in ("selective", "full"):  # what each recompute mode costs at this shape
+        out.append(Variant(f"mesh3d sdpa recompute {mode}", "mesh3d",
+                           extra=(f"mesh3d.recompute={mode}",)))  # fmt: skip
     tp2 = ("parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER")  # what async TP overlaps
     out.append(Variant("mesh3d tp2 compile", "mesh3d", compiled=True, ranks=2, extra=tp2))
     out.append(Variant("mesh3d tp2 compile async", "mesh3d", compiled=True, ranks=2,

@@ -49,16 +49,22 @@ MODEL = ["model.model_config.hidden_size=512", "model.model_config.intermediate_
 CAPS = (1, 25, 100)
 
 
-def rank_main(rank: int, world: int, tp: int, rounds: int) -> dict:
+def rank_main(rank: int, world: int, tp: int, rounds: int, device: str = "cpu") -> dict:
     warnings.filterwarnings("ignore", message="Seems like `optimizer.step")  # our timing wrapper
-    overrides = MODEL + [f"parallelism.dp={world // tp}", f"parallelism.tp={tp}"]
+    overrides = MODEL + [f"parallelism.dp={world // tp}", f"parallelism.tp={tp}",
+                         f"mesh3d.device={device}"]  # fmt: skip
     run = Run.prepare(load_config(ROOT / "recipes" / "configs" / "cpu_tiny.yaml", overrides))
     group = groups_of(run.mesh).replicas
     marks: dict[str, float] = {}
     backward = step_module.forward_backward
 
+    def sync() -> None:  # CUDA runs ahead of the host: the marks wait for the device
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     def timed_backward(*a, **k):
         out = backward(*a, **k)
+        sync()
         marks["backward_end"] = time.perf_counter()
         return out
 
@@ -66,6 +72,7 @@ def rank_main(rank: int, world: int, tp: int, rounds: int) -> dict:
     update = run.optimizer.step
 
     def timed_update(*a, **k):
+        sync()
         marks["update_start"] = time.perf_counter()
         return update(*a, **k)
 
@@ -93,6 +100,7 @@ def rank_main(rank: int, world: int, tp: int, rounds: int) -> dict:
             torch.distributed.barrier()
             t0 = time.perf_counter()
             run.step(step)
+            sync()
             times[name].append(time.perf_counter() - t0)
             exposed[name].append(marks["update_start"] - marks["backward_end"])
             step += 1
@@ -102,12 +110,18 @@ def rank_main(rank: int, world: int, tp: int, rounds: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=6, help="steps of each variant (default 6)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: one GPU per rank, NCCL (needs 4 GPUs for dp2 x tp2)")  # fmt: skip
     add_publish_flag(ap)
     args = ap.parse_args(argv)
     head = print_header()
     result = {**head, "rounds": args.rounds, "layouts": {}}
     for label, world, tp in (("dp2", 2, 1), ("dp2 x tp2", 4, 2)):
-        r = launch(world, rank_main, tp, args.rounds, timeout=1800)[0]
+        if args.device == "cuda" and torch.cuda.device_count() < world:
+            print(f"\n{label}: skipped, needs {world} GPUs ({torch.cuda.device_count()} visible)")
+            continue
+        r = launch(world, rank_main, tp, args.rounds, args.device, cuda=args.device == "cuda",
+                   timeout=1800)[0]  # fmt: skip
         med = {n: (statistics.median(r["times"][n]), statistics.median(r["exposed"][n]))
                for n in r["times"]}  # fmt: skip
         flat_step, flat_exposed = med["flat"]
