@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.checkpoint.hf import is_hf_folder, read_hf_for_run
+from mesh3d.checkpoint.hf_run import is_hf_folder, read_hf_for_run
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.config import ExistingCheckpointInit, SpectralMupInit
 from mesh3d.errors import UserError

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d.checkpoint.atomic import PendingSave
-from mesh3d.checkpoint.hf import export_hf
+from mesh3d.checkpoint.hf_run import export_hf
 from mesh3d.checkpoint.retention import prune
 from mesh3d.checkpoint.s3 import S5cmd
 from mesh3d.checkpoint.training import checkpoint_custom_metas, load_checkpoint, save_checkpoint

@@ -60,7 +60,7 @@ def test_a_run_starts_from_an_hf_folder_and_exports_one_as_the_converter_does(tm
 
 
 def test_a_config_that_is_not_the_folders_model_is_refused(tmp_path):
-    from mesh3d.checkpoint.hf import read_hf_for_run
+    from mesh3d.checkpoint.hf_run import read_hf_for_run
 
     hf = hf_folder(tmp_path / "hf")
     convert.from_hf(hf, tmp_path / "nt")

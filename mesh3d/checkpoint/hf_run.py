@@ -1,0 +1,87 @@
+"""Hugging Face folders inside a run: `init_method: {path: <HF folder>}` reads one at any
+layout as `from-hf` would (`read_hf_for_run`), and `mesh3d.hf_export` writes one beside each
+committed step folder (`export_hf`). The conversion itself is `hf.py`'s."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+from torch import Tensor
+
+from mesh3d.checkpoint.hf import (
+    _pad_rows,
+    hf_config_of,
+    hf_to_ours,
+    permute_qk,
+    read_hf_weights,
+    shape_of,
+    to_hf,
+)
+from mesh3d.errors import UserError
+
+
+def export_hf(step_dir: Path, output: Path) -> Path:
+    """`to_hf` of a committed step folder into `output`, written beside it first and renamed
+    into place (`mesh3d.hf_export`): a crash never leaves a half folder under that name."""
+    tmp = output.parent / f".tmp-{output.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    to_hf(step_dir, tmp)
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(tmp, output)
+    return output
+
+
+# model_config fields that do not change the weights or the math of training: not compared
+_FREE = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "initializer_range",
+                   "max_position_embeddings", "use_cache", "pretraining_tp", "is_llama_config",
+                   "is_qwen2_config", "is_starcoder2_config", "z_loss_enabled",
+                   "z_loss_coefficient", "rope_interleaved", "vocab_size"})  # fmt: skip
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A Hugging Face model folder: `config.json` and safetensors, no Nanotron `model/`."""
+    return (path / "config.json").is_file() and not (path / "model").is_dir()
+
+
+def config_differences(ours, theirs) -> list[str]:
+    """'key: ours vs theirs' for each model_config field that changes the weights or the math."""
+    a, b = dataclasses.asdict(ours), dataclasses.asdict(theirs)
+    if type(ours) is not type(theirs):
+        return [f"family: {type(ours).__name__} vs {type(theirs).__name__}"]
+    return [
+        f"{k}: {a[k]!r} vs {b.get(k)!r}"
+        for k in a
+        if k not in _FREE and not k.startswith("_") and a[k] != b.get(k)
+    ]
+
+
+def read_hf_for_run(model_dir: Path, mc, padded_vocab: int) -> dict[str, Tensor]:
+    """Our name -> full tensor of the HF folder `model_dir` for a run whose model config is
+    `mc`, with the vocabulary rows padded to `padded_vocab` (and q/k permuted for
+    `rope_interleaved`): what `from-hf` would write, without writing it. A config that
+    differs from the folder's `config.json` in a field that matters is refused, listed."""
+    theirs, arch = hf_config_of(model_dir)
+    diff = config_differences(mc, theirs)
+    if diff:
+        raise UserError(
+            f"`model.init_method.path` {model_dir} holds another model than model.model_config "
+            f"(config vs its config.json): {'; '.join(diff)}. Set model_config as that folder "
+            f"says (`mesh3d convert from-hf --model {model_dir} --output <dir>` writes a "
+            "config.yaml that does)"
+        )
+    if mc.vocab_size != theirs.vocab_size:
+        raise UserError(
+            f"`model.model_config.vocab_size` {mc.vocab_size} differs from {model_dir}'s "
+            f"config.json ({theirs.vocab_size}); set it to {theirs.vocab_size}"
+        )
+    ours = hf_to_ours(read_hf_weights(model_dir), theirs, model_dir, arch)
+    for k in ("embed_tokens.weight", "lm_head.weight"):
+        if k in ours:
+            ours[k] = _pad_rows(ours[k], padded_vocab)
+    if getattr(mc, "rope_interleaved", False):
+        ours = permute_qk(ours, shape_of(theirs).head_dim, to_interleaved=True)
+    return ours
