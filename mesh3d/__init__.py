@@ -24,6 +24,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from mesh3d.log import quiet_known_import_noise
+
+quiet_known_import_noise()  # before any import of transformers or torchao (see mesh3d.log)
+
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
     from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights, write_nanotron_weights
     from mesh3d.checkpoint.state import load_state, save_state

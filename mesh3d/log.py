@@ -17,6 +17,36 @@ import sys
 
 logger = logging.getLogger("mesh3d")
 
+
+class _DropKnownNoise(logging.Filter):
+    """Drops a third-party logger's records whose message starts with one of `prefixes`."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_known_import_noise() -> None:
+    """Silence the lines torchao's import prints on a machine its prebuilt kernels do not fit
+    (a CPU build of torch, another Python): "Failed to load .../_C_*.so" per kernel file, the
+    reason it skips them, and torch's deprecation note on its `register_constant` calls. They
+    come on every `import transformers` when torchao is installed (the `float8` and `dev`
+    extras) and say nothing about the run; torchao's float8 training does not use those
+    kernels. Every other torchao and torch record still shows. Idempotent."""
+    for name, noise in (
+        ("torchao", _DropKnownNoise("Failed to load ", "Skipping import of cpp extensions")),
+        ("torch.utils._pytree", _DropKnownNoise("%s is an Enum subclass")),
+    ):
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownNoise) for f in target.filters):
+            target.addFilter(noise)
+
+
+quiet_known_import_noise()
+
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,

@@ -56,3 +56,17 @@ def test_multi_node_launcher_reports_a_rank_mistake_in_one_line(tmp_path):
         "(`python recipes/tiny_data.py` writes it)"
     ]
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
+
+
+def test_import_transformers_after_mesh3d_prints_no_torchao_kernel_noise():
+    """Item 10, in a fresh process as a user's script runs it (the filters are unit-tested in
+    tests/unit/test_new_user.py)."""
+    import pytest
+
+    pytest.importorskip("torchao", reason="torchao (the float8 extra) is not installed")
+    pytest.importorskip("transformers", reason="transformers (the hf extra) is not installed")
+    code = "import mesh3d, transformers; from transformers import LlamaForCausalLM"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                       env=_env())  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Failed to load" not in r.stderr and "is an Enum subclass" not in r.stderr, r.stderr

@@ -313,3 +313,30 @@ def test_the_end_of_a_run_names_where_tensorboard_wrote(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "TensorBoard" in r.getMessage()]
     assert lines == [f"TensorBoard scalars written to {tmp_path / 'tb'} "
                      f"(tensorboard --logdir {tmp_path / 'tb'})"]  # fmt: skip
+
+
+
+def test_torchao_kernel_noise_is_dropped_and_its_other_records_kept():
+    """Item 10: with torchao installed, `import transformers` printed "Failed to load ..." per
+    prebuilt kernel that does not fit this torch; `import mesh3d` drops those records (and
+    torch's register_constant deprecation note) while torchao's other records still show. The
+    launch test runs the real import in a fresh process."""
+    import logging
+
+    import mesh3d  # noqa: F401  (installs the filters)
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    ao, tree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    ao.addHandler(handler)
+    tree.addHandler(handler)
+    try:
+        ao.warning("Failed to load /x/_C_mxfp8.so: Could not load this library")
+        ao.warning("float8 needs a recent GPU")
+        tree.warning("%s is an Enum subclass and is now natively supported", "E")
+        tree.warning("something else")
+    finally:
+        ao.removeHandler(handler)
+        tree.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["float8 needs a recent GPU", "something else"]
