@@ -66,11 +66,37 @@ def _resolved(args: argparse.Namespace) -> tuple[str, list[str]]:
         overrides = default_run_overrides() + overrides
     path = args.config or str(DEFAULT_CONFIG)
     cfg = load_config(path, overrides)
-    run = expand_run_name(cfg.general.run)
+    run = _resumed_run_name(cfg) or expand_run_name(cfg.general.run)
     overrides.append(f"general.run={run}")
     if args.config is None and cfg.checkpoints is not None:
         overrides.append(f"checkpoints.checkpoints_path=runs/{run}/checkpoints")
     return path, overrides
+
+
+def _resumed_run_name(cfg) -> str | None:
+    """The run name of the checkpoint this launch resumes from, when the config's name has a
+    placeholder (`%date`, `%jobid`): a resumed run keeps its first launch's name, so its
+    metrics, plot and W&B run stay one (`runs/<name>/metrics.jsonl` is appended to). None for
+    a fixed name, a fresh start, or a checkpoint that cannot be read here (an `s3://` path, a
+    typo: the run's own checks report those)."""
+    import yaml
+
+    from mesh3d.checkpoint.training import resolve_step_dir
+
+    ck = cfg.checkpoints
+    if "%" not in cfg.general.run or ck is None:
+        return None
+    resume = ck.resume_checkpoint_path
+    if resume is None and cfg.mesh3d.existing_checkpoints == "resume":
+        resume = ck.checkpoints_path
+    if resume is None or str(resume).startswith("s3://"):
+        return None
+    try:
+        stored = yaml.safe_load((resolve_step_dir(resume) / "config.yaml").read_text())
+        name = stored["general"]["run"]
+    except (UserError, OSError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    return name if isinstance(name, str) and name and "%" not in name else None
 
 
 def _resolved_on_ranks(args: argparse.Namespace) -> tuple[str, list[str], str]:

@@ -5,6 +5,8 @@ and the CLI's small helps. The tests that start processes are in
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mesh3d import launch
@@ -40,6 +42,7 @@ def test_default_model_runs_tensor_parallel(no_corpus, tp, pp):
 
 
 RECIPE = "recipes/configs/cpu_tiny.yaml"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_short_run_validates_at_its_last_step_with_one_warning():
@@ -340,3 +343,35 @@ def test_torchao_kernel_noise_is_dropped_and_its_other_records_kept():
         ao.removeHandler(handler)
         tree.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["float8 needs a recent GPU", "something else"]
+
+
+def test_resumed_run_with_a_date_in_its_name_keeps_its_first_name(tmp_path, monkeypatch):
+    """Item 4: a config named `cpu_tiny_%date_%jobid` resumed (explicitly, or by
+    `existing_checkpoints=resume`) takes the name its checkpoint was written under, so its
+    metrics stay in one `runs/<name>/metrics.jsonl`; a fresh start still gets a new name."""
+    import json
+
+    import yaml
+
+    monkeypatch.chdir(tmp_path)
+    ckpts = tmp_path / "ckpts"
+    step = ckpts / "4"
+    step.mkdir(parents=True)
+    (step / "checkpoint_metadata.json").write_text(json.dumps({"step": 4}))
+    (step / "config.yaml").write_text(yaml.safe_dump({"general": {"run": "cpu_tiny_20261201_0900_local"}}))
+    (ckpts / "latest.txt").write_text("4")
+    base = [str(REPO / RECIPE), f"checkpoints.checkpoints_path={ckpts}",
+            "checkpoints.checkpoint_interval=10"]
+
+    def run_name(*overrides: str) -> str:
+        path, resolved = launch._resolved(launch._split([*base, *overrides]))
+        return load_config(path, resolved).general.run
+
+    assert run_name(f"checkpoints.resume_checkpoint_path={step}") == "cpu_tiny_20261201_0900_local"
+    assert run_name(f"checkpoints.resume_checkpoint_path={ckpts}") == "cpu_tiny_20261201_0900_local"
+    assert run_name("mesh3d.existing_checkpoints=resume") == "cpu_tiny_20261201_0900_local"
+    fresh = run_name()  # not resuming: a new date
+    assert fresh.startswith("cpu_tiny_") and fresh != "cpu_tiny_20261201_0900_local"
+    assert run_name("general.run=mine", f"checkpoints.resume_checkpoint_path={step}") == "mine"
+    typo = run_name(f"checkpoints.resume_checkpoint_path={tmp_path / 'nope'}")  # reported later
+    assert typo.startswith("cpu_tiny_") and "%" not in typo
