@@ -23,3 +23,113 @@ def first_commands() -> list[str]:
 def test_first_commands_are_install_test_train():
     assert first_commands() == ['pip install "torch==2.13.0" -e ".[dev]"', "python -m pytest -q",
                                 "mesh3d train"]  # fmt: skip
+
+
+def readme_commands() -> list[str]:
+    """Every command of the README's bash blocks, continuation lines joined, comments dropped,
+    spaces collapsed."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = " ".join(line.split("  #")[0].split())
+            if command and not command.startswith("#"):
+                commands.append(command)
+    return commands
+
+
+# What the launch test (tests/launch/test_readme_launch.py) does with each README command, in
+# this order, in a clean clone right after the default run (`mesh3d train`): a string is the
+# command it runs (as written, or with the README's placeholders filled: `cfg.yaml`, `CONFIG`,
+# `N`, `checkpoints`, the user's own files; `{latest}` is the default run's last step), which
+# must exit 0 within a minute; `None` with the reason it is not run there.
+MESH3D_TRAIN_DONE = None, "run first, verbatim, by test_first_commands_run_in_a_clean_clone"
+README_COMMANDS: dict[str, tuple[str | None, str]] = {
+    'pip install "torch==2.13.0" -e ".[dev]"': MESH3D_TRAIN_DONE,
+    "python -m pytest -q": (None, "collected (--collect-only) in the clean clone: running the "
+                            "suite inside itself would recurse"),
+    "mesh3d train": MESH3D_TRAIN_DONE,
+    "python recipes/config_tiny_llama.py --output config_tiny_llama.yaml": (
+        "python recipes/config_tiny_llama.py --output config_tiny_llama.yaml", ""),
+    "mesh3d config cfg.yaml --world-size 8 parallelism.tp=2": (
+        "mesh3d config config_tiny_llama.yaml --world-size 8 parallelism.tp=2", ""),
+    "mesh3d config cfg.yaml --check-data": (
+        "mesh3d config recipes/configs/cpu_tiny.yaml --check-data", ""),
+    "mesh3d train config_tiny_llama.yaml": (
+        None, "8 CPU ranks for 100 steps: minutes; tests/launch/test_config_tiny_llama.py trains "
+        "the same config on one rank"),
+    "torchrun --nproc_per_node=2 recipes/train.py --config-file cfg.yaml parallelism.dp=2 "
+    "tokens.train_steps=20": (
+        "torchrun --nproc_per_node=2 recipes/train.py --config-file recipes/configs/cpu_tiny.yaml "
+        "parallelism.dp=2 tokens.train_steps=20", ""),
+    "torchrun --nproc_per_node=2 recipes/train.py --config-file recipes/configs/cpu_tiny_moe.yaml "
+    "parallelism.dp=2 parallelism.expert_parallel_size=2 tokens.train_steps=10": (
+        "torchrun --nproc_per_node=2 recipes/train.py --config-file recipes/configs/cpu_tiny_moe.yaml "
+        "parallelism.dp=2 parallelism.expert_parallel_size=2 tokens.train_steps=10", ""),
+    "mesh3d plot runs/default/metrics.jsonl": ("mesh3d plot runs/default/metrics.jsonl", ""),
+    "mesh3d plot runs/a/metrics.jsonl runs/b/metrics.jsonl --output compare.png": (
+        "mesh3d plot runs/default/metrics.jsonl runs/default/metrics.jsonl --output compare.png", ""),
+    "mesh3d plan CONFIG [--world-size N] [--json] [key=value ...]": (
+        "mesh3d plan recipes/configs/cpu_tiny.yaml --world-size 8 --json parallelism.dp=8", ""),
+    "mesh3d plan --search CONFIG --world-size N --hardware h100-80g [--nodes-of 8] [--top 10] "
+    "[--json] [--write best.yaml] [key=value ...]": (
+        "mesh3d plan --search recipes/configs/cpu_tiny.yaml --world-size 16 --hardware h100-80g "
+        "--nodes-of 8 --top 10 --json --write best.yaml", ""),
+    "sbatch --nodes=2 recipes/slurm/train.sbatch cfg.yaml [overrides ...]": (
+        None, "needs a Slurm cluster: tests/launch/test_slurm.py submits recipes/slurm/train.sbatch "
+        "to a one-node cluster it starts"),
+    "python recipes/slurm/launch.py --config-file cfg.yaml --gpus-per-node 8 --rdzv-host node0 "
+    "[overrides ...]": (
+        None, "one command per node of a multi-node job: tests/launch/test_multinode.py runs it on "
+        "two local 'nodes'"),
+    "python recipes/tiny_data.py": ("python recipes/tiny_data.py", ""),
+    "torchrun --nproc_per_node=1 recipes/train.py --config-file recipes/configs/cpu_nanoset.yaml": (
+        "torchrun --nproc_per_node=1 recipes/train.py --config-file recipes/configs/cpu_nanoset.yaml",
+        ""),
+    "python -m mesh3d.data.tokenize --tokenizer ./my_tokenizer --input my_texts/*.jsonl --output "
+    'data/tokenized [--text-column text] [--eos-token "</s>"]': (
+        "python -m mesh3d.data.tokenize --tokenizer runs/tiny_data/tokenizer --input my_texts.jsonl "
+        '--output data/tokenized --text-column text --eos-token "</s>"', ""),
+    "python -m mesh3d.convert from-hf --model ./Llama-3.2-1B --output ./ckpt_from_hf --tp 2 --pp 2": (
+        "python -m mesh3d.convert from-hf --model ./hf_out --output ./ckpt_from_hf --tp 2 --pp 2", ""),
+    "torchrun --nproc_per_node=4 recipes/train.py --config-file ./ckpt_from_hf/config.yaml": (
+        None, "4 ranks for the 100 steps from-hf's config.yaml sets: over a minute; "
+        "tests/ranks/test_hf_in_run.py trains from a from-hf folder"),
+    "python -m mesh3d.convert to-hf --checkpoint checkpoints --output ./hf_out": (
+        "python -m mesh3d.convert to-hf --checkpoint runs/default/checkpoints --output ./hf_out", ""),
+    'mesh3d generate --checkpoint checkpoints --prompt "Once upon a time"': (
+        'mesh3d generate --checkpoint runs/default/checkpoints --prompt "Once upon a time"', ""),
+    'mesh3d generate --checkpoint checkpoints/1000 --prompt "Once upon a time" --max-new-tokens 100 '
+    "--temperature 0.8 --top-k 50 --seed 1": (
+        'mesh3d generate --checkpoint runs/default/checkpoints/{latest} --prompt "Once upon a time" '
+        "--max-new-tokens 100 --temperature 0.8 --top-k 50 --seed 1", ""),
+    "mesh3d generate --checkpoint checkpoints --prompts prompts.txt": (
+        "mesh3d generate --checkpoint runs/default/checkpoints --prompts prompts.txt", ""),
+    "python -m mesh3d.generate ...": (None, "the module form of the lines above, not a command"),
+    "torchrun --nproc_per_node=4 -m mesh3d.generate --checkpoint checkpoints --prompt "
+    '"Once upon a time" --tp 2 --pp 2': (
+        "torchrun --nproc_per_node=4 -m mesh3d.generate --checkpoint runs/default/checkpoints "
+        '--prompt "Once upon a time" --tp 2 --pp 2', ""),
+    "python recipes/custom_model.py": ("python recipes/custom_model.py", ""),
+    "torchrun --nproc_per_node=8 recipes/custom_model.py --dp 2 --tp 2 --pp 2": (
+        None, "8 ranks: tests/ranks/test_library.py runs the same main() at dp 2 x tp 2 x pp 2 and "
+        "checks it equals one process"),
+}
+
+
+def test_every_readme_command_is_run_or_says_why_not():
+    """A README command added or changed must be classified in README_COMMANDS (a command the
+    launch test runs, or the reason it does not)."""
+    commands = readme_commands()
+    assert sorted(set(commands)) == sorted(commands), "a README command appears twice"
+    assert set(commands) - set(README_COMMANDS) == set(), "README commands to classify"
+    assert set(README_COMMANDS) - set(commands) == set(), "classified, no longer in the README"
+    for command, (run, why) in README_COMMANDS.items():
+        assert (run is None) == bool(why), command
+        if run is not None:  # the same program and subcommand as the README's
+            assert run.split()[:2] == command.split()[:2], command
+
+
+def test_reasons_name_tests_that_exist():
+    for _, why in README_COMMANDS.values():
+        for path in re.findall(r"tests/\S+\.py", why or ""):
+            assert (REPO / path).is_file(), path
