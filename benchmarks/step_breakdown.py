@@ -1,0 +1,216 @@
+"""Where a training step's time goes, per phase, at 1x1x1 and at dp=tp=pp=2 (issue 34).
+
+    python benchmarks/step_breakdown.py            # peer shape, 12 steps per layout (~3 minutes)
+    python benchmarks/step_breakdown.py --tiny     # toy shapes (the test)
+
+The peer shape of `throughput.py --peer` (Llama h256, ffn 1024, 4 layers, GQA 4/2, vocab 512,
+sequence 128, fp32, 32 sequences per step) trains in fresh torchrun groups: 1x1x1 on every core
+of the machine, and 2x2x2 (REDUCE_SCATTER, 8 gloo ranks of one thread each). Every rank builds
+the run `mesh3d train` builds (`Run.prepare`) and steps it as the training loop does
+(`run.step`, then the loop's stop check). The functions one step calls (reading the batch,
+preparing it, forward+backward with the pipeline schedule, the dp gradient sum, the
+tied-embedding sync, the Partial-gradient reduction, the norm and clipping, the optimizer, the
+stop check) are wrapped in timers that add up the wall seconds and the CPU seconds of the process
+(`time.process_time`: every thread of the rank, gloo's included) spent inside each. Inside
+forward+backward, `overhead.py` splits rank 0's time by operator (kernels, DTensor, collectives).
+
+Reported per layout: CPU seconds per step summed over ranks, per phase and in all, and wall
+seconds per step (the slowest rank); the 2x2x2 / 1x1x1 ratio of each. The first `SKIP` steps
+are left out. With fewer cores than ranks the 2x2x2 ranks take turns on the cores, so its summed
+CPU seconds are the work the layout adds, and the wall time is what a step costs on this
+machine. Raw numbers: `benchmarks/results/local/step_breakdown[_tiny].json` (`--publish`:
+`benchmarks/results/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from _results import add_publish_flag, print_header, results_dir
+from _ways import COMMON, CONFIG, ROOT, SHAPES, shape_overrides
+
+# the peer shape of throughput.py --peer (`_ways.SHAPES`), and its toy version for the test
+SHAPE = {"peer": "peer", "tiny": "peer_tiny"}
+STEPS = {"peer": 12, "tiny": 4}
+SKIP = 2  # steps left out: the first builds caches, the second may still warm up
+LAYOUTS = {"1x1x1": ((1, 1, 1), os.cpu_count() or 1), "2x2x2": ((2, 2, 2), 1)}  # dims, threads
+PHASES = ("read batch", "prepare batch", "forward+backward", "dp grad sum", "tied-embedding sync",
+          "partial-grad reduce", "norm + clip", "optimizer", "stop check")  # fmt: skip
+
+
+def overrides(shape: str, dims: tuple[int, int, int], steps: int) -> list[str]:
+    dp, tp, pp = dims
+    acc = SHAPES[SHAPE[shape]][-1]
+    return [
+        *COMMON,
+        *shape_overrides(SHAPE[shape]),
+        f"tokens.train_steps={steps}",
+        f"tokens.batch_accumulation_per_replica={acc // dp}",
+        f"parallelism.dp={dp}",
+        f"parallelism.tp={tp}",
+        f"parallelism.pp={pp}",
+        "parallelism.tp_mode=REDUCE_SCATTER",
+    ]
+
+
+class Timers:
+    """Wall and process-CPU seconds spent inside wrapped functions, per phase and step."""
+
+    def __init__(self):
+        self.wall, self.cpu = defaultdict(float), defaultdict(float)
+        self.depth = 0
+
+    def wrap(self, owner, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if self.depth:  # nested inside a timed phase: counted there
+                return inner(*args, **kwargs)
+            self.depth += 1
+            w, c = time.perf_counter(), time.process_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.wall[phase] += time.perf_counter() - w
+                self.cpu[phase] += time.process_time() - c
+                self.depth -= 1
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict:
+        out = dict(wall={p: self.wall[p] for p in PHASES}, cpu={p: self.cpu[p] for p in PHASES})
+        self.wall.clear()
+        self.cpu.clear()
+        return out
+
+
+def rank_main(shape: str, dims: tuple[int, int, int], steps: int, out: str) -> None:
+    """One torchrun rank: build the run, step it with the timers."""
+    import torch.distributed as dist
+
+    import mesh3d.train.step as step_mod
+    from mesh3d.config import load_config
+    from mesh3d.train.guard import RunGuard
+    from mesh3d.train.run import Run
+
+    cfg = load_config(CONFIG, overrides(shape, dims, steps))
+    run = Run.prepare(cfg)
+    timers = Timers()
+    timers.wrap(Run, "batches", "read batch")
+    for name, phase in (("prepare_batches", "prepare batch"), ("forward_backward", "forward+backward"),
+                        ("allreduce_gradients", "dp grad sum"),
+                        ("sync_tied_embeddings", "tied-embedding sync"),
+                        ("reduce_partial_grads", "partial-grad reduce"),
+                        ("clip_grad_norm", "norm + clip")):  # fmt: skip
+        timers.wrap(step_mod, name, phase)
+    for reducer in run.parts.reducers:  # zero_stage 0 buckets: what the backward left, then wait
+        timers.wrap(reducer, "finish", "dp grad sum")
+    timers.wrap(run.optimizer, "step", "optimizer")
+    guard = RunGuard.__new__(RunGuard)  # only its stop check: one all-reduce of one integer
+    guard.signals, guard.world, guard.device = (
+        type("S", (), {"received": None})(),
+        dist.get_world_size(),
+        run.device,
+    )
+    timers.wrap(guard, "stop_requested", "stop check")
+    records = []
+    for k in range(1, steps + 1):
+        w, c = time.perf_counter(), time.process_time()
+        run.step(k)
+        guard.stop_requested()
+        rec = timers.take()
+        rec["step_wall"], rec["step_cpu"] = time.perf_counter() - w, time.process_time() - c
+        records.append(rec)
+    Path(f"{out}.{dist.get_rank()}").write_text(json.dumps(records))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_layout(shape: str, name: str) -> dict:
+    """A fresh torchrun group for layout `name`: per step, CPU summed over ranks and the
+    slowest rank's wall, per phase and in all."""
+    dims, threads = LAYOUTS[name]
+    ranks, steps = dims[0] * dims[1] * dims[2], STEPS[shape]
+    with tempfile.TemporaryDirectory(prefix="mesh3d-breakdown-") as tmp:
+        out = str(Path(tmp) / "rank")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={ranks}", __file__, "--rank-worker", shape,
+               ",".join(map(str, dims)), str(steps), out]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(ranks)]
+    timed = range(SKIP, steps)
+    cpu = {p: statistics.median(sum(rk[k]["cpu"][p] for rk in per_rank) for k in timed)
+           for p in PHASES}  # fmt: skip
+    wall = {p: statistics.median(max(rk[k]["wall"][p] for rk in per_rank) for k in timed)
+            for p in PHASES}  # fmt: skip
+    step_cpu = statistics.median(sum(rk[k]["step_cpu"] for rk in per_rank) for k in timed)
+    step_wall = statistics.median(max(rk[k]["step_wall"] for rk in per_rank) for k in timed)
+    return dict(ranks=ranks, threads=threads, cpu=cpu, wall=wall, step_cpu=step_cpu,
+                step_wall=step_wall)  # fmt: skip
+
+
+def table(result: dict) -> str:
+    one, three = result["layouts"]["1x1x1"], result["layouts"]["2x2x2"]
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.2f}" if b > 1e-9 else "—"
+
+    lines = ["CPU seconds per step summed over ranks (median of steps "
+             f"{SKIP + 1}-{result['steps']}); wall: the slowest rank", "",
+             "| phase | 1×1×1 CPU s | 2×2×2 CPU s | ratio | 1×1×1 wall s | 2×2×2 wall s |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for p in PHASES:
+        lines.append(f"| {p} | {one['cpu'][p]:.4f} | {three['cpu'][p]:.4f} | "
+                     f"{ratio(three['cpu'][p], one['cpu'][p])} | {one['wall'][p]:.4f} | "
+                     f"{three['wall'][p]:.4f} |")  # fmt: skip
+    other = {k: v["step_cpu"] - sum(v["cpu"].values()) for k, v in (("1", one), ("3", three))}
+    lines.append(
+        f"| the rest of the step | {other['1']:.4f} | {other['3']:.4f} | "
+        f"{ratio(other['3'], other['1'])} | | |"
+    )
+    lines.append(f"| **step** | {one['step_cpu']:.4f} | {three['step_cpu']:.4f} | "
+                 f"{ratio(three['step_cpu'], one['step_cpu'])} | {one['step_wall']:.4f} | "
+                 f"{three['step_wall']:.4f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--rank-worker":
+        shape, dims, steps, out = argv[1:]
+        return rank_main(shape, tuple(int(x) for x in dims.split(",")), int(steps), out)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="toy shapes (the test)")
+    add_publish_flag(ap)
+    args = ap.parse_args(argv)
+    head = print_header()
+    shape = "tiny" if args.tiny else "peer"
+    layouts = {}
+    for name in LAYOUTS:
+        t0 = time.time()
+        layouts[name] = run_layout(shape, name)
+        print(f"{name}: {layouts[name]['step_wall']:.3f} s per step (wall), "
+              f"{layouts[name]['step_cpu']:.3f} CPU s summed over ranks ({time.time() - t0:.0f} s)",
+              flush=True)  # fmt: skip
+    result = dict(head, shape=shape, shape_values=SHAPES[SHAPE[shape]], steps=STEPS[shape],
+                  skipped_steps=SKIP, layouts=layouts)  # fmt: skip
+    print(table(result))
+    path = results_dir(args.publish) / f"step_breakdown{'_tiny' if args.tiny else ''}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
