@@ -299,6 +299,6 @@ def test_cli_chat_jsonl_rendered_with_the_chat_template(ckpts, capsys, tmp_path)
                             str(tmp_path / "bad.jsonl"))  # fmt: skip
     assert code == 2 and 'line 1 has neither "messages"' in err and "its keys: text" in err
     (tmp_path / "chat.jsonl").write_text(lines[0] + "\n")
-    code, _, err = run_main(capsys, "--checkpoint", str(ckpts / "ckpts"), "--prompts",
-                            str(tmp_path / "chat.jsonl"))  # no template, no ChatML tokens
+    no_template = ["--checkpoint", str(ckpts / "ckpts"), "--prompts", str(tmp_path / "chat.jsonl")]
+    code, _, err = run_main(capsys, *no_template)  # no template, no ChatML tokens
     assert code == 2 and "no chat template" in err and err.count("\n") == 1
