@@ -20,12 +20,12 @@ the tokenizer's chat template and its generation prompt (`data/chat.py`: the tem
 tokenizer, else ChatML when the tokenizer has its tokens), or `{"prompt": "text"}`. The prompts
 run as one batch, left-padded, each row continued as its prompt alone would be (greedy: token
 for token), each stopping at EOS or `--max-new-tokens`, and each printed on its own: the prompt
-(a chat as rendered) and its continuation. One process runs the single-device model: fp32 on CPU, the checkpoint's dtype on
-CUDA (or as `--device` says), with a KV cache (the prompt once, then one token per forward;
-`--no-cache` runs the whole sequence for every token). Under torchrun (WORLD_SIZE > 1) the
-model runs at `--tp` x `--pp` = the number of processes (dp 1), built and loaded as training
-does (`generation/parallel.py`); a layout that does not fit stops every rank before any
-communication. This module is the command; the library is `mesh3d/generation/`.
+(a chat as rendered) and its continuation. One process runs the single-device model: fp32 on
+CPU, the checkpoint's dtype on CUDA (or as `--device` says), with a KV cache (the prompt once,
+then one token per forward; `--no-cache` runs the whole sequence for every token). Under
+torchrun (WORLD_SIZE > 1) the model runs at `--tp` x `--pp` = the number of processes (dp 1),
+built and loaded as training does (`generation/parallel.py`), with a KV cache on every rank
+too; a layout that does not fit stops every rank before any communication. This module is the command; the library is `mesh3d/generation/`.
 """
 
 from __future__ import annotations
@@ -129,9 +129,10 @@ def _jsonl_prompt(line: str, path: Path, n: int) -> str | list[dict]:
         return check_messages(row["messages"], str(path), n)
     if isinstance(row, dict) and isinstance(row.get("prompt"), str):
         return row["prompt"]
+    keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
     raise UserError(
         f'{path} line {n} has neither "messages" (a chat: a list of {{"role", "content"}}) nor '
-        f'"prompt" (text); its keys: {", ".join(row) if isinstance(row, dict) else type(row).__name__}'
+        f'"prompt" (text); its keys: {keys}'
     )
 
 
