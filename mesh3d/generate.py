@@ -14,13 +14,18 @@ path. Greedy by default (temperature 0: the most likely token, as transformers' 
 tokens when `--top-k` is given, reproducibly for a `--seed`. It stops after `--max-new-tokens`
 or at the model config's `eos_token_id`, and prints the prompt followed by the generated text.
 
-`--prompts FILE` gives one prompt per line (one process): each is continued in turn and printed
-on its own. One process runs the single-device model: fp32 on CPU, the checkpoint's dtype on
-CUDA (or as `--device` says), with a KV cache (the prompt once, then one token per forward;
-`--no-cache` runs the whole sequence for every token). Under torchrun (WORLD_SIZE > 1) the
-model runs at `--tp` x `--pp` = the number of processes (dp 1), built and loaded as training
-does (`generation/parallel.py`); a layout that does not fit stops every rank before any
-communication. This module is the command; the library is `mesh3d/generation/`.
+`--prompts FILE` (or `--prompts-file`) gives one prompt per line; a `.jsonl` file gives one
+JSON object per line, a chat `{"messages": [{"role": ..., "content": ...}, ...]}` rendered with
+the tokenizer's chat template and its generation prompt (`data/chat.py`: the template beside the
+tokenizer, else ChatML when the tokenizer has its tokens), or `{"prompt": "text"}`. The prompts
+run as one batch, left-padded, each row continued as its prompt alone would be (greedy: token
+for token), each stopping at EOS or `--max-new-tokens`, and each printed on its own: the prompt
+(a chat as rendered) and its continuation. One process runs the single-device model: fp32 on
+CPU, the checkpoint's dtype on CUDA (or as `--device` says), with a KV cache (the prompt once,
+then one token per forward; `--no-cache` runs the whole sequence for every token). Under
+torchrun (WORLD_SIZE > 1) the model runs at `--tp` x `--pp` = the number of processes (dp 1),
+built and loaded as training does (`generation/parallel.py`), with a KV cache on every rank
+too; a layout that does not fit stops every rank before any communication. This module is the command; the library is `mesh3d/generation/`.
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", required=True, help="step folder or checkpoints folder")
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--prompt", help="text to continue")
-    which.add_argument("--prompts", help="a text file: one prompt per line (empty lines skipped)")
+    which.add_argument("--prompts", "--prompts-file", dest="prompts",
+                       help="a text file, one prompt per line (empty lines skipped), or a .jsonl "
+                       'file of chats {"messages": [{"role", "content"}...]} or {"prompt": text}')  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=50, help="default 50")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     ap.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
@@ -91,8 +98,9 @@ def _degrees(args, world: int) -> tuple[int, int]:
     return tp, args.pp
 
 
-def _prompts(args, world: int) -> list[str]:
-    """The prompts: `--prompt`, or the non-empty lines of the `--prompts` file."""
+def _prompts(args) -> list[str | list[dict]]:
+    """The prompts: `--prompt`, or the non-empty lines of the `--prompts` file (a chat's
+    messages for a .jsonl line with "messages")."""
     if args.prompt is not None:
         return [args.prompt]
     path = Path(args.prompts)
@@ -100,17 +108,39 @@ def _prompts(args, world: int) -> list[str]:
         raise UserError(
             f"--prompts {args.prompts!r} is not a file; give a text file, one prompt a line"
         )
-    if world > 1:
-        raise UserError("--prompts runs on one process; under torchrun give one --prompt")
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
         raise UserError(f"--prompts {args.prompts!r} has no non-empty line; give one prompt a line")
-    return lines
+    if path.suffix != ".jsonl":
+        return lines
+    return [_jsonl_prompt(line, path, n) for n, line in enumerate(lines, 1)]
 
 
-def _prompt_ids(tokenizer, prompt: str, step: Path, tok_path: str) -> list[int]:
-    """The prompt's token ids, checked against the checkpoint's vocabulary."""
-    prompt_ids = tokenizer.encode(prompt).ids
+def _jsonl_prompt(line: str, path: Path, n: int) -> str | list[dict]:
+    import json
+
+    from mesh3d.data.chat import check_messages
+
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} line {n} is not JSON ({e.msg}); give one object a line") from None
+    if isinstance(row, dict) and "messages" in row:
+        return check_messages(row["messages"], str(path), n)
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+        return row["prompt"]
+    keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
+    raise UserError(
+        f'{path} line {n} has neither "messages" (a chat: a list of {{"role", "content"}}) nor '
+        f'"prompt" (text); its keys: {keys}'
+    )
+
+
+def _prompt_ids(tokenizer, prompt: str, step: Path, tok_path: str,
+                template: bool = False) -> list[int]:  # fmt: skip
+    """The prompt's token ids, checked against the checkpoint's vocabulary (a chat's rendering
+    is tokenized without the tokenizer's own special tokens: the template writes them)."""
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=not template).ids
     vocab = read_model_config_json(step).vocab_size  # checked before the weights are read
     if not prompt_ids:
         raise UserError(f"prompt {prompt!r} gives no tokens; give some text")
@@ -120,6 +150,18 @@ def _prompt_ids(tokenizer, prompt: str, step: Path, tok_path: str) -> list[int]:
             f"{vocab} ids: it is not this checkpoint's tokenizer; pass --tokenizer"
         )
     return prompt_ids
+
+
+def _render(prompts: list, tok_path: str) -> tuple[list[str], list[bool]]:
+    """The prompts as text, chats rendered with the tokenizer's chat template and the
+    generation prompt; and which were chats."""
+    chats = [isinstance(p, list) for p in prompts]
+    if not any(chats):
+        return prompts, chats
+    from mesh3d.data.chat import conversation_renderer
+
+    render = conversation_renderer(tok_path, "--prompts")
+    return [render(p, True) if chat else p for p, chat in zip(prompts, chats)], chats
 
 
 def _continuation(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
@@ -141,8 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     step = weights_dir(args.checkpoint, "--checkpoint")
     tok_path, where = find_tokenizer(step, args.tokenizer)
     tokenizer = load_tokenizer(tok_path)
-    texts = _prompts(args, world)
-    prompts = [_prompt_ids(tokenizer, t, step, tok_path) for t in texts]
+    texts, chats = _render(_prompts(args), tok_path)
+    prompts = [_prompt_ids(tokenizer, t, step, tok_path, c) for t, c in zip(texts, chats)]
     first = int(os.environ.get("RANK", "0")) == 0
     positions = read_model_config_json(step).max_position_embeddings
     if first and max(map(len, prompts)) + args.max_new_tokens > positions:
@@ -157,8 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         from mesh3d.mesh import shutdown_distributed
 
         started = dist.is_initialized()  # a caller's group (tests, a library user) stays up
-        one, how = generate_cli(step, prompts[0], args, tp, pp)
-        new_ids = [one]
+        new_ids, how = generate_cli(step, prompts, args, tp, pp)
         if not started:  # only after success: after an error a peer may be gone, and tearing
             shutdown_distributed()  # down could hang; the exit code says it failed anyway
     if first:

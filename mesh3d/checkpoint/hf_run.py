@@ -85,3 +85,56 @@ def read_hf_for_run(model_dir: Path, mc, padded_vocab: int) -> dict[str, Tensor]
     if getattr(mc, "rope_interleaved", False):
         ours = permute_qk(ours, shape_of(theirs).head_dim, to_interleaved=True)
     return ours
+
+
+def checkpoint_vocab(path: Path) -> tuple[int | None, str]:
+    """(vocabulary size, the file that says it) of `init_method.path`: an HF folder's
+    config.json, a step folder's config.yaml (the unpadded vocabulary) or model_config.json;
+    (None, "") when none says it."""
+    import json
+
+    from mesh3d.checkpoint.tokenizer_files import saved_config
+
+    step = path if (path / "model").is_dir() or is_hf_folder(path) else path.parent
+    if is_hf_folder(step):
+        found = [(step / "config.json", "vocab_size")]
+    else:
+        mc = (saved_config(step).get("model") or {}).get("model_config") or {}
+        if isinstance(mc, dict) and isinstance(mc.get("vocab_size"), int):
+            return mc["vocab_size"], str(step / "config.yaml")
+        found = [(step / "model_config.json", "vocab_size")]
+    for file, key in found:
+        try:
+            value = json.loads(file.read_text(encoding="utf-8")).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int):
+            return value, str(file)
+    return None, ""
+
+
+def check_init_tokenizer(init_path: str, tokenizer_path: str) -> None:
+    """Raise `UserError` when fine-tuning from `init_path` (a mesh3d/Nanotron step folder or
+    an HF folder) with a tokenizer the checkpoint cannot embed: its EOS id, or any of its ids,
+    at or past the checkpoint's vocabulary."""
+    from mesh3d.data.tokenize import EOS_CANDIDATES, find_eos, load_tokenizer
+
+    vocab, file = checkpoint_vocab(Path(init_path))
+    if vocab is None:
+        return
+    tok = load_tokenizer(tokenizer_path)
+    n, eos = tok.get_vocab_size(with_added_tokens=True), find_eos(tok)
+    fix = ("use the tokenizer the checkpoint was trained with (a step folder keeps it in "
+           "tokenizer/) as tokenizer.tokenizer_name_or_path")  # fmt: skip
+    if eos is not None and eos >= vocab:
+        name = next(t for t in EOS_CANDIDATES if tok.token_to_id(t) == eos)
+        raise UserError(
+            f"tokenizer {tokenizer_path!r}: its EOS token {name!r} is id {eos}, outside the "
+            f"{vocab} ids of model.init_method.path {init_path} ({file}), so SFT would train "
+            f"an id the checkpoint has no embedding for; {fix}"
+        )
+    if n > vocab:
+        raise UserError(
+            f"tokenizer {tokenizer_path!r} has {n} ids (with added tokens) but model."
+            f"init_method.path {init_path} has a vocabulary of {vocab} ids ({file}); {fix}"
+        )

@@ -126,13 +126,3 @@ def unsupported_data(stage, tokens) -> Iterator[str]:
 def has_sft(cfg: Config) -> bool:
     """Whether a data stage of `cfg` is SFT data (`SFTDatasetsArgs`)."""
     return any(isinstance(s.data.dataset, SFTDatasetsArgs) for s in cfg.data_stages or [])
-
-
-def sft_errors(cfg: Config) -> Iterator[str]:
-    """What SFT data does not combine with yet: a validation pass."""
-    t = cfg.tokens
-    if has_sft(cfg) and t.val_check_interval > 0 and t.limit_val_batches > 0:
-        yield (
-            "validation (`tokens.val_check_interval` > 0) on SFT data is not supported by mesh3d "
-            "yet; set tokens.val_check_interval to -1"
-        )

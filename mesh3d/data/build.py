@@ -84,9 +84,11 @@ def build_dataset(cfg, index: int):
         from mesh3d.data.nanoset import check_enough
         from mesh3d.data.sft import load_sft_dataset
 
+        validating = index == 0 and tok.val_check_interval > 0 and tok.limit_val_batches > 0
         ds = load_sft_dataset(data.dataset, tokenizer, tok.sequence_length, seed, num_samples,
                               mc.vocab_size, packing=cfg.mesh3d.sft_packing, where=where,
-                              turns=cfg.mesh3d.sft_assistant_turns)  # fmt: skip
+                              turns=cfg.mesh3d.sft_assistant_turns, global_batch=gbs,
+                              held=tok.limit_val_batches * gbs if validating else 0)  # fmt: skip
         check_enough(ds.epoch_len, gbs, f"{where} hf_dataset_or_datasets")
         return ds
     raise UserError(

@@ -36,6 +36,13 @@ conversation with the tokenizer's chat template and trains the assistant turns
 Samples: `ds[i]` -> (input_ids [S], label_ids [S], positions [S]) int64; sequence order is a
 permutation per epoch from (seed, epoch), repeated when the run needs more sequences.
 
+Validation (`tokens.val_check_interval`, `tokens.limit_val_batches` = L, on the first data
+stage): the last L * GBS sequences of the packed set are held out (`held_sample(i)`) and never
+trained on. The examples were shuffled (seed) before packing and an example lies in one sequence
+only, so the held-out examples are a seeded random subset that training never sees; the
+validation loss is the completion-only loss over them (`train/evaluate.py`: the sum of their
+trained tokens' cross-entropies / their count). Too few sequences for both is a `UserError`.
+
 The loss is normalized by the completion tokens of the whole global batch (all microbatches, all
 dp ranks; `train/step.py::prepare_batches`), so every layout trains the same model. This weighs
 every completion token equally: a long completion counts more than a short one, unlike averaging
@@ -111,9 +118,13 @@ def pack(examples: list[tuple], seq_len: int, pad: int, packing: bool) -> np.nda
 class SFTSequences:
     """Map-style: `ds[i]` -> (inputs [S], labels [S], positions [S]) for global sample i."""
 
-    def __init__(self, sequences: np.ndarray, num_samples: int, seed: int, real_tokens: int):
-        self.sequences, self.num_samples, self.seed = sequences, num_samples, seed
-        self.epoch_len = len(sequences)
+    def __init__(self, sequences: np.ndarray, num_samples: int, seed: int, real_tokens: int,
+                 held: int = 0):  # fmt: skip
+        self.all_sequences = len(sequences)
+        self.sequences = sequences[: len(sequences) - held]  # trained on
+        self.held = sequences[len(sequences) - held :]  # validation only
+        self.num_samples, self.seed = num_samples, seed
+        self.epoch_len = len(self.sequences)
         self.real_tokens = real_tokens
         self._orders: dict[int, np.ndarray] = {}
 
@@ -123,7 +134,7 @@ class SFTSequences:
     @property
     def token_efficiency(self) -> float:
         """Real (non-padding) input tokens / sequence tokens."""
-        return self.real_tokens / self.sequences[:, 0].size
+        return self.real_tokens / (self.all_sequences * self.sequences.shape[-1])
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
@@ -135,6 +146,11 @@ class SFTSequences:
     def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         epoch, k = divmod(index, self.epoch_len)
         seq = torch.from_numpy(self.sequences[self._order(epoch)[k]])
+        return seq[0], seq[1], seq[2]
+
+    def held_sample(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Held-out sequence i: (inputs [S], labels [S], positions [S])."""
+        seq = torch.from_numpy(self.held[i])
         return seq[0], seq[1], seq[2]
 
 
@@ -197,8 +213,10 @@ def build_sequences(rows, tokenizer_path: str, seq_len: int, seed: int, packing:
 def load_sft_dataset(args, tokenizer_path: str | None, seq_len: int, seed: int,
                      num_samples: int, vocab_size: int, *, packing: bool = True,
                      where: str = "hf_dataset_or_datasets", turns: str = "all",
-                     cache_dir: str | None = None) -> SFTSequences:  # fmt: skip
-    """The SFT samples of `args` (an `SFTDatasetsArgs`), see the module docstring."""
+                     cache_dir: str | None = None, held: int = 0,
+                     global_batch: int = 1) -> SFTSequences:  # fmt: skip
+    """The SFT samples of `args` (an `SFTDatasetsArgs`), the last `held` sequences held out for
+    validation; see the module docstring."""
     from mesh3d.data.hf import check_tokenizer_vocab, load_rows
 
     if not tokenizer_path:
@@ -211,10 +229,20 @@ def load_sft_dataset(args, tokenizer_path: str | None, seq_len: int, seed: int,
     sequences, real, kept, _ = build_sequences(
         rows, tokenizer_path, seq_len, seed, packing, args.debug_max_samples, where, turns
     )
-    ds = SFTSequences(sequences, num_samples, seed, real)
+    left = max(len(sequences) - held, 0)
+    if held and left < global_batch:
+        raise UserError(
+            f"{where}: validation (tokens.limit_val_batches) holds out {held} of the "
+            f"{len(sequences)} SFT sequences ({kept} examples, "
+            f"{'packed' if packing else 'one per sequence'}), leaving {left} to train on, fewer "
+            f"than one global batch of {global_batch}; lower tokens.limit_val_batches or add "
+            "examples"
+        )
+    ds = SFTSequences(sequences, num_samples, seed, real, held)
     logger.info(
         f"{where}: {kept} SFT examples in {len(sequences)} sequences of {seq_len} tokens "
         f"({'packed' if packing else 'one per sequence'}); token efficiency "
         f"{ds.token_efficiency:.1%} (real tokens / sequence tokens)"
+        + (f"; the last {held} sequences held out for validation" if held else "")
     )
     return ds

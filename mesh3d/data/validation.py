@@ -20,6 +20,10 @@ dataset (the dummy data when there are no stages) and fixed by the config and th
   reads the same folders in another order or blend is excluded too. Too few unread windows (a run
   of an epoch or more) is a `UserError` before training starts.
 
+- SFT data (`SFTSequences`, `data/sft.py`): the last L * GBS packed sequences, which the
+  dataset holds out of training when it is built; each is (inputs, labels, positions) and only
+  completion (assistant) tokens have labels, so the loss is completion-only.
+
 Validation batch b (0-based) is `microbatches(held, b + 1, GBS, dp_rank, dp, mbs)`: dp rank r
 takes its contiguous slice of the batch, as in training. The set is the same at every layout
 with the same GBS and at every evaluation, so validation curves are comparable.
@@ -37,6 +41,7 @@ import torch
 from mesh3d.config import global_batch_size
 from mesh3d.data.dummy import DummyTokens, microbatches
 from mesh3d.data.nanoset import BlendedSamples
+from mesh3d.data.sft import SFTSequences
 from mesh3d.errors import UserError
 
 DUMMY_OFFSET = 2**31  # first dummy index of the validation set: half the key space away
@@ -45,7 +50,8 @@ _CHUNK = 1 << 16  # epoch positions examined at a time when walking back from th
 
 
 class HeldOut:
-    """Map-style validation set: `held[i]` -> (input_ids [S], label_ids [S]) of sample i.
+    """Map-style validation set: `held[i]` -> (input_ids [S], label_ids [S][, positions [S]])
+    of sample i (positions for SFT data).
 
     `ids` name the samples in the first stage's dataset: dummy indices, or (source, window)
     pairs of a `BlendedSamples`. `batches(b, ...)` gives a dp rank's microbatches of
@@ -59,7 +65,7 @@ class HeldOut:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         key = self.ids[i]
         return self._fetch(*key) if isinstance(key, tuple) else self._fetch(key)
 
@@ -82,6 +88,10 @@ def held_out(cfg, datasets: list, reads: list[int]) -> HeldOut | None:
         _check_dummy_keys(first, count, datasets, reads, names)
         ids = list(range(DUMMY_OFFSET, DUMMY_OFFSET + count))
         return HeldOut(ids, first.__getitem__, gbs, tok.limit_val_batches)
+    if isinstance(first, SFTSequences):  # held out of training when it was built
+        if len(first.held) != count:
+            raise TypeError(f"the SFT dataset holds out {len(first.held)} sequences, not {count}")
+        return HeldOut(list(range(count)), first.held_sample, gbs, tok.limit_val_batches)
     if not isinstance(first, BlendedSamples):  # build_dataset makes no other kind
         raise TypeError(f"no held-out data for a {type(first).__name__}")
     ids = _unread_windows(datasets, reads, count)

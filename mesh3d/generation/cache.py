@@ -9,6 +9,13 @@ the keys at positions <= p, and with a sliding window `window` only those > p - 
 models' training mask, `models/llama.py::attention_mask`). RoPE needs each token's absolute
 position: `generate` hands the model `positions` (prompt: 0..S-1, then S, S+1, ...); NoPE layers
 have no rotary and ignore them.
+
+A batch of prompts of different lengths is left-padded (`left_pad`): row b starts with
+`pads[b]` padding tokens, which no real query sees (a padding query sees itself only, so that
+nothing is NaN), and its real tokens have positions 0, 1, ... from its first real one. Causality
+and the window are the same in cache indices as in positions, since a row's shift is constant.
+Under tensor parallelism each rank's cache holds its own heads; under pipeline parallelism each
+rank's holds its own stages' layers (`generation/parallel.py`).
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ from torch import Tensor, nn
 class LayerCache:
     """One attention layer's keys and values, [B, capacity, nkv, dh], filled up to `length`."""
 
-    def __init__(self, capacity: int):
-        self.capacity, self.length = capacity, 0
+    def __init__(self, capacity: int, pads: Tensor | None = None):
+        self.capacity, self.length, self.pads = capacity, 0, pads
         self.k: Tensor | None = None
         self.v: Tensor | None = None
 
@@ -45,9 +52,13 @@ class LayerCache:
         allowed = kpos <= qpos
         if window is not None:
             allowed &= kpos > qpos - window
+        if self.pads is not None:  # (B, 1, S, end): a row's padding keys hidden, but from itself
+            real = kpos[None] >= self.pads.to(q.device)[:, None, None]  # (B, 1, end)
+            allowed = (allowed[None] & real) | (kpos == qpos)[None]
+            allowed = allowed[:, None]
         q, keys, values = (t.transpose(1, 2) for t in (q, keys, values))  # (B, H, S, dh)
         gqa = q.shape[1] != keys.shape[1]
-        if s == 1 and window is None:  # one new token sees everything: no mask
+        if s == 1 and window is None and self.pads is None:  # one token sees all: no mask
             out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
@@ -55,18 +66,37 @@ class LayerCache:
         return out.transpose(1, 2)
 
 
-class KVCache:
-    """Context manager: a `LayerCache` on every attention module of `model` while inside."""
+def left_pad(prompts: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    """(ids [B, L], pads [B]): the prompts left-padded with `pad` to the longest, L tokens, and
+    how many padding tokens each row starts with."""
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (longest - len(p)) + list(p) for p in prompts])
+    return ids, torch.tensor([longest - len(p) for p in prompts])
 
-    def __init__(self, model: nn.Module, capacity: int):
-        self.layers = [m for m in model.modules() if hasattr(m, "kv") and hasattr(m, "attend")]
-        if not self.layers:
+
+def pad_positions(pads: Tensor, start: int, end: int) -> Tensor:
+    """[B, end - start] positions of cache indices start..end-1 of left-padded rows: each row's
+    real tokens count from 0, its padding is at 0."""
+    at = torch.arange(start, end, device=pads.device)[None] - pads[:, None]
+    return at.clamp(min=0)
+
+
+class KVCache:
+    """Context manager: a `LayerCache` on every attention module of `model` (a module or a
+    list of them, e.g. a rank's pipeline stages) while inside; `pads` [B]: left padding."""
+
+    def __init__(self, model: nn.Module | list[nn.Module], capacity: int,
+                 pads: Tensor | None = None):  # fmt: skip
+        models = model if isinstance(model, list | tuple) else [model]
+        self.layers = [m for part in models for m in part.modules()
+                       if hasattr(m, "kv") and hasattr(m, "attend")]  # fmt: skip
+        if not self.layers and not isinstance(model, list | tuple):
             raise TypeError(f"{type(model).__name__} has no attention module with a `kv` slot")
-        self.capacity = capacity
+        self.capacity, self.pads = capacity, pads
 
     def __enter__(self) -> KVCache:
         for m in self.layers:
-            m.kv = LayerCache(self.capacity)
+            m.kv = LayerCache(self.capacity, self.pads)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -61,7 +61,7 @@ def extend(ids: Tensor, max_new_tokens: int, pick: Callable[[Tensor], Tensor],
 def generate(model: nn.Module, ids: Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, eos: int | None = None,
              generator: torch.Generator | None = None, *, vocab_size: int | None = None,
-             cache: bool = True) -> Tensor:  # fmt: skip
+             cache: bool = True, pads: Tensor | None = None) -> Tensor:  # fmt: skip
     """`ids` [S] or [B, S] (on the model's device) followed by up to `max_new_tokens` tokens.
 
     `model(ids)` gives logits [B, S, V] (mesh3d's models; an object with `.logits`, as
@@ -70,7 +70,9 @@ def generate(model: nn.Module, ids: Tensor, max_new_tokens: int, temperature: fl
     ids at or above it (vocabulary padding). With `cache` (mesh3d's models) the prompt runs once
     and each new token is a forward of that token alone against the keys and values kept so far
     (`generation/cache.py`); without, each step runs the model over the whole sequence. Both
-    pick the same tokens. Under `torch.no_grad`.
+    pick the same tokens. `pads` [B] (mesh3d's models): row b of `ids` starts with `pads[b]`
+    padding tokens (`cache.left_pad`), which it never attends to, its real tokens at positions
+    0, 1, ..., so each row continues as its prompt alone would. Under `torch.no_grad`.
 
     Example:
 
@@ -79,19 +81,25 @@ def generate(model: nn.Module, ids: Tensor, max_new_tokens: int, temperature: fl
     check_sampling(max_new_tokens, temperature, top_k)
     if cache and max_new_tokens > 0 and any(hasattr(m, "kv") for m in model.modules()):
         return _generate_cached(model, ids, max_new_tokens, temperature, top_k, eos, generator,
-                                vocab_size)  # fmt: skip
+                                vocab_size, pads)  # fmt: skip
 
     def pick(out: Tensor) -> Tensor:
-        logits = model(out)
+        if pads is None:
+            logits = model(out)
+        else:  # padding at position 0: each padding token its own document, then the prompt
+            from mesh3d.generation.cache import pad_positions
+
+            logits = model(out, positions=pad_positions(pads.to(out.device), 0, out.shape[1]))
         logits = getattr(logits, "logits", logits)[:, -1, :vocab_size]  # (B, V)
         return next_token(logits, temperature, top_k, generator)
 
     return extend(ids, max_new_tokens, pick, eos)
 
 
-def _generate_cached(model, ids, max_new_tokens, temperature, top_k, eos, generator, vocab_size):
+def _generate_cached(model, ids, max_new_tokens, temperature, top_k, eos, generator, vocab_size,
+                     pads=None):  # fmt: skip
     """`generate` with a KV cache: the prompt once, then one token per forward."""
-    from mesh3d.generation.cache import KVCache
+    from mesh3d.generation.cache import KVCache, pad_positions
 
     rows = ids[None] if ids.dim() == 1 else ids  # (B, S)
     b, s = rows.shape
@@ -99,11 +107,16 @@ def _generate_cached(model, ids, max_new_tokens, temperature, top_k, eos, genera
 
     def pick(out: Tensor) -> Tensor:
         new = out[:, state["fed"] :]  # what the cache has not seen: the prompt, then 1 token
-        at = torch.arange(state["fed"], out.shape[1], device=out.device).expand(b, -1)
+        if pads is None:
+            at = torch.arange(state["fed"], out.shape[1], device=out.device).expand(b, -1)
+        else:
+            at = pad_positions(pads.to(out.device), state["fed"], out.shape[1])
         logits = model(new, positions=at)[:, -1, :vocab_size]  # (B, V)
         state["fed"] = out.shape[1]
         return next_token(logits, temperature, top_k, generator)
 
-    with KVCache(model, s + max_new_tokens):
+    if pads is not None:
+        pads = pads.to(rows.device)
+    with KVCache(model, s + max_new_tokens, pads):
         out = extend(rows, max_new_tokens, pick, eos)
     return out[0] if ids.dim() == 1 else out

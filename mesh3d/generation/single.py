@@ -63,21 +63,38 @@ def unpadded_vocab(step: Path, padded: int) -> int:
     return vocab if isinstance(vocab, int) and 0 < vocab <= padded else padded
 
 
+def new_tokens(out: list[list[int]], start: int, eos: int | None) -> list[list[int]]:
+    """Each row's tokens after its first `start` ones, up to and including its first `eos`
+    (a finished row of a batch is filled with eos while the others go on)."""
+    rows = []
+    for row in out:
+        new = row[start:]
+        if eos is not None and eos in new:
+            new = new[: new.index(eos) + 1]
+        rows.append(new)
+    return rows
+
+
 def generate_here(step: Path, prompts: list[list[int]], args) -> tuple[list[list[int]], str]:
-    """The new token ids of each prompt on this one process (one model, the prompts in turn),
-    and how they were made."""
+    """The new token ids of each prompt on this one process (one model, the prompts as one
+    left-padded batch: each row continues as its prompt alone would), and how they were made."""
+    from mesh3d.generation.cache import left_pad
+
     device = resolve_device(args.device)
     model, mc = load_model(step, device)
     vocab = unpadded_vocab(step, mc.vocab_size)
     cache = not getattr(args, "no_cache", False)
-    start, out, new = time.perf_counter(), [], 0
-    for prompt_ids in prompts:
-        generator = torch.Generator(device).manual_seed(args.seed)
-        ids = generate(model, torch.tensor(prompt_ids, device=device), args.max_new_tokens,
-                       args.temperature, args.top_k, mc.eos_token_id, generator,
-                       vocab_size=vocab, cache=cache)  # fmt: skip
-        out.append(ids[len(prompt_ids) :].tolist())
-        new += len(out[-1])
+    eos = mc.eos_token_id
+    start = time.perf_counter()
+    generator = torch.Generator(device).manual_seed(args.seed)
+    ids, pads = left_pad(prompts, eos if eos is not None else 0)
+    pads = pads if pads.any() else None
+    got = generate(model, ids.to(device), args.max_new_tokens, args.temperature, args.top_k,
+                   eos, generator, vocab_size=vocab, cache=cache, pads=pads)  # fmt: skip
+    out = new_tokens(got.tolist(), ids.shape[1], eos)
     took = time.perf_counter() - start
     how = "KV cache" if cache else "no cache"
-    return out, f"in {took:.1f} s on {device.type} ({how}, {new / max(took, 1e-9):.1f} tokens/s)"
+    new = sum(map(len, out))
+    batch = f"{len(prompts)} prompts in one batch, " if len(prompts) > 1 else ""
+    return out, (f"in {took:.1f} s on {device.type} ({batch}{how}, "
+                 f"{new / max(took, 1e-9):.1f} tokens/s)")  # fmt: skip

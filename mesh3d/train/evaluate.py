@@ -10,9 +10,11 @@ optimizer update, the run evaluates the `tokens.limit_val_batches` held-out glob
 
 Token counting is training's (`train/loss.py`): every label of a dense sample counts; under
 document masking the target after each EOS is masked and positions restart per document
-(`with_documents`). The loss is the cross-entropy alone — a z-loss term is not added — so
-`val_ppl` is a perplexity. The parts run in eval mode under `torch.no_grad()`, in the run's
-autocast, with the cross-entropy on vocab-sharded logits under `loss_parallel()` with tp.
+(`with_documents`); on SFT data only the completion (assistant) tokens have labels and count
+(`with_sft`), so `val_loss` is the completion-only loss of the held-out examples. The loss is
+the cross-entropy alone — a z-loss term is not added — so `val_ppl` is a perplexity. The parts
+run in eval mode under `torch.no_grad()`, in the run's autocast, with the cross-entropy on
+vocab-sharded logits under `loss_parallel()` with tp.
 
 Layouts: each dp rank evaluates its slice of every validation batch (a validation batch has
 the training batch's microbatch count and size); the sums are added over dp (and over pp, where
@@ -46,7 +48,7 @@ from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
 from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts
 from mesh3d.train.loss import StepLoss, token_loss_sum
-from mesh3d.train.step import _autocast, _loss_ctx, _scalar, with_documents
+from mesh3d.train.step import _autocast, _loss_ctx, _scalar, with_documents, with_sft
 
 
 def is_evaluation_step(tokens, step: int) -> bool:
@@ -74,8 +76,9 @@ def evaluate(
     reads = parts.has_first or parts.has_last or layout.positions_everywhere
     mbs, dp_rank = layout.microbatch_size, layout.coords["dp"]
     batches = [held.batches(b, dp_rank, dp, mbs) if reads else [] for b in range(held.num_batches)]
-    if layout.doc_masking:  # labels masked after each EOS; the count summed over dp
-        flat, tokens = with_documents([mb for b in batches for mb in b], layout, dp_group, device)
+    if layout.sft or layout.doc_masking:  # the tokens that have labels, summed over dp
+        documents = with_sft if layout.sft else with_documents
+        flat, tokens = documents([mb for b in batches for mb in b], layout, dp_group, device)
         n = len(batches[0])
         batches = [flat[i * n : (i + 1) * n] for i in range(held.num_batches)]
     else:

@@ -91,6 +91,7 @@ class Run:
         world = dist.get_world_size() if dist.is_initialized() else env_world
         try:
             validate(cfg, world_size=world)  # before any process-group work: never a hang
+            _check_sft_tokenizer(cfg)
             data = StagedData(cfg)  # every stage's dataset checked before the first collective
             device = resolve_device(cfg.mesh3d.device)
         except UserError as e:
@@ -242,3 +243,17 @@ class Run:
 def _exports(setting: bool | int, step: int) -> bool:
     """Whether `mesh3d.hf_export` exports the checkpoint of `step`."""
     return setting if isinstance(setting, bool) else step % setting == 0
+
+
+def _check_sft_tokenizer(cfg) -> None:
+    """SFT from `init_method.path`: the tokenizer's ids and EOS within the checkpoint's
+    vocabulary (`checkpoint/hf_run.py::check_init_tokenizer`)."""
+    from mesh3d.config import ExistingCheckpointInit, SFTDatasetsArgs
+
+    init = cfg.model.init_method
+    tok = cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None
+    sft = any(isinstance(s.data.dataset, SFTDatasetsArgs) for s in cfg.data_stages or [])
+    if sft and isinstance(init, ExistingCheckpointInit) and tok and Path(tok).exists():
+        from mesh3d.checkpoint.hf_run import check_init_tokenizer
+
+        check_init_tokenizer(init.path, tok)

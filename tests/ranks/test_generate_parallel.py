@@ -1,5 +1,7 @@
 """`mesh3d generate` at tp/pp: greedy tokens at tp 2, pp 2 and tp 2 x pp 2 are the one-process
-`generate`'s on the same checkpoint, and the torchrun command line prints the one-process text.
+`generate`'s on the same checkpoint, with the KV cache (each rank's layers and heads) and without,
+and for a left-padded batch of prompts of different lengths each row is its prompt's alone; the
+torchrun command line prints the one-process text (one prompt, and a file of prompts).
 
 Two launches. 2 ranks: train one step of a tiny Llama at tp 2 (odd vocabulary: padded at tp 2),
 of a tiny Qwen2 (biases, tied embeddings, a NoPE layer, a sliding window, REDUCE_SCATTER) at
@@ -23,13 +25,15 @@ from parity import TINY
 from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.data.synthetic import make_tokenizer
 from mesh3d.generate import main
+from mesh3d.generation.cache import left_pad
 from mesh3d.generation.parallel import generate_parallel, load_parallel_model
 from mesh3d.generation.sampling import generate
-from mesh3d.generation.single import load_model
+from mesh3d.generation.single import load_model, new_tokens
 from mesh3d.train.loop import train
 
 VOCAB = 301  # the tokenizer's 300 ids fit; odd, so tp 2 pads it
 PROMPTS = torch.tensor([[5, 7, 9, 11, 13], [1, 100, 3, 4, 50]])
+RAGGED = [[5, 7, 9], [1, 100, 3, 4, 50]]  # left-padded to 5: pads [2, 0]
 NEW = 10  # 5 + 10 tokens fit TINY's 16 positions
 EOS = 2
 SEED = 1
@@ -105,6 +109,12 @@ def _greedy(root, layouts, sample: bool = False) -> dict:
         for tp, pp in layouts:
             model = load_parallel_model(root / name / "1", tp, pp, batch=2, length=15)
             out[name, tp, pp] = generate_parallel(model, PROMPTS, NEW, eos=EOS).tolist()
+            plain = generate_parallel(model, PROMPTS, NEW, eos=EOS, cache=False)
+            out[name, tp, pp, "no cache"] = plain.tolist()
+            ids, pads = left_pad(RAGGED, 0)
+            for cache in (True, False):
+                got = generate_parallel(model, ids, NEW, eos=EOS, cache=cache, pads=pads)
+                out[name, tp, pp, "ragged", cache] = new_tokens(got.tolist(), 5, EOS)
             if sample:
                 gen = torch.Generator().manual_seed(SEED)
                 got = generate_parallel(model, PROMPTS, NEW, 2.0, 50, EOS, gen)
@@ -130,6 +140,9 @@ def _two_ranks(rank: int, world: int, root) -> dict:
     results = _greedy(root, [(2, 1), (1, 2)])
     args = ["--checkpoint", str(root / "llama"), "--prompt", "The cat was", "--max-new-tokens", "8"]
     results["command"] = _command(*args, "--pp", "2")
+    many = ["--checkpoint", str(root / "llama"), "--prompts", str(root / "prompts.txt"),
+            "--max-new-tokens", "8"]  # fmt: skip
+    results["batch"] = _command(*many, "--tp", "2")
     results["refused"] = _command(*args, "--tp", "1")
     return results
 
@@ -138,8 +151,9 @@ def _two_ranks(rank: int, world: int, root) -> dict:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen-parallel")
     make_tokenizer(root / "tok", vocab_size=300)
-    two = run_ranks(2, _two_ranks, root, timeout=240)
-    four = run_ranks(4, lambda rank, world: _greedy(root, [(2, 2)], sample=True), timeout=120)
+    (root / "prompts.txt").write_text("The cat was\nA dog\nIt is the end of\n")
+    two = run_ranks(2, _two_ranks, root, timeout=300)
+    four = run_ranks(4, lambda rank, world: _greedy(root, [(2, 2)], sample=True), timeout=180)
     return root, two, four
 
 
@@ -149,10 +163,15 @@ def test_greedy_tokens_at_tp_and_pp_are_one_process(runs, name):
     model, mc = load_model(root / name / "1", torch.device("cpu"))
     expected = generate(model, PROMPTS, NEW, eos=EOS, vocab_size=VOCAB).tolist()
     assert len(expected[0]) > 5 + 2  # not stopped at once by eos
+    alone = [generate(model, torch.tensor(p), NEW, eos=EOS, vocab_size=VOCAB) for p in RAGGED]
+    ragged = [new_tokens([a.tolist()], len(p), EOS)[0] for a, p in zip(alone, RAGGED)]
     for results, layouts in ((two, [(2, 1), (1, 2)]), (four, [(2, 2)])):
         for rank, got in enumerate(results):
             for tp, pp in layouts:
-                assert got[name, tp, pp] == expected, (name, tp, pp, rank)
+                assert got[name, tp, pp] == expected, (name, tp, pp, rank)  # KV cache
+                assert got[name, tp, pp, "no cache"] == expected, (name, tp, pp, rank)
+                for cache in (True, False):
+                    assert got[name, tp, pp, "ragged", cache] == ragged, (name, tp, pp, cache)
 
     # sampling: the last stage's tp rank 0 draws with the seeded generator, every rank gets it
     gen = torch.Generator().manual_seed(SEED)
@@ -184,6 +203,15 @@ def test_command_prints_the_one_process_text_on_rank_0(runs, monkeypatch):
     (code0, out0, err0), (code1, out1, err1) = (r["command"] for r in two)
     assert (code0, out0, code1, out1, err1) == (0, expected, 0, "", ""), (err0, err1)
     assert "(saved with the checkpoint)" in err0 and "at tp 1 x pp 2" in err0
+
+    # a file of prompts at tp 2: one left-padded batch, the one-process text
+    many = ["--checkpoint", str(root / "llama"), "--prompts", str(root / "prompts.txt"),
+            "--max-new-tokens", "8"]  # fmt: skip
+    code, expected, err = _command(*many)
+    assert code == 0 and expected.count("\n") == 3, err
+    (code0, out0, err0), (code1, out1, _) = (r["batch"] for r in two)
+    assert (code0, out0, code1, out1) == (0, expected, 0, ""), err0
+    assert "at tp 2 x pp 1" in err0 and "(KV cache)" in err0
 
     # a layout other than the world size: exit 2 on every rank, before any collective
     for rank, result in enumerate(two):

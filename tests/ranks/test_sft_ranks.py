@@ -7,6 +7,12 @@ divided by their count. A run whose one global batch holds every example (learni
 far below a weight's fp32 rounding step, so the weights it returns are the initial ones) must report that loss at step 1, packed and not.
 Then a dp2 x tp2 x pp2 run (8 forked ranks) trains packed SFT data like one process (fp32,
 relative difference <= 1e-5 over losses, grad norms and weights).
+
+Validation and resume (one 1-rank and one 2-rank launch): the held-out SFT sequences' val_loss
+equals the transformers completion-only loss of the held-out examples (found by their tokens in
+the data file, none of them in a training sequence) under the run's final weights; the same
+val_loss at dp 2. An SFT run stopped at step 3 and resumed equals the straight run step for
+step (losses, grad norms, val_loss bitwise); resumed at dp 2 within 1e-6.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ def _overrides(d, packing: bool, *more: str, file: str = "sft.jsonl") -> list[st
             f"mesh3d.sft_packing={str(packing).lower()}", *more]  # fmt: skip
 
 
-def _hf_reference(weights: dict, tok_dir) -> float:
+def _hf_reference(weights: dict, tok_dir, examples: list[dict] | None = None) -> float:
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer
 
@@ -79,7 +85,7 @@ def _hf_reference(weights: dict, tok_dir) -> float:
     eos = tok.token_to_id("</s>")
     total, count = 0.0, 0
     with torch.no_grad():
-        for ex in _examples():
+        for ex in examples if examples is not None else _examples():
             ids = tok.encode(ex["prompt"] + ex["completion"]).ids + [eos]
             prompt = len(tok.encode(ex["prompt"]).ids)
             assert len(ids) <= SEQ + 1
@@ -131,3 +137,119 @@ def test_dp2_tp2_pp2_sft_matches_one_process(data):
     diff = max_rel_diff(run, ref, vocab=VOCAB)
     print(f"\ndp2 x tp2 x pp2 SFT vs one process: max relative difference {diff:.2e}")
     assert diff <= 1e-5
+
+
+# --- validation on SFT data, exact resume ------------------------------------------------
+
+VAL = ["tokens.micro_batch_size=1", "tokens.val_check_interval=2", "tokens.limit_val_batches=1"]
+
+
+def _ckpt(path, steps: int, interval: int = 100, resume=None) -> list[str]:
+    out = [f"checkpoints.checkpoints_path={path}", f"checkpoints.checkpoint_interval={interval}",
+           f"tokens.train_steps={steps}"]  # fmt: skip
+    return out + ([f"checkpoints.resume_checkpoint_path={resume}"] if resume else [])
+
+
+def _val_runs(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
+    """Inside a rank: train each override list of BASE; losses, grad norms, val losses by
+    step, rank-0 weights."""
+    from parity import full_weights
+
+    from mesh3d.config import apply_overrides, config_from_dict
+    from mesh3d.train.hooks import KeepModel
+    from mesh3d.train.loop import train
+
+    out = []
+    for overrides in runs:
+        res = train(apply_overrides(config_from_dict(copy.deepcopy(BASE)), overrides),
+                    hooks=[KeepModel()])  # fmt: skip
+        weights = full_weights(res.model, res.mesh)
+        out.append(dict(
+            loss=[m["lm_loss"] for m in res.metrics],
+            grad_norm=[m["grad_norm"] for m in res.metrics],
+            val={m["iteration"]: m["val_loss"] for m in res.metrics if "val_loss" in m},
+            weights=weights if rank == 0 else None,
+        ))  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def val_runs(data):
+    d = data / "val"
+    one = [
+        _overrides(data, True, *VAL, "tokens.batch_accumulation_per_replica=4",
+                   *_ckpt(d / "straight", 6), file="many.jsonl"),
+        _overrides(data, True, *VAL, "tokens.batch_accumulation_per_replica=4",
+                   *_ckpt(d / "first", 3, interval=3), file="many.jsonl"),
+        _overrides(data, True, *VAL, "tokens.batch_accumulation_per_replica=4",
+                   *_ckpt(d / "resumed", 6, resume=d / "first"), file="many.jsonl"),
+    ]  # fmt: skip
+    dp2 = ["parallelism.dp=2", "tokens.batch_accumulation_per_replica=2"]
+    two = [
+        _overrides(data, True, *VAL, *dp2, *_ckpt(d / "dp2", 6), file="many.jsonl"),
+        _overrides(data, True, *VAL, *dp2, *_ckpt(d / "dp2_resumed", 6, resume=d / "first" / "3"),
+                   file="many.jsonl"),
+    ]  # fmt: skip
+    ones = run_ranks(1, _val_runs, one, timeout=300)[0]
+    twos = run_ranks(2, _val_runs, two, timeout=300)
+    assert twos[0][0]["val"] == twos[1][0]["val"]  # every rank reports the same
+    return dict(zip(["straight", "first", "resumed"], ones)) | dict(
+        zip(["dp2", "dp2_resumed"], twos[0])
+    )
+
+
+def _held_out_rows(data) -> tuple[list[dict], set[tuple]]:
+    """The data file's rows whose tokens are in the held-out sequences, and the token tuples of
+    the examples in the training sequences."""
+    from tokenizers import Tokenizer
+
+    from mesh3d.config import apply_overrides, config_from_dict
+    from mesh3d.data.build import build_dataset
+    from mesh3d.data.documents import IGNORE
+
+    cfg = apply_overrides(config_from_dict(copy.deepcopy(BASE)), _overrides(
+        data, True, *VAL, "tokens.batch_accumulation_per_replica=4", "tokens.train_steps=6",
+        file="many.jsonl"))  # fmt: skip
+    ds = build_dataset(cfg, 0)
+
+    def examples(sequences) -> set[tuple]:
+        out = set()
+        for inputs, labels, positions in sequences:
+            starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+            for a, b in zip(starts, starts[1:]):
+                if (labels[a:b] != IGNORE).any():  # not padding: a whole example
+                    last = [t for t in labels[a:b] if t != IGNORE][-1]
+                    out.add((*inputs[a:b].tolist(), int(last)))
+        return out
+
+    held, trained = examples(ds.held), examples(ds.sequences)
+    assert len(ds.held) == 4 and held and not held & trained
+    tok = Tokenizer.from_file(str(data / "tok" / "tokenizer.json"))
+    eos = tok.token_to_id("</s>")
+    rows = [json.loads(line) for line in (data / "many.jsonl").read_text().splitlines()]
+    by_ids = {(*tok.encode(r["prompt"] + r["completion"]).ids, eos): r for r in rows}
+    assert held <= by_ids.keys()
+    return [by_ids[ids] for ids in held], trained
+
+
+def test_sft_validation_loss_is_the_completion_loss_of_the_held_out_examples(val_runs, data):
+    run = val_runs["straight"]
+    assert sorted(run["val"]) == [2, 4, 6]
+    rows, _ = _held_out_rows(data)
+    ref = _hf_reference(run["weights"], data, rows)  # weights after step 6: its val pass's
+    print(f"\nSFT val_loss at step 6: {run['val'][6]:.8f}, transformers on the "
+          f"{len(rows)} held-out examples {ref:.8f}")  # fmt: skip
+    assert abs(run["val"][6] - ref) <= 1e-5 * ref
+    dp2 = val_runs["dp2"]["val"]
+    assert dp2.keys() == run["val"].keys()
+    assert all(abs(dp2[k] - v) <= 1e-6 * v for k, v in run["val"].items()), (dp2, run["val"])
+
+
+def test_sft_exact_resume(val_runs):
+    straight, first, resumed = val_runs["straight"], val_runs["first"], val_runs["resumed"]
+    assert first["loss"] == straight["loss"][:3]
+    assert resumed["loss"] == straight["loss"][3:]  # bitwise: floats compared with ==
+    assert resumed["grad_norm"] == straight["grad_norm"][3:]
+    assert resumed["val"] == {k: v for k, v in straight["val"].items() if k > 3}
+    got, ref = torch.tensor(val_runs["dp2_resumed"]["loss"]), torch.tensor(straight["loss"][3:])
+    assert float((got - ref).abs().max() / ref.abs().max()) <= 1e-6, (got, ref)

@@ -221,3 +221,84 @@ def test_tokenizer_from_flag_then_folder_then_config(ckpts, capsys, tmp_path):
 
     code, _, err = run_main(capsys, *args, "--tokenizer", str(ckpts / "tok" / "tokenizer.json"))
     assert code == 0 and "(--tokenizer)" in err
+
+
+# ---- a batch of prompts of different lengths, chats ----------------------------------------
+
+
+BATCH_FAMILIES = {
+    "llama": FAMILIES["llama"],
+    "qwen2 bias window nope": Qwen2Config(**SIZES, vocab_size=128, attention_bias=True,
+                                          sliding_window_size=4, no_rope_layer=2),
+    "starcoder2 grouped-query": FAMILIES["starcoder2 grouped-query"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(BATCH_FAMILIES))
+def test_left_padded_batch_rows_equal_each_prompt_alone(family):
+    """Prompts of 1, 3 and 6 tokens as one left-padded batch (cache or not): each row's greedy
+    tokens are its prompt's alone, token for token; an EOS that one row produces stops that row
+    only (windows of 4 tokens: they count real tokens only; a NoPE layer)."""
+    from mesh3d.generation.cache import left_pad
+    from mesh3d.generation.single import new_tokens
+
+    mc = BATCH_FAMILIES[family]
+    torch.manual_seed(5)
+    model = spec_of(mc).build(mc, attention="sdpa").eval()
+    with torch.no_grad():  # larger weights than the init's: varied tokens, not one repeated
+        for w in model.parameters():
+            if w.dim() > 1:
+                w.normal_(0, 0.3)
+    prompts = [[5, 7, 9], [42], [1, 100, 3, 4, 50, 6]]
+    alone = [generate(model, torch.tensor(p), 12).tolist()[len(p) :] for p in prompts]
+    assert len({tuple(a) for a in alone}) > 1
+    k = next(k for k in range(2, 12) if alone[0][k] not in alone[0][:k])
+    stop = alone[0][k]  # row 0 stops after its (k+1)th token
+    expected = []
+    for p in prompts:
+        got = generate(model, torch.tensor(p), 12, eos=stop).tolist()
+        expected.append(got[len(p) :])
+    assert len(expected[0]) == k + 1 and len({len(e) for e in expected}) > 1
+    ids, pads = left_pad(prompts, pad=0)
+    assert pads.tolist() == [3, 5, 0] and ids.shape == (3, 6)
+    for cache in (True, False):
+        out = generate(model, ids, 12, eos=stop, cache=cache, pads=pads)
+        assert new_tokens(out.tolist(), 6, stop) == expected, (family, cache)
+
+
+def test_cli_chat_jsonl_rendered_with_the_chat_template(ckpts, capsys, tmp_path):
+    """--prompts-file x.jsonl: chats rendered with the tokenizer's chat template and its
+    generation prompt (and a plain {"prompt"} line), one batch; each output is the rendered
+    prompt followed by what generating it alone gives."""
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(ckpts / "tok", tok_dir)
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")  # fmt: skip
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    chats = [[{"role": "user", "content": "The cat was"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A dog"}]]  # fmt: skip
+    lines = [json.dumps({"messages": c}) for c in chats] + [json.dumps({"prompt": "It is the"})]
+    (tmp_path / "p.jsonl").write_text("\n".join(lines) + "\n")
+    code, out, err = run_main(capsys, "--checkpoint", str(ckpts / "ckpts"), "--prompts-file",
+                              str(tmp_path / "p.jsonl"), "--tokenizer", str(tok_dir),
+                              "--max-new-tokens", "6")  # fmt: skip
+    assert code == 0, err
+    assert "3 prompts in one batch" in err
+    tok = load_tokenizer(tok_dir)
+    model, _ = load_model(ckpts / "ckpts" / "7", CPU)
+    rendered = ["user: The cat was\nassistant:", "system: Be brief.\nuser: A dog\nassistant:"]
+    expected = ""
+    for text, chat in ((rendered[0], True), (rendered[1], True), ("It is the", False)):
+        ids = tok.encode(text, add_special_tokens=not chat).ids
+        got = generate(model, torch.tensor(ids), 6, eos=2).tolist()
+        expected += tok.decode(got, skip_special_tokens=True) + "\n"
+    assert out == expected and out.startswith("user: The cat was\nassistant:")
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
+    code, _, err = run_main(capsys, "--checkpoint", str(ckpts / "ckpts"), "--prompts",
+                            str(tmp_path / "bad.jsonl"))  # fmt: skip
+    assert code == 2 and 'line 1 has neither "messages"' in err and "its keys: text" in err
+    (tmp_path / "chat.jsonl").write_text(lines[0] + "\n")
+    no_template = ["--checkpoint", str(ckpts / "ckpts"), "--prompts", str(tmp_path / "chat.jsonl")]
+    code, _, err = run_main(capsys, *no_template)  # no template, no ChatML tokens
+    assert code == 2 and "no chat template" in err and err.count("\n") == 1

@@ -172,11 +172,30 @@ def test_sft_config_is_accepted(tok, tmp_path):
     assert not [e for e in validation_errors(cfg, 1) if "SFT" in e or "not supported" in e]
 
 
-def test_sft_with_validation_is_refused(tok, tmp_path):
-    cfg = _cfg(tok, write_jsonl(tmp_path / "d.jsonl", arithmetic(8)),
-               "tokens.val_check_interval=2", "tokens.limit_val_batches=1")  # fmt: skip
-    errors = [e for e in validation_errors(cfg, 1) if "SFT" in e]
-    assert len(errors) == 1 and "val_check_interval to -1" in errors[0]
+def test_sft_validation_holds_out_the_last_sequences(tok, tmp_path):
+    """Validation on SFT data is accepted: the last limit_val_batches x GBS packed sequences are
+    held out of training (the loss test is tests/ranks/test_sft_ranks.py); too few sequences to
+    train on as well is one clear line."""
+    from mesh3d.data.build import build_dataset
+    from mesh3d.data.validation import held_out
+
+    data = write_jsonl(tmp_path / "d.jsonl", arithmetic(30))
+    v = ("model.model_config.vocab_size=300", "tokens.micro_batch_size=1",
+         "tokens.batch_accumulation_per_replica=2")  # fmt: skip
+    val = (*v, "tokens.val_check_interval=2", "tokens.limit_val_batches=1")
+    cfg = _cfg(tok, data, *val)
+    assert not [e for e in validation_errors(cfg, 1) if "SFT" in e or "not supported" in e]
+    plain = build_dataset(_cfg(tok, data, *v), 0)
+    ds = build_dataset(cfg, 0)
+    gbs = len(ds.held)
+    assert gbs == 2 and ds.epoch_len == plain.epoch_len - gbs
+    assert (ds.held == plain.sequences[-gbs:]).all()
+    assert (ds.sequences == plain.sequences[:-gbs]).all()
+    held = held_out(cfg, [ds], [gbs])
+    assert len(held) == gbs and all(torch.equal(a, b) for a, b in zip(held[0], ds.held_sample(0)))
+    with pytest.raises(UserError, match="holds out .* fewer than one global batch"):
+        build_dataset(_cfg(tok, data, *v, "tokens.val_check_interval=2",
+                           f"tokens.limit_val_batches={plain.epoch_len // 2}"), 0)  # fmt: skip
 
 
 # --- chat data (`messages`) ----------------------------------------------------------------
