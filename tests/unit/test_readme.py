@@ -104,6 +104,9 @@ README_COMMANDS: dict[str, tuple[str | None, str]] = {
         "--max-new-tokens 100 --temperature 0.8 --top-k 50 --seed 1", ""),
     "mesh3d generate --checkpoint checkpoints --prompts prompts.txt": (
         "mesh3d generate --checkpoint runs/default/checkpoints --prompts prompts.txt", ""),
+    "mesh3d generate --checkpoint checkpoints --prompts-file chats.jsonl": (
+        None, "the default run's tokenizer has no chat template; tests/unit/test_generate.py "
+        "runs the command on chats with a tokenizer that has one"),
     "python -m mesh3d.generate ...": (None, "the module form of the lines above, not a command"),
     "torchrun --nproc_per_node=4 -m mesh3d.generate --checkpoint checkpoints --prompt "
     '"Once upon a time" --tp 2 --pp 2': (
