@@ -70,6 +70,7 @@ def _weight_errors(where: str, dataset) -> Iterator[str]:
         problem = weight_problem(dataset.dataset_weights, len(dataset.dataset_folder))
         if problem:
             yield f"`{where}.data.dataset`: {problem}"
+        yield from _per_folder_errors(where, dataset)
     elif isinstance(dataset, PretrainDatasetsArgs) and isinstance(
         dataset.hf_dataset_or_datasets, dict
     ):
@@ -81,6 +82,24 @@ def _weight_errors(where: str, dataset) -> Iterator[str]:
                 )
 
 
+def _per_folder_errors(where: str, d: NanosetDatasetsArgs) -> Iterator[str]:
+    """`dataset_read_path` and `dataset_max_tokens`: one entry per folder; caps > 0."""
+    n = len(d.dataset_folder)
+    for key in ("dataset_read_path", "dataset_max_tokens"):
+        value = getattr(d, key)
+        if value is not None and len(value) != n:
+            yield (
+                f"`{where}.data.dataset.{key}` has {len(value)} entries {value} but "
+                f"dataset_folder has {n} folders; give one per folder (or drop {key})"
+            )
+    for k, cap in enumerate(d.dataset_max_tokens or []):
+        if cap < 1:
+            yield (
+                f"`{where}.data.dataset.dataset_max_tokens[{k}]` is {cap!r}; give a token count "
+                ">= 1 (or drop dataset_max_tokens to read the whole folder)"
+            )
+
+
 def stage_key(stage) -> str:
     """A stage named by its `name`: load sorts data_stages by start step, so the list index
     here need not be the one written in the YAML (names are checked unique above)."""
@@ -88,14 +107,11 @@ def stage_key(stage) -> str:
 
 
 # HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".
-# (`shuffle_files` is not among them: files are always shuffled with seed 42, as CLASSIC does.)
-_NANOSET_OFF = {
-    "dataset_read_path": None,
-    "dataset_max_tokens": None,
-    "skip_in_stream": False,
-    "pad_samples_to_global_batch_size": False,
-    "use_old_brrr_dataloader": False,
-}
+# (`shuffle_files` is not among them: files are always shuffled with seed 42, as CLASSIC does.
+# `skip_in_stream` and `pad_samples_to_global_batch_size` are accepted and change nothing, as in
+# Nanotron: the first only chooses how a stream skips ahead (same tokens), the second pads a last
+# partial batch that never exists (train_steps x GBS samples, whole batches, drop_last).)
+_NANOSET_OFF = {"use_old_brrr_dataloader": False}
 
 
 def unsupported_data(stage, tokens) -> Iterator[str]:

@@ -68,7 +68,8 @@ def build_dataset(cfg, index: int):
             check_tokenizer_vocab(tokenizer, mc.vocab_size)
         d = data.dataset
         ds = Nanoset(d.dataset_folder, d.dataset_weights, tok.sequence_length, num_samples, seed,
-                     mc.vocab_size, token_size_in_bytes=d.token_size_in_bytes)  # fmt: skip
+                     mc.vocab_size, token_size_in_bytes=d.token_size_in_bytes,
+                     read_paths=d.dataset_read_path, max_tokens=d.dataset_max_tokens)  # fmt: skip
         check_enough(ds.epoch_len, gbs, f"{where} dataset_folder {d.dataset_folder}")
         return ds
     if isinstance(data.dataset, PretrainDatasetsArgs):
