@@ -13,7 +13,7 @@ from mesh3d.config.schema import (
     PretrainDatasetsArgs,
     SFTDatasetsArgs,
 )
-from mesh3d.errors import not_supported_yet
+from mesh3d.errors import not_divisible, not_supported_yet
 
 _DATASET_KINDS = {
     NanosetDatasetsArgs: "Nanoset",
@@ -34,7 +34,7 @@ def data_stage_errors(cfg: Config) -> Iterator[str]:
     starts = [s.start_training_step for s in stages]
     for start in sorted({s for s in starts if starts.count(s) > 1}):
         yield f"`data_stages` has two stages with start_training_step {start}; each stage needs its own start step"
-    for s in stages:  # a per-stage sequence_length is refused in unsupported_data
+    for s in stages:  # a stage's own sequence_length: stage_length_errors
         where = stage_key(s)
         if s.start_training_step < 1:
             yield (
@@ -114,15 +114,47 @@ def stage_key(stage) -> str:
 _NANOSET_OFF = {"use_old_brrr_dataloader": False}
 
 
-def unsupported_data(stage, tokens) -> Iterator[str]:
-    """A data stage's settings mesh3d does not implement yet (a per-stage sequence length,
-    HEAD-only Nanoset keys)."""
+def stage_length_errors(cfg: Config) -> Iterator[str]:
+    """A stage's own `sequence_length` (one other than tokens.sequence_length): >= 1, split
+    over cp (2·cp chunks) and, under sequence parallelism, tp like tokens.sequence_length; it
+    needs pp = 1 (pipeline stages are built for one activation shape) and no validation (the
+    held-out set is cut at one length)."""
+    p, t = cfg.parallelism, cfg.tokens
+    cp = max(p.context_parallel_size, 1)
+    for s in cfg.data_stages or []:
+        seq = s.sequence_length
+        if seq is None or seq == t.sequence_length:
+            continue
+        key = f"{stage_key(s)}.sequence_length"
+        if seq < 1:
+            yield f"`{key}` must be >= 1 (null: tokens.sequence_length), got {seq}"
+            continue
+        if p.pp > 1:
+            yield (
+                f"`{key}` ({seq}) differs from tokens.sequence_length ({t.sequence_length}), which "
+                "mesh3d supports with parallelism.pp 1 only (pipeline stages are built for one "
+                "shape); set parallelism.pp=1, or the stage's sequence_length to null"
+            )
+        if cp > 1:
+            yield from not_divisible(key, seq, "2 x parallelism.context_parallel_size", 2 * cp,
+                                     "each cp rank holds one head and one tail chunk of every "
+                                     "sample; change one of them")  # fmt: skip
+        if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1 and seq % (2 * cp if cp > 1 else 1) == 0:
+            yield from not_divisible(f"{key} / context_parallel_size" if cp > 1 else key,
+                                     seq // cp, "parallelism.tp", p.tp,
+                                     "tp_mode REDUCE_SCATTER splits the sequence over tp ranks; "
+                                     "change one or use ALL_REDUCE")  # fmt: skip
+        if t.val_check_interval > 0 and t.limit_val_batches > 0:
+            yield (
+                f"`{key}` ({seq}) differs from tokens.sequence_length ({t.sequence_length}), and "
+                "validation with per-stage lengths is not supported by mesh3d yet; set "
+                "tokens.val_check_interval to -1, or the stage's sequence_length to null"
+            )
+
+
+def unsupported_data(stage) -> Iterator[str]:
+    """A data stage's settings mesh3d does not implement yet (HEAD-only Nanoset keys)."""
     where = stage_key(stage)
-    if stage.sequence_length is not None and stage.sequence_length != tokens.sequence_length:
-        yield not_supported_yet(
-            f"{where}.sequence_length",
-            f"a per-stage length ({stage.sequence_length}) different from tokens.sequence_length; set it to null",
-        )
     kind = stage.data.dataset
     if kind is None or isinstance(kind, (PretrainDatasetsArgs, SFTDatasetsArgs)):
         return

@@ -141,7 +141,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
     logger.info(
         f"[Start training] mbs: {tok.micro_batch_size} | grad_accum: "
         f"{tok.batch_accumulation_per_replica} | global_batch_size: {gbs} | sequence_length: "
-        f"{tok.sequence_length} | train_steps: {tok.train_steps} | start_iteration_step: "
+        f"{run.data.sequence_length_at(start + 1)} | train_steps: {tok.train_steps} | start_iteration_step: "
         f"{start + 1} | consumed_train_samples: {consumed}"
     )
     if start == tok.train_steps:
@@ -176,10 +176,10 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
             consumed += gbs
             step_seconds.append(time.time() - t0)
             m = iteration_metrics(
-                iteration=step, consumed_samples=consumed, seq_len=tok.sequence_length,
+                iteration=step, consumed_samples=consumed, seq_len=run.data.sequence_length_at(step),
                 elapsed_s=step_seconds[-1], global_batch_size=gbs, world_size=world,
-                lm_loss=loss, lr=run.scheduler.get_last_lr()[0], step_flops=run.step_flops,
-                grad_norm=grad_norm, peak=peak,
+                lm_loss=loss, lr=run.scheduler.get_last_lr()[0], step_flops=run.flops_at(step),
+                grad_norm=grad_norm, peak=peak, consumed_tokens=run.data.tokens_through(step),
             )  # fmt: skip
             if run.layout.shape.moe_layers:  # every rank: collectives inside
                 g = groups_of(run.mesh)

@@ -1,0 +1,108 @@
+"""A data stage with its own, longer `sequence_length` (long-context annealing): steps 1-3 train
+on 16 tokens per sample, steps 4-6 on 32.
+
+One 4-rank launch trains the 6 steps at dp2 x tp2 (sequence parallel) and at dp2 x cp2, saving
+at steps 3 and 6, then resumes the dp2 x tp2 run from step 3 (across the stage boundary). One
+1-rank launch trains the same config on one process. Every layout's losses, gradient norms and
+weights equal the one-process run's (fp32, within 1e-5), the resumed steps equal the
+uninterrupted ones bitwise, the batches have the stage's length, and the checkpoint metadata
+records each stage's length.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from dist import run_ranks
+from parity import TINY, full_weights, layout_overrides, max_rel_diff
+
+from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.train.hooks import KeepModel
+from mesh3d.train.loop import train
+
+STAGES = (
+    "data_stages=[{name: short, start_training_step: 1, data: {seed: 3}}, "
+    "{name: long, start_training_step: 4, sequence_length: 32, data: {seed: 4}}]"
+)
+BASE = [STAGES, "model.model_config.max_position_embeddings=32", "tokens.train_steps=6"]
+
+
+class Shapes:
+    """Each step's microbatch input shape on this rank."""
+
+    def __init__(self):
+        self.shapes: list[tuple] = []
+
+    def on_step(self, run, step: int, out, metrics: dict) -> None:
+        self.shapes.append(tuple(out.batches[0][0].shape))
+
+
+def _runs(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
+    out = []
+    for overrides in runs:
+        cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
+        shapes = Shapes()
+        res = train(cfg, hooks=[KeepModel(), shapes])
+        weights = full_weights(res.model, res.mesh)
+        out.append({
+            "loss": [m["lm_loss"] for m in res.metrics],
+            "grad_norm": [m["grad_norm"] for m in res.metrics],
+            "tokens": [m["consumed_tokens"] for m in res.metrics],
+            "weights": weights if rank == 0 else None,
+            "shapes": shapes.shapes,
+        })  # fmt: skip
+    return out
+
+
+def _ck(root, resume=None) -> list[str]:
+    out = [f"checkpoints.checkpoints_path={root}", "checkpoints.checkpoint_interval=3"]
+    return out + ([f"checkpoints.resume_checkpoint_path={resume}"] if resume else [])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    t = tmp_path_factory.mktemp("stage_lengths")
+    tp = layout_overrides(2, 2, "REDUCE_SCATTER", 0, False) + BASE
+    cp = layout_overrides(2, 1, "ALL_REDUCE", 1, False) + BASE
+    cp += ["parallelism.context_parallel_size=2"]
+    four = run_ranks(
+        4, _runs, [tp + _ck(t / "tp"), cp + _ck(t / "cp"), tp + _ck(t / "from3", t / "tp" / "3")],
+        timeout=300,
+    )  # fmt: skip
+    one = run_ranks(1, _runs, [layout_overrides(1, 1, "ALL_REDUCE", 0, False) + BASE], timeout=300)
+    return {"four": four, "one": one[0][0], "root": t}
+
+
+def test_longer_stage_trains_at_its_length(runs):
+    one = runs["one"]
+    assert one["shapes"] == [(2, 16)] * 3 + [(2, 32)] * 3  # 4 microbatches of 2 per step
+    assert one["tokens"] == [8 * 16 * k for k in (1, 2, 3)] + [8 * (48 + 32 * k) for k in (1, 2, 3)]
+    assert all(torch.isfinite(torch.tensor(one["loss"])))
+    tp_rank0 = runs["four"][0][0]
+    assert tp_rank0["shapes"] == [(2, 16)] * 3 + [(2, 32)] * 3  # dp rank 0: 2 microbatches of 2
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["dp2-tp2-sp", "dp2-cp2"])
+def test_every_layout_equals_one_process(runs, which):
+    got = runs["four"][0][which]
+    assert max_rel_diff(got, runs["one"]) <= 1e-5
+
+
+def test_resume_across_the_stage_boundary_is_exact(runs):
+    for rank, (straight, _, from3) in enumerate(runs["four"]):
+        assert from3["loss"] == straight["loss"][3:], rank
+        assert from3["grad_norm"] == straight["grad_norm"][3:], rank
+        assert from3["shapes"] == straight["shapes"][3:], rank
+        assert from3["tokens"] == straight["tokens"][3:], rank
+    straight, from3 = runs["four"][0][0]["weights"], runs["four"][0][2]["weights"]
+    assert all(torch.equal(from3[k], w) for k, w in straight.items())
+
+
+def test_checkpoint_records_each_stage_length(runs):
+    meta = json.loads((runs["root"] / "tp" / "6" / "checkpoint_metadata.json").read_text())
+    stages = meta["metas"]["data_stages"]
+    assert [(s["name"], s["sequence_length"]) for s in stages] == [("short", 16), ("long", 32)]
+    assert [s["consumed_train_samples"] for s in stages] == [24, 24]
