@@ -116,9 +116,9 @@ _NANOSET_OFF = {"use_old_brrr_dataloader": False}
 
 def stage_length_errors(cfg: Config) -> Iterator[str]:
     """A stage's own `sequence_length` (one other than tokens.sequence_length): >= 1, split
-    over cp (2·cp chunks) and, under sequence parallelism, tp like tokens.sequence_length; it
-    needs pp = 1 (pipeline stages are built for one activation shape) and no validation (the
-    held-out set is cut at one length)."""
+    over cp (2·cp chunks) and, under sequence parallelism, tp like tokens.sequence_length; no
+    validation (the held-out set is cut at one length). Under pp > 1 the pipeline gets stages
+    declared at the stage's length (`train/build.py::ModelParts.pipeline_at`)."""
     p, t = cfg.parallelism, cfg.tokens
     cp = max(p.context_parallel_size, 1)
     for s in cfg.data_stages or []:
@@ -129,12 +129,6 @@ def stage_length_errors(cfg: Config) -> Iterator[str]:
         if seq < 1:
             yield f"`{key}` must be >= 1 (null: tokens.sequence_length), got {seq}"
             continue
-        if p.pp > 1:
-            yield (
-                f"`{key}` ({seq}) differs from tokens.sequence_length ({t.sequence_length}), which "
-                "mesh3d supports with parallelism.pp 1 only (pipeline stages are built for one "
-                "shape); set parallelism.pp=1, or the stage's sequence_length to null"
-            )
         if cp > 1:
             yield from not_divisible(key, seq, "2 x parallelism.context_parallel_size", 2 * cp,
                                      "each cp rank holds one head and one tail chunk of every "

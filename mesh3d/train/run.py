@@ -136,8 +136,8 @@ class Run:
 
     def layout_at(self, step: int) -> RunLayout:
         """The layout of step `step`: the run's, at the sequence length of the data stage
-        active then (a stage may train on longer sequences; `checks/data_checks.py` keeps
-        that to pp = 1, whose model takes any length)."""
+        active then (a stage may train on longer sequences: the model takes any length, a
+        pipeline switches to stages declared for it, `ModelParts.pipeline_at`)."""
         seq = self.data.sequence_length_at(step)
         if seq == self.layout.sequence_length:
             return self.layout

@@ -131,8 +131,9 @@ def forward_backward(
             batches and len(batches[0]) > 2
         ):  # every stage's attention needs them: every rank read the data
             positions = torch.cat([b[2] for b in batches]).to(device)
+        stages, schedule = parts.pipeline_at(layout.sequence_length)
         with _autocast(device, autocast), _loss_ctx(tp):
-            losses = run_schedule(parts.schedule, parts.stages, inputs, labels, positions,
+            losses = run_schedule(schedule, stages, inputs, labels, positions,
                                   token_keys=keys)  # fmt: skip
         for loss in losses:
             total += _scalar(loss)

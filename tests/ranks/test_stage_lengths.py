@@ -1,8 +1,9 @@
 """A data stage with its own, longer `sequence_length` (long-context annealing): steps 1-3 train
 on 16 tokens per sample, steps 4-6 on 32.
 
-One 4-rank launch trains the 6 steps at dp2 x tp2 (sequence parallel) and at dp2 x cp2, saving
-at steps 3 and 6, then resumes the dp2 x tp2 run from step 3 (across the stage boundary). One
+One 4-rank launch trains the 6 steps at dp2 x tp2 (sequence parallel), dp2 x cp2 and dp2 x pp2
+(the pipeline switches to stages declared at 32 tokens), saving at steps 3 and 6, and resumes
+the tp and pp runs from step 3 (across the stage boundary). One
 1-rank launch trains the same config on one process. Every layout's losses, gradient norms and
 weights equal the one-process run's (fp32, within 1e-5), the resumed steps equal the
 uninterrupted ones bitwise, the batches have the stage's length, and the checkpoint metadata
@@ -68,8 +69,10 @@ def runs(tmp_path_factory):
     tp = layout_overrides(2, 2, "REDUCE_SCATTER", 0, False) + BASE
     cp = layout_overrides(2, 1, "ALL_REDUCE", 1, False) + BASE
     cp += ["parallelism.context_parallel_size=2"]
+    pp = layout_overrides(2, 1, "ALL_REDUCE", 0, False) + BASE + ["parallelism.pp=2"]
     four = run_ranks(
-        4, _runs, [tp + _ck(t / "tp"), cp + _ck(t / "cp"), tp + _ck(t / "from3", t / "tp" / "3")],
+        4, _runs, [tp + _ck(t / "tp"), cp + _ck(t / "cp"), tp + _ck(t / "from3", t / "tp" / "3"),
+                   pp + _ck(t / "pp"), pp + _ck(t / "pp3", t / "pp" / "3")],
         timeout=300,
     )  # fmt: skip
     one = run_ranks(1, _runs, [layout_overrides(1, 1, "ALL_REDUCE", 0, False) + BASE], timeout=300)
@@ -85,20 +88,22 @@ def test_longer_stage_trains_at_its_length(runs):
     assert tp_rank0["shapes"] == [(2, 16)] * 3 + [(2, 32)] * 3  # dp rank 0: 2 microbatches of 2
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["dp2-tp2-sp", "dp2-cp2"])
+@pytest.mark.parametrize("which", [0, 1, 3], ids=["dp2-tp2-sp", "dp2-cp2", "dp2-pp2"])
 def test_every_layout_equals_one_process(runs, which):
     got = runs["four"][0][which]
     assert max_rel_diff(got, runs["one"]) <= 1e-5
 
 
 def test_resume_across_the_stage_boundary_is_exact(runs):
-    for rank, (straight, _, from3) in enumerate(runs["four"]):
-        assert from3["loss"] == straight["loss"][3:], rank
-        assert from3["grad_norm"] == straight["grad_norm"][3:], rank
-        assert from3["shapes"] == straight["shapes"][3:], rank
-        assert from3["tokens"] == straight["tokens"][3:], rank
-    straight, from3 = runs["four"][0][0]["weights"], runs["four"][0][2]["weights"]
-    assert all(torch.equal(from3[k], w) for k, w in straight.items())
+    for rank, (straight, _, from3, pp, pp3) in enumerate(runs["four"]):
+        for a, b in ((straight, from3), (pp, pp3)):
+            assert b["loss"] == a["loss"][3:], rank
+            assert b["grad_norm"] == a["grad_norm"][3:], rank
+            assert b["shapes"] == a["shapes"][3:], rank
+            assert b["tokens"] == a["tokens"][3:], rank
+    for a, b in ((0, 2), (3, 4)):
+        straight, resumed = runs["four"][0][a]["weights"], runs["four"][0][b]["weights"]
+        assert all(torch.equal(resumed[k], w) for k, w in straight.items())
 
 
 def test_checkpoint_records_each_stage_length(runs):

@@ -312,7 +312,6 @@ BAD = [
     ("nanoset-read-path-count", ["data_stages[0].data.dataset={dataset_folder: [/a, /b], dataset_read_path: [/m]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_read_path` has 1 entries ['/m'] but dataset_folder has 2 folders; give one per folder (or drop dataset_read_path)"),
     ("nanoset-max-tokens", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_max_tokens: [0]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_max_tokens[0]` is 0; give a token count >= 1 (or drop dataset_max_tokens to read the whole folder)"),
     ("nanoset-brrr", ["data_stages[0].data.dataset={dataset_folder: /data, use_old_brrr_dataloader: true}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.use_old_brrr_dataloader` is not supported by mesh3d yet (set it to false)"),
-    ("stage-seq-len-pp", ["data_stages[0].sequence_length=64", f"{MC}.max_position_embeddings=64", *PP2], None, 2, "`data_stages[name='Stable Training Stage'].sequence_length` (64) differs from tokens.sequence_length (32), which mesh3d supports with parallelism.pp 1 only (pipeline stages are built for one shape); set parallelism.pp=1, or the stage's sequence_length to null"),
     ("stage-seq-len-cp", ["data_stages[0].sequence_length=36", f"{MC}.max_position_embeddings=64", "parallelism.context_parallel_size=4"], None, 4, "`data_stages[name='Stable Training Stage'].sequence_length` (36) must be divisible by `2 x parallelism.context_parallel_size` (8)"),
     ("stage-seq-len-validation", ["data_stages[0].sequence_length=64", f"{MC}.max_position_embeddings=64", "tokens.val_check_interval=2", "tokens.limit_val_batches=1"], None, None, "`data_stages[name='Stable Training Stage'].sequence_length` (64) differs from tokens.sequence_length (32), and validation with per-stage lengths is not supported by mesh3d yet; set tokens.val_check_interval to -1, or the stage's sequence_length to null"),
     ("stage-seq-len-positions", ["data_stages[0].sequence_length=64"], None, None, f"`{MC}.max_position_embeddings` (32) is smaller than `data_stages[name='Stable Training Stage'].sequence_length` (64); raise max_position_embeddings to at least 64"),
@@ -480,5 +479,6 @@ def test_a_longer_stage_sizes_the_plan():
 
     longer = ["data_stages[0].sequence_length=64", f"{MC}.max_position_embeddings=64"]
     cfg = check(base(), [*longer, "parallelism.context_parallel_size=2"], world_size=2)
+    check(base(), [*longer, *PP2], world_size=2)  # the pipeline gets stages at each length
     assert cfg.tokens.sequence_length == 32 and max_sequence_length(cfg) == 64
     assert _Sizes.of(cfg).s == 64  # `mesh3d plan` sizes memory for the longest stage
