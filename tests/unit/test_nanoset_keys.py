@@ -114,3 +114,27 @@ def test_nanoset_keys_in_a_config_build_that_dataset(tmp_path):
     assert ds.sizes == [500 + 10]  # a.ds (from the copy) whole, then 10 samples of b.ds
     marks = {int(ds.window_sample(0, i)[0][0]) for i in range(510)}
     assert marks == {3, 2}
+
+
+def test_a_stage_with_its_own_sequence_length_cuts_its_samples_at_it(tmp_path):
+    from test_config import base, check
+
+    from mesh3d.data.build import StagedData, build_dataset
+
+    numbered_file(tmp_path, "a.ds", 1, 4000)
+    d = base()
+    d["model"]["model_config"].update(vocab_size=VOCAB, max_position_embeddings=64)
+    d["tokens"].update(sequence_length=S, train_steps=6)
+    dataset = {"dataset_folder": str(tmp_path)}
+    d["data_stages"] = [
+        {"name": "short", "start_training_step": 1, "data": {"dataset": dataset}},
+        {"name": "long", "start_training_step": 4, "sequence_length": 31, "data": {"dataset": dataset}},
+    ]  # fmt: skip
+    cfg = check(d)
+    short, long = build_dataset(cfg, 0), build_dataset(cfg, 1)
+    assert short[0][0].shape == (S,) and long[0][0].shape == (31,)
+    assert long.epoch_len == 4000 // 32 and short.epoch_len == 4000 // 8
+    data = StagedData(cfg)
+    assert [data.sequence_length_at(s) for s in range(1, 7)] == [S] * 3 + [31] * 3
+    gbs = data.gbs
+    assert data.tokens_through(5) == 3 * gbs * S + 2 * gbs * 31
