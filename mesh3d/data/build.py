@@ -125,11 +125,12 @@ class StagedData:
         """The sequence length of the stage active at `step`."""
         return self.lengths[self.stage_at(step)]
 
-    def tokens_through(self, step: int) -> int:
-        """Tokens of steps 1..`step` (each stage's samples times its sequence length)."""
+    def tokens_through(self, step: int, global_batch: int) -> int:
+        """Tokens of steps 1..`step` at `global_batch` samples a step, each stage's samples at
+        its sequence length (a resumed run: the batch size of the checkpoint's run)."""
         ends = [*(s - 1 for s in self.starts[1:]), step]
         return sum(
-            max(min(step, end) - max(begin, 1) + 1, 0) * self.gbs * length
+            max(min(step, end) - max(begin, 1) + 1, 0) * global_batch * length
             for begin, end, length in zip(self.starts, ends, self.lengths, strict=True)
         )
 

@@ -137,4 +137,5 @@ def test_a_stage_with_its_own_sequence_length_cuts_its_samples_at_it(tmp_path):
     data = StagedData(cfg)
     assert [data.sequence_length_at(s) for s in range(1, 7)] == [S] * 3 + [31] * 3
     gbs = data.gbs
-    assert data.tokens_through(5) == 3 * gbs * S + 2 * gbs * 31
+    assert data.tokens_through(5, gbs) == 3 * gbs * S + 2 * gbs * 31
+    assert data.tokens_through(2, 3) == 2 * 3 * S
