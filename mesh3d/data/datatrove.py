@@ -222,11 +222,18 @@ class DatatroveFolder:
 
     def _where(self, name: str) -> str:
         """Where file `name` is read: the local copy when it has it, else the folder."""
+        there = os.path.join(self.folder, name)
         if self.read_path:
             local = os.path.join(self.read_path, name)
             if os.path.isfile(local):
+                if os.path.isfile(there) and os.path.getsize(there) != os.path.getsize(local):
+                    raise UserError(
+                        f"{local} has {os.path.getsize(local)} bytes but {there} has "
+                        f"{os.path.getsize(there)}: the local copy (dataset_read_path) is "
+                        "incomplete or stale; copy the file again or delete it"
+                    )
                 return local
-        return os.path.join(self.folder, name)
+        return there
 
     def _open(
         self, path: str, vocab_size: int | None, explicit: int | None, max_tokens: int | None

@@ -223,8 +223,8 @@ def check_enough(dataset_len: int, global_batch_size: int, where: str) -> None:
     """Raise `UserError` if a dataset of `dataset_len` samples cannot fill one global batch."""
     if dataset_len < global_batch_size:
         raise UserError(
-            f"{where} has {dataset_len} samples of tokens.sequence_length + 1 tokens, fewer than "
+            f"{where} has {dataset_len} samples of sequence_length + 1 tokens, fewer than "
             f"one global batch ({global_batch_size} samples = dp * micro_batch_size * "
-            "batch_accumulation_per_replica); add data, or lower the batch size or "
-            "tokens.sequence_length"
+            "batch_accumulation_per_replica); add data, or lower the batch size or the "
+            "sequence_length (the stage's own, else tokens.sequence_length)"
         )

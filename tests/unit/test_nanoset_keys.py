@@ -88,6 +88,12 @@ def test_read_path_reads_the_local_copy_and_falls_back(tmp_path):
     empty.mkdir()
     folder = DatatroveFolder(remote, S, vocab_size=VOCAB, read_path=empty)
     assert {int(folder.window(i)[0]) for i in range(len(folder))} == {1, 2}
+    # a copy of another size (a partial download) is refused, not read
+    numbered_file(empty, "b.ds", 2, 24)
+    with pytest.raises(
+        UserError, match=r"b.ds has 48 bytes but .*remote/b.ds has 80: the local copy"
+    ):
+        DatatroveFolder(remote, S, vocab_size=VOCAB, read_path=empty)
     # a folder that is not local (Nanotron's s3:// case): the copy lists and holds the files
     folder = DatatroveFolder("s3://bucket/data", S, vocab_size=VOCAB, read_path=local)
     assert [f.path for f in folder.files] == [str(local / "a.ds")] and len(folder) == 5
