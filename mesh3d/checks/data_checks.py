@@ -139,10 +139,11 @@ def stage_length_errors(cfg: Config) -> Iterator[str]:
                                      "tp_mode REDUCE_SCATTER splits the sequence over tp ranks; "
                                      "change one or use ALL_REDUCE")  # fmt: skip
         if t.val_check_interval > 0 and t.limit_val_batches > 0:
-            yield (
-                f"`{key}` ({seq}) differs from tokens.sequence_length ({t.sequence_length}), and "
-                "validation with per-stage lengths is not supported by mesh3d yet; set "
-                "tokens.val_check_interval to -1, or the stage's sequence_length to null"
+            yield not_supported_yet(
+                key,
+                f"{seq}, other than tokens.sequence_length {t.sequence_length}, with validation: "
+                "the held-out set is cut at one length; set tokens.val_check_interval to -1, or "
+                "this sequence_length to null",
             )
 
 
