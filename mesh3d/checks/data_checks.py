@@ -13,7 +13,7 @@ from mesh3d.config.schema import (
     PretrainDatasetsArgs,
     SFTDatasetsArgs,
 )
-from mesh3d.errors import not_supported_yet
+from mesh3d.errors import not_divisible, not_supported_yet
 
 _DATASET_KINDS = {
     NanosetDatasetsArgs: "Nanoset",
@@ -34,7 +34,7 @@ def data_stage_errors(cfg: Config) -> Iterator[str]:
     starts = [s.start_training_step for s in stages]
     for start in sorted({s for s in starts if starts.count(s) > 1}):
         yield f"`data_stages` has two stages with start_training_step {start}; each stage needs its own start step"
-    for s in stages:  # a per-stage sequence_length is refused in unsupported_data
+    for s in stages:  # a stage's own sequence_length: stage_length_errors
         where = stage_key(s)
         if s.start_training_step < 1:
             yield (
@@ -70,6 +70,7 @@ def _weight_errors(where: str, dataset) -> Iterator[str]:
         problem = weight_problem(dataset.dataset_weights, len(dataset.dataset_folder))
         if problem:
             yield f"`{where}.data.dataset`: {problem}"
+        yield from _per_folder_errors(where, dataset)
     elif isinstance(dataset, PretrainDatasetsArgs) and isinstance(
         dataset.hf_dataset_or_datasets, dict
     ):
@@ -81,6 +82,24 @@ def _weight_errors(where: str, dataset) -> Iterator[str]:
                 )
 
 
+def _per_folder_errors(where: str, d: NanosetDatasetsArgs) -> Iterator[str]:
+    """`dataset_read_path` and `dataset_max_tokens`: one entry per folder; caps > 0."""
+    n = len(d.dataset_folder)
+    for key in ("dataset_read_path", "dataset_max_tokens"):
+        value = getattr(d, key)
+        if value is not None and len(value) != n:
+            yield (
+                f"`{where}.data.dataset.{key}` has {len(value)} entries {value} but "
+                f"dataset_folder has {n} folders; give one per folder (or drop {key})"
+            )
+    for k, cap in enumerate(d.dataset_max_tokens or []):
+        if cap < 1:
+            yield (
+                f"`{where}.data.dataset.dataset_max_tokens[{k}]` is {cap!r}; give a token count "
+                ">= 1 (or drop dataset_max_tokens to read the whole folder)"
+            )
+
+
 def stage_key(stage) -> str:
     """A stage named by its `name`: load sorts data_stages by start step, so the list index
     here need not be the one written in the YAML (names are checked unique above)."""
@@ -88,25 +107,49 @@ def stage_key(stage) -> str:
 
 
 # HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".
-# (`shuffle_files` is not among them: files are always shuffled with seed 42, as CLASSIC does.)
-_NANOSET_OFF = {
-    "dataset_read_path": None,
-    "dataset_max_tokens": None,
-    "skip_in_stream": False,
-    "pad_samples_to_global_batch_size": False,
-    "use_old_brrr_dataloader": False,
-}
+# (`shuffle_files` is not among them: files are always shuffled with seed 42, as CLASSIC does.
+# `skip_in_stream` and `pad_samples_to_global_batch_size` are accepted and change nothing, as in
+# Nanotron: the first only chooses how a stream skips ahead (same tokens), the second pads a last
+# partial batch that never exists (train_steps x GBS samples, whole batches, drop_last).)
+_NANOSET_OFF = {"use_old_brrr_dataloader": False}
 
 
-def unsupported_data(stage, tokens) -> Iterator[str]:
-    """A data stage's settings mesh3d does not implement yet (a per-stage sequence length,
-    HEAD-only Nanoset keys)."""
+def stage_length_errors(cfg: Config) -> Iterator[str]:
+    """A stage's own `sequence_length` (one other than tokens.sequence_length): >= 1, split
+    over cp (2·cp chunks) and, under sequence parallelism, tp like tokens.sequence_length; no
+    validation (the held-out set is cut at one length). Under pp > 1 the pipeline gets stages
+    declared at the stage's length (`train/build.py::ModelParts.pipeline_at`)."""
+    p, t = cfg.parallelism, cfg.tokens
+    cp = max(p.context_parallel_size, 1)
+    for s in cfg.data_stages or []:
+        seq = s.sequence_length
+        if seq is None or seq == t.sequence_length:
+            continue
+        key = f"{stage_key(s)}.sequence_length"
+        if seq < 1:
+            yield f"`{key}` must be >= 1 (null: tokens.sequence_length), got {seq}"
+            continue
+        if cp > 1:
+            yield from not_divisible(key, seq, "2 x parallelism.context_parallel_size", 2 * cp,
+                                     "each cp rank holds one head and one tail chunk of every "
+                                     "sample; change one of them")  # fmt: skip
+        if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1 and seq % (2 * cp if cp > 1 else 1) == 0:
+            yield from not_divisible(f"{key} / context_parallel_size" if cp > 1 else key,
+                                     seq // cp, "parallelism.tp", p.tp,
+                                     "tp_mode REDUCE_SCATTER splits the sequence over tp ranks; "
+                                     "change one or use ALL_REDUCE")  # fmt: skip
+        if t.val_check_interval > 0 and t.limit_val_batches > 0:
+            yield not_supported_yet(
+                key,
+                f"{seq}, other than tokens.sequence_length {t.sequence_length}, with validation: "
+                "the held-out set is cut at one length; set tokens.val_check_interval to -1, or "
+                "this sequence_length to null",
+            )
+
+
+def unsupported_data(stage) -> Iterator[str]:
+    """A data stage's settings mesh3d does not implement yet (HEAD-only Nanoset keys)."""
     where = stage_key(stage)
-    if stage.sequence_length is not None and stage.sequence_length != tokens.sequence_length:
-        yield not_supported_yet(
-            f"{where}.sequence_length",
-            f"a per-stage length ({stage.sequence_length}) different from tokens.sequence_length; set it to null",
-        )
     kind = stage.data.dataset
     if kind is None or isinstance(kind, (PretrainDatasetsArgs, SFTDatasetsArgs)):
         return

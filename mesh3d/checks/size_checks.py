@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from mesh3d.config.derive import global_batch_size, padded_vocab_size
+from mesh3d.config.derive import global_batch_size, max_sequence_length, padded_vocab_size
 from mesh3d.config.schema import Config
 
 MAX_SIZE = 2**31 - 1
@@ -37,13 +37,14 @@ def scale_errors(cfg: Config) -> Iterator[str]:
             f"parallelism.tp ({cfg.parallelism.tp}) pads the vocabulary to {vocab} rows, more than "
             f"{MAX_SIZE}; lower it (Nanotron's configs use 1 to 128)"
         )
-    step_tokens = global_batch_size(cfg) * tokens.sequence_length
+    seq = max_sequence_length(cfg)
+    step_tokens = global_batch_size(cfg) * seq
     if step_tokens > MAX_STEP_TOKENS:
         yield (
             f"one optimizer step would read {step_tokens} tokens (micro_batch_size "
             f"{tokens.micro_batch_size} x batch_accumulation_per_replica "
             f"{tokens.batch_accumulation_per_replica} x dp {cfg.parallelism.dp} x sequence_length "
-            f"{tokens.sequence_length}), more than {MAX_STEP_TOKENS} (2**34); lower "
+            f"{seq}), more than {MAX_STEP_TOKENS} (2**34); lower "
             "tokens.batch_accumulation_per_replica or tokens.micro_batch_size"
         )
     sizes = ("hidden_size", "intermediate_size", "num_hidden_layers")

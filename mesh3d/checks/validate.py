@@ -14,7 +14,11 @@ import os
 from collections.abc import Iterator
 
 from mesh3d.checks.checkpoint_checks import checkpoint_errors, s3_errors
-from mesh3d.checks.data_checks import data_stage_errors, unsupported_data
+from mesh3d.checks.data_checks import (
+    data_stage_errors,
+    stage_length_errors,
+    unsupported_data,
+)
 from mesh3d.checks.guard_checks import loss_spike_errors
 from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.checks.optim_checks import lr_errors, lr_warnings, optimizer_errors
@@ -395,4 +399,5 @@ def _unsupported(cfg: Config) -> Iterator[str]:
             "model.init_method.scaling_method", f"{scaling}; use NUM_LAYERS or NONE"
         )
     for stage in cfg.data_stages or []:
-        yield from unsupported_data(stage, cfg.tokens)
+        yield from unsupported_data(stage)
+    yield from stage_length_errors(cfg)

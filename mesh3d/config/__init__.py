@@ -14,7 +14,9 @@ from mesh3d.config.derive import (
     expand_run_name,
     global_batch_size,
     layout_text,
+    max_sequence_length,
     padded_vocab_size,
+    stage_sequence_length,
     world_size,
 )
 from mesh3d.config.load import (
@@ -59,6 +61,8 @@ from mesh3d.config.schema import (
 
 __all__ = [
     "layout_text",
+    "max_sequence_length",
+    "stage_sequence_length",
     "world_size",
     "AdamWOptimizerArgs",
     "CheckpointsArgs",

@@ -35,6 +35,26 @@ def global_batch_size(cfg: Config) -> int:
     return t.micro_batch_size * t.batch_accumulation_per_replica * cfg.parallelism.dp
 
 
+def stage_sequence_length(cfg: Config, stage) -> int:
+    """A data stage's sequence length: its own `sequence_length`, or `tokens.sequence_length`."""
+    return stage.sequence_length or cfg.tokens.sequence_length
+
+
+def longest_sequence(cfg: Config) -> tuple[str, int]:
+    """(key, length) of the longest sequence the run trains on: `tokens.sequence_length`, or
+    the first stage (by start step) with a longer `sequence_length`."""
+    key, longest = "tokens.sequence_length", cfg.tokens.sequence_length
+    for s in cfg.data_stages or []:
+        if stage_sequence_length(cfg, s) > longest:
+            key, longest = f"data_stages[name={s.name!r}].sequence_length", s.sequence_length
+    return key, longest
+
+
+def max_sequence_length(cfg: Config) -> int:
+    """The longest sequence the run trains on (`longest_sequence`): what memory is sized for."""
+    return longest_sequence(cfg)[1]
+
+
 def effective_pp_schedule(cfg: Config) -> str:
     """`mesh3d.pp_schedule` when set, else Nanotron's `parallelism.pp_engine` (afab | 1f1b)."""
     return cfg.mesh3d.pp_schedule or cfg.parallelism.pp_engine

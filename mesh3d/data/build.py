@@ -6,6 +6,8 @@ the stage active at s (`mesh3d.data.stages`), at the stage-local step s - start 
 batch is that stage's samples [(k-1)*GBS, k*GBS), each dp rank taking its contiguous slice. The
 samples of a step depend only on the step, so a resumed run — at any dp — continues with exactly
 the samples the uninterrupted run would have read; no loader state is needed beyond the step.
+Each stage's samples have its own `sequence_length` (`tokens.sequence_length` when null), so a
+later stage can train on longer sequences (long-context annealing).
 `validation` holds the held-out samples of `tokens.limit_val_batches` (`mesh3d.data.validation`).
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mesh3d.config import global_batch_size
+from mesh3d.config import global_batch_size, stage_sequence_length
 from mesh3d.config.schema import NanosetDatasetsArgs, PretrainDatasetsArgs, SFTDatasetsArgs
 from mesh3d.data.dummy import DummyTokens, microbatches
 from mesh3d.data.stages import consumed_in_stage, stage_index_at
@@ -52,12 +54,12 @@ def build_dataset(cfg, index: int):
             mc.vocab_size, tok.sequence_length, cfg.general.seed, cfg.mesh3d.dummy_data
         )
     stage, starts = stages[index], [s.start_training_step for s in stages]
-    data, gbs = stage.data, global_batch_size(cfg)
+    data, gbs, seq = stage.data, global_batch_size(cfg), stage_sequence_length(cfg, stage)
     seed = data.seed if data.seed is not None else 42
     num_samples = _stage_steps(starts, index, tok.train_steps) * gbs
     where = f"data_stages[{index}] ({stage.name!r})"
     if data.dataset is None:
-        return DummyTokens(mc.vocab_size, tok.sequence_length, seed, cfg.mesh3d.dummy_data)
+        return DummyTokens(mc.vocab_size, seq, seed, cfg.mesh3d.dummy_data)
     hf = isinstance(data.dataset, (PretrainDatasetsArgs, SFTDatasetsArgs))
     tokenizer = _tokenizer_path(cfg, required=hf)
     if isinstance(data.dataset, NanosetDatasetsArgs):
@@ -67,17 +69,16 @@ def build_dataset(cfg, index: int):
         if tokenizer:
             check_tokenizer_vocab(tokenizer, mc.vocab_size)
         d = data.dataset
-        ds = Nanoset(d.dataset_folder, d.dataset_weights, tok.sequence_length, num_samples, seed,
-                     mc.vocab_size, token_size_in_bytes=d.token_size_in_bytes)  # fmt: skip
+        ds = Nanoset(d.dataset_folder, d.dataset_weights, seq, num_samples, seed,
+                     mc.vocab_size, token_size_in_bytes=d.token_size_in_bytes,
+                     read_paths=d.dataset_read_path, max_tokens=d.dataset_max_tokens)  # fmt: skip
         check_enough(ds.epoch_len, gbs, f"{where} dataset_folder {d.dataset_folder}")
         return ds
     if isinstance(data.dataset, PretrainDatasetsArgs):
         from mesh3d.data.hf import load_pretrain_dataset
         from mesh3d.data.nanoset import check_enough
 
-        ds = load_pretrain_dataset(
-            data.dataset, tokenizer, tok.sequence_length, seed, num_samples, mc.vocab_size
-        )
+        ds = load_pretrain_dataset(data.dataset, tokenizer, seq, seed, num_samples, mc.vocab_size)
         check_enough(ds.epoch_len, gbs, f"{where} hf_dataset_or_datasets")
         return ds
     if isinstance(data.dataset, SFTDatasetsArgs):
@@ -85,7 +86,7 @@ def build_dataset(cfg, index: int):
         from mesh3d.data.sft import load_sft_dataset
 
         validating = index == 0 and tok.val_check_interval > 0 and tok.limit_val_batches > 0
-        ds = load_sft_dataset(data.dataset, tokenizer, tok.sequence_length, seed, num_samples,
+        ds = load_sft_dataset(data.dataset, tokenizer, seq, seed, num_samples,
                               mc.vocab_size, packing=cfg.mesh3d.sft_packing, where=where,
                               turns=cfg.mesh3d.sft_assistant_turns, global_batch=gbs,
                               held=tok.limit_val_batches * gbs if validating else 0)  # fmt: skip
@@ -103,6 +104,9 @@ class StagedData:
         stages = cfg.data_stages or []
         self.names = [s.name for s in stages] or ["dummy"]
         self.starts = [s.start_training_step for s in stages] or [1]
+        self.lengths = [stage_sequence_length(cfg, s) for s in stages] or [
+            cfg.tokens.sequence_length
+        ]  # each stage's sequence length
         self.gbs = global_batch_size(cfg)
         self.train_steps = cfg.tokens.train_steps
         self.datasets = [build_dataset(cfg, i) for i in range(len(self.starts))]
@@ -118,6 +122,19 @@ class StagedData:
 
     def stage_at(self, step: int) -> int:
         return stage_index_at(self.starts, step)
+
+    def sequence_length_at(self, step: int) -> int:
+        """The sequence length of the stage active at `step`."""
+        return self.lengths[self.stage_at(step)]
+
+    def tokens_through(self, step: int, global_batch: int) -> int:
+        """Tokens of steps 1..`step` at `global_batch` samples a step, each stage's samples at
+        its sequence length (a resumed run: the batch size of the checkpoint's run)."""
+        ends = [*(s - 1 for s in self.starts[1:]), step]
+        return sum(
+            max(min(step, end) - max(begin, 1) + 1, 0) * global_batch * length
+            for begin, end, length in zip(self.starts, ends, self.lengths, strict=True)
+        )
 
     def batches(self, step: int, dp_rank: int, dp: int, micro_batch_size: int) -> list:
         """This dp rank's microbatches of `step` from the stage active at it."""

@@ -64,9 +64,15 @@ class WindowSource(Protocol):
 
 
 class DatatroveFile:
-    """One `.ds` file: `len(f)` samples, `f.window(i)` -> the (S+1,) token window i (a memmap view)."""
+    """One `.ds` file: `len(f)` samples, `f.window(i)` -> the (S+1,) token window i (a memmap view).
 
-    def __init__(self, path: str | os.PathLike, seq_len: int, token_size: int):
+    `max_tokens` (a positive count, or None) caps the tokens the samples are cut from: only the
+    first min(max_tokens, tokens of the file) count, as in datatrove's `DatatroveFileDataset`.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, seq_len: int, token_size: int, max_tokens: int | None = None
+    ):
         self.path, self.seq_len, self.token_size = str(path), seq_len, token_size
         self.dtype = TOKEN_DTYPES[token_size]
         size = os.path.getsize(self.path)
@@ -82,6 +88,7 @@ class DatatroveFile:
                 "is wrong. Tokenize its data again, or fix token_size_in_bytes / the .ds.metadata"
             )
         self.num_tokens = size // token_size
+        self.used_tokens = min(max_tokens, self.num_tokens) if max_tokens else self.num_tokens
         self._tokens: np.ndarray | None = None
 
     @property
@@ -92,7 +99,7 @@ class DatatroveFile:
         return self._tokens
 
     def __len__(self) -> int:
-        return self.num_tokens // (self.seq_len + 1)
+        return self.used_tokens // (self.seq_len + 1)
 
     def window(self, index: int) -> np.ndarray:
         """Tokens [index*(S+1), (index+1)*(S+1)) of the file."""
@@ -133,6 +140,14 @@ class DatatroveFolder:
     The token size of each file comes from its `.ds.metadata` line 1 when that says it, else
     from `token_size_in_bytes`, else from `vocab_size` (4 bytes above 65,536 ids, else 2). With
     `check_token_ids`, every file is scanned once for ids >= `vocab_size`.
+
+    `read_path` (Nanotron's `dataset_read_path`): a local copy of the folder. Each file is read
+    from the copy when the copy has it, else from `folder`; the files are listed in `folder`,
+    or in the copy when `folder` is not a local folder (an `s3://` address). `max_tokens`
+    (Nanotron's `dataset_max_tokens`): the sorted files are taken in turn, each capped at the
+    tokens still allowed, until the cap is used up (datatrove's arithmetic: a file gives
+    min(left, its tokens) // (S+1) samples and uses that many times S+1 tokens); the kept files
+    are then shuffled.
     """
 
     def __init__(
@@ -144,35 +159,53 @@ class DatatroveFolder:
         token_size_in_bytes: int | None = None,
         check_token_ids: bool = True,
         file_seed: int = DATATROVE_FILE_SEED,
+        read_path: str | os.PathLike | None = None,
+        max_tokens: int | None = None,
     ):
         self.folder, self.seq_len = str(folder), seq_len
-        if not os.path.exists(self.folder):
+        self.read_path = None if read_path is None else str(read_path)
+        listed = self.folder
+        if not os.path.isdir(self.folder) and self.read_path and os.path.isdir(self.read_path):
+            listed = self.read_path  # a remote folder: its local copy lists the files
+        if not os.path.exists(listed):
             hint = (
                 " (`python recipes/tiny_data.py` writes it)"
                 if "tiny_data" in str(self.folder)
                 else " (`mesh3d.data.tokenize` writes one from text)"
             )
-            raise UserError(f"dataset_folder {self.folder!r} does not exist; fix the path{hint}")
-        if not os.path.isdir(self.folder):
+            copy = f" and dataset_read_path {self.read_path!r}" if self.read_path else ""
             raise UserError(
-                f"dataset_folder {self.folder!r} is a file; give the folder that holds the .ds files"
+                f"dataset_folder {self.folder!r}{copy} does not exist; fix the path{hint}"
+            )
+        if not os.path.isdir(listed):
+            raise UserError(
+                f"dataset_folder {listed!r} is a file; give the folder that holds the .ds files"
             )
         if token_size_in_bytes is not None and token_size_in_bytes not in TOKEN_DTYPES:
             raise UserError(f"token_size_in_bytes is {token_size_in_bytes}; use 2 or 4")
-        names = sorted(p.name for p in Path(self.folder).glob("*.ds") if p.is_file())
+        names = sorted(p.name for p in Path(listed).glob("*.ds") if p.is_file())
         if not names:
             raise UserError(
-                f"dataset_folder {self.folder!r} has no *.ds files (datatrove's tokenized output). "
+                f"dataset_folder {listed!r} has no *.ds files (datatrove's tokenized output). "
                 "Tokenize text into it with `python -m mesh3d.data.tokenize --tokenizer <dir> "
-                f"--input <files> --output {self.folder}`"
+                f"--input <files> --output {listed}`"
             )
-        order = np.random.default_rng(file_seed).permutation(len(names))
-        self.files = [
-            self._open(os.path.join(self.folder, names[i]), vocab_size, token_size_in_bytes)
-            for i in order
-        ]
+        kept, left = [], max_tokens
+        for name in names:
+            kept.append(self._open(self._where(name), vocab_size, token_size_in_bytes, left))
+            if left is not None:
+                left -= len(kept[-1]) * (seq_len + 1)
+                if left <= 0:
+                    break
+        order = np.random.default_rng(file_seed).permutation(len(kept))
+        self.files = [kept[i] for i in order]
         lengths = [len(f) for f in self.files]
         self.starts = [0, *np.cumsum(lengths).tolist()]  # starts[f] = first sample of file f
+        if len(self) == 0 and max_tokens is not None:
+            raise UserError(
+                f"dataset_max_tokens {max_tokens} of dataset_folder {self.folder!r} is less than "
+                f"one sample ({seq_len + 1} tokens: tokens.sequence_length + 1); raise it"
+            )
         if len(self) == 0:
             tokens = sum(f.num_tokens for f in self.files)
             raise UserError(
@@ -187,7 +220,24 @@ class DatatroveFolder:
                 progress.update()
             progress.done(f" ({sum(f.num_tokens for f in self.files):,} tokens)")
 
-    def _open(self, path: str, vocab_size: int | None, explicit: int | None) -> DatatroveFile:
+    def _where(self, name: str) -> str:
+        """Where file `name` is read: the local copy when it has it, else the folder."""
+        there = os.path.join(self.folder, name)
+        if self.read_path:
+            local = os.path.join(self.read_path, name)
+            if os.path.isfile(local):
+                if os.path.isfile(there) and os.path.getsize(there) != os.path.getsize(local):
+                    raise UserError(
+                        f"{local} has {os.path.getsize(local)} bytes but {there} has "
+                        f"{os.path.getsize(there)}: the local copy (dataset_read_path) is "
+                        "incomplete or stale; copy the file again or delete it"
+                    )
+                return local
+        return there
+
+    def _open(
+        self, path: str, vocab_size: int | None, explicit: int | None, max_tokens: int | None
+    ) -> DatatroveFile:
         size = metadata_token_size(path)
         if size is not None and explicit is not None and size != explicit:
             raise UserError(
@@ -203,7 +253,7 @@ class DatatroveFolder:
                     "token_size_in_bytes (2 or 4)"
                 )
             size = token_size_for_vocab(vocab_size)
-        return DatatroveFile(path, self.seq_len, size)
+        return DatatroveFile(path, self.seq_len, size, max_tokens)
 
     def __len__(self) -> int:
         return self.starts[-1]

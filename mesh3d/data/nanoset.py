@@ -176,7 +176,9 @@ class BlendedSamples:
 class Nanoset(BlendedSamples):
     """Nanotron's Nanoset over datatrove folders: `num_samples` (= train_steps * GBS) samples.
 
-    `weights` None weighs folders by their sample counts. Construction validates every folder
+    `weights` None weighs folders by their sample counts (after `max_tokens`, one cap per
+    folder or None; `read_paths`: one local copy per folder or None, see `DatatroveFolder`).
+    Construction validates every folder
     and file (see `DatatroveFolder`) and raises `UserError` naming what to fix.
 
     Example:
@@ -197,6 +199,8 @@ class Nanoset(BlendedSamples):
         *,
         token_size_in_bytes: int | None = None,
         check_token_ids: bool = True,
+        read_paths: Sequence[str | os.PathLike] | None = None,
+        max_tokens: Sequence[int] | None = None,
     ):
         check_weights(weights, len(folders))  # before the (slower) folder checks
         self.folders = [
@@ -206,8 +210,10 @@ class Nanoset(BlendedSamples):
                 vocab_size=vocab_size,
                 token_size_in_bytes=token_size_in_bytes,
                 check_token_ids=check_token_ids,
+                read_path=read_paths[k] if read_paths else None,
+                max_tokens=max_tokens[k] if max_tokens else None,
             )
-            for f in folders
+            for k, f in enumerate(folders)
         ]
         self.seq_len = seq_len
         super().__init__(self.folders, weights, num_samples, seed)
@@ -217,8 +223,8 @@ def check_enough(dataset_len: int, global_batch_size: int, where: str) -> None:
     """Raise `UserError` if a dataset of `dataset_len` samples cannot fill one global batch."""
     if dataset_len < global_batch_size:
         raise UserError(
-            f"{where} has {dataset_len} samples of tokens.sequence_length + 1 tokens, fewer than "
+            f"{where} has {dataset_len} samples of sequence_length + 1 tokens, fewer than "
             f"one global batch ({global_batch_size} samples = dp * micro_batch_size * "
-            "batch_accumulation_per_replica); add data, or lower the batch size or "
-            "tokens.sequence_length"
+            "batch_accumulation_per_replica); add data, or lower the batch size or the "
+            "sequence_length (the stage's own, else tokens.sequence_length)"
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from mesh3d.config.derive import padded_vocab_size
+from mesh3d.config.derive import longest_sequence, padded_vocab_size
 from mesh3d.errors import not_divisible
 from mesh3d.models.activations import HIDDEN_ACTS
 
@@ -100,12 +100,12 @@ def _positions_and_tokens(cfg, mc) -> Iterator[str]:
         yield f"`{MC}.rope_theta` must be a finite number > 0 (the rotary base, e.g. 10000.0), got {mc.rope_theta}"
     if mc.hidden_act not in HIDDEN_ACTS:
         yield f"`{MC}.hidden_act` {mc.hidden_act!r} is not supported; use one of {', '.join(HIDDEN_ACTS)}"
-    positions, seq = mc.max_position_embeddings, cfg.tokens.sequence_length
+    positions, (key, seq) = mc.max_position_embeddings, longest_sequence(cfg)
     if positions < 1:
         yield f"`{MC}.max_position_embeddings` must be >= 1, got {positions}"
     elif positions < seq:
         yield (
-            f"`{MC}.max_position_embeddings` ({positions}) is smaller than `tokens.sequence_length` "
+            f"`{MC}.max_position_embeddings` ({positions}) is smaller than `{key}` "
             f"({seq}); raise max_position_embeddings to at least {seq} or lower sequence_length"
         )
     for k in ("bos_token_id", "eos_token_id"):

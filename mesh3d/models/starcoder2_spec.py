@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from mesh3d.config.derive import longest_sequence
 from mesh3d.config.schema import Starcoder2Config
 from mesh3d.errors import not_divisible
 from mesh3d.models import llama_spec
@@ -248,10 +249,10 @@ def _positions(cfg, mc) -> Iterator[str]:
         dh = mc.hidden_size // mc.num_attention_heads
         if mc.hidden_size % mc.num_attention_heads == 0 and dh % 2:
             yield f"the head dimension {MC}.hidden_size / num_attention_heads = {dh} must be even for rotary embeddings"
-    seq = cfg.tokens.sequence_length
+    key, seq = longest_sequence(cfg)
     if mc.max_position_embeddings < seq:
         yield (f"`{MC}.max_position_embeddings` ({mc.max_position_embeddings}) is smaller than "
-               f"`tokens.sequence_length` ({seq}); raise it to at least {seq} or lower "
+               f"`{key}` ({seq}); raise it to at least {seq} or lower "
                "sequence_length")  # fmt: skip
 
 

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from mesh3d.checks.validate import validation_errors
-from mesh3d.config import effective_pp_schedule
+from mesh3d.config import effective_pp_schedule, max_sequence_length
 from mesh3d.errors import ConfigError
 from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.pipeline import stage_ids_of_rank
@@ -133,7 +133,7 @@ class Search:
         self.cache: dict[tuple, object] = {}
         self.batch = cfg.parallelism.dp * cfg.tokens.micro_batch_size
         self.batch *= cfg.tokens.batch_accumulation_per_replica
-        self.flops = self.spec.step_flops(self.shape, cfg.tokens.sequence_length, self.batch)
+        self.flops = self.spec.step_flops(self.shape, max_sequence_length(cfg), self.batch)
 
     def _cached(self, key, make):
         if key not in self.cache:

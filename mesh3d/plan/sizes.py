@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh3d.config import effective_pp_schedule, world_size
+from mesh3d.config import effective_pp_schedule, max_sequence_length, world_size
 from mesh3d.layout import RunLayout
 
 
@@ -14,7 +14,7 @@ class _Sizes:
     """The numbers every estimate uses, read once from a config."""
 
     b: int  # micro_batch_size
-    s: int  # sequence_length
+    s: int  # sequence_length: the longest of the run (a data stage may be longer)
     h: int
     ffn: int
     heads: int
@@ -57,7 +57,7 @@ class _Sizes:
         s, compute = z.shape, z.autocast_dtype or z.param_dtype
         moe = getattr(cfg.model.model_config, "moe_config", None)
         return cls(
-            z.microbatch_size, z.sequence_length, s.hidden_size, s.intermediate_size,
+            z.microbatch_size, max_sequence_length(cfg), s.hidden_size, s.intermediate_size,
             s.num_heads, s.num_kv_heads, p.tp, p.dp, p.pp, cp, z.virtual_stages, z.microbatches,
             z.vocab_size, z.padded_vocab, z.param_dtype.itemsize, compute.itemsize,
             z.autocast_dtype is not None, z.sequence_parallel, z.documents,

@@ -10,7 +10,8 @@ schedule named by `mesh3d.pp_schedule` or `parallelism.pp_engine`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -57,6 +58,19 @@ class ModelParts:
     loss_fn: object = None  # train/loss.py::step_loss of the run: what every path backpropagates
     expert_replicas: object = None  # with expert parallelism: the group expert grads sum over
     reducers: list = field(default_factory=list)  # zero_stage 0 over dp x cp: parallel/buckets.py
+    seq_len: int = 0  # the sequence length `stages` and `schedule` are declared for
+    reshape: Callable[[int], tuple[list, object]] | None = None  # (stages, schedule) at a length
+    _shaped: dict = field(default_factory=dict)
+
+    def pipeline_at(self, seq_len: int) -> tuple[list, object]:
+        """(stages, schedule) for samples of `seq_len` tokens: the run's own, or (a data stage
+        with its own sequence_length) stages of the same modules declared at that length, made
+        once. Every rank switches at the same step, so the stages' messages stay paired."""
+        if seq_len == self.seq_len or self.reshape is None:
+            return self.stages, self.schedule
+        if seq_len not in self._shaped:
+            self._shaped[seq_len] = self.reshape(seq_len)
+        return self._shaped[seq_len]
 
     def named_parameters(self):
         """(name, parameter) over every module; names are the full model's names."""
@@ -151,26 +165,35 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     split = split_by_cost(*spec.pipeline_costs(layout.shape), n)
     ids = stage_ids_of_rank(layout.coords["pp"], p.pp, virtual, name)
     modules = [finish(build_stage(full, i, n, split[i])) for i in ids]
-    stages = [
-        pipeline_stage(
-            m,
-            i,
-            n,
-            device,
-            mesh["pp"].get_group(),
-            microbatch_size=layout.microbatch_size,
-            seq_len=layout.cp_sequence,
-            seq_len_local=layout.local_sequence,
-            hidden_size=mc.hidden_size,
-            vocab_size=vocab,
-            dtype=layout.param_dtype,
-            logits_dtype=layout.logits_dtype,
-        )
-        for m, i in zip(modules, ids)
-    ]
-    schedule = build_schedule(name, stages, layout.microbatches, loss_fn)
+
+    def shaped(seq_len: int) -> tuple[list, object]:
+        """Pipeline stages of `modules` declared for samples of `seq_len` tokens, and their
+        schedule (no communication: every shape is given)."""
+        at = replace(layout, sequence_length=seq_len)
+        stages = [
+            pipeline_stage(
+                m,
+                i,
+                n,
+                device,
+                mesh["pp"].get_group(),
+                microbatch_size=at.microbatch_size,
+                seq_len=at.cp_sequence,
+                seq_len_local=at.local_sequence,
+                hidden_size=mc.hidden_size,
+                vocab_size=vocab,
+                dtype=at.param_dtype,
+                logits_dtype=at.logits_dtype,
+            )
+            for m, i in zip(modules, ids)
+        ]
+        return stages, build_schedule(name, stages, at.microbatches, loss_fn)
+
+    stages, schedule = shaped(layout.sequence_length)
     set_aux_weights(modules, layout)
     return ModelParts(
+        seq_len=layout.sequence_length,
+        reshape=shaped,
         reducers=_reducers(modules, layout, mesh, cfg.model.ddp_bucket_cap_mb),
         modules=modules,
         schedule=schedule,

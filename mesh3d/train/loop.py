@@ -138,10 +138,11 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
     tok, ck, gbs = cfg.tokens, cfg.checkpoints, run.layout.global_batch
     start, consumed, wandb_id = _resume(run, guard)
     run.data.resumed = (start, consumed)  # its data lines count samples as this line does
+    tokens = run.data.tokens_through(start, consumed // start if start else gbs)
     logger.info(
         f"[Start training] mbs: {tok.micro_batch_size} | grad_accum: "
         f"{tok.batch_accumulation_per_replica} | global_batch_size: {gbs} | sequence_length: "
-        f"{tok.sequence_length} | train_steps: {tok.train_steps} | start_iteration_step: "
+        f"{run.data.sequence_length_at(start + 1)} | train_steps: {tok.train_steps} | start_iteration_step: "
         f"{start + 1} | consumed_train_samples: {consumed}"
     )
     if start == tok.train_steps:
@@ -174,12 +175,14 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
             stop = guard.stop_requested()  # every rank ends the step together
             profiler.step()
             consumed += gbs
+            seq = run.data.sequence_length_at(step)
+            tokens += gbs * seq
             step_seconds.append(time.time() - t0)
             m = iteration_metrics(
-                iteration=step, consumed_samples=consumed, seq_len=tok.sequence_length,
+                iteration=step, consumed_samples=consumed, seq_len=seq,
                 elapsed_s=step_seconds[-1], global_batch_size=gbs, world_size=world,
-                lm_loss=loss, lr=run.scheduler.get_last_lr()[0], step_flops=run.step_flops,
-                grad_norm=grad_norm, peak=peak,
+                lm_loss=loss, lr=run.scheduler.get_last_lr()[0], step_flops=run.flops_at(step),
+                grad_norm=grad_norm, peak=peak, consumed_tokens=tokens,
             )  # fmt: skip
             if run.layout.shape.moe_layers:  # every rank: collectives inside
                 g = groups_of(run.mesh)

@@ -94,8 +94,10 @@ def iteration_metrics(
     step_flops: float,
     grad_norm: float | None,
     peak: float | None = None,
+    consumed_tokens: int | None = None,
 ) -> dict:
     """The metrics record of one iteration, keys and order as Nanotron's CLASSIC log line.
+    `consumed_tokens` defaults to consumed_samples x seq_len (one sequence length all along).
 
     `mfu` (percent of `peak` TFLOPs per device, model FLOPs) is added only when `peak` is known.
     `grad_norm` is the global norm before clipping.
@@ -104,7 +106,9 @@ def iteration_metrics(
     tflops = step_flops / (elapsed_s * world_size * 1e12)
     m = {
         "iteration": iteration,
-        "consumed_tokens": consumed_samples * seq_len,
+        "consumed_tokens": consumed_samples * seq_len
+        if consumed_tokens is None
+        else consumed_tokens,
         "elapsed_time_per_iteration_ms": elapsed_s * 1000.0,
         "tokens_per_sec": tokens_per_sec,
         "tokens_per_sec_per_gpu": tokens_per_sec / world_size,

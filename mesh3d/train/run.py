@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -72,7 +72,6 @@ class Run:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: object = None
     logger_rank: int = 0  # the global rank that owns the metrics (last stage, dp 0, tp 0)
-    step_flops: float = 0.0  # model FLOPs of one step
     n_params: int = 0
     extra: dict = field(default_factory=dict)  # room for callers' own state
     pending: PendingSave | None = None  # an asynchronous save still being written
@@ -123,9 +122,6 @@ class Run:
         primary = dist.get_rank() in (0, self.logger_rank)
         level = cfg.logging.log_level if primary else cfg.logging.log_level_replica
         setup_logging(layout.coords, level, cp=dims.cp)
-        self.step_flops = layout.spec.step_flops(
-            layout.shape, layout.sequence_length, layout.global_batch
-        )
         self.n_params = total_params(self.parts, self.mesh)
         return self
 
@@ -139,6 +135,20 @@ class Run:
         return self.data.batches(step, layout.coords["dp"], layout.dims.dp,
                                  layout.microbatch_size)  # fmt: skip
 
+    def layout_at(self, step: int) -> RunLayout:
+        """The layout of step `step`: the run's, at the sequence length of the data stage
+        active then (a stage may train on longer sequences: the model takes any length, a
+        pipeline switches to stages declared for it, `ModelParts.pipeline_at`)."""
+        seq = self.data.sequence_length_at(step)
+        if seq == self.layout.sequence_length:
+            return self.layout
+        return replace(self.layout, sequence_length=seq)
+
+    def flops_at(self, step: int) -> float:
+        """Model FLOPs of step `step`, at the active stage's sequence length."""
+        layout = self.layout_at(step)
+        return layout.spec.step_flops(layout.shape, layout.sequence_length, layout.global_batch)
+
     def step(self, step: int, accepts=None) -> StepOutput:
         """Read step `step`'s batches and train on them. `accepts(loss, grad_norm)`: whether
         the update may be applied (the loss-spike guard); a non-finite step never is."""
@@ -146,7 +156,7 @@ class Run:
         if self.layout.shape.moe_layers:
             clear_stats(self.parts.modules, self.layout)  # what validation forwards left
         loss, grad_norm = train_step(
-            self.parts, self.optimizer, self.scheduler, batches, layout=self.layout,
+            self.parts, self.optimizer, self.scheduler, batches, layout=self.layout_at(step),
             clip_grad=self.cfg.optimizer.clip_grad, mesh=self.mesh, device=self.device,
             accepts=accepts, step=step,
         )  # fmt: skip

@@ -131,8 +131,9 @@ def forward_backward(
             batches and len(batches[0]) > 2
         ):  # every stage's attention needs them: every rank read the data
             positions = torch.cat([b[2] for b in batches]).to(device)
+        stages, schedule = parts.pipeline_at(layout.sequence_length)
         with _autocast(device, autocast), _loss_ctx(tp):
-            losses = run_schedule(parts.schedule, parts.stages, inputs, labels, positions,
+            losses = run_schedule(schedule, stages, inputs, labels, positions,
                                   token_keys=keys)  # fmt: skip
         for loss in losses:
             total += _scalar(loss)
@@ -238,8 +239,7 @@ def train_step(
     g = groups_of(mesh)
     dp, pp, dp_group, pp_group, replica_group = g.dp_size, g.pp_size, g.dp, g.pp, g.replicas
     batches, tokens = prepare_batches(batches, layout, dp_group, device)
-    if tokens is not None:
-        parts.loss_fn.tokens = tokens
+    parts.loss_fn.tokens = layout.global_tokens if tokens is None else tokens  # S: the stage's
     total = forward_backward(parts, batches, layout, device, step_token_keys(layout, step, device))
     if pp > 1:
         dist.all_reduce(total, group=pp_group)  # only the last stage's ranks hold the loss

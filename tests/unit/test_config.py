@@ -309,9 +309,12 @@ BAD = [
     ("mamba", [], _mamba, None, "`model.model_config`: model family mamba (`is_mamba_config`) is not supported by mesh3d yet"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
     ("z-loss", [f"{MC}.z_loss_enabled=true", f"{MC}.z_loss_coefficient=0"], None, None, f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got 0.0"),
-    ("nanoset-read-path", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_read_path: [/m]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_read_path` is not supported by mesh3d yet (set it to null)"),
-    ("nanoset-skip", ["data_stages[0].data.dataset={dataset_folder: /data, skip_in_stream: true}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.skip_in_stream` is not supported by mesh3d yet (set it to false)"),
-    ("stage-seq-len", ["data_stages[0].sequence_length=64"], None, None, "`data_stages[name='Stable Training Stage'].sequence_length` is not supported by mesh3d yet (a per-stage length (64)"),
+    ("nanoset-read-path-count", ["data_stages[0].data.dataset={dataset_folder: [/a, /b], dataset_read_path: [/m]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_read_path` has 1 entries ['/m'] but dataset_folder has 2 folders; give one per folder (or drop dataset_read_path)"),
+    ("nanoset-max-tokens", ["data_stages[0].data.dataset={dataset_folder: /data, dataset_max_tokens: [0]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_max_tokens[0]` is 0; give a token count >= 1 (or drop dataset_max_tokens to read the whole folder)"),
+    ("nanoset-brrr", ["data_stages[0].data.dataset={dataset_folder: /data, use_old_brrr_dataloader: true}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.use_old_brrr_dataloader` is not supported by mesh3d yet (set it to false)"),
+    ("stage-seq-len-cp", ["data_stages[0].sequence_length=36", f"{MC}.max_position_embeddings=64", "parallelism.context_parallel_size=4"], None, 4, "`data_stages[name='Stable Training Stage'].sequence_length` (36) must be divisible by `2 x parallelism.context_parallel_size` (8)"),
+    ("stage-seq-len-validation", ["data_stages[0].sequence_length=64", f"{MC}.max_position_embeddings=64", "tokens.val_check_interval=2", "tokens.limit_val_batches=1"], None, None, "`data_stages[name='Stable Training Stage'].sequence_length` is not supported by mesh3d yet (64, other than tokens.sequence_length 32, with validation: the held-out set is cut at one length; set tokens.val_check_interval to -1, or this sequence_length to null)"),
+    ("stage-seq-len-positions", ["data_stages[0].sequence_length=64"], None, None, f"`{MC}.max_position_embeddings` (32) is smaller than `data_stages[name='Stable Training Stage'].sequence_length` (64); raise max_position_embeddings to at least 64"),
 ]  # fmt: skip
 
 
@@ -325,6 +328,13 @@ def test_base_config_is_valid():
     check(base(), [*PP2, *interleaved, "tokens.batch_accumulation_per_replica=3"], world_size=2)
     cfg = check(base(), ["lighteval={}", "model.model_config.rope_scaling={}"])
     assert cfg.lighteval is None and cfg.model.model_config.rope_scaling is None
+    # Nanotron HEAD's Nanoset keys mesh3d implements (the two flags change nothing, as there)
+    keys = (
+        "dataset_folder: [/a, /b], dataset_read_path: [/m/a, /m/b], dataset_max_tokens: "
+        "[1000, 2000], skip_in_stream: true, pad_samples_to_global_batch_size: true"
+    )
+    cfg = check(base(), [f"data_stages[0].data.dataset={{{keys}}}"])
+    assert cfg.data_stages[0].data.dataset.dataset_max_tokens == [1000, 2000]
 
 
 @pytest.mark.parametrize(
@@ -461,3 +471,14 @@ def test_recipe_configs_validate(path):
     cfg = load_config(path)
     p = cfg.parallelism
     validate(cfg, world_size=p.dp * p.tp * p.pp)
+
+
+def test_a_longer_stage_sizes_the_plan():
+    from mesh3d.config import max_sequence_length
+    from mesh3d.plan.sizes import _Sizes
+
+    longer = ["data_stages[0].sequence_length=64", f"{MC}.max_position_embeddings=64"]
+    cfg = check(base(), [*longer, "parallelism.context_parallel_size=2"], world_size=2)
+    check(base(), [*longer, *PP2], world_size=2)  # the pipeline gets stages at each length
+    assert cfg.tokens.sequence_length == 32 and max_sequence_length(cfg) == 64
+    assert _Sizes.of(cfg).s == 64  # `mesh3d plan` sizes memory for the longest stage
