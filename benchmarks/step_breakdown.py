@@ -5,8 +5,8 @@
 
 The peer shape of `throughput.py --peer` (Llama h256, ffn 1024, 4 layers, GQA 4/2, vocab 512,
 sequence 128, fp32, 32 sequences per step) trains in fresh torchrun groups: 1x1x1 on every core
-of the machine, and 2x2x2 (REDUCE_SCATTER, 8 gloo ranks of one thread each). Every rank builds
-the run `mesh3d train` builds (`Run.prepare`) and steps it as the training loop does
+of the machine and on one thread, and 2x2x2 (REDUCE_SCATTER, 8 gloo ranks of one thread each).
+Every rank builds the run `mesh3d train` builds (`Run.prepare`) and steps it as the training loop does
 (`run.step`, then the loop's stop check). The functions one step calls (reading the batch,
 preparing it, forward+backward with the pipeline schedule, the dp gradient sum, the
 tied-embedding sync, the Partial-gradient reduction, the norm and clipping, the optimizer, the
@@ -42,7 +42,13 @@ from _ways import COMMON, CONFIG, ROOT, SHAPES, shape_overrides
 SHAPE = {"peer": "peer", "tiny": "peer_tiny"}
 STEPS = {"peer": 12, "tiny": 4}
 SKIP = 2  # steps left out: the first builds caches, the second may still warm up
-LAYOUTS = {"1x1x1": ((1, 1, 1), os.cpu_count() or 1), "2x2x2": ((2, 2, 2), 1)}  # dims, threads
+# name -> (dp, tp, pp), intra-op threads per rank: the one process a user runs (every core), the
+# same on one thread (the work without OpenMP's), and the 3D layout
+LAYOUTS = {
+    "1x1x1": ((1, 1, 1), os.cpu_count() or 1),
+    "1x1x1 1 thread": ((1, 1, 1), 1),
+    "2x2x2": ((2, 2, 2), 1),
+}
 PHASES = ("read batch", "prepare batch", "forward+backward", "dp grad sum", "tied-embedding sync",
           "partial-grad reduce", "norm + clip", "optimizer", "stop check")  # fmt: skip
 
@@ -162,27 +168,31 @@ def run_layout(shape: str, name: str) -> dict:
 
 
 def table(result: dict) -> str:
-    one, three = result["layouts"]["1x1x1"], result["layouts"]["2x2x2"]
+    """Markdown: per phase, each layout's CPU seconds and 2x2x2's over the one-thread 1x1x1's;
+    then each layout's wall seconds per step and the efficiency 1x1x1 wall / 2x2x2 wall."""
+    lay = result["layouts"]
+    names, three, one_thread = list(lay), lay["2x2x2"], lay["1x1x1 1 thread"]
 
     def ratio(a: float, b: float) -> str:
-        return f"{a / b:.2f}" if b > 1e-9 else "—"
+        return f"{a / b:.2f}" if b > 1e-6 else "—"
 
-    lines = ["CPU seconds per step summed over ranks (median of steps "
-             f"{SKIP + 1}-{result['steps']}); wall: the slowest rank", "",
-             "| phase | 1×1×1 CPU s | 2×2×2 CPU s | ratio | 1×1×1 wall s | 2×2×2 wall s |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    def row(label: str, values: dict[str, float]) -> str:
+        cells = " | ".join(f"{values[n]:.4f}" for n in names)
+        return f"| {label} | {cells} | {ratio(values['2x2x2'], values['1x1x1 1 thread'])} |"
+
+    lines = [f"CPU seconds per step summed over ranks (median of steps {SKIP + 1}-"
+             f"{result['steps']}); ratio: 2×2×2 over the one-thread 1×1×1", "",
+             f"| phase | {' | '.join(names)} | ratio |", "|---" * (len(names) + 2) + "|"]  # fmt: skip
     for p in PHASES:
-        lines.append(f"| {p} | {one['cpu'][p]:.4f} | {three['cpu'][p]:.4f} | "
-                     f"{ratio(three['cpu'][p], one['cpu'][p])} | {one['wall'][p]:.4f} | "
-                     f"{three['wall'][p]:.4f} |")  # fmt: skip
-    other = {k: v["step_cpu"] - sum(v["cpu"].values()) for k, v in (("1", one), ("3", three))}
+        lines.append(row(p, {n: lay[n]["cpu"][p] for n in names}))
     lines.append(
-        f"| the rest of the step | {other['1']:.4f} | {other['3']:.4f} | "
-        f"{ratio(other['3'], other['1'])} | | |"
+        row("the rest", {n: lay[n]["step_cpu"] - sum(lay[n]["cpu"].values()) for n in names})
     )
-    lines.append(f"| **step** | {one['step_cpu']:.4f} | {three['step_cpu']:.4f} | "
-                 f"{ratio(three['step_cpu'], one['step_cpu'])} | {one['step_wall']:.4f} | "
-                 f"{three['step_wall']:.4f} |")  # fmt: skip
+    lines.append(row("**step**", {n: lay[n]["step_cpu"] for n in names}))
+    walls = ", ".join(f"{n} {lay[n]['step_wall']:.3f} s" for n in names)
+    lines += ["", f"wall seconds per step (slowest rank): {walls}",
+              f"efficiency (1×1×1 wall / 2×2×2 wall): {lay['1x1x1']['step_wall'] / three['step_wall']:.3f}; "
+              f"over the one-thread 1×1×1: {one_thread['step_wall'] / three['step_wall']:.3f}"]  # fmt: skip
     return "\n".join(lines)
 
 

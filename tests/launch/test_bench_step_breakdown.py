@@ -16,7 +16,7 @@ def test_step_breakdown_tiny_times_every_phase(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     saved = json.loads((ROOT / "benchmarks/results/local/step_breakdown_tiny.json").read_text())
-    one, three = saved["layouts"]["1x1x1"], saved["layouts"]["2x2x2"]
+    one, three = saved["layouts"]["1x1x1 1 thread"], saved["layouts"]["2x2x2"]
     assert (one["ranks"], three["ranks"]) == (1, 8)
     for phase in ("read batch", "forward+backward", "norm + clip", "optimizer", "stop check"):
         assert f"| {phase} |" in proc.stdout, phase
