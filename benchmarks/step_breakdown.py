@@ -53,7 +53,7 @@ PHASES = ("read batch", "prepare batch", "forward+backward", "dp grad sum", "tie
           "partial-grad reduce", "norm + clip", "optimizer", "stop check")  # fmt: skip
 
 
-def overrides(shape: str, dims: tuple[int, int, int], steps: int) -> list[str]:
+def overrides(shape: str, dims: tuple[int, int, int], steps: int, tp_mode: str) -> list[str]:
     dp, tp, pp = dims
     acc = SHAPES[SHAPE[shape]][-1]
     return [
@@ -64,7 +64,7 @@ def overrides(shape: str, dims: tuple[int, int, int], steps: int) -> list[str]:
         f"parallelism.dp={dp}",
         f"parallelism.tp={tp}",
         f"parallelism.pp={pp}",
-        "parallelism.tp_mode=REDUCE_SCATTER",
+        f"parallelism.tp_mode={tp_mode}",
     ]
 
 
@@ -99,7 +99,7 @@ class Timers:
         return out
 
 
-def rank_main(shape: str, dims: tuple[int, int, int], steps: int, out: str) -> None:
+def rank_main(shape: str, tp_mode: str, dims: tuple[int, int, int], steps: int, out: str) -> None:
     """One torchrun rank: build the run, step it with the timers."""
     import torch.distributed as dist
 
@@ -108,7 +108,7 @@ def rank_main(shape: str, dims: tuple[int, int, int], steps: int, out: str) -> N
     from mesh3d.train.guard import RunGuard
     from mesh3d.train.run import Run
 
-    cfg = load_config(CONFIG, overrides(shape, dims, steps))
+    cfg = load_config(CONFIG, overrides(shape, dims, steps, tp_mode))
     run = Run.prepare(cfg)
     timers = Timers()
     timers.wrap(Run, "batches", "read batch")
@@ -141,7 +141,7 @@ def rank_main(shape: str, dims: tuple[int, int, int], steps: int, out: str) -> N
     dist.destroy_process_group()
 
 
-def run_layout(shape: str, name: str) -> dict:
+def run_layout(shape: str, name: str, tp_mode: str) -> dict:
     """A fresh torchrun group for layout `name`: per step, CPU summed over ranks and the
     slowest rank's wall, per phase and in all."""
     dims, threads = LAYOUTS[name]
@@ -149,7 +149,7 @@ def run_layout(shape: str, name: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="mesh3d-breakdown-") as tmp:
         out = str(Path(tmp) / "rank")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={ranks}", __file__, "--rank-worker", shape,
+               f"--nproc_per_node={ranks}", __file__, "--rank-worker", shape, tp_mode,
                ",".join(map(str, dims)), str(steps), out]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -199,10 +199,12 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--rank-worker":
-        shape, dims, steps, out = argv[1:]
-        return rank_main(shape, tuple(int(x) for x in dims.split(",")), int(steps), out)
+        shape, tp_mode, dims, steps, out = argv[1:]
+        return rank_main(shape, tp_mode, tuple(int(x) for x in dims.split(",")), int(steps), out)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="toy shapes (the test)")
+    ap.add_argument("--tp-mode", default="REDUCE_SCATTER", choices=["REDUCE_SCATTER", "ALL_REDUCE"],
+                    help="parallelism.tp_mode of the 2x2x2 run (default REDUCE_SCATTER)")  # fmt: skip
     add_publish_flag(ap)
     args = ap.parse_args(argv)
     head = print_header()
@@ -210,14 +212,15 @@ def main(argv: list[str] | None = None) -> None:
     layouts = {}
     for name in LAYOUTS:
         t0 = time.time()
-        layouts[name] = run_layout(shape, name)
+        layouts[name] = run_layout(shape, name, args.tp_mode)
         print(f"{name}: {layouts[name]['step_wall']:.3f} s per step (wall), "
               f"{layouts[name]['step_cpu']:.3f} CPU s summed over ranks ({time.time() - t0:.0f} s)",
               flush=True)  # fmt: skip
-    result = dict(head, shape=shape, shape_values=SHAPES[SHAPE[shape]], steps=STEPS[shape],
+    result = dict(head, shape=shape, tp_mode=args.tp_mode, shape_values=SHAPES[SHAPE[shape]], steps=STEPS[shape],
                   skipped_steps=SKIP, layouts=layouts)  # fmt: skip
     print(table(result))
-    path = results_dir(args.publish) / f"step_breakdown{'_tiny' if args.tiny else ''}.json"
+    mode = "" if args.tp_mode == "REDUCE_SCATTER" else "_all_reduce"
+    path = results_dir(args.publish) / f"step_breakdown{mode}{'_tiny' if args.tiny else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 
