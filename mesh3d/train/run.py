@@ -33,6 +33,7 @@ from mesh3d.checkpoint.training import checkpoint_custom_metas, load_checkpoint,
 from mesh3d.checkpoint.upload import Uploader
 from mesh3d.checks import validate, warn_once
 from mesh3d.data.build import StagedData
+from mesh3d.data.loader import Feed
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger, setup_logging
@@ -77,6 +78,7 @@ class Run:
     extra: dict = field(default_factory=dict)  # room for callers' own state
     pending: PendingSave | None = None  # an asynchronous save still being written
     uploads: Uploader | None = None  # `s3_upload`'s background uploads (rank 0)
+    feed: Feed | None = None  # this rank's loader of each step's batches (`build`)
 
     @classmethod
     def prepare(cls, cfg) -> Run:
@@ -126,6 +128,9 @@ class Run:
             layout.shape, layout.sequence_length, layout.global_batch
         )
         self.n_params = total_params(self.parts, self.mesh)
+        self.feed = Feed(self.data, layout.coords["dp"], dims.dp, layout.microbatch_size,
+                         timeout_s=cfg.mesh3d.collective_timeout_s,
+                         pin=self.device.type == "cuda")  # fmt: skip
         return self
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -135,8 +140,7 @@ class Run:
         parts, layout = self.parts, self.layout
         if not (parts.has_first or parts.has_last or layout.positions_everywhere):
             return []
-        return self.data.batches(step, layout.coords["dp"], layout.dims.dp,
-                                 layout.microbatch_size)  # fmt: skip
+        return self.feed.batches(step)
 
     def step(self, step: int, accepts=None) -> StepOutput:
         """Read step `step`'s batches and train on them. `accepts(loss, grad_norm)`: whether

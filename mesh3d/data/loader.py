@@ -1,0 +1,232 @@
+"""The loader: each step's microbatches read ahead by `num_loading_workers` worker processes.
+
+One `torchdata.stateful_dataloader.StatefulDataLoader` per data stage. A map-style stage
+(Nanoset, HF map-style, SFT) is a dataset over *steps*: item s is this dp rank's microbatches
+of step s (`StagedData.read`), and the sampler is the stage's remaining steps in order, so the
+samples of a step still depend only on the step and the data config: workers change when a
+batch is read, never what it holds, and a resume at any dp needs no loader state (the next step
+is the state). A streamed stage (`mesh3d.hf_streaming`, `data/streaming.py`) is an iterable
+that yields one step's microbatches at a time; its position is the loader's `state_dict()`,
+saved in each checkpoint per dp rank (`data_state`).
+
+`num_loading_workers: 0` reads in the training process, as does dummy data (`dataset: null`)
+whatever the setting (it is generated, not read). Workers start with the 'forkserver' method:
+a worker forked from a rank that already runs gloo threads and multi-threaded kernels can hang
+(docs/FACTS: fork hazards); forkserver forks from a clean server process instead. Batches are
+pinned when the run is on CUDA so the step's copies can be non-blocking.
+
+A worker that dies, hangs past `mesh3d.collective_timeout_s` or raises is one
+`DataWorkerError` line naming the worker, the stage and its files.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import signal
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from mesh3d.data.dummy import microbatches
+from mesh3d.errors import DataWorkerError, UserError
+
+_PREFETCH = 2  # steps each worker reads ahead
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates: not the user's concern
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+
+class _Failed:
+    """An exception raised inside a worker, carried to the training process as a value (the
+    DataLoader's own re-raise would print the worker's whole traceback)."""
+
+    def __init__(self, error: BaseException):
+        self.user = isinstance(error, UserError)
+        self.text = str(error) if self.user else f"{type(error).__name__}: {error}"
+        info = torch.utils.data.get_worker_info()
+        self.worker = None if info is None else info.id
+
+
+class StepDataset(Dataset):
+    """Map-style over steps: `self[step]` -> (step, this dp rank's microbatches of `step`) from
+    one stage's dataset (only that dataset travels to the workers)."""
+
+    def __init__(self, dataset, start: int, gbs: int, dp_rank: int, dp: int, mbs: int):
+        self.dataset, self.start, self.gbs = dataset, max(start, 1), gbs
+        self.dp_rank, self.dp, self.mbs = dp_rank, dp, mbs
+
+    def __getitem__(self, step: int):
+        try:
+            local = step - self.start + 1
+            return step, microbatches(self.dataset, local, self.gbs, self.dp_rank, self.dp,
+                                      self.mbs)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - carried to the training process, raised there
+            return step, _Failed(e)
+
+
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)  # the ranks' cores are for the step; a worker stacks small tensors
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+
+
+class StageLoader:
+    """The batches of one data stage from step `first` on, through `workers` processes.
+
+    `where`: the stage and its files (for errors); `dataset`: a `StepDataset` (map-style) or an `IterableDataset` yielding one step's
+    microbatches per item, starting at `first`; `state`: a `state_dict()` to resume from.
+    """
+
+    def __init__(self, dataset, first: int, last: int, workers: int, *, where: str,
+                 timeout_s: float, pin: bool = False, state: dict | None = None):  # fmt: skip
+        self.first, self.next_step, self.last = first, first, last
+        self.where, self.workers, self.timeout_s = where, workers, timeout_s
+        self.streamed = isinstance(dataset, IterableDataset)
+        kwargs = {}
+        if workers > 0:
+            kwargs = dict(multiprocessing_context=_context(),
+                          prefetch_factor=_PREFETCH, timeout=timeout_s, persistent_workers=False,
+                          worker_init_fn=_worker_init)  # fmt: skip
+        self.loader = StatefulDataLoader(
+            dataset, batch_size=None, num_workers=workers, pin_memory=pin,
+            sampler=None if self.streamed else range(first, last + 1), collate_fn=_keep,
+            **kwargs,
+        )  # fmt: skip
+        if state is not None:
+            self.loader.load_state_dict(state)
+        self._it: Iterator | None = None
+
+    def next(self, step: int) -> list:
+        """The microbatches of `step`, which must be the next one of this loader."""
+        assert step == self.next_step <= self.last, (step, self.next_step, self.last)
+        try:
+            if self._it is None:
+                self._it = iter(self.loader)  # starts the workers, reads the first steps
+            item = next(self._it)
+        except StopIteration:
+            raise UserError(
+                f"{self.where}: the data ended before step {step}; add data or "
+                "lower tokens.train_steps"
+            ) from None
+        except (RuntimeError, OSError, EOFError) as e:  # a dead worker (or its queued tensors'
+            # shared memory gone with it), or none answered in time
+            raise self._dead(step, e) from None
+        got, batches = item if not self.streamed else (step, item)
+        if isinstance(batches, _Failed):
+            self.close()
+            who = (
+                "the training process"
+                if batches.worker is None
+                else f"data worker {batches.worker}"
+            )
+            if batches.user:
+                raise UserError(f"{batches.text} (read by {who})")
+            raise DataWorkerError(
+                f"{who} failed reading step {step} of {self.where}: "
+                f"{batches.text}; fix or replace the file, or set num_loading_workers: 0 to "
+                "see the traceback in the training process"
+            )
+        assert got == step, (got, step)
+        self.next_step += 1
+        return batches
+
+    def _dead(self, step: int, error: Exception) -> DataWorkerError:
+        """The one-line error for a worker that died or did not answer in time."""
+        it = self._it
+        workers = getattr(it, "_workers", []) or []
+        if workers:  # a worker killed a moment ago may not be reaped yet
+            multiprocessing.connection.wait([w.sentinel for w in workers], timeout=2.0)
+        dead = [(i, w.pid, w.exitcode) for i, w in enumerate(workers) if not w.is_alive()]
+        self.close()
+        if dead:
+            i, pid, code = dead[0]
+            how = f"was killed by signal {-code}" if code and code < 0 else f"exited ({code})"
+            what = f"data worker {i} (pid {pid}) {how}"
+            fix = "if it was killed for memory (see dmesg), lower num_loading_workers"
+        elif "timed out" in str(error):
+            what = f"no data worker answered within {self.timeout_s:.0f} s (a worker hung)"
+            fix = "check the files are readable and not on a stalled file system"
+        else:
+            what = f"the data workers failed ({error})"
+            fix = "check the files"
+        return DataWorkerError(
+            f"{what} while reading step {step} of {self.where}; {fix}, or set "
+            "num_loading_workers: 0 to read in the training process; resume from the last "
+            "checkpoint"
+        )
+
+    def state_dict(self) -> dict:
+        """The loader's position after the last step it returned (streamed stages)."""
+        return self.loader.state_dict()
+
+    def close(self) -> None:
+        """Stop the workers, if any."""
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+
+def _context():
+    """The forkserver context, its server preloading what a worker imports (once per rank)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "mesh3d.data.loader", "mesh3d.data.build"])
+    return ctx
+
+
+def _keep(item):
+    """No collation: an item already is one step's list of microbatches."""
+    return item
+
+
+def worker_pids(loader: StageLoader) -> list[int]:
+    """The pids of a loader's running workers (tests kill one)."""
+    it = loader._it
+    return [w.pid for w in getattr(it, "_workers", []) or [] if w.is_alive()]
+
+
+class Feed:
+    """This rank's batches of every step, stage after stage (`Run.batches` asks it).
+
+    Steps asked in order come from the active stage's loader; a step out of order (a test or
+    a benchmark driving `Run.step` by hand) starts that stage's loader again at it. Streamed
+    stages get their saved position from `resume` (`data/streaming.py`)."""
+
+    def __init__(self, data, dp_rank: int, dp: int, micro_batch_size: int, *,
+                 timeout_s: float, pin: bool = False):  # fmt: skip
+        self.data, self.dp_rank, self.dp, self.mbs = data, dp_rank, dp, micro_batch_size
+        self.timeout_s, self.pin = timeout_s, pin
+        self.loader: StageLoader | None = None
+        self.stage: int | None = None
+
+    def batches(self, step: int) -> list:
+        data = self.data
+        data.log_stage(step)
+        i = data.stage_at(step)
+        if data.workers[i] == 0 and not _streamed(data.datasets[i]):
+            self.close()
+            return data.read(step, self.dp_rank, self.dp, self.mbs)
+        if self.loader is None or self.stage != i or self.loader.next_step != step:
+            self.close()
+            self.loader, self.stage = self._open(i, step), i
+        return self.loader.next(step)
+
+    def _open(self, i: int, step: int, state: dict | None = None) -> StageLoader:
+        data = self.data
+        ds = data.datasets[i]
+        if not _streamed(ds):
+            ds = StepDataset(ds, data.starts[i], data.gbs, self.dp_rank, self.dp, self.mbs)
+        return StageLoader(ds, step, data.last_step(i), data.workers[i], where=data.sources[i],
+                           timeout_s=self.timeout_s, pin=self.pin,
+                           state=state)  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the active loader's workers (at the end of a run, or a stage switch)."""
+        if self.loader is not None:
+            self.loader.close()
+        self.loader = self.stage = None
+
+
+def _streamed(dataset) -> bool:
+    return isinstance(dataset, IterableDataset)
