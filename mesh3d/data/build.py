@@ -71,6 +71,17 @@ def build_dataset(cfg, index: int):
                      mc.vocab_size, token_size_in_bytes=d.token_size_in_bytes)  # fmt: skip
         check_enough(ds.epoch_len, gbs, f"{where} dataset_folder {d.dataset_folder}")
         return ds
+    if isinstance(data.dataset, PretrainDatasetsArgs) and cfg.mesh3d.hf_streaming:
+        from mesh3d.data.hf import check_tokenizer_vocab
+        from mesh3d.data.streaming import StreamedText
+
+        if not tokenizer:
+            raise UserError(
+                f"{where} streams hf_dataset_or_datasets, which needs a tokenizer: set "
+                "tokenizer.tokenizer_name_or_path to a local folder with tokenizer.json"
+            )
+        check_tokenizer_vocab(tokenizer, mc.vocab_size)
+        return StreamedText(data.dataset, tokenizer, tok.sequence_length, seed, gbs, where)
     if isinstance(data.dataset, PretrainDatasetsArgs):
         from mesh3d.data.hf import load_pretrain_dataset
         from mesh3d.data.nanoset import check_enough

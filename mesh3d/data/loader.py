@@ -21,6 +21,7 @@ A worker that dies, hangs past `mesh3d.collective_timeout_s` or raises is one
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 import multiprocessing.connection
 import signal
@@ -32,22 +33,13 @@ from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mesh3d.data.dummy import microbatches
+from mesh3d.data.streaming import StreamedText
+from mesh3d.data.worker_failure import Failed
 from mesh3d.errors import DataWorkerError, UserError
 
 _PREFETCH = 2  # steps each worker reads ahead
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates: not the user's concern
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-
-
-class _Failed:
-    """An exception raised inside a worker, carried to the training process as a value (the
-    DataLoader's own re-raise would print the worker's whole traceback)."""
-
-    def __init__(self, error: BaseException):
-        self.user = isinstance(error, UserError)
-        self.text = str(error) if self.user else f"{type(error).__name__}: {error}"
-        info = torch.utils.data.get_worker_info()
-        self.worker = None if info is None else info.id
 
 
 class StepDataset(Dataset):
@@ -64,7 +56,7 @@ class StepDataset(Dataset):
             return step, microbatches(self.dataset, local, self.gbs, self.dp_rank, self.dp,
                                       self.mbs)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - carried to the training process, raised there
-            return step, _Failed(e)
+            return step, Failed(e)
 
 
 def _worker_init(_: int) -> None:
@@ -114,7 +106,7 @@ class StageLoader:
             # shared memory gone with it), or none answered in time
             raise self._dead(step, e) from None
         got, batches = item if not self.streamed else (step, item)
-        if isinstance(batches, _Failed):
+        if isinstance(batches, Failed):
             self.close()
             who = (
                 "the training process"
@@ -190,8 +182,9 @@ class Feed:
     """This rank's batches of every step, stage after stage (`Run.batches` asks it).
 
     Steps asked in order come from the active stage's loader; a step out of order (a test or
-    a benchmark driving `Run.step` by hand) starts that stage's loader again at it. Streamed
-    stages get their saved position from `resume` (`data/streaming.py`)."""
+    a benchmark driving `Run.step` by hand) opens that stage's loader again at it (a streamed
+    stage reads its stream again from the stage's first step). `resume` hands a streamed
+    stage its saved position; `data_state` is what a checkpoint saves for this dp rank."""
 
     def __init__(self, data, dp_rank: int, dp: int, micro_batch_size: int, *,
                  timeout_s: float, pin: bool = False):  # fmt: skip
@@ -199,6 +192,10 @@ class Feed:
         self.timeout_s, self.pin = timeout_s, pin
         self.loader: StageLoader | None = None
         self.stage: int | None = None
+        self._resume: tuple[int, int, dict] | None = None  # (stage, next step, loader state)
+
+    def _shards(self, i: int) -> int:
+        return max(self.data.workers[i], 1)
 
     def batches(self, step: int) -> list:
         data = self.data
@@ -212,14 +209,72 @@ class Feed:
             self.loader, self.stage = self._open(i, step), i
         return self.loader.next(step)
 
-    def _open(self, i: int, step: int, state: dict | None = None) -> StageLoader:
+    def _open(self, i: int, step: int) -> StageLoader:
         data = self.data
-        ds = data.datasets[i]
-        if not _streamed(ds):
+        ds, state, first = data.datasets[i], None, step
+        if _streamed(ds):
+            ds = ds.for_rank(self.dp_rank, self.dp, self.mbs, data.workers[i])
+            first = max(data.starts[i], 1)
+            if self._resume is not None and self._resume[:2] == (i, step):
+                state, first = self._resume[2], step
+        else:
             ds = StepDataset(ds, data.starts[i], data.gbs, self.dp_rank, self.dp, self.mbs)
-        return StageLoader(ds, step, data.last_step(i), data.workers[i], where=data.sources[i],
-                           timeout_s=self.timeout_s, pin=self.pin,
-                           state=state)  # fmt: skip
+        loader = StageLoader(ds, first, data.last_step(i), data.workers[i], where=data.sources[i],
+                             timeout_s=self.timeout_s, pin=self.pin, state=state)  # fmt: skip
+        while loader.next_step < step:  # a stream opened past its start reads up to `step`
+            loader.next(loader.next_step)
+        return loader
+
+    def resume(self, step: int, saved: dict | None, checkpoint: str) -> None:
+        """Continue after checkpoint `checkpoint` of step `step`; `saved`: the loader state it
+        holds for this dp rank (None: none). A stream in the middle of its stage continues
+        exactly at the dp and worker count it was saved with and is refused at any other."""
+        data = self.data
+        if step >= data.train_steps:
+            return
+        i = data.stage_at(step + 1)
+        if not _streamed(data.datasets[i]) or step + 1 <= max(data.starts[i], 1):
+            return  # map-style data, or a stream that starts afresh at the next step
+        want = (i, self.dp, self._shards(i))
+        fix = (
+            f"resume with the saved parallelism.dp and that stage's num_loading_workers, or "
+            f"start a new data stage at step {step + 1} (a stage's stream starts afresh)"
+        )
+        if saved is None:
+            raise _everywhere(
+                UserError(
+                    f"checkpoint {checkpoint} holds no stream position of {data.sources[i]} for dp "
+                    f"rank {self.dp_rank} of {self.dp} (it was saved at another dp, or without "
+                    f"mesh3d.hf_streaming); the stream cannot continue exactly: {fix}"
+                )
+            )
+        got = (saved["stage"], saved["dp"], saved["shards"])
+        if got != want:
+            raise _everywhere(
+                UserError(
+                    f"checkpoint {checkpoint} streamed {data.sources[i]} at dp {got[1]} with "
+                    f"{got[2]} shard(s) per dp rank (max(num_loading_workers, 1)) in stage {got[0]}; "
+                    f"this run has dp {self.dp} with {want[2]} in stage {i}, which would split the "
+                    f"stream differently: {fix}"
+                )
+            )
+        self._resume = (i, step + 1, saved["state"])
+
+    def data_state(self, step: int) -> dict | None:
+        """This dp rank's stream position after `step`, for the checkpoint (None: the stage
+        active at `step` is not streamed)."""
+        data = self.data
+        i = data.stage_at(step)
+        if not _streamed(data.datasets[i]):
+            return None
+        if self.loader is not None and self.stage == i and self.loader.next_step == step + 1:
+            state = self.loader.state_dict()
+        elif self._resume is not None and self._resume[:2] == (i, step + 1):
+            state = self._resume[2]  # saved again before any step read
+        else:
+            return None
+        return {"stage": i, "dp": self.dp, "shards": self._shards(i),
+                "state": copy.deepcopy(state)}  # fmt: skip
 
     def close(self) -> None:
         """Stop the active loader's workers (at the end of a run, or a stage switch)."""
@@ -229,4 +284,9 @@ class Feed:
 
 
 def _streamed(dataset) -> bool:
-    return isinstance(dataset, IterableDataset)
+    return isinstance(dataset, StreamedText)
+
+
+def _everywhere(error: UserError) -> UserError:
+    error.same_on_every_rank = True  # every rank decides alike from the config and checkpoint
+    return error

@@ -29,7 +29,12 @@ from mesh3d.checkpoint.atomic import PendingSave
 from mesh3d.checkpoint.hf_run import export_hf
 from mesh3d.checkpoint.retention import prune
 from mesh3d.checkpoint.s3 import S5cmd
-from mesh3d.checkpoint.training import checkpoint_custom_metas, load_checkpoint, save_checkpoint
+from mesh3d.checkpoint.training import (
+    checkpoint_custom_metas,
+    load_checkpoint,
+    load_data_state,
+    save_checkpoint,
+)
 from mesh3d.checkpoint.upload import Uploader
 from mesh3d.checks import validate, warn_once
 from mesh3d.data.build import StagedData
@@ -163,9 +168,12 @@ class Run:
         flight is finished first, so at most one is."""
         self.finish_save()
         ck = self.cfg.checkpoints
+        c = self.layout.coords  # one rank per dp rank writes its stream position
+        writes = c["pp"] == 0 and c["tp"] == 0 and c.get("cp", 0) == 0
         out = save_checkpoint(ck.checkpoints_path, step, self.cfg, self.parts, self.optimizer,
                               self.scheduler, self.mesh, consumed, layout=self.layout,
-                              extra=extra or {}, latest=latest, background=background)  # fmt: skip
+                              extra=extra or {}, latest=latest, background=background,
+                              data_state=self.feed.data_state(step) if writes else None)  # fmt: skip
         if background:
             self.pending = out
             logger.info(
@@ -235,6 +243,9 @@ class Run:
                 path, self.parts, self.optimizer, self.scheduler, cfg, layout=self.layout,
                 load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
             )  # fmt: skip
+        dims = self.layout.dims
+        saved = load_data_state(path, self.layout.coords["dp"], dims.dp)
+        self.feed.resume(start, saved, str(path))  # a stream continues, or is refused
         return start, consumed, checkpoint_custom_metas(path) or {}
 
     def model(self) -> torch.nn.Module:
