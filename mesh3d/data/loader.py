@@ -38,8 +38,6 @@ from mesh3d.data.worker_failure import Failed
 from mesh3d.errors import DataWorkerError, UserError
 
 _PREFETCH = 2  # steps each worker reads ahead
-# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates: not the user's concern
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
 
 class StepDataset(Dataset):
@@ -81,11 +79,13 @@ class StageLoader:
             kwargs = dict(multiprocessing_context=_context(),
                           prefetch_factor=_PREFETCH, timeout=timeout_s, persistent_workers=False,
                           worker_init_fn=_worker_init)  # fmt: skip
-        self.loader = StatefulDataLoader(
-            dataset, batch_size=None, num_workers=workers, pin_memory=pin,
-            sampler=None if self.streamed else range(first, last + 1), collate_fn=_keep,
-            **kwargs,
-        )  # fmt: skip
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            self.loader = StatefulDataLoader(
+                dataset, batch_size=None, num_workers=workers, pin_memory=pin,
+                sampler=None if self.streamed else range(first, last + 1), collate_fn=_keep,
+                **kwargs,
+            )  # fmt: skip
         if state is not None:
             self.loader.load_state_dict(state)
         self._it: Iterator | None = None
