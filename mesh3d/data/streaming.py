@@ -43,9 +43,19 @@ _SUFFIXES = {".json": "JSON Lines", ".jsonl": "JSON Lines", ".parquet": "parquet
              ".arrow": "arrow"}  # fmt: skip
 
 
-def source_files(path: str) -> list[Path]:
-    """The files a source names: itself, or a folder's json/jsonl/parquet/arrow files in order."""
+def source_files(path: str, splits: list[str]) -> list[Path]:
+    """The files a source names: itself; a folder written by `save_to_disk`: its `.arrow`
+    files (of `splits` for a saved `DatasetDict`); another folder: its json/jsonl/parquet/arrow
+    files, in name order."""
     p = Path(path)
+    if (p / "state.json").is_file():
+        return sorted(p.glob("*.arrow"))
+    if (p / "dataset_dict.json").is_file():
+        missing = [s for s in splits if not (p / s / "state.json").is_file()]
+        if missing:
+            raise UserError(f"{path!r} has no split {', '.join(missing)}; set hf_dataset_splits "
+                            "to splits it has")  # fmt: skip
+        return [f for s in splits for f in sorted((p / s).glob("*.arrow"))]
     if p.is_file():
         if p.suffix.lower() not in _SUFFIXES:
             raise UserError(
@@ -288,7 +298,9 @@ class StreamedText:
         if any(not w >= 0 for w in weights) or sum(weights) <= 0:
             raise UserError(f"{where} hf_dataset_or_datasets weights {weights}: give weights >= 0 "
                             "with a positive sum")  # fmt: skip
-        self.paths, self.files = paths, [source_files(p) for p in paths]
+        splits = args.hf_dataset_splits
+        splits = [splits] if isinstance(splits, str) else list(splits)
+        self.paths, self.files = paths, [source_files(p, splits) for p in paths]
         self.weights = [w / sum(weights) for w in weights]
         self.column, self.seq_len, self.seed, self.gbs, self.where = (
             args.text_column_name, seq_len, seed, gbs, where)  # fmt: skip

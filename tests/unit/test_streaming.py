@@ -174,3 +174,14 @@ def test_validation_needs_a_map_style_first_stage(d):
     extra = ["tokens.val_check_interval=2", "tokens.limit_val_batches=1"]
     with pytest.raises(UserError, match="limit_val_batches: 0"):
         StagedData(cfg_of(d, d / "a.jsonl", extra=extra))
+
+
+def test_parquet_and_a_saved_arrow_folder_stream_like_json_lines(d, tmp_path):
+    import datasets
+
+    docs = make_documents(300, seed=2)
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "saved"))
+    lines = write_jsonl(tmp_path / "b.jsonl", docs)
+    want = windows(feed_of(cfg_of(d, lines, steps=3)), range(1, 4))
+    assert windows(feed_of(cfg_of(d, d / "b.parquet", steps=3)), range(1, 4)) == want
+    assert windows(feed_of(cfg_of(d, tmp_path / "saved", steps=3)), range(1, 4)) == want
