@@ -20,7 +20,7 @@
    its workers' start, which is printed apart) for a Nanoset folder, a map-style HF JSON Lines
    file and the same file streamed (`mesh3d.hf_streaming`, tokenized on the fly) at 0, 1 and 2
    `num_loading_workers`, against the samples/s a training step of that config consumes; then
-   the median step time of 12-step `train()` runs on the streamed file at 0 and 2 workers and
+   the step times (median, mean, max) of 20-step `train()` runs on the streamed file at 0 and 2 workers and
    on the pre-tokenized Nanoset. `--loader` runs this part alone.
 Results go to `benchmarks/results/local/data_io[_quick|_loader].json` (`--publish`:
 `benchmarks/results/`).
@@ -165,8 +165,9 @@ def _loader_rates(work: Path, steps: int, reps: int) -> dict:
 def _step_ms(work: Path, kind: str, workers: int) -> float:
     from mesh3d.train.loop import train
 
-    metrics = train(_default_cfg(work, kind, workers, 12)).metrics
-    return statistics.median(m["elapsed_time_per_iteration_ms"] for m in metrics[2:])
+    metrics = train(_default_cfg(work, kind, workers, 20)).metrics
+    ms = [m["elapsed_time_per_iteration_ms"] for m in metrics[2:]]
+    return {"median": statistics.median(ms), "mean": statistics.mean(ms), "max": max(ms)}
 
 
 def _loader_part(work: Path, quick: bool, reps: int) -> dict:
@@ -182,7 +183,9 @@ def _loader_part(work: Path, quick: bool, reps: int) -> dict:
     rates = _loader_rates(work, steps, reps)
     step = {f"{kind}/{w}": _step_ms(work, kind, w)
             for kind, w in (("nanoset", 0), ("stream", 0), ("stream", 2))}  # fmt: skip
-    need = 16 / (step["nanoset/0"] / 1000)  # samples/s a step of the default config consumes
+    need = 16 / (
+        step["nanoset/0"]["median"] / 1000
+    )  # samples/s a step of the default config consumes
     print(
         f"loader on the default config's shapes (seq 128, global batch 16; {n} documents, "
         f"{steps} steps, median of {reps}); a training step consumes {need:,.0f} samples/s"
@@ -192,11 +195,16 @@ def _loader_part(work: Path, quick: bool, reps: int) -> dict:
         kind, w = key.split("/")
         print(f"  {kind:8s} {w:>7s} {r['samples_per_s']:12,.0f} "
               f"{r['samples_per_s'] / need:8,.1f}x {r['first_batch_s']:11.2f}s")  # fmt: skip
-    print("step time of 12-step train() runs on the default config (median of steps 3-12):")
-    for key, ms in step.items():
+    print(
+        "step time of 20-step train() runs on the default config (steps 3-20; a streamed "
+        "stage tokenizes a 256-sample block every 16 steps):"
+    )
+    base = step["nanoset/0"]["mean"]
+    for key, t in step.items():
         kind, w = key.split("/")
         what = "pre-tokenized Nanoset" if kind == "nanoset" else "streamed, tokenized on the fly"
-        print(f"  {what:32s} {w} workers {ms:8.1f} ms/step ({ms / step['nanoset/0']:.2f}x)")
+        print(f"  {what:32s} {w} workers: median {t['median']:6.1f}, mean {t['mean']:6.1f} "
+              f"({t['mean'] / base:.2f}x), max {t['max']:6.1f} ms/step")  # fmt: skip
     return {"documents": n, "steps": steps, "train_samples_per_s": need, "loader": rates,
             "step_ms": step}  # fmt: skip
 
