@@ -28,16 +28,18 @@ import signal
 import warnings
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mesh3d.data.dummy import microbatches
 from mesh3d.data.streaming import StreamedText
-from mesh3d.data.worker_failure import Failed
+from mesh3d.data.worker_failure import Failed, by_value
 from mesh3d.errors import DataWorkerError, UserError
 
 _PREFETCH = 2  # steps each worker reads ahead
+_POLL = 2.0  # seconds between checks that the workers are alive while waiting for a batch
 
 
 class StepDataset(Dataset):
@@ -51,8 +53,8 @@ class StepDataset(Dataset):
     def __getitem__(self, step: int):
         try:
             local = step - self.start + 1
-            return step, microbatches(self.dataset, local, self.gbs, self.dp_rank, self.dp,
-                                      self.mbs)  # fmt: skip
+            return step, by_value(microbatches(self.dataset, local, self.gbs, self.dp_rank,
+                                               self.dp, self.mbs))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - carried to the training process, raised there
             return step, Failed(e)
 
@@ -72,7 +74,7 @@ class StageLoader:
     def __init__(self, dataset, first: int, last: int, workers: int, *, where: str,
                  timeout_s: float, pin: bool = False, state: dict | None = None):  # fmt: skip
         self.first, self.next_step, self.last = first, first, last
-        self.where, self.workers, self.timeout_s = where, workers, timeout_s
+        self.where, self.workers, self.timeout_s, self.pin = where, workers, timeout_s, pin
         self.streamed = isinstance(dataset, IterableDataset)
         kwargs = {}
         if workers > 0:
@@ -82,7 +84,7 @@ class StageLoader:
         with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(
-                dataset, batch_size=None, num_workers=workers, pin_memory=pin,
+                dataset, batch_size=None, num_workers=workers,
                 sampler=None if self.streamed else range(first, last + 1), collate_fn=_keep,
                 **kwargs,
             )  # fmt: skip
@@ -94,18 +96,17 @@ class StageLoader:
         """The microbatches of `step`, which must be the next one of this loader."""
         assert step == self.next_step <= self.last, (step, self.next_step, self.last)
         try:
-            if self._it is None:
-                self._it = iter(self.loader)  # starts the workers, reads the first steps
-            item = next(self._it)
+            item = self._next_item()
         except StopIteration:
             raise UserError(
                 f"{self.where}: the data ended before step {step}; add data or "
                 "lower tokens.train_steps"
             ) from None
-        except (RuntimeError, OSError, EOFError) as e:  # a dead worker (or its queued tensors'
-            # shared memory gone with it), or none answered in time
+        except (RuntimeError, OSError, EOFError) as e:  # a dead worker, or none answered
             raise self._dead(step, e) from None
         got, batches = item if not self.streamed else (step, item)
+        if not isinstance(batches, Failed):
+            batches = [tuple(_tensor(a, self.pin) for a in mb) for mb in batches]
         if isinstance(batches, Failed):
             self.close()
             who = (
@@ -124,6 +125,24 @@ class StageLoader:
         self.next_step += 1
         return batches
 
+    def _next_item(self):
+        """The loader's next item. Workers are the forkserver's children, not ours, so no
+        SIGCHLD tells the DataLoader one died: it notices when a wait for a batch times out.
+        So the wait is cut into `_POLL`-second ones (each checks the workers are alive), up to
+        `timeout_s` in all; starting the workers may take the whole `timeout_s`."""
+        if self._it is None:
+            self._it = iter(self.loader)  # starts the workers, reads the first steps ahead
+            if self.workers:
+                self._it._timeout = min(_POLL, self.timeout_s)  # read by each wait
+        waited = 0.0
+        while True:
+            try:
+                return next(self._it)
+            except RuntimeError as e:
+                waited += _POLL
+                if "timed out" not in str(e) or waited >= self.timeout_s:
+                    raise
+
     def _dead(self, step: int, error: Exception) -> DataWorkerError:
         """The one-line error for a worker that died or did not answer in time."""
         it = self._it
@@ -131,6 +150,9 @@ class StageLoader:
         if workers:  # a worker killed a moment ago may not be reaped yet
             multiprocessing.connection.wait([w.sentinel for w in workers], timeout=2.0)
         dead = [(i, w.pid, w.exitcode) for i, w in enumerate(workers) if not w.is_alive()]
+        if not dead:
+            for w in workers:  # hung (or stopped): they would outlive the run otherwise
+                w.kill()
         self.close()
         if dead:
             i, pid, code = dead[0]
@@ -158,6 +180,11 @@ class StageLoader:
         it, self._it = self._it, None
         if it is not None and hasattr(it, "_shutdown_workers"):
             it._shutdown_workers()
+
+
+def _tensor(a, pin: bool) -> torch.Tensor:
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+    return t.pin_memory() if pin else t
 
 
 def _context():

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mesh3d.data.worker_failure import Failed
+from mesh3d.data.worker_failure import Failed, by_value
 from mesh3d.errors import UserError
 
 _BLOCK = 256  # samples shuffled together: the bounded shuffle buffer
@@ -365,7 +365,8 @@ class RankStream(IterableDataset):
                 yield Failed(e)
                 return
             t = torch.stack(rows)  # [GBS/dp, S+1]
-            yield [(m[:, :-1], m[:, 1:]) for m in t.split(self.mbs)]
+            yield by_value([(m[:, :-1].contiguous(), m[:, 1:].contiguous())
+                            for m in t.split(self.mbs)])  # fmt: skip
 
     def _ended(self, shard: _Shard) -> UserError:
         k = getattr(shard, "ended", 0)

@@ -5,11 +5,13 @@ One 2-rank launch (dp 2; the ranks need no collective): each rank reads steps 1-
 (a Nanoset folder, then a map-style HF JSON Lines file from step 4) in the training process and
 through 2 workers, then through 2 workers again from step 5 (a resume) and from step 3 (a
 resume before the stage switch), and compares the bytes. Rank 1 then kills its worker mid-run
-and must get one `DataWorkerError` line naming the worker and the stage's files, not a hang.
+and must get one `DataWorkerError` line naming the worker and the stage's files; rank 0 stops
+(SIGSTOP) its worker and must get the timeout's line, not a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
@@ -71,6 +73,22 @@ def _rank(rank: int, world: int, d) -> dict:
     out["workers_s"] = time.perf_counter() - t0
     out["from5"] = _read(d, rank, 2, 5)
     out["from3"] = _read(d, rank, 2, 3)
+    if rank == 0:  # a worker that hangs (stopped): the timeout, not a hang
+        cfg = staged_config(d, 1, 40, ["data_stages[1].start_training_step=30"])
+        feed = Feed(StagedData(cfg), rank, 2, cfg.tokens.micro_batch_size, timeout_s=3)
+        feed.batches(1)
+        (pid,) = worker_pids(feed.loader)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for step in range(2, 30):
+                feed.batches(step)
+            out["hung"] = "no error"
+        except DataWorkerError as e:
+            out["hung"] = str(e)
+        finally:
+            feed.close()
+            with contextlib.suppress(ProcessLookupError):  # the loader killed it already
+                os.kill(pid, signal.SIGKILL)
     if rank == 1:
         cfg = staged_config(d, 1, 40, ["data_stages[1].start_training_step=30"])
         feed = Feed(StagedData(cfg), rank, 2, cfg.tokens.micro_batch_size, timeout_s=60)
@@ -95,6 +113,8 @@ def test_workers_read_what_the_training_process_reads(data):
         assert r["from5"] == r["main"][4:]  # resumed in stage 2
         assert r["from3"] == r["main"][2:]  # resumed before the switch
     assert results[0]["main"] != results[1]["main"]  # each dp rank its own slice
+    hung = results[0]["hung"]
+    assert "\n" not in hung and "no data worker answered within 3 s" in hung, hung
     killed = results[1]["killed"]
     assert "\n" not in killed
     assert "data worker 0 (pid" in killed and "killed by signal 9" in killed, killed
