@@ -20,7 +20,7 @@
    its workers' start, which is printed apart) for a Nanoset folder, a map-style HF JSON Lines
    file and the same file streamed (`mesh3d.hf_streaming`, tokenized on the fly) at 0, 1 and 2
    `num_loading_workers`, against the samples/s a training step of that config consumes; then
-   the step times (median, mean, max) of 20-step `train()` runs on the streamed file at 0 and 2 workers and
+   the step times (median, mean, max) of interleaved 20-step `train()` runs on the streamed file at 0 and 2 workers and
    on the pre-tokenized Nanoset. `--loader` runs this part alone.
 Results go to `benchmarks/results/local/data_io[_quick|_loader].json` (`--publish`:
 `benchmarks/results/`).
@@ -162,12 +162,18 @@ def _loader_rates(work: Path, steps: int, reps: int) -> dict:
     return out
 
 
-def _step_ms(work: Path, kind: str, workers: int) -> float:
+def _step_ms(work: Path, runs: list[tuple[str, int]], rounds: int) -> dict:
+    """Step times of 20-step `train()` runs of each (kind, workers), the runs interleaved
+    `rounds` times so that all see the same machine; steps 3-20 of every round pooled."""
     from mesh3d.train.loop import train
 
-    metrics = train(_default_cfg(work, kind, workers, 20)).metrics
-    ms = [m["elapsed_time_per_iteration_ms"] for m in metrics[2:]]
-    return {"median": statistics.median(ms), "mean": statistics.mean(ms), "max": max(ms)}
+    pooled: dict[str, list[float]] = {f"{k}/{w}": [] for k, w in runs}
+    for _ in range(rounds):
+        for kind, workers in runs:
+            metrics = train(_default_cfg(work, kind, workers, 20)).metrics
+            pooled[f"{kind}/{workers}"] += [m["elapsed_time_per_iteration_ms"] for m in metrics[2:]]
+    return {key: {"median": statistics.median(ms), "mean": statistics.mean(ms), "max": max(ms)}
+            for key, ms in pooled.items()}  # fmt: skip
 
 
 def _loader_part(work: Path, quick: bool, reps: int) -> dict:
@@ -181,8 +187,7 @@ def _loader_part(work: Path, quick: bool, reps: int) -> dict:
     tokenize_to_folder(str(tok), [str(text)], str(work / "corpus"))
     steps = 40 if quick else 150
     rates = _loader_rates(work, steps, reps)
-    step = {f"{kind}/{w}": _step_ms(work, kind, w)
-            for kind, w in (("nanoset", 0), ("stream", 0), ("stream", 2))}  # fmt: skip
+    step = _step_ms(work, [("nanoset", 0), ("stream", 0), ("stream", 2)], 1 if quick else 2)
     need = 16 / (
         step["nanoset/0"]["median"] / 1000
     )  # samples/s a step of the default config consumes
@@ -196,8 +201,8 @@ def _loader_part(work: Path, quick: bool, reps: int) -> dict:
         print(f"  {kind:8s} {w:>7s} {r['samples_per_s']:12,.0f} "
               f"{r['samples_per_s'] / need:8,.1f}x {r['first_batch_s']:11.2f}s")  # fmt: skip
     print(
-        "step time of 20-step train() runs on the default config (steps 3-20; a streamed "
-        "stage tokenizes a 256-sample block every 16 steps):"
+        "step time of 20-step train() runs on the default config (steps 3-20 of 2 interleaved "
+        "rounds; a streamed stage tokenizes a 256-sample block every 16 steps):"
     )
     base = step["nanoset/0"]["mean"]
     for key, t in step.items():

@@ -2,7 +2,7 @@
 
 One `torchdata.stateful_dataloader.StatefulDataLoader` per data stage. A map-style stage
 (Nanoset, HF map-style, SFT) is a dataset over *steps*: item s is this dp rank's microbatches
-of step s (`StagedData.read`), and the sampler is the stage's remaining steps in order, so the
+of step s (`StepDataset`), and the sampler is the stage's remaining steps in order, so the
 samples of a step still depend only on the step and the data config: workers change when a
 batch is read, never what it holds, and a resume at any dp needs no loader state (the next step
 is the state). A streamed stage (`mesh3d.hf_streaming`, `data/streaming.py`) is an iterable
@@ -11,12 +11,15 @@ saved in each checkpoint per dp rank (`data_state`).
 
 `num_loading_workers: 0` reads in the training process, as does dummy data (`dataset: null`)
 whatever the setting (it is generated, not read). Workers start with the 'forkserver' method:
-a worker forked from a rank that already runs gloo threads and multi-threaded kernels can hang
-(docs/FACTS: fork hazards); forkserver forks from a clean server process instead. Batches are
-pinned when the run is on CUDA so the step's copies can be non-blocking.
+a worker forked from a rank that already runs gloo threads and multi-threaded kernels can hang,
+so they are forked from a clean server process instead (its start, once per rank, imports
+torch: ~3 s on 2 busy cores; later stages' workers start in well under a second). Workers send
+batches by value (`worker_failure.by_value`); on CUDA the training process pins them so the
+step's copies can be non-blocking.
 
-A worker that dies, hangs past `mesh3d.collective_timeout_s` or raises is one
-`DataWorkerError` line naming the worker, the stage and its files.
+A worker that dies (noticed within `_POLL` seconds), hangs past `mesh3d.collective_timeout_s`
+or raises is one `DataWorkerError` line naming the worker, the stage and its files (a
+`UserError` from the data, such as a corrupt row, stays the same one-line `UserError`).
 """
 
 from __future__ import annotations
