@@ -6,7 +6,8 @@ One 2-rank launch (dp 2; the ranks need no collective): each rank reads steps 1-
 through 2 workers, then through 2 workers again from step 5 (a resume) and from step 3 (a
 resume before the stage switch), and compares the bytes. Rank 1 then kills its worker mid-run
 and must get one `DataWorkerError` line naming the worker and the stage's files; rank 0 stops
-(SIGSTOP) its worker and must get the timeout's line, not a hang.
+(SIGSTOP) its worker and must get the timeout's line, not a hang, and streams a JSON Lines file
+with a cut-off row through a worker: the row's one `UserError` line, naming the worker.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.data.build import StagedData
 from mesh3d.data.loader import Feed, worker_pids
 from mesh3d.data.tokenize import main as tokenize_main
-from mesh3d.errors import DataWorkerError
+from mesh3d.errors import DataWorkerError, UserError
 
 
 def staged_config(d, workers: int, steps: int = 8, overrides: list[str] = ()):
@@ -50,6 +51,10 @@ def data(tmp_path_factory):
     text = write_jsonl(d / "a.jsonl", make_documents(400, seed=1))
     tokenize_main(["--tokenizer", str(tok), "--input", str(text), "--output", str(d / "a")])
     write_jsonl(d / "b.jsonl", make_documents(400, seed=2))
+    bad = write_jsonl(d / "bad.jsonl", make_documents(600, seed=3))
+    lines = bad.read_text().splitlines()
+    lines[40] = lines[40][:20]  # row 41 cut off (read by dp rank 0: even rows)
+    bad.write_text("\n".join(lines) + "\n")
     return d
 
 
@@ -89,6 +94,21 @@ def _rank(rank: int, world: int, d) -> dict:
             feed.close()
             with contextlib.suppress(ProcessLookupError):  # the loader killed it already
                 os.kill(pid, signal.SIGKILL)
+    if rank == 0:  # bad data found by a streaming worker: the data's own one line
+        stage = (f"[{{name: s, start_training_step: 1, data: {{seed: 5, num_loading_workers: 1, "
+                 f"dataset: {{hf_dataset_or_datasets: {d / 'bad.jsonl'}, "
+                 "text_column_name: text}}}]")  # fmt: skip
+        cfg = apply_overrides(staged_config(d, 1, 30), [f"data_stages={stage}",
+                                                         "mesh3d.hf_streaming=true"])  # fmt: skip
+        feed = Feed(StagedData(cfg), rank, 2, cfg.tokens.micro_batch_size, timeout_s=60)
+        try:
+            for step in range(1, 31):
+                feed.batches(step)
+            out["bad"] = "no error"
+        except UserError as e:
+            out["bad"] = str(e)
+        finally:
+            feed.close()
     if rank == 1:
         cfg = staged_config(d, 1, 40, ["data_stages[1].start_training_step=30"])
         feed = Feed(StagedData(cfg), rank, 2, cfg.tokens.micro_batch_size, timeout_s=60)
@@ -113,6 +133,9 @@ def test_workers_read_what_the_training_process_reads(data):
         assert r["from5"] == r["main"][4:]  # resumed in stage 2
         assert r["from3"] == r["main"][2:]  # resumed before the switch
     assert results[0]["main"] != results[1]["main"]  # each dp rank its own slice
+    bad = results[0]["bad"]
+    assert "\n" not in bad and f"{data / 'bad.jsonl'} row 41: not valid JSON" in bad, bad
+    assert bad.endswith("(read by data worker 0)"), bad
     hung = results[0]["hung"]
     assert "\n" not in hung and "no data worker answered within 3 s" in hung, hung
     killed = results[1]["killed"]
