@@ -15,7 +15,15 @@
 4. Peak memory of reading a 1 GB folder (`--rss-gb`, random uint16 tokens): a fresh process
    builds the Nanoset (which scans every token id) and reads every sample once; it reports
    ru_maxrss and its anonymous / file-backed resident memory before and after.
-Results go to `benchmarks/results/local/data_io[_quick].json` (`--publish`: `benchmarks/results/`).
+5. The loader (`mesh3d.data.loader`) on the default config's shapes (mesh3d/configs/default.yaml:
+   sequence 128, global batch 16), side by side in one run: the samples/s it delivers (after
+   its workers' start, which is printed apart) for a Nanoset folder, a map-style HF JSON Lines
+   file and the same file streamed (`mesh3d.hf_streaming`, tokenized on the fly) at 0, 1 and 2
+   `num_loading_workers`, against the samples/s a training step of that config consumes; then
+   the step times (median, mean, max) of interleaved 20-step `train()` runs on the streamed file at 0 and 2 workers and
+   on the pre-tokenized Nanoset. `--loader` runs this part alone.
+Results go to `benchmarks/results/local/data_io[_quick|_loader].json` (`--publish`:
+`benchmarks/results/`).
 """
 
 from __future__ import annotations
@@ -110,6 +118,102 @@ def _training_need(config: Path) -> dict:
             "train_samples_per_s": gbs / (ms / 1000)}  # fmt: skip
 
 
+def _default_cfg(work: Path, kind: str, workers: int, steps: int, extra=()):
+    """The default config on generated data of `kind` (nanoset | hf | stream)."""
+    if kind == "nanoset":
+        dataset = f"{{dataset_folder: [{work / 'corpus'}]}}"
+    else:
+        dataset = f"{{hf_dataset_or_datasets: {work / 'corpus.jsonl'}, text_column_name: text}}"
+    stage = (f"[{{name: s, start_training_step: 1, data: {{seed: 5, num_loading_workers: "
+             f"{workers}, dataset: {dataset}}}}}]")  # fmt: skip
+    return load_config(ROOT / "mesh3d" / "configs" / "default.yaml", [
+        f"data_stages={stage}", f"tokenizer.tokenizer_name_or_path={work / 'tok4k'}",
+        f"tokens.train_steps={steps}", "tokens.limit_val_batches=0", "tokens.val_check_interval=-1",
+        "logging.log_level=warning",
+        f"mesh3d.hf_streaming={'true' if kind == 'stream' else 'false'}",
+        f"checkpoints.checkpoints_path={work / f'ck-{kind}-{workers}'}",
+        "checkpoints.save_final_state=false", *extra])  # fmt: skip
+
+
+def _loader_rates(work: Path, steps: int, reps: int) -> dict:
+    """Samples/s the loader delivers per (data kind, workers), and its start time."""
+    from mesh3d.data.build import StagedData
+    from mesh3d.data.loader import Feed
+
+    out = {}
+    for kind in ("nanoset", "hf", "stream"):
+        for workers in (0, 1, 2):
+            cfg = _default_cfg(work, kind, workers, steps + 1)
+            data, mbs = StagedData(cfg), cfg.tokens.micro_batch_size
+            starts, rates = [], []
+            for _ in range(reps):
+                feed = Feed(data, 0, 1, mbs, timeout_s=300)
+                t0 = time.perf_counter()
+                feed.batches(1)  # the workers start and read ahead
+                t1 = time.perf_counter()
+                for step in range(2, steps + 2):
+                    feed.batches(step)
+                t2 = time.perf_counter()
+                feed.close()
+                starts.append(t1 - t0)
+                rates.append(steps * global_batch_size(cfg) / (t2 - t1))
+            out[f"{kind}/{workers}"] = {"samples_per_s": statistics.median(rates),
+                                        "first_batch_s": statistics.median(starts)}  # fmt: skip
+    return out
+
+
+def _step_ms(work: Path, runs: list[tuple[str, int]], rounds: int) -> dict:
+    """Step times of 20-step `train()` runs of each (kind, workers), the runs interleaved
+    `rounds` times so that all see the same machine; steps 3-20 of every round pooled."""
+    from mesh3d.train.loop import train
+
+    pooled: dict[str, list[float]] = {f"{k}/{w}": [] for k, w in runs}
+    for _ in range(rounds):
+        for kind, workers in runs:
+            metrics = train(_default_cfg(work, kind, workers, 20)).metrics
+            pooled[f"{kind}/{workers}"] += [m["elapsed_time_per_iteration_ms"] for m in metrics[2:]]
+    return {key: {"median": statistics.median(ms), "mean": statistics.mean(ms), "max": max(ms)}
+            for key, ms in pooled.items()}  # fmt: skip
+
+
+def _loader_part(work: Path, quick: bool, reps: int) -> dict:
+    """Part 5 (module doc): the loader per data kind and worker count vs a step's need."""
+    n = 4_000 if quick else 20_000
+    tok = make_tokenizer(work / "tok4k", vocab_size=4096)
+    text = work / "corpus.jsonl"
+    with open(text, "w", encoding="utf-8") as f:
+        for doc in make_documents(n, seed=3):
+            f.write(json.dumps({"text": doc}) + "\n")
+    tokenize_to_folder(str(tok), [str(text)], str(work / "corpus"))
+    steps = 40 if quick else 150
+    rates = _loader_rates(work, steps, reps)
+    step = _step_ms(work, [("nanoset", 0), ("stream", 0), ("stream", 2)], 1 if quick else 2)
+    need = 16 / (
+        step["nanoset/0"]["median"] / 1000
+    )  # samples/s a step of the default config consumes
+    print(
+        f"loader on the default config's shapes (seq 128, global batch 16; {n} documents, "
+        f"{steps} steps, median of {reps}); a training step consumes {need:,.0f} samples/s"
+    )
+    print(f"  {'data':8s} {'workers':>7s} {'samples/s':>12s} {'x a step':>9s} {'first batch':>12s}")
+    for key, r in rates.items():
+        kind, w = key.split("/")
+        print(f"  {kind:8s} {w:>7s} {r['samples_per_s']:12,.0f} "
+              f"{r['samples_per_s'] / need:8,.1f}x {r['first_batch_s']:11.2f}s")  # fmt: skip
+    print(
+        "step time of 20-step train() runs on the default config (steps 3-20 of 2 interleaved "
+        "rounds; a streamed stage tokenizes a 256-sample block every 16 steps):"
+    )
+    base = step["nanoset/0"]["mean"]
+    for key, t in step.items():
+        kind, w = key.split("/")
+        what = "pre-tokenized Nanoset" if kind == "nanoset" else "streamed, tokenized on the fly"
+        print(f"  {what:32s} {w} workers: median {t['median']:6.1f}, mean {t['mean']:6.1f} "
+              f"({t['mean'] / base:.2f}x), max {t['max']:6.1f} ms/step")  # fmt: skip
+    return {"documents": n, "steps": steps, "train_samples_per_s": need, "loader": rates,
+            "step_ms": step}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -117,6 +221,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rss-gb", type=float, default=1.0, help="size of the folder for the RSS test")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
+    ap.add_argument("--loader", action="store_true", help="run part 5 (the loader) alone")
     add_publish_flag(ap)
     args = ap.parse_args(argv)
     if args.rss_child:
@@ -126,6 +231,13 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="mesh3d-data-io-"))
+    if args.loader:
+        result = {"date": str(datetime.date.today()), "torch": torch.__version__,
+                  "cores": os.cpu_count(), "loader": _loader_part(work, args.quick, args.reps)}  # fmt: skip
+        out = results_dir(args.publish) / f"data_io_loader{'_quick' if args.quick else ''}.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     n_docs = 5_000 if args.quick else 100_000
     tok = make_tokenizer(work / "tok", vocab_size=800)
     folders = []
@@ -195,6 +307,7 @@ def main(argv=None) -> int:
     gb = 0.05 if args.quick else args.rss_gb
     rss = _rss_of_reading(gb, args.seq, work)
     result["rss"] = rss
+    result["loader"] = _loader_part(work, args.quick, args.reps)
     print(
         f"reading a {gb:g} GB folder ({rss['samples']} samples of {args.seq + 1} tokens, every one "
         f"once, {rss['read_s']:.1f} s): ru_maxrss {rss['ru_maxrss_MB']:.0f} MB; anonymous RSS "

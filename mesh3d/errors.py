@@ -11,6 +11,7 @@ raises a `RunStopped` subclass whose message says what happened, what was kept a
     3     LossSpikeError         the loss or gradient norm spiked `mesh3d.loss_spike.max_skipped`
                                  + 1 steps in a row (`train/spike.py`); their updates not applied
     4     PeerError              a rank did not arrive (stopped, dead, hung) or the launcher died
+    4     DataWorkerError        a data-loading worker process died, hung or failed (`data/loader.py`)
     5     CheckpointWriteError   a save could not be written (disk full, I/O error); the
                                  previous checkpoint is intact
     75    Preempted              SIGTERM/SIGUSR1/SIGINT: the step finished, a checkpoint was
@@ -98,6 +99,10 @@ class PeerError(RunStopped):
 
     exit_code = 4
     same_on_every_rank = False  # each surviving rank reports what it saw
+
+
+class DataWorkerError(PeerError):
+    """A data-loading worker of this rank died, hung past the timeout or failed to read."""
 
 
 class CheckpointWriteError(RunStopped):

@@ -71,10 +71,18 @@ def _rank_params(layout: RunLayout, parts, pp_rank: int) -> list:
     return params
 
 
+def data_state_file(dp_rank: int, dp: int) -> str:
+    """Where a step folder keeps dp rank `dp_rank`'s streamed-data position (mesh3d's own)."""
+    return f"data/stream_dp-{dp_rank}-of-{dp}.pt"
+
+
 def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler,
-                      layout: RunLayout) -> None:  # fmt: skip
-    """This rank's weight, optimizer, scheduler and random-state files (collectives inside)."""
+                      layout: RunLayout, data_state: dict | None = None) -> None:  # fmt: skip
+    """This rank's weight, optimizer, scheduler and random-state files (collectives inside),
+    and `data_state`, its dp rank's stream position, when it has one to write."""
     par, coords = cfg.parallelism, layout.coords
+    if data_state is not None:
+        writer.save_torch(data_state_file(coords["dp"], par.dp), data_state)
     P = coords["pp"]
     params = _rank_params(layout, parts, P)
     write_rank_state(
@@ -143,6 +151,7 @@ def save_checkpoint(
     extra: dict | None = None,
     latest: bool = True,
     background: bool = False,
+    data_state: dict | None = None,
 ) -> Path | PendingSave:
     """Write `<root>/<step>/` (all ranks call this); returns the step folder.
 
@@ -153,6 +162,8 @@ def save_checkpoint(
     Raises `CheckpointWriteError` or `NonFiniteError` on every rank when the save fails; the
     checkpoints folder is then as it was. `background` (`mesh3d.async_checkpoint`): the state
     is copied aside and written on a thread; returns the `PendingSave` to poll and finish.
+    `data_state`: this rank's streamed-data position (`data/loader.py`), written by one rank
+    per dp rank into `data/` (inside the manifest, so the folder is complete or absent).
     """
     root = Path(root)
     final = root / str(step)
@@ -164,7 +175,7 @@ def save_checkpoint(
     with collective_timeout(mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s):
         out = save(
             final,
-            lambda w: _write_rank_files(w, cfg, parts, optimizer, scheduler, layout),
+            lambda w: _write_rank_files(w, cfg, parts, optimizer, scheduler, layout, data_state),
             lambda w: _write_rank0_files(w, cfg, layout, step, consumed_samples, extra or {}),
             needed_bytes=data_bytes,
             needed_files=files,
@@ -216,6 +227,15 @@ def add_custom_metas(step_dir: Path, extra: dict) -> None:
     )
     os.replace(step_dir / f".{path.name}.tmp", path)
     fsync_dir(step_dir)
+
+
+def load_data_state(path: str | Path, dp_rank: int, dp: int) -> dict | None:
+    """The streamed-data position a checkpoint saved for dp rank `dp_rank` of `dp`; one saved
+    at another dp when it has none for that rank (the caller refuses it); None without any."""
+    folder = resolve_step_dir(path) / "data"
+    mine = folder / Path(data_state_file(dp_rank, dp)).name
+    files = [mine] if mine.is_file() else sorted(folder.glob("stream_dp-*.pt"))
+    return nanotron_state.safe_load(files[0], "streamed-data position") if files else None
 
 
 def checkpoint_custom_metas(path: str | Path) -> dict | None:

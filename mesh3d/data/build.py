@@ -74,6 +74,17 @@ def build_dataset(cfg, index: int):
                      read_paths=d.dataset_read_path, max_tokens=d.dataset_max_tokens)  # fmt: skip
         check_enough(ds.epoch_len, gbs, f"{where} dataset_folder {d.dataset_folder}")
         return ds
+    if isinstance(data.dataset, PretrainDatasetsArgs) and cfg.mesh3d.hf_streaming:
+        from mesh3d.data.hf import check_tokenizer_vocab
+        from mesh3d.data.streaming import StreamedText
+
+        if not tokenizer:
+            raise UserError(
+                f"{where} streams hf_dataset_or_datasets, which needs a tokenizer: set "
+                "tokenizer.tokenizer_name_or_path to a local folder with tokenizer.json"
+            )
+        check_tokenizer_vocab(tokenizer, mc.vocab_size)
+        return StreamedText(data.dataset, tokenizer, tok.sequence_length, seed, gbs, where)
     if isinstance(data.dataset, PretrainDatasetsArgs):
         from mesh3d.data.hf import load_pretrain_dataset
         from mesh3d.data.nanoset import check_enough
@@ -97,6 +108,15 @@ def build_dataset(cfg, index: int):
     )
 
 
+def _files(dataset) -> str:
+    """What a stage reads, for error messages."""
+    if dataset is None:
+        return "dummy data"
+    if isinstance(dataset, NanosetDatasetsArgs):
+        return f"dataset_folder {dataset.dataset_folder}"
+    return f"hf_dataset_or_datasets {dataset.hf_dataset_or_datasets}"
+
+
 class StagedData:
     """Every stage's dataset, built up front; `batches(step, ...)` gives a rank's microbatches."""
 
@@ -110,6 +130,11 @@ class StagedData:
         self.gbs = global_batch_size(cfg)
         self.train_steps = cfg.tokens.train_steps
         self.datasets = [build_dataset(cfg, i) for i in range(len(self.starts))]
+        # loader worker processes per stage: none for generated (dummy) data
+        self.workers = [0 if s.data.dataset is None else s.data.num_loading_workers
+                        for s in stages] or [0]  # fmt: skip
+        self.sources = [f"data_stages[{i}] ({s.name!r}): {_files(s.data.dataset)}"
+                        for i, s in enumerate(stages)] or ["dummy data"]  # fmt: skip
         self._logged: int | None = None
         self.resumed: tuple[int, int] | None = None  # (step, samples) of the checkpoint
         from mesh3d.data.validation import held_out
@@ -138,6 +163,17 @@ class StagedData:
 
     def batches(self, step: int, dp_rank: int, dp: int, micro_batch_size: int) -> list:
         """This dp rank's microbatches of `step` from the stage active at it."""
+        self.log_stage(step)
+        return self.read(step, dp_rank, dp, micro_batch_size)
+
+    def read(self, step: int, dp_rank: int, dp: int, micro_batch_size: int) -> list:
+        """`batches` without the log line (what a loader worker calls)."""
+        i = self.stage_at(step)
+        local_step = step - max(self.starts[i], 1) + 1
+        return microbatches(self.datasets[i], local_step, self.gbs, dp_rank, dp, micro_batch_size)
+
+    def log_stage(self, step: int) -> None:
+        """Log the stage plan line when `step` enters another stage than the last logged."""
         i = self.stage_at(step)
         if i != self._logged:
             self._logged = i
@@ -148,5 +184,7 @@ class StagedData:
                 f"[Training Plan] Stage {self.names[i]} has {remaining} remaining training steps "
                 f"and has consumed {consumed_in_stage(self.starts, step, self.gbs, self.resumed)} samples"
             )
-        local_step = step - max(self.starts[i], 1) + 1
-        return microbatches(self.datasets[i], local_step, self.gbs, dp_rank, dp, micro_batch_size)
+
+    def last_step(self, index: int) -> int:
+        """The last step of stage `index` (tokens.train_steps for the last stage)."""
+        return self.starts[index + 1] - 1 if index + 1 < len(self.starts) else self.train_steps

@@ -92,8 +92,13 @@ def held_out(cfg, datasets: list, reads: list[int]) -> HeldOut | None:
         if len(first.held) != count:
             raise TypeError(f"the SFT dataset holds out {len(first.held)} sequences, not {count}")
         return HeldOut(list(range(count)), first.held_sample, gbs, tok.limit_val_batches)
-    if not isinstance(first, BlendedSamples):  # build_dataset makes no other kind
-        raise TypeError(f"no held-out data for a {type(first).__name__}")
+    if not isinstance(first, BlendedSamples):  # a streamed stage (mesh3d.hf_streaming)
+        raise UserError(
+            f"tokens.limit_val_batches={tok.limit_val_batches} takes held-out samples from the "
+            "first data stage, which is streamed (mesh3d.hf_streaming): a stream has no "
+            "held-out windows; set tokens.limit_val_batches: 0, or make the first stage a "
+            "Nanoset or map-style (mesh3d.hf_streaming: false)"
+        )
     ids = _unread_windows(datasets, reads, count)
     if len(ids) < count:
         where = f"data_stages[0] ({names[0]!r})" if cfg.data_stages else "the dataset"

@@ -130,6 +130,7 @@ def train(cfg, metrics_file: str | None = None, hooks: Sequence = ()) -> RunResu
             return _train(run, guard, metrics_file, hooks)
         finally:
             run.close_uploads()  # the last checkpoint reaches the bucket before the run ends
+            run.feed.close()  # the loader's workers, if any
 
 
 def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence) -> RunResult:

@@ -29,10 +29,16 @@ from mesh3d.checkpoint.atomic import PendingSave
 from mesh3d.checkpoint.hf_run import export_hf
 from mesh3d.checkpoint.retention import prune
 from mesh3d.checkpoint.s3 import S5cmd
-from mesh3d.checkpoint.training import checkpoint_custom_metas, load_checkpoint, save_checkpoint
+from mesh3d.checkpoint.training import (
+    checkpoint_custom_metas,
+    load_checkpoint,
+    load_data_state,
+    save_checkpoint,
+)
 from mesh3d.checkpoint.upload import Uploader
 from mesh3d.checks import validate, warn_once
 from mesh3d.data.build import StagedData
+from mesh3d.data.loader import Feed
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger, setup_logging
@@ -76,6 +82,7 @@ class Run:
     extra: dict = field(default_factory=dict)  # room for callers' own state
     pending: PendingSave | None = None  # an asynchronous save still being written
     uploads: Uploader | None = None  # `s3_upload`'s background uploads (rank 0)
+    feed: Feed | None = None  # this rank's loader of each step's batches (`build`)
 
     @classmethod
     def prepare(cls, cfg) -> Run:
@@ -123,6 +130,9 @@ class Run:
         level = cfg.logging.log_level if primary else cfg.logging.log_level_replica
         setup_logging(layout.coords, level, cp=dims.cp)
         self.n_params = total_params(self.parts, self.mesh)
+        self.feed = Feed(self.data, layout.coords["dp"], dims.dp, layout.microbatch_size,
+                         timeout_s=cfg.mesh3d.collective_timeout_s,
+                         pin=self.device.type == "cuda")  # fmt: skip
         return self
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -132,8 +142,7 @@ class Run:
         parts, layout = self.parts, self.layout
         if not (parts.has_first or parts.has_last or layout.positions_everywhere):
             return []
-        return self.data.batches(step, layout.coords["dp"], layout.dims.dp,
-                                 layout.microbatch_size)  # fmt: skip
+        return self.feed.batches(step)
 
     def layout_at(self, step: int) -> RunLayout:
         """The layout of step `step`: the run's, at the sequence length of the data stage
@@ -170,9 +179,12 @@ class Run:
         flight is finished first, so at most one is."""
         self.finish_save()
         ck = self.cfg.checkpoints
+        c = self.layout.coords  # one rank per dp rank writes its stream position
+        writes = c["pp"] == 0 and c["tp"] == 0 and c.get("cp", 0) == 0
         out = save_checkpoint(ck.checkpoints_path, step, self.cfg, self.parts, self.optimizer,
                               self.scheduler, self.mesh, consumed, layout=self.layout,
-                              extra=extra or {}, latest=latest, background=background)  # fmt: skip
+                              extra=extra or {}, latest=latest, background=background,
+                              data_state=self.feed.data_state(step) if writes else None)  # fmt: skip
         if background:
             self.pending = out
             logger.info(
@@ -242,6 +254,9 @@ class Run:
                 path, self.parts, self.optimizer, self.scheduler, cfg, layout=self.layout,
                 load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
             )  # fmt: skip
+        dims = self.layout.dims
+        saved = load_data_state(path, self.layout.coords["dp"], dims.dp)
+        self.feed.resume(start, saved, str(path))  # a stream continues, or is refused
         return start, consumed, checkpoint_custom_metas(path) or {}
 
     def model(self) -> torch.nn.Module:

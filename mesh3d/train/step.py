@@ -113,8 +113,10 @@ def forward_backward(
         model = parts.modules[0]
         rows = keys.split(layout.microbatch_size) if keys is not None else [None] * len(batches)
         for (inputs, labels, *positions), mb_keys in zip(batches, rows, strict=True):
-            inputs, labels = inputs.to(device), labels.to(device)
-            kwargs = {"positions": positions[0].to(device)} if positions else {}
+            # pinned by the loader on CUDA: the copies overlap the previous microbatch
+            inputs = inputs.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            kwargs = {"positions": positions[0].to(device, non_blocking=True)} if positions else {}
             if mb_keys is not None:
                 kwargs["token_keys"] = mb_keys
             with _autocast(device, autocast):

@@ -1,0 +1,322 @@
+"""The loader: each step's microbatches read ahead by `num_loading_workers` worker processes.
+
+One `torchdata.stateful_dataloader.StatefulDataLoader` per data stage. A map-style stage
+(Nanoset, HF map-style, SFT) is a dataset over *steps*: item s is this dp rank's microbatches
+of step s (`StepDataset`), and the sampler is the stage's remaining steps in order, so the
+samples of a step still depend only on the step and the data config: workers change when a
+batch is read, never what it holds, and a resume at any dp needs no loader state (the next step
+is the state). A streamed stage (`mesh3d.hf_streaming`, `data/streaming.py`) is an iterable
+that yields one step's microbatches at a time; its position is the loader's `state_dict()`,
+saved in each checkpoint per dp rank (`data_state`).
+
+`num_loading_workers: 0` reads in the training process, as does dummy data (`dataset: null`)
+whatever the setting (it is generated, not read). Workers start with the 'forkserver' method:
+a worker forked from a rank that already runs gloo threads and multi-threaded kernels can hang,
+so they are forked from a clean server process instead (its start, once per rank, imports
+torch: ~3 s on 2 busy cores; later stages' workers start in well under a second). Workers send
+batches by value (`worker_failure.by_value`); on CUDA the training process pins them so the
+step's copies can be non-blocking.
+
+A worker that dies (noticed within `_POLL` seconds), hangs past `mesh3d.collective_timeout_s`
+or raises is one `DataWorkerError` line naming the worker, the stage and its files (a
+`UserError` from the data, such as a corrupt row, stays the same one-line `UserError`).
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import multiprocessing.connection
+import signal
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from mesh3d.data.dummy import microbatches
+from mesh3d.data.streaming import StreamedText
+from mesh3d.data.worker_failure import Failed, by_value
+from mesh3d.errors import DataWorkerError, UserError
+
+_PREFETCH = 2  # steps each worker reads ahead
+_POLL = 2.0  # seconds between checks that the workers are alive while waiting for a batch
+
+
+class StepDataset(Dataset):
+    """Map-style over steps: `self[step]` -> (step, this dp rank's microbatches of `step`) from
+    one stage's dataset (only that dataset travels to the workers)."""
+
+    def __init__(self, dataset, start: int, gbs: int, dp_rank: int, dp: int, mbs: int):
+        self.dataset, self.start, self.gbs = dataset, max(start, 1), gbs
+        self.dp_rank, self.dp, self.mbs = dp_rank, dp, mbs
+
+    def __getitem__(self, step: int):
+        try:
+            local = step - self.start + 1
+            return step, by_value(microbatches(self.dataset, local, self.gbs, self.dp_rank,
+                                               self.dp, self.mbs))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - carried to the training process, raised there
+            return step, Failed(e)
+
+
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)  # the ranks' cores are for the step; a worker stacks small tensors
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+
+
+class StageLoader:
+    """The batches of one data stage from step `first` on, through `workers` processes.
+
+    `where`: the stage and its files (for errors); `dataset`: a `StepDataset` (map-style) or an `IterableDataset` yielding one step's
+    microbatches per item, starting at `first`; `state`: a `state_dict()` to resume from.
+    """
+
+    def __init__(self, dataset, first: int, last: int, workers: int, *, where: str,
+                 timeout_s: float, pin: bool = False, state: dict | None = None):  # fmt: skip
+        self.first, self.next_step, self.last = first, first, last
+        self.where, self.workers, self.timeout_s, self.pin = where, workers, timeout_s, pin
+        self.streamed = isinstance(dataset, IterableDataset)
+        kwargs = {}
+        if workers > 0:
+            kwargs = dict(multiprocessing_context=_context(),
+                          prefetch_factor=_PREFETCH, timeout=timeout_s, persistent_workers=False,
+                          worker_init_fn=_worker_init)  # fmt: skip
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            self.loader = StatefulDataLoader(
+                dataset, batch_size=None, num_workers=workers,
+                sampler=None if self.streamed else range(first, last + 1), collate_fn=_keep,
+                **kwargs,
+            )  # fmt: skip
+        if state is not None:
+            self.loader.load_state_dict(state)
+        self._it: Iterator | None = None
+
+    def next(self, step: int) -> list:
+        """The microbatches of `step`, which must be the next one of this loader."""
+        assert step == self.next_step <= self.last, (step, self.next_step, self.last)
+        try:
+            item = self._next_item()
+        except StopIteration:
+            raise UserError(
+                f"{self.where}: the data ended before step {step}; add data or "
+                "lower tokens.train_steps"
+            ) from None
+        except (RuntimeError, OSError, EOFError) as e:  # a dead worker, or none answered
+            raise self._dead(step, e) from None
+        got, batches = item if not self.streamed else (step, item)
+        if not isinstance(batches, Failed):
+            batches = [tuple(_tensor(a, self.pin) for a in mb) for mb in batches]
+        if isinstance(batches, Failed):
+            self.close()
+            who = (
+                "the training process"
+                if batches.worker is None
+                else f"data worker {batches.worker}"
+            )
+            if batches.user:
+                raise UserError(f"{batches.text} (read by {who})")
+            raise DataWorkerError(
+                f"{who} failed reading step {step} of {self.where}: "
+                f"{batches.text}; fix or replace the file, or set num_loading_workers: 0 to "
+                "see the traceback in the training process"
+            )
+        assert got == step, (got, step)
+        self.next_step += 1
+        return batches
+
+    def _next_item(self):
+        """The loader's next item. Workers are the forkserver's children, not ours, so no
+        SIGCHLD tells the DataLoader one died: it notices when a wait for a batch times out.
+        So the wait is cut into `_POLL`-second ones (each checks the workers are alive), up to
+        `timeout_s` in all; starting the workers may take the whole `timeout_s`."""
+        if self._it is None:
+            self._it = iter(self.loader)  # starts the workers, reads the first steps ahead
+            if self.workers:
+                self._it._timeout = min(_POLL, self.timeout_s)  # read by each wait
+        waited = 0.0
+        while True:
+            try:
+                return next(self._it)
+            except RuntimeError as e:
+                waited += _POLL
+                if "timed out" not in str(e) or waited >= self.timeout_s:
+                    raise
+
+    def _dead(self, step: int, error: Exception) -> DataWorkerError:
+        """The one-line error for a worker that died or did not answer in time."""
+        it = self._it
+        workers = getattr(it, "_workers", []) or []
+        if workers:  # a worker killed a moment ago may not be reaped yet
+            multiprocessing.connection.wait([w.sentinel for w in workers], timeout=2.0)
+        dead = [(i, w.pid, w.exitcode) for i, w in enumerate(workers) if not w.is_alive()]
+        if not dead:
+            for w in workers:  # hung (or stopped): they would outlive the run otherwise
+                w.kill()
+        self.close()
+        if dead:
+            i, pid, code = dead[0]
+            how = f"was killed by signal {-code}" if code and code < 0 else f"exited ({code})"
+            what = f"data worker {i} (pid {pid}) {how}"
+            fix = "if it was killed for memory (see dmesg), lower num_loading_workers"
+        elif "timed out" in str(error):
+            what = f"no data worker answered within {self.timeout_s:.0f} s (a worker hung)"
+            fix = "check the files are readable and not on a stalled file system"
+        else:
+            what = f"the data workers failed ({error})"
+            fix = "check the files"
+        return DataWorkerError(
+            f"{what} while reading step {step} of {self.where}; {fix}, or set "
+            "num_loading_workers: 0 to read in the training process; resume from the last "
+            "checkpoint"
+        )
+
+    def state_dict(self) -> dict:
+        """The loader's position after the last step it returned (streamed stages)."""
+        return self.loader.state_dict()
+
+    def close(self) -> None:
+        """Stop the workers, if any."""
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+
+def _tensor(a, pin: bool) -> torch.Tensor:
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+    return t.pin_memory() if pin else t
+
+
+def _context():
+    """The forkserver context, its server preloading what a worker imports (once per rank)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "mesh3d.data.loader", "mesh3d.data.build"])
+    return ctx
+
+
+def _keep(item):
+    """No collation: an item already is one step's list of microbatches."""
+    return item
+
+
+def worker_pids(loader: StageLoader) -> list[int]:
+    """The pids of a loader's running workers (tests kill one)."""
+    it = loader._it
+    return [w.pid for w in getattr(it, "_workers", []) or [] if w.is_alive()]
+
+
+class Feed:
+    """This rank's batches of every step, stage after stage (`Run.batches` asks it).
+
+    Steps asked in order come from the active stage's loader; a step out of order (a test or
+    a benchmark driving `Run.step` by hand) opens that stage's loader again at it (a streamed
+    stage reads its stream again from the stage's first step). `resume` hands a streamed
+    stage its saved position; `data_state` is what a checkpoint saves for this dp rank."""
+
+    def __init__(self, data, dp_rank: int, dp: int, micro_batch_size: int, *,
+                 timeout_s: float, pin: bool = False):  # fmt: skip
+        self.data, self.dp_rank, self.dp, self.mbs = data, dp_rank, dp, micro_batch_size
+        self.timeout_s, self.pin = timeout_s, pin
+        self.loader: StageLoader | None = None
+        self.stage: int | None = None
+        self._resume: tuple[int, int, dict] | None = None  # (stage, next step, loader state)
+
+    def _shards(self, i: int) -> int:
+        return max(self.data.workers[i], 1)
+
+    def batches(self, step: int) -> list:
+        data = self.data
+        data.log_stage(step)
+        i = data.stage_at(step)
+        if data.workers[i] == 0 and not _streamed(data.datasets[i]):
+            self.close()
+            return data.read(step, self.dp_rank, self.dp, self.mbs)
+        if self.loader is None or self.stage != i or self.loader.next_step != step:
+            self.close()
+            self.loader, self.stage = self._open(i, step), i
+        return self.loader.next(step)
+
+    def _open(self, i: int, step: int) -> StageLoader:
+        data = self.data
+        ds, state, first = data.datasets[i], None, step
+        if _streamed(ds):
+            ds = ds.for_rank(self.dp_rank, self.dp, self.mbs, data.workers[i])
+            first = max(data.starts[i], 1)
+            if self._resume is not None and self._resume[:2] == (i, step):
+                state, first = self._resume[2], step
+        else:
+            ds = StepDataset(ds, data.starts[i], data.gbs, self.dp_rank, self.dp, self.mbs)
+        loader = StageLoader(ds, first, data.last_step(i), data.workers[i], where=data.sources[i],
+                             timeout_s=self.timeout_s, pin=self.pin, state=state)  # fmt: skip
+        while loader.next_step < step:  # a stream opened past its start reads up to `step`
+            loader.next(loader.next_step)
+        return loader
+
+    def resume(self, step: int, saved: dict | None, checkpoint: str) -> None:
+        """Continue after checkpoint `checkpoint` of step `step`; `saved`: the loader state it
+        holds for this dp rank (None: none). A stream in the middle of its stage continues
+        exactly at the dp and worker count it was saved with and is refused at any other."""
+        data = self.data
+        if step >= data.train_steps:
+            return
+        i = data.stage_at(step + 1)
+        if not _streamed(data.datasets[i]) or step + 1 <= max(data.starts[i], 1):
+            return  # map-style data, or a stream that starts afresh at the next step
+        want = (i, self.dp, self._shards(i))
+        fix = (
+            f"resume with the saved parallelism.dp and that stage's num_loading_workers, or "
+            f"start a new data stage at step {step + 1} (a stage's stream starts afresh)"
+        )
+        if saved is None:
+            raise _everywhere(
+                UserError(
+                    f"checkpoint {checkpoint} holds no stream position of {data.sources[i]} for dp "
+                    f"rank {self.dp_rank} of {self.dp} (it was saved at another dp, or without "
+                    f"mesh3d.hf_streaming); the stream cannot continue exactly: {fix}"
+                )
+            )
+        got = (saved["stage"], saved["dp"], saved["shards"])
+        if got != want:
+            raise _everywhere(
+                UserError(
+                    f"checkpoint {checkpoint} streamed {data.sources[i]} at dp {got[1]} with "
+                    f"{got[2]} shard(s) per dp rank (max(num_loading_workers, 1)) in stage {got[0]}; "
+                    f"this run has dp {self.dp} with {want[2]} in stage {i}, which would split the "
+                    f"stream differently: {fix}"
+                )
+            )
+        self._resume = (i, step + 1, saved["state"])
+
+    def data_state(self, step: int) -> dict | None:
+        """This dp rank's stream position after `step`, for the checkpoint (None: the stage
+        active at `step` is not streamed)."""
+        data = self.data
+        i = data.stage_at(step)
+        if not _streamed(data.datasets[i]):
+            return None
+        if self.loader is not None and self.stage == i and self.loader.next_step == step + 1:
+            state = self.loader.state_dict()
+        elif self._resume is not None and self._resume[:2] == (i, step + 1):
+            state = self._resume[2]  # saved again before any step read
+        else:
+            return None
+        return {"stage": i, "dp": self.dp, "shards": self._shards(i),
+                "state": copy.deepcopy(state)}  # fmt: skip
+
+    def close(self) -> None:
+        """Stop the active loader's workers (at the end of a run, or a stage switch)."""
+        if self.loader is not None:
+            self.loader.close()
+        self.loader = self.stage = None
+
+
+def _streamed(dataset) -> bool:
+    return isinstance(dataset, StreamedText)
+
+
+def _everywhere(error: UserError) -> UserError:
+    error.same_on_every_rank = True  # every rank decides alike from the config and checkpoint
+    return error

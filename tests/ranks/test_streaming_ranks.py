@@ -1,0 +1,114 @@
+"""Streamed HF text in whole training runs (`mesh3d.hf_streaming`, 2 loading workers per rank).
+
+One 2-rank launch at dp 2: a run trains 8 steps straight, with a streamed JSON Lines stage then a
+Nanoset stage from step 5; a second run saves at steps 3 (mid-stream) and 6 (after the switch);
+two more resume from each, and must read the same batches (token hashes) with the same losses.
+The step-3 checkpoint holds one stream position per dp rank inside its manifest. A 1-rank launch
+then resumes at dp 1: from step 6 (map-style data) it trains, from step 3 (mid-stream) it is
+refused with one line saying why and what to do.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from data_fixtures import make_documents, make_tokenizer, write_jsonl
+from dist import run_ranks
+from parity import TINY, layout_overrides
+
+from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.data.tokenize import main as tokenize_main
+from mesh3d.errors import UserError
+from mesh3d.train.hooks import BatchHashes
+from mesh3d.train.loop import train
+
+
+def _runs(rank: int, world: int, runs: list[list[str]]) -> list:
+    out = []
+    for overrides in runs:
+        cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
+        hashes = BatchHashes()
+        try:
+            res = train(cfg, hooks=[hashes])
+        except UserError as e:
+            out.append(str(e))
+            continue
+        out.append({"loss": [m["lm_loss"] for m in res.metrics], "hashes": hashes.hashes})
+    return out
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    tok = make_tokenizer(d / "tok", vocab_size=600)
+    write_jsonl(d / "s.jsonl", make_documents(600, seed=1))
+    text = write_jsonl(d / "m.jsonl", make_documents(400, seed=2))
+    tokenize_main(["--tokenizer", str(tok), "--input", str(text), "--output", str(d / "m")])
+    return d
+
+
+def _overrides(d, root, steps: int, resume=None) -> list[str]:
+    stages = (
+        f"[{{name: stream, start_training_step: 1, data: {{seed: 5, num_loading_workers: 2, "
+        f"dataset: {{hf_dataset_or_datasets: {d / 's.jsonl'}, text_column_name: text}}}}}}, "
+        f"{{name: map, start_training_step: 5, data: {{seed: 6, num_loading_workers: 2, "
+        f"dataset: {{dataset_folder: [{d / 'm'}]}}}}}}]"
+    )
+    out = [
+        "model.model_config.vocab_size=600", f"tokenizer.tokenizer_name_or_path={d / 'tok'}",
+        f"data_stages={stages}", "mesh3d.hf_streaming=true", f"tokens.train_steps={steps}",
+        f"checkpoints.checkpoints_path={root}", "checkpoints.checkpoint_interval=3",
+    ]  # fmt: skip
+    return out + ([f"checkpoints.resume_checkpoint_path={resume}"] if resume else [])
+
+
+@pytest.fixture(scope="module")
+def runs(data, tmp_path_factory):
+    t = tmp_path_factory.mktemp("runs")
+    dp2 = layout_overrides(2, 1, "ALL_REDUCE", 0, False)
+    two = run_ranks(
+        2, _runs,
+        [dp2 + _overrides(data, t / "straight", 8), dp2 + _overrides(data, t / "saved", 6),
+         dp2 + _overrides(data, t / "from3", 8, t / "saved" / "3"),
+         dp2 + _overrides(data, t / "from6", 8, t / "saved" / "6")],
+        timeout=400,
+    )  # fmt: skip
+    dp1 = layout_overrides(1, 1, "ALL_REDUCE", 0, False)
+    one = run_ranks(
+        1, _runs,
+        [dp1 + _overrides(data, t / "dp1_6", 8, t / "saved" / "6"),
+         dp1 + _overrides(data, t / "dp1_3", 8, t / "saved" / "3")],
+        timeout=300,
+    )[0]  # fmt: skip
+    return {"two": two, "one": one, "root": t}
+
+
+def test_a_resumed_stream_reads_what_the_uninterrupted_run_read(runs):
+    for rank in runs["two"]:
+        straight, _, from3, from6 = rank
+        assert from3["hashes"] == straight["hashes"][3:]
+        assert from6["hashes"] == straight["hashes"][6:]
+        assert from3["loss"] == straight["loss"][3:]  # bitwise: same layout, CPU fp32
+        assert from6["loss"] == straight["loss"][6:]
+    r0, r1 = (r[0]["hashes"] for r in runs["two"])
+    assert all(a != b for a, b in zip(r0, r1))  # each dp rank its own samples
+
+
+def test_the_stream_position_is_inside_the_checkpoint(runs):
+    step3 = runs["root"] / "saved" / "3"
+    files = json.loads((step3 / "mesh3d_manifest.json").read_text())
+    names = json.dumps(files)
+    for r in (0, 1):
+        assert (step3 / "data" / f"stream_dp-{r}-of-2.pt").is_file()
+        assert f"data/stream_dp-{r}-of-2.pt" in names
+    assert not (runs["root"] / "saved" / "6" / "data").exists()  # map-style: the step suffices
+
+
+def test_resume_at_another_dp(runs):
+    from6, from3 = runs["one"]
+    assert isinstance(from6, dict) and len(from6["loss"]) == 2  # map-style data: any dp
+    assert isinstance(from3, str) and "\n" not in from3
+    assert "at dp 2" in from3 and "this run has dp 1" in from3, from3
+    assert "start a new data stage at step 4" in from3, from3
