@@ -12,7 +12,10 @@ norms and weights).
 Chat data (`messages` with system, user and assistant turns, rendered with mesh3d's default
 ChatML template, assistant turns trained), packed, at dp1 x cp2 x tp2 (4 ranks) equals one
 process within 1e-5: the packed examples restart their positions, so attention across the cp
-shards must keep to each example (document masking, `RunLayout.documents`).
+shards must keep to each example (document masking, `RunLayout.documents`). In the same
+launches: a chat run at that layout stopped at step 2 and resumed equals the straight run
+bitwise (losses, grad norms, weights), and one process resuming its step-2 checkpoint continues
+the one-process run within 1e-5.
 
 Validation and resume (one 1-rank and one 2-rank launch): the held-out SFT sequences' val_loss
 equals the transformers completion-only loss of the held-out examples (found by their tokens in
@@ -184,28 +187,46 @@ def chat_data(data):
     return data
 
 
-def test_chat_sft_at_cp2_tp2_matches_one_process(chat_data):
+def test_chat_sft_at_cp2_tp2_matches_one_process_and_resumes(chat_data, tmp_path):
     """Chat data, packed (examples restart their positions: document masking across the cp
-    shards), at dp1 x cp2 x tp2 (REDUCE_SCATTER) against one process."""
+    shards), at dp1 x cp2 x tp2 (REDUCE_SCATTER) against one process; at that layout a run
+    stopped at step 2 and resumed continues the straight run bitwise, and one process resumes
+    its step-2 checkpoint like the one-process straight run (<= 1e-5)."""
     d = chat_data
     stage = (f"data_stages=[{{name: chat, start_training_step: 1, data: {{seed: 5, dataset: "
              f"{{hf_dataset_or_datasets: {d / 'chat.jsonl'}, sft_dataloader: true}}}}}}]")  # fmt: skip
     common = [f"tokenizer.tokenizer_name_or_path={d / 'chat_tok'}", stage,
               "mesh3d.sft_packing=true", f"tokens.sequence_length={CHAT_SEQ}",
-              f"model.model_config.max_position_embeddings={CHAT_SEQ}", "tokens.train_steps=3",
+              f"model.model_config.max_position_embeddings={CHAT_SEQ}",
               "tokens.micro_batch_size=1", "tokens.batch_accumulation_per_replica=4"]  # fmt: skip
-    (ref,) = run_ranks(1, train_runs, [common], BASE, timeout=300)[0]
-    assert ref["loss"][-1] < ref["loss"][0]
     layout = ["parallelism.context_parallel_size=2", "parallelism.tp=2",
               "parallelism.tp_mode=REDUCE_SCATTER"]  # fmt: skip
-    results = run_ranks(4, train_runs, [common + layout], BASE, timeout=400)
-    run = results[0][0]
-    for r in results[1:]:
-        assert r[0]["loss"] == run["loss"]
-        assert not r[0]["replica_mismatches"]
-    diff = max_rel_diff(run, ref, vocab=VOCAB)
+    cp = [
+        common + layout + _ckpt(tmp_path / "straight", 4),
+        common + layout + _ckpt(tmp_path / "first", 2, interval=2),
+        common + layout + _ckpt(tmp_path / "resumed", 4, resume=tmp_path / "first"),
+    ]
+    results = run_ranks(4, train_runs, cp, BASE, timeout=500)
+    for i in range(len(cp)):
+        for r in results[1:]:
+            assert r[i]["loss"] == results[0][i]["loss"]
+            assert not r[i]["replica_mismatches"]
+    straight, first, resumed = results[0]
+    one = [common + _ckpt(tmp_path / "one", 4),
+           common + _ckpt(tmp_path / "one_resumed", 4, resume=tmp_path / "first" / "2")]  # fmt: skip
+    ref, ref_resumed = run_ranks(1, train_runs, one, BASE, timeout=300)[0]
+    assert ref["loss"][-1] < ref["loss"][0]
+    diff = max_rel_diff(straight, ref, vocab=VOCAB)
     print(f"\nchat SFT, dp1 x cp2 x tp2 vs one process: max relative difference {diff:.2e}")
     assert diff <= 1e-5
+    assert first["loss"] == straight["loss"][:2]
+    assert resumed["loss"] == straight["loss"][2:]  # bitwise
+    assert resumed["grad_norm"] == straight["grad_norm"][2:]
+    assert all(torch.equal(w, straight["weights"][k]) for k, w in resumed["weights"].items())
+    got, want = torch.tensor(ref_resumed["loss"]), torch.tensor(ref["loss"][2:])
+    at_one = float((got - want).abs().max() / want.abs().max())
+    print(f"cp2 x tp2 chat checkpoint resumed by one process: losses within {at_one:.2e}")
+    assert at_one <= 1e-5, (got, want)
 
 
 # --- validation on SFT data, exact resume ------------------------------------------------
