@@ -5,8 +5,17 @@ transformers `LlamaForCausalLM` holding the run's initial weights on each exampl
 padding, no packing), and sums the cross-entropy of the completion targets over all examples,
 divided by their count. A run whose one global batch holds every example (learning rate 1e-30,
 far below a weight's fp32 rounding step, so the weights it returns are the initial ones) must report that loss at step 1, packed and not.
-Then a dp2 x tp2 x pp2 run (8 forked ranks) trains packed SFT data like one process (fp32,
-relative difference <= 1e-5 over losses, grad norms and weights).
+Then dp2 x tp2 x pp2 runs (one 8-rank launch) train SFT data packed and unpacked, each like
+its one-process run (one 1-rank launch; fp32, relative difference <= 1e-5 over losses, grad
+norms and weights).
+
+Chat data (`messages` with system, user and assistant turns, rendered with mesh3d's default
+ChatML template, assistant turns trained), packed, at dp1 x cp2 x tp2 (4 ranks) equals one
+process within 1e-5: the packed examples restart their positions, so attention across the cp
+shards must keep to each example (document masking, `RunLayout.documents`). In the same
+launches: a chat run at that layout stopped at step 2 and resumed equals the straight run
+bitwise (losses, grad norms, weights), and one process resuming its step-2 checkpoint continues
+the one-process run within 1e-5.
 
 Validation and resume (one 1-rank and one 2-rank launch): the held-out SFT sequences' val_loss
 equals the transformers completion-only loss of the held-out examples (found by their tokens in
@@ -119,24 +128,105 @@ def test_step_one_loss_equals_transformers_completion_loss(data):
 
 
 def test_dp2_tp2_pp2_sft_matches_one_process(data):
+    """Packed and unpacked SFT data: one 1-rank launch trains both references, one 8-rank
+    launch both layouts."""
     common = ["tokens.train_steps=3", "tokens.micro_batch_size=1",
               "model.model_config.num_hidden_layers=4"]  # fmt: skip
-    one = _overrides(
-        data, True, *common, "tokens.batch_accumulation_per_replica=4", file="many.jsonl"
-    )
-    ref = run_ranks(1, train_runs, [one], BASE, timeout=300)[0][0]
-    assert ref["loss"][-1] < ref["loss"][0]
+    packing = (True, False)
+    ones = [_overrides(data, p, *common, "tokens.batch_accumulation_per_replica=4",
+                       file="many.jsonl") for p in packing]  # fmt: skip
+    refs = run_ranks(1, train_runs, ones, BASE, timeout=300)[0]
+    assert all(ref["loss"][-1] < ref["loss"][0] for ref in refs)
+    assert refs[0]["loss"] != refs[1]["loss"]  # packing changes the sequences
     layout = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2",
               "parallelism.tp_mode=REDUCE_SCATTER", "tokens.batch_accumulation_per_replica=2"]  # fmt: skip
-    runs = [_overrides(data, True, *common, *layout, file="many.jsonl")]
+    runs = [_overrides(data, p, *common, *layout, file="many.jsonl") for p in packing]
     results = run_ranks(8, train_runs, runs, BASE, timeout=600)
-    run = results[0][0]
-    for r in results[1:]:
-        assert r[0]["loss"] == run["loss"]
-        assert not r[0]["replica_mismatches"]
-    diff = max_rel_diff(run, ref, vocab=VOCAB)
-    print(f"\ndp2 x tp2 x pp2 SFT vs one process: max relative difference {diff:.2e}")
+    diffs = {}
+    for i, p in enumerate(packing):
+        run = results[0][i]
+        for r in results[1:]:
+            assert r[i]["loss"] == run["loss"]
+            assert not r[i]["replica_mismatches"]
+        diffs[f"packing {'on' if p else 'off'}"] = max_rel_diff(run, refs[i], vocab=VOCAB)
+    print("\ndp2 x tp2 x pp2 SFT vs one process, max relative difference:",
+          {k: f"{v:.2e}" for k, v in diffs.items()})  # fmt: skip
+    assert all(v <= 1e-5 for v in diffs.values()), diffs
+
+
+# --- chat data at context parallelism --------------------------------------------------------
+
+CHAT_SEQ = 64  # the conversations render to 22-56 tokens: packing puts up to 2 in a sequence
+
+
+def _conversations(n: int = 32) -> list[dict]:
+    rows = []
+    for i in range(n):
+        m = [{"role": "user", "content": f"{i}+{i}"}, {"role": "assistant", "content": f"{2 * i}"}]
+        if i % 4 == 0:
+            m = [{"role": "system", "content": "Add."}, *m]
+        if i % 3 == 0:
+            m += [{"role": "user", "content": "and"}, {"role": "assistant", "content": f"{i}"}]
+        rows.append({"messages": m})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def chat_data(data):
+    """The test tokenizer with ChatML's <|im_start|> and <|im_end|> (mesh3d's default chat
+    template), and a jsonl of conversations with system, user and assistant turns."""
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_file(str(data / "tok" / "tokenizer.json"))
+    t.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    (data / "chat_tok").mkdir()
+    t.save(str(data / "chat_tok" / "tokenizer.json"))
+    with open(data / "chat.jsonl", "w") as f:
+        for r in _conversations():
+            f.write(json.dumps(r) + "\n")
+    return data
+
+
+def test_chat_sft_at_cp2_tp2_matches_one_process_and_resumes(chat_data, tmp_path):
+    """Chat data, packed (examples restart their positions: document masking across the cp
+    shards), at dp1 x cp2 x tp2 (REDUCE_SCATTER) against one process; at that layout a run
+    stopped at step 2 and resumed continues the straight run bitwise, and one process resumes
+    its step-2 checkpoint like the one-process straight run (<= 1e-5)."""
+    d = chat_data
+    stage = (f"data_stages=[{{name: chat, start_training_step: 1, data: {{seed: 5, dataset: "
+             f"{{hf_dataset_or_datasets: {d / 'chat.jsonl'}, sft_dataloader: true}}}}}}]")  # fmt: skip
+    common = [f"tokenizer.tokenizer_name_or_path={d / 'chat_tok'}", stage,
+              "mesh3d.sft_packing=true", f"tokens.sequence_length={CHAT_SEQ}",
+              f"model.model_config.max_position_embeddings={CHAT_SEQ}",
+              "tokens.micro_batch_size=1", "tokens.batch_accumulation_per_replica=4"]  # fmt: skip
+    layout = ["parallelism.context_parallel_size=2", "parallelism.tp=2",
+              "parallelism.tp_mode=REDUCE_SCATTER"]  # fmt: skip
+    cp = [
+        common + layout + _ckpt(tmp_path / "straight", 4),
+        common + layout + _ckpt(tmp_path / "first", 2, interval=2),
+        common + layout + _ckpt(tmp_path / "resumed", 4, resume=tmp_path / "first"),
+    ]
+    results = run_ranks(4, train_runs, cp, BASE, timeout=500)
+    for i in range(len(cp)):
+        for r in results[1:]:
+            assert r[i]["loss"] == results[0][i]["loss"]
+            assert not r[i]["replica_mismatches"]
+    straight, first, resumed = results[0]
+    one = [common + _ckpt(tmp_path / "one", 4),
+           common + _ckpt(tmp_path / "one_resumed", 4, resume=tmp_path / "first" / "2")]  # fmt: skip
+    ref, ref_resumed = run_ranks(1, train_runs, one, BASE, timeout=300)[0]
+    assert ref["loss"][-1] < ref["loss"][0]
+    diff = max_rel_diff(straight, ref, vocab=VOCAB)
+    print(f"\nchat SFT, dp1 x cp2 x tp2 vs one process: max relative difference {diff:.2e}")
     assert diff <= 1e-5
+    assert first["loss"] == straight["loss"][:2]
+    assert resumed["loss"] == straight["loss"][2:]  # bitwise
+    assert resumed["grad_norm"] == straight["grad_norm"][2:]
+    assert all(torch.equal(w, straight["weights"][k]) for k, w in resumed["weights"].items())
+    got, want = torch.tensor(ref_resumed["loss"]), torch.tensor(ref["loss"][2:])
+    at_one = float((got - want).abs().max() / want.abs().max())
+    print(f"cp2 x tp2 chat checkpoint resumed by one process: losses within {at_one:.2e}")
+    assert at_one <= 1e-5, (got, want)
 
 
 # --- validation on SFT data, exact resume ------------------------------------------------
