@@ -94,6 +94,35 @@ def test_help_names_the_command_and_closes_its_backticks(command, capsys):
     assert "dp x cp x tp x pp" in out
 
 
+def _prose(path: Path) -> str:
+    """A file's text with comment markers dropped and lines joined (phrases wrap)."""
+    lines = (line.strip().lstrip("#").strip() for line in path.read_text().splitlines())
+    return " ".join(lines)
+
+
+def test_the_default_run_time_is_one_claim():
+    """Item 9: default.yaml said "a minute and a half", the README 75 s, for the same run."""
+    import re
+
+    said = re.compile(r"about (\d+) seconds on 2 cores")
+    readme = said.findall(_prose(REPO / "README.md"))
+    config = said.findall(_prose(REPO / "mesh3d" / "configs" / "default.yaml"))
+    assert len(readme) == 1 and config == readme, (readme, config)
+
+
+def test_world_size_counts_cp_where_it_is_explained():
+    """Item 9: the README's file map named the mesh ("pp","dp","tp"), without cp; the
+    multi-node launcher's docstring and train.sbatch said dp x tp x pp."""
+    from mesh3d.mesh import AXES
+
+    file_map = (REPO / "README.md").read_text().split("## File map", 1)[1]
+    (line,) = [x for x in file_map.splitlines() if x.strip().startswith("mesh.py ")]
+    assert "(" + ",".join(f'"{axis}"' for axis in AXES) + ")" in line, line
+    for name in ("launch.py", "train.sbatch"):
+        text = _prose(REPO / "recipes" / "slurm" / name)
+        assert "dp x cp x tp x pp" in text and "dp x tp x pp" not in text, name
+
+
 def test_missing_metrics_file_suggests_a_path_a_run_writes(tmp_path):
     from mesh3d.errors import UserError
     from mesh3d.plot import read_metrics
