@@ -347,7 +347,6 @@ def test_the_end_of_a_run_names_where_tensorboard_wrote(tmp_path, caplog):
                      f"(tensorboard --logdir {tmp_path / 'tb'})"]  # fmt: skip
 
 
-
 def test_torchao_kernel_noise_is_dropped_and_its_other_records_kept():
     """Item 10: with torchao installed, `import transformers` printed "Failed to load ..." per
     prebuilt kernel that does not fit this torch; `import mesh3d` drops those records (and
@@ -387,10 +386,15 @@ def test_resumed_run_with_a_date_in_its_name_keeps_its_first_name(tmp_path, monk
     step = ckpts / "4"
     step.mkdir(parents=True)
     (step / "checkpoint_metadata.json").write_text(json.dumps({"step": 4}))
-    (step / "config.yaml").write_text(yaml.safe_dump({"general": {"run": "cpu_tiny_20261201_0900_local"}}))
+    (step / "config.yaml").write_text(
+        yaml.safe_dump({"general": {"run": "cpu_tiny_20261201_0900_local"}})
+    )
     (ckpts / "latest.txt").write_text("4")
-    base = [str(REPO / RECIPE), f"checkpoints.checkpoints_path={ckpts}",
-            "checkpoints.checkpoint_interval=10"]
+    base = [
+        str(REPO / RECIPE),
+        f"checkpoints.checkpoints_path={ckpts}",
+        "checkpoints.checkpoint_interval=10",
+    ]
 
     def run_name(*overrides: str) -> str:
         path, resolved = launch._resolved(launch._split([*base, *overrides]))
