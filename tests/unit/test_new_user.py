@@ -123,6 +123,17 @@ def test_world_size_counts_cp_where_it_is_explained():
         assert "dp x cp x tp x pp" in text and "dp x tp x pp" not in text, name
 
 
+def test_readme_says_what_plain_torchrun_does_to_a_user_error():
+    """Item 8: the README promised one `error:` line and exit 2 right under its torchrun
+    example; torchrun itself adds its ChildFailedError report and exits 1 (measured), which
+    only the launchers running the agent themselves avoid (the launch test runs
+    recipes/slurm/launch.py)."""
+    readme = (REPO / "README.md").read_text()
+    using = " ".join(readme.split("\n## Using it", 1)[1].split("\n### Config", 1)[0].split())
+    assert "Every rank prints user errors as one `error: ...` line" not in using
+    assert "`ChildFailedError` report, and exits 1" in using
+
+
 def test_missing_metrics_file_suggests_a_path_a_run_writes(tmp_path):
     from mesh3d.errors import UserError
     from mesh3d.plot import read_metrics
