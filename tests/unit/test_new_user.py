@@ -279,6 +279,21 @@ def test_eta_is_steady_when_one_step_is_slow():
     assert steady == 50.0 and sinks.eta(51, [5.0] + [1.0] * 49 + [10.0]) == 49.0
 
 
+def test_readme_mesh3d_section_lists_every_key():
+    """Item 13: `mesh3d.console` (and four other keys) were missing from the README's `mesh3d:`
+    section, the block a user copies the keys from."""
+    import dataclasses
+    import re
+
+    from mesh3d.config.schema import Mesh3dArgs
+
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"```yaml\nmesh3d:\n(.*?)```", readme, re.S).group(1)
+    listed = re.findall(r"^  (\w+):", block, re.M)
+    assert listed == list(dict.fromkeys(listed))  # each once
+    assert sorted(listed) == sorted(f.name for f in dataclasses.fields(Mesh3dArgs))
+
+
 def test_console_value_is_checked():
     from mesh3d.checks import validation_errors
 
