@@ -373,6 +373,27 @@ def test_the_end_of_a_run_names_where_tensorboard_wrote(tmp_path, caplog):
                      f"(tensorboard --logdir {tmp_path / 'tb'})"]  # fmt: skip
 
 
+def test_the_end_of_a_run_names_where_wandb_wrote(caplog):
+    """Item 13's W&B half (the TensorBoard half above): an offline run's folder and how to
+    upload it, before the summary; the run is finished."""
+    import logging
+    from types import SimpleNamespace
+
+    from mesh3d.train.sinks import MetricSinks
+
+    finished = []
+    run = SimpleNamespace(id="ab12", url=None, dir="wandb/offline-run-x/files",
+                          finish=lambda: finished.append(True))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="mesh3d"):
+        sinks = MetricSinks(load_config(RECIPE, ["mesh3d.wandb=false"]), True, None)
+        sinks.wandb = run
+        sinks.close()
+    lines = [r.getMessage() for r in caplog.records if "Weights & Biases" in r.getMessage()]
+    assert lines == ["Weights & Biases run ab12 written to wandb/offline-run-x/files "
+                     "(offline: wandb sync to upload)"]  # fmt: skip
+    assert finished == [True] and sinks.wandb is None
+
+
 def test_torchao_kernel_noise_is_dropped_and_its_other_records_kept():
     """Item 10: with torchao installed, `import transformers` printed "Failed to load ..." per
     prebuilt kernel that does not fit this torch; `import mesh3d` drops those records (and
