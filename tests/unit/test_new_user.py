@@ -45,6 +45,74 @@ RECIPE = "recipes/configs/cpu_tiny.yaml"
 REPO = Path(__file__).resolve().parents[2]
 
 
+def test_torchrun_rank_0_shows_what_the_launcher_shows(monkeypatch, capsys):
+    """Item 7: under torchrun the default run prepared its data in silence and the config's
+    warnings came bare on stderr; `mesh3d train` shows both with its LAUNCHER prefix. Rank 0
+    now shows them the same way (then leaves the logger to the run's own set-up)."""
+    import logging
+
+    import torch.distributed as dist
+
+    import mesh3d.data.corpus as corpus
+    import mesh3d.mesh
+    from mesh3d.checks.validate import WARNED_ENV
+    from mesh3d.log import logger
+
+    def prepared() -> list[str]:
+        logger.info("preparing the default run's data once: ...")
+        return []
+
+    monkeypatch.setattr(corpus, "default_run_overrides", prepared)
+    monkeypatch.setattr(mesh3d.mesh, "init_distributed", lambda **kw: None)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src: None)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv(WARNED_ENV, "")
+    logger.handlers.clear()
+    launch._resolved_on_ranks(launch._split(["tokens.train_steps=2"]))
+    out, err = capsys.readouterr()
+    assert "[INFO|LAUNCHER]: preparing the default run's data once" in out
+    assert "[WARNING|LAUNCHER]: `tokens.val_check_interval` (50) is larger" in out
+    assert err == ""
+    assert logger.handlers == [] and logger.level == logging.NOTSET  # the run sets its own
+
+
+def test_concurrent_ranks_prepare_the_default_data_once(tmp_path, monkeypatch):
+    """Item 7: the ranks of `torchrun --nproc_per_node=N recipes/train.py` (no config) each
+    prepared the default run's corpus at the same time; they take turns, one prepares it."""
+    import threading
+    import time
+
+    import mesh3d.data.corpus as corpus
+    import mesh3d.data.tokenize
+
+    made = []
+
+    def train_bpe(texts, folder, vocab_size):
+        made.append(folder)
+        time.sleep(0.3)  # the others arrive meanwhile
+        folder.mkdir()
+        return folder
+
+    def tokenize_to_folder(tokenizer, inputs, output):
+        Path(output).mkdir()
+        return None, 1, 10
+
+    monkeypatch.setenv("MESH3D_CACHE", str(tmp_path))
+    monkeypatch.setattr(corpus, "stdlib_files", lambda budget: [])
+    monkeypatch.setattr(corpus, "train_bpe", train_bpe)
+    monkeypatch.setattr(mesh3d.data.tokenize, "tokenize_to_folder", tokenize_to_folder)
+    folders = []
+    ranks = [threading.Thread(target=lambda: folders.append(corpus.prepare_stdlib_corpus()))
+             for _ in range(3)]  # fmt: skip
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()
+    assert len(made) == 1 and len(set(folders)) == 1 and len(folders) == 3
+    assert (folders[0] / "tokenized").is_dir()
+
+
 def test_short_run_validates_at_its_last_step_with_one_warning():
     """`train_steps` below `val_check_interval`: accepted, one warning, evaluated at the end."""
     from mesh3d.checks import config_warnings
