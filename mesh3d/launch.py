@@ -29,7 +29,7 @@ from pathlib import Path
 from mesh3d.checks import validate, warn_once
 from mesh3d.config import expand_run_name, load_config, world_size
 from mesh3d.errors import PeerError, UserError, exit_on_user_error
-from mesh3d.log import setup_launcher_logging
+from mesh3d.log import launcher_lines, setup_launcher_logging
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 LAUNCHED_ENV = "MESH3D_LAUNCHED"  # set in the ranks `mesh3d train` starts itself
@@ -102,19 +102,23 @@ def _resumed_run_name(cfg) -> str | None:
 def _resolved_on_ranks(args: argparse.Namespace) -> tuple[str, list[str], str]:
     """A rank that torchrun or Slurm started: the config checked before any collective (a
     mistake is one `error:` line, from rank 0), then world rank 0's run name for every rank
-    (`%date` read once) and the same metrics file and plot as `mesh3d train`."""
+    (`%date` read once) and the same metrics file and plot as `mesh3d train`. World rank 0
+    prints what `mesh3d train`'s launcher does before the run (the default run's data
+    preparation, the config's warnings), in the same form."""
     import torch.distributed as dist
 
     from mesh3d.mesh import init_distributed
 
-    try:
-        path, overrides = _resolved(args)
-        cfg = load_config(path, overrides)
-        validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
-    except UserError as e:  # the same file and overrides on every rank
-        e.same_on_every_rank = True
-        raise
-    warn_once(cfg)
+    shown = launcher_lines() if int(os.environ["RANK"]) == 0 else contextlib.nullcontext()
+    with shown:  # rank 0 shows what the launcher of `mesh3d train` shows before the run
+        try:
+            path, overrides = _resolved(args)
+            cfg = load_config(path, overrides)
+            validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+        except UserError as e:  # the same file and overrides on every rank
+            e.same_on_every_rank = True
+            raise
+        warn_once(cfg)
     init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=cfg.mesh3d.device)
     shared = [overrides]
     dist.broadcast_object_list(shared, src=0)

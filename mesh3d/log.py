@@ -11,6 +11,7 @@ emitted on the one rank that owns the metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -94,6 +95,23 @@ def setup_launcher_logging() -> None:
     logger.handlers[:] = [handler]
     logger.propagate = False
     logger.setLevel(logging.INFO)
+
+
+@contextlib.contextmanager
+def launcher_lines():
+    """`setup_launcher_logging` for a block (a torchrun rank 0 showing what `mesh3d train`'s
+    launcher shows before the run); afterwards the logger is as it was, unconfigured, until the
+    run sets up the rank's own logging."""
+    if logger.handlers:
+        yield
+        return
+    setup_launcher_logging()
+    try:
+        yield
+    finally:
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
 
 
 def effective_level(level: str, primary: bool) -> int:

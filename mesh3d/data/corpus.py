@@ -7,11 +7,14 @@ Nanoset folder (datatrove's `.ds` format) of their tokens.
 
 The files are read in sorted order up to a size budget (tests and the `idlelib`/`site-packages`
 folders left out), so the corpus is the same for the same Python. Made in a temporary folder
-and renamed into place when complete; a second call returns the cached folder at once.
+and renamed into place when complete; a second call returns the cached folder at once. Processes
+that ask at the same time (the ranks of `torchrun recipes/train.py` without a config) take turns
+on a lock file beside the folder, so one prepares it and the others read it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -56,6 +59,30 @@ def prepare_stdlib_corpus(megabytes: float = 3.0, vocab_size: int = 4096) -> Pat
     folder = cache_root() / f"stdlib-{key.hexdigest()[:12]}"
     if (folder / "tokenized").is_dir():
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _turn(folder.with_name(folder.name + ".lock")):
+        if (folder / "tokenized").is_dir():  # made by the process that had the lock before
+            return folder
+        return _prepare(folder, root, megabytes, vocab_size)
+
+
+@contextlib.contextmanager
+def _turn(lock: Path):
+    """Hold an exclusive lock on `lock` (released when the process ends, however it ends)."""
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks: processes that race each make it, the first kept
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _prepare(folder: Path, root: Path, megabytes: float, vocab_size: int) -> Path:
     start = time.perf_counter()
     tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -208,7 +208,9 @@ def run_schedule(
     runs the last stage) are split along dim 0 into the schedule's n microbatches, and so are
     `positions` (document masking) and `token_keys` (dropout), which every stage's forward
     gets as keywords. Returns
-    the n losses from `loss_fn` where this rank runs the last stage, [] elsewhere. Logits are
+    the n losses from `loss_fn` where this rank runs the last stage, [] elsewhere, detached
+    (their backward has run; `float(loss)` on one still holding its graph made torch warn on
+    every last-stage rank). Logits are
     not kept (`return_outputs=False` where torch has it). With `forward_only` the schedule runs
     its `eval()` (torch's forward-only mode: the same schedule, backward actions skipped; the
     stages switch their buffers to no-grad and back at the next training step); call it
@@ -230,7 +232,7 @@ def run_schedule(
             kwargs[key] = value
     run = schedule.eval if forward_only else schedule.step
     run(*args, target=labels if last else None, losses=losses, **kwargs)
-    return losses if last else []
+    return [loss.detach() for loss in losses] if last else []
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@
     # anywhere, to see the command it runs:
     python recipes/slurm/launch.py --config-file cfg.yaml --gpus-per-node 8 --nodes 2 --dry-run
 
-The node count is the config's world size (dp x tp x pp) / --gpus-per-node (checked against
+The node count is the config's world size (dp x cp x tp x pp) / --gpus-per-node (checked against
 --nodes and $SLURM_NNODES when given). Every node runs the same torchrun command:
 `--nnodes N --nproc_per_node G --rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ID`,
 where HOST is --rdzv-host, else the first host of $SLURM_JOB_NODELIST (via scontrol), else

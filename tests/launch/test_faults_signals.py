@@ -148,10 +148,12 @@ DP2 = layout_overrides(2, 1, "ALL_REDUCE", 0, False)
 
 
 def test_sigusr1_to_the_slurm_recipe_launcher_saves_and_the_same_command_resumes(tmp_path):
-    """SIGUSR1 (Slurm's --signal notice) to recipes/slurm/launch.py, which execs torchrun: torch
-    2.13's torchrun reset TORCHELASTIC_SIGNALS_TO_HANDLE to its default, died of the signal
-    (-10) and the ranks exited 4 with nothing saved. Now the ranks save the step; the same
-    command resumes and the losses equal an uninterrupted run's bitwise."""
+    """SIGUSR1 (Slurm's --signal notice) to recipes/slurm/launch.py, which runs torchrun's
+    command through torch's elastic agent: torch 2.13's torchrun reset
+    TORCHELASTIC_SIGNALS_TO_HANDLE to its default, died of the signal (-10) and the ranks exited
+    4 with nothing saved. Now the ranks save the step and the launcher exits with their 75 (the
+    code train.sbatch requeues on; torchrun itself exited 1); the same command resumes and the
+    losses equal an uninterrupted run's bitwise."""
     cfg, root = tmp_path / "tiny.yaml", tmp_path / "ck"
     save_config(config_from_dict(TINY_DICT), cfg)
     overrides = [*DP2, "mesh3d.collective_timeout_s=10", "tokens.train_steps=40",
@@ -166,6 +168,7 @@ def test_sigusr1_to_the_slurm_recipe_launcher_saves_and_the_same_command_resumes
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
     first, out, done, both, out2 = preempt_and_resume(launch, signal.SIGUSR1, tmp_path)
+    assert first.returncode == 75, out[-3000:]
     assert (
         f"preempted: SIGUSR1 received: stopped after step {done} and saved {root}/{done}" in out
     ), out[-3000:]

@@ -32,6 +32,7 @@ def test_torchrun_run_writes_what_mesh3d_train_writes(tmp_path):
     run = re.search(r"== run (\S+): 3 steps in", r.stdout).group(1)
     assert "%" not in run and run.startswith("cpu_tiny_")  # expanded once, rank 0's
     assert (tmp_path / "runs" / run / "metrics.jsonl").is_file()
+    assert (tmp_path / "runs" / run / "metrics.png").is_file()  # the plot, as mesh3d train
     assert f"metrics      runs/{run}/metrics.jsonl" in r.stdout
     assert list((tmp_path / "runs").iterdir()) == [tmp_path / "runs" / run]  # one folder
 

@@ -11,6 +11,7 @@ The tests of this subject that launch real processes are in
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,21 @@ def test_save_state_at_2x2x2_loads_at_other_layouts(custom):
         assert loaded.keys() == saved.keys(), layout
         for name, w in saved.items():
             assert torch.equal(loaded[name], w), (layout, name)
+
+
+def _warnings_of_the_example(rank: int, world: int) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _example().train(1, 1, 2, steps=2, lr=1e-3)
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_the_pipelined_example_warns_nothing():
+    """Issue 26 item 12: the 8-rank example printed torch's "Converting a tensor with
+    requires_grad=True to a scalar" once per last-stage rank (4x): `run_schedule`'s losses
+    still carried their graph after the backward. They come back detached."""
+    for rank, caught in enumerate(run_ranks(2, _warnings_of_the_example, timeout=200)):
+        assert caught == [], (rank, caught)
 
 
 def test_hf_llama_under_mesh3d_tp_and_dp():

@@ -45,6 +45,74 @@ RECIPE = "recipes/configs/cpu_tiny.yaml"
 REPO = Path(__file__).resolve().parents[2]
 
 
+def test_torchrun_rank_0_shows_what_the_launcher_shows(monkeypatch, capsys):
+    """Item 7: under torchrun the default run prepared its data in silence and the config's
+    warnings came bare on stderr; `mesh3d train` shows both with its LAUNCHER prefix. Rank 0
+    now shows them the same way (then leaves the logger to the run's own set-up)."""
+    import logging
+
+    import torch.distributed as dist
+
+    import mesh3d.data.corpus as corpus
+    import mesh3d.mesh
+    from mesh3d.checks.validate import WARNED_ENV
+    from mesh3d.log import logger
+
+    def prepared() -> list[str]:
+        logger.info("preparing the default run's data once: ...")
+        return []
+
+    monkeypatch.setattr(corpus, "default_run_overrides", prepared)
+    monkeypatch.setattr(mesh3d.mesh, "init_distributed", lambda **kw: None)
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objects, src: None)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv(WARNED_ENV, "")
+    logger.handlers.clear()
+    launch._resolved_on_ranks(launch._split(["tokens.train_steps=2"]))
+    out, err = capsys.readouterr()
+    assert "[INFO|LAUNCHER]: preparing the default run's data once" in out
+    assert "[WARNING|LAUNCHER]: `tokens.val_check_interval` (50) is larger" in out
+    assert err == ""
+    assert logger.handlers == [] and logger.level == logging.NOTSET  # the run sets its own
+
+
+def test_concurrent_ranks_prepare_the_default_data_once(tmp_path, monkeypatch):
+    """Item 7: the ranks of `torchrun --nproc_per_node=N recipes/train.py` (no config) each
+    prepared the default run's corpus at the same time; they take turns, one prepares it."""
+    import threading
+    import time
+
+    import mesh3d.data.corpus as corpus
+    import mesh3d.data.tokenize
+
+    made = []
+
+    def train_bpe(texts, folder, vocab_size):
+        made.append(folder)
+        time.sleep(0.3)  # the others arrive meanwhile
+        folder.mkdir()
+        return folder
+
+    def tokenize_to_folder(tokenizer, inputs, output):
+        Path(output).mkdir()
+        return None, 1, 10
+
+    monkeypatch.setenv("MESH3D_CACHE", str(tmp_path))
+    monkeypatch.setattr(corpus, "stdlib_files", lambda budget: [])
+    monkeypatch.setattr(corpus, "train_bpe", train_bpe)
+    monkeypatch.setattr(mesh3d.data.tokenize, "tokenize_to_folder", tokenize_to_folder)
+    folders = []
+    ranks = [threading.Thread(target=lambda: folders.append(corpus.prepare_stdlib_corpus()))
+             for _ in range(3)]  # fmt: skip
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()
+    assert len(made) == 1 and len(set(folders)) == 1 and len(folders) == 3
+    assert (folders[0] / "tokenized").is_dir()
+
+
 def test_short_run_validates_at_its_last_step_with_one_warning():
     """`train_steps` below `val_check_interval`: accepted, one warning, evaluated at the end."""
     from mesh3d.checks import config_warnings
@@ -92,6 +160,46 @@ def test_help_names_the_command_and_closes_its_backticks(command, capsys):
     description = out.split("\n\n")[1]
     assert description.count("`") % 2 == 0, description
     assert "dp x cp x tp x pp" in out
+
+
+def _prose(path: Path) -> str:
+    """A file's text with comment markers dropped and lines joined (phrases wrap)."""
+    lines = (line.strip().lstrip("#").strip() for line in path.read_text().splitlines())
+    return " ".join(lines)
+
+
+def test_the_default_run_time_is_one_claim():
+    """Item 9: default.yaml said "a minute and a half", the README 75 s, for the same run."""
+    import re
+
+    said = re.compile(r"about (\d+) seconds on 2 cores")
+    readme = said.findall(_prose(REPO / "README.md"))
+    config = said.findall(_prose(REPO / "mesh3d" / "configs" / "default.yaml"))
+    assert len(readme) == 1 and config == readme, (readme, config)
+
+
+def test_world_size_counts_cp_where_it_is_explained():
+    """Item 9: the README's file map named the mesh ("pp","dp","tp"), without cp; the
+    multi-node launcher's docstring and train.sbatch said dp x tp x pp."""
+    from mesh3d.mesh import AXES
+
+    file_map = (REPO / "README.md").read_text().split("## File map", 1)[1]
+    (line,) = [x for x in file_map.splitlines() if x.strip().startswith("mesh.py ")]
+    assert "(" + ",".join(f'"{axis}"' for axis in AXES) + ")" in line, line
+    for name in ("launch.py", "train.sbatch"):
+        text = _prose(REPO / "recipes" / "slurm" / name)
+        assert "dp x cp x tp x pp" in text and "dp x tp x pp" not in text, name
+
+
+def test_readme_says_what_plain_torchrun_does_to_a_user_error():
+    """Item 8: the README promised one `error:` line and exit 2 right under its torchrun
+    example; torchrun itself adds its ChildFailedError report and exits 1 (measured), which
+    only the launchers running the agent themselves avoid (the launch test runs
+    recipes/slurm/launch.py)."""
+    readme = (REPO / "README.md").read_text()
+    using = " ".join(readme.split("\n## Using it", 1)[1].split("\n### Config", 1)[0].split())
+    assert "Every rank prints user errors as one `error: ...` line" not in using
+    assert "`ChildFailedError` report, and exits 1" in using
 
 
 def test_missing_metrics_file_suggests_a_path_a_run_writes(tmp_path):
@@ -239,6 +347,21 @@ def test_eta_is_steady_when_one_step_is_slow():
     assert steady == 50.0 and sinks.eta(51, [5.0] + [1.0] * 49 + [10.0]) == 49.0
 
 
+def test_readme_mesh3d_section_lists_every_key():
+    """Item 13: `mesh3d.console` (and four other keys) were missing from the README's `mesh3d:`
+    section, the block a user copies the keys from."""
+    import dataclasses
+    import re
+
+    from mesh3d.config.schema import Mesh3dArgs
+
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"```yaml\nmesh3d:\n(.*?)```", readme, re.S).group(1)
+    listed = re.findall(r"^  (\w+):", block, re.M)
+    assert listed == list(dict.fromkeys(listed))  # each once
+    assert sorted(listed) == sorted(f.name for f in dataclasses.fields(Mesh3dArgs))
+
+
 def test_console_value_is_checked():
     from mesh3d.checks import validation_errors
 
@@ -318,6 +441,26 @@ def test_the_end_of_a_run_names_where_tensorboard_wrote(tmp_path, caplog):
                      f"(tensorboard --logdir {tmp_path / 'tb'})"]  # fmt: skip
 
 
+def test_the_end_of_a_run_names_where_wandb_wrote(caplog):
+    """Item 13's W&B half (the TensorBoard half above): an offline run's folder and how to
+    upload it, before the summary; the run is finished."""
+    import logging
+    from types import SimpleNamespace
+
+    from mesh3d.train.sinks import MetricSinks
+
+    finished = []
+    run = SimpleNamespace(id="ab12", url=None, dir="wandb/offline-run-x/files",
+                          finish=lambda: finished.append(True))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="mesh3d"):
+        sinks = MetricSinks(load_config(RECIPE, ["mesh3d.wandb=false"]), True, None)
+        sinks.wandb = run
+        sinks.close()
+    lines = [r.getMessage() for r in caplog.records if "Weights & Biases" in r.getMessage()]
+    assert lines == ["Weights & Biases run ab12 written to wandb/offline-run-x/files "
+                     "(offline: wandb sync to upload)"]  # fmt: skip
+    assert finished == [True] and sinks.wandb is None
+
 
 def test_torchao_kernel_noise_is_dropped_and_its_other_records_kept():
     """Item 10: with torchao installed, `import transformers` printed "Failed to load ..." per
@@ -358,10 +501,15 @@ def test_resumed_run_with_a_date_in_its_name_keeps_its_first_name(tmp_path, monk
     step = ckpts / "4"
     step.mkdir(parents=True)
     (step / "checkpoint_metadata.json").write_text(json.dumps({"step": 4}))
-    (step / "config.yaml").write_text(yaml.safe_dump({"general": {"run": "cpu_tiny_20261201_0900_local"}}))
+    (step / "config.yaml").write_text(
+        yaml.safe_dump({"general": {"run": "cpu_tiny_20261201_0900_local"}})
+    )
     (ckpts / "latest.txt").write_text("4")
-    base = [str(REPO / RECIPE), f"checkpoints.checkpoints_path={ckpts}",
-            "checkpoints.checkpoint_interval=10"]
+    base = [
+        str(REPO / RECIPE),
+        f"checkpoints.checkpoints_path={ckpts}",
+        "checkpoints.checkpoint_interval=10",
+    ]
 
     def run_name(*overrides: str) -> str:
         path, resolved = launch._resolved(launch._split([*base, *overrides]))
