@@ -176,7 +176,7 @@ def _step_ms(work: Path, runs: list[tuple[str, int]], rounds: int) -> dict:
             for key, ms in pooled.items()}  # fmt: skip
 
 
-def _loader_part(work: Path, quick: bool, reps: int) -> dict:
+def _loader_part(work: Path, quick: bool, reps: int, rounds: int = 2) -> dict:
     """Part 5 (module doc): the loader per data kind and worker count vs a step's need."""
     n = 4_000 if quick else 20_000
     tok = make_tokenizer(work / "tok4k", vocab_size=4096)
@@ -187,7 +187,7 @@ def _loader_part(work: Path, quick: bool, reps: int) -> dict:
     tokenize_to_folder(str(tok), [str(text)], str(work / "corpus"))
     steps = 40 if quick else 150
     rates = _loader_rates(work, steps, reps)
-    step = _step_ms(work, [("nanoset", 0), ("stream", 0), ("stream", 2)], 1 if quick else 2)
+    step = _step_ms(work, [("nanoset", 0), ("stream", 0), ("stream", 2)], 1 if quick else rounds)
     need = 16 / (
         step["nanoset/0"]["median"] / 1000
     )  # samples/s a step of the default config consumes
@@ -201,8 +201,9 @@ def _loader_part(work: Path, quick: bool, reps: int) -> dict:
         print(f"  {kind:8s} {w:>7s} {r['samples_per_s']:12,.0f} "
               f"{r['samples_per_s'] / need:8,.1f}x {r['first_batch_s']:11.2f}s")  # fmt: skip
     print(
-        "step time of 20-step train() runs on the default config (steps 3-20 of 2 interleaved "
-        "rounds; a streamed stage tokenizes a 256-sample block every 16 steps):"
+        f"step time of 20-step train() runs on the default config (steps 3-20 of "
+        f"{1 if quick else rounds} interleaved rounds; a streamed stage tokenizes a 256-sample "
+        "block every 16 steps):"
     )
     base = step["nanoset/0"]["mean"]
     for key, t in step.items():
@@ -219,6 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="part 5: interleaved rounds of the step-time runs")  # fmt: skip
     ap.add_argument("--rss-gb", type=float, default=1.0, help="size of the folder for the RSS test")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     ap.add_argument("--loader", action="store_true", help="run part 5 (the loader) alone")
@@ -233,7 +236,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="mesh3d-data-io-"))
     if args.loader:
         result = {"date": str(datetime.date.today()), "torch": torch.__version__,
-                  "cores": os.cpu_count(), "loader": _loader_part(work, args.quick, args.reps)}  # fmt: skip
+                  "cores": os.cpu_count(), "loader": _loader_part(work, args.quick, args.reps, args.rounds)}  # fmt: skip
         out = results_dir(args.publish) / f"data_io_loader{'_quick' if args.quick else ''}.json"
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
@@ -307,7 +310,7 @@ def main(argv=None) -> int:
     gb = 0.05 if args.quick else args.rss_gb
     rss = _rss_of_reading(gb, args.seq, work)
     result["rss"] = rss
-    result["loader"] = _loader_part(work, args.quick, args.reps)
+    result["loader"] = _loader_part(work, args.quick, args.reps, args.rounds)
     print(
         f"reading a {gb:g} GB folder ({rss['samples']} samples of {args.seq + 1} tokens, every one "
         f"once, {rss['read_s']:.1f} s): ru_maxrss {rss['ru_maxrss_MB']:.0f} MB; anonymous RSS "
