@@ -9,9 +9,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d.config import apply_overrides, config_from_dict
+from mesh3d.errors import UserError
 from mesh3d.parallel.experts import gather_expert_shard
 from mesh3d.parallel.parallelize import canonical_name
-from mesh3d.train.hooks import KeepModel
+from mesh3d.train.hooks import BatchHashes, KeepModel
 from mesh3d.train.loop import train
 
 VOCAB = 250  # not a multiple of 4: tp=4 pads the vocabulary
@@ -166,6 +167,22 @@ def train_runs(rank: int, world: int, runs: list[list[str]], base: dict = TINY) 
             )
         )
     return results
+
+
+def hashed_runs(rank: int, world: int, runs: list[list[str]]) -> list:
+    """Train TINY + each run's overrides on this rank: {"loss": per step, "hashes": of the
+    batches read}, or the one line of the `UserError` a run stopped with."""
+    out = []
+    for overrides in runs:
+        cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
+        hashes = BatchHashes()
+        try:
+            res = train(cfg, hooks=[hashes])
+        except UserError as e:
+            out.append(str(e))
+            continue
+        out.append({"loss": [m["lm_loss"] for m in res.metrics], "hashes": hashes.hashes})
+    return out
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,28 +10,13 @@ trains longer on one folder and its loss must fall.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from data_fixtures import make_documents, make_tokenizer, write_jsonl
 from dist import run_ranks
-from parity import TINY, layout_overrides
+from parity import hashed_runs, layout_overrides
 
-from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.data.tokenize import main as tokenize_main
-from mesh3d.train.hooks import BatchHashes
-from mesh3d.train.loop import train
-
-
-def _runs(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
-    out = []
-    for overrides in runs:
-        cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
-        hashes = BatchHashes()
-        res = train(cfg, hooks=[hashes])
-        out.append({"loss": [m["lm_loss"] for m in res.metrics], "hashes": hashes.hashes})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +61,7 @@ def runs(data, tmp_path_factory):
     dp2 = layout_overrides(2, 2, "ALL_REDUCE", 0, False) + _stages(data)
     four = run_ranks(
         4,
-        _runs,
+        hashed_runs,
         [
             dp2 + _ck(t / "straight", 8),
             dp2 + _ck(t / "saved", 6),
@@ -89,7 +74,9 @@ def runs(data, tmp_path_factory):
     long = layout_overrides(1, 1, "ALL_REDUCE", 0, False)
     long += _stages(data, _stage("only", 1, 5, [data / "a"]))
     long += ["tokens.train_steps=40", "optimizer.learning_rate_scheduler.learning_rate=0.003"]
-    one = run_ranks(1, _runs, [dp1 + _ck(t / "dp1", 8, t / "saved" / "3"), long], timeout=300)[0]
+    one = run_ranks(
+        1, hashed_runs, [dp1 + _ck(t / "dp1", 8, t / "saved" / "3"), long], timeout=300
+    )[0]
     return {"ranks": four, "dp1": one[0], "long": one[1]}
 
 

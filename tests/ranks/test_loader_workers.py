@@ -71,6 +71,26 @@ def _read(d, rank: int, workers: int, first: int, steps: int = 8) -> list:
         feed.close()
 
 
+def _worker_fault(d, rank: int, sig: int, timeout_s: float) -> str:
+    """Send `sig` to the one worker of a 1-worker feed after its first batch, then read on:
+    the `DataWorkerError` line the feed raises ("no error" if it raises none)."""
+    cfg = staged_config(d, 1, 40, ["data_stages[1].start_training_step=30"])
+    feed = Feed(StagedData(cfg), rank, 2, cfg.tokens.micro_batch_size, timeout_s=timeout_s)
+    feed.batches(1)
+    (pid,) = worker_pids(feed.loader)
+    os.kill(pid, sig)
+    try:
+        for step in range(2, 30):
+            feed.batches(step)
+        return "no error"
+    except DataWorkerError as e:
+        return str(e)
+    finally:
+        feed.close()
+        with contextlib.suppress(ProcessLookupError):  # the loader killed it already
+            os.kill(pid, signal.SIGKILL)
+
+
 def _rank(rank: int, world: int, d) -> dict:
     t0 = time.perf_counter()
     out = {"main": _read(d, rank, 0, 1)}
@@ -79,21 +99,7 @@ def _rank(rank: int, world: int, d) -> dict:
     out["from5"] = _read(d, rank, 2, 5)
     out["from3"] = _read(d, rank, 2, 3)
     if rank == 0:  # a worker that hangs (stopped): the timeout, not a hang
-        cfg = staged_config(d, 1, 40, ["data_stages[1].start_training_step=30"])
-        feed = Feed(StagedData(cfg), rank, 2, cfg.tokens.micro_batch_size, timeout_s=3)
-        feed.batches(1)
-        (pid,) = worker_pids(feed.loader)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            for step in range(2, 30):
-                feed.batches(step)
-            out["hung"] = "no error"
-        except DataWorkerError as e:
-            out["hung"] = str(e)
-        finally:
-            feed.close()
-            with contextlib.suppress(ProcessLookupError):  # the loader killed it already
-                os.kill(pid, signal.SIGKILL)
+        out["hung"] = _worker_fault(d, rank, signal.SIGSTOP, timeout_s=3)
     if rank == 0:  # bad data found by a streaming worker: the data's own one line
         stage = (f"[{{name: s, start_training_step: 1, data: {{seed: 5, num_loading_workers: 1, "
                  f"dataset: {{hf_dataset_or_datasets: {d / 'bad.jsonl'}, "
@@ -110,19 +116,7 @@ def _rank(rank: int, world: int, d) -> dict:
         finally:
             feed.close()
     if rank == 1:
-        cfg = staged_config(d, 1, 40, ["data_stages[1].start_training_step=30"])
-        feed = Feed(StagedData(cfg), rank, 2, cfg.tokens.micro_batch_size, timeout_s=60)
-        feed.batches(1)
-        (pid,) = worker_pids(feed.loader)
-        os.kill(pid, signal.SIGKILL)
-        try:
-            for step in range(2, 30):
-                feed.batches(step)
-            out["killed"] = "no error"
-        except DataWorkerError as e:
-            out["killed"] = str(e)
-        finally:
-            feed.close()
+        out["killed"] = _worker_fault(d, rank, signal.SIGKILL, timeout_s=60)
     return out
 
 

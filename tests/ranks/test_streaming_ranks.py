@@ -10,33 +10,14 @@ refused with one line saying why and what to do.
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 from data_fixtures import make_documents, make_tokenizer, write_jsonl
 from dist import run_ranks
-from parity import TINY, layout_overrides
+from parity import hashed_runs, layout_overrides
 
-from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.data.tokenize import main as tokenize_main
-from mesh3d.errors import UserError
-from mesh3d.train.hooks import BatchHashes
-from mesh3d.train.loop import train
-
-
-def _runs(rank: int, world: int, runs: list[list[str]]) -> list:
-    out = []
-    for overrides in runs:
-        cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
-        hashes = BatchHashes()
-        try:
-            res = train(cfg, hooks=[hashes])
-        except UserError as e:
-            out.append(str(e))
-            continue
-        out.append({"loss": [m["lm_loss"] for m in res.metrics], "hashes": hashes.hashes})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +50,7 @@ def runs(data, tmp_path_factory):
     t = tmp_path_factory.mktemp("runs")
     dp2 = layout_overrides(2, 1, "ALL_REDUCE", 0, False)
     two = run_ranks(
-        2, _runs,
+        2, hashed_runs,
         [dp2 + _overrides(data, t / "straight", 8), dp2 + _overrides(data, t / "saved", 6),
          dp2 + _overrides(data, t / "from3", 8, t / "saved" / "3"),
          dp2 + _overrides(data, t / "from6", 8, t / "saved" / "6")],
@@ -77,7 +58,7 @@ def runs(data, tmp_path_factory):
     )  # fmt: skip
     dp1 = layout_overrides(1, 1, "ALL_REDUCE", 0, False)
     one = run_ranks(
-        1, _runs,
+        1, hashed_runs,
         [dp1 + _overrides(data, t / "dp1_6", 8, t / "saved" / "6"),
          dp1 + _overrides(data, t / "dp1_3", 8, t / "saved" / "3")],
         timeout=300,

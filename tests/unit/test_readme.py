@@ -42,6 +42,7 @@ def readme_commands() -> list[str]:
 # command it runs (as written, or with the README's placeholders filled: `cfg.yaml`, `CONFIG`,
 # `N`, `checkpoints`, the user's own files; `{latest}` is the default run's last step), which
 # must exit 0 within a minute; `None` with the reason it is not run there.
+# fmt: off
 MESH3D_TRAIN_DONE = None, "run first, verbatim, by test_first_commands_run_in_a_clean_clone"
 README_COMMANDS: dict[str, tuple[str | None, str]] = {
     'pip install "torch==2.13.0" -e ".[dev]"': MESH3D_TRAIN_DONE,
@@ -118,6 +119,7 @@ README_COMMANDS: dict[str, tuple[str | None, str]] = {
         None, "8 ranks: tests/ranks/test_library.py runs the same main() at dp 2 x tp 2 x pp 2 and "
         "checks it equals one process"),
 }
+# fmt: on
 
 
 def test_every_readme_command_is_run_or_says_why_not():
