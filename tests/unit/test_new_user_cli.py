@@ -1,0 +1,151 @@
+"""What a new user meets first (issue 26, items 9, 11, 12, 14 and the README's mesh3d: block):
+the CLI's helps and hints, what the README and docs claim, the plan's output and the benchmark's
+default length. The run-behaviour tests are in `tests/unit/test_new_user.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mesh3d.config import load_config
+
+RECIPE = "recipes/configs/cpu_tiny.yaml"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("command", ["plan", "config"])
+def test_help_names_the_command_and_closes_its_backticks(command, capsys):
+    from mesh3d import cli
+
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: mesh3d {command} ") and "python -m mesh3d.plan CONFIG" not in out
+    description = out.split("\n\n")[1]
+    assert description.count("`") % 2 == 0, description
+    assert "dp x cp x tp x pp" in out
+
+
+def _prose(path: Path) -> str:
+    """A file's text with comment markers dropped and lines joined (phrases wrap)."""
+    lines = (line.strip().lstrip("#").strip() for line in path.read_text().splitlines())
+    return " ".join(lines)
+
+
+def test_the_default_run_time_is_one_claim():
+    """Item 9: default.yaml said "a minute and a half", the README 75 s, for the same run."""
+    import re
+
+    said = re.compile(r"about (\d+) seconds on 2 cores")
+    readme = said.findall(_prose(REPO / "README.md"))
+    config = said.findall(_prose(REPO / "mesh3d" / "configs" / "default.yaml"))
+    assert len(readme) == 1 and config == readme, (readme, config)
+
+
+def test_world_size_counts_cp_where_it_is_explained():
+    """Item 9: the README's file map named the mesh ("pp","dp","tp"), without cp; the
+    multi-node launcher's docstring and train.sbatch said dp x tp x pp."""
+    from mesh3d.mesh import AXES
+
+    file_map = (REPO / "README.md").read_text().split("## File map", 1)[1]
+    (line,) = [x for x in file_map.splitlines() if x.strip().startswith("mesh.py ")]
+    assert "(" + ",".join(f'"{axis}"' for axis in AXES) + ")" in line, line
+    for name in ("launch.py", "train.sbatch"):
+        text = _prose(REPO / "recipes" / "slurm" / name)
+        assert "dp x cp x tp x pp" in text and "dp x tp x pp" not in text, name
+
+
+def test_readme_says_what_plain_torchrun_does_to_a_user_error():
+    """Item 8: the README promised one `error:` line and exit 2 right under its torchrun
+    example; torchrun itself adds its ChildFailedError report and exits 1 (measured), which
+    only the launchers running the agent themselves avoid (the launch test runs
+    recipes/slurm/launch.py)."""
+    readme = (REPO / "README.md").read_text()
+    using = " ".join(readme.split("\n## Using it", 1)[1].split("\n### Config", 1)[0].split())
+    assert "Every rank prints user errors as one `error: ...` line" not in using
+    assert "`ChildFailedError` report, and exits 1" in using
+
+
+def test_missing_metrics_file_suggests_a_path_a_run_writes(tmp_path):
+    from mesh3d.errors import UserError
+    from mesh3d.plot import read_metrics
+
+    with pytest.raises(UserError, match=r"mesh3d plot runs/default/metrics.jsonl"):
+        read_metrics(tmp_path / "nope.jsonl")
+
+
+def test_cli_version_and_did_you_mean(capsys):
+    from mesh3d import __version__, cli
+
+    cli.main(["--version"])
+    assert capsys.readouterr().out == f"mesh3d {__version__}\n"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["trian"])
+    assert e.value.code == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("error: unknown command 'trian' (did you mean 'train'?)")
+
+
+def test_override_without_value_is_named_as_such():
+    from mesh3d.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"'parallelism.dp' is not a config file and has no `=value`"
+    ):
+        load_config("parallelism.dp")
+
+
+def test_throughput_benchmark_default_is_short_and_full_is_a_flag():
+    import importlib
+    import sys
+
+    from test_bench_throughput import ROOT
+
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = importlib.import_module("throughput")
+    assert bench.SCHEDULE["quick"][0] <= 10 and bench.SCHEDULE["full"][0] == 40
+    assert "--full" in (ROOT / "benchmarks" / "README.md").read_text()
+
+
+def test_plan_abbreviates_many_rank_groups():
+    from mesh3d.plan.report import groups_line
+
+    assert groups_line([[0, 1], [2, 3]]) == "[0, 1] [2, 3]"  # short: unchanged
+    tp = [list(range(i, i + 8)) for i in range(0, 512, 8)]
+    assert groups_line(tp) == "64 groups of 8: [0-7] [8-15] [16-23] ... [504-511]"
+    pp = [list(range(i, 512, 64)) for i in range(64)]
+    line = groups_line(pp)
+    assert (
+        line.startswith("64 groups of 8: [0, 64, ..., 448] [1, 65, ..., 449]") and len(line) < 120
+    )
+
+
+def test_plan_says_whether_the_peak_fits():
+    from mesh3d.errors import UserError
+    from mesh3d.plan.build import make_plan
+    from mesh3d.plan.report import format_plan, gpu_memory_gib
+
+    plan = make_plan(load_config(RECIPE), None)
+    assert "pass --gpu-memory GiB" in format_plan(plan)
+    assert "  fits: largest peak" in format_plan(plan, gpu_memory_gib("H100"))
+    assert "DOES NOT FIT" in format_plan(plan, 1e-6)
+    assert gpu_memory_gib("h100") == 80 and gpu_memory_gib("40") == 40
+    with pytest.raises(UserError, match="--gpu-memory 'P100x'"):
+        gpu_memory_gib("P100x")
+
+
+def test_readme_mesh3d_section_lists_every_key():
+    """Item 13: `mesh3d.console` (and four other keys) were missing from the README's `mesh3d:`
+    section, the block a user copies the keys from."""
+    import dataclasses
+    import re
+
+    from mesh3d.config.schema import Mesh3dArgs
+
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"```yaml\nmesh3d:\n(.*?)```", readme, re.S).group(1)
+    listed = re.findall(r"^  (\w+):", block, re.M)
+    assert listed == list(dict.fromkeys(listed))  # each once
+    assert sorted(listed) == sorted(f.name for f in dataclasses.fields(Mesh3dArgs))
