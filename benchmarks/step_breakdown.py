@@ -48,7 +48,12 @@ LAYOUTS = {
     "1x1x1": ((1, 1, 1), os.cpu_count() or 1),
     "1x1x1 1 thread": ((1, 1, 1), 1),
     "2x2x2": ((2, 2, 2), 1),
+    # one axis at a time, one rank per core (no oversubscription): what each axis adds alone
+    "dp2": ((2, 1, 1), 1),
+    "tp2": ((1, 2, 1), 1),
+    "pp2": ((1, 1, 2), 1),
 }
+DEFAULT_LAYOUTS = ("1x1x1", "1x1x1 1 thread", "2x2x2")
 PHASES = ("read batch", "prepare batch", "forward+backward", "dp grad sum", "tied-embedding sync",
           "partial-grad reduce", "norm + clip", "optimizer", "stop check")  # fmt: skip
 
@@ -205,12 +210,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="toy shapes (the test)")
     ap.add_argument("--tp-mode", default="REDUCE_SCATTER", choices=["REDUCE_SCATTER", "ALL_REDUCE"],
                     help="parallelism.tp_mode of the 2x2x2 run (default REDUCE_SCATTER)")  # fmt: skip
+    ap.add_argument("--axes", action="store_true",
+                    help="also dp2, tp2 and pp2 alone (2 ranks each, one per core): what each "
+                         "axis adds without ranks taking turns on the cores")  # fmt: skip
     add_publish_flag(ap)
     args = ap.parse_args(argv)
     head = print_header()
     shape = "tiny" if args.tiny else "peer"
     layouts = {}
-    for name in LAYOUTS:
+    for name in LAYOUTS if args.axes else DEFAULT_LAYOUTS:
         t0 = time.time()
         layouts[name] = run_layout(shape, name, args.tp_mode)
         print(f"{name}: {layouts[name]['step_wall']:.3f} s per step (wall), "
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     result = dict(head, shape=shape, tp_mode=args.tp_mode, shape_values=SHAPES[SHAPE[shape]], steps=STEPS[shape],
                   skipped_steps=SKIP, layouts=layouts)  # fmt: skip
     print(table(result))
-    mode = "" if args.tp_mode == "REDUCE_SCATTER" else "_all_reduce"
+    mode = ("" if args.tp_mode == "REDUCE_SCATTER" else "_all_reduce") + ("_axes" if args.axes else "")
     path = results_dir(args.publish) / f"step_breakdown{mode}{'_tiny' if args.tiny else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")

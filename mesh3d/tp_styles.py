@@ -121,15 +121,102 @@ class LocalRowwise(RowwiseParallel):
         bias_grad = [Partial() if layout.is_shard() else Replicate()]
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            partial = DTensor.from_local(F.linear(x, mod.weight.to_local()), device_mesh,
-                                         [Partial()], run_check=False)  # fmt: skip
-            out = partial.redistribute(device_mesh, [layout]).to_local()
+            y = F.linear(x, mod.weight.to_local())
+            if torch.compiler.is_compiling():  # traceable: DTensor's functional collectives
+                partial = DTensor.from_local(y, device_mesh, [Partial()], run_check=False)
+                out = partial.redistribute(device_mesh, [layout]).to_local()
+            else:
+                out = reduce_partial(y, device_mesh.get_group(), layout)
             if mod.bias is not None:
                 out = out + mod.bias.to_local(grad_placements=bias_grad)
             return out
 
         module.forward = types.MethodType(forward, module)
         return module
+
+
+# The activations' collectives, on plain tensors (eager mode): what DTensor's `redistribute`
+# does for `LocalRowwise`'s output and `block_input`'s input, as one autograd function each with
+# one c10d call per direction, without DTensor's per-call Python (specs, functional-collective
+# wrappers). Compiled code keeps DTensor's traceable path; the math is the same.
+
+
+def _seq_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather `x` along `dim` (equal shards, in rank order)."""
+    size = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _seq_reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum `x` over `group` and keep this rank's shard along `dim`."""
+    size = dist.get_world_size(group)
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.contiguous(memory_format=torch.contiguous_format).clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+class _ReduceToLayout(torch.autograd.Function):
+    """Forward: partial sums -> `Replicate()` (all-reduce) or sequence shards (reduce-scatter on
+    `dim`); backward: the gradient as is, or all-gathered on `dim`."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _summed(x, group) if dim is None else _seq_reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.dim is None else _seq_gather(grad, ctx.dim, ctx.group)), None, None
+
+
+class _GatherFromLayout(torch.autograd.Function):
+    """Forward: `Replicate()` input as is, or sequence shards all-gathered on `dim`; backward:
+    the block's partial input gradient summed over tp (all-reduce, or reduce-scatter on `dim`)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return x.view_as(x) if dim is None else _seq_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = ctx.group
+        return (
+            (_summed(grad, g) if ctx.dim is None else _seq_reduce_scatter(grad, ctx.dim, g)),
+            None,
+            None,
+        )
+
+
+def _shard_dim(layout, ndim: int) -> int | None:
+    """The sequence dim of a `Shard(d)` layout (non-negative), None for `Replicate()`."""
+    if isinstance(layout, Replicate):
+        return None
+    if not isinstance(layout, Shard):
+        raise ValueError(f"activation layout must be Replicate() or Shard(d), got {layout}")
+    return layout.dim % ndim
+
+
+def reduce_partial(x: torch.Tensor, group: dist.ProcessGroup, layout) -> torch.Tensor:
+    """This rank's partial sum `x` (a row-parallel product) reduced to `layout`: the sum on every
+    rank for `Replicate()`, this rank's shard of it for `Shard(d)`; a plain tensor."""
+    return _ReduceToLayout.apply(x, group, _shard_dim(layout, x.dim()))
+
+
+def gather_full(x: torch.Tensor, group: dist.ProcessGroup, layout) -> torch.Tensor:
+    """The full activations from this rank's `x` in `layout` (as is for `Replicate()`, gathered
+    for `Shard(d)`), whose gradient leaves summed over the group in `layout`."""
+    return _GatherFromLayout.apply(x, group, _shard_dim(layout, x.dim()))
 
 
 class _BlockInput(ParallelStyle):
@@ -142,6 +229,8 @@ class _BlockInput(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(_mod, inputs):
             x, *rest = inputs
+            if not isinstance(x, DTensor) and not torch.compiler.is_compiling():
+                return (gather_full(x, device_mesh.get_group(), self.layout), *rest)
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, device_mesh, [self.layout], run_check=False)
             full = x.redistribute(device_mesh, [Replicate()])

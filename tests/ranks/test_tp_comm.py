@@ -113,16 +113,23 @@ NORMS = 2 * LAYERS + 1  # norm weights with Partial gradients under sequence par
 OPTIM = {
     "ALL_REDUCE": {"reduce_partial": {}, "clip": {AR: 1}, "adamw": {}},
     "REDUCE_SCATTER": {
-        "reduce_partial": {"allreduce_": 1},
+        "reduce_partial": {AR: 1},
         "clip": {AR: 1},
         "adamw": {},
-    },  # c10d op
+    },
 }
+# the c10d ops (the blocks' eager collectives, `reduce_partial_grads`) under their functional names
+C10D_NAMES = {"allreduce_": AR, "_allgather_base_": AG, "_reduce_scatter_base_": RS}
 
 
 def _counts(mode: CommDebugMode) -> dict[str, int]:
-    """{collective name: count}, e.g. {"all_reduce": 2} (c10d_functional prefix dropped)."""
-    return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items() if n}
+    """{collective name: count}, e.g. {"all_reduce": 2}: DTensor's functional collectives and
+    the c10d calls of eager code counted alike (c10d_functional prefix dropped)."""
+    out: Counter = Counter()
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1]
+        out[C10D_NAMES.get(name, name)] += n
+    return {k: n for k, n in out.items() if n}
 
 
 def _measure(tp_mode: str, rank: int, tp_mesh) -> dict:
