@@ -14,7 +14,12 @@ the process):
     once with one thread (kept beside it, labelled),
   - mesh3d 2x2x2, tp_mode REDUCE_SCATTER and ALL_REDUCE: 8 gloo ranks, 4 microbatches a replica,
   - mesh3d tp=2 alone, both tp_modes: 2 ranks, 8 microbatches,
-  - throughput.py's plain loop (b) at 1x1x1: this file run as a script.
+  - throughput.py's plain loop (b) at 1x1x1: this file run as a script,
+  - with `--picotron DIR`, Hugging Face Picotron's own training step at 1x1x1 on every core and
+    at 2x2x2 (`_picotron.py`: its train.py unmodified, on CPU with gloo), in the same
+    interleaved repetitions: `mesh3d_over_picotron` is mesh3d 2x2x2's tokens/s over
+    Picotron's, per repetition and their median (Picotron's losses are listed, not compared:
+    its initialization differs per layout).
 mesh3d's tokens/s are the ones its metrics file logs (the last stage's step time). The ways run
 one after the other, in reversed order every other repetition; efficiency = tokens/s of a layout /
 tokens/s of mesh3d 1x1x1 on every core in the same repetition, reported per repetition and as
@@ -63,7 +68,15 @@ WAYS = {
     "mesh3d_tp2_reduce_scatter": ("mesh3d", (1, 2, 1), "REDUCE_SCATTER"),
     "mesh3d_tp2_all_reduce": ("mesh3d", (1, 2, 1), "ALL_REDUCE"),
 }
-THREADS = {"mesh3d_1x1x1_cores": os.cpu_count() or 1}  # the others: one thread per rank
+# with --picotron: Picotron's own step at the same shape (`_picotron.py`)
+PICOTRON_WAYS = {
+    "picotron_1x1x1_cores": ("picotron", (1, 1, 1), None),
+    "picotron_2x2x2": ("picotron", (2, 2, 2), None),
+}
+THREADS = {
+    "mesh3d_1x1x1_cores": os.cpu_count() or 1,
+    "picotron_1x1x1_cores": os.cpu_count() or 1,
+}  # the others: one thread per rank
 BASELINE = "mesh3d_1x1x1_cores"  # efficiency against the one-process run on every core
 ONE_THREAD = "mesh3d_1x1x1"  # the one-thread 1x1x1, kept beside it (efficiency_one_thread)
 # --tiny (the test): every layout and tp_mode once, not every pair (8 ranks start in ~30 s here)
@@ -87,9 +100,13 @@ def layout_overrides(mode: str, dims: tuple[int, int, int], tp_mode: str | None)
     return out + ([f"parallelism.tp_mode={tp_mode}"] if tp_mode else [])
 
 
-def run_way(way: str, mode: str, steps: int) -> dict:
+def run_way(way: str, mode: str, steps: int, picotron: Path | None = None) -> dict:
     """One run of `way` in fresh processes: tokens/s and loss of every step, wall seconds."""
-    system, dims, tp_mode = WAYS[way]
+    system, dims, tp_mode = {**WAYS, **PICOTRON_WAYS}[way]
+    if system == "picotron":
+        from _picotron import run_picotron
+
+        return run_picotron(picotron, SHAPES[mode], dims, steps, THREADS.get(way, 1))
     if system == "mesh3d":
         ranks = math.prod(dims)
         layout = layout_overrides(mode, dims, tp_mode)
@@ -125,6 +142,8 @@ def loss_parity(runs: dict[str, list[dict]]) -> dict:
     ref = runs[BASELINE][0]["losses"]
     first = last = 0.0
     for way, reps in runs.items():
+        if way in PICOTRON_WAYS:  # its own initialization: not the same losses
+            continue
         for run in reps:
             first = max(first, abs(run["losses"][0] - ref[0]) / abs(ref[0]))
             if WAYS[way][0] == "mesh3d":
@@ -144,28 +163,49 @@ def efficiencies(runs: dict[str, list[dict]], baseline: str = BASELINE) -> dict[
     return out
 
 
-def run_peer(tiny: bool) -> dict:
-    """Every way, `SCHEDULE`'s repetitions of each; the result (see `table`)."""
+def run_peer(tiny: bool, picotron: Path | None = None) -> dict:
+    """Every way (and Picotron's with `picotron`, a checkout), `SCHEDULE`'s repetitions of each;
+    the result (see `table`)."""
     mode = "peer_tiny" if tiny else "peer"
     steps, skip, reps = SCHEDULE[mode]
-    ways = list(TINY_WAYS if tiny else WAYS)
+    ways = list(TINY_WAYS if tiny else WAYS) + (list(PICOTRON_WAYS) if picotron else [])
     print(f"config: {' '.join(overrides(mode, steps))}\n{steps} steps, median of steps "
           f"{skip + 1}-{steps}; {reps} repetitions of {len(ways)} ways", flush=True)  # fmt: skip
     runs: dict[str, list[dict]] = {way: [] for way in ways}
     for rep in range(reps):
         for way in ways if rep % 2 == 0 else ways[::-1]:
-            run = run_way(way, mode, steps)
+            run = run_way(way, mode, steps, picotron)
             run["tokens_per_sec_median"] = statistics.median(run["step_tokens_per_sec"][skip:])
             runs[way].append(run)
             print(f"repetition {rep + 1} {way}: {run['tokens_per_sec_median']:.0f} tokens/s, "
                   f"loss {run['losses'][0]:.6f} -> {run['losses'][-1]:.6f}, "
                   f"{run['wall_s']:.0f} s", flush=True)  # fmt: skip
+    every = {**WAYS, **PICOTRON_WAYS}
+    extra = over_picotron(runs) if picotron else {}
     return dict(mode=mode, shape=SHAPES[mode], overrides=overrides(mode, steps), steps=steps,
-                skipped_steps=skip, repetitions=reps, ways={w: list(WAYS[w]) for w in ways},
-                layouts={w: layout_overrides(mode, WAYS[w][1], WAYS[w][2]) for w in ways},
+                skipped_steps=skip, repetitions=reps, ways={w: list(every[w]) for w in ways},
+                picotron=str(picotron) if picotron else None, **extra,
+                layouts={w: layout_overrides(mode, every[w][1], every[w][2]) for w in ways},
                 runs=runs, efficiency=efficiencies(runs),
                 efficiency_one_thread=efficiencies(runs, ONE_THREAD), loss_parity=loss_parity(runs),
                 targets=TARGETS)  # fmt: skip
+
+
+def over_picotron(runs: dict[str, list[dict]]) -> dict:
+    """mesh3d's tokens/s over Picotron's, per repetition and their median: each mesh3d 2x2x2
+    tp_mode and 1x1x1 over Picotron's same layout; and Picotron's own efficiency (2x2x2 over
+    its 1x1x1 on every core)."""
+
+    def ratio(a: str, b: str) -> dict:
+        per = [x["tokens_per_sec_median"] / y["tokens_per_sec_median"]
+               for x, y in zip(runs[a], runs[b], strict=True)]  # fmt: skip
+        return dict(per_repetition=per, median=statistics.median(per))
+
+    pairs = {f"{w}_over_picotron": (w, "picotron_2x2x2") for w in runs
+             if w.startswith("mesh3d_2x2x2")}  # fmt: skip
+    pairs["mesh3d_1x1x1_cores_over_picotron"] = ("mesh3d_1x1x1_cores", "picotron_1x1x1_cores")
+    pairs["picotron_efficiency"] = ("picotron_2x2x2", "picotron_1x1x1_cores")
+    return dict(mesh3d_over_picotron={k: ratio(*ab) for k, ab in pairs.items() if ab[0] in runs})
 
 
 def _cell(values: list[float], fmt: str) -> str:
@@ -185,7 +225,7 @@ def table(result: dict) -> str:
 
     def rows(dims: tuple[int, int, int], per_rank: bool) -> list[str]:
         out = []
-        for way in (w for w in runs if WAYS[w][1] == dims):
+        for way in (w for w in runs if w in WAYS and WAYS[w][1] == dims):
             e = eff[way]
             row = (f"| mesh3d, tp_mode {WAYS[way][2]} | {tps(BASELINE)} | {tps(way)} | "
                    f"{_cell(e['per_repetition'], '.3f')} | {one[way]['median']:.3f} |")  # fmt: skip
@@ -200,6 +240,13 @@ def table(result: dict) -> str:
              *rows((2, 2, 2), False), f"| plain torch loop | {tps('plain_1x1x1')} | — | — | — |",
              "", "| system | 1×1×1 | tp=2 (2 ranks) | efficiency | over 1 thread | per rank (÷ 2) |",
              "|---|---|---|---|---|---|", *rows((1, 2, 1), True)]  # fmt: skip
+    if result.get("mesh3d_over_picotron"):
+        lines += ["", f"Picotron ({result['picotron']}) in the same repetitions: "
+                  f"1×1×1 on {cores} threads {tps('picotron_1x1x1_cores')}, 2×2×2 "
+                  f"{tps('picotron_2x2x2')} tokens/s", "", "| ratio | median (per repetition) |",
+                  "|---|---|"]  # fmt: skip
+        for key, r in result["mesh3d_over_picotron"].items():
+            lines.append(f"| {key} | {_cell(r['per_repetition'], '.3f')} |")
     lines += ["", "| run | step-1 loss | last loss |", "|---|---|---|"]
     for way, reps in runs.items():
         firsts = sorted({f"{r['losses'][0]:.6f}" for r in reps})

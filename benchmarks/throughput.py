@@ -6,6 +6,7 @@
     python benchmarks/throughput.py --tiny        # a toy model, no compile, for the test (seconds)
     python benchmarks/throughput.py --profile     # also: torch.profiler top ops of one step each
     python benchmarks/throughput.py --peer        # only the peer-shaped 3D comparison (_peer.py)
+    python benchmarks/throughput.py --peer --picotron DIR   # and Picotron's step beside it (_picotron.py)
 
 In one process, the same Llama shapes train from the same initial weights on the same batches,
 five ways, interleaved step by step (round k runs step k of each way, in an order that rotates
@@ -186,11 +187,26 @@ def main(argv: list[str] | None = None) -> int:
         help="only the peer-shaped 3D comparison (_peer.py: own shapes, steps)",
     )
     ap.add_argument(
+        "--picotron",
+        type=Path,
+        metavar="DIR",
+        help="with --peer: also Hugging Face Picotron's step from the checkout DIR (_picotron.py)",
+    )
+    ap.add_argument(
         "--out", type=Path, help="JSON path (default benchmarks/results/local/throughput*.json)"
     )
     add_publish_flag(ap)
     ap.add_argument("overrides", nargs="*", help="extra dotted config overrides, key=value")
     args = ap.parse_args(argv)
+    if args.picotron is not None:
+        from _picotron import PicotronMissing, check_checkout
+
+        if not args.peer:
+            ap.error("--picotron is a peer way: add --peer")
+        try:
+            args.picotron = check_checkout(args.picotron)
+        except PicotronMissing as e:
+            ap.error(str(e))
     mode, suffix = ("tiny", "_tiny") if args.tiny else ("quick", "")
     n_steps, warmup, scale_steps = SCHEDULE["full" if args.full and not args.tiny else mode]
     n_steps = args.steps or n_steps
@@ -246,7 +262,7 @@ def peer_main(args: argparse.Namespace, header: dict) -> int:
     from _peer import table as peer_table
 
     t_all, load0 = time.time(), os.getloadavg()
-    result = dict(header, **run_peer(args.tiny))
+    result = dict(header, **run_peer(args.tiny, args.picotron))
     print("\n" + peer_table(result))
     suffix = "_tiny" if args.tiny else ""
     out = args.out or results_dir(args.publish) / f"throughput_peer{suffix}.json"

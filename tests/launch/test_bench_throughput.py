@@ -141,3 +141,34 @@ def test_gpu_smoke_runs_the_float8_documents_and_async_tp_variants_on_cpu():
         assert math.isfinite(tokens_per_sec) and tokens_per_sec > 0, rows[name]
     note = rows["mesh3d tp2 compile async"][-1]
     assert note.startswith("refused:") and "mesh3d.async_tp" in note and "CUDA" in note, note
+
+
+PICOTRON = os.environ.get("MESH3D_PICOTRON", "")
+
+
+@pytest.mark.skipif(
+    not Path(PICOTRON, "train.py").is_file() if PICOTRON else True,
+    reason="no Picotron checkout: set MESH3D_PICOTRON to one (git clone "
+    "https://github.com/huggingface/picotron) to run Picotron's step beside mesh3d's",
+)
+def test_picotron_peer_way_trains_at_1x1x1_and_2x2x2():
+    """`throughput.py --peer --picotron` 's way: Picotron's own train.py, through
+    benchmarks/_picotron.py, trains the toy peer shape on CPU at 1x1x1 and 2x2x2 (8 ranks) and
+    reports a finite, positive rate and a finite loss for every step."""
+    code = (
+        "import json, sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import _peer\n"
+        "print(json.dumps({w: _peer.run_way(w, 'peer_tiny', 3, Path(sys.argv[1]))\n"
+        "                  for w in ('picotron_1x1x1_cores', 'picotron_2x2x2')}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, PICOTRON], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.splitlines()[-1])
+    assert {w: r["ranks"] for w, r in runs.items()} == {
+        "picotron_1x1x1_cores": 1,
+        "picotron_2x2x2": 8,
+    }
+    for way, run in runs.items():
+        assert len(run["step_tokens_per_sec"]) == len(run["losses"]) == 3, (way, run)
+        assert all(_finite_positive(x) for x in run["step_tokens_per_sec"]), (way, run)
+        assert all(math.isfinite(x) and 0 < x < 10 for x in run["losses"]), (way, run)
