@@ -110,6 +110,7 @@ def rank_main(shape: str, tp_mode: str, dims: tuple[int, int, int], steps: int, 
 
     import mesh3d.train.step as step_mod
     from mesh3d.config import load_config
+    from mesh3d.mesh import shutdown_distributed
     from mesh3d.train.guard import RunGuard
     from mesh3d.train.run import Run
 
@@ -142,8 +143,9 @@ def rank_main(shape: str, tp_mode: str, dims: tuple[int, int, int], steps: int, 
         rec["step_wall"], rec["step_cpu"] = time.perf_counter() - w, time.process_time() - c
         records.append(rec)
     Path(f"{out}.{dist.get_rank()}").write_text(json.dumps(records))
-    dist.barrier()
-    dist.destroy_process_group()
+    # mesh3d's own teardown: its cached groups go first (a bare destroy_process_group left
+    # them to interpreter exit, which aborted 1 run in 5 at tp2, `terminate called ...`)
+    shutdown_distributed()
 
 
 def run_layout(shape: str, name: str, tp_mode: str) -> dict:

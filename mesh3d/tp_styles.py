@@ -35,6 +35,10 @@ from torch.distributed.tensor.parallel import (  # noqa: F401  (re-exported for 
 
 TPPlan = dict[str, ParallelStyle]
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); torch 2.11 has only those
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class LocalReplicated(ParallelStyle):
     """Keep a module's weights as `Replicate()` DTensors and run it on local tensors.
@@ -146,7 +150,7 @@ def _seq_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Te
     size = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_flat(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -155,7 +159,7 @@ def _seq_reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> 
     size = dist.get_world_size(group)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=group)
+    reduce_scatter_flat(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 

@@ -42,9 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
-# torch 2.13 renamed the flat-tensor collectives (the old names warn); torch 2.11 has only those
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from mesh3d.tp_styles import all_gather_flat, reduce_scatter_flat
 
 
 @dataclass(frozen=True)
