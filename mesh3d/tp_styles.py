@@ -12,6 +12,7 @@ DTensor parameters would break foreach AdamW and gradient clipping.
 
 from __future__ import annotations
 
+import copy
 import types
 
 import torch
@@ -38,6 +39,44 @@ TPPlan = dict[str, ParallelStyle]
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); torch 2.11 has only those
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _LocalOf(torch.autograd.Function):
+    """`p.to_local()` of a contiguous DTensor parameter whose gradient keeps its placements:
+    the same local view forward, and backward the local gradient wrapped in (a copy of) the
+    parameter's own spec, which is what `to_local`'s backward builds through `from_local` (a
+    second autograd function and a new spec, per weight and microbatch)."""
+
+    @staticmethod
+    def forward(ctx, p, _grad_placements):
+        ctx.spec = p._spec
+        ctx.set_materialize_grads(False)
+        local = p._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None
+        grad = grad.contiguous()  # the spec's strides are the contiguous ones (`local_of`)
+        return DTensor(grad, copy.copy(ctx.spec), requires_grad=grad.requires_grad), None
+
+
+def local_of(p: torch.Tensor, grad_placement=None) -> torch.Tensor:
+    """The local tensor a tp block computes with: `p.to_local(grad_placements=[grad_placement])`
+    (`None`: the gradient keeps `p`'s placements), the same value and the same gradient.
+
+    In eager mode a contiguous parameter whose gradient keeps its placements (every sharded
+    weight; replicated norms under ALL_REDUCE) takes `_LocalOf`, which skips `to_local`'s
+    per-call `from_local` in backward; compiled code and other placements take `to_local`.
+    A plain tensor is returned as is.
+    """
+    if not isinstance(p, DTensor):
+        return p
+    same = grad_placement is None or (len(p.placements) == 1 and p.placements[0] == grad_placement)
+    if same and p.is_contiguous() and not torch.compiler.is_compiling():
+        return _LocalOf.apply(p, None)
+    return p.to_local(grad_placements=None if grad_placement is None else [grad_placement])
 
 
 class LocalReplicated(ParallelStyle):
@@ -94,8 +133,8 @@ class ExpertsReplicated(LocalReplicated):
 
 
 def _local_colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    bias = None if self.bias is None else self.bias.to_local()
-    return F.linear(x, self.weight.to_local(), bias)
+    bias = None if self.bias is None else local_of(self.bias)
+    return F.linear(x, local_of(self.weight), bias)
 
 
 class LocalColwise(ColwiseParallel):
@@ -122,17 +161,17 @@ class LocalRowwise(RowwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh, self._partition_linear_fn)
         layout = self.output_layouts[0]
-        bias_grad = [Partial() if layout.is_shard() else Replicate()]
+        bias_grad = Partial() if layout.is_shard() else Replicate()
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            y = F.linear(x, mod.weight.to_local())
+            y = F.linear(x, local_of(mod.weight))
             if torch.compiler.is_compiling():  # traceable: DTensor's functional collectives
                 partial = DTensor.from_local(y, device_mesh, [Partial()], run_check=False)
                 out = partial.redistribute(device_mesh, [layout]).to_local()
             else:
                 out = reduce_partial(y, device_mesh.get_group(), layout)
             if mod.bias is not None:
-                out = out + mod.bias.to_local(grad_placements=bias_grad)
+                out = out + local_of(mod.bias, bias_grad)
             return out
 
         module.forward = types.MethodType(forward, module)

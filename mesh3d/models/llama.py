@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from mesh3d.errors import ConfigError
 from mesh3d.models.activations import ACTIVATIONS, HIDDEN_ACTS
 from mesh3d.models.dtypes import DTYPES  # noqa: F401  (re-exported for library code)
+from mesh3d.tp_styles import local_of
 
 try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -176,7 +177,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         if self.grad_placement is not None:
-            w = w.to_local(grad_placements=[self.grad_placement])
+            w = local_of(w, self.grad_placement)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * h.to(x.dtype)

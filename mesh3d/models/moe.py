@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from mesh3d.models.kernels import grouped_gemm_ok
 from mesh3d.models.llama import MLP
+from mesh3d.tp_styles import local_of
 
 
 class _AttachAux(torch.autograd.Function):
@@ -161,9 +162,9 @@ class MoE(nn.Module):
 
     def _w(self, p: Tensor) -> Tensor:
         """A weight as the local tensor the block computes with."""
-        if self.grad_placement is None or not hasattr(p, "to_local"):
+        if self.grad_placement is None:
             return p
-        return p.to_local(grad_placements=[self.grad_placement])
+        return local_of(p, self.grad_placement)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(probabilities [B, S, E] fp32, top-k weights [B, S, k] fp32, top-k experts [B, S, k])."""

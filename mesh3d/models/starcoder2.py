@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from mesh3d.errors import ConfigError
 from mesh3d.models.dropout import KeyedDropout, random_keys
 from mesh3d.models.llama import AttentionCore, Rotary, _check, activation, rope_inv_freq
+from mesh3d.tp_styles import local_of
 
 
 def dropout_sites(layer: int) -> tuple[int, int, int]:
@@ -49,7 +50,7 @@ class LayerNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         w, b = self.weight, self.bias
         if self.grad_placement is not None:
-            w, b = (t.to_local(grad_placements=[self.grad_placement]) for t in (w, b))
+            w, b = (local_of(t, self.grad_placement) for t in (w, b))
         return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
 
 
@@ -63,7 +64,7 @@ class SharedLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if self.grad_placement is None:
             return super().forward(x)
-        w, b = (t.to_local(grad_placements=[self.grad_placement]) for t in (self.weight, self.bias))
+        w, b = (local_of(t, self.grad_placement) for t in (self.weight, self.bias))
         return F.linear(x, w, b)
 
 

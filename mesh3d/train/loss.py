@@ -10,8 +10,10 @@ dp. Nothing else in mesh3d rescales the loss or the gradients (pipeline schedule
 
 Under tensor parallelism the logits arrive as a vocab-sharded DTensor; the caller runs the loss
 *and its backward* under `loss_parallel()` (max and sum-exp reduced over tp; no full-vocab
-gather). Vocabulary
-padding columns are pushed to -inf so they never change the loss.
+gather). In eager mode without z-loss the cross-entropy itself runs on this rank's columns as
+plain tensors (`_VocabParallelCrossEntropy`: Megatron's vocab-parallel cross-entropy, two
+all-reduces, none in backward); compiled code and the z-loss take `loss_parallel`'s DTensor
+ops. Vocabulary padding columns are pushed to -inf so they never change the loss.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from mesh3d.data.documents import IGNORE
 
 
 @functools.lru_cache(maxsize=8)
@@ -34,6 +39,60 @@ def _padding_mask(mesh, padded: int, vocab_size: int, device: torch.device) -> D
     return distribute_tensor(mask, mesh, [Shard(0)], src_data_rank=None)
 
 
+@functools.lru_cache(maxsize=8)
+def _local_padding(start: int, width: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[width]: 0 for this rank's real-token columns start.., -inf for its padding ones."""
+    mask = torch.zeros(width, device=device)
+    mask[max(vocab_size - start, 0) :] = float("-inf")
+    return mask
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Sum over tokens of the cross-entropy of vocab-sharded logits, on plain tensors.
+
+    `logits` [N, W] fp32: this rank's columns start..start+W-1 of the vocabulary; `labels` [N]
+    (IGNORE: no token). Forward: the row max all-reduced (MAX), then the sum of exponentials and
+    the target's shifted logit (0 on the ranks not holding it) all-reduced together (SUM); the
+    loss of a row is log(sum exp) - target. Backward, locally: softmax minus the one-hot target,
+    times the incoming gradient, zero on ignored rows. What `loss_parallel`'s DTensor ops compute
+    (three all-reduces there), without DTensor's dispatch per op and microbatch.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, start):
+        top = logits.amax(-1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        exp = (logits - top[:, None]).exp_()
+        local = labels - start
+        mine = (local >= 0) & (local < logits.shape[-1])
+        idx = local.clamp(0, logits.shape[-1] - 1)[:, None]
+        target = (logits.gather(-1, idx).squeeze(-1) - top) * mine
+        both = torch.stack([exp.sum(-1), target])
+        dist.all_reduce(both, group=group)
+        valid = labels != IGNORE
+        ctx.save_for_backward(exp, both[0], idx, mine & valid, valid)
+        return ((both[0].log() - both[1]) * valid).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sumexp, idx, hit, valid = ctx.saved_tensors
+        out = exp / sumexp[:, None]
+        out.scatter_add_(-1, idx, -hit.to(out.dtype)[:, None])
+        return out * (valid * grad)[:, None].to(out.dtype), None, None, None
+
+
+def _vocab_parallel(logits: DTensor) -> tuple[dist.ProcessGroup, int] | None:
+    """(tp group, first vocabulary column of this rank) when `logits` is vocab-sharded over one
+    mesh axis and the plain-tensor cross-entropy applies (eager mode); else None."""
+    if torch.compiler.is_compiling() or logits.device_mesh.ndim != 1:
+        return None
+    if logits.placements[0] != Shard(logits.ndim - 1):
+        return None
+    n, width = logits.device_mesh.size(), logits.shape[-1]
+    chunk = -(-width // n)  # DTensor's shards: torch.chunk's sizes
+    return logits.device_mesh.get_group(), min(logits.device_mesh.get_local_rank() * chunk, width)
+
+
 def token_loss_sum(
     logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, z_loss: float = 0.0
 ) -> torch.Tensor:
@@ -44,6 +103,14 @@ def token_loss_sum(
     token adds z_loss * (logsumexp(logits) - max(logits))^2, Nanotron's z-loss (the max taken
     as a constant, the difference clamped to [-20, 20]).
     """
+    sharded = _vocab_parallel(logits) if isinstance(logits, DTensor) and not z_loss else None
+    if sharded is not None:
+        group, start = sharded
+        local = logits.to_local().float()
+        if logits.shape[-1] > vocab_size:
+            local = local + _local_padding(start, local.shape[-1], vocab_size, local.device)
+        flat = local.reshape(-1, local.shape[-1])
+        return _VocabParallelCrossEntropy.apply(flat, labels.reshape(-1), group, start)
     logits = logits.float()
     padded = logits.shape[-1] > vocab_size
     if isinstance(logits, DTensor):
@@ -57,13 +124,13 @@ def token_loss_sum(
             logits = logits[..., :vocab_size]
         flat = logits.reshape(-1, logits.shape[-1])
     labels = labels.reshape(-1)
-    total = F.cross_entropy(flat, labels, reduction="sum", ignore_index=-100)
+    total = F.cross_entropy(flat, labels, reduction="sum", ignore_index=IGNORE)
     if z_loss:
         top = flat.detach().amax(-1, keepdim=True)  # a constant, as in Nanotron
         shifted = torch.exp(flat - top).sum(-1).log()  # (N,) logsumexp - max
         if isinstance(shifted, DTensor):
             shifted = shifted.full_tensor()
-        valid = (labels != -100).to(shifted.dtype)
+        valid = (labels != IGNORE).to(shifted.dtype)
         if isinstance(total, DTensor):  # loss_parallel's cross-entropy: a replicated DTensor
             total = total.full_tensor()
         total = total + z_loss * (shifted.clamp(-20, 20).square() * valid).sum()

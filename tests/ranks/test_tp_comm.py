@@ -34,8 +34,9 @@ input gradient) — 2.5x the volume with ALL_REDUCE and 5x with REDUCE_SCATTER.
 Outside the blocks (whole model): the vocab-parallel embedding sums its partial lookups (1 AR,
 or 1 RS straight to sequence shards); with sequence parallelism the final norm's output is
 gathered for the column-parallel head (1 AG). The head keeps the logits vocab-sharded (no
-gather); the `loss_parallel` cross-entropy all-reduces the max, the sum of exponentials and the
-target logit (3 AR, as Megatron's vocab-parallel cross-entropy) and needs none in backward. The
+gather); the vocab-parallel cross-entropy (`train/loss.py`) all-reduces the max, then the sum of
+exponentials and the target logit together (2 AR; `loss_parallel`'s DTensor ops take 3) and
+needs none in backward. The
 head's input gradient is a partial sum (1 AR, or 1 RS), and with sequence parallelism the
 embedding's sequence-sharded output gradient is gathered for its weight gradient (1 AG).
 
@@ -53,8 +54,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dist import run_ranks
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -64,7 +66,8 @@ from mesh3d.models.llama_spec import init_std as llama_init_std
 from mesh3d.models.llama_spec import llama_tp_plan
 from mesh3d.parallel.parallelize import materialize, seeded_init
 from mesh3d.parallel.tensor import apply_tp, reduce_partial_grads
-from mesh3d.train.loss import normalized_loss
+from mesh3d.tp_styles import local_of
+from mesh3d.train.loss import normalized_loss, token_loss_sum
 from mesh3d.train.step import clip_grad_norm
 
 MODES = ("ALL_REDUCE", "REDUCE_SCATTER")
@@ -100,12 +103,12 @@ BLOCK = {
 EDGES = {
     "ALL_REDUCE": {
         "forward": {AR: 1},  # vocab-parallel embedding
-        "loss": {AR: 3},  # max, sum-exp, target logit
+        "loss": {AR: 2},  # the max; sum-exp and target logit together
         "backward": {AR: 1},  # lm_head input grad
     },
     "REDUCE_SCATTER": {
         "forward": {RS: 1, AG: 1},  # embedding to sequence shards; gather for lm_head
-        "loss": {AR: 3},
+        "loss": {AR: 2},
         "backward": {RS: 1, AG: 1},  # lm_head input grad; embedding output grad
     },
 }
@@ -190,10 +193,67 @@ def _measure(tp_mode: str, rank: int, tp_mesh) -> dict:
     return out
 
 
+def _local_of_against_to_local(tp_mesh) -> list:
+    """Per (placement, gradient placement): `local_of`'s gradient, accumulated over two
+    backwards as microbatches do, against `to_local`'s; (which function read the weight,
+    gradient placements, strides, equal values)."""
+    gen = torch.Generator().manual_seed(1)
+    full = torch.randn(8, 6, generator=gen)
+    rows = []
+    for placement, grad_placement in [(Shard(0), None), (Shard(1), None), (Replicate(), None),
+                                      (Replicate(), Replicate()), (Replicate(), Partial())]:  # fmt: skip
+        grads = []
+        for read in ("local_of", "to_local"):
+            p = torch.nn.Parameter(distribute_tensor(full, tp_mesh, [placement]))
+            for _ in range(2):
+                w = (
+                    local_of(p, grad_placement)
+                    if read == "local_of"
+                    else p.to_local(
+                        grad_placements=None if grad_placement is None else [grad_placement]
+                    )
+                )
+                (w.pow(3) + w.sin()).sum().backward()
+            grads.append(p.grad)
+            if read == "local_of":
+                fn = type(w.grad_fn).__name__
+        a, b = grads
+        rows.append((str(placement), str(grad_placement), fn, a.placements == b.placements,
+                     a.stride() == b.stride(), bool(torch.equal(a.to_local(), b.to_local()))))  # fmt: skip
+    return rows
+
+
+def _cross_entropy_against_full(tp_mesh) -> list:
+    """`token_loss_sum` of vocab-sharded logits (even and uneven shards, vocabulary padding,
+    ignored labels) against `F.cross_entropy` of the full logits: (loss difference, largest
+    gradient difference, whether the loss came back a plain tensor)."""
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    for width, vocab in ((10, 10), (10, 7), (9, 9), (9, 8)):
+        full = torch.randn(2, 5, width, generator=gen) * 3
+        labels = torch.randint(0, vocab, (2, 5), generator=gen)
+        labels[0, 1] = labels[1, 4] = -100
+        dt = distribute_tensor(full, tp_mesh, [Shard(2)]).requires_grad_()
+        with loss_parallel():
+            loss = token_loss_sum(dt, labels, vocab)
+            loss.backward()
+        ref_logits = full.clone().requires_grad_()
+        ref = F.cross_entropy(ref_logits[..., :vocab].reshape(-1, vocab), labels.reshape(-1),
+                              reduction="sum", ignore_index=-100)  # fmt: skip
+        ref.backward()
+        got = dt.grad.full_tensor()
+        rows.append((float((loss - ref).abs()), float((got - ref_logits.grad).abs().max()),
+                     not isinstance(loss, DTensor)))  # fmt: skip
+    return rows
+
+
 def _measure_all(rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # CommDebugMode's
     mesh = build_mesh(ParallelDims(dp=1, tp=world, pp=1), "cpu")
-    return {m: _measure(m, rank, mesh["tp"]) for m in MODES}
+    out = {m: _measure(m, rank, mesh["tp"]) for m in MODES}
+    out["local_of"] = _local_of_against_to_local(mesh["tp"])
+    out["cross_entropy"] = _cross_entropy_against_full(mesh["tp"])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +296,22 @@ def test_norm_weight_grads_reduced_once(measured, tp_mode):
     assert got["partial_grads"] == expected
     assert len(expected) in (0, NORMS)
     assert got["optim"] == OPTIM[tp_mode]
+
+
+def test_local_of_is_to_local_with_a_cheaper_backward(measured):
+    """`tp_styles.local_of` reads a weight as `to_local` does and gives it the same gradient
+    (placements, strides, values, accumulated over two backwards); it takes its own autograd
+    function only where the gradient keeps the weight's placements, `to_local` elsewhere."""
+    rows = measured["local_of"]
+    assert [r[2] for r in rows] == ["_LocalOfBackward"] * 4 + ["_ToTorchTensorBackward"]
+    for placement, grad_placement, _fn, *same in rows:
+        assert same == [True, True, True], (placement, grad_placement, same)
+
+
+def test_vocab_parallel_cross_entropy_equals_the_full_one(measured):
+    """The plain-tensor vocab-parallel cross-entropy of `train/loss.py` (2 all-reduces) gives
+    the loss and logit gradients of `F.cross_entropy` on the gathered logits, with even and
+    uneven vocabulary shards, padding columns and ignored labels."""
+    for loss_diff, grad_diff, plain in measured["cross_entropy"]:
+        assert plain
+        assert loss_diff < 1e-5 and grad_diff < 1e-6, (loss_diff, grad_diff)
