@@ -36,7 +36,10 @@ def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: b
               ("attention, MLP input grads (bwd)", "all_reduce", bwd, r),
               ("embedding output (fwd)", "all_reduce", emb, r),
               ("lm_head input grad (bwd)", "all_reduce", head, r)]  # fmt: skip
-    tp.append(("loss: max, sum of exp, target logit (fwd)", "all_reduce", 3 * head, 4 * tokens))
+    # the vocab-parallel cross-entropy (train/loss.py): the row max, then the sum of exponentials
+    # and the target logit together (compiled code and z-loss: loss_parallel's three all-reduces)
+    tp += [("loss: row max (fwd)", "all_reduce", head, 4 * tokens),
+           ("loss: sum of exp, target logit (fwd)", "all_reduce", head, 8 * tokens)]  # fmt: skip
     last = z.pp * z.v - 1
     sends = m * sum((s.stage != last) + (s.stage != 0) for s in stages)
     pp = [("activations (fwd), their grads (bwd)", "send", sends, z.local_tokens * h * z.e_p)]
