@@ -35,8 +35,9 @@ def stage_activation_bytes(
     (an MoE layer replaces the MLP's input and the last line with `moe_saved_bytes`), or, with
     `recompute_layer`, its input T'·h·e_p. The first stage adds the ids 8·T; the last
     adds its norm T'·(h·(4 + e_p) + 4), the lm_head input T·h·e_c, the fp32 log-softmax
-    4·T·V' (V' = the real vocab at tp 1, else the padded V/tp) and the labels 8·T + 4. Held
-    until backward: the logits T·(V/tp)·e_c on the last stage, else the output T'·h·e_p.
+    4·T·V' (V' = the real vocab at tp 1, else the padded V/tp) and the labels 8·T + 4 (8·T
+    under tp without z-loss: `loss_saved_bytes`). Held until backward: the logits T·(V/tp)·e_c
+    on the last stage, else the output T'·h·e_p.
     Measured exact on CPU (SDPA) in fp32, bf16 and bf16 autocast. Not counted: attention
     masks (document masking's boolean mask; under cp, SDPA on CPU saves the causal mask of
     each chunk but the first as a [s/2cp, keys] tensor in the compute dtype; CUDA's SDPA takes
@@ -187,7 +188,9 @@ def moe_routed_bytes(z: _Sizes, received: int | None = None) -> int:
 
 def loss_saved_bytes(cfg) -> int:
     """The part of the last stage's saved bytes that the loss saves, per microbatch: the fp32
-    log-softmax 4·T·V' and the labels 8·T + 4 (int64 targets, fp32 total weight).
+    log-softmax 4·T·V' and the labels 8·T + 4 (int64 targets, fp32 total weight); under tp
+    without z-loss the softmax of the rank's columns 4·T·V' and the labels 8·T
+    (`train/loss.py::_VocabParallelCrossEntropy`).
 
     A split backward frees them at I, not W: torch's `stage_backward_input` detaches the loss
     once the input gradient is computed, which drops the graph nodes past the lm_head matmul,
@@ -195,4 +198,7 @@ def loss_saved_bytes(cfg) -> int:
     """
     z = _Sizes.of(cfg)
     loss_vocab = z.vocab if z.tp == 1 else z.padded // z.tp
-    return 4 * z.tokens * loss_vocab + 8 * z.tokens + 4
+    mc = cfg.model.model_config
+    z_loss = getattr(mc, "z_loss_enabled", False) and mc.z_loss_coefficient
+    plain = z.tp > 1 and not z_loss  # train/loss.py's vocab-parallel cross-entropy: no weight
+    return 4 * z.tokens * loss_vocab + 8 * z.tokens + (0 if plain else 4)

@@ -53,32 +53,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     `logits` [N, W] fp32: this rank's columns start..start+W-1 of the vocabulary; `labels` [N]
     (IGNORE: no token). Forward: the row max all-reduced (MAX), then the sum of exponentials and
     the target's shifted logit (0 on the ranks not holding it) all-reduced together (SUM); the
-    loss of a row is log(sum exp) - target. Backward, locally: softmax minus the one-hot target,
-    times the incoming gradient, zero on ignored rows. What `loss_parallel`'s DTensor ops compute
-    (three all-reduces there), without DTensor's dispatch per op and microbatch.
+    loss of a row is log(sum exp) - target. It saves the softmax of its columns (zero on ignored
+    rows) and the labels, as `F.cross_entropy` saves its log-softmax and targets. Backward,
+    locally: softmax minus the one-hot target, times the incoming gradient. What
+    `loss_parallel`'s DTensor ops compute (three all-reduces there), without DTensor's dispatch
+    per op and microbatch.
     """
 
     @staticmethod
     def forward(ctx, logits, labels, group, start):
+        width = logits.shape[-1]
         top = logits.amax(-1)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        exp = (logits - top[:, None]).exp_()
+        probs = (logits - top[:, None]).exp_()
         local = labels - start
-        mine = (local >= 0) & (local < logits.shape[-1])
-        idx = local.clamp(0, logits.shape[-1] - 1)[:, None]
-        target = (logits.gather(-1, idx).squeeze(-1) - top) * mine
-        both = torch.stack([exp.sum(-1), target])
+        mine = (local >= 0) & (local < width)
+        target = logits.gather(-1, local.clamp(0, width - 1)[:, None]).squeeze(-1)
+        both = torch.stack([probs.sum(-1), (target - top) * mine])
         dist.all_reduce(both, group=group)
         valid = labels != IGNORE
-        ctx.save_for_backward(exp, both[0], idx, mine & valid, valid)
+        probs.div_(both[0][:, None]).mul_(valid[:, None])
+        ctx.start = start
+        ctx.save_for_backward(probs, labels)
         return ((both[0].log() - both[1]) * valid).sum()
 
     @staticmethod
     def backward(ctx, grad):
-        exp, sumexp, idx, hit, valid = ctx.saved_tensors
-        out = exp / sumexp[:, None]
-        out.scatter_add_(-1, idx, -hit.to(out.dtype)[:, None])
-        return out * (valid * grad)[:, None].to(out.dtype), None, None, None
+        probs, labels = ctx.saved_tensors
+        width = probs.shape[-1]
+        local = labels - ctx.start
+        hit = (local >= 0) & (local < width) & (labels != IGNORE)
+        out = probs * grad
+        out.scatter_add_(-1, local.clamp(0, width - 1)[:, None], -(hit * grad)[:, None])
+        return out, None, None, None
 
 
 def _vocab_parallel(logits: DTensor) -> tuple[dist.ProcessGroup, int] | None:
