@@ -48,7 +48,7 @@ class _LocalOf(torch.autograd.Function):
     second autograd function and a new spec, per weight and microbatch)."""
 
     @staticmethod
-    def forward(ctx, p, _grad_placements):
+    def forward(ctx, p):
         ctx.spec = p._spec
         ctx.set_materialize_grads(False)
         local = p._local_tensor
@@ -57,9 +57,9 @@ class _LocalOf(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return None, None
+            return None
         grad = grad.contiguous()  # the spec's strides are the contiguous ones (`local_of`)
-        return DTensor(grad, copy.copy(ctx.spec), requires_grad=grad.requires_grad), None
+        return DTensor(grad, copy.copy(ctx.spec), requires_grad=grad.requires_grad)
 
 
 def local_of(p: torch.Tensor, grad_placement=None) -> torch.Tensor:
@@ -75,7 +75,7 @@ def local_of(p: torch.Tensor, grad_placement=None) -> torch.Tensor:
         return p
     same = grad_placement is None or (len(p.placements) == 1 and p.placements[0] == grad_placement)
     if same and p.is_contiguous() and not torch.compiler.is_compiling():
-        return _LocalOf.apply(p, None)
+        return _LocalOf.apply(p)
     return p.to_local(grad_placements=None if grad_placement is None else [grad_placement])
 
 

@@ -170,8 +170,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        # set under tensor parallelism: the weight (a DTensor) is read as a local tensor whose
-        # gradient gets this placement (parallel/tensor.py::LocalReplicated)
+        # set under tp (tp_styles.LocalReplicated): the weight's gradient placement in local_of
         self.grad_placement = None
 
     def forward(self, x: Tensor) -> Tensor:

@@ -200,5 +200,5 @@ def loss_saved_bytes(cfg) -> int:
     loss_vocab = z.vocab if z.tp == 1 else z.padded // z.tp
     mc = cfg.model.model_config
     z_loss = getattr(mc, "z_loss_enabled", False) and mc.z_loss_coefficient
-    plain = z.tp > 1 and not z_loss  # train/loss.py's vocab-parallel cross-entropy: no weight
+    plain = z.tp > 1 and not z_loss  # train/loss.py's vocab-parallel one: no fp32 total weight
     return 4 * z.tokens * loss_vocab + 8 * z.tokens + (0 if plain else 4)

@@ -29,22 +29,20 @@ from mesh3d.data.documents import IGNORE
 
 
 @functools.lru_cache(maxsize=8)
-def _padding_mask(mesh, padded: int, vocab_size: int, device: torch.device) -> DTensor:
-    """A [Vp] DTensor sharded like the logits' vocab dim: 0 for real tokens, -inf for padding.
-
-    Built once per (mesh, sizes), not per microbatch.
-    """
-    mask = torch.zeros(padded, device=device)
-    mask[vocab_size:] = float("-inf")
-    return distribute_tensor(mask, mesh, [Shard(0)], src_data_rank=None)
-
-
-@functools.lru_cache(maxsize=8)
 def _local_padding(start: int, width: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[width]: 0 for this rank's real-token columns start.., -inf for its padding ones."""
+    """[width] for vocabulary columns start..start+width-1: 0 for real tokens, -inf for padding.
+    Built once per (sizes, device), not per microbatch."""
     mask = torch.zeros(width, device=device)
     mask[max(vocab_size - start, 0) :] = float("-inf")
     return mask
+
+
+@functools.lru_cache(maxsize=8)
+def _padding_mask(mesh, padded: int, vocab_size: int, device: torch.device) -> DTensor:
+    """`_local_padding` of the whole [Vp] vocabulary as a DTensor sharded like the logits'
+    vocab dim."""
+    mask = _local_padding(0, padded, vocab_size, device)
+    return distribute_tensor(mask, mesh, [Shard(0)], src_data_rank=None)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
