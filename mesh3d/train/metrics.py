@@ -168,7 +168,7 @@ class JsonlWriter:
     A fresh run (`start_step` 0) replaces the file. A resumed run keeps the records with
     `iteration <= start_step` (the history it resumes from) and appends after them, so a run
     resumed at step 10 of a file that reached step 15 writes 1..10, then 11, 12, ... The kept part
-    is written to `<path>.tmp` and renamed over `path` before the first record: a crash at start
+    is written to `<path>.<pid>.tmp` and renamed over `path` before the first record: a crash at start
     leaves the old file or the new one, never a mix.
     """
 
@@ -176,7 +176,7 @@ class JsonlWriter:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         kept = _lines_up_to(path, start_step) if start_step > 0 and path.is_file() else []
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two runs started the same second
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(tmp, path)
