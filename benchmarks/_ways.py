@@ -56,14 +56,15 @@ def shape_overrides(mode: str) -> list[str]:
             f"tokens.micro_batch_size={mbs}", f"tokens.batch_accumulation_per_replica={acc}"]  # fmt: skip
 
 
-def torchrun_train(ranks: int, overrides: list[str], threads: int = 1) -> tuple[list[dict], float]:
-    """Train `CONFIG` + `overrides` with `recipes/train.py` on `ranks` torchrun ranks of
-    `threads` intra-op threads each: (the metrics record of every step, wall seconds of the
+def torchrun_train(ranks: int, overrides: list[str], threads: int = 1,
+                   script: Path = ROOT / "recipes/train.py") -> tuple[list[dict], float]:  # fmt: skip
+    """Train `CONFIG` + `overrides` with `script` (`recipes/train.py`) on `ranks` torchrun ranks
+    of `threads` intra-op threads each: (the metrics record of every step, wall seconds of the
     whole run)."""
     with tempfile.TemporaryDirectory(prefix="mesh3d-throughput-") as tmp:
         metrics_file = Path(tmp) / "metrics.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={ranks}", str(ROOT / "recipes/train.py"), "--config-file",
+               f"--nproc_per_node={ranks}", str(script), "--config-file",
                str(CONFIG), "--metrics-file", str(metrics_file), *overrides]  # fmt: skip
         t0 = time.time()
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))

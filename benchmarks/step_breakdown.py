@@ -229,7 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     result = dict(head, shape=shape, tp_mode=args.tp_mode, shape_values=SHAPES[SHAPE[shape]], steps=STEPS[shape],
                   skipped_steps=SKIP, layouts=layouts)  # fmt: skip
     print(table(result))
-    mode = ("" if args.tp_mode == "REDUCE_SCATTER" else "_all_reduce") + ("_axes" if args.axes else "")
+    mode = ("" if args.tp_mode == "REDUCE_SCATTER" else "_all_reduce") + (
+        "_axes" if args.axes else ""
+    )
     path = results_dir(args.publish) / f"step_breakdown{mode}{'_tiny' if args.tiny else ''}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")

@@ -184,26 +184,65 @@ class LocalRowwise(RowwiseParallel):
 # wrappers). Compiled code keeps DTensor's traceable path; the math is the same.
 
 
+# Between two CPU (gloo) ranks one send and one receive each way costs a quarter of gloo's
+# ring all-reduce / all-gather / reduce-scatter of the same tensor (`benchmarks/tp_collectives.py`),
+# so a pair trades tensors and adds them: x0 + x1 in either order is the same float (addition
+# commutes), the bits the ring gives. Other sizes and devices keep the c10d collective.
+
+
+def _pair(x: torch.Tensor, group: dist.ProcessGroup) -> int | None:
+    """This rank's index in `group` when it is a pair on the CPU (gloo), else None."""
+    if x.device.type != "cpu" or dist.get_world_size(group) != 2:
+        return None
+    return dist.get_rank(group)
+
+
+def _swap(x: torch.Tensor, group: dist.ProcessGroup, me: int) -> torch.Tensor:
+    """The other rank's `x` (same shape; `x` contiguous), for this rank's own."""
+    peer = dist.get_global_rank(group, 1 - me)
+    theirs = torch.empty_like(x)
+    sent = dist.isend(x, peer, group=group)
+    dist.irecv(theirs, peer, group=group).wait()
+    sent.wait()
+    return theirs
+
+
 def _seq_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather `x` along `dim` (equal shards, in rank order)."""
     size = dist.get_world_size(group)
+    me = _pair(x, group)
     x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    all_gather_flat(out, x, group=group)
+    if me is not None:
+        theirs = _swap(x, group, me)
+        out = torch.cat((x, theirs) if me == 0 else (theirs, x))
+    else:
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        all_gather_flat(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
 def _seq_reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum `x` over `group` and keep this rank's shard along `dim`."""
     size = dist.get_world_size(group)
+    me = _pair(x, group)
     x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    reduce_scatter_flat(out, x, group=group)
+    if me is not None:
+        mine, other = x.chunk(2)
+        if me == 1:
+            mine, other = other, mine
+        out = mine + _swap(other, group, me)
+    else:
+        out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+        reduce_scatter_flat(out, x, group=group)
     return out.movedim(0, dim).contiguous()
 
 
 def _summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.contiguous(memory_format=torch.contiguous_format).clone()
+    x = x.contiguous(memory_format=torch.contiguous_format)
+    me = _pair(x, group)
+    if me is not None:
+        return x + _swap(x, group, me)
+    out = x.clone()
     dist.all_reduce(out, group=group)
     return out
 

@@ -40,6 +40,11 @@ needs none in backward. The
 head's input gradient is a partial sum (1 AR, or 1 RS), and with sequence parallelism the
 embedding's sequence-sharded output gradient is gathered for its weight gradient (1 AG).
 
+On the CPU at tp=2 (gloo) the blocks' collectives are pair swaps instead (`tp_styles._swap`: one
+send and one receive each way, then the sum, the concatenation or this rank's half of it): a
+second pass counts one swap per collective above and checks that outputs, gradients, loss and the
+AdamW step keep the same bits. The counts above are taken with the swap turned off.
+
 Norm weights: in ALL_REDUCE mode their gradients are Replicate with no collective (their input
 gradients were already all-reduced). With sequence parallelism each rank's gradient covers only
 its sequence shard and backward leaves it `Partial(sum)`. Left so, DTensor reduces it wherever it
@@ -48,6 +53,7 @@ is read (clipping once, AdamW three times: 4 small all-reduces per norm weight p
 all-reduce, after which clipping needs only the total-norm all-reduce and AdamW none.
 """
 
+import contextlib
 import warnings
 from collections import Counter
 from types import SimpleNamespace
@@ -60,6 +66,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
+import mesh3d.tp_styles as tp_styles
 from mesh3d.mesh import ParallelDims, build_mesh
 from mesh3d.models.llama import Llama
 from mesh3d.models.llama_spec import init_std as llama_init_std
@@ -125,14 +132,25 @@ OPTIM = {
 C10D_NAMES = {"allreduce_": AR, "_allgather_base_": AG, "_reduce_scatter_base_": RS}
 
 
-def _counts(mode: CommDebugMode) -> dict[str, int]:
-    """{collective name: count}, e.g. {"all_reduce": 2}: DTensor's functional collectives and
-    the c10d calls of eager code counted alike (c10d_functional prefix dropped)."""
+SWAPS = Counter()  # calls of tp_styles._swap (a CPU pair's send + receive), counted by _measure_all
+
+
+@contextlib.contextmanager
+def _comms():
+    """Yields a dict that, on exit, holds {collective name: count} of the block, e.g.
+    {"all_reduce": 2}: DTensor's functional collectives and the c10d calls of eager code counted
+    alike (c10d_functional prefix dropped), plus "swap": the pair swaps (CommDebugMode does not
+    see point-to-point ops)."""
+    got: dict[str, int] = {}
+    before = SWAPS["n"]
+    with CommDebugMode() as mode:
+        yield got
     out: Counter = Counter()
     for op, n in mode.get_comm_counts().items():
         name = str(op).split(".")[-1]
         out[C10D_NAMES.get(name, name)] += n
-    return {k: n for k, n in out.items() if n}
+    out["swap"] = SWAPS["n"] - before
+    got.update({k: n for k, n in out.items() if n})
 
 
 def _measure(tp_mode: str, rank: int, tp_mesh) -> dict:
@@ -151,25 +169,27 @@ def _measure(tp_mode: str, rank: int, tp_mesh) -> dict:
     if sp:
         x = x.chunk(tp_mesh.size(), dim=1)[tp_mesh.get_local_rank()]
     x.requires_grad_()
-    with CommDebugMode() as fwd:
+    with _comms() as fwd:
         y = model.layers["0"](x)
-    with CommDebugMode() as bwd:
+    with _comms() as bwd:
         y.sum().backward()
-    out["block"] = {"forward": _counts(fwd), "backward": _counts(bwd)}
+    out["block"] = {"forward": fwd, "backward": bwd}
     out["block_out"] = (type(y).__name__, tuple(y.shape), tuple(x.grad.shape))
     model.zero_grad(set_to_none=True)
 
     # (b) the whole model + loss, as train_step runs them
     ids = torch.randint(0, VOCAB, (B, S), generator=gen)
     labels = torch.randint(0, VOCAB, (B, S), generator=gen)
-    with CommDebugMode() as fwd:
+    with _comms() as fwd:
         logits = model(ids)
     with loss_parallel():
-        with CommDebugMode() as loss_fwd:
+        with _comms() as loss_fwd:
             loss = normalized_loss(logits, labels, VOCAB, B * S)
-        with CommDebugMode() as bwd:
+        with _comms() as bwd:
             loss.backward()
-    out["model"] = {"forward": _counts(fwd), "loss": _counts(loss_fwd), "backward": _counts(bwd)}
+    out["model"] = {"forward": fwd, "loss": loss_fwd, "backward": bwd}
+    values = [y.detach(), x.grad, loss.detach()]
+    values += [p.grad.to_local() for p in model.parameters()]
     out["partial_grads"] = sorted(
         n
         for n, p in model.named_parameters()
@@ -179,18 +199,15 @@ def _measure(tp_mode: str, rank: int, tp_mesh) -> dict:
     # (c) the Partial gradients are reduced once, then clipping and the optimizer step
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-3)
-    with CommDebugMode() as partial:
+    with _comms() as partial:
         reduce_partial_grads(params)
-    with CommDebugMode() as clip:
+    with _comms() as clip:
         clip_grad_norm(params, 1e-3)
-    with CommDebugMode() as step:
+    with _comms() as step:
         optimizer.step()
-    out["optim"] = {
-        "reduce_partial": _counts(partial),
-        "clip": _counts(clip),
-        "adamw": _counts(step),
-    }
-    return out
+    out["optim"] = {"reduce_partial": partial, "clip": clip, "adamw": step}
+    values += [p.to_local() for p in params]
+    return out, [v.clone() for v in values]
 
 
 def _local_of_against_to_local(tp_mesh) -> list:
@@ -250,7 +267,29 @@ def _cross_entropy_against_full(tp_mesh) -> list:
 def _measure_all(rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # CommDebugMode's
     mesh = build_mesh(ParallelDims(dp=1, tp=world, pp=1), "cpu")
-    out = {m: _measure(m, rank, mesh["tp"]) for m in MODES}
+    # the blocks' collectives as c10d collectives (what they are on GPUs and for tp > 2) ...
+    swap, pair = tp_styles._swap, tp_styles._pair
+    tp_styles._pair = lambda x, group: None
+    try:
+        measured = {m: _measure(m, rank, mesh["tp"]) for m in MODES}
+    finally:
+        tp_styles._pair = pair
+    out = {m: counts for m, (counts, _) in measured.items()}
+
+    # ... and as a CPU pair runs them: swapped, with the same bits
+    def counted_swap(*args):
+        SWAPS["n"] += 1
+        return swap(*args)
+
+    tp_styles._swap = counted_swap
+    try:
+        for m in MODES:
+            counts, values = _measure(m, rank, mesh["tp"])
+            reference = measured[m][1]
+            same = len(values) == len(reference) and all(map(torch.equal, values, reference))
+            out[f"{m} swapped"] = {**counts, "same values": same}
+    finally:
+        tp_styles._swap = swap
     out["local_of"] = _local_of_against_to_local(mesh["tp"])
     out["cross_entropy"] = _cross_entropy_against_full(mesh["tp"])
     return out
@@ -296,6 +335,23 @@ def test_norm_weight_grads_reduced_once(measured, tp_mode):
     assert got["partial_grads"] == expected
     assert len(expected) in (0, NORMS)
     assert got["optim"] == OPTIM[tp_mode]
+
+
+@pytest.mark.parametrize("tp_mode", MODES)
+def test_cpu_pairs_swap_instead_with_the_same_bits(measured, tp_mode):
+    """At tp=2 on the CPU each of a block's collectives (all-reduce, all-gather, reduce-scatter)
+    is one swap between the two ranks (`tp_styles._swap`: one send and one receive each way); the
+    layer and model outputs, input and weight gradients, loss and the AdamW step that follows
+    equal the collectives' bit for bit. Outside the blocks nothing changes."""
+    got, collectives = measured[f"{tp_mode} swapped"], measured[tp_mode]
+    assert got["same values"]
+    for phase in ("forward", "backward"):
+        assert got["block"][phase] == {"swap": sum(BLOCK[tp_mode][phase].values())}, phase
+        expected = Counter(EDGES[tp_mode][phase])
+        expected["swap"] = LAYERS * sum(BLOCK[tp_mode][phase].values())
+        assert got["model"][phase] == dict(expected), phase
+    assert got["model"]["loss"] == collectives["model"]["loss"]
+    assert got["optim"] == collectives["optim"]
 
 
 def test_local_of_is_to_local_with_a_cheaper_backward(measured):
