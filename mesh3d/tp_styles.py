@@ -5,7 +5,7 @@ A plan is data, `FQN pattern -> ParallelStyle` (each family's spec writes its ow
 below the models so that the specs can name these styles; it imports no mesh3d module.
 
 `LocalColwise` / `LocalRowwise` / `LocalReplicated` keep torch's layouts but compute on local
-tensors inside a block; `block_input` hands a block one gathered copy of its input. Every
+tensors inside a block, and `LocalEmbedding` does so for the vocab-parallel embedding; `block_input` hands a block one gathered copy of its input. Every
 parameter ends up a DTensor on the tp mesh (replicated ones as `Replicate()`): mixed plain and
 DTensor parameters would break foreach AdamW and gradient clipping.
 """
@@ -173,6 +173,33 @@ class LocalRowwise(RowwiseParallel):
             if mod.bias is not None:
                 out = out + local_of(mod.bias, bias_grad)
             return out
+
+        module.forward = types.MethodType(forward, module)
+        return module
+
+
+class LocalEmbedding(RowwiseParallel):
+    """`RowwiseParallel`'s vocab-parallel embedding (weight `Shard(0)` over the vocabulary, input
+    ids replicated), computed on local tensors: each rank looks up the ids in its rows (others
+    give zeros), then one reduction to `output_layouts` (all-reduce to `Replicate()`,
+    reduce-scatter to `Shard(1)` under sequence parallelism); the output is local. Shards are
+    `torch.chunk`'s (the last may be shorter), as `Shard(0)` lays them out."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh, self._partition_embedding_fn)
+        layout = self.output_layouts[0]
+        rows = -(-module.weight.shape[0] // device_mesh.size())
+        start = min(device_mesh.get_local_rank() * rows, module.weight.shape[0])
+
+        def forward(mod: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+            w = local_of(mod.weight)
+            outside = (ids < start) | (ids >= start + w.shape[0])
+            y = F.embedding((ids - start).masked_fill(outside, 0), w)
+            y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+            if torch.compiler.is_compiling():  # traceable: DTensor's functional collectives
+                partial = DTensor.from_local(y, device_mesh, [Partial()], run_check=False)
+                return partial.redistribute(device_mesh, [layout]).to_local()
+            return reduce_partial(y, device_mesh.get_group(), layout)
 
         module.forward = types.MethodType(forward, module)
         return module

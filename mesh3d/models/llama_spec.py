@@ -73,10 +73,10 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     from mesh3d.tp_styles import (
         ColwiseParallel,
         LocalColwise,
+        LocalEmbedding,
         LocalReplicated,
         LocalRowwise,
         Replicate,
-        RowwiseParallel,
         Shard,
         block_input,
     )
@@ -103,7 +103,7 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     }
     head_in = {"input_layouts": seq} if sequence_parallel else {}
     return {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=act),
+        "embed_tokens": LocalEmbedding(input_layouts=Replicate(), output_layouts=act),
         **{f"layers.*.{k}": v for k, v in layer.items()},
         "norm": norm(),
         "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False, **head_in),

@@ -33,7 +33,8 @@ def stage_activation_bytes(
       + 4·T·(F/tp)·e_c            gate output, its activation, up output, their product
 
     (an MoE layer replaces the MLP's input and the last line with `moe_saved_bytes`), or, with
-    `recompute_layer`, its input T'·h·e_p. The first stage adds the ids 8·T; the last
+    `recompute_layer`, its input T'·h·e_p. The first stage adds the ids 8·T (9·T under tp: also
+    `LocalEmbedding`'s mask of the ids outside the rank's rows); the last
     adds its norm T'·(h·(4 + e_p) + 4), the lm_head input T·h·e_c, the fp32 log-softmax
     4·T·V' (V' = the real vocab at tp 1, else the padded V/tp) and the labels 8·T + 4 (8·T
     under tp without z-loss: `loss_saved_bytes`). Held until backward: the logits T·(V/tp)·e_c
@@ -46,7 +47,8 @@ def stage_activation_bytes(
     z = _Sizes.of(cfg)
     ids = range(layers) if isinstance(layers, int) else layers
     norm = z.local_tokens * (z.h * (4 + z.e_p) + 4)
-    saved = sum(_layer_bytes(z, i in z.moe_layers, i) for i in ids) + 8 * z.tokens * embedding
+    ids_bytes = (8 + (z.tp > 1)) * z.tokens  # the ids, and under tp the mask of the others' rows
+    saved = sum(_layer_bytes(z, i in z.moe_layers, i) for i in ids) + ids_bytes * embedding
     if head:
         saved += norm + z.tokens * z.h * z.e_c + loss_saved_bytes(cfg)
     held = z.tokens * (z.padded // z.tp) * z.e_c if head else z.local_tokens * z.h * z.e_p
