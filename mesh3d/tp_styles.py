@@ -5,7 +5,8 @@ A plan is data, `FQN pattern -> ParallelStyle` (each family's spec writes its ow
 below the models so that the specs can name these styles; it imports no mesh3d module.
 
 `LocalColwise` / `LocalRowwise` / `LocalReplicated` keep torch's layouts but compute on local
-tensors inside a block, and `LocalEmbedding` does so for the vocab-parallel embedding; `block_input` hands a block one gathered copy of its input. Every
+tensors inside a block, and `LocalEmbedding` / `LocalHead` do so for the vocab-parallel
+embedding and head; `block_input` hands a block one gathered copy of its input. Every
 parameter ends up a DTensor on the tp mesh (replicated ones as `Replicate()`): mixed plain and
 DTensor parameters would break foreach AdamW and gradient clipping.
 """
@@ -346,6 +347,34 @@ class _BlockInput(ParallelStyle):
             return (full.to_local(grad_placements=[Partial()]), *rest)
 
         module.register_forward_pre_hook(gather)
+        return module
+
+
+class LocalHead(ColwiseParallel):
+    """`ColwiseParallel`'s vocab-parallel head (weight `Shard(0)` over the vocabulary) on local
+    tensors: its input is gathered once from `input_layout` as a block's is (`block_input`: as
+    is for `Replicate()`, all-gathered on the sequence for `Shard(1)`; the input gradient leaves
+    summed over tp), this rank's vocabulary columns are computed locally and returned as the
+    `Shard(-1)` DTensor the vocab-parallel loss reads (`train/loss.py`)."""
+
+    def __init__(self, input_layout):
+        super().__init__(input_layouts=input_layout, output_layouts=Shard(-1),
+                         use_local_output=False)  # fmt: skip
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        distribute_module(module, device_mesh, self._partition_linear_fn)
+        _BlockInput(self.input_layouts[0])._apply(module, device_mesh)
+        vocab = module.weight.shape[0]
+
+        def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            bias = None if mod.bias is None else local_of(mod.bias)
+            y = F.linear(x, local_of(mod.weight), bias)
+            shape = torch.Size((*y.shape[:-1], vocab))
+            stride = tuple(torch.empty(shape, device="meta").stride())
+            return DTensor.from_local(y, device_mesh, [Shard(-1)], run_check=False, shape=shape,
+                                      stride=stride)  # fmt: skip
+
+        module.forward = types.MethodType(forward, module)
         return module
 
 

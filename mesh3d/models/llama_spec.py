@@ -71,9 +71,9 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
         mesh3d.apply_tp(llama, mesh["tp"], mesh3d.llama_tp_plan(sequence_parallel=True))
     """
     from mesh3d.tp_styles import (
-        ColwiseParallel,
         LocalColwise,
         LocalEmbedding,
+        LocalHead,
         LocalReplicated,
         LocalRowwise,
         Replicate,
@@ -101,12 +101,11 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
         "mlp.up_proj": LocalColwise(),
         "mlp.down_proj": LocalRowwise(output_layouts=act),
     }
-    head_in = {"input_layouts": seq} if sequence_parallel else {}
     return {
         "embed_tokens": LocalEmbedding(input_layouts=Replicate(), output_layouts=act),
         **{f"layers.*.{k}": v for k, v in layer.items()},
         "norm": norm(),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False, **head_in),
+        "lm_head": LocalHead(act),
     }
 
 
