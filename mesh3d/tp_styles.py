@@ -14,6 +14,7 @@ DTensor parameters would break foreach AdamW and gradient clipping.
 from __future__ import annotations
 
 import copy
+import math
 import types
 
 import torch
@@ -370,7 +371,7 @@ class LocalHead(ColwiseParallel):
             bias = None if mod.bias is None else local_of(mod.bias)
             y = F.linear(x, local_of(mod.weight), bias)
             shape = torch.Size((*y.shape[:-1], vocab))
-            stride = tuple(torch.empty(shape, device="meta").stride())
+            stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # contiguous
             return DTensor.from_local(y, device_mesh, [Shard(-1)], run_check=False, shape=shape,
                                       stride=stride)  # fmt: skip
 
