@@ -82,6 +82,20 @@ def optimizer_config(kind: str, tp: int, dp: int, pp: int, params: list[Param], 
     return {"type": kind, "parallelism": parallelism, "configs": configs}
 
 
+def tp_rank_entries(params: list[Param], tp_rank: int) -> list[Param]:
+    """The parameters of `params` that Nanotron's optimizer and LR-scheduler files of tp rank
+    `tp_rank` list, in order: every one on tp rank 0; elsewhere all but the row-parallel
+    linears' biases, which Nanotron's `TensorParallelRowLinear` creates on tp rank 0 only
+    (Starcoder2's `attn.o` / `attn.dense` and `ff.c_proj`)."""
+    kinds = {p.name: p.kind for p in params}
+
+    def row_bias(p: Param) -> bool:
+        weight = p.name.removesuffix(".bias") + ".weight"
+        return p.name.endswith(".bias") and kinds.get(weight) == "row"
+
+    return [p for p in params if tp_rank == 0 or not row_bias(p)]
+
+
 def optimizer_payload(entries: list[tuple[str, dict[str, Tensor]]], groups: list[dict]) -> dict:
     """The dict Nanotron `torch.save`s: state by index, one param group per parameter (entry i
     in `groups[i]`, its own hyperparameters), names, and `gradient_accumulator` (fp32 masters)

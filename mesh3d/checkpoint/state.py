@@ -146,6 +146,9 @@ def write_rank_state(
     # takes that work off the training thread
     finite = (lambda t, what: t) if getattr(writer, "checks_finite", False) else _finite
     progress = Progress("Saving checkpoint (parameters of this rank)", len(params))
+    # every parameter's state is gathered (collectives), those Nanotron lacks on this tp rank
+    # (row-parallel biases off tp rank 0) are left out of its optimizer file
+    listed = {p.name for p in nanotron_state.tp_rank_entries(params, T)}
     for p in params:
         first = [held[o][0] for o in p.ours]
         fused = finite(fuse(p, {o: _full(held[o][0]) for o in p.ours}), f"parameter {p.name}")
@@ -178,8 +181,9 @@ def write_rank_state(
         if "step" in state or any_state:
             step = state["step"] if "step" in state else torch.zeros(())
             local["step"] = step.detach().cpu().clone()
-        entries.append((p.name, local))
-        groups.append(_group_hparams(group_of[first[0]]) if first[0] in group_of else {})
+        if p.name in listed:
+            entries.append((p.name, local))
+            groups.append(_group_hparams(group_of[first[0]]) if first[0] in group_of else {})
         progress.update()
     if not writes:
         progress.done()

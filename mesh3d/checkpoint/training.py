@@ -98,7 +98,8 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler,
         name = nanotron_state.lr_scheduler_file(P, par.pp, coords["tp"], par.tp)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         held = held_parameters(parts.modules)
-        groups = [group_of[id(held[p.ours[0]][0])] for p in params]
+        listed = nanotron_state.tp_rank_entries(params, coords["tp"])
+        groups = [group_of[id(held[p.ours[0]][0])] for p in listed]
         state = nanotron_state.lr_scheduler_state(
             [g["initial_lr"] for g in groups], [g["lr"] for g in groups], scheduler.last_epoch
         )

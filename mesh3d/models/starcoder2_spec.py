@@ -7,7 +7,9 @@ Nanotron (`src/nanotron/models/starcoder2.py`): decoder layer `i` holds `ln_1`, 
 whole) and `attn.o`; grouped-query attention is `attn.query_key_value` (our `qkv_proj`, the same
 layout) and `attn.dense`. The embedding is `model.token_embeddings...` (not Llama's
 `token_position_embeddings`), tied to the head (never written apart), and the final norm has a
-bias. A row-parallel linear's bias is written once (not split).
+bias. A row-parallel linear's bias is written once (not split), and Nanotron creates it on tp
+rank 0 only, so the optimizer files of the other tp ranks leave it out
+(`checkpoint/nanotron_state.py::tp_rank_entries`).
 
 Hugging Face `Starcoder2ForCausalLM` holds q/k/v apart (`num_key_value_heads` 1 for multi-query)
 and slides the window on every layer; what it cannot express (`global_attn_layers` with a
@@ -38,9 +40,15 @@ def _pairs(nanotron: str, ours: str, weight: str, bias: str = "replicated") -> L
             f"{nanotron}.bias": ((f"{ours}.bias",), bias)}  # fmt: skip
 
 
+def _bias_first(table: LayerTable) -> LayerTable:
+    """`table` with each bias before its weight: Nanotron's `MQAColumnLinears` keeps q and kv in
+    `nn.ParameterDict`s built from plain dicts, which torch orders by key."""
+    return dict(sorted(table.items()))
+
+
 MQA_ATTENTION = {
-    **_pairs("attn.qkv.q", "self_attn.q_proj", "column", "column"),
-    **_pairs("attn.qkv.kv", "self_attn.kv_proj", "replicated"),
+    **_bias_first(_pairs("attn.qkv.q", "self_attn.q_proj", "column", "column")),
+    **_bias_first(_pairs("attn.qkv.kv", "self_attn.kv_proj", "replicated")),
     **_pairs("attn.o", "self_attn.o_proj", "row"),
 }
 GQA_ATTENTION = {

@@ -1,8 +1,9 @@
 """Nanotron's parameter order in the optimizer files, the tests that need no process group:
-mesh3d's parameter list for Qwen2 / Qwen2-MoE is Nanotron's `named_parameters()` order, and
-mesh3d reads an optimizer file in either order (its own older files have Llama's order).
+mesh3d's parameter list of every family is Nanotron's `named_parameters()` order (of each tp
+rank: row-parallel biases on tp rank 0 only), and mesh3d reads an optimizer file in either
+order (its own older files have Llama's order).
 
-The others (files saved by training at tp1, tp2, dp2 zero 1) are in
+The others (files saved by training at tp1, tp2, tp2 REDUCE_SCATTER, dp2 zero 1) are in
 `tests/ranks/test_nanotron_optimizer_order.py`."""
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import json
 import pytest
 import torch
 from test_moe import MOE
-from test_nanotron_optimizer_order import nanotron_order
-from test_qwen2 import QWEN
+from test_nanotron_optimizer_order import FAMILIES, family_config, nanotron_order
 
 from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.nanotron_weights import nanotron_params
@@ -21,10 +21,14 @@ from mesh3d.config import config_from_dict
 from mesh3d.models.registry import model_shape
 
 
-@pytest.mark.parametrize("base", [QWEN, MOE], ids=["qwen2-bias", "qwen2-moe"])
-def test_parameter_list_is_nanotron_module_order(base):
-    cfg = config_from_dict(base)
-    assert [p.name for p in nanotron_params(model_shape(cfg))] == nanotron_order(cfg)
+@pytest.mark.parametrize("tp_rank", [0, 1])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_parameter_list_is_nanotron_module_order(family, tp_rank):
+    """Every family's parameter list, as a tp rank's optimizer file lists it (row-parallel
+    biases on tp rank 0 only), is Nanotron's `named_parameters()` order of that rank."""
+    cfg = family_config(family, "tp2")
+    listed = nanotron_state.tp_rank_entries(nanotron_params(model_shape(cfg)), tp_rank)
+    assert [p.name for p in listed] == nanotron_order(cfg, tp_rank)
 
 
 def test_optimizer_files_read_in_nanotron_and_in_llama_order(tmp_path):
