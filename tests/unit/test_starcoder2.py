@@ -111,12 +111,14 @@ def test_every_dropout_site_acts_in_training_only():
 
 LAYER = "model.decoder.0.pp_block."
 # from Nanotron's src/nanotron/models/starcoder2.py (GPTBlock: ln_1, attn, ln_2, ff), module order
-MQA_NAMES = ["ln_1.weight", "ln_1.bias", "attn.qkv.q.weight", "attn.qkv.q.bias",
-             "attn.qkv.kv.weight", "attn.qkv.kv.bias", "attn.o.weight", "attn.o.bias",
-             "ln_2.weight", "ln_2.bias", "ff.c_fc.weight", "ff.c_fc.bias", "ff.c_proj.weight",
+NORMS_MLP = ["ln_2.weight", "ln_2.bias", "ff.c_fc.weight", "ff.c_fc.bias", "ff.c_proj.weight",
              "ff.c_proj.bias"]  # fmt: skip
-GQA_NAMES = [n.replace("qkv.q.", "query_key_value.").replace("attn.o.", "attn.dense.")
-             for n in MQA_NAMES if ".kv." not in n]  # fmt: skip
+# multi-query: q and kv are `nn.ParameterDict`s built from plain dicts (torch sorts: bias first)
+MQA_NAMES = ["ln_1.weight", "ln_1.bias", "attn.qkv.q.bias", "attn.qkv.q.weight",
+             "attn.qkv.kv.bias", "attn.qkv.kv.weight", "attn.o.weight", "attn.o.bias",
+             *NORMS_MLP]  # fmt: skip
+GQA_NAMES = ["ln_1.weight", "ln_1.bias", "attn.query_key_value.weight",
+             "attn.query_key_value.bias", "attn.dense.weight", "attn.dense.bias", *NORMS_MLP]  # fmt: skip
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["multi-query", "grouped-query"])
