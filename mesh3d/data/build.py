@@ -84,7 +84,7 @@ def build_dataset(cfg, index: int):
                 "tokenizer.tokenizer_name_or_path to a local folder with tokenizer.json"
             )
         check_tokenizer_vocab(tokenizer, mc.vocab_size)
-        return StreamedText(data.dataset, tokenizer, tok.sequence_length, seed, gbs, where)
+        return StreamedText(data.dataset, tokenizer, seq, seed, gbs, where)
     if isinstance(data.dataset, PretrainDatasetsArgs):
         from mesh3d.data.hf import load_pretrain_dataset
         from mesh3d.data.nanoset import check_enough

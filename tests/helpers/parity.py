@@ -169,19 +169,31 @@ def train_runs(rank: int, world: int, runs: list[list[str]], base: dict = TINY) 
     return results
 
 
+class SampleLengths:
+    """The token length of each step's first microbatch on this rank (None: none read)."""
+
+    def __init__(self):
+        self.lengths: list[int | None] = []
+
+    def on_step(self, run, step: int, out, metrics: dict) -> None:
+        self.lengths.append(out.batches[0][0].shape[-1] if out.batches else None)
+
+
 def hashed_runs(rank: int, world: int, runs: list[list[str]]) -> list:
     """Train TINY + each run's overrides on this rank: {"loss": per step, "hashes": of the
-    batches read}, or the one line of the `UserError` a run stopped with."""
+    batches read, "lengths": their sample lengths}, or the one line of the `UserError` a run
+    stopped with."""
     out = []
     for overrides in runs:
         cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
-        hashes = BatchHashes()
+        hashes, lengths = BatchHashes(), SampleLengths()
         try:
-            res = train(cfg, hooks=[hashes])
+            res = train(cfg, hooks=[hashes, lengths])
         except UserError as e:
             out.append(str(e))
             continue
-        out.append({"loss": [m["lm_loss"] for m in res.metrics], "hashes": hashes.hashes})
+        out.append({"loss": [m["lm_loss"] for m in res.metrics], "hashes": hashes.hashes,
+                    "lengths": lengths.lengths})  # fmt: skip
     return out
 
 

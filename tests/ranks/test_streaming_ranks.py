@@ -1,7 +1,8 @@
 """Streamed HF text in whole training runs (`mesh3d.hf_streaming`, 2 loading workers per rank).
 
-One 2-rank launch at dp 2: a run trains 8 steps straight, with a streamed JSON Lines stage then a
-Nanoset stage from step 5; a second run saves at steps 3 (mid-stream) and 6 (after the switch);
+One 2-rank launch at dp 2: a run trains 8 steps straight, with a streamed JSON Lines stage at its
+own `sequence_length` (32 tokens) then a Nanoset stage at `tokens.sequence_length` (16) from
+step 5, each step's samples at its stage's length; a second run saves at steps 3 (mid-stream) and 6 (after the switch);
 two more resume from each, and must read the same batches (token hashes) with the same losses.
 The step-3 checkpoint holds one stream position per dp rank inside its manifest. A 1-rank launch
 then resumes at dp 1: from step 6 (map-style data) it trains, from step 3 (mid-stream) it is
@@ -19,6 +20,8 @@ from parity import hashed_runs, layout_overrides
 
 from mesh3d.data.tokenize import main as tokenize_main
 
+LONG = 32  # the streamed stage's sequence length (tokens.sequence_length is 16)
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
@@ -32,13 +35,15 @@ def data(tmp_path_factory):
 
 def _overrides(d, root, steps: int, resume=None) -> list[str]:
     stages = (
-        f"[{{name: stream, start_training_step: 1, data: {{seed: 5, num_loading_workers: 2, "
+        f"[{{name: stream, start_training_step: 1, sequence_length: {LONG}, "
+        f"data: {{seed: 5, num_loading_workers: 2, "
         f"dataset: {{hf_dataset_or_datasets: {d / 's.jsonl'}, text_column_name: text}}}}}}, "
         f"{{name: map, start_training_step: 5, data: {{seed: 6, num_loading_workers: 2, "
         f"dataset: {{dataset_folder: [{d / 'm'}]}}}}}}]"
     )
     out = [
-        "model.model_config.vocab_size=600", f"tokenizer.tokenizer_name_or_path={d / 'tok'}",
+        "model.model_config.vocab_size=600", f"model.model_config.max_position_embeddings={LONG}",
+        f"tokenizer.tokenizer_name_or_path={d / 'tok'}",
         f"data_stages={stages}", "mesh3d.hf_streaming=true", f"tokens.train_steps={steps}",
         f"checkpoints.checkpoints_path={root}", "checkpoints.checkpoint_interval=3",
     ]  # fmt: skip
@@ -73,6 +78,8 @@ def test_a_resumed_stream_reads_what_the_uninterrupted_run_read(runs):
         assert from6["hashes"] == straight["hashes"][6:]
         assert from3["loss"] == straight["loss"][3:]  # bitwise: same layout, CPU fp32
         assert from6["loss"] == straight["loss"][6:]
+        assert straight["lengths"] == [LONG] * 4 + [16] * 4  # each stage's own length
+        assert from3["lengths"] == straight["lengths"][3:]
     r0, r1 = (r[0]["hashes"] for r in runs["two"])
     assert all(a != b for a, b in zip(r0, r1))  # each dp rank its own samples
 
