@@ -110,15 +110,23 @@ def encode_conversation(tokenizer, messages, render, turns: str, seq_len: int):
 
 
 def check_messages(value, where: str, row: int) -> list[dict]:
-    """A conversation of the dataset, checked: a list of {'role', 'content'} with an assistant."""
-    ok = isinstance(value, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in value
+    """A conversation of the dataset (row `row`, from 0), checked: a non-empty list of
+    {'role', 'content'}; one line naming the row otherwise."""
+    ok = (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in value
+        )
     )
     if not ok:
         raise UserError(
-            f"{where}: row {row} of the 'messages' column is not a list of "
-            "{'role': str, 'content': str}; fix the data"
+            f"{where}: row {row + 1} of the 'messages' column is "
+            f"{'an empty list' if value == [] else 'not a list of {role: str, content: str}'}; "
+            "fix that row (a conversation is a non-empty list of {'role': str, 'content': str})"
         )
     return value
 
@@ -126,3 +134,30 @@ def check_messages(value, where: str, row: int) -> list[dict]:
 def conversation_renderer(tokenizer_path: str, where: str):
     """`render(messages, generation_prompt)` with the tokenizer's chat template."""
     return _renderer(tokenizer_path, chat_template(tokenizer_path, where))
+
+
+def chat_examples(
+    column, tokenizer, tokenizer_path: str, seq_len: int, where: str, turns: str, seen
+):
+    """(encoded conversations, has-a-target test, padding id) of the 'messages' `column`, read
+    lazily; `seen[0]` counts the conversations with an assistant turn. A row the template
+    refuses is one line naming it."""
+    from mesh3d.data.tokenize import find_eos
+
+    render = conversation_renderer(tokenizer_path, where)
+
+    def encode(i: int, messages):
+        messages = check_messages(messages, where, i)
+        seen[0] += any(m["role"] == "assistant" for m in messages)
+        try:
+            return encode_conversation(tokenizer, messages, render, turns, seq_len)
+        except UserError:
+            raise
+        except Exception as e:  # the template's own refusals (jinja raise_exception, ValueError)
+            raise UserError(
+                f"{where}: row {i + 1} of the 'messages' column: the chat template refuses it "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); fix that row"
+            ) from None
+
+    encoded = (encode(i, m) for i, m in enumerate(column))
+    return encoded, lambda ids, trained: any(trained[1:]), find_eos(tokenizer) or 0

@@ -51,6 +51,8 @@ each example's mean token loss (per-sample averaging), which weighs every exampl
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -154,49 +156,108 @@ class SFTSequences:
         return seq[0], seq[1], seq[2]
 
 
+def _text(value, column: str, row: int, where: str) -> str:
+    """A row's prompt or completion: text ("" for null), or one line naming the row."""
+    if value is None or isinstance(value, str):
+        return value or ""
+    raise UserError(
+        f"{where}: row {row + 1}: {column!r} is {type(value).__name__} {value!r}, not text; "
+        "fix that row (prompt and completion are strings)"
+    )
+
+
+def _check_text_column(rows, column: str, where: str) -> None:
+    """One line naming the first row whose `column` is not text. A loader reads a column holding
+    any non-string as non-text: numbers only as numbers, a mix as `Json` (each value's JSON
+    text underneath, whose decoding would turn a string " 3" into 3)."""
+    feature = rows.features.get(column)
+    if getattr(feature, "dtype", None) in ("string", "large_string", "null"):
+        return
+    raw = rows.with_format("arrow")[column].to_pylist()
+    if type(feature).__name__ == "Json":
+        raw = [None if r is None else json.loads(r) for r in raw]
+    for i, value in enumerate(raw):
+        _text(value, column, i, where)
+
+
+def _prompt_completion(rows, tokenizer, tokenizer_path: str, seq_len: int, where: str):
+    """(encoded examples, has-a-target test, padding id) of prompt/completion rows."""
+    from mesh3d.data.tokenize import find_eos
+
+    for column in (PROMPT, COMPLETION):
+        _check_text_column(rows, column, where)
+    eos = find_eos(tokenizer)
+    if eos is None:
+        raise UserError(
+            f"tokenizer {tokenizer_path!r} has no EOS token (</s>, <|endoftext|>, "
+            "<|end_of_text|> or <eos>); SFT appends one to every example: use a tokenizer "
+            "with one"
+        )
+    encoded = (
+        encode_example(tokenizer, _text(p, PROMPT, i, where), _text(c, COMPLETION, i, where),
+                       eos, seq_len)
+        for i, (p, c) in enumerate(zip(rows[PROMPT], rows[COMPLETION], strict=True))
+    )  # fmt: skip
+    return encoded, lambda ids, prompt_len: prompt_len < len(ids), eos
+
+
+def _undecodable(rows, where: str, error: UnicodeDecodeError) -> UserError:
+    """The one line for rows holding bytes that are not UTF-8, naming the first such row."""
+    row = next((i for i in range(len(rows)) if not _decodes(rows, i)), None)
+    at = f"row {row + 1}" if row is not None else "a row"
+    return UserError(
+        f"{where}: {at} holds bytes that are not UTF-8 text ({error.reason} at byte "
+        f"{error.start}); fix or delete that row (save the file as UTF-8)"
+    )
+
+
+def _decodes(rows, i: int) -> bool:
+    try:
+        rows[i]
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def build_sequences(rows, tokenizer_path: str, seq_len: int, seed: int, packing: bool,
                     debug_max_samples: int | None, where: str, turns: str = "all"):  # fmt: skip
     """(sequences [N, 3, S], real tokens, examples kept, examples skipped) of SFT `rows`."""
-    from mesh3d.data.tokenize import find_eos, load_tokenizer
+    from mesh3d.data.tokenize import load_tokenizer
 
     check_columns(rows.column_names, where)
     if debug_max_samples is not None:
         rows = rows.select(range(min(debug_max_samples, len(rows))))
     tokenizer = load_tokenizer(tokenizer_path)
-    examples, skipped = [], 0
-    if PROMPT in rows.column_names and COMPLETION in rows.column_names:
-        eos = find_eos(tokenizer)
-        if eos is None:
-            raise UserError(
-                f"tokenizer {tokenizer_path!r} has no EOS token (</s>, <|endoftext|>, "
-                "<|end_of_text|> or <eos>); SFT appends one to every example: use a tokenizer "
-                "with one"
-            )
-        encoded = (
-            encode_example(tokenizer, p or "", c or "", eos, seq_len)
-            for p, c in zip(rows[PROMPT], rows[COMPLETION], strict=True)
-        )
-        has_target = lambda ids, prompt_len: prompt_len < len(ids)  # noqa: E731
-    else:
-        from mesh3d.data.chat import check_messages, conversation_renderer, encode_conversation
+    chat = not (PROMPT in rows.column_names and COMPLETION in rows.column_names)
+    seen = [0]  # conversations with an assistant turn
+    if chat:
+        from mesh3d.data.chat import chat_examples
 
-        render = conversation_renderer(tokenizer_path, where)
-        encoded = (
-            encode_conversation(tokenizer, check_messages(m, where, i), render, turns, seq_len)
-            for i, m in enumerate(rows[MESSAGES])
+        encoded, has_target, eos = chat_examples(rows[MESSAGES], tokenizer, tokenizer_path,
+                                                 seq_len, where, turns, seen)  # fmt: skip
+    else:
+        encoded, has_target, eos = _prompt_completion(rows, tokenizer, tokenizer_path, seq_len,
+                                                      where)  # fmt: skip
+    examples, skipped = [], 0
+    try:
+        for ids, trained in encoded:
+            if has_target(ids, trained):
+                examples.append(example_rows(ids, trained))
+            else:
+                skipped += 1
+    except UnicodeDecodeError as e:
+        raise _undecodable(rows, where, e) from None
+    if chat and not seen[0]:
+        raise UserError(
+            f"{where}: none of the {len(rows)} conversations has an assistant turn (a message "
+            "with 'role': 'assistant'); SFT trains on the assistant turns: add them, or give "
+            "'prompt' and 'completion' columns instead"
         )
-        has_target = lambda ids, trained: any(trained[1:])  # noqa: E731
-        eos = find_eos(tokenizer) or 0  # padding id only
-    for ids, trained in encoded:
-        if not has_target(ids, trained):
-            skipped += 1
-            continue
-        examples.append(example_rows(ids, trained))
     if skipped:
         logger.warning(
             f"{where}: {skipped} of {len(rows)} SFT examples have no completion (or assistant) "
             f"token within tokens.sequence_length + 1 = {seq_len + 1} tokens (the prompt fills "
-            "the sequence): skipped"
+            "the sequence, or a conversation has no assistant turn): skipped"
         )
     if not examples:
         raise UserError(
@@ -226,8 +287,9 @@ def load_sft_dataset(args, tokenizer_path: str | None, seq_len: int, seed: int,
         )
     check_tokenizer_vocab(tokenizer_path, vocab_size)
     rows = load_rows(args, cache_dir)
+    source = f"{where} hf_dataset_or_datasets {args.hf_dataset_or_datasets}"
     sequences, real, kept, _ = build_sequences(
-        rows, tokenizer_path, seq_len, seed, packing, args.debug_max_samples, where, turns
+        rows, tokenizer_path, seq_len, seed, packing, args.debug_max_samples, source, turns
     )
     left = max(len(sequences) - held, 0)
     if held and left < global_batch:

@@ -263,5 +263,33 @@ def test_chat_without_template_is_refused(tok):
 
 
 def test_chat_rows_must_be_messages(chat_tok):
-    with pytest.raises(UserError, match="row 0 of the 'messages' column"):
+    with pytest.raises(UserError, match="row 1 of the 'messages' column"):
         build_sequences(_rows([{"messages": ["hi"]}]), chat_tok, 64, 0, False, None, "t")
+
+
+GOOD = json.dumps({"prompt": "Q: 1+2=", "completion": " 3"}).encode()
+CHAT_ROW = json.dumps({"messages": CHAT}).encode()
+BAD_ROWS = {  # file lines -> what the one line says (besides the file and the row)
+    "numbers": ([GOOD, b'{"prompt": 5, "completion": 7}'], "row 2: 'prompt' is int 5, not text"),
+    "all numbers": ([b'{"prompt": 5, "completion": 7}'], "row 1: 'prompt' is int 5"),
+    "not utf-8": ([GOOD, b'{"prompt": "a\xff", "completion": "b"}'], "row 2 holds bytes that are not UTF-8"),
+    "no messages": ([CHAT_ROW, b'{"messages": []}'], "row 2 of the 'messages' column is an empty list"),
+    "no assistant": ([json.dumps({"messages": CHAT[:2]}).encode()] * 3,
+                     "none of the 3 conversations has an assistant turn"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_ROWS))
+def test_bad_rows_are_one_line_naming_file_and_row(chat_tok, tmp_path, case):
+    """Rows that ended in a TypeError, UnicodeDecodeError or the template's ValueError, and chat
+    data without any assistant turn (was blamed on the sequence length)."""
+    lines, says = BAD_ROWS[case]
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    args = SFTDatasetsArgs(hf_dataset_or_datasets=str(path))
+    with pytest.raises(UserError) as e:
+        load_sft_dataset(args, chat_tok, SEQ, 1, 10, 400, where="data_stages[0] ('sft')",
+                         cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg and says in msg, msg
+    assert "sequence_length" not in msg, msg
