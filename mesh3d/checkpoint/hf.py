@@ -153,25 +153,44 @@ def hf_to_ours(hf: dict[str, Tensor], mc, where: Path, arch=None) -> dict[str, T
     arch = arch or spec.hf_of(mc)
     hf = arch.weights_from_hf(hf, mc) if arch.weights_from_hf else hf
     tied = shape_of(mc).tied
-    ours = {}
+    ours, hf_name = {}, {}
     for k, v in hf.items():
         name = arch.hf_to_ours(k)
         if name is None or (tied and name == "lm_head.weight"):
             continue
-        ours[name] = v
+        ours[name], hf_name[name] = v, k
     if not tied and "lm_head.weight" not in ours:
         raise UserError(
             f"{where} has no lm_head.weight and config.json says tie_word_embeddings is false"
         )
-    expected = set(spec.param_shapes(shape_of(mc)))
-    if tied:
-        expected.discard("lm_head.weight")
+    shapes = spec.param_shapes(shape_of(mc))
+    expected = set(shapes) - ({"lm_head.weight"} if tied else set())
     extra, missing = sorted(set(ours) - expected), sorted(expected - set(ours))
     if extra:
         raise UserError(f"{where} has weights mesh3d's {spec.family} does not know: {extra[:5]}")
     if missing:
         raise UserError(f"{where} lacks weights of the model: {missing[:5]}")
+    for name, t in ours.items():
+        if tuple(t.shape) != tuple(shapes[name]):
+            key = hf_name.get(name, name)
+            raise UserError(
+                f"{_file_of(where, key)}: tensor {key} has shape {tuple(t.shape)} but "
+                f"config.json gives {tuple(shapes[name])} (mesh3d's {name}); the weights do not "
+                "match their config.json: re-download the folder or restore config.json"
+            )
     return ours
+
+
+def _file_of(model_dir: Path, key: str) -> Path:
+    """The safetensors file of `model_dir` holding tensor `key` (for error messages)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return model_dir / json.loads(index.read_text()).get("weight_map", {}).get(key, index.name)
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            if key in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                return f
+    return model_dir
 
 
 def _pad_rows(t: Tensor, rows: int) -> Tensor:

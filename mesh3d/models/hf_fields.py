@@ -18,6 +18,17 @@ def refuse(where, what: str):
     raise UserError(f"{where}: {what} is not supported by mesh3d")
 
 
+def check_head_dim(hf: dict, where, family: str) -> None:
+    """Refuse a `head_dim` other than hidden_size / num_attention_heads, naming all three."""
+    h, nq, hd = hf["hidden_size"], hf["num_attention_heads"], hf.get("head_dim")
+    if hd not in (None, h // nq):
+        raise UserError(
+            f"{where}: head_dim {hd} differs from hidden_size {h} / num_attention_heads {nq} "
+            f"= {h // nq}; mesh3d's {family} needs them equal (another head size is not "
+            "supported): if hidden_size or num_attention_heads was edited, restore it"
+        )
+
+
 def hf_rope(hf: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from either transformers 4 or 5 `config.json`."""
     params = hf.get("rope_parameters")

@@ -235,15 +235,13 @@ def hf_to_ours(name: str) -> str | None:
 
 def config_from_hf(hf: dict, where) -> LlamaConfig:
     """Nanotron's LlamaConfig for an HF Llama `config.json` (vocab unpadded, as in HF)."""
-    from mesh3d.models.hf_fields import common_fields, refuse
+    from mesh3d.models.hf_fields import check_head_dim, common_fields, refuse
 
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             refuse(where, f"`{key}: true` (mesh3d's Llama has no biases)")
     fields = common_fields(hf, where)
-    h, nq = fields["hidden_size"], fields["num_attention_heads"]
-    if hf.get("head_dim") not in (None, h // nq):
-        refuse(where, f"head_dim {hf['head_dim']} differs from hidden_size / heads = {h // nq}")
+    check_head_dim(hf, where, "Llama")
     return LlamaConfig(**fields, pretraining_tp=hf.get("pretraining_tp", 1), rope_interleaved=False)
 
 

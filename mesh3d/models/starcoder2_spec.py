@@ -274,7 +274,7 @@ HF = "Starcoder2ForCausalLM"
 
 
 def config_from_hf(hf: dict, where) -> Starcoder2Config:
-    from mesh3d.models.hf_fields import REQUIRED, hf_rope, refuse
+    from mesh3d.models.hf_fields import REQUIRED, check_head_dim, hf_rope, refuse
 
     missing = [k for k in (*REQUIRED, "vocab_size") if k not in hf]
     if missing:
@@ -290,8 +290,7 @@ def config_from_hf(hf: dict, where) -> Starcoder2Config:
     if scaling:
         refuse(where, "rope scaling (Nanotron's Starcoder2 has plain RoPE)")
     h, nq = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, h // nq):
-        refuse(where, f"head_dim {hf['head_dim']} differs from hidden_size / heads = {h // nq}")
+    check_head_dim(hf, where, "Starcoder2")
     nkv = hf.get("num_key_value_heads") or nq
     eos = hf.get("eos_token_id", 0)
     return Starcoder2Config(

@@ -18,10 +18,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.checkpoint.hf_run import is_hf_folder, read_hf_for_run
+from mesh3d.checkpoint.hf_run import is_hf_folder, not_a_checkpoint, read_hf_for_run
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.config import ExistingCheckpointInit, SpectralMupInit
-from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.mesh import groups_of
@@ -97,9 +96,10 @@ def initial_weights(cfg, layout: RunLayout) -> FullSource:
                         f"{n:,} parameters")  # fmt: skip
             tied = {"lm_head.weight": "embed_tokens.weight"} if shape.tied else {}
             return lambda name, shape: full[tied.get(name, name)]
-        root = path / "model" if (path / "model").is_dir() else path
-        if not root.is_dir():
-            raise UserError(f"`model.init_method.path` {path} has no model/ folder of weights")
+        error = not_a_checkpoint(path)
+        if error is not None:
+            raise error
+        root = path / "model"
         full = read_nanotron_weights(root, shape)
         n = sum(t.numel() for t in full.values())
         logger.info(f"Initial weights from {root}: {len(full)} tensors, {n:,} parameters")

@@ -2,7 +2,7 @@
 -> its config.yaml trains as is -> the step folder keeps the tokenizer (in the manifest) ->
 `mesh3d generate` and `to-hf` on the checkpoints folder (the tokenizer comes along); plus the
 defaults of that config, the log line of `init_method.path`, and which tokenizer files are
-copied.
+copied, and the refusals of an `init_method.path` that is not the model.
 
 The tests of this subject that need a process group are in
 `tests/ranks/test_first_hour_ranks.py`."""
@@ -85,6 +85,44 @@ def test_init_method_path_logs_what_it_loaded(tmp_path):
         f"Initial weights from {tmp_path / 'nt' / 'model'}: 21 tensors, {n:,} parameters"
     ]
     assert source("norm.weight", (64,)).shape == (64,)
+
+
+def _refusal(cfg_path, folder) -> str:
+    cfg = load_config(cfg_path, [f"model.init_method={{path: {folder}}}"])
+    with pytest.raises(UserError) as e:
+        initial_weights(cfg, RunLayout.of(cfg))
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_init_method_path_refusals_name_what_differs(tmp_path):
+    """An HF folder with a tensor of the wrong shape (was a RuntimeError in `materialize`), a
+    folder that is no model (was about Nanotron's model/ files) and a config.json whose
+    hidden_size was edited (was reported as an unsupported head_dim)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = hf_folder(tmp_path / "hf")
+    convert.from_hf(hf, tmp_path / "nt")
+    cfg_path = tmp_path / "nt" / "config.yaml"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((hf / "config.json").read_bytes())
+    weights = load_file(hf / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(64, 64)
+    save_file(weights, bad / "model.safetensors")
+    msg = _refusal(cfg_path, bad)
+    assert f"{bad / 'model.safetensors'}: tensor model.layers.1.mlp.up_proj.weight" in msg, msg
+    assert "shape (64, 64) but config.json gives (96, 64)" in msg, msg
+    (tmp_path / "empty").mkdir()
+    msg = _refusal(cfg_path, tmp_path / "empty")
+    assert "neither config.json" in msg and "Hugging Face model folder" in msg, msg
+    assert "model_weight" not in msg and "pp-rank" not in msg, msg
+    (bad / "config.json").unlink()
+    assert "has *.safetensors but no config.json" in _refusal(cfg_path, bad)
+    hf_json = json.loads((hf / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**hf_json, "hidden_size": 128}))
+    msg = _refusal(cfg_path, bad)
+    assert "hidden_size 128 / num_attention_heads 4 = 32" in msg and "edited" in msg, msg
 
 
 def test_which_tokenizer_files_are_copied(tmp_path):
