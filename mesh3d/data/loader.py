@@ -239,6 +239,10 @@ class Feed:
             self.loader, self.stage = self._open(i, step), i
         return self.loader.next(step)
 
+    def streams(self, step: int) -> bool:
+        """Whether the stage active at `step` is streamed (read while training)."""
+        return _streamed(self.data.datasets[self.data.stage_at(step)])
+
     def _open(self, i: int, step: int) -> StageLoader:
         data = self.data
         ds, state, first = data.datasets[i], None, step

@@ -61,7 +61,8 @@ class _Source:
         texts: list[str] = []
         while len(texts) < _ROWS and self.file < len(self.files):
             if self._rows is None:
-                self._rows = read_rows(self.files[self.file], self.stream.column, self.row)
+                self._rows = read_rows(self.files[self.file], self.stream.column, self.row,
+                                       lambda row: row % self.shards == self.shard)  # fmt: skip
             for row, text in self._rows:
                 self.row = row + 1
                 if row % self.shards == self.shard and text:

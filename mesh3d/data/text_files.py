@@ -69,10 +69,13 @@ def _text(file: Path, row: int, value, column: str, columns) -> str:
     return value or ""
 
 
-def _json_rows(file: Path, column: str, start: int) -> Iterator[tuple[int, str]]:
+def _json_rows(file: Path, column: str, start: int, mine) -> Iterator[tuple[int, str]]:
     with open(file, "rb") as f:
         for row, line in enumerate(f):
             if row < start or not line.strip():
+                continue
+            if not mine(row):  # another shard's row: not parsed (its shard reports it)
+                yield row, ""
                 continue
             try:
                 obj = json.loads(line)
@@ -110,7 +113,7 @@ def _arrow_batches(file: Path, column: str):
         yield batch.select([column])
 
 
-def _table_rows(file: Path, column: str, start: int) -> Iterator[tuple[int, str]]:
+def _table_rows(file: Path, column: str, start: int, mine) -> Iterator[tuple[int, str]]:
     row = 0
     try:
         for batch in _arrow_batches(file, column):
@@ -120,7 +123,8 @@ def _table_rows(file: Path, column: str, start: int) -> Iterator[tuple[int, str]
                 continue
             for i, value in enumerate(batch.column(0).to_pylist()):
                 if row + i >= start:
-                    yield row + i, _text(file, row + i, value, column, [column])
+                    text = _text(file, row + i, value, column, [column]) if mine(row + i) else ""
+                    yield row + i, text
             row += n
     except UserError:
         raise
@@ -131,11 +135,14 @@ def _table_rows(file: Path, column: str, start: int) -> Iterator[tuple[int, str]
                    "replace the damaged file or remove it from hf_dataset_or_datasets") from None  # fmt: skip
 
 
-def read_rows(file: Path, column: str, start: int = 0) -> Iterator[tuple[int, str]]:
-    """(row index, text) of `file` from row `start` on."""
+def read_rows(file: Path, column: str, start: int = 0, mine=None) -> Iterator[tuple[int, str]]:
+    """(row index, text) of `file` from row `start` on; a row for which `mine(row)` is false is
+    not checked and its text is "" (so a bad row is reported by the one shard that reads it,
+    not by every dp rank)."""
+    mine = mine or (lambda row: True)
     if file.suffix.lower() in (".json", ".jsonl"):
-        return _json_rows(file, column, start)
-    return _table_rows(file, column, start)
+        return _json_rows(file, column, start, mine)
+    return _table_rows(file, column, start, mine)
 
 
 def check_file(file: Path, column: str) -> None:

@@ -50,6 +50,7 @@ from mesh3d.mesh import (
     set_collective_timeout,
 )
 from mesh3d.train.build import ModelParts, build_model_parts
+from mesh3d.train.data_errors import agree_on_data_error
 from mesh3d.train.experts import clear_stats
 from mesh3d.train.optim import build_optimizer
 from mesh3d.train.step import total_params, train_step
@@ -140,9 +141,16 @@ class Run:
         not tokens, and read nothing, unless their attention needs the positions (document
         masking, context parallelism)."""
         parts, layout = self.parts, self.layout
-        if not (parts.has_first or parts.has_last or layout.positions_everywhere):
-            return []
-        return self.feed.batches(step)
+        reads = parts.has_first or parts.has_last or layout.positions_everywhere
+        if not self.feed.streams(step):
+            return self.feed.batches(step) if reads else []
+        batches, error = [], None
+        try:  # a bad streamed row: one line on every rank, printed once (`data_errors.py`)
+            batches = self.feed.batches(step) if reads else []
+        except UserError as e:
+            error = e
+        agree_on_data_error(error, self.device)
+        return batches
 
     def layout_at(self, step: int) -> RunLayout:
         """The layout of step `step`: the run's, at the sequence length of the data stage

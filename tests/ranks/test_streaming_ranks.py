@@ -6,19 +6,25 @@ step 5, each step's samples at its stage's length; a second run saves at steps 3
 two more resume from each, and must read the same batches (token hashes) with the same losses.
 The step-3 checkpoint holds one stream position per dp rank inside its manifest. A 1-rank launch
 then resumes at dp 1: from step 6 (map-style data) it trains, from step 3 (mid-stream) it is
-refused with one line saying why and what to do.
+refused with one line saying why and what to do. A third launch streams a file whose row 42
+(read by dp rank 1 only) is not JSON: both ranks stop with that rank's one line, marked as
+everyone's, so it is printed once.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 from data_fixtures import make_documents, make_tokenizer, write_jsonl
 from dist import run_ranks
-from parity import hashed_runs, layout_overrides
+from parity import TINY, hashed_runs, layout_overrides
 
+from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.data.tokenize import main as tokenize_main
+from mesh3d.errors import UserError
+from mesh3d.train.loop import train
 
 LONG = 32  # the streamed stage's sequence length (tokens.sequence_length is 16)
 
@@ -33,11 +39,11 @@ def data(tmp_path_factory):
     return d
 
 
-def _overrides(d, root, steps: int, resume=None) -> list[str]:
+def _overrides(d, root, steps: int, resume=None, stream=None) -> list[str]:
     stages = (
         f"[{{name: stream, start_training_step: 1, sequence_length: {LONG}, "
         f"data: {{seed: 5, num_loading_workers: 2, "
-        f"dataset: {{hf_dataset_or_datasets: {d / 's.jsonl'}, text_column_name: text}}}}}}, "
+        f"dataset: {{hf_dataset_or_datasets: {stream or d / 's.jsonl'}, text_column_name: text}}}}}}, "
         f"{{name: map, start_training_step: 5, data: {{seed: 6, num_loading_workers: 2, "
         f"dataset: {{dataset_folder: [{d / 'm'}]}}}}}}]"
     )
@@ -100,3 +106,23 @@ def test_resume_at_another_dp(runs):
     assert isinstance(from3, str) and "\n" not in from3
     assert "at dp 2" in from3 and "this run has dp 1" in from3, from3
     assert "start a new data stage at step 4" in from3, from3
+
+
+def _stopped_with(rank: int, world: int, overrides: list[str]) -> tuple[str, bool]:
+    """The `UserError` a run stops with on this rank, and whether it is printed once."""
+    cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
+    with pytest.raises(UserError) as e:
+        train(cfg)
+    return str(e.value), getattr(e.value, "same_on_every_rank", False)
+
+
+def test_a_bad_streamed_row_is_one_line_printed_once(data, tmp_path):
+    lines = (data / "s.jsonl").read_bytes().splitlines()
+    lines[41] = b'{"text": "cut'  # row 42: dp rank 1 reads it (row % 4 shards == 2)
+    (tmp_path / "bad.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    run = layout_overrides(2, 1, "ALL_REDUCE", 0, False) + _overrides(
+        data, tmp_path / "ck", 8, stream=tmp_path / "bad.jsonl"
+    )
+    (r0, once0), (r1, once1) = run_ranks(2, _stopped_with, run, timeout=300)
+    assert r0 == r1 and once0 and once1, (r0, r1)
+    assert "\n" not in r0 and f"{tmp_path / 'bad.jsonl'} row 42: not valid JSON" in r0, r0
