@@ -8,10 +8,12 @@ from collections.abc import Iterator
 
 from mesh3d.config.schema import Config
 
+MAX_KEEP_LAST = 1_000_000  # step folders: more than any disk holds
+
 
 def checkpoint_errors(cfg: Config) -> Iterator[str]:
-    """`keep_last_checkpoints` >= 1, `keep_checkpoint_every` >= 1 and only beside it,
-    `hf_export` a bool or >= 1; each of them and `async_checkpoint` need a `checkpoints`
+    """`keep_last_checkpoints` in [1, MAX_KEEP_LAST], `keep_checkpoint_every` >= 1 and only
+    beside it, `hf_export` a bool or >= 1; each of them and `async_checkpoint` need a `checkpoints`
     section."""
     m = cfg.mesh3d
     keep, every = m.keep_last_checkpoints, m.keep_checkpoint_every
@@ -19,6 +21,11 @@ def checkpoint_errors(cfg: Config) -> Iterator[str]:
         yield (
             f"`mesh3d.keep_last_checkpoints` must be >= 1 (the newest step folders kept), got "
             f"{keep}; leave it null to keep every checkpoint"
+        )
+    elif keep is not None and keep > MAX_KEEP_LAST:
+        yield (
+            f"`mesh3d.keep_last_checkpoints` ({keep}) must be at most {MAX_KEEP_LAST} (more step "
+            "folders than a disk holds); lower it, or leave it null to keep every checkpoint"
         )
     if every is not None and every < 1:
         yield f"`mesh3d.keep_checkpoint_every` must be >= 1 (steps between kept folders), got {every}"

@@ -15,6 +15,8 @@ from mesh3d.config.schema import (
 )
 from mesh3d.errors import not_divisible, not_supported_yet
 
+MAX_LOADING_WORKERS = 256  # data-loading worker processes per rank
+
 _DATASET_KINDS = {
     NanosetDatasetsArgs: "Nanoset",
     PretrainDatasetsArgs: "Hugging Face datasets",
@@ -42,8 +44,14 @@ def data_stage_errors(cfg: Config) -> Iterator[str]:
                 f"starting before 1 never trains), got {s.start_training_step}"
             )
         yield from _weight_errors(where, s.data.dataset)
-        if s.data.num_loading_workers < 0:
-            yield f"`{where}.data.num_loading_workers` must be >= 0, got {s.data.num_loading_workers}"
+        workers = s.data.num_loading_workers
+        if workers < 0:
+            yield f"`{where}.data.num_loading_workers` must be >= 0, got {workers}"
+        elif workers > MAX_LOADING_WORKERS:
+            yield (
+                f"`{where}.data.num_loading_workers` ({workers}) must be at most "
+                f"{MAX_LOADING_WORKERS} (worker processes per rank); lower it"
+            )
 
 
 def weight_problem(weights: list[float] | None, num_folders: int) -> str | None:

@@ -8,10 +8,12 @@ from collections.abc import Iterator
 from mesh3d.config.schema import Config
 
 KEY = "mesh3d.loss_spike"
+MAX_WINDOW = 100_000  # steps: the running median is taken over them at every step
 
 
 def loss_spike_errors(cfg: Config) -> Iterator[str]:
-    """`factor` > 1 and finite; `window` >= 1; `warmup` in [1, window]; `max_skipped` >= 0."""
+    """`factor` > 1 and finite; `window` in [1, MAX_WINDOW]; `warmup` in [1, window];
+    `max_skipped` >= 0."""
     spike = cfg.mesh3d.loss_spike
     if spike is None:
         return
@@ -22,6 +24,11 @@ def loss_spike_errors(cfg: Config) -> Iterator[str]:
         )
     if spike.window < 1:
         yield f"`{KEY}.window` must be >= 1 (healthy steps in the running median), got {spike.window}"
+    elif spike.window > MAX_WINDOW:
+        yield (
+            f"`{KEY}.window` ({spike.window}) must be at most {MAX_WINDOW} (the median of that "
+            "many steps is taken at every step); lower it"
+        )
     elif not 1 <= spike.warmup <= spike.window:
         yield (
             f"`{KEY}.warmup` ({spike.warmup}) must be in [1, window ({spike.window})]: the "

@@ -384,6 +384,10 @@ REFUSED = [
     ("loss-spike-warmup", [f"{M3}.loss_spike={{window: 5, warmup: 6}}"], f"`{M3}.loss_spike.warmup` (6) must be in [1, window (5)]: the healthy steps seen before a step can count as a spike"),
     ("loss-spike-max-skipped", [f"{M3}.loss_spike={{max_skipped: -1}}"], f"`{M3}.loss_spike.max_skipped` must be >= 0 (spiking steps in a row skipped before the run stops; 0 stops at the first), got -1"),
     ("keep-last-zero", [f"{M3}.keep_last_checkpoints=0"], f"`{M3}.keep_last_checkpoints` must be >= 1 (the newest step folders kept), got 0; leave it null to keep every checkpoint"),
+    # values no machine can honour (issue 42): refused with the bound
+    ("keep-last-10-20", [f"{M3}.keep_last_checkpoints=100000000000000000000"], f"`{M3}.keep_last_checkpoints` (100000000000000000000) must be at most 1000000 (more step folders than a disk holds); lower it, or leave it null to keep every checkpoint"),
+    ("loss-spike-window-10-14", [f"{M3}.loss_spike={{window: 100000000000000}}"], f"`{M3}.loss_spike.window` (100000000000000) must be at most 100000 (the median of that many steps is taken at every step); lower it"),
+    ("loading-workers-100000", ["data_stages[1].data.num_loading_workers=100000"], "`data_stages[name='Annealing Phase'].data.num_loading_workers` (100000) must be at most 256 (worker processes per rank); lower it"),
     ("keep-every-alone", [f"{M3}.keep_checkpoint_every=100"], f"`{M3}.keep_checkpoint_every` only acts with `{M3}.keep_last_checkpoints` (without it every checkpoint is kept): set keep_last_checkpoints or remove it"),
     ("keep-every-zero", [f"{M3}.keep_last_checkpoints=2", f"{M3}.keep_checkpoint_every=0"], f"`{M3}.keep_checkpoint_every` must be >= 1 (steps between kept folders), got 0"),
     ("hf-export-zero", [f"{M3}.hf_export=0"], f"`{M3}.hf_export` must be true, false or a number of steps >= 1 (export every saved step that is a multiple of it), got 0"),
@@ -443,7 +447,8 @@ def test_edges_of_the_new_checks_are_valid():
         "tokens.limit_val_batches=0", f"{CK}=1", f"{M3}.checkpoint_timeout_s=600",
         f"{M3}.skip_nonfinite_steps=0", f"{M3}.existing_checkpoints=resume",
         "parallelism.expert_parallel_size=1", "parallelism.context_parallel_size=1",
-        "parallelism.pp_engine=afab",
+        "parallelism.pp_engine=afab", f"{M3}.keep_last_checkpoints=1000000",
+        f"{M3}.loss_spike={{window: 100000}}", "data_stages[1].data.num_loading_workers=256",
     ]  # fmt: skip
     check(base(), edges, world_size=1)
     check(base(), ["checkpoints=null", f"{M3}.existing_checkpoints=overwrite"], world_size=1)
