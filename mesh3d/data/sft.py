@@ -51,12 +51,11 @@ each example's mean token loss (per-sample averaging), which weighs every exampl
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import torch
 
 from mesh3d.data.documents import IGNORE
+from mesh3d.data.sft_rows import check_text_column, text_of, undecodable
 from mesh3d.errors import UserError
 from mesh3d.log import logger
 
@@ -156,36 +155,12 @@ class SFTSequences:
         return seq[0], seq[1], seq[2]
 
 
-def _text(value, column: str, row: int, where: str) -> str:
-    """A row's prompt or completion: text ("" for null), or one line naming the row."""
-    if value is None or isinstance(value, str):
-        return value or ""
-    raise UserError(
-        f"{where}: row {row + 1}: {column!r} is {type(value).__name__} {value!r}, not text; "
-        "fix that row (prompt and completion are strings)"
-    )
-
-
-def _check_text_column(rows, column: str, where: str) -> None:
-    """One line naming the first row whose `column` is not text. A loader reads a column holding
-    any non-string as non-text: numbers only as numbers, a mix as `Json` (each value's JSON
-    text underneath, whose decoding would turn a string " 3" into 3)."""
-    feature = rows.features.get(column)
-    if getattr(feature, "dtype", None) in ("string", "large_string", "null"):
-        return
-    raw = rows.with_format("arrow")[column].to_pylist()
-    if type(feature).__name__ == "Json":
-        raw = [None if r is None else json.loads(r) for r in raw]
-    for i, value in enumerate(raw):
-        _text(value, column, i, where)
-
-
 def _prompt_completion(rows, tokenizer, tokenizer_path: str, seq_len: int, where: str):
     """(encoded examples, has-a-target test, padding id) of prompt/completion rows."""
     from mesh3d.data.tokenize import find_eos
 
     for column in (PROMPT, COMPLETION):
-        _check_text_column(rows, column, where)
+        check_text_column(rows, column, where)
     eos = find_eos(tokenizer)
     if eos is None:
         raise UserError(
@@ -194,29 +169,11 @@ def _prompt_completion(rows, tokenizer, tokenizer_path: str, seq_len: int, where
             "with one"
         )
     encoded = (
-        encode_example(tokenizer, _text(p, PROMPT, i, where), _text(c, COMPLETION, i, where),
+        encode_example(tokenizer, text_of(p, PROMPT, i, where), text_of(c, COMPLETION, i, where),
                        eos, seq_len)
         for i, (p, c) in enumerate(zip(rows[PROMPT], rows[COMPLETION], strict=True))
     )  # fmt: skip
     return encoded, lambda ids, prompt_len: prompt_len < len(ids), eos
-
-
-def _undecodable(rows, where: str, error: UnicodeDecodeError) -> UserError:
-    """The one line for rows holding bytes that are not UTF-8, naming the first such row."""
-    row = next((i for i in range(len(rows)) if not _decodes(rows, i)), None)
-    at = f"row {row + 1}" if row is not None else "a row"
-    return UserError(
-        f"{where}: {at} holds bytes that are not UTF-8 text ({error.reason} at byte "
-        f"{error.start}); fix or delete that row (save the file as UTF-8)"
-    )
-
-
-def _decodes(rows, i: int) -> bool:
-    try:
-        rows[i]
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def build_sequences(rows, tokenizer_path: str, seq_len: int, seed: int, packing: bool,
@@ -246,7 +203,7 @@ def build_sequences(rows, tokenizer_path: str, seq_len: int, seed: int, packing:
             else:
                 skipped += 1
     except UnicodeDecodeError as e:
-        raise _undecodable(rows, where, e) from None
+        raise undecodable(rows, where, e) from None
     if chat and not seen[0]:
         raise UserError(
             f"{where}: none of the {len(rows)} conversations has an assistant turn (a message "
