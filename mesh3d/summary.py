@@ -90,7 +90,7 @@ def _sample(cfg, step_dir: Path | None, new_tokens: int = 24) -> str | None:
     name = cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None
     if step_dir is None or not name or not Path(name).exists():
         return None
-    from mesh3d.data.tokenize import load_tokenizer
+    from mesh3d.data.tokenizer import load_tokenizer
     from mesh3d.generation.sampling import generate
     from mesh3d.generation.single import load_model
 

@@ -268,6 +268,11 @@ def step_folders(root: Path) -> list[int]:
     return sorted(s for s in steps if (root / str(s) / "checkpoint_metadata.json").is_file())
 
 
+def is_hf_folder(path: Path) -> bool:
+    """A Hugging Face model folder: `config.json` and safetensors, no Nanotron `model/`."""
+    return (path / "config.json").is_file() and not (path / "model").is_dir()
+
+
 def latest_step(root: Path) -> int | None:
     """The step `latest.txt` names, if it names a complete folder."""
     path = root / LATEST

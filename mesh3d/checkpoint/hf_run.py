@@ -11,6 +11,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from mesh3d.checkpoint.folder import is_hf_folder
 from mesh3d.checkpoint.hf import (
     _pad_rows,
     hf_config_of,
@@ -40,11 +41,6 @@ _FREE = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "initializer_
                    "max_position_embeddings", "use_cache", "pretraining_tp", "is_llama_config",
                    "is_qwen2_config", "is_starcoder2_config", "z_loss_enabled",
                    "z_loss_coefficient", "rope_interleaved", "vocab_size"})  # fmt: skip
-
-
-def is_hf_folder(path: Path) -> bool:
-    """A Hugging Face model folder: `config.json` and safetensors, no Nanotron `model/`."""
-    return (path / "config.json").is_file() and not (path / "model").is_dir()
 
 
 def config_differences(ours, theirs) -> list[str]:
@@ -117,7 +113,7 @@ def check_init_tokenizer(init_path: str, tokenizer_path: str) -> None:
     """Raise `UserError` when fine-tuning from `init_path` (a mesh3d/Nanotron step folder or
     an HF folder) with a tokenizer the checkpoint cannot embed: its EOS id, or any of its ids,
     at or past the checkpoint's vocabulary."""
-    from mesh3d.data.tokenize import EOS_CANDIDATES, find_eos, load_tokenizer
+    from mesh3d.data.tokenizer import EOS_CANDIDATES, find_eos, load_tokenizer
 
     vocab, file = checkpoint_vocab(Path(init_path))
     if vocab is None:

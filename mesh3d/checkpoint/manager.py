@@ -34,12 +34,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mesh3d.checkpoint.atomic import PendingSave
+from mesh3d import extensions
 from mesh3d.checkpoint.folder import write_latest
-from mesh3d.checkpoint.hf_run import export_hf
 from mesh3d.checkpoint.retention import prune
-from mesh3d.checkpoint.s3 import S5cmd
-from mesh3d.checkpoint.upload import Uploader
 from mesh3d.errors import CheckpointWriteError
 from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout
@@ -85,20 +82,20 @@ class Checkpointer:
     def __init__(self, cfg, mesh=None):
         self.cfg, self.mesh = cfg, mesh
         self.root = Path(cfg.checkpoints.checkpoints_path) if cfg.checkpoints else None
-        self.pending: PendingSave | None = None  # a background save still being written
-        self.uploads: Uploader | None = None  # `s3_upload`'s background uploads (rank 0)
+        self.pending = None  # a background save still being written (`async_save.PendingSave`)
+        self.uploads = None  # `s3_upload`'s background uploads (rank 0, `upload.Uploader`)
         self.report: UploadReport | None = None  # set by `close` when the run uploaded
 
     # ------------------------------------------------------------------------------ saving
 
-    def save(self, step: int, write: Callable[[bool], Path | PendingSave],
+    def save(self, step: int, write: Callable[[bool], object],
              background: bool = False) -> None:  # fmt: skip
         """Save step `step` through `write(background)` (every rank), which returns the
         committed step folder, or the `PendingSave` of a background one; a save still in
         flight is committed first, so at most one is."""
         self.finish()
         out = write(background)
-        if isinstance(out, PendingSave):
+        if not isinstance(out, Path):  # a background save's `PendingSave`
             self.pending = out
             logger.info(
                 f"Step {step}: {out.nbytes / 2**20:.1f} MiB copied, written in the background"
@@ -147,7 +144,7 @@ class Checkpointer:
     def _export(self, final: Path) -> None:
         setting = self.cfg.mesh3d.hf_export
         if setting if isinstance(setting, bool) else int(final.name) % setting == 0:
-            out = export_hf(final, self.root / "hf" / final.name)
+            out = extensions.load("hf_export").export_hf(final, self.root / "hf" / final.name)
             logger.info(f"Wrote the Hugging Face model {out}")
 
     def _upload(self, final: Path) -> None:
@@ -155,8 +152,9 @@ class Checkpointer:
         if s3 is None:
             return
         if self.uploads is None:
-            self.uploads = Uploader(self.root, s3.upload_s3_path, S5cmd.of(s3),
-                                    s3.remove_after_upload)  # fmt: skip
+            upload = extensions.load("s3_upload")
+            self.uploads = upload.Uploader(self.root, s3.upload_s3_path, upload.S5cmd.of(s3),
+                                           s3.remove_after_upload)  # fmt: skip
         self.uploads.submit(final)
 
     def _retain(self) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mesh3d import extensions
 from mesh3d.checkpoint.folder import latest_step
 from mesh3d.checkpoint.lock import STALE_S
 from mesh3d.checkpoint.run_folder import claim_folder, clear_steps
@@ -38,7 +39,6 @@ from mesh3d.errors import (
 from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout
 from mesh3d.train.signals import StopSignals
-from mesh3d.train.spike import SpikeGuard
 from mesh3d.train.watchdog import Watchdog, heartbeat_interval, is_collective_failure
 
 
@@ -68,7 +68,7 @@ class RunGuard:
         self.lock, self.resume_path, self.watchdog = None, None, None
         self.stale_steps: list[int] = []  # to delete before training (existing_checkpoints)
         spike = cfg.mesh3d.loss_spike
-        self.spikes = SpikeGuard(spike) if spike is not None else None
+        self.spikes = extensions.load("loss_spike").SpikeGuard(spike) if spike else None
         self.signals: StopSignals | None = None
         self.skipped = 0  # non-finite steps skipped so far (resumed runs continue the count)
         self.fail_at = _injected_failure(self.rank)

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mesh3d import extensions
 from mesh3d.checkpoint.manager import UploadReport
 from mesh3d.errors import Interrupted, Preempted, RunStopped, UserError
 from mesh3d.log import logger
 from mesh3d.mesh import groups_of
 from mesh3d.parallel.parallelize import compile_cache_text
 from mesh3d.train.evaluate import evaluate, is_evaluation_step
-from mesh3d.train.experts import step_metrics as moe_step_metrics
 from mesh3d.train.guard import RunGuard, share
 from mesh3d.train.metrics import (
     iteration_metrics,
@@ -214,7 +214,8 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
             if run.layout.shape.moe_layers:  # every rank: collectives inside
                 g = groups_of(run.mesh)
                 tp_group = g.tp if run.layout.sequence_parallel else None
-                m.update(moe_step_metrics(run.parts.modules, run.layout, g.replicas, g.pp,
+                moe = extensions.load("moe")
+                m.update(moe.step_metrics(run.parts.modules, run.layout, g.replicas, g.pp,
                                           run.device, tp_group))  # fmt: skip
             m.update(peak_memory())
             if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):

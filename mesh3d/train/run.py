@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mesh3d import extensions
 from mesh3d.checkpoint.manager import Checkpointer
 from mesh3d.checkpoint.training import (
     checkpoint_custom_metas,
@@ -45,7 +46,6 @@ from mesh3d.mesh import (
     set_collective_timeout,
 )
 from mesh3d.train.build import ModelParts, build_model_parts
-from mesh3d.train.experts import clear_stats
 from mesh3d.train.optim import build_optimizer
 from mesh3d.train.step import total_params, train_step
 
@@ -158,7 +158,9 @@ class Run:
         the update may be applied (the loss-spike guard); a non-finite step never is."""
         batches = self.batches(step)
         if self.layout.shape.moe_layers:
-            clear_stats(self.parts.modules, self.layout)  # what validation forwards left
+            extensions.load("moe").clear_stats(
+                self.parts.modules, self.layout
+            )  # what validation forwards left
         loss, grad_norm = train_step(
             self.parts, self.optimizer, self.scheduler, batches, layout=self.layout_at(step),
             clip_grad=self.cfg.optimizer.clip_grad, mesh=self.mesh, device=self.device,
@@ -214,6 +216,4 @@ def _check_sft_tokenizer(cfg) -> None:
     tok = cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None
     sft = any(isinstance(s.data.dataset, SFTDatasetsArgs) for s in cfg.data_stages or [])
     if sft and isinstance(init, ExistingCheckpointInit) and tok and Path(tok).exists():
-        from mesh3d.checkpoint.hf_run import check_init_tokenizer
-
-        check_init_tokenizer(init.path, tok)
+        extensions.load("hf_init").check_init_tokenizer(init.path, tok)

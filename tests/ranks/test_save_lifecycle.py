@@ -37,6 +37,7 @@ from parity import TINY, layout_overrides
 from s3_server import S5CMD, cat, free_port, slow_s5cmd
 
 import mesh3d.checkpoint.folder as folder
+import mesh3d.checkpoint.hf_run as hf_run
 import mesh3d.checkpoint.manager as manager
 import mesh3d.checkpoint.upload as upload
 import mesh3d.train.run as run_module
@@ -70,7 +71,7 @@ def _upload(url, s5cmd=None, remove=False):
 def _all_routes(rank, tmp, bucket):
     """Async + retention + S3 + export for 10 saves, each export and removal recorded."""
     url, events = f"s3://{bucket}/all", []
-    real_prune, real_export = manager.prune, manager.export_hf
+    real_prune, real_export = manager.prune, hf_run.export_hf
 
     def export(step_dir, output):
         events.append(("export", int(step_dir.name)))
@@ -82,13 +83,13 @@ def _all_routes(rank, tmp, bucket):
             events.append(("removed", s, cat(f"{url}/{s}/mesh3d_manifest.json") is not None))
         return gone
 
-    manager.prune, manager.export_hf = prune, export
+    manager.prune, hf_run.export_hf = prune, export
     try:
         cfg = _cfg(tmp / "all", 20, 2, ASYNC, "mesh3d.keep_last_checkpoints=1",
                    "mesh3d.hf_export=true", _upload(url))  # fmt: skip
         res = train(cfg)
     finally:
-        manager.prune, manager.export_hf = real_prune, real_export
+        manager.prune, hf_run.export_hf = real_prune, real_export
     return dict(events=events, report=asdict(res.uploads) if res.uploads else None)
 
 
