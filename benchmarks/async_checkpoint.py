@@ -6,7 +6,7 @@
 One process trains `recipes/configs/cpu_tiny.yaml` with a larger model (the `Run` that
 `mesh3d train` builds). Each round measures, side by side on the same run: the median of 5
 plain steps (a normal step), then one synchronous save followed by one step, then one
-asynchronous save followed by steps until the background write is committed (`poll_save` at
+asynchronous save followed by steps until the background write is committed (`checkpoints.poll()` at
 each step boundary, as the training loop does). The time lost to a save is the time from the
 save's start to the end of the step in which it is committed, minus that many normal steps.
 Also reported: the bytes the asynchronous save copies aside (its extra peak memory) against
@@ -67,12 +67,13 @@ def one_round(run: Run, step: int) -> tuple[dict, int]:
     t0 = time.perf_counter()
     run.save(step - 1, 0, latest=False, background=True)
     copy_s = time.perf_counter() - t0
-    copied, job = run.pending.nbytes, run.pending.job
+    pending = run.checkpoints.pending
+    copied, job = pending.nbytes, pending.job
     steps = 0
-    while run.pending is not None:
+    while run.checkpoints.pending is not None:
         run.step(step)
         step, steps = step + 1, steps + 1
-        run.poll_save()
+        run.checkpoints.poll()
     async_lost = time.perf_counter() - t0 - steps * normal
     r = dict(normal_step_s=normal, sync_save_s=save_s, sync_lost_s=sync_lost, async_copy_s=copy_s,
              async_steps_in_flight=steps, async_lost_s=async_lost, async_copied_bytes=copied,

@@ -6,6 +6,7 @@
     checkpoint   runs/default_20261203_091500/checkpoints/150
     metrics      runs/default_20261203_091500/metrics.jsonl
     plot         runs/default_20261203_091500/metrics.png
+    s3_upload    4 uploaded to s3://bucket/run           (with s3_upload)
     sample       'def __init__(self' -> ...
 
 World rank 0 prints it after every rank finished (the losses are the same on every rank). It
@@ -37,6 +38,8 @@ def finish(cfg, result, metrics_file: str | None) -> None:
     plot = _plot(metrics_file)
     step_dir = result.saved_dir
     lines = summary_lines(cfg, result.metrics, metrics_file, plot, step_dir, result.start_step)
+    if getattr(result, "uploads", None) is not None:
+        lines.append(f"s3_upload    {result.uploads.line()}")
     sample = _sample(cfg, step_dir)
     if sample:
         lines.append(f"sample       {sample}")
@@ -87,7 +90,7 @@ def _sample(cfg, step_dir: Path | None, new_tokens: int = 24) -> str | None:
     name = cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None
     if step_dir is None or not name or not Path(name).exists():
         return None
-    from mesh3d.data.tokenize import load_tokenizer
+    from mesh3d.data.tokenizer import load_tokenizer
     from mesh3d.generation.sampling import generate
     from mesh3d.generation.single import load_model
 

@@ -23,6 +23,8 @@ for _folder in ("launch", "ranks", "unit", "helpers"):  # helpers first on the p
     if str(_HERE / _folder) not in sys.path:
         sys.path.insert(0, str(_HERE / _folder))
 
+pytest_plugins = ["s3_server"]  # the `endpoint` and `s3` fixtures: a local S3 server
+
 
 @pytest.fixture(autouse=True)
 def _fresh_mesh3d_logger():

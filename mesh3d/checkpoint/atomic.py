@@ -11,8 +11,8 @@
 4. rank 0 writes its own files and the manifest, and commits (`folder.commit`).
 A step that fails leaves the checkpoints folder exactly as it was.
 
-`start_save` is the same protocol with step 2's writing moved to a background thread (the
-state copied aside first) and steps 3-4 run later by `PendingSave` on the training thread.
+`async_save.start_save` is the same protocol with step 2's writing moved to a background thread
+(the state copied aside first) and steps 3-4 run later on the training thread.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mesh3d.checkpoint.background import Background, SnapshotWriter
 from mesh3d.checkpoint.folder import (
     FolderWriter,
     check_free_space,
@@ -150,74 +149,3 @@ def save_atomically(
     reports = _agree(tmp, problem, own, writer.files)
     _commit(tmp, final, reports, write_rank0, latest)
     return final
-
-
-class PendingSave:
-    """A save whose files are being written in the background (`start_save`).
-
-    The training thread asks `poll()` at each step boundary (every rank, at the same point: it
-    exchanges one flag) and `finish()` before the next save, a stop or the end. Whichever sees
-    every rank's write done runs steps 3-4 of the protocol on the training thread, so the
-    manifest, the rename and `latest.txt` happen as for a synchronous save; a failed write
-    raises there, the previous checkpoint untouched.
-    """
-
-    def __init__(self, final: Path, tmp: Path, job: Background, writer: FolderWriter,
-                 write_rank0, latest: bool, nbytes: int):  # fmt: skip
-        self.final, self.tmp, self.job, self.writer = final, tmp, job, writer
-        self.write_rank0, self.latest, self.nbytes = write_rank0, latest, nbytes
-
-    def poll(self) -> bool:
-        """Commit if every rank's write is done (True); False while any is still writing."""
-        if not all(_everyone(self.job.done())):
-            return False
-        self.finish()
-        return True
-
-    def finish(self) -> Path:
-        """Wait for this rank's write, then agree and commit (every rank calls it)."""
-        error = self.job.wait()
-        problem, own = (None, None) if error is None else _attempt(_reraise(error), self.tmp)
-        reports = _agree(self.tmp, problem, own, self.writer.files)
-        _commit(self.tmp, self.final, reports, self.write_rank0, self.latest)
-        return self.final
-
-
-def _reraise(error: BaseException) -> Callable[[], None]:
-    def again() -> None:
-        raise error
-
-    return again
-
-
-def start_save(
-    final: Path,
-    write_rank: Callable[[FolderWriter], None],
-    write_rank0: Callable[[FolderWriter], None] | None = None,
-    *,
-    needed_bytes: int | None = None,
-    needed_files: int = 0,
-    step: int | None = None,
-    latest: bool = True,
-    live: set[int] | None = None,
-) -> PendingSave:
-    """`save_atomically`, with this rank's files written on a background thread: steps 1 and
-    the collectives of 2 run now (the state copied aside, `background.SnapshotWriter`), the
-    writing in the background, steps 3-4 when `PendingSave.poll`/`finish` find it done.
-    `live` (`background.live_storages`): the storages training changes, the only tensors
-    copied (None: every tensor). A failed copy is raised here on every rank; a non-finite
-    tensor or a failed write when the save is committed."""
-    tmp = _prepare(final, needed_bytes, needed_files, step)
-    snap, snap0 = SnapshotWriter(live), SnapshotWriter(live)
-
-    def record() -> None:
-        write_rank(snap)
-        if write_rank0 is not None and _rank_world()[0] == 0:
-            write_rank0(snap0)  # the metadata of this step, not of the step that commits
-
-    problem, own = _attempt(record, tmp)
-    _agree(tmp, problem, own, {})  # a copy failed on some rank: every rank raises
-    writer = FolderWriter(tmp)
-    job = Background(lambda: snap.replay(writer), name=f"save {final.name}")
-    return PendingSave(final, tmp, job, writer, snap0.replay if snap0.ops else None, latest,
-                       snap.nbytes + snap0.nbytes)  # fmt: skip

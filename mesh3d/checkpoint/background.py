@@ -47,14 +47,14 @@ def _storage(t: torch.Tensor) -> int:
 
 def snapshot(obj, live: set[int] | None = None):
     """`obj` with the tensors inside (dicts, lists, tuples) that training may change replaced
-    by a copy of their own (on CPU; pinned for CUDA tensors): those whose storage is in `live`,
+    by a copy of their own (on CPU; pinned for CUDA tensors, whose copy lands later: see
+    `_fence`): those whose storage is in `live`,
     or all of them when `live` is None. A tensor made for the save (a gathered full tensor, a
     fused matrix) is nobody else's and is kept as it is, not copied twice."""
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
-        if t.device.type == "cuda":  # pinned: the copy runs asynchronously, the host can read it
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return out.copy_(t, non_blocking=True)
+        if _on_device(t):
+            return _device_copy(t)
         if live is not None and _storage(t) not in live:
             return t
         return t.clone(memory_format=torch.contiguous_format)
@@ -65,6 +65,26 @@ def snapshot(obj, live: set[int] | None = None):
     if isinstance(obj, tuple):
         return tuple(snapshot(v, live) for v in obj)
     return obj
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether `t` is copied to the host asynchronously (a CUDA tensor)."""
+    return t.device.type == "cuda"
+
+
+def _device_copy(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of `t`, queued on this thread's current CUDA stream (not yet landed)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+def _fence():
+    """An event recorded on this thread's current stream, after the copies it queued: the
+    writer thread waits on it. Recorded here, on the training thread, because the current
+    device (and so the current stream) is per thread: the writer thread's would be cuda:0's."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 class SnapshotWriter:
@@ -87,9 +107,13 @@ class SnapshotWriter:
         self.ops: list[tuple[str, tuple]] = []
         self.nbytes = 0
         self.files: dict[str, tuple[int, int]] = {}  # filled by the real writer, not here
+        self.fences: list = []  # what `replay` waits on before reading a device copy
 
     def _record(self, method: str, *args) -> None:
+        queued = any(_on_device(t) for t in _tensors(args))
         args = snapshot(args, self.live)
+        if queued:
+            self.fences.append(_fence())
         self.nbytes += _tensor_bytes(args)
         self.ops.append((method, args))
 
@@ -109,9 +133,10 @@ class SnapshotWriter:
         self._record("sync_dirs")
 
     def replay(self, writer: FolderWriter) -> None:
-        """Do the recorded writes into `writer` (in their order), then fsync its folders."""
-        if any(t.is_pinned() for t in _tensors(self.ops)):
-            torch.cuda.current_stream().synchronize()  # the pinned copies have landed
+        """Do the recorded writes into `writer` (in their order), then fsync its folders; the
+        device-to-host copies are waited for first (their fences)."""
+        for fence in self.fences:
+            fence.synchronize()
         for method, args in self.ops:
             for t in _tensors(args):
                 bad = non_finite(t)

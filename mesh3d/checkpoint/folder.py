@@ -268,6 +268,31 @@ def step_folders(root: Path) -> list[int]:
     return sorted(s for s in steps if (root / str(s) / "checkpoint_metadata.json").is_file())
 
 
+def is_hf_folder(path: Path) -> bool:
+    """A Hugging Face model folder: `config.json` and safetensors, no Nanotron `model/`."""
+    return (path / "config.json").is_file() and not (path / "model").is_dir()
+
+
+def not_a_checkpoint(path: Path) -> UserError | None:
+    """The one line for an `init_method.path` that is neither a Hugging Face model folder nor a
+    Nanotron/mesh3d step folder (with `model/`), saying what it has; None when it is one."""
+    if (path / "model").is_dir() or is_hf_folder(path):
+        return None
+    if not path.exists():
+        has = "does not exist"
+    elif not path.is_dir():
+        has = "is a file, not a folder"
+    elif any(path.glob("*.safetensors")):
+        has = "has *.safetensors but no config.json"
+    else:
+        has = "has neither config.json (a Hugging Face model) nor model/ (a checkpoint)"
+    return UserError(
+        f"`model.init_method.path` {path} {has}: give a Hugging Face model folder (config.json "
+        "and *.safetensors, as `huggingface-cli download` writes it) or a Nanotron/mesh3d step "
+        "folder (with model/)"
+    )
+
+
 def latest_step(root: Path) -> int | None:
     """The step `latest.txt` names, if it names a complete folder."""
     path = root / LATEST

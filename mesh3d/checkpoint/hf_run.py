@@ -11,6 +11,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from mesh3d.checkpoint.folder import is_hf_folder
 from mesh3d.checkpoint.hf import (
     _pad_rows,
     hf_config_of,
@@ -40,31 +41,6 @@ _FREE = frozenset({"bos_token_id", "eos_token_id", "pad_token_id", "initializer_
                    "max_position_embeddings", "use_cache", "pretraining_tp", "is_llama_config",
                    "is_qwen2_config", "is_starcoder2_config", "z_loss_enabled",
                    "z_loss_coefficient", "rope_interleaved", "vocab_size"})  # fmt: skip
-
-
-def is_hf_folder(path: Path) -> bool:
-    """A Hugging Face model folder: `config.json` and safetensors, no Nanotron `model/`."""
-    return (path / "config.json").is_file() and not (path / "model").is_dir()
-
-
-def not_a_checkpoint(path: Path) -> UserError | None:
-    """The one line for an `init_method.path` that is neither a Hugging Face model folder nor a
-    Nanotron/mesh3d step folder (with `model/`), saying what it has; None when it is one."""
-    if (path / "model").is_dir() or is_hf_folder(path):
-        return None
-    if not path.exists():
-        has = "does not exist"
-    elif not path.is_dir():
-        has = "is a file, not a folder"
-    elif any(path.glob("*.safetensors")):
-        has = "has *.safetensors but no config.json"
-    else:
-        has = "has neither config.json (a Hugging Face model) nor model/ (a checkpoint)"
-    return UserError(
-        f"`model.init_method.path` {path} {has}: give a Hugging Face model folder (config.json "
-        "and *.safetensors, as `huggingface-cli download` writes it) or a Nanotron/mesh3d step "
-        "folder (with model/)"
-    )
 
 
 def config_differences(ours, theirs) -> list[str]:
@@ -137,7 +113,7 @@ def check_init_tokenizer(init_path: str, tokenizer_path: str) -> None:
     """Raise `UserError` when fine-tuning from `init_path` (a mesh3d/Nanotron step folder or
     an HF folder) with a tokenizer the checkpoint cannot embed: its EOS id, or any of its ids,
     at or past the checkpoint's vocabulary."""
-    from mesh3d.data.tokenize import EOS_CANDIDATES, find_eos, load_tokenizer
+    from mesh3d.data.tokenizer import EOS_CANDIDATES, find_eos, load_tokenizer
 
     vocab, file = checkpoint_vocab(Path(init_path))
     if vocab is None:

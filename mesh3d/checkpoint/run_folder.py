@@ -33,9 +33,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mesh3d import extensions
 from mesh3d.checkpoint.folder import LATEST, latest_step, recover, step_folders
 from mesh3d.checkpoint.lock import FolderLock
-from mesh3d.checkpoint.s3 import S5cmd, fetch_step
 from mesh3d.checkpoint.training import resolve_step_dir
 from mesh3d.errors import UserError
 from mesh3d.log import logger
@@ -85,7 +85,8 @@ def claim_folder(cfg, run_id: str) -> Claim:
         steps = step_folders(root)
         resume = ck.resume_checkpoint_path
         if resume is not None and str(resume).startswith("s3://"):
-            resume = str(fetch_step(S5cmd.of(cfg.s3_upload), str(resume), root))
+            s3 = extensions.load("s3")
+            resume = str(s3.fetch_step(s3.S5cmd.of(cfg.s3_upload), str(resume), root))
         if resume is None:
             if not steps:
                 if mode == "resume":

@@ -153,11 +153,16 @@ def upload_step(s5: S5cmd, step_dir: Path, s3_root: str, latest: bool) -> str:
         s5.run(["cp", str(step_dir / MANIFEST), f"{prefix}/{MANIFEST}"], what, prefix)
     check_uploaded(s5, step_dir, prefix)
     if latest:
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / LATEST).write_text(step_dir.name)
-            s5.run(["cp", str(Path(tmp) / LATEST), f"{s3_root.rstrip('/')}/{LATEST}"], what,
-                   f"{s3_root.rstrip('/')}/{LATEST}")  # fmt: skip
+        write_bucket_latest(s5, s3_root, int(step_dir.name))
     return prefix
+
+
+def write_bucket_latest(s5: S5cmd, s3_root: str, step: int) -> None:
+    """Point `<s3_root>/latest.txt` at `step` (uploaded and verified before)."""
+    target = f"{s3_root.rstrip('/')}/{LATEST}"
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / LATEST).write_text(str(step))
+        s5.run(["cp", str(Path(tmp) / LATEST), target], "cannot write", target)
 
 
 def _cat(s5: S5cmd, path: str) -> str | None:

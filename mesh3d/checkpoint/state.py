@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from mesh3d import extensions
 from mesh3d import nanotron_names as names
 from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
@@ -44,7 +45,6 @@ from mesh3d.checkpoint.nanotron_weights import (
 )
 from mesh3d.errors import NonFiniteError, UserError
 from mesh3d.log import Progress
-from mesh3d.parallel.experts import gather_expert_shard, slice_expert_shard
 from mesh3d.parallel.parallelize import canonical_name
 
 
@@ -77,7 +77,7 @@ def _full(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     t = t.detach()
     t = t.full_tensor() if isinstance(t, DTensor) else t
     if shard is not None:
-        t = gather_expert_shard(t, shard)
+        t = extensions.load("expert_parallel").gather_expert_shard(t, shard)
     return t.cpu()
 
 
@@ -221,7 +221,7 @@ def _place(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     expert-parallel slice takes its rows)."""
     shard = getattr(like, "expert_shard", None)
     if shard is not None:
-        full = slice_expert_shard(full, shard)
+        full = extensions.load("expert_parallel").slice_expert_shard(full, shard)
     full = full.to(device=like.device, dtype=like.dtype)
     if isinstance(like, DTensor):
         return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)

@@ -39,9 +39,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from mesh3d import extensions
 from mesh3d.checkpoint import nanotron_state
-from mesh3d.checkpoint.atomic import PendingSave, save_atomically, start_save
-from mesh3d.checkpoint.background import live_storages
+from mesh3d.checkpoint.atomic import save_atomically
 from mesh3d.checkpoint.folder import MANIFEST, FolderWriter, damaged_error, fsync_dir, verify
 from mesh3d.checkpoint.nanotron_weights import (
     is_embedding,
@@ -153,7 +153,7 @@ def save_checkpoint(
     latest: bool = True,
     background: bool = False,
     data_state: dict | None = None,
-) -> Path | PendingSave:
+) -> Path | object:
     """Write `<root>/<step>/` (all ranks call this); returns the step folder.
 
     `layout` is the run's (`mesh3d.layout.RunLayout`): this rank's coordinates and the shape.
@@ -162,7 +162,8 @@ def save_checkpoint(
     space is checked first against what the checkpoint takes (`size.checkpoint_size`).
     Raises `CheckpointWriteError` or `NonFiniteError` on every rank when the save fails; the
     checkpoints folder is then as it was. `background` (`mesh3d.async_checkpoint`): the state
-    is copied aside and written on a thread; returns the `PendingSave` to poll and finish.
+    is copied aside and written on a thread; returns the `async_save.PendingSave` to poll and
+    finish.
     `data_state`: this rank's streamed-data position (`data/loader.py`), written by one rank
     per dp rank into `data/` (inside the manifest, so the folder is complete or absent).
     """
@@ -170,9 +171,11 @@ def save_checkpoint(
     final = root / str(step)
     data_bytes, files = checkpoint_size(cfg, layout)
     logger.info(f"Saving checkpoint at {final}" + (" (in the background)" if background else ""))
-    save = start_save if background else save_atomically
-    if background:
-        save = functools.partial(start_save, live=live_storages(parts.modules, optimizer))
+    save = save_atomically
+    if background:  # `mesh3d.async_checkpoint`: loaded only when it is on
+        async_save = extensions.load("async_checkpoint")
+        live = async_save.live_storages(parts.modules, optimizer)
+        save = functools.partial(async_save.start_save, live=live)
     with collective_timeout(mesh, cfg.mesh3d.checkpoint_timeout_s, cfg.mesh3d.collective_timeout_s):
         out = save(
             final,

@@ -3,13 +3,16 @@
     up = Uploader(Path("ckpt"), "s3://bucket/run", S5cmd.of(cfg.s3_upload), remove=True)
     up.submit(Path("ckpt/200"))    # right after step 200 committed; returns at once
     ...
-    up.close()                     # at the end of the run: waits for what is queued
+    up.point_latest(200)           # latest.txt named it later (the loss-spike guard's settle)
+    up.close(timeout=60)           # at the end of the run: waits for what is queued
 
 One thread uploads one folder at a time (`s3.upload_step`: files, manifest, verified listing,
-then latest.txt). An upload that fails is tried `ATTEMPTS` times, then reported on one line
+then latest.txt when the local latest.txt names it), in the order submitted; `point_latest`
+queues the bucket's latest.txt behind the step's own upload, written only once that step is
+verified there. An upload that fails is tried `ATTEMPTS` times, then reported on one line
 (the folder, the S3 path, the cause) and tried again after the next save; its local folder is
 never removed. With `remove_after_upload`, a verified folder is deleted locally, except the
-one `latest.txt` names: a restart always finds the newest checkpoint on disk (the older ones
+one `latest.txt` names and any newer one (waiting for the loss-spike guard to name it): a restart always finds the newest checkpoint on disk (the older ones
 are in the bucket; `checkpoints.resume_checkpoint_path: s3://...` downloads one). Retention
 (`retention.prune`) takes `lock` and spares `unsent()`: the folders queued, being uploaded,
 or whose upload failed.
@@ -24,7 +27,7 @@ import time
 from pathlib import Path
 
 from mesh3d.checkpoint.folder import latest_step
-from mesh3d.checkpoint.s3 import S5cmd, upload_step
+from mesh3d.checkpoint.s3 import S5cmd, upload_step, write_bucket_latest
 from mesh3d.log import logger
 
 ATTEMPTS = 3
@@ -41,6 +44,7 @@ class Uploader:
         self._waiting: set[int] = set()  # queued or being uploaded
         self._failed: dict[int, str] = {}  # step -> the last error, kept locally
         self._uploaded: set[int] = set()  # verified in the bucket, still on disk
+        self._verified: list[int] = []  # every step verified in the bucket by this uploader
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="mesh3d-s3-upload", daemon=True)
         self._thread.start()
@@ -63,30 +67,57 @@ class Uploader:
             steps = [s for s in [*again, int(step_dir.name)] if s not in self._waiting]
             self._waiting.update(steps)
         for s in steps:
-            self._queue.put(s)
+            self._queue.put(("upload", s))
 
-    def close(self) -> dict[int, str]:
-        """Wait for every queued upload; the failures (step -> cause)."""
+    def point_latest(self, step: int) -> None:
+        """Point the bucket's latest.txt at `step` once its upload (queued before) is verified."""
+        self._queue.put(("latest", step))
+
+    def verified(self) -> list[int]:
+        """The steps this uploader verified in the bucket, in order."""
+        with self._mu:
+            return sorted(self._verified)
+
+    def close(self, timeout: float | None = None) -> tuple[dict[int, str], list[int]]:
+        """Wait for the queued uploads, `timeout` seconds at most (None: as long as they take):
+        (the failures, step -> cause; the steps still queued or uploading)."""
         if self._thread.is_alive():
             with self._mu:
                 pending = len(self._waiting)
             if pending:
-                logger.info(f"Waiting for {pending} checkpoint upload(s) to {self.s3_root}")
+                limit = f" (at most {timeout:.0f} s)" if timeout is not None else ""
+                logger.info(f"Waiting for {pending} checkpoint upload(s) to {self.s3_root}{limit}")
             self._queue.put(None)
-            self._thread.join()
-        return self.failures()
+            self._thread.join(timeout)
+        with self._mu:
+            return dict(self._failed), sorted(self._waiting)
 
     def _work(self) -> None:
-        while (step := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            kind, step = item
+            if kind == "latest":
+                self._point_latest(step)
+                continue
             error = self._upload(step)
             with self._mu:
                 self._waiting.discard(step)
                 if error is None:
                     self._uploaded.add(step)
+                    self._verified.append(step)
                 else:
                     self._failed[step] = error
             if error is None and self.remove:
                 self._remove_uploaded()
+
+    def _point_latest(self, step: int) -> None:
+        with self._mu:
+            verified = step in self._verified
+        if not verified:
+            return  # its upload failed: the bucket keeps naming an older, complete step
+        try:
+            write_bucket_latest(self.s5, self.s3_root, step)
+        except Exception as e:  # noqa: BLE001 - reported, never raised
+            logger.error(f"s3_upload: cannot point {self.s3_root}/latest.txt at step {step}: {e}")
 
     def _upload(self, step: int) -> str | None:
         """Upload step `step`, retrying; None, or the error line (logged)."""
@@ -114,7 +145,7 @@ class Uploader:
         with self.lock:
             latest = latest_step(self.root)
             with self._mu:
-                doomed = sorted(s for s in self._uploaded if s != latest)
+                doomed = sorted(s for s in self._uploaded if latest is not None and s < latest)
                 self._uploaded -= set(doomed)
             for s in doomed:
                 folder = self.root / str(s)

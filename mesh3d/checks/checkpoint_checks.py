@@ -63,6 +63,10 @@ def s3_errors(cfg: Config) -> Iterator[str]:
             value = getattr(s3, key)
             if value is not None and value < 1:
                 yield f"`s3_upload.{key}` must be >= 1 (or null for s5cmd's default), got {value}"
+    wait = cfg.mesh3d.upload_wait_on_stop_s
+    if not 0 <= wait <= 86400:
+        yield (f"`mesh3d.upload_wait_on_stop_s` must be between 0 and 86400 seconds (how long "
+               f"rank 0 waits for uploads after a stop signal), got {wait}")  # fmt: skip
     if s3 is None and not from_s3:
         return
     binary = (s3.s5cmd_path if s3 is not None else None) or "s5cmd"

@@ -414,6 +414,9 @@ class Mesh3dArgs:
     hf_export: bool | int = (
         False  # also write <checkpoints_path>/hf/<step>/ (true: every save; N: every N steps)
     )
+    # s3_upload at a stop signal or an error: world rank 0 waits this long for the uploads
+    # (after the last step: checkpoint_timeout_s); keep it under the launcher's grace time
+    upload_wait_on_stop_s: float = 20.0
     # model families Nanotron lacks, on top of its Qwen2 model_config
     model_family: str | None = None  # null: from model_config; qwen3
     head_dim: int | None = None  # qwen3: the head size (null: hidden_size / num_attention_heads)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mesh3d import extensions
 from mesh3d.config import global_batch_size, stage_sequence_length
 from mesh3d.config.schema import NanosetDatasetsArgs, PretrainDatasetsArgs, SFTDatasetsArgs
 from mesh3d.data.dummy import DummyTokens, microbatches
@@ -63,8 +64,8 @@ def build_dataset(cfg, index: int):
     hf = isinstance(data.dataset, (PretrainDatasetsArgs, SFTDatasetsArgs))
     tokenizer = _tokenizer_path(cfg, required=hf)
     if isinstance(data.dataset, NanosetDatasetsArgs):
-        from mesh3d.data.hf import check_tokenizer_vocab
         from mesh3d.data.nanoset import Nanoset, check_enough
+        from mesh3d.data.tokenizer import check_tokenizer_vocab
 
         if tokenizer:
             check_tokenizer_vocab(tokenizer, mc.vocab_size)
@@ -75,8 +76,9 @@ def build_dataset(cfg, index: int):
         check_enough(ds.epoch_len, gbs, f"{where} dataset_folder {d.dataset_folder}")
         return ds
     if isinstance(data.dataset, PretrainDatasetsArgs) and cfg.mesh3d.hf_streaming:
-        from mesh3d.data.hf import check_tokenizer_vocab
-        from mesh3d.data.streaming import StreamedText
+        from mesh3d.data.tokenizer import check_tokenizer_vocab
+
+        StreamedText = extensions.load("streaming").StreamedText  # noqa: N806
 
         if not tokenizer:
             raise UserError(
@@ -86,15 +88,17 @@ def build_dataset(cfg, index: int):
         check_tokenizer_vocab(tokenizer, mc.vocab_size)
         return StreamedText(data.dataset, tokenizer, seq, seed, gbs, where)
     if isinstance(data.dataset, PretrainDatasetsArgs):
-        from mesh3d.data.hf import load_pretrain_dataset
         from mesh3d.data.nanoset import check_enough
+
+        load_pretrain_dataset = extensions.load("hf_datasets").load_pretrain_dataset
 
         ds = load_pretrain_dataset(data.dataset, tokenizer, seq, seed, num_samples, mc.vocab_size)
         check_enough(ds.epoch_len, gbs, f"{where} hf_dataset_or_datasets")
         return ds
     if isinstance(data.dataset, SFTDatasetsArgs):
         from mesh3d.data.nanoset import check_enough
-        from mesh3d.data.sft import load_sft_dataset
+
+        load_sft_dataset = extensions.load("sft").load_sft_dataset
 
         validating = index == 0 and tok.val_check_interval > 0 and tok.limit_val_batches > 0
         ds = load_sft_dataset(data.dataset, tokenizer, seq, seed, num_samples,

@@ -34,7 +34,7 @@ def chat_template(tokenizer_path: str, where: str) -> str:
     """The chat template of the tokenizer at `tokenizer_path` (see the module docstring)."""
     import json
 
-    from mesh3d.data.tokenize import load_tokenizer
+    from mesh3d.data.tokenizer import load_tokenizer
 
     p = Path(tokenizer_path)
     folder = p if p.is_dir() else p.parent

@@ -24,6 +24,7 @@ import sysconfig
 import time
 from pathlib import Path
 
+from mesh3d import extensions
 from mesh3d.data.synthetic import train_bpe
 from mesh3d.log import logger
 
@@ -94,9 +95,8 @@ def _prepare(folder: Path, root: Path, megabytes: float, vocab_size: int) -> Pat
         for text in texts:
             f.write(json.dumps({"text": text}) + "\n")
     tokenizer = train_bpe(texts, tmp / "tokenizer", vocab_size)
-    from mesh3d.data.tokenize import tokenize_to_folder
-
-    _, docs, tokens = tokenize_to_folder(
+    tokenize = extensions.load("tokenize")  # the first run only: the prepared data is kept
+    _, docs, tokens = tokenize.tokenize_to_folder(
         str(tokenizer), [str(tmp / "text.jsonl")], str(tmp / "tokenized")
     )
     (tmp / "text.jsonl").unlink()

@@ -31,7 +31,7 @@ import numpy as np
 
 from mesh3d.config.schema import PretrainDatasetsArgs
 from mesh3d.data.nanoset import BlendedSamples
-from mesh3d.data.tokenize import find_eos, load_tokenizer
+from mesh3d.data.tokenizer import check_tokenizer_vocab, find_eos, load_tokenizer  # noqa: F401
 from mesh3d.errors import UserError
 
 _FILE_BUILDERS = {
@@ -57,17 +57,6 @@ class TokenWindows:
     def window(self, index: int) -> np.ndarray:
         w = self.seq_len + 1
         return self.tokens[index * w : (index + 1) * w]
-
-
-def check_tokenizer_vocab(tokenizer_path: str, model_vocab_size: int) -> None:
-    """Raise `UserError` if the tokenizer has more ids than the model's embedding rows."""
-    n = load_tokenizer(tokenizer_path).get_vocab_size(with_added_tokens=True)
-    if n > model_vocab_size:
-        raise UserError(
-            f"tokenizer {tokenizer_path!r} has {n} ids (with added tokens) but "
-            f"model.model_config.vocab_size is {model_vocab_size}; set "
-            f"model.model_config.vocab_size to at least {n}, or use the model's tokenizer"
-        )
 
 
 def _datasets():

@@ -37,7 +37,6 @@ from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mesh3d.data.dummy import microbatches
-from mesh3d.data.streaming import StreamedText
 from mesh3d.data.worker_failure import Failed, by_value
 from mesh3d.errors import DataWorkerError, UserError
 
@@ -318,7 +317,7 @@ class Feed:
 
 
 def _streamed(dataset) -> bool:
-    return isinstance(dataset, StreamedText)
+    return getattr(dataset, "streamed", False)  # `streaming.StreamedText`
 
 
 def _everywhere(error: UserError) -> UserError:

@@ -157,7 +157,7 @@ class SFTSequences:
 
 def _prompt_completion(rows, tokenizer, tokenizer_path: str, seq_len: int, where: str):
     """(encoded examples, has-a-target test, padding id) of prompt/completion rows."""
-    from mesh3d.data.tokenize import find_eos
+    from mesh3d.data.tokenizer import find_eos
 
     for column in (PROMPT, COMPLETION):
         check_text_column(rows, column, where)
@@ -179,7 +179,7 @@ def _prompt_completion(rows, tokenizer, tokenizer_path: str, seq_len: int, where
 def build_sequences(rows, tokenizer_path: str, seq_len: int, seed: int, packing: bool,
                     debug_max_samples: int | None, where: str, turns: str = "all"):  # fmt: skip
     """(sequences [N, 3, S], real tokens, examples kept, examples skipped) of SFT `rows`."""
-    from mesh3d.data.tokenize import load_tokenizer
+    from mesh3d.data.tokenizer import load_tokenizer
 
     check_columns(rows.column_names, where)
     if debug_max_samples is not None:

@@ -153,8 +153,10 @@ class StreamedText:
     """A streamed `hf_dataset_or_datasets` stage, checked up front; `for_rank` binds it to a dp
     rank's loader (see the module doc)."""
 
+    streamed = True  # what the loader asks of a stage's dataset (`loader._streamed`)
+
     def __init__(self, args, tokenizer_path: str, seq_len: int, seed: int, gbs: int, where: str):
-        from mesh3d.data.tokenize import find_eos, load_tokenizer
+        from mesh3d.data.tokenizer import find_eos, load_tokenizer
 
         spec = args.hf_dataset_or_datasets
         paths = [spec] if isinstance(spec, str) else list(spec)
@@ -179,7 +181,7 @@ class StreamedText:
     def encode(self, texts: list[str]) -> np.ndarray:
         """Documents tokenized and concatenated, EOS after each."""
         if self._tokenizer is None:
-            from mesh3d.data.tokenize import load_tokenizer
+            from mesh3d.data.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.tokenizer_path)
         tail = [] if self.eos is None else [self.eos]

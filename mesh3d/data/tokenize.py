@@ -39,46 +39,14 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from mesh3d.data.datatrove import TokenFileWriter
+from mesh3d.data.tokenizer import EOS_CANDIDATES, find_eos, load_tokenizer  # noqa: F401 (re-exported)
 from mesh3d.errors import UserError, exit_on_user_error
 
 if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+    pass
 
-EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 BATCH_DOCS = 1000  # documents per encode_batch call
 _TEXT_SUFFIXES = (".jsonl", ".json", ".txt")
-
-
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """A `tokenizers.Tokenizer` from a local `tokenizer.json` or a folder that holds one."""
-    from tokenizers import Tokenizer
-
-    p = Path(path)
-    if not p.exists():
-        raise UserError(
-            f"tokenizer {str(path)!r} is not a local file or folder; mesh3d runs offline: download "
-            "it first (e.g. `huggingface-cli download <repo id> tokenizer.json --local-dir <dir>`) "
-            "and give the local folder or tokenizer.json"
-        )
-    file = p / "tokenizer.json" if p.is_dir() else p
-    if not file.is_file():
-        raise UserError(
-            f"tokenizer folder {str(path)!r} has no tokenizer.json (the `tokenizers` file format); "
-            "save one there (e.g. `AutoTokenizer.from_pretrained(...).save_pretrained(dir)`)"
-        )
-    try:
-        return Tokenizer.from_file(str(file))
-    except Exception as e:  # the Rust library raises plain Exceptions
-        raise UserError(f"cannot load tokenizer {str(file)!r}: {e}") from None
-
-
-def find_eos(tokenizer) -> int | None:
-    """Id of the first of `EOS_CANDIDATES` in the tokenizer's vocabulary, or None."""
-    for token in EOS_CANDIDATES:
-        eos = tokenizer.token_to_id(token)
-        if eos is not None:
-            return eos
-    return None
 
 
 def resolve_eos(tokenizer, eos_token: str | None) -> int:

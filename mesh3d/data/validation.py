@@ -41,7 +41,6 @@ import torch
 from mesh3d.config import global_batch_size
 from mesh3d.data.dummy import DummyTokens, microbatches
 from mesh3d.data.nanoset import BlendedSamples
-from mesh3d.data.sft import SFTSequences
 from mesh3d.errors import UserError
 
 DUMMY_OFFSET = 2**31  # first dummy index of the validation set: half the key space away
@@ -88,7 +87,7 @@ def held_out(cfg, datasets: list, reads: list[int]) -> HeldOut | None:
         _check_dummy_keys(first, count, datasets, reads, names)
         ids = list(range(DUMMY_OFFSET, DUMMY_OFFSET + count))
         return HeldOut(ids, first.__getitem__, gbs, tok.limit_val_batches)
-    if isinstance(first, SFTSequences):  # held out of training when it was built
+    if hasattr(first, "held_sample"):  # SFT data (`sft.SFTSequences`) held them out when built
         if len(first.held) != count:
             raise TypeError(f"the SFT dataset holds out {len(first.held)} sequences, not {count}")
         return HeldOut(list(range(count)), first.held_sample, gbs, tok.limit_val_batches)

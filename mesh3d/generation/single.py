@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mesh3d.checkpoint.hf import read_model_config_json, shape_of
+from mesh3d.checkpoint.model_config import read_model_config_json, shape_of
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.checkpoint.tokenizer_files import config_tokenizer, saved_config, step_tokenizer
 from mesh3d.errors import UserError

@@ -140,12 +140,10 @@ def compile_classes(tensor_parallel: bool) -> tuple[type, ...]:
 
 
 def blocks() -> Blocks:
-    """Attention modules (context parallelism), and the MoE blocks a Llama-like family with a
-    `moe_config` has (the Qwen families' specs reuse this)."""
+    """Attention modules (context parallelism); Llama has no MoE blocks."""
     from mesh3d.models.llama import Attention
-    from mesh3d.models.moe import MoE
 
-    return Blocks(attention=(Attention,), moe=(MoE,))
+    return Blocks(attention=(Attention,), moe=())
 
 
 def nanotron_layer(s: ModelShape, i: int = 0) -> LayerTable:

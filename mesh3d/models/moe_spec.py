@@ -14,7 +14,7 @@ from __future__ import annotations
 from mesh3d.config.schema import MoEConfig
 from mesh3d.errors import UserError
 from mesh3d.models import llama_spec
-from mesh3d.models.spec import LayerTable
+from mesh3d.models.spec import Blocks, LayerTable
 
 # An MoE layer's MLP in Nanotron (`nn/moe.py`): the router and the stacked experts are plain
 # parameters (the same on every tp rank); the shared expert is a tensor-parallel Qwen2 MLP.
@@ -143,3 +143,12 @@ def moe_weights_from_hf(weights: dict, mc) -> dict:
         )
         out[f"{prefix}.down_proj"] = torch.stack([got[e, "down_proj"].T for e in range(n)])
     return out
+
+
+def blocks_with_moe() -> Blocks:
+    """Llama's attention, and the MoE blocks of a Llama-like family with a `moe_config` (the
+    Qwen families)."""
+    from mesh3d.models.llama import Attention
+    from mesh3d.models.moe import MoE
+
+    return Blocks(attention=(Attention,), moe=(MoE,))

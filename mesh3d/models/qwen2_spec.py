@@ -348,6 +348,7 @@ QWEN2_MOE = HFSpec(
 QWEN2 = dataclasses.replace(  # Llama's init, FLOPs and pipeline costs; its own weights, TP plan
     llama_spec.LLAMA,
     family="qwen2",
+    blocks=moe_spec.blocks_with_moe,
     config_class=Qwen2Config,
     shape=shape,
     build=build,

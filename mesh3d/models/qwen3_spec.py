@@ -138,6 +138,7 @@ QWEN3_MOE_HF = HFSpec(
 QWEN3 = dataclasses.replace(  # Llama's init and pipeline costs; q/k norms in TP and weights
     llama_spec.LLAMA,
     family="qwen3",
+    blocks=moe_spec.blocks_with_moe,
     config_class=Qwen3Config,
     shape=shape,
     build=build,

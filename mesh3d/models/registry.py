@@ -1,9 +1,10 @@
 """The model families mesh3d trains, one line each, and the look-ups every other part uses.
 
 Adding a family: its model (`models/<family>.py`), its spec (`models/<family>_spec.py`, a
-`ModelSpec`) and one line in `SPECS` below (docs/adding-a-family.md). Nothing else names a
+`ModelSpec`) and one line in `FAMILIES` below (docs/adding-a-family.md). Nothing else names a
 family: the config checks, `parallel/`, `checkpoint/`, `train/`, `plan/` and generation ask
-this module for the spec. No torch at import (the spec modules import it only when called).
+this module for the spec, which is imported then: a Llama run loads no other family's code. No
+torch at import (the spec modules import it only when called).
 
     spec = spec_of(cfg.model.model_config)   # the spec of a typed model config
     shape = model_shape(cfg)                 # its ModelShape at the config's padded vocabulary
@@ -11,36 +12,45 @@ this module for the spec. No torch at import (the spec modules import it only wh
 
 from __future__ import annotations
 
+import importlib
+
 from mesh3d.config.derive import padded_vocab_size
 from mesh3d.errors import ConfigError
-from mesh3d.models.llama_spec import LLAMA
-from mesh3d.models.qwen2_spec import QWEN2
-from mesh3d.models.qwen3_spec import QWEN3
 from mesh3d.models.spec import HFSpec, ModelShape, ModelSpec
-from mesh3d.models.starcoder2_spec import STARCODER2
 
-SPECS: dict[str, ModelSpec] = {spec.family: spec for spec in (LLAMA, QWEN2, QWEN3, STARCODER2)}
+# family -> (the spec's module, its name there, the model config class it reads); a spec is
+# imported the first time a run, a check or a converter asks for its family
+FAMILIES: dict[str, tuple[str, str, str]] = {
+    "llama": ("mesh3d.models.llama_spec", "LLAMA", "LlamaConfig"),
+    "qwen2": ("mesh3d.models.qwen2_spec", "QWEN2", "Qwen2Config"),
+    "qwen3": ("mesh3d.models.qwen3_spec", "QWEN3", "Qwen3Config"),
+    "starcoder2": ("mesh3d.models.starcoder2_spec", "STARCODER2", "Starcoder2Config"),
+}
 
 
 def families() -> list[str]:
-    return list(SPECS)
+    return list(FAMILIES)
 
 
 def spec_of(model_config) -> ModelSpec:
     """The spec of a model config object (a LlamaConfig, Qwen2Config, ...)."""
-    for spec in SPECS.values():
-        if type(model_config) is spec.config_class:
-            return spec
-    family = type(model_config).__name__.removesuffix("Config")
+    name = type(model_config).__name__
+    for family, (_, _, config_class) in FAMILIES.items():
+        if name == config_class:
+            spec = spec_named(family)
+            if type(model_config) is spec.config_class:
+                return spec
+    family = name.removesuffix("Config")
     raise ConfigError(
-        f"model family {family} is not supported by mesh3d yet; supported: {', '.join(SPECS)}"
+        f"model family {family} is not supported by mesh3d yet; supported: {', '.join(FAMILIES)}"
     )
 
 
 def spec_named(family: str) -> ModelSpec:
-    if family not in SPECS:
-        raise ConfigError(f"unknown model family {family!r}; use one of {', '.join(SPECS)}")
-    return SPECS[family]
+    if family not in FAMILIES:
+        raise ConfigError(f"unknown model family {family!r}; use one of {', '.join(FAMILIES)}")
+    module, attribute, _ = FAMILIES[family]
+    return getattr(importlib.import_module(module), attribute)
 
 
 def shape_of(model_config, padded_vocab: int) -> ModelShape:
@@ -63,7 +73,7 @@ def spec_for_hf(hf_config: dict) -> tuple[ModelSpec, HFSpec] | None:
     """The spec and HF architecture whose `model_type` matches a config.json (and its
     `architectures`, if listed), if any."""
     archs = set(hf_config.get("architectures") or [])
-    for spec in SPECS.values():
+    for spec in map(spec_named, FAMILIES):
         for hf in spec.hf:
             if hf_config.get("model_type") == hf.model_type and (
                 not archs or archs & set(hf.architectures)

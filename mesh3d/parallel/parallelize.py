@@ -30,11 +30,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from mesh3d import extensions
 from mesh3d.mesh import replica_mesh
 from mesh3d.models.init import init_full_tensor
 from mesh3d.models.spec import Blocks
-from mesh3d.parallel.context import ContextParallel
-from mesh3d.parallel.experts import ExpertParallel, slice_expert_shard
 from mesh3d.parallel.tensor import apply_tp, shard_grads_like_params
 from mesh3d.tp_styles import TPPlan, summed_over
 
@@ -43,7 +42,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool, blocks: Blo
     """Every attention module of `model` (`blocks.attention`) attends across the sequence shards
     of `cp_mesh` (`documents`: document masking is on); every MoE block sums its per-sequence
     load statistics over them."""
-    cp = ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(), documents)
+    context = extensions.load("context_parallel")
+    cp = context.ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
+                                 documents)  # fmt: skip
     for module in model.modules():
         if isinstance(module, blocks.attention):
             module.cp = cp
@@ -184,7 +185,7 @@ def materialize(model: nn.Module, device: torch.device, source: FullSource | Non
             if shard is None:
                 full = source(name, tuple(p.shape))
             else:  # an ep slice of the full [E, ...] tensor
-                full = slice_expert_shard(
+                full = extensions.load("expert_parallel").slice_expert_shard(
                     source(name, (p.shape[0] * shard[2], *p.shape[1:])), shard
                 )
             full = full.to(device=device, dtype=torch.float32)
@@ -205,7 +206,7 @@ def _expert_shards(model: nn.Module) -> dict[str, tuple]:
     }
 
 
-def apply_ep(model: nn.Module, ep: ExpertParallel, moe: tuple[type, ...]) -> None:
+def apply_ep(model: nn.Module, ep, moe: tuple[type, ...]) -> None:
     """Every MoE block of `model` (on meta; a class in `moe`) keeps its ep rank's E / ep experts
     and dispatches tokens over `ep` (`parallel/experts.py`); its expert stacks are marked with
     `ep_shard` = (group, rank, size)."""
@@ -276,7 +277,7 @@ def parallelize(
     compile_classes: tuple[type, ...] = (),
     split_backward: bool = False,
     documents: bool = False,
-    ep: ExpertParallel | None = None,
+    ep=None,  # `experts.ExpertParallel`, when the run has ep > 1
     blocks: Blocks | None = None,
 ) -> nn.Module:
     """Steps 1-4 above on a model built on meta; returns the model ready to train.

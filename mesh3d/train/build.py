@@ -18,7 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.checkpoint.hf_run import is_hf_folder, not_a_checkpoint, read_hf_for_run
+from mesh3d import extensions
+from mesh3d.checkpoint.folder import is_hf_folder, not_a_checkpoint
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.config import ExistingCheckpointInit, SpectralMupInit
 from mesh3d.layout import RunLayout
@@ -26,7 +27,6 @@ from mesh3d.log import logger
 from mesh3d.mesh import groups_of
 from mesh3d.models.mup import mup_rules
 from mesh3d.parallel.buckets import GradBuckets
-from mesh3d.parallel.experts import new_groups as new_ep_groups
 from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
     build_schedule,
@@ -37,9 +37,6 @@ from mesh3d.parallel.pipeline import (
     stage_ids_of_rank,
 )
 from mesh3d.parallel.pipeline_layout import SCHEDULES
-from mesh3d.train.async_tp import check_async_tp, enable_async_tp
-from mesh3d.train.experts import set_aux_weights
-from mesh3d.train.float8 import apply_float8
 from mesh3d.train.loss import step_loss
 
 
@@ -90,7 +87,7 @@ def initial_weights(cfg, layout: RunLayout) -> FullSource:
     if isinstance(init, ExistingCheckpointInit):
         path = Path(init.path)
         if is_hf_folder(path):  # a Hugging Face model folder, read as `from-hf` would
-            full = read_hf_for_run(path, mc, layout.padded_vocab)
+            full = extensions.load("hf_init").read_hf_for_run(path, mc, layout.padded_vocab)
             n = sum(t.numel() for t in full.values())
             logger.info(f"Initial weights from {path} (Hugging Face): {len(full)} tensors, "
                         f"{n:,} parameters")  # fmt: skip
@@ -123,17 +120,19 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     with torch.device("meta"):
         full = spec.build(mc, vocab_size=vocab, attention=cfg.mesh3d.attention)
     if cfg.mesh3d.float8:  # on the single-device model, before stages, TP, compile and DP
-        apply_float8(full, spec.blocks().moe)
+        extensions.load("float8").apply_float8(full, spec.blocks().moe)
     if cfg.mesh3d.async_tp and device.type != "meta":  # before the first compile
-        check_async_tp(device, mesh["tp"].get_group())
-        enable_async_tp(mesh["tp"].get_group())
+        async_tp = extensions.load("async_tp")
+        async_tp.check_async_tp(device, mesh["tp"].get_group())
+        async_tp.enable_async_tp(mesh["tp"].get_group())
     loss_fn = step_loss(layout)
     # on meta (a dry run) nothing is filled: a checkpoint's weights are not read
     source = initial_weights(cfg, layout) if device.type != "meta" else None
     ep, expert_replicas = None, None
     if layout.expert_parallel > 1:  # every rank makes every group, before any stage is built
         dispatcher = mc.moe_config.token_dispatcher_type
-        ep, expert_replicas = new_ep_groups(layout.dims, layout.expert_parallel, dispatcher)
+        experts = extensions.load("expert_parallel")
+        ep, expert_replicas = experts.new_groups(layout.dims, layout.expert_parallel, dispatcher)
 
     def finish(module: nn.Module) -> nn.Module:
         return parallelize(
@@ -156,7 +155,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
 
     if p.pp == 1:
         parts = ModelParts(modules=[finish(full)], loss_fn=loss_fn, expert_replicas=expert_replicas)
-        set_aux_weights(parts.modules, layout)
+        _set_aux_weights(parts.modules, layout)
         parts.reducers = _reducers(parts.modules, layout, mesh, cfg.model.ddp_bucket_cap_mb)
         return parts
 
@@ -190,7 +189,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
         return stages, build_schedule(name, stages, at.microbatches, loss_fn)
 
     stages, schedule = shaped(layout.sequence_length)
-    set_aux_weights(modules, layout)
+    _set_aux_weights(modules, layout)
     return ModelParts(
         seq_len=layout.sequence_length,
         reshape=shaped,
@@ -215,3 +214,9 @@ def _reducers(modules: list[nn.Module], layout: RunLayout, mesh: DeviceMesh,
         return []
     group = groups_of(mesh).replicas
     return [GradBuckets(list(m.parameters()), group, cap_mb * 2**20) for m in modules]
+
+
+def _set_aux_weights(modules, layout) -> None:
+    """The MoE auxiliary loss's weight in every MoE block (a model with a `moe_config`)."""
+    if layout.shape.moe_layers:
+        extensions.load("moe").set_aux_weights(modules, layout)

@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from mesh3d import extensions
 from mesh3d.data.validation import HeldOut
 from mesh3d.layout import RunLayout
 from mesh3d.mesh import groups_of
-from mesh3d.parallel.context import shard_batches
 from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
 from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts
@@ -85,7 +85,8 @@ def evaluate(
         tokens = held.num_batches * held.global_batch * layout.sequence_length
     if cp > 1:  # this cp rank's tokens of the same samples (and their positions)
         cp_rank, docs = layout.coords["cp"], layout.doc_masking
-        batches = [shard_batches(b, cp, cp_rank, docs) for b in batches]
+        context = extensions.load("context_parallel")
+        batches = [context.shard_batches(b, cp, cp_rank, docs) for b in batches]
     modes = [m.training for m in parts.modules]
     for m in parts.modules:
         m.eval()

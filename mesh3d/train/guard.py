@@ -19,11 +19,13 @@ import math
 import os
 import signal
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from mesh3d import extensions
 from mesh3d.checkpoint.folder import latest_step
 from mesh3d.checkpoint.lock import STALE_S
 from mesh3d.checkpoint.run_folder import claim_folder, clear_steps
@@ -37,7 +39,6 @@ from mesh3d.errors import (
 from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout
 from mesh3d.train.signals import StopSignals
-from mesh3d.train.spike import SpikeGuard
 from mesh3d.train.watchdog import Watchdog, heartbeat_interval, is_collective_failure
 
 
@@ -67,10 +68,11 @@ class RunGuard:
         self.lock, self.resume_path, self.watchdog = None, None, None
         self.stale_steps: list[int] = []  # to delete before training (existing_checkpoints)
         spike = cfg.mesh3d.loss_spike
-        self.spikes = SpikeGuard(spike) if spike is not None else None
+        self.spikes = extensions.load("loss_spike").SpikeGuard(spike) if spike else None
         self.signals: StopSignals | None = None
         self.skipped = 0  # non-finite steps skipped so far (resumed runs continue the count)
         self.fail_at = _injected_failure(self.rank)
+        self.leave_wait_s = 0.0  # how long world rank 0 may still upload as the run ends
 
     # -------------------------------------------------------------------------- enter / exit
 
@@ -122,6 +124,22 @@ class RunGuard:
                 self.watchdog.__exit__(None, None, None)
             if self.lock is not None:
                 self.lock.release()
+            self._leave_together(exc)
+
+    def _leave_together(self, exc: BaseException | None) -> None:
+        """When every rank ends at the same point (the last step, a stop, an error raised alike),
+        no rank leaves before the others: a launcher ends the ranks still running as soon as
+        one exits with an error code, and world rank 0 may still be finishing its uploads
+        (`leave_wait_s`, set by the caller), its line printed and the lock released."""
+        if self.world == 1 or not (exc is None or getattr(exc, "same_on_every_rank", False)):
+            return
+        m = self.cfg.mesh3d
+        try:
+            with collective_timeout(None, self.leave_wait_s + m.collective_timeout_s,
+                                    m.collective_timeout_s):  # fmt: skip
+                dist.barrier()
+        except Exception as e:  # noqa: BLE001 - the run is over; say so and go
+            logger.warning(f"a rank did not reach the end of the run: {str(e).splitlines()[0]}")
 
     # ------------------------------------------------------------------------------- signals
 
@@ -200,9 +218,11 @@ class RunGuard:
         if self.spikes is not None and isinstance(custom.get("loss_spike_guard"), dict):
             self.spikes.load(custom["loss_spike_guard"])
 
-    def check_spike(self, step: int, loss: float, grad_norm: float) -> None:
+    def check_spike(self, step: int, loss: float, grad_norm: float,
+                    name_latest: Callable[[Path], None]) -> None:  # fmt: skip
         """The loss-spike guard after step `step` (`spike.py`): a spike is skipped with a
-        warning, or stops the run; the checkpoint waiting for this step is named or marked."""
+        warning, or stops the run; the checkpoint waiting for this step is named (through
+        `name_latest`, the checkpointer's) or marked."""
         if self.spikes is None:
             return
         healthy = False
@@ -210,7 +230,7 @@ class RunGuard:
             self.spikes.check(step, loss, grad_norm, lambda: self.last_checkpoint("healthy"))
             healthy = not self.spikes.spiking and math.isfinite(loss) and math.isfinite(grad_norm)
         finally:
-            self.spikes.settle(healthy, writes=self.rank == 0)
+            self.spikes.settle(healthy, name_latest, writes=self.rank == 0)
 
     def check_folder_owner(self, step: int) -> None:
         """Before writing step `step`: stop every rank, with one line, if another run took this

@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.errors import Interrupted, Preempted, UserError
+from mesh3d import extensions
+from mesh3d.checkpoint.manager import UploadReport
+from mesh3d.errors import Interrupted, Preempted, RunStopped, UserError
 from mesh3d.log import logger
 from mesh3d.mesh import groups_of
 from mesh3d.parallel.parallelize import compile_cache_text
 from mesh3d.train.evaluate import evaluate, is_evaluation_step
-from mesh3d.train.experts import step_metrics as moe_step_metrics
 from mesh3d.train.guard import RunGuard, share
 from mesh3d.train.metrics import (
     iteration_metrics,
@@ -49,6 +50,7 @@ class RunResult:
     mesh: DeviceMesh | None = None
     start_step: int = 0  # the step the run resumed from (0: it started fresh)
     saved_dir: Path | None = None  # the step folder this run saved last (None: it saved none)
+    uploads: UploadReport | None = None  # what `s3_upload` uploaded (None: no upload)
 
 
 def _resume(run: Run, guard: RunGuard) -> tuple[int, int, str | None]:
@@ -126,11 +128,35 @@ def train(cfg, metrics_file: str | None = None, hooks: Sequence = ()) -> RunResu
         run.build()
         n = run.n_params
         logger.info(f"Total number of parameters: {n} ({n * 4 / 2**20:.2f}MiB fp32)")
+        error = None
         try:
-            return _train(run, guard, metrics_file, hooks)
+            result = _train(run, guard, metrics_file, hooks)
+        except BaseException as e:
+            error = e
+            raise
         finally:
-            run.close_uploads()  # the last checkpoint reaches the bucket before the run ends
-            run.feed.close()  # the loader's workers, if any
+            # a save in flight committed (or abandoned), then the uploads waited for on rank 0,
+            # outside any collective; the guard's exit makes the ranks leave together
+            guard.leave_wait_s = upload_wait_s(cfg, error)
+            try:
+                run.checkpoints.close(error, guard.leave_wait_s)
+                report = run.checkpoints.report
+                if isinstance(error, RunStopped) and report is not None:  # its one line says it
+                    error.args = (f"{error.args[0]} (s3_upload: {report.line()})",)
+            finally:
+                run.feed.close()  # the loader's workers, if any
+        result.uploads = run.checkpoints.report
+        return result
+
+
+def upload_wait_s(cfg, error: BaseException | None) -> float:
+    """How long world rank 0 waits for the uploads when the run ends: the checkpoint timeout
+    after the last step, `mesh3d.upload_wait_on_stop_s` after a stop signal or an error (a
+    launcher or a scheduler kills the ranks after its own grace time)."""
+    if cfg.s3_upload is None:
+        return 0.0
+    m = cfg.mesh3d
+    return m.checkpoint_timeout_s if error is None else m.upload_wait_on_stop_s
 
 
 def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence) -> RunResult:
@@ -188,7 +214,8 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
             if run.layout.shape.moe_layers:  # every rank: collectives inside
                 g = groups_of(run.mesh)
                 tp_group = g.tp if run.layout.sequence_parallel else None
-                m.update(moe_step_metrics(run.parts.modules, run.layout, g.replicas, g.pp,
+                moe = extensions.load("moe")
+                m.update(moe.step_metrics(run.parts.modules, run.layout, g.replicas, g.pp,
                                           run.device, tp_group))  # fmt: skip
             m.update(peak_memory())
             if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):
@@ -196,14 +223,14 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
             if is_evaluation_step(tok, step):  # validation after the update; not in the step time
                 guard.at(step, "validation")
                 m.update(evaluate(run.parts, run.data.validation, run.layout, run.mesh, run.device))
-            run.poll_save()  # a background save that every rank finished writing is committed
-            if guard.spikes is not None:  # the step about to judge it needs it in place
-                run.finish_save()
+            run.checkpoints.poll()  # a background save every rank finished writing is committed
             unusual = not (math.isfinite(loss) and math.isfinite(grad_norm))
             unusual = unusual or not guard.accepts(loss, grad_norm)  # a loss spike
+            if unusual or guard.spikes is not None:  # committed before this step is judged: a
+                run.checkpoints.finish()  # stop names it, the spike guard names or marks it
             try:
                 guard.check_finite(step, loss, grad_norm)  # skips (counted) or stops the run
-                guard.check_spike(step, loss, grad_norm)  # the same for a loss spike
+                guard.check_spike(step, loss, grad_norm, run.checkpoints.name_latest)
             finally:
                 m.update(guard.step_metrics())
                 result.metrics.append(m)
@@ -229,7 +256,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
     ):
         _save(run, guard, tok.train_steps, consumed, wandb_id, last_step=True)
         result.saved_dir = Path(ck.checkpoints_path) / str(tok.train_steps)
-    run.finish_save()
+    run.checkpoints.finish()
     sinks.close()
     for hook in hooks:
         if hasattr(hook, "on_end"):

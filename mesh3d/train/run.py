@@ -17,7 +17,6 @@ the model parts, the optimizer and the LR schedule.
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,23 +24,20 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from mesh3d.checkpoint.atomic import PendingSave
-from mesh3d.checkpoint.hf_run import export_hf
-from mesh3d.checkpoint.retention import prune
-from mesh3d.checkpoint.s3 import S5cmd
+from mesh3d import extensions
+from mesh3d.checkpoint.manager import Checkpointer
 from mesh3d.checkpoint.training import (
     checkpoint_custom_metas,
     load_checkpoint,
     load_data_state,
     save_checkpoint,
 )
-from mesh3d.checkpoint.upload import Uploader
 from mesh3d.checks import validate, warn_once
 from mesh3d.data.build import StagedData
 from mesh3d.data.loader import Feed
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
-from mesh3d.log import logger, setup_logging
+from mesh3d.log import setup_logging
 from mesh3d.mesh import (
     build_mesh,
     collective_timeout,
@@ -51,7 +47,6 @@ from mesh3d.mesh import (
 )
 from mesh3d.train.build import ModelParts, build_model_parts
 from mesh3d.train.data_errors import agree_on_data_error
-from mesh3d.train.experts import clear_stats
 from mesh3d.train.optim import build_optimizer
 from mesh3d.train.step import total_params, train_step
 
@@ -81,8 +76,7 @@ class Run:
     logger_rank: int = 0  # the global rank that owns the metrics (last stage, dp 0, tp 0)
     n_params: int = 0
     extra: dict = field(default_factory=dict)  # room for callers' own state
-    pending: PendingSave | None = None  # an asynchronous save still being written
-    uploads: Uploader | None = None  # `s3_upload`'s background uploads (rank 0)
+    checkpoints: Checkpointer | None = None  # every save's lifecycle (`build`)
     feed: Feed | None = None  # this rank's loader of each step's batches (`build`)
 
     @classmethod
@@ -131,6 +125,7 @@ class Run:
         level = cfg.logging.log_level if primary else cfg.logging.log_level_replica
         setup_logging(layout.coords, level, cp=dims.cp)
         self.n_params = total_params(self.parts, self.mesh)
+        self.checkpoints = Checkpointer(cfg, self.mesh)
         self.feed = Feed(self.data, layout.coords["dp"], dims.dp, layout.microbatch_size,
                          timeout_s=cfg.mesh3d.collective_timeout_s,
                          pin=self.device.type == "cuda")  # fmt: skip
@@ -171,7 +166,9 @@ class Run:
         the update may be applied (the loss-spike guard); a non-finite step never is."""
         batches = self.batches(step)
         if self.layout.shape.moe_layers:
-            clear_stats(self.parts.modules, self.layout)  # what validation forwards left
+            extensions.load("moe").clear_stats(
+                self.parts.modules, self.layout
+            )  # what validation forwards left
         loss, grad_norm = train_step(
             self.parts, self.optimizer, self.scheduler, batches, layout=self.layout_at(step),
             clip_grad=self.cfg.optimizer.clip_grad, mesh=self.mesh, device=self.device,
@@ -183,75 +180,20 @@ class Run:
              latest: bool = True, background: bool = False) -> None:  # fmt: skip
         """Save step `step` to `checkpoints.checkpoints_path` (`consumed`: samples so far;
         `latest`: whether latest.txt may name it). `background`: copy the state now and write
-        it while training goes on (`poll_save` / `finish_save` commit it); a save still in
-        flight is finished first, so at most one is."""
-        self.finish_save()
-        ck = self.cfg.checkpoints
+        it while training goes on; `checkpoints` (`checkpoint/manager.py`) commits it and does
+        what follows every commit, whichever route the save takes."""
         c = self.layout.coords  # one rank per dp rank writes its stream position
         writes = c["pp"] == 0 and c["tp"] == 0 and c.get("cp", 0) == 0
-        out = save_checkpoint(ck.checkpoints_path, step, self.cfg, self.parts, self.optimizer,
-                              self.scheduler, self.mesh, consumed, layout=self.layout,
-                              extra=extra or {}, latest=latest, background=background,
-                              data_state=self.feed.data_state(step) if writes else None)  # fmt: skip
-        if background:
-            self.pending = out
-            logger.info(
-                f"Step {step}: {out.nbytes / 2**20:.1f} MiB copied, written in the background"
-            )
-        else:
-            self._saved(Path(out), announce=False)
 
-    def poll_save(self) -> None:
-        """At a step boundary (every rank): commit the background save if every rank wrote it.
-        A failed background write raises here, the previous checkpoint intact."""
-        pending, self.pending = self.pending, None
-        if pending is not None and not pending.poll():
-            self.pending = pending
+        def write(background: bool):
+            return save_checkpoint(
+                self.cfg.checkpoints.checkpoints_path, step, self.cfg, self.parts,
+                self.optimizer, self.scheduler, self.mesh, consumed, layout=self.layout,
+                extra=extra or {}, latest=latest, background=background,
+                data_state=self.feed.data_state(step) if writes else None,
+            )  # fmt: skip
 
-    def finish_save(self) -> None:
-        """Wait for the background save, if any, and commit it (every rank)."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            m = self.cfg.mesh3d
-            with collective_timeout(self.mesh, m.checkpoint_timeout_s, m.collective_timeout_s):
-                pending.finish()
-            self._saved(pending.final)
-
-    def _saved(self, final: Path, announce: bool = True) -> None:
-        """After a save committed: log it (`save_checkpoint` did for a synchronous one); on rank
-        0 write its Hugging Face export (`hf_export`), queue its upload (`s3_upload`) and delete
-        what retention does not keep, never a folder not uploaded yet."""
-        if announce:
-            logger.info(f"Saved checkpoint {final}")
-        m, s3 = self.cfg.mesh3d, self.cfg.s3_upload
-        root = Path(self.cfg.checkpoints.checkpoints_path)
-        if dist.get_rank() != 0:
-            return
-        if _exports(m.hf_export, int(final.name)):
-            export_hf(final, root / "hf" / final.name)
-            logger.info(f"Wrote the Hugging Face model {root / 'hf' / final.name}")
-        if s3 is not None:
-            if self.uploads is None:
-                self.uploads = Uploader(root, s3.upload_s3_path, S5cmd.of(s3),
-                                        s3.remove_after_upload)  # fmt: skip
-            self.uploads.submit(final)
-        if m.keep_last_checkpoints:
-            up = self.uploads
-            with up.lock if up else nullcontext():
-                gone = prune(root, m.keep_last_checkpoints, m.keep_checkpoint_every,
-                             up.unsent() if up else set())  # fmt: skip
-            if gone:
-                logger.info(f"Deleted old checkpoints {gone} in {root} "
-                            f"(mesh3d.keep_last_checkpoints={m.keep_last_checkpoints})")  # fmt: skip
-
-    def close_uploads(self) -> None:
-        """Wait for the queued checkpoint uploads (rank 0); a failed one was reported on one
-        line and its local folder is kept."""
-        if self.uploads is not None:
-            failed = self.uploads.close()
-            if failed:
-                logger.error(f"s3_upload: {len(failed)} checkpoint(s) not uploaded, kept in "
-                             f"{self.cfg.checkpoints.checkpoints_path}: steps {sorted(failed)}")  # fmt: skip
+        self.checkpoints.save(step, write, background)
 
     def load(self, path: Path) -> tuple[int, int, dict]:
         """Resume from the step folder `path`: (its step, consumed samples, its custom metas)."""
@@ -273,11 +215,6 @@ class Run:
         return modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
 
 
-def _exports(setting: bool | int, step: int) -> bool:
-    """Whether `mesh3d.hf_export` exports the checkpoint of `step`."""
-    return setting if isinstance(setting, bool) else step % setting == 0
-
-
 def _check_sft_tokenizer(cfg) -> None:
     """SFT from `init_method.path`: the tokenizer's ids and EOS within the checkpoint's
     vocabulary (`checkpoint/hf_run.py::check_init_tokenizer`)."""
@@ -287,6 +224,4 @@ def _check_sft_tokenizer(cfg) -> None:
     tok = cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None
     sft = any(isinstance(s.data.dataset, SFTDatasetsArgs) for s in cfg.data_stages or [])
     if sft and isinstance(init, ExistingCheckpointInit) and tok and Path(tok).exists():
-        from mesh3d.checkpoint.hf_run import check_init_tokenizer
-
-        check_init_tokenizer(init.path, tok)
+        extensions.load("hf_init").check_init_tokenizer(init.path, tok)

@@ -29,7 +29,6 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from mesh3d.checkpoint.folder import write_latest
 from mesh3d.checkpoint.training import add_custom_metas
 from mesh3d.config.schema import LossSpikeArgs
 from mesh3d.errors import LossSpikeError
@@ -124,15 +123,16 @@ class SpikeGuard:
         self.pending = step_dir
         return False
 
-    def settle(self, healthy: bool, writes: bool) -> None:
+    def settle(self, healthy: bool, name_latest: Callable[[Path], None], writes: bool) -> None:
         """After a step was checked: the waiting checkpoint is named in `latest.txt` if the step
-        was `healthy` (finite, no spike), else marked. `writes`: this rank writes (rank 0)."""
+        was `healthy` (finite, no spike) through `name_latest` (the checkpointer's: the bucket
+        follows), else marked. `writes`: this rank writes (rank 0)."""
         step_dir, self.pending = self.pending, None
         if step_dir is None or not writes:
             return
         try:
             if healthy:
-                write_latest(step_dir.parent, step_dir.name)
+                name_latest(step_dir)
             else:
                 add_custom_metas(step_dir, {"loss_spike": {"next_step_unhealthy": True}})
                 logger.warning(f"{step_dir}: the next step's loss spiked or was not finite; "

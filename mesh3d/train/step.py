@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from mesh3d import extensions
 from mesh3d.data.documents import IGNORE, document_positions, mask_document_starts
 from mesh3d.layout import RunLayout
 from mesh3d.mesh import groups_of
 from mesh3d.models.dropout import token_keys
-from mesh3d.parallel.context import local_indices, shard_batches
 from mesh3d.parallel.data import allreduce_gradients, allreduce_param_grads
 from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings
 from mesh3d.parallel.tensor import reduce_partial_grads
@@ -157,7 +157,10 @@ def step_token_keys(layout: RunLayout, step: int, device) -> torch.Tensor | None
     rows = layout.microbatches * layout.microbatch_size
     samples = layout.coords["dp"] * rows + torch.arange(rows)
     cp, s = layout.dims.cp, layout.sequence_length
-    positions = local_indices(s, cp, layout.coords["cp"]) if cp > 1 else torch.arange(s)
+    if cp > 1:
+        positions = extensions.load("context_parallel").local_indices(s, cp, layout.coords["cp"])
+    else:
+        positions = torch.arange(s)
     return token_keys(layout.seed, step, samples, positions).to(device)
 
 
@@ -188,7 +191,9 @@ def prepare_batches(
     elif layout.doc_masking:
         batches, tokens = with_documents(batches, layout, dp_group, device)
     if layout.dims.cp > 1:
-        batches = shard_batches(batches, layout.dims.cp, layout.coords["cp"], layout.documents)
+        context = extensions.load("context_parallel")
+        batches = context.shard_batches(batches, layout.dims.cp, layout.coords["cp"],
+                                        layout.documents)  # fmt: skip
     return batches, tokens
 
 

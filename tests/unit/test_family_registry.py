@@ -53,7 +53,7 @@ TOY = dataclasses.replace(
 
 @pytest.fixture
 def toy_registered(monkeypatch):
-    monkeypatch.setitem(registry.SPECS, "toy", TOY)  # the one registry line
+    monkeypatch.setitem(registry.FAMILIES, "toy", (__name__, "TOY", "ToyConfig"))  # the line
 
 
 def _toy_cfg(*overrides: str, scale: float = 0.5):

@@ -1,0 +1,44 @@
+"""Optional capabilities, loaded only when a run's config asks for them.
+
+A plain pretraining run (one family, dp x tp x pp, synchronous checkpoints) imports the core
+only. Each capability below is a module of its own that the core never imports by name (the
+import-linter contract "the core of a plain run never imports an optional capability" in
+pyproject.toml checks it, function-level imports included); where the config turns it on, the
+core asks for it here:
+
+    if cfg.s3_upload is not None:
+        upload = extensions.load("s3_upload")    # mesh3d.checkpoint.upload, imported now
+        uploader = upload.Uploader(...)
+
+A capability that grows a new one adds a line to `CAPABILITIES` and to that contract's
+`forbidden_modules`. Model families are loaded the same way, by `models/registry.py`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# name -> module (what turns it on)
+CAPABILITIES: dict[str, str] = {
+    "async_checkpoint": "mesh3d.checkpoint.async_save",  # mesh3d.async_checkpoint
+    "s3_upload": "mesh3d.checkpoint.upload",  # s3_upload
+    "s3": "mesh3d.checkpoint.s3",  # checkpoints.resume_checkpoint_path: s3://...
+    "hf_export": "mesh3d.checkpoint.hf_run",  # mesh3d.hf_export
+    "hf_init": "mesh3d.checkpoint.hf_run",  # model.init_method.path: a Hugging Face folder
+    "loss_spike": "mesh3d.train.spike",  # mesh3d.loss_spike
+    "float8": "mesh3d.train.float8",  # mesh3d.float8
+    "async_tp": "mesh3d.train.async_tp",  # mesh3d.async_tp
+    "moe": "mesh3d.train.experts",  # a model_config with a moe_config: aux loss, load metrics
+    "expert_parallel": "mesh3d.parallel.experts",  # its experts split over ep, dispatch
+    "context_parallel": "mesh3d.parallel.context",  # parallelism.context_parallel_size > 1
+    "hf_datasets": "mesh3d.data.hf",  # a stage's hf_dataset_or_datasets (map-style)
+    "streaming": "mesh3d.data.streaming",  # ... streamed (mesh3d.hf_streaming)
+    "sft": "mesh3d.data.sft",  # a stage's sft_dataloader data
+    "tokenize": "mesh3d.data.tokenize",  # preparing the built-in default data (first run only)
+}
+
+
+def load(name: str) -> ModuleType:
+    """The module of capability `name`, imported on first use."""
+    return importlib.import_module(CAPABILITIES[name])
