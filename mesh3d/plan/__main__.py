@@ -20,7 +20,7 @@ import json
 import sys
 
 from mesh3d.config import load_config
-from mesh3d.errors import exit_on_user_error
+from mesh3d.errors import UserError, exit_on_user_error
 from mesh3d.plan.build import make_plan
 from mesh3d.plan.dry_run import differences, dry_run
 from mesh3d.plan.report import format_dry_run, format_plan, gpu_memory_gib
@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        raise UserError(
+            f"--world-size {args.world_size}: a run needs at least 1 rank; give the number of "
+            "processes (e.g. --world-size 8), or leave it out for dp x cp x tp x pp"
+        )
     gib = gpu_memory_gib(args.gpu_memory) if args.gpu_memory else None
     cfg = load_config(args.config, args.overrides)
     if args.search:

@@ -104,7 +104,8 @@ def rank_plan(
     transient = _transient(z, params, ids, b.one_layer)
     peak = elements * z.e_p + grads + optim + peak_act + sum(transient.values())
     tied_peer = b.tied and len(b.ends) == 2 and coords["pp"] in b.ends
-    comm = _comm(z, [b.stages[i] for i in ids], params, tied_peer)
+    split = [len(b.shapes[i]) for i in ids]
+    comm = _comm(z, [b.stages[i] for i in ids], params, tied_peer, split)
     return RankPlan(
         rank=rank, coords=coords, stages=ids, param_elements=elements,
         param_bytes=elements * z.e_p, grad_bytes=grads, optimizer_bytes=optim,

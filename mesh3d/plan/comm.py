@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mesh3d.parallel.buckets import cut
+from mesh3d.parallel.pipeline_layout import schedule
 from mesh3d.plan.memory import _Param
 from mesh3d.plan.records import CommItem, StagePlan
 from mesh3d.plan.sizes import _Sizes
@@ -12,8 +14,12 @@ WIRE |= {"reduce_scatter": WIRE["all_gather"], "send": lambda n: 1.0}
 WIRE["all_to_all"] = WIRE["all_gather"]  # a rank keeps its own share: balanced splits assumed
 
 
-def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: bool):
-    """What one rank sends per step on each axis; payloads in the dtype that travels."""
+def _comm(
+    z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: bool,
+    split: list[int] | None = None,
+):  # fmt: skip
+    """What one rank sends per step on each axis; payloads in the dtype that travels. `split`:
+    how many of `params` each stage module holds, in order (zero 0 buckets each apart)."""
     m, tokens, h = z.m, z.tokens, z.h
     layers = sum(len(s.layers) for s in stages)
     rerun = sum(z.recomputed(i) for s in stages for i in s.layers)  # recompute reruns forwards
@@ -57,8 +63,7 @@ def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: b
     over = " over dp x cp" if z.cp > 1 else ""
     ep = _ep(z, stages, params)
     if z.mode == "replicate":
-        grads = sum(p.grad for p in params if not p.expert) * z.e_p
-        dp = [(f"grads, one flat buffer{over}", "all_reduce", 1, grads)]
+        dp = _buckets(z, params, split or [len(params)], over)
     else:  # FSDP2: all units of the rank together; the pipeline defers reduce (and reshard)
         many = m if z.pp == 1 else 1
         gathers = 2 * m if z.mode == "full" else many  # full with pp > 1: a bound
@@ -72,12 +77,58 @@ def _comm(z: _Sizes, stages: list[StagePlan], params: list[_Param], tied_peer: b
     items = []
     for axis, rows, size in (("tp", tp, z.tp), ("cp", cp, z.cp), ("pp", pp, z.pp),
                              ("ep", ep, z.ep), ("dp", dp, z.replicas)):  # fmt: skip
-        for what, kind, count, each, *group in rows:
-            n = group[0] if group else size
+        for what, kind, count, each, *more in rows:
+            n = more[0] if more and more[0] else size
             if count and each and n > 1:
                 sent = round(count * each * WIRE[kind](n))
-                items.append(CommItem(axis, what, kind, count, each, sent))
+                overlaps = len(more) > 1 and more[1]
+                items.append(CommItem(axis, what, kind, count, each, sent, overlaps))
     return items
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def bucket_sizes(z: _Sizes, params: list[_Param], split: list[int]) -> list[list[int]]:
+    """zero 0's gradient buckets of each stage module, bytes each, in launch (backward) order:
+    `parallel/buckets.cut` over the module's non-expert parameters, as `GradBuckets` cuts."""
+    out, start = [], 0
+    for n in split:
+        sizes = [p.tp_local * z.e_p for p in params[start : start + n] if not p.expert]
+        out.append([sum(sizes[i] for i in b) for b in cut(sizes, z.bucket_cap)])
+        start += n
+    return out
+
+
+def _buckets(z: _Sizes, params: list[_Param], split: list[int], over: str) -> list[tuple]:
+    """Rows of zero 0's gradient all-reduce (`parallel/buckets.py`): during the last
+    microbatch's backward a bucket goes out as soon as its gradients are final, so all but each
+    module's last bucket (its first parameters: final when its backward ends) overlap with the
+    backward; under a zero-bubble schedule the weight gradients bypass the hooks: all after it."""
+    modules = [b for b in bucket_sizes(z, params, split) if b]
+    every = [x for b in modules for x in b]
+    if not every:
+        return []
+    cap = f"ddp_bucket_cap_mb {z.bucket_cap // 2**20}" if z.bucket_cap else "one per param"
+    n, span = len(every), f"{_size(min(every))}-{_size(max(every))}"
+    if z.pp > 1 and schedule(z.schedule).zero_bubble:  # weight passes bypass the hooks
+        return [(f"grads: {n} buckets ({cap}; {span}){over}, after the backward (zero-bubble "
+                 "weight passes), exposed", "all_reduce", n, round(sum(every) / n))]  # fmt: skip
+    inside = [x for b in modules for x in b[:-1]]
+    last = [b[-1] for b in modules]
+    rows = []
+    if inside:
+        span = f"{_size(min(inside))}-{_size(max(inside))}"
+        rows.append((f"grads: {len(inside)} of {n} buckets ({cap}; {span}){over} during the "
+                     "last backward, overlapped", "all_reduce", len(inside),
+                     round(sum(inside) / len(inside)), 0, True))  # fmt: skip
+    sizes = ", ".join(map(_size, last))
+    which = f"the last bucket{'s' * (len(last) > 1)} of {n} ({sizes})" if inside else (
+        f"1 bucket ({cap}; {sizes})")  # fmt: skip
+    rows.append((f"grads: {which}{over}, after the backward, "
+                 "exposed", "all_reduce", len(last), round(sum(last) / len(last))))  # fmt: skip
+    return rows
 
 
 def _ep(z: _Sizes, stages: list[StagePlan], params: list[_Param]) -> list[tuple]:

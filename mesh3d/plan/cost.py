@@ -15,8 +15,9 @@ shards) of every pp rank:
   sets the pace, and the bubble costs only what the busiest rank at a whole core's speed
   / (1 - fraction) exceeds it;
 - dp: zero 0 all-reduces the gradients in buckets launched during the last microbatch's
-  backward (`parallel/buckets.py`): what exceeds that backward (2/3 of a microbatch's compute)
-  is exposed, and at least one layer's share (the last buckets); with more ranks than cores
+  backward (`parallel/buckets.py`; the plan's rows marked `overlaps`): what exceeds that
+  backward (2/3 of a microbatch's compute) is exposed, and so is each module's last bucket
+  (its first parameters, final when its backward ends); with more ranks than cores
   the collective's work competes for the same cores: exposed; FSDP
   (zero 1, full shard) without a pipeline overlaps its gathers and reduce-scatters with compute
   except one layer's share; under a pipeline its reduction waits for the last backward, and with
@@ -90,15 +91,21 @@ def step_time(
         parts = {k: v * mean / busy for k, v in parts.items()}
         idle = max(0.0, busy * hw.cpu_share / (1 - bubble) - mean)
     parts["bubble"] = idle
-    dp_items = [c for c in dp_rank.comm if c.axis == "dp"]
     bw, lat = link("dp", dims, ep, nodes_of, hw)
-    dp_s = sum(c.sent_bytes for c in dp_items) / bw + sum(c.count for c in dp_items) * lat
+
+    def seconds(items) -> float:
+        return sum(c.sent_bytes for c in items) / bw + sum(c.count for c in items) * lat
+
+    dp_items = [c for c in dp_rank.comm if c.axis == "dp"]
+    dp_s = seconds(dp_items)
     if mode != "replicate" and dims["pp"] == 1 and hw.cpu_share >= 1:
         # FSDP overlaps all but about one layer's share (not where the ranks already share cores)
         dp_s = max(dp_s - parts["compute"], dp_s / max(1, layers_worst))
     elif mode == "replicate" and hw.cpu_share >= 1:
-        # zero 0's buckets go out during the last microbatch's backward
-        dp_s = max(dp_s - parts["compute"] * 2 / 3 / m, dp_s / max(1, layers_worst))
+        # zero 0's buckets launched in the last microbatch's backward hide behind it; the last
+        # bucket of each module (and all of them under zero-bubble schedules) is exposed
+        inside = seconds([c for c in dp_items if c.overlaps])
+        dp_s = max(0.0, inside - parts["compute"] * 2 / 3 / m) + dp_s - inside
     parts["dp comm"] = dp_s
     parts["optimizer"] = 7 * dp_rank.param_elements * e_p / (hw.memory_gbps * 1e9)
     step = sum(parts.values())

@@ -82,6 +82,8 @@ PROFILES: dict[str, Hardware] = {
     ),  # fmt: skip
 }
 KNOWN = (*PROFILES, "cpu")
+OPTIONAL = ("efficiency", "layer_overhead_us", "gpus_per_node", "cpu_share")
+_EXAMPLE = "write keys as in docs/plan-search.md, e.g. memory_gib: 80"
 
 
 def hardware_named(name: str, world_size: int = 1) -> Hardware:
@@ -97,17 +99,33 @@ def hardware_named(name: str, world_size: int = 1) -> Hardware:
 
 def hardware_file(path: str | Path) -> Hardware:
     """A profile from a YAML or JSON file with the dataclass's keys (`name` optional)."""
-    text = Path(path).read_text()
-    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    where = f"--hardware-file {path}"
+    try:
+        text = Path(path).read_text()
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{where}: cannot read it as YAML/JSON ({first}); {_EXAMPLE}") from e
     keys = {f.name for f in fields(Hardware)}
-    needed = keys - {"name", "efficiency", "layer_overhead_us", "gpus_per_node", "cpu_share"}
-    needed -= {"source"}
+    needed = keys - {"name", "source", *OPTIONAL}
     if not isinstance(data, dict) or needed - data.keys() or data.keys() - keys:
         got = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise ConfigError(
-            f"hardware file {path}: needs keys {', '.join(sorted(needed))} (optional: "
-            f"name, efficiency, layer_overhead_us, gpus_per_node), got {got}"
+            f"{where}: needs keys {', '.join(sorted(needed))} (optional: name, "
+            f"{', '.join(OPTIONAL)}), got {got}"
         )
+    for key, value in data.items():
+        values = value.values() if key == "peak_tflops" and isinstance(value, dict) else [value]
+        if key == "name" or (key == "peak_tflops" and not isinstance(value, dict)):
+            ok = key == "name"
+        else:
+            ok = all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+                     for v in values)  # fmt: skip
+        if not ok:
+            raise ConfigError(
+                f"{where}: {key} is {value!r}; it must be a positive number"
+                + (" per dtype, e.g. {bfloat16: 989, float32: 67}" if key == "peak_tflops" else "")
+            )
     return Hardware(**({"name": Path(path).stem} | data))
 
 

@@ -26,6 +26,7 @@ class CommItem:
     count: int
     bytes_each: int  # the full tensor (all-gather output, reduce-scatter input)
     sent_bytes: int  # what the rank puts on the wire: count x bytes_each x WIRE[collective]
+    overlaps: bool = False  # launched while the backward still runs (zero 0's buckets)
 
 
 @dataclass

@@ -167,7 +167,10 @@ def format_plan(plan: Plan, gpu_memory: float | None = None) -> str:
     out.append(f"  in flight from {plan.order_source}")
     value = "n/a" if b.fraction is None else f"{b.fraction:.1%}"
     out += ["", f"5. Pipeline bubble: {value} ({b.kind}: {b.formula})", ""]
-    out.append("6. Communication per step (payload: full tensor; sent: by this rank, ring)")
+    out.append(
+        "6. Communication per step (payload: full tensor, or a bucket's mean; sent: by this "
+        "rank, ring)"
+    )
     for g in _by_value(plan, lambda r: tuple(map(str, r.comm))).values():
         axes_sent = (*axes, "ep") if "ep" in plan.groups else axes
         sent = {a: sum(c.sent_bytes for c in g[0].comm if c.axis == a) for a in axes_sent}

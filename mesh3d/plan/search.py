@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from mesh3d.checks.validate import validation_errors
 from mesh3d.config import effective_pp_schedule, max_sequence_length
-from mesh3d.errors import ConfigError
+from mesh3d.errors import ConfigError, UserError
 from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.pipeline import stage_ids_of_rank
 from mesh3d.plan.build import plan_basis, rank_peaks, rank_plan, stage_shapes
@@ -35,6 +35,7 @@ PIPELINES = [("afab", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f
              ("interleaved_zero_bubble", 2), ("zbv_zero_bubble", 2)]  # fmt: skip
 DP_MODES = [(0, False), (1, False), (1, True)]  # (zero_stage, full_shard)
 USABLE = 0.95  # share of the device memory a layout may plan to use (allocator, context)
+MAX_WORLD = 2**20  # ranks searched at most: beyond any machine built, and a bounded search
 
 
 @dataclass
@@ -96,7 +97,8 @@ class Candidate:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def candidates(cfg, world_size: int):
@@ -179,8 +181,18 @@ class Search:
         return c
 
 
+def check_world(world_size: int) -> None:
+    """Refuse a world size the search does not cover (it would run for minutes)."""
+    if not 1 <= world_size <= MAX_WORLD:
+        raise UserError(
+            f"--world-size {world_size}: the layout search covers 1 to {MAX_WORLD:,} ranks "
+            f"(2**{MAX_WORLD.bit_length() - 1}); give a world size in that range"
+        )
+
+
 def search(cfg, world_size: int, hw: Hardware, nodes_of: int = 8) -> list[Candidate]:
     """Every valid candidate, predicted; those that fit first, fastest first."""
+    check_world(world_size)
     s = Search(cfg, world_size, hw, nodes_of)
     out = [s.predict(c) for c in candidates(cfg, world_size)]
     if not out:

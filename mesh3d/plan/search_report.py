@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 from mesh3d.config import save_config
-from mesh3d.errors import ConfigError
+from mesh3d.errors import ConfigError, UserError
 from mesh3d.plan.hardware import Hardware, hardware_file, hardware_named
-from mesh3d.plan.search import USABLE, Candidate, search, why_not
+from mesh3d.plan.search import USABLE, Candidate, check_world, search, why_not
 
 JSON_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "full_shard", "recompute",
                "micro_batch_size", "batch_accumulation", "schedule", "virtual_stages",
@@ -49,12 +51,30 @@ def format_search(found: list[Candidate], hw: Hardware, world: int, top: int, se
     return "\n".join(lines) + "\n"
 
 
+_FIX = "give a file path in a writable folder"
+
+
+def check_writable(path: str) -> None:
+    """Refuse a `--write` path before searching: a folder, or under a file or a read-only folder."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"--write {path}: is a folder; {_FIX}")
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UserError(f"--write {path}: {parent} is not a writable folder; {_FIX}")
+
+
 def run_search(cfg, args) -> None:
     """The `--search` command: print, and `--write` the best layout's config."""
     world = args.world_size or (
         cfg.parallelism.dp * cfg.parallelism.tp * cfg.parallelism.pp
         * cfg.parallelism.context_parallel_size
     )  # fmt: skip
+    check_world(world)
+    if args.write:
+        check_writable(args.write)
     hw = hardware_file(args.hardware_file) if args.hardware_file else None
     hw = hw or hardware_named(args.hardware, world)
     nodes_of = args.nodes_of or hw.gpus_per_node
@@ -65,7 +85,10 @@ def run_search(cfg, args) -> None:
     if not fits:
         raise ConfigError(why_not(min(found, key=lambda c: c.memory_gib), hw))
     if args.write:
-        save_config(fits[0].apply(cfg), args.write)
+        try:
+            save_config(fits[0].apply(cfg), args.write)
+        except OSError as e:
+            raise UserError(f"--write {args.write}: cannot write it ({e.strerror}); {_FIX}") from e
     if args.json:
         rows = [{k: getattr(c, k) for k in JSON_FIELDS} | {"layout": c.label} for c in fits]
         out = {"world_size": world, "hardware": dataclasses.asdict(hw), "nodes_of": nodes_of,

@@ -4,7 +4,7 @@
   the flat all-reduce's bitwise, every bucket was launched from the backward's hooks (so it
   overlapped), and the extra memory is `in_flight` x the largest bucket.
 - Inside training (`Run`) at dp2 and at dp2 x pp2 (1f1b): the run's buckets are launched during
-  the backward, all of them, at each step.
+  the backward, all of them, at each step, and each rank has as many as `mesh3d plan` shows.
 """
 
 import copy
@@ -81,11 +81,22 @@ def _in_training(rank, world, overrides):
     return seen
 
 
+def _planned(overrides, world) -> list[int]:
+    """Each rank's bucket count as `mesh3d plan` shows it (its zero 0 dp rows)."""
+    from mesh3d.plan import make_plan
+
+    plan = make_plan(apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides), world)
+    return [sum(c.count for c in r.comm if c.what.startswith("grads:")) for r in plan.ranks]
+
+
 def test_training_launches_every_bucket_during_the_backward():
+    """...and as many buckets as `mesh3d plan` shows, on every rank."""
     dp2 = layout_overrides(2, 1, "ALL_REDUCE", 0, False) + ["model.ddp_bucket_cap_mb=0"]
-    for seen in run_ranks(2, _in_training, dp2, timeout=200):
+    for rank, seen in enumerate(run_ranks(2, _in_training, dp2, timeout=200)):
         assert len(seen[0]) == 1 and seen[0][0][1] > 5
         assert all(launched == n for step in seen for launched, n in step), seen
+        assert _planned(dp2, 2)[rank] == seen[0][0][1]
     pp2 = layout_overrides(2, 1, "ALL_REDUCE", 0, False) + ["parallelism.pp=2"]
-    for seen in run_ranks(4, _in_training, pp2, timeout=200):
+    for rank, seen in enumerate(run_ranks(4, _in_training, pp2, timeout=200)):
         assert all(launched == n and n >= 1 for step in seen for launched, n in step), seen
+        assert _planned(pp2, 4)[rank] == sum(n for _, n in seen[0])

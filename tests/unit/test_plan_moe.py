@@ -72,7 +72,8 @@ def test_expert_parallel_plan_by_hand():
     assert (counts.collective, counts.count, counts.bytes_each) == ("all_to_all", n, 8 * 4)
     assert (there.count, there.bytes_each, there.sent_bytes) == (2 * n, rows, 2 * n * rows // 2)
     assert comm["their grads (bwd)"].count == 2 * n
-    dp, rep = comm["grads, one flat buffer"], comm["expert grads over their replicas (dp/ep = 2)"]
+    dp = next(c for c in rp.comm if c.what.startswith("grads: 1 bucket"))  # zero 0, 25 MiB cap
+    rep = comm["expert grads over their replicas (dp/ep = 2)"]
     assert dp.bytes_each == (rp.param_elements - experts // 2) * 4
     assert (rep.axis, rep.bytes_each, rep.sent_bytes) == ("dp", experts // 2 * 4, experts // 2 * 4)
     text = format_plan(plan)

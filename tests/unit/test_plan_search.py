@@ -155,3 +155,50 @@ def test_published_runs_go_through_the_model():
     assert len(rows) == len(plan_search.PUBLISHED)
     for r in rows:
         assert r["predicted"] > 0 and 0 < r["mfu"] < 1 and r["source"].startswith("torchtitan")
+
+
+def test_refusals_of_world_size_hardware_file_and_write_path(capsys, tmp_path):
+    """Each one line, exit 2, naming the flag and the value (issue 42): an absurd world size is
+    refused at once (it searched for minutes), 0 is refused (it planned for the config's
+    world), a malformed hardware file and an unwritable --write path gave tracebacks."""
+    for world in ("1000000000", str(2**31), "0", "-4"):
+        start = time.perf_counter()
+        code, out, err = _run(capsys, CPU_TINY, "--search", "--world-size", world)
+        assert time.perf_counter() - start < 5
+        assert code == 2 and err.startswith("error: --world-size") and err.count("\n") == 1, err
+        assert world in err and out == ""
+    code, _, err = _run(capsys, CPU_TINY, "--world-size", "0")
+    assert code == 2 and err.startswith("error: --world-size 0"), err
+    bad = tmp_path / "hw.yaml"
+    for text in ("peak_tflops: [1\n", "- 1\n- 2\n"):
+        bad.write_text(text)
+        code, _, err = _run(capsys, CPU_TINY, "--search", "--hardware-file", str(bad))
+        assert code == 2 and err.startswith(f"error: --hardware-file {bad}"), err
+        assert err.count("\n") == 1
+    good = {"peak_tflops": {"float32": 1.0}, "memory_gib": 4, "memory_gbps": 50,
+            "intra_node_gbps": 10, "inter_node_gbps": 1, "latency_us": 30}  # fmt: skip
+    for key, value in (("memory_gib", "lots"), ("peak_tflops", 5), ("latency_us", -1)):
+        bad.write_text(json.dumps(good | {key: value}))
+        code, _, err = _run(capsys, CPU_TINY, "--search", "--hardware-file", str(bad))
+        assert code == 2 and key in err and err.count("\n") == 1, err
+    code, _, err = _run(capsys, CPU_TINY, "--search", "--hardware-file", str(tmp_path / "no.yaml"))
+    assert code == 2 and "no.yaml" in err and err.count("\n") == 1, err
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for target in (blocker / "best.yaml", tmp_path):
+        code, out, err = _run(capsys, CPU_TINY, "--search", "--world-size", "8",
+                              "--write", str(target))  # fmt: skip
+        assert code == 2 and err.startswith(f"error: --write {target}"), err
+        assert err.count("\n") == 1 and out == ""
+
+
+def test_search_at_the_largest_world_size_is_bounded():
+    """At the bound (MAX_WORLD) a search answers in seconds (4 s measured): here, that no layout
+    of the tiny model's 16 samples is valid on 2**20 ranks."""
+    from mesh3d.errors import ConfigError
+    from mesh3d.plan.search import MAX_WORLD
+
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="no layout"):
+        search(load_config(CPU_TINY), MAX_WORLD, PROFILES["h100-80g"])
+    assert time.perf_counter() - start < 60
