@@ -22,7 +22,13 @@
    `num_loading_workers`, against the samples/s a training step of that config consumes; then
    the step times (median, mean, max) of interleaved 20-step `train()` runs on the streamed file at 0 and 2 workers and
    on the pre-tokenized Nanoset. `--loader` runs this part alone.
-Results go to `benchmarks/results/local/data_io[_quick|_loader].json` (`--publish`:
+6. Streamed data at several layouts (`--streams` runs this part alone): the tokenizer CPU
+   seconds per step summed over a dp replica's ranks at tp 1, 2 and 4 (one rank reads and
+   tokenizes for its replica, `train/stream_share.py`; and, for comparison, with every rank
+   reading as before), the loader's samples/s at dp 1, 2, 4 with 0 and 2 workers (each rank
+   owns whole logical shards), and the step time of 20-step tp 2 runs streamed (2 workers)
+   against the Nanoset, interleaved.
+Results go to `benchmarks/results/local/data_io[_quick|_loader|_streams].json` (`--publish`:
 `benchmarks/results/`).
 """
 
@@ -176,15 +182,22 @@ def _step_ms(work: Path, runs: list[tuple[str, int]], rounds: int) -> dict:
             for key, ms in pooled.items()}  # fmt: skip
 
 
-def _loader_part(work: Path, quick: bool, reps: int, rounds: int = 2) -> dict:
-    """Part 5 (module doc): the loader per data kind and worker count vs a step's need."""
-    n = 4_000 if quick else 20_000
+def _corpus(work: Path, n: int) -> None:
+    """`work`/tok4k, `work`/corpus.jsonl of `n` generated documents and its Nanoset folder."""
+    if (work / "corpus").is_dir():
+        return
     tok = make_tokenizer(work / "tok4k", vocab_size=4096)
     text = work / "corpus.jsonl"
     with open(text, "w", encoding="utf-8") as f:
         for doc in make_documents(n, seed=3):
             f.write(json.dumps({"text": doc}) + "\n")
     tokenize_to_folder(str(tok), [str(text)], str(work / "corpus"))
+
+
+def _loader_part(work: Path, quick: bool, reps: int, rounds: int = 2) -> dict:
+    """Part 5 (module doc): the loader per data kind and worker count vs a step's need."""
+    n = 4_000 if quick else 20_000
+    _corpus(work, n)
     steps = 40 if quick else 150
     rates = _loader_rates(work, steps, reps)
     step = _step_ms(work, [("nanoset", 0), ("stream", 0), ("stream", 2)], 1 if quick else rounds)
@@ -215,6 +228,90 @@ def _loader_part(work: Path, quick: bool, reps: int, rounds: int = 2) -> dict:
             "step_ms": step}  # fmt: skip
 
 
+def _tokenize_rank(rank: int, world: int, work: str, steps: int, share: bool) -> dict:
+    """One rank of a tp = `world` run on the streamed corpus (num_loading_workers 0, so the
+    tokenizer runs in this process): the CPU seconds its tokenizer took per step."""
+    from mesh3d.data import streaming
+    from mesh3d.train import run as run_module
+    from mesh3d.train.loop import train
+
+    spent = [0.0]
+    encode = streaming.StreamedText.encode
+
+    def timed(self, texts):
+        t0 = time.thread_time()
+        out = encode(self, texts)
+        spent[0] += time.thread_time() - t0
+        return out
+
+    streaming.StreamedText.encode = timed
+    if not share:  # every rank of the replica reads and tokenizes, as before issue 45
+        run_module.needs_share = lambda data, dims: False
+    cfg = _default_cfg(Path(work), "stream", 0, steps, [f"parallelism.tp={world}"])
+    train(cfg)
+    return {"tokenizer_cpu_s_per_step": spent[0] / steps}
+
+
+def _step_rank(rank: int, world: int, work: str, kind: str, workers: int, steps: int) -> list:
+    from mesh3d.train.loop import train
+
+    cfg = _default_cfg(Path(work), kind, workers, steps, [f"parallelism.tp={world}"])
+    return [m["elapsed_time_per_iteration_ms"] for m in train(cfg).metrics[2:]]
+
+
+def _stream_part(work: Path, quick: bool, reps: int, rounds: int) -> dict:
+    """Part 6 (module doc): streamed data at several layouts (issue 45's measurements)."""
+    from _ranks import launch
+
+    from mesh3d.data.build import StagedData
+    from mesh3d.data.loader import Feed
+
+    _corpus(work, 4_000 if quick else 20_000)
+    steps = 8 if quick else 24
+    out: dict = {"tokenizer": {}, "loader": {}, "step_ms": {}}
+    print(f"streamed data (default config's shapes: seq 128, global batch 16, "
+          f"{steps}-step runs):")  # fmt: skip
+    print("  tokenizer CPU seconds per step, summed over a dp replica's ranks (tp x, dp 1):")
+    for share in (True, False):
+        for tp in (1, 2, 4):
+            ranks = launch(tp, _tokenize_rank, str(work), steps, share, timeout=900)
+            total = sum(r["tokenizer_cpu_s_per_step"] for r in ranks)
+            key = f"{'read once' if share else 'every rank reads'}/tp{tp}"
+            out["tokenizer"][key] = total
+            base = out["tokenizer"][f"{'read once' if share else 'every rank reads'}/tp1"]
+            print(f"    {key:24s} {total * 1000:8.2f} ms  ({total / base:.2f}x tp1)")
+    print("  loader samples/s of one dp rank (and of the whole step, x dp):")
+    for dp in (1, 2, 4):
+        for workers in (0, 2):
+            cfg = _default_cfg(work, "stream", workers, 4 * steps + 1)
+            data, mbs = StagedData(cfg), cfg.tokens.micro_batch_size
+            rates = []
+            for _ in range(reps):
+                feed = Feed(data, 0, dp, mbs, timeout_s=300)
+                feed.batches(1)  # the workers start and read ahead
+                t0 = time.perf_counter()
+                for step in range(2, 4 * steps + 2):
+                    feed.batches(step)
+                rates.append(4 * steps * data.gbs / dp / (time.perf_counter() - t0))
+                feed.close()
+            r = statistics.median(rates)
+            out["loader"][f"dp{dp}/w{workers}"] = r
+            print(f"    dp {dp} workers {workers}: {r:10,.0f} samples/s per rank, "
+                  f"{r * dp:10,.0f} for {dp} rank(s)")  # fmt: skip
+    pooled: dict[str, list[float]] = {"nanoset": [], "stream": []}
+    for _ in range(rounds):  # interleaved, so both see the same machine
+        for kind, workers in (("nanoset", 0), ("stream", 2)):
+            pooled[kind] += launch(2, _step_rank, str(work), kind, workers, 20, timeout=900)[0]
+    for kind, ms in pooled.items():
+        out["step_ms"][kind] = {"median": statistics.median(ms), "mean": statistics.mean(ms)}
+    ratio = out["step_ms"]["stream"]["median"] / out["step_ms"]["nanoset"]["median"]
+    out["step_ms"]["stream_over_nanoset"] = ratio
+    print(f"  step time at tp 2 (steps 3-20 of {rounds} interleaved rounds): Nanoset median "
+          f"{out['step_ms']['nanoset']['median']:.1f} ms, streamed (2 workers) "
+          f"{out['step_ms']['stream']['median']:.1f} ms = {ratio:.3f}x")  # fmt: skip
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -225,6 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rss-gb", type=float, default=1.0, help="size of the folder for the RSS test")
     ap.add_argument("--rss-child", help=argparse.SUPPRESS)
     ap.add_argument("--loader", action="store_true", help="run part 5 (the loader) alone")
+    ap.add_argument("--streams", action="store_true",
+                    help="run part 6 (streamed data at several layouts) alone")  # fmt: skip
     add_publish_flag(ap)
     args = ap.parse_args(argv)
     if args.rss_child:
@@ -234,6 +333,14 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="mesh3d-data-io-"))
+    if args.streams:
+        result = {"date": str(datetime.date.today()), "torch": torch.__version__,
+                  "cores": os.cpu_count(),
+                  "streams": _stream_part(work, args.quick, args.reps, args.rounds)}  # fmt: skip
+        out = results_dir(args.publish) / f"data_io_streams{'_quick' if args.quick else ''}.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     if args.loader:
         result = {"date": str(datetime.date.today()), "torch": torch.__version__,
                   "cores": os.cpu_count(), "loader": _loader_part(work, args.quick, args.reps, args.rounds)}  # fmt: skip

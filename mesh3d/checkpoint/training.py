@@ -233,13 +233,12 @@ def add_custom_metas(step_dir: Path, extra: dict) -> None:
     fsync_dir(step_dir)
 
 
-def load_data_state(path: str | Path, dp_rank: int, dp: int) -> dict | None:
-    """The streamed-data position a checkpoint saved for dp rank `dp_rank` of `dp`; one saved
-    at another dp when it has none for that rank (the caller refuses it); None without any."""
+def load_data_state(path: str | Path) -> list[dict]:
+    """The streamed-data positions a checkpoint saved, one per dp rank it was saved with (each
+    holds that rank's logical shards); [] without any."""
     folder = resolve_step_dir(path) / "data"
-    mine = folder / Path(data_state_file(dp_rank, dp)).name
-    files = [mine] if mine.is_file() else sorted(folder.glob("stream_dp-*.pt"))
-    return nanotron_state.safe_load(files[0], "streamed-data position") if files else None
+    files = sorted(folder.glob("stream_dp-*.pt"))
+    return [nanotron_state.safe_load(f, "streamed-data position") for f in files]
 
 
 def checkpoint_custom_metas(path: str | Path) -> dict | None:

@@ -388,6 +388,7 @@ class Mesh3dArgs:
     dummy_data: str = "random"  # random (Nanotron's uniform tokens) | learnable
     sft_packing: bool = True  # SFT data: several examples per sequence (mesh3d/data/sft.py)
     hf_streaming: bool = False  # stream hf_dataset_or_datasets stages (mesh3d/data/streaming.py)
+    stream_shards: int | None = None  # a streamed stage's logical shards (null: its global batch)
     sft_assistant_turns: str = "all"  # chat SFT data: the assistant turns that train: all | last
     compile: bool = False
     float8: bool = False  # decoder linears in float8 through torchao (tp 1, ep 1; README)

@@ -86,7 +86,9 @@ def build_dataset(cfg, index: int):
                 "tokenizer.tokenizer_name_or_path to a local folder with tokenizer.json"
             )
         check_tokenizer_vocab(tokenizer, mc.vocab_size)
-        return StreamedText(data.dataset, tokenizer, seq, seed, gbs, where)
+        ds = StreamedText(data.dataset, tokenizer, seq, seed, gbs, where, cfg.mesh3d.stream_shards)
+        ds.check_dp(cfg.parallelism.dp)
+        return ds
     if isinstance(data.dataset, PretrainDatasetsArgs):
         from mesh3d.data.nanoset import check_enough
 

@@ -6,8 +6,9 @@ of step s (`StepDataset`), and the sampler is the stage's remaining steps in ord
 samples of a step still depend only on the step and the data config: workers change when a
 batch is read, never what it holds, and a resume at any dp needs no loader state (the next step
 is the state). A streamed stage (`mesh3d.hf_streaming`, `data/streaming.py`) is an iterable
-that yields one step's microbatches at a time; its position is the loader's `state_dict()`,
-saved in each checkpoint per dp rank (`data_state`).
+whose workers each yield their logical shards' part of a step, put together in shard order;
+its position is per logical shard, saved in each checkpoint per dp rank (`data_state`) and
+taken up at any dp and worker count (`Feed.resume`).
 
 `num_loading_workers: 0` reads in the training process, as does dummy data (`dataset: null`)
 whatever the setting (it is generated, not read). Workers start with the 'forkserver' method:
@@ -74,10 +75,11 @@ class StageLoader:
     """
 
     def __init__(self, dataset, first: int, last: int, workers: int, *, where: str,
-                 timeout_s: float, pin: bool = False, state: dict | None = None):  # fmt: skip
+                 timeout_s: float, pin: bool = False):  # fmt: skip
         self.first, self.next_step, self.last = first, first, last
         self.where, self.workers, self.timeout_s, self.pin = where, workers, timeout_s, pin
         self.streamed = isinstance(dataset, IterableDataset)
+        self.dataset, self.parts = dataset, getattr(dataset, "workers", 1)
         kwargs = {}
         if workers > 0:
             kwargs = dict(multiprocessing_context=_context(),
@@ -90,8 +92,6 @@ class StageLoader:
                 sampler=None if self.streamed else range(first, last + 1), collate_fn=_keep,
                 **kwargs,
             )  # fmt: skip
-        if state is not None:
-            self.loader.load_state_dict(state)
         self._it: Iterator | None = None
 
     def next(self, step: int) -> list:
@@ -99,6 +99,10 @@ class StageLoader:
         assert step == self.next_step <= self.last, (step, self.next_step, self.last)
         try:
             item = self._next_item()
+            if self.streamed:  # one part per worker, put together in shard order
+                parts = [item] + [self._next_item() for _ in range(self.parts - 1)]
+                failed = [p for p in parts if isinstance(p, Failed)]
+                item = failed[0] if failed else self.dataset.assemble(parts)
         except StopIteration:
             raise UserError(
                 f"{self.where}: the data ended before step {step}; add data or "
@@ -174,8 +178,9 @@ class StageLoader:
         )
 
     def state_dict(self) -> dict:
-        """The loader's position after the last step it returned (streamed stages)."""
-        return self.loader.state_dict()
+        """The position after the last step it returned (streamed stages): each of this dp
+        rank's logical shards' (`streaming.RankStream.state`)."""
+        return self.dataset.state()
 
     def close(self) -> None:
         """Stop the workers, if any."""
@@ -221,10 +226,7 @@ class Feed:
         self.timeout_s, self.pin = timeout_s, pin
         self.loader: StageLoader | None = None
         self.stage: int | None = None
-        self._resume: tuple[int, int, dict] | None = None  # (stage, next step, loader state)
-
-    def _shards(self, i: int) -> int:
-        return max(self.data.workers[i], 1)
+        self._resume: tuple[int, int, dict] | None = None  # (stage, next step, positions)
 
     def batches(self, step: int) -> list:
         data = self.data
@@ -244,70 +246,74 @@ class Feed:
 
     def _open(self, i: int, step: int) -> StageLoader:
         data = self.data
-        ds, state, first = data.datasets[i], None, step
+        ds, first, workers = data.datasets[i], step, data.workers[i]
         if _streamed(ds):
-            ds = ds.for_rank(self.dp_rank, self.dp, self.mbs, data.workers[i])
+            ds = ds.for_rank(self.dp_rank, self.dp, self.mbs, workers)
+            workers = ds.workers if workers > 0 else 0
             first = max(data.starts[i], 1)
             if self._resume is not None and self._resume[:2] == (i, step):
-                state, first = self._resume[2], step
+                ds.resume_from(self._resume[2])
+                first = step
         else:
             ds = StepDataset(ds, data.starts[i], data.gbs, self.dp_rank, self.dp, self.mbs)
-        loader = StageLoader(ds, first, data.last_step(i), data.workers[i], where=data.sources[i],
-                             timeout_s=self.timeout_s, pin=self.pin, state=state)  # fmt: skip
+        loader = StageLoader(ds, first, data.last_step(i), workers, where=data.sources[i],
+                             timeout_s=self.timeout_s, pin=self.pin)  # fmt: skip
         while loader.next_step < step:  # a stream opened past its start reads up to `step`
             loader.next(loader.next_step)
         return loader
 
-    def resume(self, step: int, saved: dict | None, checkpoint: str) -> None:
-        """Continue after checkpoint `checkpoint` of step `step`; `saved`: the loader state it
-        holds for this dp rank (None: none). A stream in the middle of its stage continues
-        exactly at the dp and worker count it was saved with and is refused at any other."""
+    def resume(self, step: int, saved: list[dict], checkpoint: str) -> None:
+        """Continue after checkpoint `checkpoint` of step `step`; `saved`: the stream positions
+        it holds (one file per dp rank it was saved with). A stream in the middle of its stage
+        continues exactly at any dp and worker count: every logical shard's position is there,
+        and this rank takes those of the shards it owns now."""
         data = self.data
         if step >= data.train_steps:
             return
         i = data.stage_at(step + 1)
-        if not _streamed(data.datasets[i]) or step + 1 <= max(data.starts[i], 1):
+        ds = data.datasets[i]
+        if not _streamed(ds) or step + 1 <= max(data.starts[i], 1):
             return  # map-style data, or a stream that starts afresh at the next step
-        want = (i, self.dp, self._shards(i))
-        fix = (
-            f"resume with the saved parallelism.dp and that stage's num_loading_workers, or "
-            f"start a new data stage at step {step + 1} (a stage's stream starts afresh)"
-        )
-        if saved is None:
-            raise _everywhere(
-                UserError(
-                    f"checkpoint {checkpoint} holds no stream position of {data.sources[i]} for dp "
-                    f"rank {self.dp_rank} of {self.dp} (it was saved at another dp, or without "
-                    f"mesh3d.hf_streaming); the stream cannot continue exactly: {fix}"
-                )
-            )
-        got = (saved["stage"], saved["dp"], saved["shards"])
-        if got != want:
-            raise _everywhere(
-                UserError(
-                    f"checkpoint {checkpoint} streamed {data.sources[i]} at dp {got[1]} with "
-                    f"{got[2]} shard(s) per dp rank (max(num_loading_workers, 1)) in stage {got[0]}; "
-                    f"this run has dp {self.dp} with {want[2]} in stage {i}, which would split the "
-                    f"stream differently: {fix}"
-                )
-            )
-        self._resume = (i, step + 1, saved["state"])
+        fix = f"or start a new data stage at step {step + 1} (a stage's stream starts afresh)"
+        positions: dict[int, dict] = {}
+        for got in saved:
+            if "positions" not in got:  # written per dp rank and worker, before logical shards
+                raise _everywhere(UserError(
+                    f"checkpoint {checkpoint} holds a stream position of {data.sources[i]} from "
+                    "before logical shards (split by dp and workers); it cannot continue "
+                    f"exactly: resume it with the mesh3d version that saved it, {fix}"))  # fmt: skip
+            if (got["stage"], got["shards"]) != (i, ds.shards):
+                raise _everywhere(UserError(
+                    f"checkpoint {checkpoint} streamed data stage {got['stage']} in "
+                    f"{got['shards']} logical shards (mesh3d.stream_shards); this run streams "
+                    f"stage {i} in {ds.shards}: set mesh3d.stream_shards: {got['shards']}, {fix}"))  # fmt: skip
+            positions.update(got["positions"])
+        missing = sorted(set(range(ds.shards)) - positions.keys())
+        if missing:
+            raise _everywhere(UserError(
+                f"checkpoint {checkpoint} holds no stream position of {data.sources[i]} for "
+                f"logical shard(s) {missing[:8]} of {ds.shards} (a data/stream_dp-*.pt file is "
+                f"missing, or it was saved without mesh3d.hf_streaming); the stream cannot "
+                f"continue exactly: copy the checkpoint whole, {fix}"))  # fmt: skip
+        self._resume = (i, step + 1, positions)
 
     def data_state(self, step: int) -> dict | None:
-        """This dp rank's stream position after `step`, for the checkpoint (None: the stage
-        active at `step` is not streamed)."""
+        """This dp rank's logical shards' stream positions after `step`, for the checkpoint
+        (None: the stage active at `step` is not streamed)."""
         data = self.data
         i = data.stage_at(step)
-        if not _streamed(data.datasets[i]):
+        ds = data.datasets[i]
+        if not _streamed(ds):
             return None
         if self.loader is not None and self.stage == i and self.loader.next_step == step + 1:
-            state = self.loader.state_dict()
+            positions = self.loader.state_dict()
         elif self._resume is not None and self._resume[:2] == (i, step + 1):
-            state = self._resume[2]  # saved again before any step read
+            per = ds.shards // self.dp  # saved again before any step read
+            owned = range(self.dp_rank * per, (self.dp_rank + 1) * per)
+            positions = {k: copy.deepcopy(self._resume[2][k]) for k in owned}
         else:
             return None
-        return {"stage": i, "dp": self.dp, "shards": self._shards(i),
-                "state": copy.deepcopy(state)}  # fmt: skip
+        return {"stage": i, "shards": ds.shards, "positions": positions}
 
     def close(self) -> None:
         """Stop the active loader's workers (at the end of a run, or a stage switch)."""

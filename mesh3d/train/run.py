@@ -49,6 +49,7 @@ from mesh3d.train.build import ModelParts, build_model_parts
 from mesh3d.train.data_errors import agree_on_data_error
 from mesh3d.train.optim import build_optimizer
 from mesh3d.train.step import total_params, train_step
+from mesh3d.train.stream_share import ReplicaShare, needs_share
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Run:
     extra: dict = field(default_factory=dict)  # room for callers' own state
     checkpoints: Checkpointer | None = None  # every save's lifecycle (`build`)
     feed: Feed | None = None  # this rank's loader of each step's batches (`build`)
+    share: ReplicaShare | None = None  # a streamed step read once per dp replica (`build`)
 
     @classmethod
     def prepare(cls, cfg) -> Run:
@@ -129,6 +131,8 @@ class Run:
         self.feed = Feed(self.data, layout.coords["dp"], dims.dp, layout.microbatch_size,
                          timeout_s=cfg.mesh3d.collective_timeout_s,
                          pin=self.device.type == "cuda")  # fmt: skip
+        if needs_share(self.data, dims):
+            self.share = ReplicaShare(dims, dist.get_rank())
         return self
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -140,12 +144,18 @@ class Run:
         if not self.feed.streams(step):
             return self.feed.batches(step) if reads else []
         batches, error = [], None
+        share = self.share  # None: every reading rank reads (a replica of one rank)
+        reader = share.reader if share is not None else reads
         try:  # a bad streamed row: one line on every rank, printed once (`data_errors.py`)
-            batches = self.feed.batches(step) if reads else []
+            batches = self.feed.batches(step) if reader else []
         except UserError as e:
             error = e
         agree_on_data_error(error, self.device)
-        return batches
+        if share is not None:  # the replica's reader tokenized it; the others receive it
+            at = self.layout_at(step)
+            batches = share.share(batches, self.data.gbs // layout.dims.dp, at.sequence_length,
+                                  layout.microbatch_size)  # fmt: skip
+        return batches if reads else []
 
     def layout_at(self, step: int) -> RunLayout:
         """The layout of step `step`: the run's, at the sequence length of the data stage
@@ -204,9 +214,9 @@ class Run:
                 path, self.parts, self.optimizer, self.scheduler, cfg, layout=self.layout,
                 load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
             )  # fmt: skip
-        dims = self.layout.dims
-        saved = load_data_state(path, self.layout.coords["dp"], dims.dp)
-        self.feed.resume(start, saved, str(path))  # a stream continues, or is refused
+        self.feed.resume(
+            start, load_data_state(path), str(path)
+        )  # a stream continues, or is refused
         return start, consumed, checkpoint_custom_metas(path) or {}
 
     def model(self) -> torch.nn.Module:

@@ -1,14 +1,19 @@
 """Streamed HF text in whole training runs (`mesh3d.hf_streaming`, 2 loading workers per rank).
 
+A streamed stage's samples depend only on the data config (logical shards, `data/streaming.py`),
+so every layout trains on the same stream and a resume at any dp continues it.
+
 One 2-rank launch at dp 2: a run trains 8 steps straight, with a streamed JSON Lines stage at its
 own `sequence_length` (32 tokens) then a Nanoset stage at `tokens.sequence_length` (16) from
-step 5, each step's samples at its stage's length; a second run saves at steps 3 (mid-stream) and 6 (after the switch);
-two more resume from each, and must read the same batches (token hashes) with the same losses.
-The step-3 checkpoint holds one stream position per dp rank inside its manifest. A 1-rank launch
-then resumes at dp 1: from step 6 (map-style data) it trains, from step 3 (mid-stream) it is
-refused with one line saying why and what to do. A third launch streams a file whose row 42
-(read by dp rank 1 only) is not JSON: both ranks stop with that rank's one line, marked as
-everyone's, so it is printed once.
+step 5, each step's samples at its stage's length; a second run saves at steps 3 (mid-stream)
+and 6 (after the switch); two more resume from each, and must read the same batches (token
+hashes) with the same losses. The step-3 checkpoint holds each dp rank's logical shards'
+positions inside its manifest. A 1-rank launch trains the same 8 steps (the reference) and
+resumes at dp 1 from steps 6 and 3 (mid-stream, saved at dp 2). An 8-rank launch trains
+dp2 x tp2 x pp2 straight (one rank of each replica reads and tokenizes, `train/stream_share.py`)
+and resumes dp4 x tp2 from step 3. Every one equals the reference within 1e-5. A last launch
+streams a file whose row 46 (logical shard 5: dp rank 1's) is not JSON: both ranks stop with
+that rank's one line, marked as everyone's, so it is printed once.
 """
 
 from __future__ import annotations
@@ -70,11 +75,23 @@ def runs(data, tmp_path_factory):
     dp1 = layout_overrides(1, 1, "ALL_REDUCE", 0, False)
     one = run_ranks(
         1, hashed_runs,
-        [dp1 + _overrides(data, t / "dp1_6", 8, t / "saved" / "6"),
+        [dp1 + _overrides(data, t / "dp1", 8), dp1 + _overrides(data, t / "dp1_6", 8, t / "saved" / "6"),
          dp1 + _overrides(data, t / "dp1_3", 8, t / "saved" / "3")],
         timeout=300,
     )[0]  # fmt: skip
-    return {"two": two, "one": one, "root": t}
+    three_d = layout_overrides(2, 2, "ALL_REDUCE", 0, False) + ["parallelism.pp=2"]
+    dp4tp2 = layout_overrides(4, 2, "REDUCE_SCATTER", 0, False)
+    eight = run_ranks(
+        8, hashed_runs,
+        [three_d + _overrides(data, t / "3d", 8),
+         dp4tp2 + _overrides(data, t / "dp4_3", 8, t / "saved" / "3")],
+        timeout=600,
+    )  # fmt: skip
+    return {"two": two, "one": one, "eight": eight, "root": t}
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
 def test_a_resumed_stream_reads_what_the_uninterrupted_run_read(runs):
@@ -100,12 +117,27 @@ def test_the_stream_position_is_inside_the_checkpoint(runs):
     assert not (runs["root"] / "saved" / "6" / "data").exists()  # map-style: the step suffices
 
 
-def test_resume_at_another_dp(runs):
-    from6, from3 = runs["one"]
+def test_every_layout_trains_on_the_stream_of_one_process(runs):
+    ref = runs["one"][0]["loss"]
+    straight = runs["two"][0][0]["loss"]
+    three_d = runs["eight"][0][0]["loss"]
+    assert len(ref) == len(straight) == len(three_d) == 8
+    diffs = {"dp2": _rel(straight, ref), "dp2 x tp2 x pp2": _rel(three_d, ref)}
+    print("\nstreamed stage then Nanoset, max relative loss difference to one process:",
+          {k: f"{v:.1e}" for k, v in diffs.items()})  # fmt: skip
+    assert all(v <= 1e-5 for v in diffs.values()), diffs
+    assert all(r[0]["loss"] == three_d for r in runs["eight"])  # every rank logs the same
+
+
+def test_resume_at_another_dp_continues_the_stream(runs):
+    ref = runs["one"][0]["loss"]
+    from6, from3 = runs["one"][1:]
     assert isinstance(from6, dict) and len(from6["loss"]) == 2  # map-style data: any dp
-    assert isinstance(from3, str) and "\n" not in from3
-    assert "at dp 2" in from3 and "this run has dp 1" in from3, from3
-    assert "start a new data stage at step 4" in from3, from3
+    assert isinstance(from3, dict), from3  # mid-stream, saved at dp 2: continues at dp 1
+    assert _rel(from3["loss"], ref[3:]) <= 1e-5
+    dp4 = runs["eight"][0][1]
+    assert isinstance(dp4, dict), dp4  # and at dp 4 x tp 2
+    assert _rel(dp4["loss"], ref[3:]) <= 1e-5
 
 
 def _stopped_with(rank: int, world: int, overrides: list[str]) -> tuple[str, bool]:
@@ -118,11 +150,11 @@ def _stopped_with(rank: int, world: int, overrides: list[str]) -> tuple[str, boo
 
 def test_a_bad_streamed_row_is_one_line_printed_once(data, tmp_path):
     lines = (data / "s.jsonl").read_bytes().splitlines()
-    lines[41] = b'{"text": "cut'  # row 42: dp rank 1 reads it (row % 4 shards == 2)
+    lines[45] = b'{"text": "cut'  # row 46: logical shard 45 % 8 = 5, dp rank 1's
     (tmp_path / "bad.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     run = layout_overrides(2, 1, "ALL_REDUCE", 0, False) + _overrides(
         data, tmp_path / "ck", 8, stream=tmp_path / "bad.jsonl"
     )
     (r0, once0), (r1, once1) = run_ranks(2, _stopped_with, run, timeout=300)
     assert r0 == r1 and once0 and once1, (r0, r1)
-    assert "\n" not in r0 and f"{tmp_path / 'bad.jsonl'} row 42: not valid JSON" in r0, r0
+    assert "\n" not in r0 and f"{tmp_path / 'bad.jsonl'} row 46: not valid JSON" in r0, r0
