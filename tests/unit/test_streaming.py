@@ -162,6 +162,20 @@ def test_every_dp_reads_the_global_batches_of_one_process_and_the_seed_fixes_the
     assert steps_at(other, 1, range(1, 5)) != one
 
 
+def test_a_folder_of_several_files_and_a_weighted_blend_read_alike_at_every_dp(d, tmp_path,
+                                                                               monkeypatch):
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    docs = make_documents(240, seed=5)
+    for i in range(3):  # rows are counted per file: each file splits over the shards on its own
+        write_jsonl(folder / f"part-{i}.jsonl", docs[i * 80 : (i + 1) * 80])
+    cfg = cfg_of(d, f"{{{folder}: 0.6, {d / 'b.parquet'}: 0.4}}", steps=6)
+    one = steps_at(cfg, 1, range(1, 7))
+    assert steps_at(cfg, 4, range(1, 7), 2, monkeypatch=monkeypatch) == one
+    state = saved_at(cfg, 2, 2, 1, monkeypatch)
+    assert steps_at(cfg, 8, range(3, 7), resume=(2, state)) == one[2:]
+
+
 def test_loading_workers_read_the_same_global_batches(d, monkeypatch):
     cfg = cfg_of(d, d / "a.jsonl", steps=3)
     one = steps_at(cfg, 1, range(1, 4))
