@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,26 @@ def test_which_tokenizer_files_are_copied(tmp_path):
     assert tokenizer_files(None) == []
     copy_into_folder(single, tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == single.read_bytes()
+
+
+# ---- issue 43: the first hour, tried again from a fresh clone ------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _recipe(name: str):
+    """A module of recipes/ (not a package), imported by file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sft_recipe_describes_every_option():
+    """Its --help left --output, --steps and --held-out undescribed (its run, which prints
+    progress and the checkpoint's path: tests/ranks/test_first_hour_ranks.py)."""
+    actions = [a for a in _recipe("sft_arithmetic").parser()._actions if a.dest != "help"]
+    assert {a.dest for a in actions} == {"output", "steps", "held_out"}
+    assert all(a.help for a in actions), [a.dest for a in actions if not a.help]
