@@ -27,11 +27,10 @@ import uuid
 from pathlib import Path
 
 from mesh3d.checks import validate, warn_once
-from mesh3d.config import expand_run_name, load_config, world_size
+from mesh3d.config import DEFAULT_CONFIG, expand_run_name, load_config, world_size
 from mesh3d.errors import PeerError, UserError, exit_on_user_error
 from mesh3d.log import launcher_lines, setup_launcher_logging
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 LAUNCHED_ENV = "MESH3D_LAUNCHED"  # set in the ranks `mesh3d train` starts itself
 
 

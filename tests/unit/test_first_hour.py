@@ -161,3 +161,76 @@ def test_sft_recipe_describes_every_option():
     actions = [a for a in _recipe("sft_arithmetic").parser()._actions if a.dest != "help"]
     assert {a.dest for a in actions} == {"output", "steps", "held_out"}
     assert all(a.help for a in actions), [a.dest for a in actions if not a.help]
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `mesh3d ARGV` in this process."""
+    from mesh3d import cli
+
+    try:
+        cli.main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_without_a_config_plans_the_default_run(capsys):
+    """`mesh3d plan` required a config; it plans the built-in default run and says so, and a
+    world size the layout does not make suggests --world-size (not torchrun's flag)."""
+    from mesh3d.config import DEFAULT_CONFIG
+
+    code, out, err = _cli(capsys, "plan")
+    assert code == 0, err
+    assert err == f"no config given: planning mesh3d's built-in default run ({DEFAULT_CONFIG}, " \
+        "what `mesh3d train` trains without a config)\n"  # fmt: skip
+    assert out.startswith("mesh3d plan: 1 ranks") and "2,410,176 parameters" in out
+    code, out, _ = _cli(capsys, "plan", "parallelism.tp=2")  # overrides without a config
+    assert code == 0 and out.startswith("mesh3d plan: 2 ranks")
+    code, _, err = _cli(capsys, "plan", "--world-size", "8")
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert "give --world-size 1" in err and "nproc_per_node" not in err, err
+
+
+# the published parameter counts of each model
+PRESET_PARAMS = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+                 "llama3-405b": 405_853_388_800, "smollm-135m": 134_515_008,
+                 "smollm-360m": 361_821_120, "smollm-1.7b": 1_711_376_384}  # fmt: skip
+
+
+def test_plan_presets_are_the_published_models_and_take_overrides(capsys):
+    from mesh3d.plan.presets import PRESETS, preset_overrides
+
+    assert set(PRESETS) == set(PRESET_PARAMS)
+    for name in ("llama3-8b", "smollm-135m"):  # (the others: the same path, minutes of meta)
+        code, out, err = _cli(capsys, "plan", "--preset", name)
+        assert code == 0, err
+        assert f"{PRESET_PARAMS[name]:,} parameters" in out, (name, out.splitlines()[0])
+    for name, n in PRESET_PARAMS.items():  # Llama's count from the preset's numbers alone
+        c = PRESETS[name]
+        h, kv = c["hidden_size"], c["num_key_value_heads"] * c["hidden_size"]
+        kv //= c["num_attention_heads"]
+        layer = 2 * h * h + 2 * h * kv + 3 * h * c["intermediate_size"] + 2 * h
+        embed = c["vocab_size"] * h * (1 if c["tie_word_embeddings"] else 2)
+        assert embed + c["num_hidden_layers"] * layer + h == n, name
+        assert f"model.model_config.hidden_size={h}" in preset_overrides(name)
+    code, out, err = _cli(capsys, "plan", "--preset", "llama3-8b",
+                          "model.model_config.num_hidden_layers=2")  # fmt: skip
+    assert code == 0 and "8,030,261,248" not in out and "parameters" in out, err
+    code, _, err = _cli(capsys, "plan", "--preset", "llama4")
+    assert code == 2 and "llama3-8b" in err
+
+
+def test_plan_search_write_says_what_it_took_from_the_config(capsys, tmp_path):
+    """--write wrote `checkpoints: null` and `dummy_data: learnable` without a word: they are
+    the config's own (no checkpoints section; synthetic data), and now it says so."""
+    config = str(ROOT / "recipes" / "configs" / "cpu_tiny.yaml")
+    best = tmp_path / "best.yaml"
+    code, out, err = _cli(capsys, "plan", "--search", config, "--world-size", "2",
+                          "--hardware", "h100-80g", "--top", "1", "--write", str(best))  # fmt: skip
+    assert code == 0, err
+    last = out.splitlines()[-1]
+    assert last.startswith(f"the layout keys changed; the rest is {config} as given"), last
+    assert "checkpoints: null (it has no checkpoints section" in last, last
+    assert "mesh3d.dummy_data: learnable (synthetic data" in last, last
