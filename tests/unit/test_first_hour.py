@@ -234,3 +234,70 @@ def test_plan_search_write_says_what_it_took_from_the_config(capsys, tmp_path):
     assert last.startswith(f"the layout keys changed; the rest is {config} as given"), last
     assert "checkpoints: null (it has no checkpoints section" in last, last
     assert "mesh3d.dummy_data: learnable (synthetic data" in last, last
+
+
+def _logged(fn) -> list[str]:
+    """The messages mesh3d's logger gets while `fn()` runs (at INFO)."""
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        fn()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return seen
+
+
+def test_disk_items_are_in_the_unit_their_names_say():
+    """`hd_total_memory_tb: 271G`: Nanotron's keys said TB, the value was bytes."""
+    import shutil
+
+    from mesh3d.train.metrics import format_iteration_line, memory_metrics
+
+    m = memory_metrics()
+    assert m["hd_total_memory_tb"] == pytest.approx(shutil.disk_usage("/").total / 1e12, rel=1e-3)
+    line = format_iteration_line({"iteration": 1, **m}, 10)
+    for item in line.split(" | ")[1:]:
+        if item.startswith("hd_"):
+            assert not item[-1].isalpha(), line  # 0.271, not 271G
+
+
+def test_first_lines_say_cpu_and_compile_before_the_first_step():
+    from mesh3d.train.loop import start_notes
+
+    cfg = load_config(ROOT / "mesh3d" / "configs" / "default.yaml")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert any(
+        "on CPU: the iteration line's *_per_gpu items" in n for n in start_notes(cfg, cpu, 0)
+    )
+    assert not any("CPU" in n for n in start_notes(cfg, cuda, 0))
+    assert not any("torch.compile" in n for n in start_notes(cfg, cpu, 0))
+    compiled = load_config(ROOT / "mesh3d" / "configs" / "default.yaml", ["mesh3d.compile=true"])
+    notes = start_notes(compiled, cpu, 0)
+    assert any(
+        n.startswith("torch.compile (mesh3d.compile): the first step compiles") for n in notes
+    )
+    assert not any("torch.compile" in n for n in start_notes(compiled, cpu, 200))  # nothing to run
+
+
+def test_launcher_names_where_the_run_writes_and_the_cache(tmp_path, monkeypatch):
+    """`runs/default` is relative to the current folder, and the prepared-data cache was
+    documented nowhere: the launcher's line names both, absolute."""
+    import mesh3d.data.corpus as corpus
+    from mesh3d import launch
+
+    monkeypatch.setattr(corpus, "default_run_overrides", lambda: [])
+    monkeypatch.setenv("MESH3D_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(*launch._resolved(launch._split([])))
+    line = launch.where_it_writes(cfg, None, default_run=True)
+    assert line == (
+        f"writing {tmp_path / 'runs/default/metrics.jsonl'} (and its plot beside it), "
+        f"checkpoints in {tmp_path / 'runs/default/checkpoints'}; the default run's data is "
+        f"prepared once into {tmp_path / 'cache'} (set MESH3D_CACHE to use another folder)"
+    )
+    own = launch.where_it_writes(cfg, "m/x.jsonl", default_run=False)
+    assert own.startswith(f"writing {tmp_path / 'm/x.jsonl'}") and "MESH3D_CACHE" not in own
