@@ -1,6 +1,6 @@
 """`mesh3d generate`: text from a checkpoint, to see what a run has learned.
 
-    mesh3d generate --checkpoint checkpoints/ --prompt "Once upon a time" [--max-new-tokens 50]
+    mesh3d generate --checkpoint runs/default/checkpoints --prompt "Once upon a time" [--max-new-tokens 50]
         [--temperature 0.8 --top-k 50 --seed 1] [--tokenizer PATH] [--device cpu]
     python -m mesh3d.generate ...   # the same
     torchrun --nproc_per_node=4 -m mesh3d.generate ... --tp 2 --pp 2   # the parallel model
@@ -60,7 +60,11 @@ def _parser() -> argparse.ArgumentParser:
         "the checkpoint config's tokenizer when it is a local path; under torchrun the model "
         "runs at --tp x --pp = the number of processes",
     )  # fmt: skip
-    ap.add_argument("--checkpoint", required=True, help="step folder or checkpoints folder")
+    ap.add_argument(
+        "--checkpoint",
+        required=True,
+        help="step folder or checkpoints folder (the default run's: runs/default/checkpoints)",
+    )
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--prompt", help="text to continue")
     which.add_argument("--prompts", "--prompts-file", dest="prompts", action=_PromptsFlag,
