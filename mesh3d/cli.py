@@ -3,7 +3,7 @@
 mesh3d train [CONFIG] [key=value ...]                           train (starts its own processes)
 mesh3d generate --checkpoint PATH --prompt TEXT [...]           text from a trained checkpoint
 mesh3d plot METRICS.jsonl ... [--output PNG]                    loss, lr, grad norm, tokens/s
-mesh3d plan CONFIG [--world-size N] [--json] [--dry-run] [...]  same as python -m mesh3d.plan
+mesh3d plan [CONFIG] [--preset NAME] [--world-size N] [...]     same as python -m mesh3d.plan
 mesh3d plan --search CONFIG --world-size N [--hardware h100-80g] [--write best.yaml]  rank layouts
 mesh3d config CONFIG [--world-size N] [--check-data] [...]      check a config: exit 0, or 2 with the errors
 mesh3d --version                                                the installed version

@@ -1,6 +1,6 @@
 """`mesh3d generate`: text from a checkpoint, to see what a run has learned.
 
-    mesh3d generate --checkpoint checkpoints/ --prompt "Once upon a time" [--max-new-tokens 50]
+    mesh3d generate --checkpoint runs/default/checkpoints --prompt "Once upon a time" [--max-new-tokens 50]
         [--temperature 0.8 --top-k 50 --seed 1] [--tokenizer PATH] [--device cpu]
     python -m mesh3d.generate ...   # the same
     torchrun --nproc_per_node=4 -m mesh3d.generate ... --tp 2 --pp 2   # the parallel model
@@ -20,7 +20,9 @@ the tokenizer's chat template and its generation prompt (`data/chat.py`: the tem
 tokenizer, else ChatML when the tokenizer has its tokens), or `{"prompt": "text"}`. The prompts
 run as one batch, left-padded, each row continued as its prompt alone would be (greedy: token
 for token), each stopping at EOS or `--max-new-tokens`, and each printed on its own: the prompt
-(a chat as rendered) and its continuation. One process runs the single-device model: fp32 on
+(a chat as rendered) and its continuation, under a `--- prompt i of n ---` header with a blank
+line between (one prompt: no header). A `--checkpoint` folder that does not exist is refused
+naming the runs/*/checkpoints folders here (`mesh3d train` writes runs/<run name>/checkpoints). One process runs the single-device model: fp32 on
 CPU, the checkpoint's dtype on CUDA (or as `--device` says), with a KV cache (the prompt once,
 then one token per forward; `--no-cache` runs the whole sequence for every token). Under
 torchrun (WORLD_SIZE > 1) the model runs at `--tp` x `--pp` = the number of processes (dp 1),
@@ -42,6 +44,15 @@ from mesh3d.errors import UserError, exit_on_user_error
 from mesh3d.generation.single import find_tokenizer, generate_here
 
 
+class _PromptsFlag(argparse.Action):
+    """Stores the file and which spelling named it (`--prompts` or `--prompts-file`), so a
+    refusal names the flag the user typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.prompts_flag = option_string
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="mesh3d generate", description=__doc__.split("\n\n")[0],
@@ -49,12 +60,17 @@ def _parser() -> argparse.ArgumentParser:
         "the checkpoint config's tokenizer when it is a local path; under torchrun the model "
         "runs at --tp x --pp = the number of processes",
     )  # fmt: skip
-    ap.add_argument("--checkpoint", required=True, help="step folder or checkpoints folder")
+    ap.add_argument(
+        "--checkpoint",
+        required=True,
+        help="step folder or checkpoints folder (the default run's: runs/default/checkpoints)",
+    )
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--prompt", help="text to continue")
-    which.add_argument("--prompts", "--prompts-file", dest="prompts",
+    which.add_argument("--prompts", "--prompts-file", dest="prompts", action=_PromptsFlag,
                        help="a text file, one prompt per line (empty lines skipped), or a .jsonl "
                        'file of chats {"messages": [{"role", "content"}...]} or {"prompt": text}')  # fmt: skip
+    ap.set_defaults(prompts_flag="--prompts")
     ap.add_argument("--max-new-tokens", type=int, default=50, help="default 50")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     ap.add_argument("--top-k", type=int, help="sample among the k most likely tokens only")
@@ -103,14 +119,14 @@ def _prompts(args) -> list[str | list[dict]]:
     messages for a .jsonl line with "messages")."""
     if args.prompt is not None:
         return [args.prompt]
-    path = Path(args.prompts)
+    path, flag = Path(args.prompts), args.prompts_flag
     if not path.is_file():
         raise UserError(
-            f"--prompts {args.prompts!r} is not a file; give a text file, one prompt a line"
+            f"{flag} {args.prompts!r} is not a file; give a text file, one prompt a line"
         )
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
-        raise UserError(f"--prompts {args.prompts!r} has no non-empty line; give one prompt a line")
+        raise UserError(f"{flag} {args.prompts!r} has no non-empty line; give one prompt a line")
     if path.suffix != ".jsonl":
         return lines
     return [_jsonl_prompt(line, path, n) for n, line in enumerate(lines, 1)]
@@ -136,6 +152,25 @@ def _jsonl_prompt(line: str, path: Path, n: int) -> str | list[dict]:
     )
 
 
+def _existing(checkpoint: str) -> str:
+    """`checkpoint`, when it is a folder; else a refusal naming the checkpoints folders a run
+    wrote under ./runs (`mesh3d train` writes runs/<run name>/checkpoints)."""
+    if Path(checkpoint).is_dir():
+        return checkpoint
+    found = sorted(str(p) for p in Path("runs").glob("*/checkpoints") if p.is_dir())
+    if "runs/default/checkpoints" in found:  # the default run's first
+        found.insert(0, found.pop(found.index("runs/default/checkpoints")))
+    where = f"--checkpoint {checkpoint}: no such folder in {Path.cwd()}"
+    wrote = "`mesh3d train` writes runs/<run name>/checkpoints, relative to the folder it ran in"
+    if not found:
+        raise UserError(
+            f"{where}, and no runs/*/checkpoints here either; give a step folder or a "
+            f"checkpoints folder ({wrote})"
+        )
+    others = f" (or {', '.join(found[1:3])})" if len(found) > 1 else ""
+    raise UserError(f"{where}; did you mean --checkpoint {found[0]}{others}? ({wrote})")
+
+
 def _prompt_ids(tokenizer, prompt: str, step: Path, tok_path: str,
                 template: bool = False) -> list[int]:  # fmt: skip
     """The prompt's token ids, checked against the checkpoint's vocabulary (a chat's rendering
@@ -152,7 +187,7 @@ def _prompt_ids(tokenizer, prompt: str, step: Path, tok_path: str,
     return prompt_ids
 
 
-def _render(prompts: list, tok_path: str) -> tuple[list[str], list[bool]]:
+def _render(prompts: list, tok_path: str, args) -> tuple[list[str], list[bool]]:
     """The prompts as text, chats rendered with the tokenizer's chat template and the
     generation prompt; and which were chats."""
     chats = [isinstance(p, list) for p in prompts]
@@ -160,7 +195,13 @@ def _render(prompts: list, tok_path: str) -> tuple[list[str], list[bool]]:
         return prompts, chats
     from mesh3d.data.chat import conversation_renderer
 
-    render = conversation_renderer(tok_path, "--prompts")
+    render = conversation_renderer(
+        tok_path,
+        f'{args.prompts_flag} {args.prompts} holds chats ("messages")',
+        instead='give plain prompts (a text file, one prompt a line, or {"prompt": text} lines), '
+        "or a --tokenizer that has a chat template (chat_template in its tokenizer_config.json, "
+        "or a chat_template.jinja beside it)",
+    )
     return [render(p, True) if chat else p for p, chat in zip(prompts, chats)], chats
 
 
@@ -180,10 +221,10 @@ def main(argv: list[str] | None = None) -> None:
     _check_flags(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp = _degrees(args, world)  # before any collective: a wrong layout never hangs
-    step = weights_dir(args.checkpoint, "--checkpoint")
+    step = weights_dir(_existing(args.checkpoint), "--checkpoint")
     tok_path, where = find_tokenizer(step, args.tokenizer)
     tokenizer = load_tokenizer(tok_path)
-    texts, chats = _render(_prompts(args), tok_path)
+    texts, chats = _render(_prompts(args), tok_path, args)
     prompts = [_prompt_ids(tokenizer, t, step, tok_path, c) for t, c in zip(texts, chats)]
     first = int(os.environ.get("RANK", "0")) == 0
     positions = read_model_config_json(step).max_position_embeddings
@@ -206,7 +247,9 @@ def main(argv: list[str] | None = None) -> None:
         total = sum(map(len, new_ids))
         print(f"{step}: tokenizer {tok_path} ({where}); {total} new tokens {how}",
               file=sys.stderr)  # fmt: skip
-        for text, ids, new in zip(texts, prompts, new_ids, strict=True):
+        for i, (text, ids, new) in enumerate(zip(texts, prompts, new_ids, strict=True), 1):
+            if len(texts) > 1:  # a batch: each output under its own header
+                print(f"{'' if i == 1 else chr(10)}--- prompt {i} of {len(texts)} ---")
             print(text + _continuation(tokenizer, ids, new))
 
 

@@ -27,11 +27,10 @@ import uuid
 from pathlib import Path
 
 from mesh3d.checks import validate, warn_once
-from mesh3d.config import expand_run_name, load_config, world_size
+from mesh3d.config import DEFAULT_CONFIG, expand_run_name, load_config, world_size
 from mesh3d.errors import PeerError, UserError, exit_on_user_error
-from mesh3d.log import launcher_lines, setup_launcher_logging
+from mesh3d.log import launcher_lines, logger, setup_launcher_logging
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "default.yaml"
 LAUNCHED_ENV = "MESH3D_LAUNCHED"  # set in the ranks `mesh3d train` starts itself
 
 
@@ -119,12 +118,31 @@ def _resolved_on_ranks(args: argparse.Namespace) -> tuple[str, list[str], str]:
             e.same_on_every_rank = True
             raise
         warn_once(cfg)
+        logger.info(where_it_writes(cfg, args.metrics_file, args.config is None))
     init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=cfg.mesh3d.device)
     shared = [overrides]
     dist.broadcast_object_list(shared, src=0)
     overrides = shared[0]
     run = load_config(path, overrides).general.run
     return path, overrides, args.metrics_file or f"runs/{run}/metrics.jsonl"
+
+
+def where_it_writes(cfg, metrics_file: str | None, default_run: bool) -> str:
+    """The launcher's line naming where the run writes, as absolute paths (relative ones are
+    from the current folder), and for the default run the cache folder of its prepared data."""
+    metrics = Path(metrics_file or f"runs/{cfg.general.run}/metrics.jsonl").resolve()
+    line = f"writing {metrics} (and its plot beside it)"
+    if cfg.checkpoints is not None:
+        ck = str(cfg.checkpoints.checkpoints_path)
+        line += f", checkpoints in {ck if ck.startswith('s3://') else Path(ck).resolve()}"
+    if default_run:
+        from mesh3d.data.corpus import cache_root
+
+        line += (
+            f"; the default run's data is prepared once into {cache_root().resolve()} "
+            "(set MESH3D_CACHE to use another folder)"
+        )
+    return line
 
 
 def _is_rank() -> bool:
@@ -145,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     validate(cfg, world_size=world)  # before any process starts: one message, exit 2
     warn_once(cfg)
     metrics = args.metrics_file or f"runs/{cfg.general.run}/metrics.jsonl"
+    logger.info(where_it_writes(cfg, metrics, args.config is None))
     if world == 1:  # in this process: a one-process world, no launcher
         return run_rank(path, overrides, metrics)
     _launch(world, path, overrides, metrics)

@@ -20,6 +20,7 @@ from mesh3d.config.derive import (
     world_size,
 )
 from mesh3d.config.load import (
+    DEFAULT_CONFIG,
     apply_overrides,
     config_from_dict,
     config_to_dict,
@@ -60,6 +61,7 @@ from mesh3d.config.schema import (
 )
 
 __all__ = [
+    "DEFAULT_CONFIG",
     "layout_text",
     "max_sequence_length",
     "stage_sequence_length",

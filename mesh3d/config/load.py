@@ -321,6 +321,10 @@ def config_to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=True, default_flow_style=False)
 
 
+# mesh3d's built-in default run: what `mesh3d train` (and `mesh3d plan`) use without a config
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,8 +30,10 @@ DEFAULT_TEMPLATE = (
 TURNS = ("all", "last")
 
 
-def chat_template(tokenizer_path: str, where: str) -> str:
-    """The chat template of the tokenizer at `tokenizer_path` (see the module docstring)."""
+def chat_template(tokenizer_path: str, where: str, instead: str | None = None) -> str:
+    """The chat template of the tokenizer at `tokenizer_path` (see the module docstring).
+    Without one the refusal says `where` (what holds the chats; default: an SFT dataset's
+    'messages' column) and `instead` (what to do; default: 'prompt' and 'completion' columns)."""
     import json
 
     from mesh3d.data.tokenizer import load_tokenizer
@@ -50,12 +52,16 @@ def chat_template(tokenizer_path: str, where: str) -> str:
     tok = load_tokenizer(tokenizer_path)
     if tok.token_to_id("<|im_start|>") is not None and tok.token_to_id("<|im_end|>") is not None:
         return DEFAULT_TEMPLATE
+    if instead is None:
+        where = f"{where}: the dataset has a 'messages' column (chat data)"
+        instead = (
+            "add a chat template beside the tokenizer, or give 'prompt' and 'completion' "
+            "columns instead"
+        )
     raise UserError(
-        f"{where}: the dataset has a 'messages' column (chat data) but tokenizer "
-        f"{tokenizer_path!r} has no chat template (no chat_template in tokenizer_config.json, no "
-        "chat_template.jinja) and no <|im_start|>/<|im_end|> tokens for mesh3d's default ChatML "
-        "template; add a chat template beside the tokenizer, or give 'prompt' and 'completion' "
-        "columns instead"
+        f"{where} but this tokenizer ({tokenizer_path}) has no chat template (no chat_template "
+        "in tokenizer_config.json, no chat_template.jinja) and no <|im_start|>/<|im_end|> "
+        f"tokens for mesh3d's default ChatML template; {instead}"
     )
 
 
@@ -131,9 +137,10 @@ def check_messages(value, where: str, row: int) -> list[dict]:
     return value
 
 
-def conversation_renderer(tokenizer_path: str, where: str):
-    """`render(messages, generation_prompt)` with the tokenizer's chat template."""
-    return _renderer(tokenizer_path, chat_template(tokenizer_path, where))
+def conversation_renderer(tokenizer_path: str, where: str, instead: str | None = None):
+    """`render(messages, generation_prompt)` with the tokenizer's chat template (`where`,
+    `instead`: the refusal's words, as `chat_template`'s)."""
+    return _renderer(tokenizer_path, chat_template(tokenizer_path, where, instead))
 
 
 def chat_examples(

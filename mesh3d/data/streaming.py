@@ -47,6 +47,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from mesh3d.data.text_files import check_file, read_rows, source_files
 from mesh3d.data.worker_failure import Failed
 from mesh3d.errors import UserError
+from mesh3d.log import logger
 
 _BLOCK = 256  # samples shuffled together: the bounded shuffle buffer
 _ROWS = 32  # rows tokenized per call
@@ -234,6 +235,11 @@ class StreamedText:
         tok = load_tokenizer(tokenizer_path)
         self.eos = find_eos(tok)
         self._tokenizer = None
+        n = sum(map(len, self.files))
+        logger.info(
+            f"{where} is streamed (mesh3d.hf_streaming: true): {n} file{'s' * (n != 1)} of "
+            f"{', '.join(map(str, paths))}, read row by row and tokenized in the loader"
+        )
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """Documents tokenized and concatenated, EOS after each."""

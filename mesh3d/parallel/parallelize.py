@@ -129,6 +129,16 @@ def private_compile_cache(mesh: DeviceMesh) -> str:
     return cache_dir()
 
 
+def compile_notice() -> str:
+    """Said before the first compiled step, which is silent for as long as compiling takes."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return (
+        "torch.compile (mesh3d.compile): the first step compiles the model's blocks, which "
+        f"takes a while (tens of seconds); the graphs are cached in {cache_dir()} for next runs"
+    )
+
+
 def compile_cache_text() -> str:
     """What torch.compile did so far in this process: graphs compiled, and loaded from its cache."""
     from torch._dynamo.utils import counters

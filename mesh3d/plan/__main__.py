@@ -1,5 +1,10 @@
-"""Pre-flight plan of a run: `mesh3d plan CONFIG [--world-size N] [--json] [--dry-run]
-[key=value ...]` (or `python -m mesh3d.plan ...`).
+"""Pre-flight plan of a run: `mesh3d plan [CONFIG] [--preset NAME] [--world-size N] [--json]
+[--dry-run] [key=value ...]` (or `python -m mesh3d.plan ...`).
+
+Without CONFIG it plans mesh3d's built-in default run (`mesh3d/configs/default.yaml`, what
+`mesh3d train` trains without a config) and says so on stderr. `--preset NAME` sets the
+`model.model_config` keys of a published model (presets.py: llama3-8b, llama3-70b, llama3-405b,
+smollm-135m, smollm-360m, smollm-1.7b); dotted overrides apply after it.
 
 `--search` instead ranks every valid layout of the config's model and global batch on
 `--world-size` ranks of `--hardware` (or `--hardware-file`) by predicted step time
@@ -19,10 +24,11 @@ import dataclasses
 import json
 import sys
 
-from mesh3d.config import load_config
+from mesh3d.config import DEFAULT_CONFIG, load_config
 from mesh3d.errors import UserError, exit_on_user_error
 from mesh3d.plan.build import make_plan
 from mesh3d.plan.dry_run import differences, dry_run
+from mesh3d.plan.presets import PRESETS, preset_overrides
 from mesh3d.plan.report import format_dry_run, format_plan, gpu_memory_gib
 from mesh3d.plan.search_report import run_search
 
@@ -32,7 +38,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="mesh3d plan", description=" ".join(__doc__.split("\n\n")[0].split())
     )
-    ap.add_argument("config", help="Nanotron YAML config file")
+    ap.add_argument("config", nargs="?",
+                    help="Nanotron YAML config file (default: the built-in run `mesh3d train` "
+                    "trains without a config)")  # fmt: skip
+    ap.add_argument("--preset", choices=PRESETS, metavar="NAME",
+                    help="set model.model_config to a published model's shape: "
+                    f"{', '.join(PRESETS)} (overrides given after it win)")  # fmt: skip
     ap.add_argument(
         "--world-size", type=int, help="number of processes (default: dp x cp x tp x pp)"
     )
@@ -61,10 +72,20 @@ def main(argv: list[str] | None = None) -> None:
             "processes (e.g. --world-size 8), or leave it out for dp x cp x tp x pp"
         )
     gib = gpu_memory_gib(args.gpu_memory) if args.gpu_memory else None
-    cfg = load_config(args.config, args.overrides)
+    if args.config and "=" in args.config:  # `mesh3d plan parallelism.tp=2`: no CONFIG
+        args.overrides.insert(0, args.config)
+        args.config = None
+    if args.config is None:
+        sys.stderr.write(
+            f"no config given: planning mesh3d's built-in default run ({DEFAULT_CONFIG}, "
+            "what `mesh3d train` trains without a config)\n"
+        )
+    presets = preset_overrides(args.preset) if args.preset else []
+    cfg = load_config(args.config or DEFAULT_CONFIG, presets + args.overrides)
     if args.search:
         run_search(cfg, args)
         return
+    _check_world_size(cfg, args.world_size)
     plan = make_plan(cfg, args.world_size)
     run = dry_run(cfg, plan.world_size) if args.dry_run else None
     diffs = differences(plan, run) if run else {}
@@ -83,6 +104,21 @@ def main(argv: list[str] | None = None) -> None:
             f"dry run: the plan differs from the parts built on rank(s) {ranks}: {first}\n"
         )
         raise SystemExit(1)
+
+
+def _check_world_size(cfg, world: int | None) -> None:
+    """`--world-size` against the config's layout, with the fix `mesh3d plan` takes (training's
+    own message suggests torchrun's --nproc_per_node)."""
+    p = cfg.parallelism
+    product = p.dp * p.tp * p.pp * max(p.context_parallel_size, 1)
+    if world is None or world == product:
+        return
+    cp = f" x context_parallel_size ({p.context_parallel_size})" * (p.context_parallel_size > 1)
+    raise UserError(
+        f"--world-size {world}, but parallelism.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}){cp} = "
+        f"{product}; give --world-size {product} (or leave it out), change parallelism.dp/tp/pp "
+        f"so the product is {world}, or let `mesh3d plan --search --world-size {world}` choose"
+    )
 
 
 if __name__ == "__main__":

@@ -66,6 +66,19 @@ def check_writable(path: str) -> None:
         raise UserError(f"--write {path}: {parent} is not a writable folder; {_FIX}")
 
 
+def kept_line(cfg, config: str | None) -> str:
+    """What `--write` took from the config as it was: everything but the layout keys, with its
+    defaults written out; the two that surprise (no checkpoints, synthetic data) named."""
+    source = config or "the built-in default run"
+    notes = []
+    if cfg.checkpoints is None:
+        notes.append("checkpoints: null (it has no checkpoints section: the run saves none)")
+    if cfg.mesh3d.dummy_data:
+        notes.append(f"mesh3d.dummy_data: {cfg.mesh3d.dummy_data} (synthetic data, no dataset)")
+    named = f", including {' and '.join(notes)}" if notes else ""
+    return f"the layout keys changed; the rest is {source} as given (defaults written out){named}"
+
+
 def run_search(cfg, args) -> None:
     """The `--search` command: print, and `--write` the best layout's config."""
     world = args.world_size or (
@@ -98,3 +111,4 @@ def run_search(cfg, args) -> None:
         sys.stdout.write(format_search(found, hw, world, args.top, secs))
         if args.write:
             sys.stdout.write(f"wrote {args.write}: {' '.join(fits[0].overrides())}\n")
+            sys.stdout.write(kept_line(cfg, args.config) + "\n")

@@ -25,7 +25,7 @@ from mesh3d.checkpoint.manager import UploadReport
 from mesh3d.errors import Interrupted, Preempted, RunStopped, UserError
 from mesh3d.log import logger
 from mesh3d.mesh import groups_of
-from mesh3d.parallel.parallelize import compile_cache_text
+from mesh3d.parallel.parallelize import compile_cache_text, compile_notice
 from mesh3d.train.evaluate import evaluate, is_evaluation_step
 from mesh3d.train.guard import RunGuard, share
 from mesh3d.train.metrics import (
@@ -159,6 +159,19 @@ def upload_wait_s(cfg, error: BaseException | None) -> float:
     return m.checkpoint_timeout_s if error is None else m.upload_wait_on_stop_s
 
 
+def start_notes(cfg, device: torch.device, start: int) -> list[str]:
+    """The lines before the first step: how to read the iteration line, and, with
+    `mesh3d.compile`, that the first step compiles (it is silent meanwhile)."""
+    notes = ["grad_norm in the iteration line is the global gradient norm before clipping"]
+    if device.type == "cpu":
+        notes.append(
+            "on CPU: the iteration line's *_per_gpu items (Nanotron's names) are per process"
+        )
+    if cfg.mesh3d.compile and start < cfg.tokens.train_steps:
+        notes.append(compile_notice())
+    return notes
+
+
 def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence) -> RunResult:
     """The step loop of `train`, inside the run's guard."""
     cfg, rank, world = run.cfg, dist.get_rank(), dist.get_world_size()
@@ -178,7 +191,8 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
             "tokens.train_steps to train on, or set mesh3d.existing_checkpoints=overwrite to "
             "start again from step 1"
         )
-    logger.info("grad_norm in the iteration line is the global gradient norm before clipping")
+    for line in start_notes(cfg, run.device, start):
+        logger.info(line)
     sinks = MetricSinks(cfg, rank == run.logger_rank, metrics_file, wandb_id, start_step=start)
     wandb_id = share(sinks.wandb_id, src=run.logger_rank)
     peak = peak_tflops(

@@ -140,7 +140,9 @@ def peak_memory() -> dict:
 
 
 def memory_metrics() -> dict:
-    """Nanotron's extra items for the first steps: CUDA memory (when on CUDA) and disk usage."""
+    """Nanotron's extra items for the first steps: CUDA memory (when on CUDA) and disk usage of
+    `/`. Nanotron's `hd_*_memory_tb` keys hold bytes (its line read `hd_total_memory_tb: 271G`);
+    here they hold what their names say, terabytes (10**12 bytes)."""
     import torch
 
     m = {}
@@ -148,7 +150,8 @@ def memory_metrics() -> dict:
         m["cuda_memory_allocated"] = torch.cuda.memory_allocated()
         m["cuda_max_memory_reserved"] = torch.cuda.max_memory_reserved()
     du = shutil.disk_usage("/")
-    m.update(hd_total_memory_tb=du.total, hd_used_memory_tb=du.used, hd_free_memory_tb=du.free)
+    m.update(hd_total_memory_tb=du.total / 1e12, hd_used_memory_tb=du.used / 1e12,
+             hd_free_memory_tb=du.free / 1e12)  # fmt: skip
     return m
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from dist import run_ranks
-from test_first_hour import hf_folder, transformers
+from test_first_hour import _recipe, hf_folder, transformers
 
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.folder import read_manifest, verify
@@ -62,3 +62,25 @@ def test_hf_to_training_to_generate_to_hf(tmp_path, capsys):
     )
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
     assert tok.decode(tok("The cat")["input_ids"]) == "The cat"
+
+
+def _sft_recipe(rank: int, world: int, output: str) -> tuple[dict, str]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = _recipe("sft_arithmetic").main(
+            ["--output", output, "--steps", "3", "--held-out", "2"]
+        )
+    return result, out.getvalue()
+
+
+def test_sft_recipe_says_what_it_does_and_where_its_checkpoint_went(tmp_path):
+    """Issue 43: it was silent for two minutes and never named its checkpoint."""
+    ((result, out),) = run_ranks(1, _sft_recipe, str(tmp_path / "run"), timeout=240)
+    assert f"writing into {tmp_path / 'run'}" in out
+    assert "training 3 steps" in out and "step    3 / 3   loss" in out, out
+    final = tmp_path / "run" / "checkpoints" / "3"
+    assert result["checkpoint"] == final and f"checkpoint   {final}\n" in out, out
+    assert f"mesh3d generate --checkpoint {final}" in out

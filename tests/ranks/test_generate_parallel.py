@@ -208,7 +208,8 @@ def test_command_prints_the_one_process_text_on_rank_0(runs, monkeypatch):
     many = ["--checkpoint", str(root / "llama"), "--prompts", str(root / "prompts.txt"),
             "--max-new-tokens", "8"]  # fmt: skip
     code, expected, err = _command(*many)
-    assert code == 0 and expected.count("\n") == 3, err
+    assert code == 0 and expected.count("\n") == 3 + 3 + 2, err  # outputs, headers, blank lines
+    assert expected.startswith("--- prompt 1 of 3 ---\nThe cat was"), expected
     (code0, out0, err0), (code1, out1, _) = (r["batch"] for r in two)
     assert (code0, out0, code1, out1) == (0, expected, 0, ""), err0
     assert "at tp 2 x pp 1" in err0 and "(KV cache)" in err0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,166 @@ def test_which_tokenizer_files_are_copied(tmp_path):
     assert tokenizer_files(None) == []
     copy_into_folder(single, tmp_path / "out")
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == single.read_bytes()
+
+
+# ---- issue 43: the first hour, tried again from a fresh clone ------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _recipe(name: str):
+    """A module of recipes/ (not a package), imported by file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sft_recipe_describes_every_option():
+    """Its --help left --output, --steps and --held-out undescribed (its run, which prints
+    progress and the checkpoint's path: tests/ranks/test_first_hour_ranks.py)."""
+    actions = [a for a in _recipe("sft_arithmetic").parser()._actions if a.dest != "help"]
+    assert {a.dest for a in actions} == {"output", "steps", "held_out"}
+    assert all(a.help for a in actions), [a.dest for a in actions if not a.help]
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `mesh3d ARGV` in this process."""
+    from mesh3d import cli
+
+    try:
+        cli.main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_without_a_config_plans_the_default_run(capsys):
+    """`mesh3d plan` required a config; it plans the built-in default run and says so, and a
+    world size the layout does not make suggests --world-size (not torchrun's flag)."""
+    from mesh3d.config import DEFAULT_CONFIG
+
+    code, out, err = _cli(capsys, "plan")
+    assert code == 0, err
+    assert err == f"no config given: planning mesh3d's built-in default run ({DEFAULT_CONFIG}, " \
+        "what `mesh3d train` trains without a config)\n"  # fmt: skip
+    assert out.startswith("mesh3d plan: 1 ranks") and "2,410,176 parameters" in out
+    code, out, _ = _cli(capsys, "plan", "parallelism.tp=2")  # overrides without a config
+    assert code == 0 and out.startswith("mesh3d plan: 2 ranks")
+    code, _, err = _cli(capsys, "plan", "--world-size", "8")
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert "give --world-size 1" in err and "nproc_per_node" not in err, err
+
+
+# the published parameter counts of each model
+PRESET_PARAMS = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496,
+                 "llama3-405b": 405_853_388_800, "smollm-135m": 134_515_008,
+                 "smollm-360m": 361_821_120, "smollm-1.7b": 1_711_376_384}  # fmt: skip
+
+
+def test_plan_presets_are_the_published_models_and_take_overrides(capsys):
+    from mesh3d.plan.presets import PRESETS, preset_overrides
+
+    assert set(PRESETS) == set(PRESET_PARAMS)
+    for name in ("llama3-8b", "smollm-135m"):  # (the others: the same path, minutes of meta)
+        code, out, err = _cli(capsys, "plan", "--preset", name)
+        assert code == 0, err
+        assert f"{PRESET_PARAMS[name]:,} parameters" in out, (name, out.splitlines()[0])
+    for name, n in PRESET_PARAMS.items():  # Llama's count from the preset's numbers alone
+        c = PRESETS[name]
+        h, kv = c["hidden_size"], c["num_key_value_heads"] * c["hidden_size"]
+        kv //= c["num_attention_heads"]
+        layer = 2 * h * h + 2 * h * kv + 3 * h * c["intermediate_size"] + 2 * h
+        embed = c["vocab_size"] * h * (1 if c["tie_word_embeddings"] else 2)
+        assert embed + c["num_hidden_layers"] * layer + h == n, name
+        assert f"model.model_config.hidden_size={h}" in preset_overrides(name)
+    code, out, err = _cli(capsys, "plan", "--preset", "llama3-8b",
+                          "model.model_config.num_hidden_layers=2")  # fmt: skip
+    assert code == 0 and "8,030,261,248" not in out and "parameters" in out, err
+    code, _, err = _cli(capsys, "plan", "--preset", "llama4")
+    assert code == 2 and "llama3-8b" in err
+
+
+def test_plan_search_write_says_what_it_took_from_the_config(capsys, tmp_path):
+    """--write wrote `checkpoints: null` and `dummy_data: learnable` without a word: they are
+    the config's own (no checkpoints section; synthetic data), and now it says so."""
+    config = str(ROOT / "recipes" / "configs" / "cpu_tiny.yaml")
+    best = tmp_path / "best.yaml"
+    code, out, err = _cli(capsys, "plan", "--search", config, "--world-size", "2",
+                          "--hardware", "h100-80g", "--top", "1", "--write", str(best))  # fmt: skip
+    assert code == 0, err
+    last = out.splitlines()[-1]
+    assert last.startswith(f"the layout keys changed; the rest is {config} as given"), last
+    assert "checkpoints: null (it has no checkpoints section" in last, last
+    assert "mesh3d.dummy_data: learnable (synthetic data" in last, last
+
+
+def _logged(fn) -> list[str]:
+    """The messages mesh3d's logger gets while `fn()` runs (at INFO)."""
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        fn()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return seen
+
+
+def test_disk_items_are_in_the_unit_their_names_say():
+    """`hd_total_memory_tb: 271G`: Nanotron's keys said TB, the value was bytes."""
+    import shutil
+
+    from mesh3d.train.metrics import format_iteration_line, memory_metrics
+
+    m = memory_metrics()
+    assert m["hd_total_memory_tb"] == pytest.approx(shutil.disk_usage("/").total / 1e12, rel=1e-3)
+    line = format_iteration_line({"iteration": 1, **m}, 10)
+    for item in line.split(" | ")[1:]:
+        if item.startswith("hd_"):
+            assert not item[-1].isalpha(), line  # 0.271, not 271G
+
+
+def test_first_lines_say_cpu_and_compile_before_the_first_step():
+    from mesh3d.train.loop import start_notes
+
+    cfg = load_config(ROOT / "mesh3d" / "configs" / "default.yaml")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert any(
+        "on CPU: the iteration line's *_per_gpu items" in n for n in start_notes(cfg, cpu, 0)
+    )
+    assert not any("CPU" in n for n in start_notes(cfg, cuda, 0))
+    assert not any("torch.compile" in n for n in start_notes(cfg, cpu, 0))
+    compiled = load_config(ROOT / "mesh3d" / "configs" / "default.yaml", ["mesh3d.compile=true"])
+    notes = start_notes(compiled, cpu, 0)
+    assert any(
+        n.startswith("torch.compile (mesh3d.compile): the first step compiles") for n in notes
+    )
+    assert not any("torch.compile" in n for n in start_notes(compiled, cpu, 200))  # nothing to run
+
+
+def test_launcher_names_where_the_run_writes_and_the_cache(tmp_path, monkeypatch):
+    """`runs/default` is relative to the current folder, and the prepared-data cache was
+    documented nowhere: the launcher's line names both, absolute."""
+    import mesh3d.data.corpus as corpus
+    from mesh3d import launch
+
+    monkeypatch.setattr(corpus, "default_run_overrides", lambda: [])
+    monkeypatch.setenv("MESH3D_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(*launch._resolved(launch._split([])))
+    line = launch.where_it_writes(cfg, None, default_run=True)
+    assert line == (
+        f"writing {tmp_path / 'runs/default/metrics.jsonl'} (and its plot beside it), "
+        f"checkpoints in {tmp_path / 'runs/default/checkpoints'}; the default run's data is "
+        f"prepared once into {tmp_path / 'cache'} (set MESH3D_CACHE to use another folder)"
+    )
+    own = launch.where_it_writes(cfg, "m/x.jsonl", default_run=False)
+    assert own.startswith(f"writing {tmp_path / 'm/x.jsonl'}") and "MESH3D_CACHE" not in own

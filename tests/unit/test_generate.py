@@ -191,15 +191,40 @@ def test_cli_prompts_file_one_line_each_cache_or_not(ckpts, capsys, tmp_path):
         outs[flags] = out
     tok = load_tokenizer(ckpts / "tok")
     model, _ = load_model(ckpts / "ckpts" / "7", CPU)
-    expected = ""
+    expected = []
     for text in (t for t in lines if t):  # each prompt alone, the empty line skipped
         ids = generate(model, torch.tensor(tok.encode(text).ids), 6, eos=2, cache=False).tolist()
-        expected += tok.decode(ids, skip_special_tokens=True) + "\n"
-    assert outs[()] == outs[("--no-cache",)] == expected
+        expected.append(tok.decode(ids, skip_special_tokens=True) + "\n")
+    assert outs[()] == outs[("--no-cache",)] == batch_output(expected)
     (tmp_path / "empty.txt").write_text("\n\n")
     code, _, err = run_main(capsys, "generate", "--checkpoint", str(ckpts / "ckpts"),
                             "--prompts", str(tmp_path / "empty.txt"), entry=cli.main)  # fmt: skip
     assert code == 2 and err.count("error:") == 1 and "no non-empty line" in err
+
+
+def batch_output(outputs: list[str]) -> str:
+    """What `generate` prints for a batch: each output under `--- prompt i of n ---`, a blank
+    line between them."""
+    n = len(outputs)
+    return "\n".join(f"--- prompt {i} of {n} ---\n{o}" for i, o in enumerate(outputs, 1))
+
+
+def test_missing_checkpoint_names_the_folder_a_run_wrote(ckpts, capsys, tmp_path, monkeypatch):
+    """The README's `--checkpoint checkpoints` where the first run wrote
+    runs/default/checkpoints: the refusal names that folder."""
+    monkeypatch.chdir(tmp_path)
+    args = ["--checkpoint", "checkpoints", "--prompt", "The"]
+    code, _, err = run_main(capsys, *args)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "--checkpoint checkpoints: no such folder" in err and "runs/<run name>" in err, err
+    shutil.copytree(ckpts / "ckpts", tmp_path / "runs" / "default" / "checkpoints")
+    (tmp_path / "runs" / "other" / "checkpoints").mkdir(parents=True)
+    code, _, err = run_main(capsys, *args)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "did you mean --checkpoint runs/default/checkpoints (or runs/other/checkpoints)" in err
+    code, out, err = run_main(capsys, "--checkpoint", "runs/default/checkpoints", "--prompt",
+                              "The", "--max-new-tokens", "2")  # fmt: skip
+    assert code == 0 and out.startswith("The") and "--- prompt" not in out, err
 
 
 def test_tokenizer_from_flag_then_folder_then_config(ckpts, capsys, tmp_path):
@@ -287,12 +312,13 @@ def test_cli_chat_jsonl_rendered_with_the_chat_template(ckpts, capsys, tmp_path)
     tok = load_tokenizer(tok_dir)
     model, _ = load_model(ckpts / "ckpts" / "7", CPU)
     rendered = ["user: The cat was\nassistant:", "system: Be brief.\nuser: A dog\nassistant:"]
-    expected = ""
+    expected = []
     for text, chat in ((rendered[0], True), (rendered[1], True), ("It is the", False)):
         ids = tok.encode(text, add_special_tokens=not chat).ids
         got = generate(model, torch.tensor(ids), 6, eos=2).tolist()
-        expected += tok.decode(got, skip_special_tokens=True) + "\n"
-    assert out == expected and out.startswith("user: The cat was\nassistant:")
+        expected.append(tok.decode(got, skip_special_tokens=True) + "\n")
+    assert out == batch_output(expected)
+    assert out.startswith("--- prompt 1 of 3 ---\nuser: The cat was\nassistant:")
 
     (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
     code, _, err = run_main(capsys, "--checkpoint", str(ckpts / "ckpts"), "--prompts",
@@ -302,3 +328,9 @@ def test_cli_chat_jsonl_rendered_with_the_chat_template(ckpts, capsys, tmp_path)
     no_template = ["--checkpoint", str(ckpts / "ckpts"), "--prompts", str(tmp_path / "chat.jsonl")]
     code, _, err = run_main(capsys, *no_template)  # no template, no ChatML tokens
     assert code == 2 and "no chat template" in err and err.count("\n") == 1
+    assert f"--prompts {tmp_path / 'chat.jsonl'} holds chats" in err, err
+    code, _, err = run_main(capsys, *no_template[:2], "--prompts-file", no_template[3])
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"error: --prompts-file {tmp_path / 'chat.jsonl'} holds chats" in err, err
+    assert "this tokenizer" in err and "give plain prompts" in err, err
+    assert "dataset" not in err and "'prompt' and 'completion'" not in err, err
