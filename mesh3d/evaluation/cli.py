@@ -1,0 +1,189 @@
+"""`mesh3d eval CHECKPOINT --tasks TASKS`: downstream scores of a checkpoint at any layout.
+
+    mesh3d eval runs/default/checkpoints --tasks my_task --custom-tasks tasks/ --max-samples 100
+    torchrun --nproc_per_node=4 -m mesh3d.evaluation.cli CK --tasks hellaswag --tp 2 --pp 2
+
+The model is built as training builds it at tp x pp (`generation/parallel.py`: each rank reads
+its own weights of a checkpoint saved at any layout) and scored through lm-evaluation-harness
+(`--engine lm-eval`, the default): `lm_eval_model.Mesh3dLM` gives it log-likelihoods, rolling
+log-likelihoods and greedy generations. `--custom-tasks` is lm-eval's include path (a folder of
+task YAMLs or one YAML), so a task over a local jsonl runs with no network. Rank 0 writes
+`results.json` and one `samples_<task>.jsonl` per task (each sample's requests and scores) under
+`--output-dir` and prints lm-eval's table. Checked before the model is built: the checkpoint,
+its tokenizer, the engine being installed, every task name (the nearest names listed), the
+custom-task path; one line each, exit 2.
+
+`--engine lighteval` is not available yet: lighteval 0.13's task registry imports every built-in
+task, and two of them need the network at import; README "Evaluation" says what to use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from mesh3d.errors import UserError, exit_on_user_error
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="mesh3d eval", description="downstream scores of a checkpoint, at any tp x pp"
+    )
+    ap.add_argument("checkpoint", help="a step folder, or a checkpoints folder (its latest step)")
+    ap.add_argument("--tasks", required=True, help="comma-separated task names (lm-eval's)")
+    ap.add_argument("--engine", choices=("lm-eval", "lighteval"), default="lm-eval",
+                    help="the evaluation engine (default lm-eval)")  # fmt: skip
+    ap.add_argument("--custom-tasks", help="lm-eval include path: a folder of task YAMLs or one")
+    ap.add_argument("--output-dir", default="evals", help="where results go (default ./evals)")
+    ap.add_argument("--max-samples", type=int, help="score at most N samples of each task")
+    ap.add_argument("--num-fewshot", type=int, help="few-shot examples (default: the task's)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences a forward (default 8)")
+    ap.add_argument("--max-length", type=int,
+                    help="longest sequence scored (default: the checkpoint's tokens.sequence_length)")  # fmt: skip
+    ap.add_argument("--tokenizer", help="tokenizer.json or a folder holding one")
+    ap.add_argument("--tp", type=int, help="tensor-parallel degree (default: processes / pp)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    return ap
+
+
+def _degrees(args, world: int) -> tuple[int, int]:
+    pp = args.pp
+    tp = args.tp if args.tp is not None else max(world // max(pp, 1), 1)
+    if tp < 1 or pp < 1 or tp * pp != world:
+        raise UserError(
+            f"--tp {tp} x --pp {pp} = {tp * pp} ranks, but {world} process(es) run; start "
+            f"{tp * pp} (torchrun --nproc_per_node={tp * pp}) or change --tp/--pp"
+        )
+    return tp, pp
+
+
+def _lm_eval():
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "mesh3d eval --engine lm-eval needs lm-evaluation-harness: pip install 'mesh3d[eval]' "
+            "(or pip install lm_eval)"
+        ) from None
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager
+
+
+def check_tasks(tasks: list[str], custom: str | None):
+    """lm-eval's task manager for `custom` (an include path), refusing unknown task names."""
+    if custom is not None and not Path(custom).exists():
+        raise UserError(f"--custom-tasks {custom} does not exist; give a folder of task YAMLs "
+                        "or one YAML file (lm-eval's include path)")  # fmt: skip
+    TaskManager = _lm_eval()  # noqa: N806
+    manager = TaskManager(include_path=custom) if custom else TaskManager()
+    known = set(manager.all_tasks)
+    for task in tasks:
+        if task not in known:
+            near = difflib.get_close_matches(task, known, n=5)
+            hint = f"; nearest: {', '.join(near)}" if near else ""
+            where = f" in lm-eval's tasks or {custom}" if custom else " in lm-eval's tasks"
+            raise UserError(f"--tasks: no task {task!r}{where}{hint}")
+    return manager
+
+
+def hf_tokenizer(step: Path, flag: str | None):
+    """The checkpoint's tokenizer as transformers loads it from its Hugging Face export (bos and
+    eos named from the model config, as `mesh3d convert` writes them)."""
+    from transformers import AutoTokenizer
+
+    from mesh3d.checkpoint.hf import set_special_tokens
+    from mesh3d.checkpoint.model_config import read_model_config_json
+    from mesh3d.checkpoint.tokenizer_files import FILES
+    from mesh3d.generation.single import find_tokenizer
+
+    path, _ = find_tokenizer(step, flag)
+    src = Path(path)
+    folder = Path(tempfile.mkdtemp(prefix="mesh3d-eval-tok-"))
+    try:
+        if src.is_file():
+            shutil.copy(src, folder / "tokenizer.json")
+        else:
+            for name in FILES:
+                if (src / name).is_file():
+                    shutil.copy(src / name, folder / name)
+        set_special_tokens(folder, read_model_config_json(step))
+        return AutoTokenizer.from_pretrained(str(folder))
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _write(results: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    samples = results.pop("samples", {}) or {}
+    for task, rows in samples.items():
+        with open(out / f"samples_{task}.jsonl", "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, default=str) + "\n")
+    path = out / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def evaluate(step: Path, args, tp: int, pp: int) -> dict | None:
+    """lm-eval's results of `args.tasks` on `step` at tp x pp: every rank calls it and runs the
+    same requests; lm-eval returns the results on rank 0 (LOCAL_RANK 0), None elsewhere."""
+    tasks = [t for t in args.tasks.split(",") if t]
+    manager = check_tasks(tasks, args.custom_tasks)
+    tokenizer = hf_tokenizer(step, args.tokenizer)
+    from lm_eval import simple_evaluate
+
+    from mesh3d.evaluation.lm_eval_model import Mesh3dLM
+    from mesh3d.evaluation.scorer import Scorer
+    from mesh3d.generation.parallel import load_parallel_model
+    from mesh3d.generation.single import saved_config
+
+    length = args.max_length or int((saved_config(step).get("tokens") or {}).get(
+        "sequence_length") or 2048)  # fmt: skip
+    model = load_parallel_model(step, tp, pp, args.batch_size, length, args.device)
+    lm = Mesh3dLM(Scorer(model), tokenizer)
+    return simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot,
+                           limit=args.max_samples, task_manager=manager, log_samples=True,
+                           batch_size=args.batch_size)  # fmt: skip
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    import torch.distributed as dist
+
+    from mesh3d.checkpoint.training import weights_dir
+    from mesh3d.mesh import shutdown_distributed
+
+    args = _parser().parse_args(argv)
+    if args.engine == "lighteval":
+        raise UserError(
+            "--engine lighteval is not available yet (lighteval 0.13 loads every built-in task, "
+            "two of which need the network); use --engine lm-eval with lm-eval's task names"
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tp, pp = _degrees(args, world)
+    if args.batch_size < 1 or (args.max_samples is not None and args.max_samples < 1):
+        raise UserError("--batch-size and --max-samples must be >= 1")
+    step = weights_dir(args.checkpoint, "checkpoint")
+    started = dist.is_initialized()
+    results = evaluate(step, args, tp, pp)
+    if not started:
+        shutdown_distributed()
+    if int(os.environ.get("RANK", "0")) == 0 and results is not None:
+        from lm_eval.utils import make_table
+
+        print(make_table(results))
+        path = _write(results, Path(args.output_dir))
+        print(f"{step}: scores at tp {tp} x pp {pp} written to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Log-likelihoods and greedy continuations of token sequences on a model at any tp x pp.
+
+Every rank of the model's world calls the same method with the same sequences (an evaluation
+engine runs whole on every rank, `lm_eval_model.py`) and gets the same numbers back: the last
+pipeline stage's tp ranks gather the vocabulary-sharded logits, compute each position's
+log-probability of its target (fp32 log-softmax over the real vocabulary) and whether it is the
+arg-max, and the picking rank (tp rank 0 of the last stage) broadcasts both to every rank.
+
+Sequences are scored in batches of the model's microbatch size, longest first (less padding),
+right-padded: under causal attention the padding after a position changes nothing there. With
+pipeline stages every batch has the built shape (rows and length) since the stages exchange
+activations of that shape; on one stage a batch is as long as its longest sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from mesh3d.generation.parallel import ParallelModel, generate_parallel
+from mesh3d.parallel.pipeline_forward import forward_walk
+
+
+class Scorer:
+    """`model` (`generation.parallel.load_parallel_model`) as a scoring function."""
+
+    def __init__(self, model: ParallelModel):
+        self.model = model
+        self.batch = model.layout.microbatch_size
+        self.length = model.layout.sequence_length  # the longest input (a sequence is one more)
+        self.vocab = model.layout.vocab_size
+
+    @torch.no_grad()
+    def score(self, seqs: list[list[int]], spans: list[int]) -> list[tuple[float, bool]]:
+        """For each sequence of at most `length` + 1 tokens: the summed log-probability of its
+        last `span` tokens given the ones before each, and whether greedy decoding picks them
+        all."""
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+        out: list[tuple[float, bool] | None] = [None] * len(seqs)
+        for at in range(0, len(order), self.batch):
+            rows = order[at : at + self.batch]
+            for i in rows:
+                if not 2 <= len(seqs[i]) <= self.length + 1 or not 1 <= spans[i] < len(seqs[i]):
+                    raise ValueError(f"sequence {i}: {len(seqs[i])} tokens, span {spans[i]}; "
+                                     f"the model takes 2 to {self.length + 1}")  # fmt: skip
+            n = self.length if self.model.parts.schedule is not None else len(seqs[rows[0]]) - 1
+            b = self.batch if self.model.parts.schedule is not None else len(rows)
+            x = torch.zeros(b, n, dtype=torch.int64)
+            targets = torch.zeros(b, n, dtype=torch.int64)
+            for r, i in enumerate(rows):
+                s = torch.tensor(seqs[i])
+                x[r, : len(s) - 1], targets[r, : len(s) - 1] = s[:-1], s[1:]
+            logp, hit = self._token_scores(x, targets)
+            for r, i in enumerate(rows):
+                m, k = len(seqs[i]) - 1, spans[i]
+                out[i] = (float(logp[r, m - k : m].double().sum()), bool(hit[r, m - k : m].all()))
+        return out  # type: ignore[return-value]
+
+    def _token_scores(self, x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """(log-probability of each target [B, n] fp32, whether it is the arg-max [B, n]) on
+        every rank."""
+        model, device = self.model, self.model.device
+        x, targets = x.to(device), targets.to(device)
+
+        def scores(logits: Tensor, _) -> Tensor:
+            if isinstance(logits, DTensor):
+                logits = logits.full_tensor()
+            logits = logits[..., : self.vocab].float()
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+            hit = logits.argmax(-1) == targets
+            return torch.stack([logp, hit.float()])
+
+        parts = model.parts
+        if parts.schedule is None:
+            got = scores(parts.modules[0](x), None)
+        else:
+            act = model.layout.activation()
+            act = torch.empty((x.shape[0], x.shape[1], act.shape[-1]), dtype=act.dtype,
+                              device="meta")  # fmt: skip
+            done = forward_walk(parts.stages, 1, x, x, None, scores, act)
+            got = done[0] if done else torch.empty(2, *x.shape, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            got = got.contiguous()
+            dist.broadcast(got, src=model.picker)
+        return got[0].cpu(), got[1].cpu().bool()
+
+    @torch.no_grad()
+    def greedy(self, contexts: list[list[int]], max_new: int, eos: int | None) -> list[list[int]]:
+        """Each context's greedy continuation of up to `max_new` tokens (ending at `eos`),
+        batched as the model was built (the last batch filled with copies)."""
+        from mesh3d.generation.cache import left_pad
+        from mesh3d.generation.single import new_tokens
+
+        room = self.length - max_new
+        if room < 1:
+            raise ValueError(f"{max_new} new tokens leave no room for a context in "
+                             f"{self.length}")  # fmt: skip
+        out: list[list[int]] = []
+        for at in range(0, len(contexts), self.batch):
+            chunk = [c[-room:] for c in contexts[at : at + self.batch]]
+            rows = chunk + [chunk[-1]] * (self.batch - len(chunk))
+            ids, pads = left_pad(rows, 0)
+            got = generate_parallel(self.model, ids, max_new, eos=eos,
+                                    pads=pads if pads.any() else None)  # fmt: skip
+            out += new_tokens(got.tolist(), ids.shape[1], eos)[: len(chunk)]
+        return out
