@@ -2,10 +2,10 @@
 
 One step of one layout, from its plan's representative ranks (tp, dp, cp index 0: the largest
 shards) of every pp rank:
-- compute: the rank's share of the model FLOPs of the step (`spec.step_flops`, split over
-  dp x cp x tp, and over pp ranks by Nanotron's per-layer costs), a third more on its decoder
-  layers under recompute, at `Hardware.flops(compute dtype)`; plus `layer_overhead_us` per
-  decoder layer and microbatch;
+- compute: the rank's tokens through its decoder layers (and the lm_head on the last stage),
+  priced by kernel class (`kernels.py`: matmuls, causal attention, memory-bound kernels), a
+  rerun forward per recomputed layer; plus `layer_overhead_us` per decoder layer and
+  microbatch;
 - tp, cp, ep, pp: every byte the plan says the rank sends on that axis, over the link that axis
   crosses (intra-node when its group fits in `nodes_of` consecutive ranks: the mesh is
   (pp, dp, cp, tp), tp innermost), plus the latency per collective; none of it overlaps compute
@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mesh3d.plan.hardware import Hardware
+from mesh3d.plan.kernels import Work, compute_seconds
 from mesh3d.plan.records import RankPlan
 
 AXIS_ORDER = ("pp", "dp", "cp", "tp")  # the mesh's axes, outermost first
@@ -61,18 +62,20 @@ def link(axis: str, dims: dict[str, int], ep: int, nodes_of: int, hw: Hardware):
 
 
 def step_time(
-    ranks: list[RankPlan], shares: list[tuple[float, int]], flops: float, dtype: str,
-    dims: dict[str, int], ep: int, m: int, recompute: bool, mode: str, bubble: float,
-    e_p: int, nodes_of: int, hw: Hardware,
+    ranks: list[RankPlan], shares: list[tuple[int, int, bool]], work: Work, tokens: float,
+    dtype: str, dims: dict[str, int], ep: int, m: int, z_mode: tuple[str, bool, str, bool],
+    bubble: float, e_p: int, nodes_of: int, hw: Hardware,
 ) -> StepTime:  # fmt: skip
-    """`ranks`: one per pp rank; `shares`: per pp rank (its share of the step FLOPs in its
-    decoder layers, its decoder layers); `flops`: the model FLOPs of the whole step."""
-    replicas = dims["dp"] * dims["cp"] * dims["tp"]
+    """`ranks`: one per pp rank; `shares`: per pp rank (its decoder layers, how many of them
+    recompute, whether it holds the lm_head); `work`: per token (`kernels.work_of`); `tokens`:
+    the step's tokens of one dp x cp replica; `z_mode`: (dp mode, sequence parallel, recompute
+    mode, float8 linears)."""
+    mode, sp, recompute, float8 = z_mode
     busy, worst, totals = 0.0, {}, []
-    for rank, (layer_share, head_share, layers) in zip(ranks, shares):
-        f = flops / replicas * (layer_share * (1 + recompute / 3) + head_share)
-        parts = {"compute": f / hw.flops(dtype)}
-        parts["compute"] += layers * m * hw.layer_overhead_us * 1e-6 * (1 + recompute / 3)
+    for rank, (layers, recomputed, head) in zip(ranks, shares):
+        parts = {"compute": compute_seconds(work, hw, dtype, tokens, layers, recomputed, head,
+                                            dims["tp"], sp, recompute, float8)}  # fmt: skip
+        parts["compute"] += (layers + recomputed / 3) * m * hw.layer_overhead_us * 1e-6
         for axis in ("tp", "cp", "ep", "pp"):
             items = [c for c in rank.comm if c.axis == axis]
             bw, lat = link(axis, dims, ep, nodes_of, hw)

@@ -5,20 +5,33 @@ Units in the table and in a `--hardware-file` (YAML or JSON, the same keys): pea
 compute dtype (dense, no sparsity), memory_gib (what the device reports as total), memory_gbps
 (HBM bandwidth: the optimizer step streams its state), intra_node_gbps / inter_node_gbps (GB/s
 one GPU sends in one direction: NVLink within a node, its network card across nodes),
-latency_us (added per collective or send), efficiency (the fraction of the peak the model's
-matmuls achieve), layer_overhead_us (fixed cost per decoder layer per microbatch, forward and
-backward together: kernel launches on a GPU, Python dispatch on a CPU).
+latency_us (added per collective or send), efficiency (the fraction of the peak large matmuls
+reach), float8_efficiency (the same of float8 matmuls, against `peak_tflops["float8"]`),
+attention_efficiency (the fraction of the peak a causal flash-attention kernel reaches, its
+executed FLOPs counted as FlashAttention counts them), layer_overhead_us (fixed cost per decoder
+layer per microbatch, forward and backward together: kernel launches on a GPU, Python dispatch
+on a CPU). docs/plan-search.md, "Constants", lists every value with its source.
 
-Sources (datasheets, dense figures):
-- H100 SXM5 80GB: NVIDIA H100 Tensor Core GPU datasheet: BF16 989 TFLOPS, FP32 67 TFLOPS,
-  HBM3 3.35 TB/s, NVLink 900 GB/s (both directions); ConnectX-7 400 Gb/s per GPU (DGX H100).
+Sources (dense figures):
+- H100 SXM5 80GB: NVIDIA H100 Tensor Core GPU datasheet: BF16 989 TFLOPS, FP8 1979 TFLOPS,
+  FP32 67 TFLOPS, HBM3 3.35 TB/s, NVLink 900 GB/s (both directions); ConnectX-7 400 Gb/s per GPU
+  (DGX H100).
+- H100 96GB HBM2e at 500 W (Meta's Grand Teton, where TorchTitan's Llama 3.1 benchmarks ran):
+  TorchTitan benchmarks/llama3_h100_202412_torchtitan.md: 2.4 TB/s, 400 Gb/s RDMA per GPU,
+  NVLink within the host, 500 W power limit, "peak TFLOPs between SXM and NVL"; the peak here
+  is the middle of that bracket: NVIDIA H100 NVL datasheet 1671 BF16 / 3341 FP8 TFLOPS with
+  sparsity (835.5 / 1670.5 dense), SXM 989 / 1979 -> 912 / 1825.
 - H200 SXM 141GB: NVIDIA H200 datasheet: the H100's compute, HBM3e 4.8 TB/s, NVLink 900 GB/s.
 - A100 SXM4 80GB / 40GB: NVIDIA A100 datasheet: BF16 312 TFLOPS, FP32 19.5 TFLOPS, 2.04 / 1.56
   TB/s, NVLink 600 GB/s (both directions); HDR 200 Gb/s per GPU (DGX A100).
 FP32 is the plain FP32 rate: torch's default matmul precision does not use TF32.
-`efficiency` 0.6: an assumption (large bf16 GEMMs reach 60-75% of peak on these parts; attention,
-norms and elementwise kernels less), not fitted; benchmarks/README.md compares the result with
-published runs.
+`efficiency`: the Maximum Achievable Matmul FLOPS measured with mamf-finder.py over the peak
+(S. Bekman, ml-engineering, compute/accelerator/README.md, MAMF table): H100 SXM BF16 794.5 of 989
+(0.803; "H200 is the same"), FP8 1402.6 of 1979 (0.709); A100 SXM BF16 271.2 of 312 (0.869). An
+upper bound for a model's own matmul shapes. `attention_efficiency`: FlashAttention-2 reaches
+35% of the H100's peak (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract; its
+backward 318 TFLOP/s at head dim 128, 8k: 0.32) and 50-73% of the A100's (Dao 2023,
+FlashAttention-2, arXiv:2307.08691, abstract): 0.33 and 0.6 (that range's middle).
 
 `cpu`: measured on the spot (`measure_cpu`, each figure the best of 5 tries): one thread's fp32
 256^3 matmul rate (the peak) and an MLP-shaped forward and backward's rate (its ratio is the
@@ -53,36 +66,65 @@ class Hardware:
     intra_node_gbps: float
     inter_node_gbps: float
     latency_us: float
-    efficiency: float = 0.6
+    efficiency: float = 0.6  # of the peak, in large matmuls
+    attention_efficiency: float = 0.35  # of the peak, in the attention kernel's executed FLOPs
+    float8_efficiency: float = 0.6  # of the float8 peak, in large float8 matmuls
     layer_overhead_us: float = 0.0
     gpus_per_node: int = 8
     cpu_share: float = 1.0  # the fraction of one core each rank gets (cpu: cores / ranks)
     source: str = field(default="", compare=False)
 
-    def flops(self, dtype: str) -> float:
-        """Achievable FLOP/s of one rank in `dtype`."""
+    def peak(self, dtype: str) -> float:
+        """The dense peak FLOP/s of one rank in `dtype` (its share of a core on a CPU)."""
         peak = self.peak_tflops.get(dtype) or self.peak_tflops["float32"]
-        return peak * 1e12 * self.efficiency * self.cpu_share
+        return peak * 1e12 * self.cpu_share
+
+    def flops(self, dtype: str) -> float:
+        """Achievable matmul FLOP/s of one rank in `dtype`."""
+        return self.peak(dtype) * self.efficiency
 
 
-_H100 = dict(peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float32": 67.0},
-             memory_gbps=3350, intra_node_gbps=450, inter_node_gbps=50, latency_us=15)  # fmt: skip
+_H100 = dict(peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float8": 1979.0, "float32": 67.0},
+             intra_node_gbps=450, inter_node_gbps=50, latency_us=15, efficiency=0.803,
+             float8_efficiency=0.709, attention_efficiency=0.33)  # fmt: skip
 _A100 = dict(peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
-             intra_node_gbps=300, inter_node_gbps=25, latency_us=20)  # fmt: skip
+             intra_node_gbps=300, inter_node_gbps=25, latency_us=20, efficiency=0.869,
+             attention_efficiency=0.6)  # fmt: skip
+# between H100 NVL and SXM (dense): TorchTitan's Grand Teton H100s at 500 W
+_TETON = {"bfloat16": 912.0, "float16": 912.0, "float8": 1825.0, "float32": 63.5}
 PROFILES: dict[str, Hardware] = {
-    "h100-80g": Hardware("h100-80g", memory_gib=79.6, **_H100, source="NVIDIA H100 datasheet"),
+    "h100-80g": Hardware(
+        "h100-80g",
+        memory_gib=79.6,
+        memory_gbps=3350,
+        **_H100,
+        source="NVIDIA H100 datasheet (SXM5); ml-engineering MAMF; FlashAttention-3",
+    ),  # fmt: skip
+    "h100-96g-500w": Hardware(
+        "h100-96g-500w",
+        memory_gib=95.0,
+        memory_gbps=2400,
+        **(_H100 | {"peak_tflops": _TETON}),
+        source="TorchTitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton, 500 W); "
+        "NVIDIA H100 NVL and SXM datasheets",
+    ),  # fmt: skip
     "h200": Hardware(
-        "h200", memory_gib=140.4, **(_H100 | {"memory_gbps": 4800}), source="NVIDIA H200 datasheet"
+        "h200", memory_gib=140.4, memory_gbps=4800, **_H100, source="NVIDIA H200 datasheet"
     ),  # fmt: skip
     "a100-80g": Hardware(
-        "a100-80g", memory_gib=80.0, memory_gbps=2039, **_A100, source="NVIDIA A100 datasheet"
+        "a100-80g",
+        memory_gib=80.0,
+        memory_gbps=2039,
+        **_A100,
+        source="NVIDIA A100 datasheet; ml-engineering MAMF; FlashAttention-2",
     ),  # fmt: skip
     "a100-40g": Hardware(
         "a100-40g", memory_gib=40.0, memory_gbps=1555, **_A100, source="NVIDIA A100 datasheet"
     ),  # fmt: skip
 }
 KNOWN = (*PROFILES, "cpu")
-OPTIONAL = ("efficiency", "layer_overhead_us", "gpus_per_node", "cpu_share")
+OPTIONAL = ("efficiency", "attention_efficiency", "float8_efficiency", "layer_overhead_us",
+            "gpus_per_node", "cpu_share")  # fmt: skip
 _EXAMPLE = "write keys as in docs/plan-search.md, e.g. memory_gib: 80"
 
 
@@ -270,6 +312,7 @@ def measure_cpu(world_size: int) -> Hardware:
         "cpu", peak_tflops={"float32": flops / 1e12}, memory_gib=os.sysconf("SC_PHYS_PAGES")
         * os.sysconf("SC_PAGE_SIZE") / 2**30 / max(1, world_size), memory_gbps=_memory_gbps(), intra_node_gbps=bw / 1e9,
         inter_node_gbps=bw / 1e9, latency_us=lat * 1e6, efficiency=efficiency,
+        attention_efficiency=efficiency,
         layer_overhead_us=ops_per_layer * _op_seconds() * 1e6, gpus_per_node=world_size,
         cpu_share=min(1.0, cores / max(1, world_size)),
         source=f"measured: 1-thread fp32 matmul 256^3, MLP fwd+bwd, gloo all-reduce 4 MiB / 4 B, {cores} cores",

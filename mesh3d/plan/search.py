@@ -26,6 +26,7 @@ from mesh3d.parallel.pipeline import stage_ids_of_rank
 from mesh3d.plan.build import plan_basis, rank_peaks, rank_plan, stage_shapes
 from mesh3d.plan.cost import step_time
 from mesh3d.plan.hardware import Hardware
+from mesh3d.plan.kernels import work_of
 from mesh3d.plan.memory import _params
 from mesh3d.plan.schedule import _orders, bubble
 from mesh3d.plan.sizes import _Sizes
@@ -163,21 +164,23 @@ class Search:
             peaks = self._cached(("peaks", *key, r), lambda r=r: rank_peaks(basis, r))
             ranks.append(rank_plan(z, basis, r, coords, params, peaks))
             layers = [i for s in ids for i in split[s]]
-            head = any(s == n - 1 for s in ids) * self.head
-            shares.append((sum(self.costs[i] for i in layers) / self.total, head / self.total,
-                           len(layers)))  # fmt: skip
+            head = any(s == n - 1 for s in ids)
+            shares.append((len(layers), sum(map(z.recomputed, layers)), head))
         frac = bubble(z.schedule, z.pp, z.v, z.m).fraction or 0.0
         dims = {"pp": z.pp, "dp": z.dp, "cp": z.cp, "tp": z.tp}
         dtype = str(cfg.model.dtype) if not z.autocast else "bfloat16"
-        t = step_time(ranks, shares, self.flops, dtype, dims, z.ep, z.m, z.recompute, z.mode,
-                      frac, z.e_p, self.nodes_of, self.hw)  # fmt: skip
+        kind = ("compiled_tp" if z.tp > 1 else "compiled") if cfg.mesh3d.compile else "eager"
+        work = self._cached(("work", z.e_c, kind),
+                            lambda: work_of(self.spec, self.shape, z.s, z.e_c, kind))  # fmt: skip
+        tokens = self.batch * z.s / (z.dp * z.cp)
+        t = step_time(ranks, shares, work, tokens, dtype, dims, z.ep, z.m,
+                      (z.mode, z.sp, z.recompute_mode, cfg.mesh3d.float8), frac, z.e_p, self.nodes_of, self.hw)  # fmt: skip
         c.memory_gib = max(r.peak_bytes for r in ranks) / 2**30
         c.fits = c.memory_gib <= USABLE * self.hw.memory_gib
         c.step_time_s, c.parts, c.dominant = t.step_s, t.parts, t.dominant
         tokens = self.batch * z.s
         c.tokens_per_s_per_gpu = tokens / t.step_s / self.world
-        peak = self.hw.flops(dtype) / self.hw.efficiency
-        c.mfu = self.flops / (t.step_s * self.world * peak)
+        c.mfu = self.flops / (t.step_s * self.world * self.hw.peak(dtype))
         return c
 
 
