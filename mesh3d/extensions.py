@@ -36,7 +36,8 @@ CAPABILITIES: dict[str, str] = {
     "streaming": "mesh3d.data.streaming",  # ... streamed (mesh3d.hf_streaming)
     "sft": "mesh3d.data.sft",  # a stage's sft_dataloader data
     "tokenize": "mesh3d.data.tokenize",  # preparing the built-in default data (first run only)
-    "evaluation": "mesh3d.evaluation.scorer",  # mesh3d eval (and the lighteval: section, later)
+    "evaluation": "mesh3d.evaluation.scorer",  # mesh3d eval
+    "evaluation_in_run": "mesh3d.evaluation.in_run",  # a lighteval: section
 }
 
 

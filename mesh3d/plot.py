@@ -2,7 +2,8 @@
 
 Reads the files `--metrics-file` writes (one JSON object per logged iteration, see
 `mesh3d/train/metrics.py`) and draws four panels: loss (train `lm_loss`, solid; validation
-`val_loss`, dashed with dots, when a file has it), learning rate, gradient norm and tokens/s.
+`val_loss`, dashed with dots, when a file has it), learning rate, gradient norm and tokens/s,
+and a fifth, the downstream scores of in-run evaluations (`eval/<task>/<metric>`), when any.
 Several files are overlaid, one colour per run, each labelled by its folder's name (by its file
 name when folders share a name). The default image is `metrics.png` next to the first file.
 
@@ -128,15 +129,32 @@ def _panel(ax, title: str, ylabel: str, series: list, runs: list[tuple[str, list
     ax.grid(alpha=0.3)
 
 
+def _eval_keys(runs: list[tuple[str, list[dict]]]) -> list[str]:
+    """The in-run evaluation scores in these files (`eval/<task>/<metric>`), in first-seen order."""
+    keys: dict[str, None] = {}
+    for _, records in runs:
+        for r in records:
+            keys.update((k, None) for k in r if k.startswith("eval/"))
+    return list(keys)
+
+
 def draw(runs: list[tuple[str, list[dict]]]):
-    """A matplotlib Figure of the four panels for `runs` = [(label, records)], on an Agg canvas."""
+    """A matplotlib Figure of the four panels for `runs` = [(label, records)], on an Agg canvas;
+    a fifth, the downstream scores, when the files have in-run evaluations (`lighteval:`)."""
     Figure, FigureCanvasAgg = _matplotlib()
-    fig = Figure(figsize=(12, 8), dpi=100, layout="constrained")
+    evals = _eval_keys(runs)
+    rows = 3 if evals else 2
+    fig = Figure(figsize=(12, 4 * rows), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    grid = fig.subplots(2, 2, sharex=True)  # (2, 2) Axes: loss, lr / grad norm, tokens/s
-    for ax, panel in zip(grid.flat, PANELS, strict=True):
+    grid = fig.subplots(rows, 2, sharex=True)  # loss, lr / grad norm, tokens/s (/ evals)
+    for ax, panel in zip(grid.flat, PANELS):
         _panel(ax, *panel, runs)
-    for ax in grid[1]:
+    if evals:
+        series = [(k, "-", "o", k.removeprefix("eval/")) for k in evals]
+        _panel(grid[2, 0], "downstream scores (in-run)", "score", series, runs)
+        grid[2, 0].legend(fontsize="small")
+        grid[2, 1].set_visible(False)
+    for ax in grid[-1]:
         ax.set_xlabel("step")
     if grid[0, 0].lines:
         grid[0, 0].legend(fontsize="small")

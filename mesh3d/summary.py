@@ -38,6 +38,11 @@ def finish(cfg, result, metrics_file: str | None) -> None:
     plot = _plot(metrics_file)
     step_dir = result.saved_dir
     lines = summary_lines(cfg, result.metrics, metrics_file, plot, step_dir, result.start_step)
+    if getattr(result, "evals", None):
+        last = result.evals[-1]
+        shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in last.items()
+                          if k != "iteration")  # fmt: skip
+        lines.append(f"evals        step {last['iteration']}: {shown}")
     if getattr(result, "uploads", None) is not None:
         lines.append(f"s3_upload    {result.uploads.line()}")
     sample = _sample(cfg, step_dir)

@@ -19,6 +19,7 @@ from mesh3d.checks.data_checks import (
     stage_length_errors,
     unsupported_data,
 )
+from mesh3d.checks.eval_checks import eval_errors
 from mesh3d.checks.guard_checks import loss_spike_errors
 from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.checks.optim_checks import lr_errors, lr_warnings, optimizer_errors
@@ -341,6 +342,7 @@ def _choices(cfg: Config) -> Iterator[str]:
         "mesh3d.console": (cfg.mesh3d.console, ("auto", "nanotron", "compact")),
         "mesh3d.model_family": (cfg.mesh3d.model_family, (None, *MESH3D_FAMILIES)),
         "mesh3d.existing_checkpoints": (cfg.mesh3d.existing_checkpoints, EXISTING_CHECKPOINTS),
+        "mesh3d.eval_failure": (cfg.mesh3d.eval_failure, ("continue", "stop")),
     }
     if cfg.metrics_logging is not None:
         choices["metrics_logging.log_level"] = (cfg.metrics_logging.log_level, (0, 1))
@@ -378,8 +380,7 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     m = cfg.model
     if cfg.tokens is not None and cfg.tokens.limit_test_batches > 0:
         yield not_supported_yet("tokens.limit_test_batches", "there is no test pass; set it to 0")
-    if cfg.lighteval is not None:
-        yield not_supported_yet("lighteval", "run evaluations separately; set lighteval: null")
+    yield from eval_errors(cfg)  # the lighteval: section, scored in-run
     try:
         spec_of(m.model_config)
     except ConfigError as e:

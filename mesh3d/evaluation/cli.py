@@ -96,15 +96,21 @@ def check_tasks(tasks: list[str], custom: str | None):
 def hf_tokenizer(step: Path, flag: str | None):
     """The checkpoint's tokenizer as transformers loads it from its Hugging Face export (bos and
     eos named from the model config, as `mesh3d convert` writes them)."""
-    from transformers import AutoTokenizer
-
-    from mesh3d.checkpoint.hf import set_special_tokens
     from mesh3d.checkpoint.model_config import read_model_config_json
-    from mesh3d.checkpoint.tokenizer_files import FILES
     from mesh3d.generation.single import find_tokenizer
 
     path, _ = find_tokenizer(step, flag)
-    src = Path(path)
+    return tokenizer_as_exported(Path(path), read_model_config_json(step))
+
+
+def tokenizer_as_exported(src: Path, mc):
+    """The tokenizer at `src` (a tokenizer.json or a folder holding one) as transformers loads
+    it from a Hugging Face export of a model with config `mc`."""
+    from transformers import AutoTokenizer
+
+    from mesh3d.checkpoint.hf import set_special_tokens
+    from mesh3d.checkpoint.tokenizer_files import FILES
+
     folder = Path(tempfile.mkdtemp(prefix="mesh3d-eval-tok-"))
     try:
         if src.is_file():
@@ -113,13 +119,13 @@ def hf_tokenizer(step: Path, flag: str | None):
             for name in FILES:
                 if (src / name).is_file():
                     shutil.copy(src / name, folder / name)
-        set_special_tokens(folder, read_model_config_json(step))
+        set_special_tokens(folder, mc)
         return AutoTokenizer.from_pretrained(str(folder))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _write(results: dict, out: Path) -> Path:
+def write_results(results: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     samples = results.pop("samples", {}) or {}
     for task, rows in samples.items():
@@ -181,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
         from lm_eval.utils import make_table
 
         print(make_table(results))
-        path = _write(results, Path(args.output_dir))
+        path = write_results(results, Path(args.output_dir))
         print(f"{step}: scores at tp {tp} x pp {pp} written to {path}")
 
 

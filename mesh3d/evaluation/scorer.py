@@ -23,11 +23,21 @@ from mesh3d.generation.parallel import ParallelModel, generate_parallel
 from mesh3d.parallel.pipeline_forward import forward_walk
 
 
+def token_outputs(logits: Tensor, targets: Tensor) -> Tensor:
+    """[3, B, n]: each target's log-probability under `logits` [B, n, V] (fp32, the real
+    vocabulary), whether it is the arg-max (1.0 / 0.0), and the arg-max (ids < 2**24 are exact
+    in fp32)."""
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+    top = logits.argmax(-1)
+    return torch.stack([logp, (top == targets).float(), top.float()])
+
+
 class Scorer:
     """`model` (`generation.parallel.load_parallel_model`) as a scoring function."""
 
     def __init__(self, model: ParallelModel):
         self.model = model
+        self.fixed = model.parts.schedule is not None  # pipeline stages: the built shape only
         self.batch = model.layout.microbatch_size
         self.length = model.layout.sequence_length  # the longest input (a sequence is one more)
         self.vocab = model.layout.vocab_size
@@ -45,32 +55,29 @@ class Scorer:
                 if not 2 <= len(seqs[i]) <= self.length + 1 or not 1 <= spans[i] < len(seqs[i]):
                     raise ValueError(f"sequence {i}: {len(seqs[i])} tokens, span {spans[i]}; "
                                      f"the model takes 2 to {self.length + 1}")  # fmt: skip
-            n = self.length if self.model.parts.schedule is not None else len(seqs[rows[0]]) - 1
-            b = self.batch if self.model.parts.schedule is not None else len(rows)
+            n = self.length if self.fixed else len(seqs[rows[0]]) - 1
+            b = self.batch if self.fixed else len(rows)
             x = torch.zeros(b, n, dtype=torch.int64)
             targets = torch.zeros(b, n, dtype=torch.int64)
             for r, i in enumerate(rows):
                 s = torch.tensor(seqs[i])
                 x[r, : len(s) - 1], targets[r, : len(s) - 1] = s[:-1], s[1:]
-            logp, hit = self._token_scores(x, targets)
+            logp, hit, _ = self._token_scores(x, targets)
             for r, i in enumerate(rows):
                 m, k = len(seqs[i]) - 1, spans[i]
                 out[i] = (float(logp[r, m - k : m].double().sum()), bool(hit[r, m - k : m].all()))
         return out  # type: ignore[return-value]
 
-    def _token_scores(self, x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """(log-probability of each target [B, n] fp32, whether it is the arg-max [B, n]) on
-        every rank."""
+    def _token_scores(self, x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(log-probability of each target [B, n] fp32, whether it is the arg-max [B, n], the
+        arg-max [B, n]) on every rank."""
         model, device = self.model, self.model.device
         x, targets = x.to(device), targets.to(device)
 
         def scores(logits: Tensor, _) -> Tensor:
             if isinstance(logits, DTensor):
                 logits = logits.full_tensor()
-            logits = logits[..., : self.vocab].float()
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
-            hit = logits.argmax(-1) == targets
-            return torch.stack([logp, hit.float()])
+            return token_outputs(logits[..., : self.vocab].float(), targets)
 
         parts = model.parts
         if parts.schedule is None:
@@ -80,11 +87,12 @@ class Scorer:
             act = torch.empty((x.shape[0], x.shape[1], act.shape[-1]), dtype=act.dtype,
                               device="meta")  # fmt: skip
             done = forward_walk(parts.stages, 1, x, x, None, scores, act)
-            got = done[0] if done else torch.empty(2, *x.shape, device=device)
+            got = done[0] if done else torch.empty(3, *x.shape, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             got = got.contiguous()
             dist.broadcast(got, src=model.picker)
-        return got[0].cpu(), got[1].cpu().bool()
+        got = got.cpu()
+        return got[0], got[1].bool(), got[2].long()
 
     @torch.no_grad()
     def greedy(self, contexts: list[list[int]], max_new: int, eos: int | None) -> list[list[int]]:

@@ -51,6 +51,7 @@ class RunResult:
     start_step: int = 0  # the step the run resumed from (0: it started fresh)
     saved_dir: Path | None = None  # the step folder this run saved last (None: it saved none)
     uploads: UploadReport | None = None  # what `s3_upload` uploaded (None: no upload)
+    evals: list[dict] = field(default_factory=list)  # each in-run evaluation's scores (lighteval:)
 
 
 def _resume(run: Run, guard: RunGuard) -> tuple[int, int, str | None]:
@@ -172,6 +173,20 @@ def start_notes(cfg, device: torch.device, start: int) -> list[str]:
     return notes
 
 
+def _in_run_evaluation(cfg, metrics_file: str | None):
+    """The `lighteval:` section's evaluation, checked on every rank alike (None without one)."""
+    if cfg.lighteval is None:
+        return None
+    folder = (
+        Path(metrics_file).parent if metrics_file else Path(cfg.checkpoints.checkpoints_path).parent
+    )
+    try:
+        return extensions.load("evaluation_in_run").InRunEvaluation(cfg, folder)
+    except UserError as e:
+        e.same_on_every_rank = True
+        raise
+
+
 def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence) -> RunResult:
     """The step loop of `train`, inside the run's guard."""
     cfg, rank, world = run.cfg, dist.get_rank(), dist.get_world_size()
@@ -202,6 +217,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
     if guard.resume_path is None and ck is not None and ck.save_initial_state:
         result.saved_dir = Path(ck.checkpoints_path) / "0"  # `_resume` saved it
     on_step = [h.on_step for h in hooks if hasattr(h, "on_step")]
+    evals = _in_run_evaluation(cfg, metrics_file)
     saved = start
     with step_profiler(cfg.profiler, rank) as profiler:
         for step in range(start + 1, tok.train_steps + 1):
@@ -258,6 +274,12 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                 last = bool(stop) or step == tok.train_steps
                 _save(run, guard, step, consumed, wandb_id, last_step=last)
                 saved, result.saved_dir = step, Path(ck.checkpoints_path) / str(step)
+                if evals is not None and not stop and step % evals.interval == 0:
+                    guard.at(step, "evaluation")  # scores the checkpoint just saved
+                    scores = evals.after_save(run, step)
+                    if scores:
+                        result.evals.append({"iteration": step, **scores})
+                        sinks.scores(result.evals[-1])
             if stop:
                 sinks.close()
                 spiking = guard.spikes is not None and guard.spikes.spiking

@@ -132,6 +132,21 @@ class MetricSinks:
                 {**numbers, "iteration_step": record["iteration"]}, step=record["iteration"]
             )
 
+    def scores(self, record: dict) -> None:
+        """An in-run evaluation's scores ({"iteration": step, "eval/<task>/<metric>": value}) to
+        the metrics file, TensorBoard and W&B (the console line is the evaluation's own)."""
+        if not self.active:
+            return
+        if self.jsonl:
+            self.jsonl.write(record)
+        numbers = {k: v for k, v in record.items() if k != "iteration"}
+        if self.tb:
+            for key, value in numbers.items():
+                self.tb.add_scalar(key, value, global_step=record["iteration"])
+            self.tb.flush()
+        if self.wandb:
+            self.wandb.log(numbers, step=record["iteration"])
+
     def close(self) -> None:
         """Close every sink; name where TensorBoard and W&B wrote (printed just before the
         run's summary)."""

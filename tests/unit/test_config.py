@@ -296,7 +296,7 @@ BAD = [
     ("s3-workers", ["s3_upload={upload_s3_path: 's3://b/x', remove_after_upload: false, s5cmd_numworkers: 0}"], None, None, "`s3_upload.s5cmd_numworkers` must be >= 1 (or null for s5cmd's default), got 0"),
     ("s3-no-checkpoints", ["checkpoints=null", "s3_upload={upload_s3_path: 's3://b/x', remove_after_upload: false}"], None, None, "`s3_upload` uploads checkpoints: it needs a `checkpoints` section"),
     ("s3-resume-no-s5cmd", ["checkpoints.resume_checkpoint_path=s3://b/x/4", "s3_upload={upload_s3_path: 's3://b/x', remove_after_upload: false, s5cmd_path: /nowhere/s5cmd}"], None, None, "`s3_upload` needs s5cmd"),
-    ("lighteval", ["lighteval={slurm_script_dir: x}"], None, None, "`lighteval` is not supported by mesh3d yet"),
+    ("lighteval", ["lighteval={slurm_script_dir: x}"], None, None, "`lighteval.tasks.tasks` must name the tasks"),
     ("expert-parallel-dense", ["parallelism.expert_parallel_size=2"], None, None, "`parallelism.expert_parallel_size` is 2, but the model has no experts (no moe_config); set it to 1"),
     ("expert-parallel-dp", ["parallelism.expert_parallel_size=4"], _qwen_moe_ep, None, "`parallelism.expert_parallel_size` (4) must divide `parallelism.dp` (2)"),
     ("context-parallel-world", ["parallelism.context_parallel_size=2"], None, 1, "parallelism.dp (1) x tp (1) x pp (1) x context_parallel_size (2) = 2, but the world size is 1; change parallelism.dp/context_parallel_size/tp/pp so the product is 1"),

@@ -69,3 +69,77 @@ def test_layout_engine_and_numbers_are_checked_first(root):
     )
     assert ">= 1" in _refused(step, "--tasks", "x", "--batch-size", "0")
     assert "does not exist" in _refused(str(root / "missing"), "--tasks", "x")
+
+
+# --- the lighteval: section ---------------------------------------------------------------
+
+# the section as Nanotron's µP example writes it (its keys and structure; values its own)
+NANOTRON_SECTION = """
+lighteval:
+  batch_size: 16
+  checkpoints_path: null
+  generation: null
+  logging:
+    hub_repo_details: null
+    hub_repo_results: null
+    local_output_path: /tmp/evals/logs
+    push_details_to_hub: null
+    push_results_to_hub: null
+    push_results_to_tensorboard: true
+    tensorboard_metric_prefix: e
+  parallelism:
+    dp: 2
+    expert_parallel_size: 1
+    pp: 1
+    pp_engine: 1f1b
+    tp: 2
+    tp_linear_async_communication: false
+    tp_mode: ALL_REDUCE
+  tasks:
+    dataset_loading_processes: 8
+    max_samples: 1000
+    multichoice_continuations_start_space: null
+    no_multichoice_continuations_start_space: null
+    num_fewshot_seeds: null
+    tasks: early-signal
+  wandb: null
+"""
+
+
+def _errors(section: str, *overrides: str) -> list[str]:
+    import copy
+
+    import yaml
+    from parity import TINY
+
+    from mesh3d.checks.validate import validation_errors
+    from mesh3d.config import apply_overrides, config_from_dict
+
+    d = copy.deepcopy(TINY) | yaml.safe_load(section)
+    d.setdefault("checkpoints", {"checkpoints_path": "ck", "checkpoint_interval": 10})
+    return validation_errors(apply_overrides(config_from_dict(d), list(overrides)))
+
+
+def test_nanotrons_section_validates_as_written():
+    assert _errors(NANOTRON_SECTION) == []
+
+
+def test_a_section_mesh3d_cannot_run_is_refused_with_the_fix():
+    bad = NANOTRON_SECTION.replace("  batch_size: 16", "  batch_size: 16\n  eval_every: 3")
+    assert any("unknown key(s) ['eval_every']" in e for e in _errors(bad))
+    assert any("multiple of `checkpoints.checkpoint_interval` (10)" in e
+               for e in _errors(NANOTRON_SECTION, "lighteval.eval_interval=15"))  # fmt: skip
+    assert _errors(NANOTRON_SECTION, "lighteval.eval_interval=20") == []
+    no_tasks = NANOTRON_SECTION.replace("    tasks: early-signal\n", "")
+    assert any("`lighteval.tasks.tasks` must name the tasks" in e for e in _errors(no_tasks))
+    assert any("context_parallel_size > 1 is not supported yet" in e
+               for e in _errors(NANOTRON_SECTION, "parallelism.context_parallel_size=2"))  # fmt: skip
+    assert any("`mesh3d.eval_failure` 'halt'" in e
+               for e in _errors(NANOTRON_SECTION, "mesh3d.eval_failure=halt"))  # fmt: skip
+
+
+def test_lighteval_task_strings_map_to_lm_eval_tasks():
+    from mesh3d.checks.eval_checks import lm_eval_tasks
+
+    got = lm_eval_tasks("lighteval|hellaswag|0|1, leaderboard|arc:challenge|25|0,piqa,siqa")
+    assert got == [("hellaswag", 0), ("arc_challenge", 25), ("piqa", None), ("social_iqa", None)]

@@ -114,6 +114,14 @@ README_COMMANDS: dict[str, tuple[str | None, str]] = {
     '"Once upon a time" --tp 2 --pp 2': (
         "torchrun --nproc_per_node=4 -m mesh3d.generate --checkpoint runs/default/checkpoints "
         '--prompt "Once upon a time" --tp 2 --pp 2', ""),
+    "mesh3d eval runs/default/checkpoints --tasks hellaswag,arc_easy --max-samples 200": (
+        None, "hub tasks: needs the network; tests/ranks/test_eval.py runs mesh3d eval on local tasks"),
+    "mesh3d eval CK --tasks my_task --custom-tasks tasks/ --output-dir evals --batch-size 8": (
+        None, "tests/ranks/test_eval.py runs this command on a trained checkpoint and three local "
+        "tasks (and compares with lm-eval's hf model)"),
+    "torchrun --nproc_per_node=4 -m mesh3d.evaluation.cli CK --tasks my_task --custom-tasks tasks/ "
+    "--tp 2 --pp 2": (
+        None, "tests/ranks/test_eval.py scores the same tasks at tp 2 x pp 2 on 4 ranks"),
     "python recipes/custom_model.py": ("python recipes/custom_model.py", ""),
     "torchrun --nproc_per_node=8 recipes/custom_model.py --dp 2 --tp 2 --pp 2": (
         None, "8 ranks: tests/ranks/test_library.py runs the same main() at dp 2 x tp 2 x pp 2 and "

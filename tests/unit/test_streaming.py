@@ -162,8 +162,9 @@ def test_every_dp_reads_the_global_batches_of_one_process_and_the_seed_fixes_the
     assert steps_at(other, 1, range(1, 5)) != one
 
 
-def test_a_folder_of_several_files_and_a_weighted_blend_read_alike_at_every_dp(d, tmp_path,
-                                                                               monkeypatch):
+def test_a_folder_of_several_files_and_a_weighted_blend_read_alike_at_every_dp(
+    d, tmp_path, monkeypatch
+):
     folder = tmp_path / "parts"
     folder.mkdir()
     docs = make_documents(240, seed=5)
