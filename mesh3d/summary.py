@@ -41,7 +41,7 @@ def finish(cfg, result, metrics_file: str | None) -> None:
     if getattr(result, "evals", None):
         last = result.evals[-1]
         shown = ", ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in last.items()
-                          if k != "iteration")  # fmt: skip
+                          if k.startswith("eval/"))  # fmt: skip
         lines.append(f"evals        step {last['iteration']}: {shown}")
     if getattr(result, "uploads", None) is not None:
         lines.append(f"s3_upload    {result.uploads.line()}")

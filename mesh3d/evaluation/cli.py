@@ -82,7 +82,12 @@ def check_tasks(tasks: list[str], custom: str | None):
         raise UserError(f"--custom-tasks {custom} does not exist; give a folder of task YAMLs "
                         "or one YAML file (lm-eval's include path)")  # fmt: skip
     TaskManager = _lm_eval()  # noqa: N806
-    manager = TaskManager(include_path=custom) if custom else TaskManager()
+    if custom:  # the custom tasks alone when they hold every task: no index of lm-eval's ~10k
+        manager = TaskManager(include_path=custom, include_defaults=False)
+        if not set(tasks) <= set(manager.all_tasks):
+            manager = TaskManager(include_path=custom)
+    else:
+        manager = TaskManager()
     known = set(manager.all_tasks)
     for task in tasks:
         if task not in known:

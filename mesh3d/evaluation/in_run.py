@@ -246,4 +246,4 @@ class InRunEvaluation:
         took = time.time() - t0
         shown = " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in scores.items())
         logger.info(f"[Eval] step {step} ({took:.1f} s): {shown}")
-        return scores
+        return {**scores, "eval_time_s": took}
