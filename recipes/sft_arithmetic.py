@@ -3,6 +3,7 @@ prompt/completion examples; the summary shows its exact-match accuracy on held-o
 (pairs it never trained on) before and after.
 
     python recipes/sft_arithmetic.py [--output runs/sft_arithmetic] [--steps 150] [--held-out 50]
+    python recipes/sft_arithmetic.py --eval-every 30     # + a score curve (pip install 'mesh3d[eval]')
 
 Writes `<output>/train.jsonl` (rows {"prompt": "12+7=", "completion": "19"}),
 `<output>/tokenizer/tokenizer.json` (a BPE trained on such text: digits, '+', '=', `</s>`),
@@ -11,6 +12,11 @@ packing on), saving the initial and the final weights under `<output>/checkpoint
 then loaded as `mesh3d generate` loads a checkpoint and asked the held-out prompts (greedy, KV
 cache): a problem counts when the generated text up to EOS is exactly the answer. It prints
 each phase, the loss every tenth of the steps, and at the end the final checkpoint's path.
+
+With `--eval-every N` the run also has a `lighteval:` section: the held-out problems become a
+local lm-eval multiple-choice task (`<output>/tasks/arith_mc.yaml`: the right sum among three
+wrong ones) scored inside the run after every N-th step's checkpoint; the scores go to
+`<output>/metrics.jsonl` and the plot `<output>/metrics.png` draws their curve.
 """
 
 from __future__ import annotations
@@ -110,7 +116,30 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--held-out", type=int, default=50,
                     help="problems kept out of training, asked before and after to measure "
                     "exact-match accuracy (default 50)")  # fmt: skip
+    ap.add_argument("--eval-every", type=int,
+                    help="also score the held-out problems as a multiple-choice lm-eval task "
+                    "inside the run every N steps (a divisor of --steps; needs mesh3d[eval])")  # fmt: skip
     return ap
+
+
+def mc_task(out: Path, held: list[dict]) -> Path:
+    """The held-out problems as a local lm-eval multiple-choice task: <out>/tasks/."""
+    rng = random.Random(5)
+    with open(out / "held_mc.jsonl", "w", encoding="utf-8") as f:
+        for p in held:
+            right = int(p["completion"])
+            wrong = rng.sample([v for v in range(39) if v != right], 3)
+            f.write(json.dumps({"prompt": p["prompt"], "choices": [str(right), *map(str, wrong)],
+                                "answer": 0}) + "\n")  # fmt: skip
+    tasks = out / "tasks"
+    tasks.mkdir(exist_ok=True)
+    (tasks / "arith_mc.yaml").write_text(
+        f"task: arith_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: "
+        f"{(out / 'held_mc.jsonl').resolve()}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n"
+    )
+    return tasks
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -137,12 +166,27 @@ def main(argv: list[str] | None = None) -> dict:
     d["data_stages"] = [stage]
     d["tokens"]["train_steps"] = args.steps
     d["tokenizer"] = {"tokenizer_name_or_path": str(out / "tokenizer")}
-    d["checkpoints"] = dict(checkpoints_path=str(ck), checkpoint_interval=args.steps,
+    every = args.eval_every or args.steps
+    if args.eval_every is not None and (every < 1 or args.steps % every):
+        raise SystemExit(f"--eval-every {every} must divide --steps {args.steps}")
+    d["checkpoints"] = dict(checkpoints_path=str(ck), checkpoint_interval=every,
                             save_initial_state=True, save_final_state=True)  # fmt: skip
     d["mesh3d"]["existing_checkpoints"] = "overwrite"
+    metrics = None
+    if args.eval_every is not None:
+        tasks = mc_task(out, held)
+        d["lighteval"] = {"eval_interval": every, "batch_size": 16,
+                          "tasks": {"tasks": "arith_mc", "custom_tasks": str(tasks)}}  # fmt: skip
+        metrics = out / "metrics.jsonl"
+        metrics.unlink(missing_ok=True)
+        print(f"scoring the held-out problems as multiple choice every {every} steps", flush=True)
     cfg = config_from_dict(d)
     print(f"training {args.steps} steps on CPU (one process)", flush=True)
-    result = train(cfg, hooks=[Progress(args.steps, every=max(1, args.steps // 10))])
+    result = train(
+        cfg,
+        str(metrics) if metrics else None,
+        hooks=[Progress(args.steps, every=max(1, args.steps // 10))],
+    )
     losses = [m["lm_loss"] for m in result.metrics]
     print(f"asking the {len(held)} held-out problems, before and after training", flush=True)
     before = exact_match(ck / "0", tokenizer, held)
@@ -153,9 +197,24 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"train loss   {losses[0]:.3f} -> {losses[-1]:.3f} (completion tokens only)")
     print(f"exact match  {before}/{n} ({before / n:.0%}) before -> {after}/{n} ({after / n:.0%}) "
           "after, held-out problems")  # fmt: skip
+    if result.evals:
+        curve = ", ".join(
+            f"step {e['iteration']}: {e['eval/arith_mc/acc']:.2f}" for e in result.evals
+        )
+        print(f"choice acc   {curve} (held-out problems, 4 choices, in-run)")
+        from mesh3d.plot import write_plot
+
+        print(f"plot         {write_plot([metrics], out / 'metrics.png').resolve()}")
     print(f"checkpoint   {final}")
     print(f'try it       mesh3d generate --checkpoint {final} --prompt "12+7="')
-    return {"before": before, "after": after, "held_out": n, "losses": losses, "checkpoint": final}
+    return {
+        "before": before,
+        "after": after,
+        "held_out": n,
+        "losses": losses,
+        "checkpoint": final,
+        "evals": result.evals,
+    }
 
 
 if __name__ == "__main__":
