@@ -17,7 +17,7 @@ Sources (datasheets, dense figures):
   TB/s, NVLink 600 GB/s (both directions); HDR 200 Gb/s per GPU (DGX A100).
 FP32 is the plain FP32 rate: torch's default matmul precision does not use TF32.
 `efficiency` 0.6: an assumption (large bf16 GEMMs reach 60-75% of peak on these parts; attention,
-norms and elementwise kernels less), not fitted; benchmarks/README.md compares the result with
+norms and elementwise kernels less), not fitted; benchmarks/docs/plan_search.md compares the result with
 published runs.
 
 `cpu`: measured on the spot (`measure_cpu`, each figure the best of 5 tries): one thread's fp32
