@@ -16,7 +16,7 @@ package as a library for your own model and loop:
     mesh3d.save_state("ckpt/100", stage, optimizer, mesh=mesh)
 
 Every name in `__all__` is public and stable; everything else is internal. See
-`recipes/custom_model.py` for a whole worked example and the README's API reference.
+`recipes/custom_model.py` for a whole worked example and the API reference in docs/library.md.
 """
 
 from __future__ import annotations

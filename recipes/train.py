@@ -11,7 +11,7 @@ name used by every rank, `runs/<run>/metrics.jsonl`, its plot and the summary, a
 the options change any config key (typed like the YAML). A user mistake prints one `error: ...`
 line and exits with code 2 before any collective; a run that stops early exits with its own code
 (3 non-finite, 4 a rank or the launcher gone, 5 a checkpoint that could not be written, 75
-preempted and saved): see the README, "When things go wrong".
+preempted and saved): see docs/faults.md.
 """
 
 from __future__ import annotations

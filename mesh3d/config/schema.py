@@ -355,7 +355,7 @@ class ProfilerArgs:
 @dataclass
 class S3UploadArgs:
     """Nanotron's `s3_upload`: each committed step folder is uploaded in the background with
-    s5cmd to `<upload_s3_path>/<step>/` (README "Checkpoints and resume")."""
+    s5cmd to `<upload_s3_path>/<step>/` (docs/checkpoints.md)."""
 
     upload_s3_path: str
     remove_after_upload: bool
@@ -367,8 +367,8 @@ class S3UploadArgs:
 @dataclass
 class LossSpikeArgs:
     """`mesh3d.loss_spike`: a step whose loss, or gradient norm, exceeds `factor` times the
-    median of the last `window` healthy steps is skipped like a non-finite one (README "When
-    things go wrong"); `max_skipped` such steps in a row stop the run."""
+    median of the last `window` healthy steps is skipped like a non-finite one (docs/faults.md);
+    `max_skipped` such steps in a row stop the run."""
 
     factor: float = 3.0  # a spike: loss (or grad norm) > factor x the running median
     window: int = 100  # healthy steps the running median is taken over
@@ -392,24 +392,24 @@ class Mesh3dArgs:
     eval_failure: str = "continue"  # an in-run evaluation that fails: continue | stop (lighteval:)
     sft_assistant_turns: str = "all"  # chat SFT data: the assistant turns that train: all | last
     compile: bool = False
-    float8: bool = False  # decoder linears in float8 through torchao (tp 1, ep 1; README)
+    float8: bool = False  # decoder linears in float8 through torchao (tp 1, ep 1)
     async_tp: bool = False  # torch's async TP: compile + tp > 1 REDUCE_SCATTER on CUDA/NCCL
     wandb: bool | None = None  # null: on when wandb is installed and can log without a prompt
     tensorboard_dir: str | None = None  # TensorBoard scalars of every logged iteration
     # console progress: nanotron (its iteration line every iteration_step_info_interval steps),
     # compact (one short line per step), auto (compact on a terminal, nanotron otherwise)
     console: str = "auto"
-    # failing safe on long runs (README "When things go wrong")
+    # failing safe on long runs (docs/faults.md)
     collective_timeout_s: float = 600.0  # every process group: a stopped rank ends the job
     checkpoint_timeout_s: float = 1800.0  # collectives and barriers while saving or loading
     skip_nonfinite_steps: int = 0  # non-finite loss/grad-norm steps skipped before stopping
     existing_checkpoints: str = "error"  # error | resume | overwrite: a fresh run, full folder
     load_without_manifest: bool = False  # resume from a mesh3d checkpoint whose manifest is gone
     loss_spike: LossSpikeArgs | None = None  # null: off; {} turns it on with the defaults
-    # activation recompute beside Nanotron's parallelism.recompute_layer (README "Parallelism")
+    # activation recompute beside Nanotron's parallelism.recompute_layer (docs/parallelism.md)
     recompute: str | None = None  # null: recompute_layer decides (full); selective | full | none
     recompute_every: int = 1  # recompute only every k-th decoder layer (index a multiple of k)
-    # checkpoints at scale (README "Checkpoints")
+    # checkpoints at scale (docs/checkpoints.md)
     async_checkpoint: bool = False  # copy the state at the save, write it while training goes on
     keep_last_checkpoints: int | None = None  # null: keep every step folder (Nanotron)
     keep_checkpoint_every: int | None = None  # with keep_last: also keep every multiple of this

@@ -1,4 +1,4 @@
-"""What makes a training run fail safe, around its step loop (README: "When things go wrong").
+"""What makes a training run fail safe, around its step loop (docs/faults.md).
 
 `RunGuard` is entered once the process group and the model exist:
 - world rank 0 takes the checkpoints folder (`checkpoint/run_folder.py`: lock, repair, where to

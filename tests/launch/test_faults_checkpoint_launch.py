@@ -1,6 +1,6 @@
 """The fault suite, part 1 (forked ranks, one process group): what a long run does when the
 numbers, the checkpoints folder or the disk go wrong. Each test reproduces one row of the table
-in README "When things go wrong" and asserts the message, and that nothing was lost or poisoned.
+in docs/faults.md and asserts the message, and that nothing was lost or poisoned.
 
 This file holds the tests of that subject that launch real processes; the others are in
 `tests/ranks/test_faults_checkpoint.py`."""

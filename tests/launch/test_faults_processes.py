@@ -1,7 +1,7 @@
 """The fault suite, part 2 (real processes): stopped ranks, preemption signals, a killed
 launcher, a full disk, two runs on one folder. Each test reproduces one row of the table in
-README "When things go wrong" with `recipes/train.py` as users start it, and asserts the time
-to exit, the message and what is left on disk.
+docs/faults.md with `recipes/train.py` as users start it, and asserts the time to exit, the
+message and what is left on disk.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import subprocess
 import venv
 
 import pytest
-from test_readme import README_COMMANDS, REPO, first_commands
+from test_readme import DOC_COMMANDS, REPO, first_commands
 
 
 @pytest.mark.skipif(
@@ -70,7 +70,7 @@ def _the_other_readme_commands(clone, run) -> None:
         "".join(f'{{"text": "line {i} of a text of mine"}}\n' for i in range(50))
     )
     latest = (clone / "runs" / "default" / "checkpoints" / "latest.txt").read_text().strip()
-    todo = [c for c, _ in README_COMMANDS.values() if c is not None]
+    todo = [c for c, _ in DOC_COMMANDS.values() if c is not None]
     todo.sort(key=lambda c: not c.startswith(_PRODUCERS))
     for command in todo:
         command = command.replace("{latest}", latest)

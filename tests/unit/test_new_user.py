@@ -36,7 +36,7 @@ def test_default_run_has_one_folder_and_resumes(no_corpus):
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])
 def test_default_model_runs_tensor_parallel(no_corpus, tp, pp):
-    """The default model's heads divide by 2 and 4 (README: `generate --tp 2 --pp 2`)."""
+    """The default model's heads divide by 2 and 4 (docs/sft-and-generation.md: `generate --tp 2 --pp 2`)."""
     path, overrides = launch._resolved(launch._split([]))
     cfg = load_config(path, [*overrides, f"parallelism.tp={tp}", f"parallelism.pp={pp}"])
     validate(cfg, world_size=tp * pp)

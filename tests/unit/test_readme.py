@@ -1,7 +1,8 @@
 """The README's first commands, verbatim, in a clean clone without Nanotron's fixture configs beside
 it: the install line, the default training run, and the test command (collection: running the whole
 suite inside itself would recurse), in a fresh virtual environment that sees this one's packages
-(torch is not downloaded again).
+(torch is not downloaded again). Every other command of the README and of the topic pages under
+docs/ is classified here: run by the launch test after the default run, or the reason it is not.
 
 The tests of this subject that launch real processes are in `tests/launch/test_readme_launch.py`."""
 
@@ -25,26 +26,40 @@ def test_first_commands_are_install_test_train():
                                 "mesh3d train"]  # fmt: skip
 
 
-def readme_commands() -> list[str]:
-    """Every command of the README's bash blocks, continuation lines joined, comments dropped,
-    spaces collapsed."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+# The pages whose bash blocks are commands a user types: the README and every docs/ page.
+COMMAND_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def page_commands(md: Path) -> list[str]:
+    """Every command of a page's bash blocks: continuation lines joined (after a `\\`, or an
+    indented line under a command, as in a usage synopsis), comments dropped, spaces collapsed."""
+    commands: list[str] = []
+    for block in re.findall(r"```bash\n(.*?)```", md.read_text(), re.S):
         for line in block.replace("\\\n", " ").splitlines():
             command = " ".join(line.split("  #")[0].split())
-            if command and not command.startswith("#"):
+            if not command or command.startswith("#"):
+                continue
+            if line[:1].isspace() and commands:  # the synopsis goes on
+                commands[-1] += " " + command
+            else:
                 commands.append(command)
     return commands
 
 
-# What the launch test (tests/launch/test_readme_launch.py) does with each README command, in
-# this order, in a clean clone right after the default run (`mesh3d train`): a string is the
-# command it runs (as written, or with the README's placeholders filled: `cfg.yaml`, `CONFIG`,
+def doc_commands() -> dict[str, list[str]]:
+    """page (relative path) -> its commands, for every page that has some."""
+    found = {str(md.relative_to(REPO)): page_commands(md) for md in COMMAND_PAGES}
+    return {page: commands for page, commands in found.items() if commands}
+
+
+# What the launch test (tests/launch/test_readme_launch.py) does with each command of the README
+# and the docs/ pages, in a clean clone right after the default run (`mesh3d train`): a string is
+# the command it runs (as written, or with the pages' placeholders filled: `cfg.yaml`, `CONFIG`,
 # `N`, `checkpoints`, the user's own files; `{latest}` is the default run's last step), which
 # must exit 0 within a minute; `None` with the reason it is not run there.
 # fmt: off
 MESH3D_TRAIN_DONE = None, "run first, verbatim, by test_first_commands_run_in_a_clean_clone"
-README_COMMANDS: dict[str, tuple[str | None, str]] = {
+DOC_COMMANDS: dict[str, tuple[str | None, str]] = {
     'pip install "torch==2.13.0" -e ".[dev]"': MESH3D_TRAIN_DONE,
     "python -m pytest -q": (None, "collected (--collect-only) in the clean clone: running the "
                             "suite inside itself would recurse"),
@@ -96,21 +111,21 @@ README_COMMANDS: dict[str, tuple[str | None, str]] = {
     "torchrun --nproc_per_node=4 recipes/train.py --config-file ./ckpt_from_hf/config.yaml": (
         None, "4 ranks for the 100 steps from-hf's config.yaml sets: over a minute; "
         "tests/ranks/test_hf_in_run.py trains from a from-hf folder"),
-    "python -m mesh3d.convert to-hf --checkpoint checkpoints --output ./hf_out": (
+    "python -m mesh3d.convert to-hf --checkpoint runs/default/checkpoints --output ./hf_out": (
         "python -m mesh3d.convert to-hf --checkpoint runs/default/checkpoints --output ./hf_out", ""),
-    'mesh3d generate --checkpoint checkpoints --prompt "Once upon a time"': (
+    'mesh3d generate --checkpoint runs/default/checkpoints --prompt "Once upon a time"': (
         'mesh3d generate --checkpoint runs/default/checkpoints --prompt "Once upon a time"', ""),
-    'mesh3d generate --checkpoint checkpoints/1000 --prompt "Once upon a time" --max-new-tokens 100 '
+    'mesh3d generate --checkpoint runs/default/checkpoints/STEP --prompt "Once upon a time" --max-new-tokens 100 '
     "--temperature 0.8 --top-k 50 --seed 1": (
         'mesh3d generate --checkpoint runs/default/checkpoints/{latest} --prompt "Once upon a time" '
         "--max-new-tokens 100 --temperature 0.8 --top-k 50 --seed 1", ""),
-    "mesh3d generate --checkpoint checkpoints --prompts prompts.txt": (
+    "mesh3d generate --checkpoint runs/default/checkpoints --prompts prompts.txt": (
         "mesh3d generate --checkpoint runs/default/checkpoints --prompts prompts.txt", ""),
-    "mesh3d generate --checkpoint checkpoints --prompts-file chats.jsonl": (
+    "mesh3d generate --checkpoint runs/default/checkpoints --prompts-file chats.jsonl": (
         None, "the default run's tokenizer has no chat template; tests/unit/test_generate.py "
         "runs the command on chats with a tokenizer that has one"),
     "python -m mesh3d.generate ...": (None, "the module form of the lines above, not a command"),
-    "torchrun --nproc_per_node=4 -m mesh3d.generate --checkpoint checkpoints --prompt "
+    "torchrun --nproc_per_node=4 -m mesh3d.generate --checkpoint runs/default/checkpoints --prompt "
     '"Once upon a time" --tp 2 --pp 2': (
         "torchrun --nproc_per_node=4 -m mesh3d.generate --checkpoint runs/default/checkpoints "
         '--prompt "Once upon a time" --tp 2 --pp 2', ""),
@@ -126,24 +141,50 @@ README_COMMANDS: dict[str, tuple[str | None, str]] = {
     "torchrun --nproc_per_node=8 recipes/custom_model.py --dp 2 --tp 2 --pp 2": (
         None, "8 ranks: tests/ranks/test_library.py runs the same main() at dp 2 x tp 2 x pp 2 and "
         "checks it equals one process"),
+    # docs/nanotron-compatibility.md
+    "torchrun --nproc_per_node=4 recipes/train.py --config-file cfg.yaml parallelism.dp=2 "
+    "parallelism.tp=2 tokens.train_steps=200 data_stages[0].data.seed=3": (
+        None, "4 ranks for 200 steps: minutes on 2 cores; the README's torchrun line runs the same "
+        "program, and tests/unit/test_config.py types such overrides, list items included"),
+    # docs/plan-search.md
+    "mesh3d plan --search CONFIG --world-size N [--hardware h100-80g | --hardware-file my.yaml] "
+    "[--nodes-of 8] [--top 10] [--json] [--write best.yaml] [key=value ...]": (
+        None, "a synopsis: its --hardware form is the planning page's line, which runs; "
+        "tests/unit/test_plan_search.py runs --hardware-file"),
 }
 # fmt: on
 
 
-def test_every_readme_command_is_run_or_says_why_not():
-    """A README command added or changed must be classified in README_COMMANDS (a command the
-    launch test runs, or the reason it does not)."""
-    commands = readme_commands()
-    assert sorted(set(commands)) == sorted(commands), "a README command appears twice"
-    assert set(commands) - set(README_COMMANDS) == set(), "README commands to classify"
-    assert set(README_COMMANDS) - set(commands) == set(), "classified, no longer in the README"
-    for command, (run, why) in README_COMMANDS.items():
+def test_every_doc_command_is_run_or_says_why_not():
+    """A command added or changed on the README or a docs/ page must be classified in
+    DOC_COMMANDS (a command the launch test runs, or the reason it does not)."""
+    pages = doc_commands()
+    assert "README.md" in pages and len(pages) >= 8, sorted(pages)  # the pages were read
+    for page, commands in pages.items():
+        twice = sorted({c for c in commands if commands.count(c) > 1})
+        assert not twice, f"{page} gives a command twice: {twice}"
+    found = {command for commands in pages.values() for command in commands}
+    unclassified = sorted(
+        f"{page}: {c}" for page, cs in pages.items() for c in cs if c not in DOC_COMMANDS
+    )
+    assert not unclassified, "commands to classify in DOC_COMMANDS:\n" + "\n".join(unclassified)
+    assert set(DOC_COMMANDS) - found == set(), "classified, no longer on any page"
+    for command, (run, why) in DOC_COMMANDS.items():
         assert (run is None) == bool(why), command
-        if run is not None:  # the same program and subcommand as the README's
+        if run is not None:  # the same program and subcommand as the page's
             assert run.split()[:2] == command.split()[:2], command
 
 
+def test_a_synopsis_spread_over_lines_is_one_command(tmp_path):
+    md = tmp_path / "page.md"
+    md.write_text(
+        "```bash\nmesh3d plan --search CONFIG\n    [--top 10]   # rank\nmesh3d train \\\n"
+        "    cfg.yaml\n# a comment\n```\n"
+    )
+    assert page_commands(md) == ["mesh3d plan --search CONFIG [--top 10]", "mesh3d train cfg.yaml"]
+
+
 def test_reasons_name_tests_that_exist():
-    for _, why in README_COMMANDS.values():
+    for _, why in DOC_COMMANDS.values():
         for path in re.findall(r"tests/\S+\.py", why or ""):
             assert (REPO / path).is_file(), path
