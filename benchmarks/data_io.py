@@ -235,13 +235,14 @@ def _tokenize_rank(rank: int, world: int, work: str, steps: int, share: bool) ->
     from mesh3d.train import run as run_module
     from mesh3d.train.loop import train
 
-    spent = [0.0]
+    spent, texts_seen = [0.0], [0]
     encode = streaming.StreamedText.encode
 
     def timed(self, texts):
         t0 = time.thread_time()
         out = encode(self, texts)
         spent[0] += time.thread_time() - t0
+        texts_seen[0] += len(texts)
         return out
 
     streaming.StreamedText.encode = timed
@@ -249,7 +250,7 @@ def _tokenize_rank(rank: int, world: int, work: str, steps: int, share: bool) ->
         run_module.needs_share = lambda data, dims: False
     cfg = _default_cfg(Path(work), "stream", 0, steps, [f"parallelism.tp={world}"])
     train(cfg)
-    return {"tokenizer_cpu_s_per_step": spent[0] / steps}
+    return {"tokenizer_cpu_s_per_step": spent[0] / steps, "texts_per_step": texts_seen[0] / steps}
 
 
 def _step_rank(rank: int, world: int, work: str, kind: str, workers: int, steps: int) -> list:
@@ -276,10 +277,13 @@ def _stream_part(work: Path, quick: bool, reps: int, rounds: int) -> dict:
         for tp in (1, 2, 4):
             ranks = launch(tp, _tokenize_rank, str(work), steps, share, timeout=900)
             total = sum(r["tokenizer_cpu_s_per_step"] for r in ranks)
+            texts = sum(r["texts_per_step"] for r in ranks)
             key = f"{'read once' if share else 'every rank reads'}/tp{tp}"
             out["tokenizer"][key] = total
+            out["tokenizer"][key + " texts"] = texts
             base = out["tokenizer"][f"{'read once' if share else 'every rank reads'}/tp1"]
-            print(f"    {key:24s} {total * 1000:8.2f} ms  ({total / base:.2f}x tp1)")
+            print(f"    {key:24s} {total * 1000:8.2f} ms  ({total / base:.2f}x tp1), "
+                  f"{texts:6.1f} documents tokenized a step")  # fmt: skip
     pooled: dict[str, list[float]] = {"nanoset": [], "stream": []}
     for _ in range(rounds):  # interleaved, so both see the same machine
         for kind, workers in (("nanoset", 0), ("stream", 2)):
