@@ -121,3 +121,39 @@ def test_scores_are_in_the_metrics_file_and_the_plot_draws_them(runs):
     assert [m["iteration"] for m in metrics if "lm_loss" in m] == [1, 2, 3, 4]
     png = write_plot([root / "with" / "metrics.jsonl"], root / "with" / "plot.png")
     assert png.stat().st_size > 0
+
+
+def _failing(rank: int, world: int, root) -> list:
+    """A task whose data file is gone: the run trains on (one line) or, with eval_failure:
+    stop, ends after the checkpoint it could not score."""
+    from mesh3d.errors import RunStopped
+
+    broken = root / "broken"
+    broken.mkdir(exist_ok=True)
+    (broken / "gone.yaml").write_text((root / "tasks" / "tiny_mc.yaml").read_text().replace(
+        "task: tiny_mc", "task: gone").replace(str(root / "mc.jsonl"), str(root / "missing.jsonl")))  # fmt: skip
+    section = f"lighteval={{tasks: {{tasks: gone, custom_tasks: {broken}}}}}"
+    out = []
+    for mode in ("continue", "stop"):
+        cfg = train_config(root / mode, steps=2, extra=[section, "checkpoints.checkpoint_interval=1",
+                                                        f"mesh3d.eval_failure={mode}"])  # fmt: skip
+        try:
+            res = train(cfg)
+            out.append({"steps": len(res.metrics), "evals": res.evals})
+        except RunStopped as e:
+            out.append({"stopped": str(e)})
+    return out
+
+
+def test_a_failing_evaluation_is_one_line_and_the_run_goes_on_or_stops_when_told(tmp_path):
+    write_tasks(tmp_path)
+    for mode in ("continue", "stop"):
+        (tmp_path / mode).mkdir()
+        (tmp_path / mode / "tok").symlink_to(tmp_path / "tok")
+    went_on, stopped = run_ranks(1, _failing, tmp_path, timeout=300)[0]
+    assert went_on == {"steps": 2, "evals": []}
+    text = stopped["stopped"]
+    assert "\n" not in text and "the evaluation of step 1 failed" in text, text
+    assert "mesh3d.eval_failure: stop" in text and "saved and untouched" in text, text
+    assert (tmp_path / "stop" / "ck" / "1" / "mesh3d_manifest.json").is_file()
+    assert not (tmp_path / "stop" / "ck" / "2").exists()
