@@ -19,7 +19,6 @@ from mesh3d.checks.data_checks import (
     stage_length_errors,
     unsupported_data,
 )
-from mesh3d.checks.eval_checks import eval_errors
 from mesh3d.checks.guard_checks import loss_spike_errors
 from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.checks.optim_checks import lr_errors, lr_warnings, optimizer_errors
@@ -380,7 +379,10 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     m = cfg.model
     if cfg.tokens is not None and cfg.tokens.limit_test_batches > 0:
         yield not_supported_yet("tokens.limit_test_batches", "there is no test pass; set it to 0")
-    yield from eval_errors(cfg)  # the lighteval: section, scored in-run
+    if cfg.lighteval is not None:  # the section, scored in-run (checked only when given)
+        from mesh3d.checks.eval_checks import eval_errors
+
+        yield from eval_errors(cfg)
     try:
         spec_of(m.model_config)
     except ConfigError as e:

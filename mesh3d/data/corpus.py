@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 from mesh3d import extensions
-from mesh3d.data.synthetic import train_bpe
 from mesh3d.log import logger
 
 FORMAT = 1  # bump when what is written changes
@@ -94,6 +93,8 @@ def _prepare(folder: Path, root: Path, megabytes: float, vocab_size: int) -> Pat
     with open(tmp / "text.jsonl", "w", encoding="utf-8") as f:
         for text in texts:
             f.write(json.dumps({"text": text}) + "\n")
+    from mesh3d.data.synthetic import train_bpe  # the first run's preparation only
+
     tokenizer = train_bpe(texts, tmp / "tokenizer", vocab_size)
     tokenize = extensions.load("tokenize")  # the first run only: the prepared data is kept
     _, docs, tokens = tokenize.tokenize_to_folder(

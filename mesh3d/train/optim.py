@@ -18,7 +18,6 @@ import torch
 from mesh3d import nanotron_names as names
 from mesh3d.config.schema import SpectralMupInit
 from mesh3d.layout import RunLayout
-from mesh3d.models.mup import mup_rules
 from mesh3d.models.registry import spec_named
 from mesh3d.models.spec import ModelShape
 from mesh3d.parallel.parallelize import canonical_name
@@ -81,6 +80,8 @@ def build_optimizer(named_params, cfg, layout: RunLayout, device: torch.device):
     shape = layout.shape
     scales = None
     if isinstance(cfg.model.init_method, SpectralMupInit):
+        from mesh3d.models.mup import mup_rules
+
         rules = mup_rules(layout.spec, shape, layout.vocab_size)
         scales = {name: rule.lr_scale for name, rule in rules.items()}
     groups = param_groups(named_params, o.weight_decay, exclude, shape, scales)

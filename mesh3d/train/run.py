@@ -46,10 +46,8 @@ from mesh3d.mesh import (
     set_collective_timeout,
 )
 from mesh3d.train.build import ModelParts, build_model_parts
-from mesh3d.train.data_errors import agree_on_data_error
 from mesh3d.train.optim import build_optimizer
 from mesh3d.train.step import total_params, train_step
-from mesh3d.train.stream_share import ReplicaShare, needs_share
 
 
 @dataclass
@@ -79,7 +77,7 @@ class Run:
     extra: dict = field(default_factory=dict)  # room for callers' own state
     checkpoints: Checkpointer | None = None  # every save's lifecycle (`build`)
     feed: Feed | None = None  # this rank's loader of each step's batches (`build`)
-    share: ReplicaShare | None = None  # a streamed step read once per dp replica (`build`)
+    share: object | None = None  # `stream_share.ReplicaShare`: a streamed step read once per dp replica (`build`)
 
     @classmethod
     def prepare(cls, cfg) -> Run:
@@ -131,8 +129,11 @@ class Run:
         self.feed = Feed(self.data, layout.coords["dp"], dims.dp, layout.microbatch_size,
                          timeout_s=cfg.mesh3d.collective_timeout_s,
                          pin=self.device.type == "cuda")  # fmt: skip
-        if needs_share(self.data, dims):
-            self.share = ReplicaShare(dims, dist.get_rank())
+        if any(getattr(ds, "streamed", False) for ds in self.data.datasets):
+            from mesh3d.train.stream_share import ReplicaShare, needs_share
+
+            if needs_share(self.data, dims):
+                self.share = ReplicaShare(dims, dist.get_rank())
         return self
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -143,6 +144,8 @@ class Run:
         reads = parts.has_first or parts.has_last or layout.positions_everywhere
         if not self.feed.streams(step):
             return self.feed.batches(step) if reads else []
+        from mesh3d.train.data_errors import agree_on_data_error
+
         batches, error = [], None
         share = self.share  # None: every reading rank reads (a replica of one rank)
         reader = share.reader if share is not None else reads
