@@ -2,9 +2,11 @@
 
     mesh3d eval runs/default/checkpoints --tasks my_task --custom-tasks tasks/ --max-samples 100
     torchrun --nproc_per_node=4 -m mesh3d.evaluation.cli CK --tasks hellaswag --tp 2 --pp 2
+    torchrun --nproc_per_node=8 -m mesh3d.evaluation.cli CK --tasks hellaswag --dp 2 --tp 2 --pp 2
 
-The model is built as training builds it at tp x pp (`generation/parallel.py`: each rank reads
-its own weights of a checkpoint saved at any layout) and scored through lm-evaluation-harness
+The model is built as training builds it at dp x tp x pp (`generation/parallel.py`: each rank
+reads its own weights of a checkpoint saved at any layout; each dp replica holds the whole model
+and scores a slice of every batch) and scored through lm-evaluation-harness
 (`--engine lm-eval`, the default): `lm_eval_model.Mesh3dLM` gives it log-likelihoods, rolling
 log-likelihoods and greedy generations. `--custom-tasks` is lm-eval's include path (a folder of
 task YAMLs or one YAML), so a task over a local jsonl runs with no network. Rank 0 writes
@@ -48,19 +50,22 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", help="tokenizer.json or a folder holding one")
     ap.add_argument("--tp", type=int, help="tensor-parallel degree (default: processes / pp)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas, each scoring a slice of every batch (default 1)")  # fmt: skip
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     return ap
 
 
-def _degrees(args, world: int) -> tuple[int, int]:
-    pp = args.pp
-    tp = args.tp if args.tp is not None else max(world // max(pp, 1), 1)
-    if tp < 1 or pp < 1 or tp * pp != world:
+def _degrees(args, world: int) -> tuple[int, int, int]:
+    pp, dp = args.pp, args.dp
+    tp = args.tp if args.tp is not None else max(world // max(pp * dp, 1), 1)
+    if tp < 1 or pp < 1 or dp < 1 or dp * tp * pp != world:
+        n = dp * tp * pp
         raise UserError(
-            f"--tp {tp} x --pp {pp} = {tp * pp} ranks, but {world} process(es) run; start "
-            f"{tp * pp} (torchrun --nproc_per_node={tp * pp}) or change --tp/--pp"
+            f"--dp {dp} x --tp {tp} x --pp {pp} = {n} ranks, but {world} process(es) run; start "
+            f"{n} (torchrun --nproc_per_node={n}) or change --dp/--tp/--pp"
         )
-    return tp, pp
+    return dp, tp, pp
 
 
 def _lm_eval():
@@ -144,9 +149,10 @@ def write_results(results: dict, out: Path) -> Path:
     return path
 
 
-def evaluate(step: Path, args, tp: int, pp: int) -> dict | None:
-    """lm-eval's results of `args.tasks` on `step` at tp x pp: every rank calls it and runs the
-    same requests; lm-eval returns the results on rank 0 (LOCAL_RANK 0), None elsewhere."""
+def evaluate(step: Path, args, tp: int, pp: int, dp: int = 1) -> dict | None:
+    """lm-eval's results of `args.tasks` on `step` at dp x tp x pp: every rank calls it and runs
+    the same requests (each dp replica scores its slice of every batch); lm-eval returns the
+    results on rank 0 (LOCAL_RANK 0), None elsewhere."""
     tasks = [t for t in args.tasks.split(",") if t]
     manager = check_tasks(tasks, args.custom_tasks)
     tokenizer = hf_tokenizer(step, args.tokenizer)
@@ -159,7 +165,8 @@ def evaluate(step: Path, args, tp: int, pp: int) -> dict | None:
 
     length = args.max_length or int((saved_config(step).get("tokens") or {}).get(
         "sequence_length") or 2048)  # fmt: skip
-    model = load_parallel_model(step, tp, pp, args.batch_size, length, args.device)
+    per = max(1, -(-args.batch_size // dp))  # sequences a replica's forward takes
+    model = load_parallel_model(step, tp, pp, per, length, args.device, dp)
     lm = Mesh3dLM(Scorer(model), tokenizer)
     return simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot,
                            limit=args.max_samples, task_manager=manager, log_samples=True,
@@ -180,12 +187,12 @@ def main(argv: list[str] | None = None) -> None:
             "two of which need the network); use --engine lm-eval with lm-eval's task names"
         )
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp, pp = _degrees(args, world)
+    dp, tp, pp = _degrees(args, world)
     if args.batch_size < 1 or (args.max_samples is not None and args.max_samples < 1):
         raise UserError("--batch-size and --max-samples must be >= 1")
     step = weights_dir(args.checkpoint, "checkpoint")
     started = dist.is_initialized()
-    results = evaluate(step, args, tp, pp)
+    results = evaluate(step, args, tp, pp, dp)
     if not started:
         shutdown_distributed()
     if int(os.environ.get("RANK", "0")) == 0 and results is not None:
@@ -193,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(make_table(results))
         path = write_results(results, Path(args.output_dir))
-        print(f"{step}: scores at tp {tp} x pp {pp} written to {path}")
+        print(f"{step}: scores at dp {dp} x tp {tp} x pp {pp} written to {path}")
 
 
 if __name__ == "__main__":

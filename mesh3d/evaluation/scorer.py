@@ -37,8 +37,10 @@ class Scorer:
 
     def __init__(self, model: ParallelModel):
         self.model = model
-        self.fixed = model.parts.schedule is not None  # pipeline stages: the built shape only
-        self.batch = model.layout.microbatch_size
+        dims = model.layout.dims
+        # pipeline stages take the built shape only; dp replicas take equal slices
+        self.fixed = model.parts.schedule is not None or dims.dp > 1
+        self.batch = model.layout.microbatch_size * dims.dp  # rows per call, over the replicas
         self.length = model.layout.sequence_length  # the longest input (a sequence is one more)
         self.vocab = model.layout.vocab_size
 
@@ -70,9 +72,16 @@ class Scorer:
 
     def _token_scores(self, x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(log-probability of each target [B, n] fp32, whether it is the arg-max [B, n], the
-        arg-max [B, n]) on every rank."""
+        arg-max [B, n]) on every rank; each dp replica computes its slice of the B rows, and one
+        all-reduce over the world, to which only each replica's picking rank adds, gives every
+        rank all of them."""
         model, device = self.model, self.model.device
-        x, targets = x.to(device), targets.to(device)
+        rows = x.shape[0]
+        per, d = rows // model.layout.dims.dp, model.layout.coords["dp"]
+        x, targets = (
+            x[d * per : (d + 1) * per].to(device),
+            targets[d * per : (d + 1) * per].to(device),
+        )
 
         def scores(logits: Tensor, _) -> Tensor:
             if isinstance(logits, DTensor):
@@ -87,12 +96,14 @@ class Scorer:
             act = torch.empty((x.shape[0], x.shape[1], act.shape[-1]), dtype=act.dtype,
                               device="meta")  # fmt: skip
             done = forward_walk(parts.stages, 1, x, x, None, scores, act)
-            got = done[0] if done else torch.empty(3, *x.shape, device=device)
+            got = done[0] if done else None
+        out = torch.zeros(3, rows, x.shape[1], device=device)
+        if got is not None and (not dist.is_initialized() or dist.get_rank() == model.picker):
+            out[:, d * per : (d + 1) * per] = got
         if dist.is_initialized() and dist.get_world_size() > 1:
-            got = got.contiguous()
-            dist.broadcast(got, src=model.picker)
-        got = got.cpu()
-        return got[0], got[1].bool(), got[2].long()
+            dist.all_reduce(out)
+        out = out.cpu()
+        return out[0], out[1].bool(), out[2].long()
 
     @torch.no_grad()
     def greedy(self, contexts: list[list[int]], max_new: int, eos: int | None) -> list[list[int]]:
@@ -106,11 +117,19 @@ class Scorer:
             raise ValueError(f"{max_new} new tokens leave no room for a context in "
                              f"{self.length}")  # fmt: skip
         out: list[list[int]] = []
+        dp, d = self.model.layout.dims.dp, self.model.layout.coords["dp"]
+        per = self.batch // dp
         for at in range(0, len(contexts), self.batch):
             chunk = [c[-room:] for c in contexts[at : at + self.batch]]
             rows = chunk + [chunk[-1]] * (self.batch - len(chunk))
-            ids, pads = left_pad(rows, 0)
+            ids, pads = left_pad(rows[d * per : (d + 1) * per], 0)  # this replica's rows
             got = generate_parallel(self.model, ids, max_new, eos=eos,
                                     pads=pads if pads.any() else None)  # fmt: skip
-            out += new_tokens(got.tolist(), ids.shape[1], eos)[: len(chunk)]
+            mine = new_tokens(got.tolist(), ids.shape[1], eos)
+            if dp > 1:  # every replica's rows, in replica order
+                everyone: list = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, (d, mine))
+                by_replica = dict(everyone)
+                mine = [row for r in range(dp) for row in by_replica[r]]
+            out += mine[: len(chunk)]
         return out

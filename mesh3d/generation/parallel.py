@@ -64,11 +64,14 @@ class ParallelModel:
     layout: RunLayout
     device: torch.device
     picker: int
+    group: object = None  # this rank's dp replica's process group (None: dp 1, the world)
 
 
-def generation_config(step: Path, tp: int, pp: int, batch: int, length: int, device: str) -> Config:
-    """The step's training config at tp x pp (dp 1) for `batch` sequences of up to `length`
-    tokens, validated; no process group is needed."""
+def generation_config(step: Path, tp: int, pp: int, batch: int, length: int, device: str,
+                      dp: int = 1) -> Config:  # fmt: skip
+    """The step's training config at dp x tp x pp for `batch` sequences (per dp replica) of up
+    to `length` tokens, validated; no process group is needed. dp replicas hold whole copies
+    (zero 0) and each runs its own sequences."""
     path = step / "config.yaml"
     if not path.is_file():
         raise UserError(
@@ -80,7 +83,7 @@ def generation_config(step: Path, tp: int, pp: int, batch: int, length: int, dev
         saved = (read_metadata(step).get("custom_metas") or {}).get("mesh3d") or {}
     seq = length
     cfg = load_config(path, [
-        "parallelism.dp=1", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
+        f"parallelism.dp={dp}", f"parallelism.tp={tp}", f"parallelism.pp={pp}",
         "parallelism.tp_mode=ALL_REDUCE", "mesh3d.async_tp=false",  # any forward length
         "parallelism.context_parallel_size=1",  # a model trained at any cp generates at cp 1
         "parallelism.expert_parallel_size=1",  # and at any ep with every expert on each rank
@@ -97,16 +100,16 @@ def generation_config(step: Path, tp: int, pp: int, batch: int, length: int, dev
     # mesh3d's models never read it; validate() refuses a longer sequence, generate only warns
     mc.max_position_embeddings = max(mc.max_position_embeddings, seq)
     cfg.model.init_method = RandomInit(std=0.02)  # the saved weights replace it after the build
-    validate(cfg, world_size=tp * pp)
+    validate(cfg, world_size=dp * tp * pp)
     return cfg
 
 
 def load_parallel_model(step: Path, tp: int, pp: int, batch: int, length: int,
-                        device: str = "auto") -> ParallelModel:  # fmt: skip
-    """This rank's parts of the model of `step` at tp x pp, with the saved weights, for `batch`
-    sequences of up to `length` tokens. Every rank of a world of tp x pp processes calls it;
-    the process group is started when it is not."""
-    cfg = generation_config(step, tp, pp, batch, length, device)  # before any collective
+                        device: str = "auto", dp: int = 1) -> ParallelModel:  # fmt: skip
+    """This rank's parts of the model of `step` at dp x tp x pp, with the saved weights, for
+    `batch` sequences (per dp replica) of up to `length` tokens. Every rank of a world of
+    dp x tp x pp processes calls it; the process group is started when it is not."""
+    cfg = generation_config(step, tp, pp, batch, length, device, dp)  # before any collective
     dev = init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=device)
     layout = RunLayout.resolve(cfg, dist.get_world_size(), dist.get_rank())
     mesh = build_mesh(layout.dims, dev.type)
@@ -121,8 +124,14 @@ def load_parallel_model(step: Path, tp: int, pp: int, batch: int, length: int,
         load_weights(step, parts, layout)
     for module in parts.modules:
         module.eval()
-    # rank = (pp_rank * dp + dp_rank) * tp + tp_rank, with dp 1 and tp rank 0
-    return ParallelModel(parts, layout, dev, picker=parts.head_rank * tp)
+    # rank = (pp_rank * dp + dp_rank) * tp + tp_rank (cp 1): tp rank 0 of this replica's last stage
+    d = layout.coords["dp"]
+    group = None
+    if dp > 1:  # one group per replica, every rank creating each (new_group is collective)
+        for r in range(dp):
+            g = dist.new_group([(p * dp + r) * tp + t for p in range(pp) for t in range(tp)])
+            group = g if r == d else group
+    return ParallelModel(parts, layout, dev, picker=(parts.head_rank * dp + d) * tp, group=group)
 
 
 @torch.no_grad()
@@ -171,7 +180,7 @@ def generate_parallel(model: ParallelModel, ids: Tensor, max_new_tokens: int,
         tok = torch.empty(b, dtype=torch.int64, device=model.device)
         if dist.get_rank() == model.picker:
             tok = next_token(logits[:, : layout.vocab_size], temperature, top_k, generator)
-        dist.broadcast(tok, src=model.picker)
+        dist.broadcast(tok, src=model.picker, group=model.group)
         return tok
 
     if not cache:

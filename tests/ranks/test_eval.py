@@ -4,7 +4,7 @@ as lm-eval's own transformers backend on the Hugging Face export of the same che
 A 1-rank launch trains a tiny Llama 3 steps (odd vocabulary: padded at tp 2), scores three
 local tasks (multiple choice, greedy generation stopped at ".", rolling log-likelihood) at one
 process through `evaluate` and through the command (results.json, the table); a 4-rank launch
-scores them at tp 2 x pp 2. This process converts the checkpoint (`mesh3d convert to-hf`) and
+scores them at tp 2 x pp 2, dp 2 x pp 2 and dp 4 (each replica a slice of every batch). This process converts the checkpoint (`mesh3d convert to-hf`) and
 scores the export with lm-eval's `hf` model. Every sample's log-likelihoods agree within 1e-5
 relative, greedy flags, accuracies and generated texts are identical.
 """
@@ -47,10 +47,13 @@ def _one_rank(rank: int, world: int, root) -> dict:
             "stdout": out.getvalue()}  # fmt: skip
 
 
-def _four_ranks(rank: int, world: int, root) -> dict | None:
-    got = evaluate(root / "ck" / "3", _args(root), 2, 2)  # lm-eval returns results on rank 0
-    assert (got is None) == (rank != 0)
-    return {"samples": per_sample(got)} if got is not None else None
+def _four_ranks(rank: int, world: int, root) -> list:
+    out = []  # lm-eval returns results on rank 0
+    for tp, pp, dp in ((2, 2, 1), (1, 2, 2), (1, 1, 4)):
+        got = evaluate(root / "ck" / "3", _args(root), tp, pp, dp)
+        assert (got is None) == (rank != 0)
+        out.append({"samples": per_sample(got)} if got is not None else None)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -96,17 +99,20 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 
 def test_every_sample_scores_alike_at_every_layout_and_as_transformers(scored):
-    one, four, hf = scored["one"]["samples"], scored["four"]["samples"], scored["hf"]
+    one, hf = scored["one"]["samples"], scored["hf"]
+    layouts = dict(zip(("tp2 x pp2", "dp2 x pp2", "dp4"), (r["samples"] for r in scored["four"])))
     diffs = {}
     for task in ("tiny_mc", "tiny_text"):
         assert len(_lls(one, task)) == (60 if task == "tiny_mc" else 6)
-        diffs[f"{task} tp2 x pp2"] = _rel(_lls(four, task), _lls(one, task))
+        for name, got in layouts.items():
+            diffs[f"{task} {name}"] = _rel(_lls(got, task), _lls(one, task))
         diffs[f"{task} transformers"] = _rel(_lls(hf, task), _lls(one, task))
     print("\nper-sample log-likelihood, max relative difference to one process:",
           {k: f"{v:.1e}" for k, v in diffs.items()})  # fmt: skip
     assert all(v <= 1e-5 for v in diffs.values()), diffs
-    assert _greedy(four) == _greedy(one) == _greedy(hf)
-    assert four["tiny_gen"] == one["tiny_gen"] == hf["tiny_gen"]  # generated texts
+    for got in layouts.values():
+        assert _greedy(got) == _greedy(one) == _greedy(hf)
+        assert got["tiny_gen"] == one["tiny_gen"] == hf["tiny_gen"]  # generated texts
     assert any(r[0] for r in one["tiny_gen"])  # something was generated
 
 

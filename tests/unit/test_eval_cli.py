@@ -61,7 +61,7 @@ def test_a_checkpoint_without_a_tokenizer_says_how_to_give_one(root):
 
 def test_layout_engine_and_numbers_are_checked_first(root):
     step = str(root / "ck" / "3")
-    assert "--tp 2 x --pp 1 = 2 ranks, but 1 process(es) run" in _refused(
+    assert "--dp 1 x --tp 2 x --pp 1 = 2 ranks, but 1 process(es) run" in _refused(
         step, "--tasks", "x", "--tp", "2"
     )
     assert "--engine lighteval is not available yet" in _refused(
