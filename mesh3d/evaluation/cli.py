@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-length", type=int,
                     help="longest sequence scored (default: the checkpoint's tokens.sequence_length)")  # fmt: skip
     ap.add_argument("--tokenizer", help="tokenizer.json or a folder holding one")
+    ap.add_argument("--apply-chat-template", action="store_true",
+                    help="render each request with the tokenizer's chat template (chat models)")  # fmt: skip
     ap.add_argument("--tp", type=int, help="tensor-parallel degree (default: processes / pp)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
     ap.add_argument("--dp", type=int, default=1,
@@ -156,6 +158,13 @@ def evaluate(step: Path, args, tp: int, pp: int, dp: int = 1) -> dict | None:
     tasks = [t for t in args.tasks.split(",") if t]
     manager = check_tasks(tasks, args.custom_tasks)
     tokenizer = hf_tokenizer(step, args.tokenizer)
+    chat = getattr(args, "apply_chat_template", False)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            f"--apply-chat-template: the tokenizer of {step} has no chat template; give "
+            "--tokenizer <a folder whose tokenizer_config.json has chat_template> or leave the "
+            "flag out (the tasks are then scored as plain text)"
+        )
     from lm_eval import simple_evaluate
 
     from mesh3d.evaluation.lm_eval_model import Mesh3dLM
@@ -170,7 +179,7 @@ def evaluate(step: Path, args, tp: int, pp: int, dp: int = 1) -> dict | None:
     lm = Mesh3dLM(Scorer(model), tokenizer)
     return simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot,
                            limit=args.max_samples, task_manager=manager, log_samples=True,
-                           batch_size=args.batch_size)  # fmt: skip
+                           batch_size=args.batch_size, apply_chat_template=chat)  # fmt: skip
 
 
 @exit_on_user_error

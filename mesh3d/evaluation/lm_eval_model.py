@@ -49,6 +49,16 @@ class Mesh3dLM(TemplateLM):
     ) -> list[int]:
         return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
 
+    def apply_chat_template(
+        self, chat_history: list[dict], add_generation_prompt: bool = True
+    ) -> str:
+        """A chat task's turns as text, through the tokenizer's chat template (`cli.py` refuses
+        `--apply-chat-template` for a tokenizer without one)."""
+        return self.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )  # fmt: skip
+
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 

@@ -143,3 +143,25 @@ def test_lighteval_task_strings_map_to_lm_eval_tasks():
 
     got = lm_eval_tasks("lighteval|hellaswag|0|1, leaderboard|arc:challenge|25|0,piqa,siqa")
     assert got == [("hellaswag", 0), ("arc_challenge", 25), ("piqa", None), ("social_iqa", None)]
+
+
+def test_a_chat_task_with_a_tokenizer_without_a_chat_template_is_refused(root, tmp_path):
+    import copy
+    import dataclasses
+
+    from parity import TINY
+
+    from mesh3d.config import config_from_dict
+
+    step = tmp_path / "ck" / "1"
+    (step / "tokenizer").mkdir(parents=True)
+    mc = config_from_dict(copy.deepcopy(TINY)).model.model_config
+    (step / "model_config.json").write_text(json.dumps(dataclasses.asdict(mc)))
+    (step / "tokenizer" / "tokenizer.json").write_bytes(
+        (root / "tok" / "tokenizer.json").read_bytes()
+    )
+    line = _refused(str(step), "--tasks", "tiny_mc", "--custom-tasks", str(root / "tasks"),
+                    "--apply-chat-template")  # fmt: skip
+    assert "--apply-chat-template: the tokenizer of" in line and "has no chat template" in line, (
+        line
+    )
