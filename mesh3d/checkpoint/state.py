@@ -81,6 +81,15 @@ def _full(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     return t.cpu()
 
 
+def _state_keys(optimizer, param) -> tuple[str, ...]:
+    """The optimizer states of `param` a checkpoint restores: AdamW's moments, or those the
+    optimizer names (`muon.MuonAdamW.state_keys`); () for none (SGD without momentum)."""
+    if isinstance(optimizer, torch.optim.AdamW):
+        return nanotron_state.ADAM_KEYS
+    keys_of = getattr(optimizer, "state_keys", None)
+    return keys_of(param) if keys_of is not None else ()
+
+
 def _group_hparams(group: dict) -> dict:
     """A parameter's own group hyperparameters, as Nanotron's one-group-per-parameter file has them.
 
@@ -90,6 +99,7 @@ def _group_hparams(group: dict) -> dict:
     """
     keys = ("weight_decay", "betas", "eps", "amsgrad", "foreach", "maximize", "capturable")
     keys += ("differentiable", "momentum", "dampening", "nesterov")
+    keys += ("kind", "ns_steps", "ns_coefficients", "ns_eps", "ns_dtype", "adjust_lr_fn")  # Muon
     out = {k: group[k] for k in keys if k in group}
     peak = group.get("initial_lr", group["lr"])  # set by the LR scheduler at construction
     out.update(lr=peak, initial_lr=peak)
@@ -136,12 +146,16 @@ def write_rank_state(
     entries, groups = [], []
     opt_state = optimizer.state if optimizer is not None else {}
     group_of = {p: g for g in optimizer.param_groups for p in g["params"]} if optimizer else {}
+
     # Nanotron's loader wants a state entry for every name once there is any (asserts
     # len(state) == len(names)): a parameter without AdamW state yet gets AdamW's fresh state
     # (zero moments, step 0), which updates exactly like no state. Before the first step no
     # parameter has state, and the files hold none (Nanotron refuses those, as its own).
+    def keys_of(q) -> tuple[str, ...]:
+        return _state_keys(optimizer, q) or nanotron_state.ADAM_KEYS
+
     any_state = any(k in opt_state.get(held[o][0], {}) for p in params for o in p.ours
-                    for k in nanotron_state.ADAM_KEYS)  # fmt: skip
+                    for k in keys_of(held[o][0]))  # fmt: skip
     # a writer that checks every tensor itself (an asynchronous save's, in the background)
     # takes that work off the training thread
     finite = (lambda t, what: t) if getattr(writer, "checks_finite", False) else _finite
@@ -164,11 +178,11 @@ def write_rank_state(
                 writer.save_tensors(rel, {names.TENSOR_KEY: data.contiguous()}, meta)
         tensors = {nanotron_state.MASTER: fused.float()} if masters else {}
         state = opt_state.get(first[0], {})
-        for k in nanotron_state.ADAM_KEYS:
+        for k in keys_of(first[0]):
             if k in state:
                 full = fuse(p, {o: _full(opt_state[q][k], q) for o, q in zip(p.ours, first)})
                 tensors[k] = finite(full, f"optimizer state {k} of {p.name}")
-            elif any_state:  # no state yet: AdamW's fresh state, in the parameter's dtype
+            elif any_state:  # no state yet: a fresh state (zeros), in the parameter's dtype
                 tensors[k] = torch.zeros_like(fused)
         local = {k: _own(shard_of(p, v, T, tp)[0]) for k, v in tensors.items()}
         if zero:
@@ -251,7 +265,6 @@ def load_rank_state(
     `params` describe the tensors as saved (shapes, kinds); `rows` re-pads vocabulary tensors.
     """
     files = nanotron_state.OptimizerFiles(step_dir / "optimizer") if load_optimizer else None
-    adam = isinstance(optimizer, torch.optim.AdamW)
     progress = Progress(f"Loading checkpoint {step_dir}", len(params))
     for p in params:
         master = (
@@ -259,8 +272,9 @@ def load_rank_state(
         )
         weights = master if master is not None else read_param(step_dir / "model", p)
         states, step = {}, None
-        if files is not None and adam:
-            states = {k: files.full(p, k) for k in nanotron_state.ADAM_KEYS}
+        keys = _state_keys(optimizer, held[p.ours[0]][0]) if files is not None else ()
+        if keys:
+            states = {k: files.full(p, k) for k in keys}
             states = {k: v for k, v in states.items() if v is not None}
             step = files.step(p)
         for i, o in enumerate(p.ours):
@@ -270,9 +284,10 @@ def load_rank_state(
                 _assign(q, ours["weight"])
                 if states:
                     optimizer.state[q] = {k: _place(ours[k], q) for k in states}
-                    optimizer.state[q]["step"] = (
-                        torch.zeros(()) if step is None else step.float().clone()
-                    )
+                    if "exp_avg" in states:  # AdamW's step counter
+                        optimizer.state[q]["step"] = (
+                            torch.zeros(()) if step is None else step.float().clone()
+                        )
         progress.update()
     progress.done()
 

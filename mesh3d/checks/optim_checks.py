@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from mesh3d.config.schema import AdamWOptimizerArgs, Config
+from mesh3d.config.schema import AdamWOptimizerArgs, Config, MuonOptimizerArgs
 
 LR = "optimizer.learning_rate_scheduler"
 
@@ -21,7 +21,9 @@ def optimizer_errors(cfg: Config) -> Iterator[str]:
     if o.zero_stage < 0:
         yield f"`optimizer.zero_stage` must be 0 (off) or 1 (ZeRO-1; Nanotron treats any value > 0 as 1), got {o.zero_stage}"
     f = o.optimizer_factory
-    if isinstance(f, AdamWOptimizerArgs):
+    if isinstance(f, MuonOptimizerArgs):
+        yield from _muon_errors(f)
+    if isinstance(f, AdamWOptimizerArgs | MuonOptimizerArgs):
         for k in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(f, k) < 1:
                 yield f"`optimizer.optimizer_factory.{k}` must be in [0, 1), got {getattr(f, k)}"
@@ -72,3 +74,25 @@ def lr_warnings(cfg: Config) -> Iterator[str]:
             f"({steps}): the whole run warms up{reach}, with no decay; lower lr_warmup_steps "
             "for the full schedule"
         )
+
+
+def _muon_errors(f: MuonOptimizerArgs) -> Iterator[str]:
+    """`name: muon`'s own keys (`train/muon.py`)."""
+    key = "optimizer.optimizer_factory"
+    if f.ns_dtype not in ("bfloat16", "float32"):
+        yield f"`{key}.ns_dtype` {f.ns_dtype!r} is not one of bfloat16 (torch's Muon), float32"
+    if f.adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+        yield f"`{key}.adjust_lr_fn` {f.adjust_lr_fn!r} is not one of null, original, match_rms_adamw"
+    if not 1 <= f.ns_steps < 100:
+        yield f"`{key}.ns_steps` must be in [1, 99] (Newton-Schulz steps; torch's default 5), got {f.ns_steps}"
+    if not 0 <= f.momentum < 1:
+        yield f"`{key}.momentum` must be in [0, 1), got {f.momentum}"
+    if len(f.ns_coefficients) != 3:
+        yield f"`{key}.ns_coefficients` must be 3 numbers (a, b, c), got {f.ns_coefficients}"
+    if not f.muon_params:
+        yield f"`{key}.muon_params` is empty: name the 2-D weights Muon updates (re.match patterns), e.g. ['layers\\.\\d+\\..*weight$']"
+    for i, pattern in enumerate(f.muon_params):
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            yield f"`{key}.muon_params[{i}]` {pattern!r} is not a regular expression: {e}"

@@ -29,6 +29,7 @@ from mesh3d.config.schema import (
     LlamaConfig,
     Mesh3dArgs,
     ModelConfig,
+    MuonOptimizerArgs,
     NanosetDatasetsArgs,
     PretrainDatasetsArgs,
     Qwen2Config,
@@ -122,9 +123,12 @@ def _pick_optimizer_factory(value: Any, path: str) -> tuple[type, dict]:
     name = d.get("name")
     if name is None and d.keys() & set(_ADAM_KEYS):
         name = "adamW"
-    if not isinstance(name, str) or name.lower() not in ("adamw", "sgd"):
+    if not isinstance(name, str) or name.lower() not in ("adamw", "sgd", "muon"):
         got = "no `name`" if name is None else f"name {show(name)}"
-        raise ConfigError(f"`{join(path, 'name')}` must be adamW or sgd; got {got}")
+        raise ConfigError(f"`{join(path, 'name')}` must be adamW, sgd or muon; got {got}")
+    if name.lower() == "muon":
+        d["name"] = "muon"
+        return MuonOptimizerArgs, d
     if name.lower() == "sgd":
         d["name"] = "sgd"
         return SGDOptimizerArgs, d
@@ -174,7 +178,7 @@ def _nanoset_forms(d: dict, path: str) -> dict:
 _PICKERS: Pickers = {
     frozenset(get_args(ModelConfig)): _pick_model_config,
     frozenset({RandomInit, SpectralMupInit, ExistingCheckpointInit}): _pick_init_method,
-    frozenset({AdamWOptimizerArgs, SGDOptimizerArgs}): _pick_optimizer_factory,
+    frozenset({AdamWOptimizerArgs, SGDOptimizerArgs, MuonOptimizerArgs}): _pick_optimizer_factory,
     frozenset({PretrainDatasetsArgs, NanosetDatasetsArgs, SFTDatasetsArgs}): _pick_dataset,
 }
 

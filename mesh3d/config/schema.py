@@ -255,6 +255,28 @@ class SGDOptimizerArgs:
 
 
 @dataclass
+class MuonOptimizerArgs:
+    """mesh3d's `name: muon` (not a Nanotron optimizer): torch's Muon on the decoder layers'
+    2-D weights, AdamW (these `adam_*` keys) on the rest (`train/muon.py`)."""
+
+    adam_eps: float = 1e-8
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    torch_adam_is_fused: bool = False  # accepted; the AdamW part runs torch's single-tensor math
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.775, 2.0315])
+    ns_dtype: str = "bfloat16"  # bfloat16 (torch's Muon) | float32 (layout parity within 1e-5)
+    eps: float = 1e-7
+    adjust_lr_fn: str | None = None  # null / original: sqrt(max(1, A/B)) | match_rms_adamw
+    muon_params: list[str] = field(
+        default_factory=lambda: [r"layers\.\d+\..*weight$"]
+    )  # re.match, 2-D only
+    name: str = "muon"
+
+
+@dataclass
 class LRSchedulerArgs:
     """Nanotron's LR schedule keys (docs/nanotron-layout.md#learning-rate-keys).
 
@@ -274,7 +296,7 @@ class LRSchedulerArgs:
 
 @dataclass
 class OptimizerArgs:
-    optimizer_factory: AdamWOptimizerArgs | SGDOptimizerArgs
+    optimizer_factory: AdamWOptimizerArgs | SGDOptimizerArgs | MuonOptimizerArgs
     zero_stage: int
     weight_decay: float
     accumulate_grad_in_fp32: bool

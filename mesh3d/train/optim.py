@@ -17,6 +17,7 @@ import torch
 
 from mesh3d import nanotron_names as names
 from mesh3d.config.schema import SpectralMupInit
+from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.models.registry import spec_named
 from mesh3d.models.spec import ModelShape
@@ -78,6 +79,7 @@ def build_optimizer(named_params, cfg, layout: RunLayout, device: torch.device):
     lr = o.learning_rate_scheduler.learning_rate
     exclude = list(o.weight_decay_exclude_named_params or [])
     shape = layout.shape
+    named_params = list(named_params)
     scales = None
     if isinstance(cfg.model.init_method, SpectralMupInit):
         from mesh3d.models.mup import mup_rules
@@ -87,7 +89,19 @@ def build_optimizer(named_params, cfg, layout: RunLayout, device: torch.device):
     groups = param_groups(named_params, o.weight_decay, exclude, shape, scales)
     for g in groups:
         g["lr"] = lr * g["lr_scale"]
-    if f.name == "sgd":
+    if f.name == "muon":
+        from mesh3d.config.schema import MuonOptimizerArgs
+        from mesh3d.train.muon import MuonAdamW, split_groups
+
+        names = {id(p): canonical_name(n) for n, p in named_params}
+        explicit = f.muon_params != MuonOptimizerArgs().muon_params
+        try:
+            split = split_groups(groups, names, f.muon_params, explicit)
+        except UserError as e:
+            e.same_on_every_rank = True  # every rank holds params the patterns judge alike
+            raise
+        opt = MuonAdamW(split, lr, f)
+    elif f.name == "sgd":
         opt = torch.optim.SGD(groups, lr=lr)
     else:
         # Nanotron's `torch_adam_is_fused` (true in its configs): torch's fused AdamW kernel,

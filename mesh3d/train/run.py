@@ -77,7 +77,7 @@ class Run:
     extra: dict = field(default_factory=dict)  # room for callers' own state
     checkpoints: Checkpointer | None = None  # every save's lifecycle (`build`)
     feed: Feed | None = None  # this rank's loader of each step's batches (`build`)
-    share: object | None = None  # `stream_share.ReplicaShare`: a streamed step read once per dp replica (`build`)
+    share: object | None = None  # `stream_share.ReplicaShare` for streamed data (`build`)
 
     @classmethod
     def prepare(cls, cfg) -> Run:

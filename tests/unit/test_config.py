@@ -249,7 +249,7 @@ BAD = [
     ("override-bad-index", ["data_stages[5].name=x"], None, None, "`data_stages` has no item [5] (it is a list of 2)"),
     ("override-into-scalar", ["tokens.train_steps.x=1"], None, None, "`tokens.train_steps` is 20 (int), not a mapping"),
     ("adamw-needs-keys", ["optimizer.optimizer_factory={name: adamW}"], None, None, "missing required key `optimizer.optimizer_factory.adam_eps`: adamW needs all of"),
-    ("optimizer-name", ["optimizer.optimizer_factory.name=adam"], None, None, "`optimizer.optimizer_factory.name` must be adamW or sgd"),
+    ("optimizer-name", ["optimizer.optimizer_factory.name=adam"], None, None, "`optimizer.optimizer_factory.name` must be adamW, sgd or muon"),
     ("init-method-keys", ["model.init_method={stdev: 0.02}"], None, None, "`model.init_method` needs `std` (random init)"),
     ("tokens-section", ["tokens=null"], None, None, "section `tokens` is missing"),
     ("world-size", ["parallelism.dp=2", *TP2, *PP2], None, 4, "parallelism.dp (2) x tp (2) x pp (2) = 8, but the world size is 4; change parallelism.dp/tp/pp so the product is 4, or launch with --nproc_per_node=8"),
