@@ -50,11 +50,14 @@ def test_cli_errors_exit_2_without_traceback(ckpts, capsys, tmp_path):
 
     r = subprocess.run(
         [sys.executable, "-m", "mesh3d.cli", "generate", "--checkpoint", str(tmp_path / "nope"),
-         "--prompt", "x"], capture_output=True, text=True, timeout=120,
+         "--prompt", "x"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 2
-    assert r.stderr == f"error: --checkpoint {tmp_path / 'nope'} does not exist; give a step " \
-        "folder or a checkpoints folder\n"  # fmt: skip
+    assert r.stderr == (
+        f"error: --checkpoint {tmp_path / 'nope'}: no such folder in {tmp_path}, and no "
+        "runs/*/checkpoints here either; give a step folder or a checkpoints folder (`mesh3d "
+        "train` writes runs/<run name>/checkpoints, relative to the folder it ran in)\n"
+    )
 
 
 TRAIN_TINY = """

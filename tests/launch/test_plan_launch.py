@@ -22,5 +22,9 @@ def test_cli_report_and_user_error():
         assert heading in out
     assert "tp: [0, 1]" in out
     assert procs[1].returncode == 2
-    assert bad_err.startswith("error: ") and "world size is 3" in bad_err
+    assert (
+        bad_err.startswith("error: ")
+        and "--world-size 3, but parallelism.dp (1) x tp (2)" in bad_err
+    )
+    assert "give --world-size 2" in bad_err and "--nproc_per_node" not in bad_err
     assert "Traceback" not in bad_err + bad_out
