@@ -232,10 +232,10 @@ class InRunEvaluation:
                         write_results(got, self.output / str(step))
         except Exception as e:  # noqa: BLE001 - one line; the run trains on unless told to stop
             error = f"{type(e).__name__}: {e}".splitlines()[0]
-        shared = [scores, error]
+        shared = [scores, error, time.time() - t0]  # rank 0's, on every rank
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(shared, src=0)
-        scores, error = shared
+        scores, error, took = shared
         if error is not None:
             text = f"the evaluation of step {step} failed ({error})"
             if self.stop_on_failure:
@@ -243,7 +243,6 @@ class InRunEvaluation:
                                  f"checkpoint of step {step} is saved and untouched")  # fmt: skip
             logger.warning(f"{text}; training goes on (mesh3d.eval_failure: stop would end it)")
             return {}
-        took = time.time() - t0
         shown = " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in scores.items())
         logger.info(f"[Eval] step {step} ({took:.1f} s): {shown}")
         return {**scores, "eval_time_s": took}

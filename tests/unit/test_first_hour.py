@@ -159,7 +159,7 @@ def test_sft_recipe_describes_every_option():
     """Its --help left --output, --steps and --held-out undescribed (its run, which prints
     progress and the checkpoint's path: tests/ranks/test_first_hour_ranks.py)."""
     actions = [a for a in _recipe("sft_arithmetic").parser()._actions if a.dest != "help"]
-    assert {a.dest for a in actions} == {"output", "steps", "held_out"}
+    assert {a.dest for a in actions} == {"output", "steps", "held_out", "eval_every"}
     assert all(a.help for a in actions), [a.dest for a in actions if not a.help]
 
 

@@ -85,6 +85,7 @@ def test_concurrent_ranks_prepare_the_default_data_once(tmp_path, monkeypatch):
     import time
 
     import mesh3d.data.corpus as corpus
+    import mesh3d.data.synthetic
     import mesh3d.data.tokenize
 
     made = []
@@ -101,7 +102,7 @@ def test_concurrent_ranks_prepare_the_default_data_once(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MESH3D_CACHE", str(tmp_path))
     monkeypatch.setattr(corpus, "stdlib_files", lambda budget: [])
-    monkeypatch.setattr(corpus, "train_bpe", train_bpe)
+    monkeypatch.setattr(mesh3d.data.synthetic, "train_bpe", train_bpe)  # imported where used
     monkeypatch.setattr(mesh3d.data.tokenize, "tokenize_to_folder", tokenize_to_folder)
     folders = []
     ranks = [threading.Thread(target=lambda: folders.append(corpus.prepare_stdlib_corpus()))
