@@ -29,11 +29,9 @@ def optimizer_errors(cfg: Config) -> Iterator[str]:
                 yield f"`optimizer.optimizer_factory.{k}` must be in [0, 1), got {getattr(f, k)}"
         if f.adam_eps < 0:
             yield f"`optimizer.optimizer_factory.adam_eps` must be >= 0, got {f.adam_eps}"
-    for i, pattern in enumerate(o.weight_decay_exclude_named_params):
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            yield f"`optimizer.weight_decay_exclude_named_params[{i}]` {pattern!r} is not a regular expression: {e}"
+    yield from _patterns(
+        "optimizer.weight_decay_exclude_named_params", o.weight_decay_exclude_named_params
+    )
 
 
 def lr_errors(cfg: Config) -> Iterator[str]:
@@ -91,8 +89,13 @@ def _muon_errors(f: MuonOptimizerArgs) -> Iterator[str]:
         yield f"`{key}.ns_coefficients` must be 3 numbers (a, b, c), got {f.ns_coefficients}"
     if not f.muon_params:
         yield f"`{key}.muon_params` is empty: name the 2-D weights Muon updates (re.match patterns), e.g. ['layers\\.\\d+\\..*weight$']"
-    for i, pattern in enumerate(f.muon_params):
+    yield from _patterns(f"{key}.muon_params", f.muon_params)
+
+
+def _patterns(key: str, patterns: list[str]) -> Iterator[str]:
+    """A line for each of `patterns` (the list at `key`) that is not a regular expression."""
+    for i, pattern in enumerate(patterns):
         try:
             re.compile(pattern)
         except re.error as e:
-            yield f"`{key}.muon_params[{i}]` {pattern!r} is not a regular expression: {e}"
+            yield f"`{key}[{i}]` {pattern!r} is not a regular expression: {e}"

@@ -10,11 +10,11 @@ The tests of this subject that need a process group are in
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
 import torch
+from logs import logged
 
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.tokenizer_files import copy_into_folder, tokenizer_files
@@ -23,7 +23,6 @@ from mesh3d.config import load_config
 from mesh3d.data.synthetic import make_tokenizer
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
-from mesh3d.log import logger
 from mesh3d.train.build import initial_weights
 
 transformers = pytest.importorskip("transformers", reason="transformers (dev extra) not installed")
@@ -69,16 +68,7 @@ def test_from_hf_config_defaults_validate(tmp_path):
 def test_init_method_path_logs_what_it_loaded(tmp_path):
     convert.from_hf(hf_folder(tmp_path / "hf"), tmp_path / "nt", tp=2, pp=2)
     cfg = load_config(tmp_path / "nt" / "config.yaml")
-    seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
-    try:
-        source = initial_weights(cfg, RunLayout.of(cfg))
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    seen, source = logged(lambda: initial_weights(cfg, RunLayout.of(cfg)))
     # 2 layers x 9 tensors (q, k, v, o, gate, up, down, 2 norms) + embedding, final norm, lm_head
     per_layer = 64 * 64 * 2 + 32 * 64 * 2 + 3 * 96 * 64 + 2 * 64
     n = 2 * 300 * 64 + 64 + 2 * per_layer
@@ -238,17 +228,7 @@ def test_plan_search_write_says_what_it_took_from_the_config(capsys, tmp_path):
 
 def _logged(fn) -> list[str]:
     """The messages mesh3d's logger gets while `fn()` runs (at INFO)."""
-    seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
-    try:
-        fn()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    return seen
+    return logged(fn)[0]
 
 
 def test_disk_items_are_in_the_unit_their_names_say():

@@ -310,20 +310,9 @@ def test_parquet_and_a_saved_arrow_folder_stream_like_json_lines(d, tmp_path):
 
 def test_a_streamed_stage_says_so_and_names_its_sources(d):
     """Nothing said that streaming was on."""
-    import logging
+    from logs import logged
 
-    from mesh3d.log import logger
-
-    seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
-    try:
-        StagedData(cfg_of(d, f"[{d / 'a.jsonl'}, {d / 'b.parquet'}]"))
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    seen, _ = logged(lambda: StagedData(cfg_of(d, f"[{d / 'a.jsonl'}, {d / 'b.parquet'}]")))
     assert [m for m in seen if "streamed" in m] == [
         f"data_stages[0] ('s') is streamed (mesh3d.hf_streaming: true): 2 files of "
         f"{d / 'a.jsonl'}, {d / 'b.parquet'}, read row by row and tokenized in the loader"
