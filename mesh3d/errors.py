@@ -27,6 +27,7 @@ not happen. Our own broken invariants stay `assert`s and keep their tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -123,6 +124,24 @@ class Interrupted(RunStopped):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + int(signum)
+
+
+def on_every_rank(error: UserError) -> UserError:
+    """`error`, marked as one every rank raises alike (from the same config, files or a value
+    one rank shared): printed once, by rank 0 (`report`)."""
+    error.same_on_every_rank = True  # type: ignore[attr-defined]
+    return error
+
+
+@contextlib.contextmanager
+def decided_alike():
+    """Around checks every rank makes alike (the same config and files): a `UserError` raised
+    inside is marked as every rank's (`on_every_rank`), so it is printed once."""
+    try:
+        yield
+    except UserError as e:
+        on_every_rank(e)
+        raise
 
 
 def exit_on_user_error(fn: F) -> F:

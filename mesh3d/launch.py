@@ -28,7 +28,7 @@ from pathlib import Path
 
 from mesh3d.checks import validate, warn_once
 from mesh3d.config import DEFAULT_CONFIG, expand_run_name, load_config, world_size
-from mesh3d.errors import PeerError, UserError, exit_on_user_error
+from mesh3d.errors import PeerError, UserError, decided_alike, exit_on_user_error
 from mesh3d.log import launcher_lines, logger, setup_launcher_logging
 
 LAUNCHED_ENV = "MESH3D_LAUNCHED"  # set in the ranks `mesh3d train` starts itself
@@ -104,25 +104,18 @@ def _resolved_on_ranks(args: argparse.Namespace) -> tuple[str, list[str], str]:
     (`%date` read once) and the same metrics file and plot as `mesh3d train`. World rank 0
     prints what `mesh3d train`'s launcher does before the run (the default run's data
     preparation, the config's warnings), in the same form."""
-    import torch.distributed as dist
-
-    from mesh3d.mesh import init_distributed
+    from mesh3d.mesh import init_distributed, share
 
     shown = launcher_lines() if int(os.environ["RANK"]) == 0 else contextlib.nullcontext()
     with shown:  # rank 0 shows what the launcher of `mesh3d train` shows before the run
-        try:
+        with decided_alike():  # the same file and overrides on every rank
             path, overrides = _resolved(args)
             cfg = load_config(path, overrides)
             validate(cfg, world_size=int(os.environ["WORLD_SIZE"]))
-        except UserError as e:  # the same file and overrides on every rank
-            e.same_on_every_rank = True
-            raise
         warn_once(cfg)
         logger.info(where_it_writes(cfg, args.metrics_file, args.config is None))
     init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=cfg.mesh3d.device)
-    shared = [overrides]
-    dist.broadcast_object_list(shared, src=0)
-    overrides = shared[0]
+    overrides = share(overrides)  # rank 0's (a run name expanded once)
     run = load_config(path, overrides).general.run
     return path, overrides, args.metrics_file or f"runs/{run}/metrics.jsonl"
 
@@ -175,11 +168,8 @@ def run_rank(path: str, overrides: list[str], metrics_file: str | None) -> None:
     from mesh3d.summary import finish
     from mesh3d.train.loop import train
 
-    try:
+    with decided_alike():  # the same file and overrides on every rank
         cfg = load_config(path, overrides)
-    except UserError as e:  # the same file and overrides on every rank
-        e.same_on_every_rank = True
-        raise
     peers_gone, ok = False, False
     try:
         result = train(cfg, metrics_file=metrics_file)

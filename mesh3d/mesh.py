@@ -284,3 +284,12 @@ def shutdown_distributed(wait: bool = True) -> None:
         replica_mesh.cache_clear()
         dist.destroy_process_group()
         gc.collect()  # model and mesh cycles holding groups go now, not at interpreter exit
+
+
+def share(value, src: int = 0):
+    """`value` of global rank `src`, on every rank (`value` itself without a process group):
+    how one rank's decision (a problem found, an outcome, a name) becomes every rank's."""
+    box = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -39,7 +39,7 @@ from mesh3d.checkpoint.folder import write_latest
 from mesh3d.checkpoint.retention import prune
 from mesh3d.errors import CheckpointWriteError
 from mesh3d.log import logger
-from mesh3d.mesh import collective_timeout
+from mesh3d.mesh import collective_timeout, share
 
 
 @dataclass
@@ -65,14 +65,6 @@ class UploadReport:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _on_every_rank(value):
-    """World rank 0's `value`, on every rank."""
-    box = [value]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 class Checkpointer:
@@ -137,7 +129,7 @@ class Checkpointer:
                            "itself is complete; free the folder or set mesh3d.hf_export: false")  # fmt: skip
             self._upload(final)
             self._retain()
-        problem = _on_every_rank(problem)
+        problem = share(problem)  # world rank 0's
         if problem:
             raise CheckpointWriteError(problem)
 

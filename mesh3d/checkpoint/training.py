@@ -53,7 +53,7 @@ from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, wr
 from mesh3d.checkpoint.tokenizer_files import copy_into_checkpoint
 from mesh3d.config.load import mesh3d_changes, nanotron_config_yaml
 from mesh3d.data.stages import stage_consumption
-from mesh3d.errors import UserError
+from mesh3d.errors import UserError, on_every_rank
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout
@@ -282,8 +282,7 @@ def verify_everywhere(step_dir: Path, meta: dict, unverified_ok: bool = False) -
                 "the file from a copy, resume from another step folder, or set "
                 "mesh3d.load_without_manifest=true to load it unverified"
             )
-            error.same_on_every_rank = True
-            raise error
+            raise on_every_rank(error)
         return
     if not dist.is_initialized() or dist.get_world_size() == 1:
         problems = verify(step_dir)
@@ -294,8 +293,7 @@ def verify_everywhere(step_dir: Path, meta: dict, unverified_ok: bool = False) -
         problems = [p for ps in everyone for p in ps]
     if problems:
         error = damaged_error(step_dir, problems)
-        error.same_on_every_rank = True
-        raise error
+        raise on_every_rank(error)
 
 
 def load_weights(folder: Path, parts, layout: RunLayout, optimizer=None) -> None:

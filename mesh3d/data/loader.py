@@ -39,7 +39,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from mesh3d.data.dummy import microbatches
 from mesh3d.data.worker_failure import Failed, by_value
-from mesh3d.errors import DataWorkerError, UserError
+from mesh3d.errors import DataWorkerError, UserError, on_every_rank
 
 _PREFETCH = 2  # steps each worker reads ahead
 _POLL = 2.0  # seconds between checks that the workers are alive while waiting for a batch
@@ -278,19 +278,19 @@ class Feed:
         positions: dict[int, dict] = {}
         for got in saved:
             if "positions" not in got:  # written per dp rank and worker, before logical shards
-                raise _everywhere(UserError(
+                raise on_every_rank(UserError(
                     f"checkpoint {checkpoint} holds a stream position of {data.sources[i]} from "
                     "before logical shards (split by dp and workers); it cannot continue "
                     f"exactly: resume it with the mesh3d version that saved it, {fix}"))  # fmt: skip
             if (got["stage"], got["shards"]) != (i, ds.shards):
-                raise _everywhere(UserError(
+                raise on_every_rank(UserError(
                     f"checkpoint {checkpoint} streamed data stage {got['stage']} in "
                     f"{got['shards']} logical shards (mesh3d.stream_shards); this run streams "
                     f"stage {i} in {ds.shards}: set mesh3d.stream_shards: {got['shards']}, {fix}"))  # fmt: skip
             positions.update(got["positions"])
         missing = sorted(set(range(ds.shards)) - positions.keys())
         if missing:
-            raise _everywhere(UserError(
+            raise on_every_rank(UserError(
                 f"checkpoint {checkpoint} holds no stream position of {data.sources[i]} for "
                 f"logical shard(s) {missing[:8]} of {ds.shards} (a data/stream_dp-*.pt file is "
                 f"missing, or it was saved without mesh3d.hf_streaming); the stream cannot "
@@ -324,8 +324,3 @@ class Feed:
 
 def _streamed(dataset) -> bool:
     return getattr(dataset, "streamed", False)  # `streaming.StreamedText`
-
-
-def _everywhere(error: UserError) -> UserError:
-    error.same_on_every_rank = True  # every rank decides alike from the config and checkpoint
-    return error

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from mesh3d.errors import RunStopped, UserError
 from mesh3d.evaluation.scorer import Scorer, token_outputs
 from mesh3d.log import logger
+from mesh3d.mesh import share
 from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
 from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.evaluate import _reshard
@@ -232,10 +233,7 @@ class InRunEvaluation:
                         write_results(got, self.output / str(step))
         except Exception as e:  # noqa: BLE001 - one line; the run trains on unless told to stop
             error = f"{type(e).__name__}: {e}".splitlines()[0]
-        shared = [scores, error, time.time() - t0]  # rank 0's, on every rank
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(shared, src=0)
-        scores, error, took = shared
+        scores, error, took = share((scores, error, time.time() - t0))  # rank 0's, everywhere
         if error is not None:
             text = f"the evaluation of step {step} failed ({error})"
             if self.stop_on_failure:

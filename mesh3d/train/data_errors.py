@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mesh3d.errors import UserError
+from mesh3d.errors import UserError, on_every_rank
 
 
 def agree_on_data_error(error: UserError | None, device: torch.device) -> None:
@@ -31,6 +31,4 @@ def agree_on_data_error(error: UserError | None, device: torch.device) -> None:
         return
     text = [str(error) if error is not None else None]
     dist.broadcast_object_list(text, src=src, device=device)
-    shared = UserError(text[0])
-    shared.same_on_every_rank = True
-    raise shared from None
+    raise on_every_rank(UserError(text[0])) from None

@@ -34,20 +34,13 @@ from mesh3d.errors import (
     NonFiniteError,
     RunStopped,
     UserError,
+    on_every_rank,
     report,
 )
 from mesh3d.log import logger
-from mesh3d.mesh import collective_timeout
+from mesh3d.mesh import collective_timeout, share
 from mesh3d.train.signals import StopSignals
 from mesh3d.train.watchdog import Watchdog, heartbeat_interval, is_collective_failure
-
-
-def share(value, src: int = 0):
-    """`value` of global rank `src`, on every rank."""
-    box = [value]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 class RunGuard:
@@ -94,7 +87,7 @@ class RunGuard:
             with collective_timeout(None, wait_s, m.collective_timeout_s):
                 kind, value = share(outcome)
             if kind == "error":
-                raise _everyones(UserError(value))
+                raise on_every_rank(UserError(value))
             self.resume_path, self.stale_steps = value
         interval = heartbeat_interval(self.cfg.mesh3d.collective_timeout_s)
         self.watchdog = Watchdog(self.rank, self.world, interval, run_id, self.lock,
@@ -189,7 +182,7 @@ class RunGuard:
         problem = share(problem)
         self.stale_steps = []
         if problem:
-            raise _everyones(UserError(problem))
+            raise on_every_rank(UserError(problem))
 
     def accepts(self, loss: float, grad_norm: float) -> bool:
         """Whether the step's update is applied as far as the loss-spike guard goes."""
@@ -244,7 +237,7 @@ class RunGuard:
         if self.lock is not None:
             self.lock.held = False  # not ours: never refreshed nor removed again
         root = self.cfg.checkpoints.checkpoints_path
-        raise _everyones(UserError(
+        raise on_every_rank(UserError(
             f"checkpoints folder {root} now belongs to {taken}: it was taken over while this run "
             f"did not refresh its lock for over {STALE_S:.0f} s (suspended or stopped on another "
             f"host). This run stops before writing step {step}, so the two runs do not mix "
@@ -312,9 +305,3 @@ def _exit_reason(exc: BaseException | None) -> str:
         return "it finished"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}"[:200]
-
-
-def _everyones(error: UserError) -> UserError:
-    """`error`, raised alike on every rank: printed once, by rank 0."""
-    error.same_on_every_rank = True
-    return error

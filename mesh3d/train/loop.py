@@ -22,12 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d import extensions
 from mesh3d.checkpoint.manager import UploadReport
-from mesh3d.errors import Interrupted, Preempted, RunStopped, UserError
+from mesh3d.errors import Interrupted, Preempted, RunStopped, UserError, decided_alike
 from mesh3d.log import logger
-from mesh3d.mesh import groups_of
+from mesh3d.mesh import groups_of, share
 from mesh3d.parallel.parallelize import compile_cache_text, compile_notice
 from mesh3d.train.evaluate import evaluate, is_evaluation_step
-from mesh3d.train.guard import RunGuard, share
+from mesh3d.train.guard import RunGuard
 from mesh3d.train.metrics import (
     iteration_metrics,
     memory_metrics,
@@ -180,11 +180,8 @@ def _in_run_evaluation(cfg, metrics_file: str | None):
     folder = (
         Path(metrics_file).parent if metrics_file else Path(cfg.checkpoints.checkpoints_path).parent
     )
-    try:
+    with decided_alike():
         return extensions.load("evaluation_in_run").InRunEvaluation(cfg, folder)
-    except UserError as e:
-        e.same_on_every_rank = True
-        raise
 
 
 def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence) -> RunResult:

@@ -17,7 +17,7 @@ import torch
 
 from mesh3d import nanotron_names as names
 from mesh3d.config.schema import SpectralMupInit
-from mesh3d.errors import UserError
+from mesh3d.errors import decided_alike
 from mesh3d.layout import RunLayout
 from mesh3d.models.registry import spec_named
 from mesh3d.models.spec import ModelShape
@@ -95,11 +95,8 @@ def build_optimizer(named_params, cfg, layout: RunLayout, device: torch.device):
 
         names = {id(p): canonical_name(n) for n, p in named_params}
         explicit = f.muon_params != MuonOptimizerArgs().muon_params
-        try:
+        with decided_alike():  # every rank's parameters have the same names
             split = split_groups(groups, names, f.muon_params, explicit)
-        except UserError as e:
-            e.same_on_every_rank = True  # every rank holds params the patterns judge alike
-            raise
         opt = MuonAdamW(split, lr, f)
     elif f.name == "sgd":
         opt = torch.optim.SGD(groups, lr=lr)

@@ -35,7 +35,7 @@ from mesh3d.checkpoint.training import (
 from mesh3d.checks import validate, warn_once
 from mesh3d.data.build import StagedData
 from mesh3d.data.loader import Feed
-from mesh3d.errors import UserError
+from mesh3d.errors import UserError, decided_alike
 from mesh3d.layout import RunLayout
 from mesh3d.log import setup_logging
 from mesh3d.mesh import (
@@ -90,14 +90,11 @@ class Run:
         here is the same on every rank (printed once, by rank 0)."""
         env_world = int(os.environ.get("WORLD_SIZE", 1))
         world = dist.get_world_size() if dist.is_initialized() else env_world
-        try:
+        with decided_alike():
             validate(cfg, world_size=world)  # before any process-group work: never a hang
             _check_sft_tokenizer(cfg)
             data = StagedData(cfg)  # every stage's dataset checked before the first collective
             device = resolve_device(cfg.mesh3d.device)
-        except UserError as e:
-            e.same_on_every_rank = True
-            raise
         if not dist.is_initialized():
             init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=cfg.mesh3d.device)
         layout = RunLayout.resolve(cfg, dist.get_world_size(), dist.get_rank())
