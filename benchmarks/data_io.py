@@ -232,7 +232,7 @@ def _tokenize_rank(rank: int, world: int, work: str, steps: int, share: bool) ->
     """One rank of a tp = `world` run on the streamed corpus (num_loading_workers 0, so the
     tokenizer runs in this process): the CPU seconds its tokenizer took per step."""
     from mesh3d.data import streaming
-    from mesh3d.train import run as run_module
+    from mesh3d.train import stream_share
     from mesh3d.train.loop import train
 
     spent, texts_seen = [0.0], [0]
@@ -247,7 +247,7 @@ def _tokenize_rank(rank: int, world: int, work: str, steps: int, share: bool) ->
 
     streaming.StreamedText.encode = timed
     if not share:  # every rank of the replica reads and tokenizes, as before issue 45
-        run_module.needs_share = lambda data, dims: False
+        stream_share.needs_share = lambda data, dims: False  # looked up at build
     cfg = _default_cfg(Path(work), "stream", 0, steps, [f"parallelism.tp={world}"])
     train(cfg)
     return {"tokenizer_cpu_s_per_step": spent[0] / steps, "texts_per_step": texts_seen[0] / steps}

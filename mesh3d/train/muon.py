@@ -111,7 +111,7 @@ class MuonAdamW(torch.optim.Optimizer):
                              group["ns_eps"], _DTYPES[group["ns_dtype"]])  # fmt: skip
         lr = group["lr"]
         p.mul_(1 - lr * group["weight_decay"])
-        p.add_(_like(full.to(p.dtype) if isinstance(p, DTensor) else full, p),
+        p.add_(_like(full.to(p.dtype), p),
                alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))  # fmt: skip
 
     def _adamw(self, p: Tensor, group: dict) -> None:
