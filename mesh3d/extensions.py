@@ -38,6 +38,7 @@ CAPABILITIES: dict[str, str] = {
     "tokenize": "mesh3d.data.tokenize",  # preparing the built-in default data (first run only)
     "evaluation": "mesh3d.evaluation.scorer",  # mesh3d eval
     "evaluation_in_run": "mesh3d.evaluation.in_run",  # a lighteval: section
+    "lora": "mesh3d.models.lora",  # mesh3d.lora: adapters, the base frozen
 }
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mesh3d import extensions
 from mesh3d.config import effective_pp_schedule, global_batch_size, padded_vocab_size
 from mesh3d.mesh import ParallelDims
 from mesh3d.models.dtypes import DTYPES
@@ -62,6 +63,7 @@ class RunLayout:
     dropout: bool  # the model drops values in training: each token gets a key (`spec.dropout`)
     recompute: str = "none"  # none | full | selective: `recompute_mode(cfg)`
     recompute_every: int = 1  # only layers whose index is a multiple of it are recomputed
+    lora: object | None = None  # `models/lora.py::LoraPlan` with `mesh3d.lora`: adapters train
 
     @classmethod
     def resolve(cls, cfg, world_size: int, rank: int = 0) -> RunLayout:
@@ -99,6 +101,7 @@ class RunLayout:
             dropout=spec_of(mc).dropout(mc),
             recompute=recompute_mode(cfg),
             recompute_every=cfg.mesh3d.recompute_every,
+            lora=lora_plan_of(cfg),
         )
 
     @classmethod
@@ -159,6 +162,14 @@ class RunLayout:
         """Tokens of the residual stream a rank holds per sample: its cp share, split again
         over tp under sequence parallelism."""
         return self.cp_sequence // self.dims.tp if self.sequence_parallel else self.cp_sequence
+
+
+def lora_plan_of(cfg):
+    """The run's `LoraPlan` (`mesh3d.lora`), None without adapters."""
+    if cfg.mesh3d.lora is None:
+        return None
+    return extensions.load("lora").lora_plan(cfg.mesh3d.lora, spec_of(cfg.model.model_config),
+                                             model_shape(cfg))  # fmt: skip
 
 
 def recompute_mode(cfg) -> str:

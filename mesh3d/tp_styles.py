@@ -167,6 +167,9 @@ class LocalRowwise(RowwiseParallel):
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
             y = F.linear(x, local_of(mod.weight))
+            term = getattr(mod, "partial_term", None)  # a LoRA adapter's share (models/lora.py)
+            if term is not None:
+                y = y + term(x)
             if torch.compiler.is_compiling():  # traceable: DTensor's functional collectives
                 partial = DTensor.from_local(y, device_mesh, [Partial()], run_check=False)
                 out = partial.redistribute(device_mesh, [layout]).to_local()

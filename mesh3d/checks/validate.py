@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Iterator
 
+from mesh3d import extensions
 from mesh3d.checks.checkpoint_checks import checkpoint_errors, s3_errors
 from mesh3d.checks.data_checks import (
     data_stage_errors,
@@ -113,6 +114,8 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
+    if cfg.mesh3d.lora is not None and not errors:  # its plan needs a sane model config
+        errors.extend(extensions.load("lora").config_errors(cfg))
     return errors
 
 

@@ -399,6 +399,19 @@ class LossSpikeArgs:
 
 
 @dataclass
+class LoraArgs:
+    """`mesh3d.lora`: low-rank adapters on the projections, the base frozen (docs/lora.md).
+    Keys and defaults are peft's `LoraConfig`'s."""
+
+    r: int = 8  # the adapters' rank
+    lora_alpha: float = 8  # scaling = lora_alpha / r
+    lora_dropout: float = 0.0  # only 0 for now (layout-invariant masks are not built yet)
+    # module names (matched as the last dotted parts of a module's name, e.g. q_proj), a regex
+    # string matched against the whole name, or "all-linear"
+    target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+
+@dataclass
 class Mesh3dArgs:
     """mesh3d's own settings, under `mesh3d:`; a config without the section loads in Nanotron."""
 
@@ -428,6 +441,7 @@ class Mesh3dArgs:
     existing_checkpoints: str = "error"  # error | resume | overwrite: a fresh run, full folder
     load_without_manifest: bool = False  # resume from a mesh3d checkpoint whose manifest is gone
     loss_spike: LossSpikeArgs | None = None  # null: off; {} turns it on with the defaults
+    lora: LoraArgs | None = None  # null: train every weight; {r: 16, ...}: adapters only
     # activation recompute beside Nanotron's parallelism.recompute_layer (docs/parallelism.md)
     recompute: str | None = None  # null: recompute_layer decides (full); selective | full | none
     recompute_every: int = 1  # recompute only every k-th decoder layer (index a multiple of k)

@@ -289,17 +289,21 @@ def parallelize(
     documents: bool = False,
     ep=None,  # `experts.ExpertParallel`, when the run has ep > 1
     blocks: Blocks | None = None,
+    lora=None,  # `models/lora.py::LoraPlan`, when the run trains adapters (`mesh3d.lora`)
 ) -> nn.Module:
     """Steps 1-4 above on a model built on meta; returns the model ready to train.
 
     `tp_plan` (used when tp > 1) and `compile_classes` (compiled when not empty) come from the
     model family's spec, as `blocks` (the classes context and expert parallelism act on; needed
     with cp or ep > 1); `split_backward`: the pipeline schedule is a zero-bubble one
-    (`compile_blocks`); `documents`: document masking is on (context parallelism needs it)."""
+    (`compile_blocks`); `documents`: document masking is on (context parallelism needs it);
+    `lora`: adapters added after tp (`source` gives them too) and only they train."""
     if ep is not None and ep.size > 1:  # before tp: the expert stacks shrink to their slice
         apply_ep(model, ep, blocks.moe)
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], tp_plan)
+    if lora is not None:  # split like the projections tp split just now
+        extensions.load("lora").inject(model, lora, mesh["tp"])
     if "cp" in mesh.mesh_dim_names and mesh["cp"].size() > 1:
         apply_cp(model, mesh["cp"], documents, blocks)
     if recompute_layer:
@@ -310,6 +314,8 @@ def parallelize(
     model.to(dtype)
     if mesh["tp"].size() > 1:
         shard_grads_like_params(model)  # after materialize / to(): they may swap parameters
+    if lora is not None:  # before DP: FSDP and the optimizer see what trains
+        extensions.load("lora").freeze_base(model)
     replicas = replica_mesh(mesh)
     if replicas.size() > 1:
         apply_dp(model, replicas, dp)

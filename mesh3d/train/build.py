@@ -128,6 +128,8 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     loss_fn = step_loss(layout)
     # on meta (a dry run) nothing is filled: a checkpoint's weights are not read
     source = initial_weights(cfg, layout) if device.type != "meta" else None
+    if layout.lora is not None and source is not None:  # adapters start as peft's do
+        source = extensions.load("lora").with_adapters(source, layout.seed)
     ep, expert_replicas = None, None
     if layout.expert_parallel > 1:  # every rank makes every group, before any stage is built
         dispatcher = mc.moe_config.token_dispatcher_type
@@ -151,6 +153,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             documents=layout.documents,
             ep=ep,
             blocks=spec.blocks(),
+            lora=layout.lora,
         )
 
     if p.pp == 1:
@@ -213,7 +216,8 @@ def _reducers(modules: list[nn.Module], layout: RunLayout, mesh: DeviceMesh,
     if layout.dp_mode != "replicate" or layout.dims.dp * layout.dims.cp == 1:
         return []
     group = groups_of(mesh).replicas
-    return [GradBuckets(list(m.parameters()), group, cap_mb * 2**20) for m in modules]
+    return [GradBuckets([p for p in m.parameters() if p.requires_grad], group, cap_mb * 2**20)
+            for m in modules]  # fmt: skip
 
 
 def _set_aux_weights(modules, layout) -> None:
