@@ -2,6 +2,7 @@
 
 mesh3d train [CONFIG] [key=value ...]                           train (starts its own processes)
 mesh3d generate --checkpoint PATH --prompt TEXT [...]           text from a trained checkpoint
+mesh3d convert to-hf | from-hf | to-peft --checkpoint PATH --output DIR  Hugging Face / PEFT folders
 mesh3d eval CHECKPOINT --tasks TASKS [--custom-tasks PATH] [...] downstream scores (lm-eval), at any tp x pp
 mesh3d plot METRICS.jsonl ... [--output PNG]                    loss, lr, grad norm, tokens/s
 mesh3d plan [CONFIG] [--preset NAME] [--world-size N] [...]     same as python -m mesh3d.plan
@@ -22,6 +23,7 @@ COMMANDS = {  # command -> module whose main(argv) runs it
     "train": "mesh3d.launch",
     "generate": "mesh3d.generate",
     "eval": "mesh3d.evaluation.cli",
+    "convert": "mesh3d.convert",
     "plot": "mesh3d.plot",
     "plan": "mesh3d.plan",
     "config": "mesh3d.checks.__main__",

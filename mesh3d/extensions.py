@@ -39,6 +39,7 @@ CAPABILITIES: dict[str, str] = {
     "evaluation": "mesh3d.evaluation.scorer",  # mesh3d eval
     "evaluation_in_run": "mesh3d.evaluation.in_run",  # a lighteval: section
     "lora": "mesh3d.models.lora",  # mesh3d.lora: adapters, the base frozen
+    "lora_files": "mesh3d.checkpoint.lora_files",  # a LoRA step folder: merge, PEFT export
 }
 
 

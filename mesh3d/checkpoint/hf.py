@@ -34,10 +34,11 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from mesh3d import extensions
 from mesh3d.checkpoint.from_hf_config import training_config
 from mesh3d.checkpoint.model_config import _read_json_object, read_model_config_json, shape_of  # noqa: F401
 from mesh3d.checkpoint.tokenizer_files import copy_into_folder, step_tokenizer
-from mesh3d.checkpoint.training import weights_dir
+from mesh3d.checkpoint.training import lora_of, weights_dir
 from mesh3d.checks import validate
 from mesh3d.config import save_config
 from mesh3d.errors import ConfigError, UserError, exit_on_user_error
@@ -179,7 +180,10 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
     from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 
     shape = shape_of(mc)
-    full = read_nanotron_weights(step / "model", shape)
+    if lora_of(step) is not None:  # a LoRA run's: its base with the adapters merged
+        full = extensions.load("lora_files").merged_weights(step)
+    else:
+        full = read_nanotron_weights(step / "model", shape)
     if getattr(mc, "rope_interleaved", False):
         full = permute_qk(full, shape.head_dim, to_interleaved=False)
     if shape.tied:
@@ -327,9 +331,22 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--output", required=True, help="folder for the converted checkpoint")
     b.add_argument("--tp", type=int, default=1, help="tensor-parallel layout of the files")
     b.add_argument("--pp", type=int, default=1, help="pipeline-parallel layout of the files")
+    c = sub.add_parser(
+        "to-peft",
+        help="LoRA step folder -> PEFT adapter folder",
+        description="Write adapter_config.json + adapter_model.safetensors from the step folder "
+        "of a run with mesh3d.lora (saved at any tp/pp): peft's PeftModel.from_pretrained loads "
+        "it onto the Hugging Face export of the base. `to-hf` of the same folder writes the "
+        "merged model.",
+    )
+    c.add_argument("--checkpoint", required=True, help="e.g. checkpoints/1000, or checkpoints")
+    c.add_argument("--output", required=True, help="folder for the PEFT adapter")
     args = ap.parse_args(argv)
     if args.command == "to-hf":
         paths = to_hf(args.checkpoint, args.output, args.dtype)
+    elif args.command == "to-peft":
+        step = weights_dir(args.checkpoint, "--checkpoint")
+        paths = extensions.load("lora_files").write_peft(step, Path(args.output))
     else:
         paths = from_hf(args.model, args.output, args.tp, args.pp)
     shards = [p for p in paths if p.parent != Path(args.output)]  # from-hf's model/ files

@@ -25,6 +25,7 @@ generator) and broadcasts it to every rank, so that all ranks extend the same se
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,13 +94,16 @@ def generation_config(step: Path, tp: int, pp: int, batch: int, length: int, dev
         f"tokens.micro_batch_size={batch}", "tokens.batch_accumulation_per_replica=1",
         f"tokens.sequence_length={seq}", f"mesh3d.device={device}",
         *(f"mesh3d.{k}={saved[k]}" for k in family_keys() if saved.get(k) is not None),
+        *([f"mesh3d.lora={json.dumps(saved['lora'])}"] if saved.get("lora") else []),
     ])  # fmt: skip
     if resolve_device(device).type == "cpu":
         cfg.model.dtype = "float32"
     mc = cfg.model.model_config
     # mesh3d's models never read it; validate() refuses a longer sequence, generate only warns
     mc.max_position_embeddings = max(mc.max_position_embeddings, seq)
-    cfg.model.init_method = RandomInit(std=0.02)  # the saved weights replace it after the build
+    if cfg.mesh3d.lora is None:  # the saved weights replace it after the build
+        cfg.model.init_method = RandomInit(std=0.02)
+    # a LoRA step folder's adapters load onto its base (config.yaml's init_method), built first
     validate(cfg, world_size=dp * tp * pp)
     return cfg
 

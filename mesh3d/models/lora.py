@@ -302,19 +302,24 @@ def base_fingerprint(cfg) -> dict:
 
     init = cfg.model.init_method
     if isinstance(init, ExistingCheckpointInit):
-        root = Path(init.path)
-        h = hashlib.sha256()
-        for f in sorted(root.rglob("*")):
-            rel = f.relative_to(root).as_posix()
-            if not f.is_file() or rel.startswith(("optimizer/", "lr_scheduler/", "random/")):
-                continue
-            if f.suffix == ".safetensors":
-                h.update(f"{rel}:{f.stat().st_size}\n".encode())
-            elif rel in ("mesh3d_manifest.json", "config.json", "model_config.json"):
-                h.update(f"{rel}:".encode() + f.read_bytes())
-        return {"init": "path", "path": str(root.resolve()), "sha256": h.hexdigest()}
+        return folder_fingerprint(Path(init.path))
     d = asdict(init)
     return {"init": "random", **d, "seed": cfg.general.seed}
+
+
+def folder_fingerprint(root: Path) -> dict:
+    """A base folder's path and a hash of its weight files' names and sizes and its manifest,
+    config.json and model_config.json (cheap: no weight is read)."""
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        rel = f.relative_to(root).as_posix()
+        if not f.is_file() or rel.startswith(("optimizer/", "lr_scheduler/", "random/")):
+            continue
+        if f.suffix == ".safetensors":
+            h.update(f"{rel}:{f.stat().st_size}\n".encode())
+        elif rel in ("mesh3d_manifest.json", "config.json", "model_config.json"):
+            h.update(f"{rel}:".encode() + f.read_bytes())
+    return {"init": "path", "path": str(root.resolve()), "sha256": h.hexdigest()}
 
 
 def check_base(saved: dict, cfg, where: str) -> None:
