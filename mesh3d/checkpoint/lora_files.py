@@ -102,7 +102,9 @@ def base_weights(step: Path) -> dict[str, Tensor]:
         else:
             saved = read_model_config_json(root)
             out = read_nanotron_weights(root / "model", shape_of(saved))
-        out = {k: _fit_rows(v, shape.padded_vocab) if k in vocab_rows else v for k, v in out.items()}
+        out = {
+            k: _fit_rows(v, shape.padded_vocab) if k in vocab_rows else v for k, v in out.items()
+        }
     if shape.tied:
         out.pop("lm_head.weight", None)
     return out

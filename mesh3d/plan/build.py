@@ -7,8 +7,9 @@ import dataclasses
 import torch
 from torch import nn
 
+from mesh3d import extensions
 from mesh3d.checks import validate
-from mesh3d.layout import param_and_compute_dtypes
+from mesh3d.layout import lora_plan_of, param_and_compute_dtypes
 from mesh3d.mesh import ParallelDims
 from mesh3d.models.registry import model_shape, spec_named, spec_of
 from mesh3d.parallel.experts import ep_groups
@@ -44,8 +45,11 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         param_dtype=_dtype(param_dtype), compute_dtype=_dtype(autocast or param_dtype),
         optimizer=cfg.optimizer.optimizer_factory.name, recompute_layer=z.recompute,
         tied_embeddings=basis.tied, padded_vocab=z.padded,
-        total_params=sum(p.numel() for p in full.parameters()),
-        active_params=sum(p.numel() for p in full.parameters()) - _idle_experts(z),
+        total_params=sum(p.numel() for n, p in full.named_parameters() if not _adapter(n)),
+        trainable_params=sum(p.numel() for n, p in full.named_parameters()
+                             if _adapter(n) or lora_plan_of(cfg) is None),  # fmt: skip
+        active_params=sum(p.numel() for n, p in full.named_parameters() if not _adapter(n))
+        - _idle_experts(z),
         groups=_groups(z, dims), stages=stages,
         ranks=ranks, bubble=bubble(z.schedule, z.pp, z.v, z.m), order_source=source,
         notes=_notes(z), moe=_moe(z),
@@ -99,7 +103,7 @@ def rank_plan(
         params = [x for i in ids for x in _params(z, b.shapes[i], coords)]
     elements = sum(x.local for x in params)
     grads = sum(x.grad for x in params) * z.e_p
-    optim = sum(2 * x.local * z.e_p + 4 for x in params) if b.adamw else 0
+    optim = sum(2 * x.local * z.e_p + 4 for x in params if x.trains) if b.adamw else 0
     peak_saved, peak_act, in_flight = peaks or rank_peaks(b, coords["pp"])
     transient = _transient(z, params, ids, b.one_layer)
     peak = elements * z.e_p + grads + optim + peak_act + sum(transient.values())
@@ -129,8 +133,11 @@ def stage_shapes(cfg, z: _Sizes) -> tuple[nn.Module, list[list[int]], list[list[
     split = split_by_cost(*spec.pipeline_costs(model_shape(cfg)), n)
     with torch.device("meta"):
         full = spec.build(mc, vocab_size=z.padded, attention="sdpa")
+    lora = lora_plan_of(cfg)
+    if lora is not None:  # the adapters, shapes only (their tp split: `_shapes`)
+        extensions.load("lora").inject(full, lora)
     modules = [full] if n == 1 else [build_stage(full, i, n, split[i]) for i in range(n)]
-    return full, split, [_shapes(z, m) for m in modules]
+    return full, split, [_shapes(z, m, lora) for m in modules]
 
 
 def _groups(z: _Sizes, dims: ParallelDims) -> dict[str, list[list[int]]]:
@@ -157,6 +164,10 @@ def _moe(z: _Sizes) -> str:
 
 def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
 
 
 def _notes(z: _Sizes) -> list[str]:

@@ -69,7 +69,8 @@ def _comm(
         gathers = 2 * m if z.mode == "full" else many  # full with pp > 1: a bound
         gathered = sum(p.gathered for p in params) * z.e_p  # expert slices: 0, not FSDP's
         dp = [(f"parameters (FSDP unshard){over}", "all_gather", gathers, gathered),
-              (f"grads{over}", "reduce_scatter", many, gathered)]  # fmt: skip
+              (f"grads{over}", "reduce_scatter", many,
+               sum(p.gathered for p in params if p.trains) * z.e_p)]  # fmt: skip
     experts = sum(p.grad for p in params if p.expert) * z.e_p  # summed apart in either mode
     who = f"dp/ep x cp = {z.expert_replicas}" if z.cp > 1 else f"dp/ep = {z.expert_replicas}"
     dp.append((f"expert grads over their replicas ({who})", "all_reduce", 1, experts,
@@ -95,7 +96,7 @@ def bucket_sizes(z: _Sizes, params: list[_Param], split: list[int]) -> list[list
     `parallel/buckets.cut` over the module's non-expert parameters, as `GradBuckets` cuts."""
     out, start = [], 0
     for n in split:
-        sizes = [p.tp_local * z.e_p for p in params[start : start + n] if not p.expert]
+        sizes = [p.tp_local * z.e_p for p in params[start : start + n] if not p.expert and p.trains]
         out.append([sum(sizes[i] for i in b) for b in cut(sizes, z.bucket_cap)])
         start += n
     return out

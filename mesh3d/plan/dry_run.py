@@ -121,9 +121,10 @@ def _local_bytes(tensors) -> tuple[int, int]:
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, params: list) -> list[torch.Tensor]:
-    """The optimizer's state tensors after one step on zero gradients shaped like `params`."""
+    """The optimizer's state tensors after one step on zero gradients shaped like `params` (those
+    that train: a frozen base weight under LoRA gets none)."""
     for p in params:
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
     optimizer.step()
     return [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
 
@@ -149,7 +150,7 @@ def build_rank(cfg, world_size: int, rank: int, ranks: list[int]) -> BuiltRank:
     return BuiltRank(
         rank=rank, ranks=ranks, coords=layout.coords,
         stages=[s.stage_index for s in parts.stages] or [0], param_elements=elements,
-        param_bytes=param_bytes, grad_bytes=_local_bytes(p.grad for p in params)[1],
+        param_bytes=param_bytes, grad_bytes=_local_bytes(p.grad for p in params if p.grad is not None)[1],
         optimizer_bytes=_local_bytes(state)[1],
         schedule=type(parts.schedule).__name__ if parts.schedule is not None else "",
         seconds=time.perf_counter() - start,

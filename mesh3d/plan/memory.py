@@ -36,9 +36,10 @@ class _Param:
     local: int  # the rank's shard
     tp_local: int  # before dp sharding
     gathered: int  # what FSDP all-gathers: dp x cp x the ceil-sized shard (0: an expert slice)
-    grad: int  # the gradient at the optimizer step
+    grad: int  # the gradient at the optimizer step (0 for a frozen weight)
     matmul: bool  # a linear weight: autocast keeps a cast copy
     expert: bool = False  # an expert-parallel slice: E / ep of the experts, reduced apart
+    trains: bool = True  # False: frozen under LoRA (its `grad` is 0, no optimizer state)
 
 
 def _chunk(n: int, parts: int, index: int) -> int:
@@ -72,16 +73,23 @@ class _Shape:
     tp_dim: int | None  # the dim the TP plan shards; None: replicated over tp
     matmul: bool  # a linear weight: autocast keeps a cast copy
     expert: bool
+    trains: bool = True  # False: a base weight LoRA freezes (no gradient, no optimizer state)
 
 
-def _shapes(z: _Sizes, module: nn.Module) -> list[_Shape]:
+def _shapes(z: _Sizes, module: nn.Module, lora=None) -> list[_Shape]:
     """Every parameter of one meta stage module, once for all the ranks that run it (matching
-    the TP plan's patterns per rank took 90% of a plan at 4,096 ranks)."""
+    the TP plan's patterns per rank took 90% of a plan at 4,096 ranks). With `lora` (a
+    `LoraPlan`; the module holds its adapters) only the adapters train."""
     plan = spec_named(z.family).tp_plan(z.sp) if z.tp > 1 else {}
     head = getattr(module, "lm_head", None)
     out = []
     for name, param in module.named_parameters():  # a tied head shares the embedding's
         shape = list(param.shape)
+        if lora is not None and (".lora_A." in name or ".lora_B." in name):
+            kind = lora.adapter_kind(name)
+            tp_dim = {"column": 0, "row": 1}.get(kind) if z.tp > 1 else None
+            out.append(_Shape(name, tuple(shape), tp_dim, True, False))
+            continue
         expert = z.ep > 1 and ".experts.merged_" in name
         if expert:  # the meta model holds every expert; the rank its ep slice
             shape[0] //= z.ep
@@ -91,7 +99,8 @@ def _shapes(z: _Sizes, module: nn.Module) -> list[_Shape]:
         matmul = name.endswith(("proj.weight", "shared_expert_gate.weight"))
         matmul |= name == "lm_head.weight"
         matmul |= head is not None and param is head.weight
-        out.append(_Shape(name, tuple(shape), _tp_dim(module, name, plan), matmul, expert))
+        tp_dim = _tp_dim(module, name, plan)
+        out.append(_Shape(name, tuple(shape), tp_dim, matmul, expert, trains=lora is None))
     return out
 
 
@@ -109,7 +118,8 @@ def _params(z: _Sizes, shapes: list[_Shape], coords: dict[str, int]) -> list[_Pa
         elif z.fsdp:
             local = _chunk(shape[0], z.replicas, z.replica_index(coords)) * row
             gathered = -(-shape[0] // z.replicas) * z.replicas * row
-        out.append(_Param(s.name, local, tp_local, gathered, local, s.matmul, s.expert))
+        grad = local if s.trains else 0
+        out.append(_Param(s.name, local, tp_local, gathered, grad, s.matmul, s.expert, s.trains))
     return out
 
 
@@ -130,9 +140,11 @@ def _transient(
         else:  # full shard, no pipeline: the root, the running layer and the prefetched one
             out["fsdp_gathered_params"] = units.get("root", 0) + sum(layers[:2])
         if z.pp > 1:  # schedules accumulate unsharded gradients until the last backward
-            out["fsdp_unsharded_grads"] = sum(p.tp_local for p in params if not p.expert) * z.e_p
+            out["fsdp_unsharded_grads"] = (
+                sum(p.tp_local for p in params if not p.expert and p.trains) * z.e_p
+            )
     if z.mode == "replicate" and z.replicas > 1:  # zero_stage 0: parallel/buckets.py
-        sizes = [p.tp_local * z.e_p for p in params if not p.expert]
+        sizes = [p.tp_local * z.e_p for p in params if not p.expert and p.trains]
         out["dp_grad_buckets"] = buffer_bytes(sizes, z.bucket_cap)
     if z.autocast:
         out["autocast_weight_copies"] = sum(p.tp_local for p in params if p.matmul) * z.e_c

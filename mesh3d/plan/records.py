@@ -81,6 +81,7 @@ class Plan:
     order_source: str  # where each rank's order of forwards and backwards comes from
     notes: list[str]
     moe: str = ""  # "" without experts, else e.g. "top 2 of 8 experts in layers 1,3"
+    trainable_params: int = 0  # what the optimizer updates: all (total), or LoRA's adapters
 
 
 @dataclass

@@ -111,6 +111,15 @@ def _moe_line(plan: Plan) -> list[str]:
             f"token of {plan.total_params:,} ({share:.1%})"]  # fmt: skip
 
 
+def _lora_line(plan: Plan) -> list[str]:
+    if not plan.trainable_params or plan.trainable_params == plan.total_params:
+        return []
+    share = plan.trainable_params / plan.total_params
+    return [f"  LoRA (mesh3d.lora): {plan.trainable_params:,} adapter parameters train "
+            f"({share:.2%} of the model's); the base is frozen: no gradient, no optimizer "
+            "state"]  # fmt: skip
+
+
 def format_plan(plan: Plan, gpu_memory: float | None = None) -> str:
     """The plan as a text report with aligned tables; `gpu_memory` GiB per device: whether the
     peaks fit."""
@@ -124,6 +133,7 @@ def format_plan(plan: Plan, gpu_memory: float | None = None) -> str:
         f"{plan.total_params:,} parameters (vocab padded to {plan.padded_vocab}, tied "
         f"{plan.tied_embeddings})",
         *_moe_line(plan),
+        *_lora_line(plan),
         f"  per dp rank and step: {plan.microbatches} microbatch(es) of {plan.micro_batch_size} x "
         f"{plan.sequence_length} tokens{split}; params {plan.param_dtype}, compute "
         f"{plan.compute_dtype}, {plan.optimizer}; dp {plan.dp_mode}, tp {plan.tp_mode}, "
