@@ -29,8 +29,8 @@ from mesh3d.log import quiet_known_import_noise
 quiet_known_import_noise()  # before any import of transformers or torchao (see mesh3d.log)
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
+    from mesh3d.checkpoint.any_model import load_state, save_state
     from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights, write_nanotron_weights
-    from mesh3d.checkpoint.state import load_state, save_state
     from mesh3d.checks import validate
     from mesh3d.config import apply_overrides, config_from_dict, load_config
     from mesh3d.config.schema import Config
@@ -66,8 +66,8 @@ _EXPORTS = {
     "model_shape": "mesh3d.models.registry",
     "read_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
     "write_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
-    "load_state": "mesh3d.checkpoint.state",
-    "save_state": "mesh3d.checkpoint.state",
+    "load_state": "mesh3d.checkpoint.any_model",
+    "save_state": "mesh3d.checkpoint.any_model",
     "apply_overrides": "mesh3d.config",
     "config_from_dict": "mesh3d.config",
     "load_config": "mesh3d.config",

@@ -166,10 +166,9 @@ class RunLayout:
 
 def lora_plan_of(cfg):
     """The run's `LoraPlan` (`mesh3d.lora`), None without adapters."""
-    if cfg.mesh3d.lora is None:
-        return None
-    return extensions.load("lora").lora_plan(cfg.mesh3d.lora, spec_of(cfg.model.model_config),
-                                             model_shape(cfg))  # fmt: skip
+    lora = cfg.mesh3d.lora
+    return lora and extensions.load("lora").lora_plan(lora, spec_of(cfg.model.model_config),
+                                                      model_shape(cfg))  # fmt: skip
 
 
 def recompute_mode(cfg) -> str:

@@ -25,14 +25,73 @@ from torch import Tensor
 from mesh3d import extensions
 from mesh3d.checkpoint.folder import is_hf_folder
 from mesh3d.checkpoint.model_config import read_model_config_json, shape_of
-from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights, read_param, save_readable
-from mesh3d.checkpoint.training import adapter_params, lora_of
-from mesh3d.errors import UserError
+from mesh3d.checkpoint.nanotron_weights import (
+    Param,
+    read_nanotron_weights,
+    read_param,
+    save_readable,
+)
+from mesh3d.checkpoint.training import lora_of
+from mesh3d.errors import UserError, on_every_rank
 from mesh3d.models.registry import spec_of
 from mesh3d.parallel.parallelize import seeded_init
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_params(plan, pp_rank: int = 0, held=None) -> list[Param]:
+    """The parameters a LoRA run's checkpoint holds (`plan`: `models/lora.py::LoraPlan`): its
+    adapters only, under their own names, each split over tp as it is on the ranks (`held`:
+    only those this rank holds)."""
+    return [Param(n, (n,), (s[0],), s, plan.adapter_kind(n), pp_rank)
+            for n, s in plan.adapter_shapes().items() if held is None or n in held]  # fmt: skip
+
+
+def check_lora_match(step_dir: Path, saved: dict | None, cfg, layout) -> None:
+    """Refuse (on every rank) a LoRA checkpoint for a run without the same adapters and base,
+    and a full checkpoint for a LoRA run."""
+    plan = layout.lora
+    if saved is None and plan is None:
+        return
+    if saved is None:
+        error = UserError(
+            f"{step_dir} holds full weights, not LoRA adapters: to start adapters on it, put it "
+            "in model.init_method.path (not checkpoints.resume_checkpoint_path)"
+        )
+    elif plan is None:
+        error = UserError(
+            f"{step_dir} holds LoRA adapters only (r={saved['r']}, {len(saved['modules'])} "
+            "modules): resume it with the same `mesh3d.lora` settings it was saved with"
+        )
+    elif plan.to_json() != {k: saved[k] for k in ("r", "lora_alpha", "modules", "shapes")}:
+        error = UserError(
+            f"{step_dir} holds LoRA adapters r={saved['r']}, lora_alpha={saved['lora_alpha']} on "
+            f"{len(saved['modules'])} modules, but `mesh3d.lora` now gives r={plan.r}, "
+            f"lora_alpha={plan.lora_alpha} on {len(plan.modules)}: resume with the settings "
+            "it was saved with"
+        )
+    else:
+        try:
+            extensions.load("lora").check_base(saved["base"], cfg, str(step_dir))
+            return
+        except UserError as e:
+            error = e
+    raise on_every_rank(error)
+
+
+def not_a_base(path: Path) -> UserError:
+    """The error for a LoRA step folder given as `model.init_method.path`."""
+    return UserError(
+        f"`model.init_method.path` {path} holds LoRA adapters only, not a model; export the "
+        f"merged model (`mesh3d convert to-hf --checkpoint {path} --output <dir>`) and start "
+        "from that folder, or resume the adapters with checkpoints.resume_checkpoint_path"
+    )
+
+
+def lora_meta(cfg, plan) -> dict:
+    """What a LoRA step folder's metadata says of its adapters and base (`custom_metas.lora`)."""
+    return {**plan.to_json(), "base": extensions.load("lora").base_fingerprint(cfg)}
 
 
 def plan_of(step: Path):

@@ -1,6 +1,7 @@
 """Weights and optimizer state of any model, in Nanotron's layout, at any layout on load.
 
-The core that `training.py` (Llama training checkpoints) and the library functions below share:
+The core that `training.py` (training checkpoints) and `any_model.py` (`save_state` /
+`load_state` of any model) share:
 
 - `write_rank_state`: this rank gathers the full tensors of the parameters it holds, one
   parameter at a time (collectives only among the ranks holding the same parameter), and writes
@@ -10,30 +11,24 @@ The core that `training.py` (Llama training checkpoints) and the library functio
   whatever layout wrote the files and keeps its shard.
 
 A parameter is a `Param` (name in the files, our tensors it fuses, full shape, TP kind); for
-Llama they come from `nanotron_params`, for any other model from `params_of` (one file per
-parameter, its TP kind read off its DTensor placement on the "tp" mesh dimension).
-
-    mesh3d.save_state("ckpt/100", model, optimizer)       # every rank
-    mesh3d.load_state("ckpt/100", model, optimizer)       # at any dp / tp / pp
+a family they come from `nanotron_params`, for any other model from `any_model.params_of`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mesh3d import extensions
 from mesh3d import nanotron_names as names
 from mesh3d.checkpoint import nanotron_state
-from mesh3d.checkpoint.atomic import save_atomically
 from mesh3d.checkpoint.finite import non_finite
-from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
+from mesh3d.checkpoint.folder import FolderWriter
 from mesh3d.checkpoint.nanotron_weights import (
     Param,
     expert_files,
@@ -43,7 +38,7 @@ from mesh3d.checkpoint.nanotron_weights import (
     shard_of,
     weight_file,
 )
-from mesh3d.errors import NonFiniteError, UserError
+from mesh3d.errors import NonFiniteError
 from mesh3d.log import Progress
 from mesh3d.parallel.parallelize import canonical_name
 
@@ -290,117 +285,3 @@ def load_rank_state(
                         )
         progress.update()
     progress.done()
-
-
-# ----------------------------------------------------------------- any model (library use)
-
-
-def _tp_kind(param: nn.Parameter) -> names.Kind:
-    """'vocab' (split on dim 0), 'row' (dim 1) or 'replicated', from the "tp" placement."""
-    if not isinstance(param, DTensor):
-        return "replicated"
-    dims = param.device_mesh.mesh_dim_names or ()
-    if "tp" not in dims:
-        return "replicated"
-    placement = param.placements[dims.index("tp")]
-    if isinstance(placement, Shard):
-        if placement.dim == 0:
-            return "vocab"  # one contiguous block of dim 0 per tp rank
-        if placement.dim == 1:
-            return "row"
-        raise UserError(f"cannot save a parameter sharded on dim {placement.dim} over tp")
-    return "replicated"
-
-
-def params_of(
-    modules: Iterable[nn.Module],
-    name_map: Callable[[str], str] | dict[str, str] | None = None,
-    pp_rank: int = 0,
-) -> list[Param]:
-    """One `Param` per parameter of `modules`: file name from `name_map` (default: the
-    parameter's own name), full shape, TP kind from its placement, this rank's pp rank."""
-    if isinstance(name_map, dict):
-        mapping = name_map
-        name_map = lambda n: mapping.get(n, n)  # noqa: E731
-    out = []
-    for name, group in held_parameters(modules).items():
-        param = group[0]
-        saved = name_map(name) if name_map else name
-        shape = tuple(param.shape)
-        out.append(Param(saved, (name,), (shape[0],), shape, _tp_kind(param), pp_rank))
-    return out
-
-
-def _layout_of(mesh) -> Layout:
-    if mesh is None:
-        return Layout(1, 1, 1, {"pp": 0, "dp": 0, "cp": 0, "tp": 0})
-    axes = ("pp", "dp", "cp", "tp")
-    sizes = {n: mesh[n].size() if n in mesh.mesh_dim_names else 1 for n in axes}
-    coords = {n: mesh[n].get_local_rank() if n in mesh.mesh_dim_names else 0 for n in sizes}
-    return Layout(sizes["dp"], sizes["tp"], sizes["pp"], coords)
-
-
-def save_state(
-    path: str | Path,
-    modules: nn.Module | Iterable[nn.Module],
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    mesh=None,
-    name_map: Callable[[str], str] | dict[str, str] | None = None,
-) -> Path:
-    """Save a model (or this rank's pipeline stages) and its AdamW state in Nanotron's layout.
-
-    Every rank calls it. `mesh` is the ("pp", "dp", "cp", "tp") DeviceMesh the model runs on, or
-    a mesh with some of those axes (None: one process). `name_map` renames parameters in the files (e.g. to Nanotron's names). The
-    folder is written as `.tmp-<name>` beside it, checksummed, and renamed into place when
-    complete; a non-finite tensor or a write error raises on every rank and leaves `path` as it
-    was. Weights are written in their own dtype; optimizer state as ZeRO-0 files. Returns `path`.
-
-    Example:
-
-        mesh3d.save_state("ckpt/100", model, optimizer, mesh=mesh)
-    """
-    path = Path(path)
-    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-    layout = _layout_of(mesh)
-    params = params_of(modules, name_map, layout.coords["pp"])
-
-    def write_rank(writer: FolderWriter) -> None:
-        write_rank_state(writer, params, held_parameters(modules), optimizer, layout, zero=False,
-                         model_dtype=None, masters=False)  # fmt: skip
-
-    def write_rank0(writer: FolderWriter) -> None:
-        opt = nanotron_state.optimizer_config(
-            "NamedOptimizer", layout.tp, layout.dp, layout.pp, [], False
-        )
-        writer.write_text("optimizer/optimizer_config.json", json.dumps(opt))
-        meta = nanotron_state.metadata(
-            layout.tp, layout.dp, 0, 0, [], {"writer": "mesh3d", "pp": layout.pp}
-        )
-        writer.write_text("checkpoint_metadata.json", json.dumps(meta, indent=2, sort_keys=True))
-
-    return save_atomically(path, write_rank, write_rank0, latest=False)
-
-
-def load_state(
-    path: str | Path,
-    modules: nn.Module | Iterable[nn.Module],
-    optimizer: torch.optim.Optimizer | None = None,
-    *,
-    name_map: Callable[[str], str] | dict[str, str] | None = None,
-) -> None:
-    """Load what `save_state` wrote into a model built with the same TP plan, at any dp / tp /
-    pp (no collectives). With `optimizer` (AdamW), its state is restored too.
-
-    Example:
-
-        mesh3d.load_state("ckpt/100", model, optimizer)
-    """
-    path = Path(path)
-    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-    nanotron_state.read_metadata(path)
-    problems = verify(path)
-    if problems:
-        raise damaged_error(path, problems)
-    held = held_parameters(modules)
-    load_rank_state(path, params_of(modules, name_map), held, optimizer, optimizer is not None)

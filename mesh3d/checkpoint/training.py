@@ -44,7 +44,6 @@ from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
 from mesh3d.checkpoint.folder import MANIFEST, FolderWriter, damaged_error, fsync_dir, verify
 from mesh3d.checkpoint.nanotron_weights import (
-    Param,
     is_embedding,
     model_config_json,
     nanotron_params,
@@ -60,14 +59,6 @@ from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout
 
 
-def adapter_params(plan, pp_rank: int = 0, held=None) -> list[Param]:
-    """The parameters a LoRA run's checkpoint holds (`plan`: `models/lora.py::LoraPlan`): its
-    adapters only, under their own names, each split over tp as it is on the ranks (`held`:
-    only those this rank holds)."""
-    return [Param(n, (n,), (s[0],), s, plan.adapter_kind(n), pp_rank)
-            for n, s in plan.adapter_shapes().items() if held is None or n in held]  # fmt: skip
-
-
 def _rank_params(layout: RunLayout, parts, pp_rank: int) -> list:
     """The Nanotron parameters this rank holds, in the order of Nanotron's optimizer files:
     module order, where a tied lm_head on another stage than the embedding comes last, under
@@ -75,7 +66,7 @@ def _rank_params(layout: RunLayout, parts, pp_rank: int) -> list:
     run's: its adapters (`adapter_params`)."""
     held = held_parameters(parts.modules)
     if layout.lora is not None:
-        return adapter_params(layout.lora, pp_rank, held)
+        return extensions.load("lora_files").adapter_params(layout.lora, pp_rank, held)
     params = [p for p in nanotron_params(layout.shape, layout.dims.pp)
               if all(o in held for o in p.ours)]  # fmt: skip
     if parts.embed_rank != pp_rank:  # at most the tied lm_head copy is named like the embedding
@@ -128,11 +119,11 @@ def _write_rank0_files(writer: FolderWriter, cfg, layout: RunLayout, step: int, 
     kind = "ZeroDistributedOptimizer" if zero else "NamedOptimizer"
     if not zero and layout.fp32_masters:
         kind = "OptimizerFromGradientAccumulator"
-    saved = nanotron_params(shape) if layout.lora is None else adapter_params(layout.lora)
+    lora = extensions.load("lora_files") if layout.lora is not None else None
+    saved = nanotron_params(shape) if lora is None else lora.adapter_params(layout.lora)
     opt_cfg = nanotron_state.optimizer_config(kind, par.tp, par.dp, par.pp, saved, zero)
-    if layout.lora is not None:  # what the adapters are and the base they apply to
-        extra = {**extra, "lora": {**layout.lora.to_json(),
-                                   "base": extensions.load("lora").base_fingerprint(cfg)}}  # fmt: skip
+    if lora is not None:  # what the adapters are and the base they apply to
+        extra = {**extra, "lora": lora.lora_meta(cfg, layout.lora)}
     writer.write_text("optimizer/optimizer_config.json", json.dumps(opt_cfg))
     stages = cfg.data_stages or []
     starts = [s.start_training_step for s in stages] or [1]
@@ -318,9 +309,8 @@ def load_weights(folder: Path, parts, layout: RunLayout, optimizer=None) -> None
     shape = layout.shape
     saved_shape = dataclasses.replace(shape, padded_vocab=int(saved["vocab_size"]))
     held = held_parameters(parts.modules)
-    lora = lora_of(folder)
-    if lora is not None:  # a LoRA run's step folder: its adapters (the base is built already)
-        params = adapter_params(extensions.load("lora").LoraPlan.from_json(lora), 0, held)
+    if lora_of(folder) is not None:  # a LoRA run's: its adapters (the base is built already)
+        params = extensions.load("lora_files").adapter_params(layout.lora, 0, held)
         load_rank_state(folder, params, held, optimizer, optimizer is not None)
         return
     params = [p for p in nanotron_params(saved_shape) if all(o in held for o in p.ours)]
@@ -330,42 +320,11 @@ def load_weights(folder: Path, parts, layout: RunLayout, optimizer=None) -> None
 
 def lora_of(folder: Path) -> dict | None:
     """The `lora` entry of a step folder's metadata (a LoRA run's checkpoint), else None."""
-    meta_file = folder / "checkpoint_metadata.json"
-    if not meta_file.is_file():
+    try:
+        meta = json.loads((folder / "checkpoint_metadata.json").read_text())
+    except (OSError, ValueError):
         return None
-    return (nanotron_state.read_metadata(folder).get("custom_metas") or {}).get("lora")
-
-
-def check_lora_match(step_dir: Path, saved: dict | None, cfg, layout: RunLayout) -> None:
-    """Refuse (on every rank) a LoRA checkpoint for a run without the same adapters and base,
-    and a full checkpoint for a LoRA run."""
-    plan = layout.lora
-    if saved is None and plan is None:
-        return
-    if saved is None:
-        error = UserError(
-            f"{step_dir} holds full weights, not LoRA adapters: to start adapters on it, put it "
-            "in model.init_method.path (not checkpoints.resume_checkpoint_path)"
-        )
-    elif plan is None:
-        error = UserError(
-            f"{step_dir} holds LoRA adapters only (r={saved['r']}, {len(saved['modules'])} "
-            "modules): resume it with the same `mesh3d.lora` settings it was saved with"
-        )
-    elif plan.to_json() != {k: saved[k] for k in ("r", "lora_alpha", "modules", "shapes")}:
-        error = UserError(
-            f"{step_dir} holds LoRA adapters r={saved['r']}, lora_alpha={saved['lora_alpha']} on "
-            f"{len(saved['modules'])} modules, but `mesh3d.lora` now gives r={plan.r}, "
-            f"lora_alpha={plan.lora_alpha} on {len(plan.modules)}: resume with the settings "
-            "it was saved with"
-        )
-    else:
-        try:
-            extensions.load("lora").check_base(saved["base"], cfg, str(step_dir))
-            return
-        except UserError as e:
-            error = e
-    raise on_every_rank(error)
+    return (meta.get("custom_metas") or {}).get("lora") if isinstance(meta, dict) else None
 
 
 def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layout: RunLayout,
@@ -379,7 +338,9 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layou
     step_dir = resolve_step_dir(path)
     meta = nanotron_state.read_metadata(step_dir)
     verify_everywhere(step_dir, meta, cfg.mesh3d.load_without_manifest)
-    check_lora_match(step_dir, (meta.get("custom_metas") or {}).get("lora"), cfg, layout)
+    saved_lora = (meta.get("custom_metas") or {}).get("lora")
+    if saved_lora is not None or layout.lora is not None:  # the same adapters and base
+        extensions.load("lora_files").check_lora_match(step_dir, saved_lora, cfg, layout)
     load_weights(step_dir, parts, layout, optimizer if load_optimizer else None)
     par, coords = layout.dims, layout.coords
     custom = meta.get("custom_metas") or {}

@@ -23,7 +23,6 @@ from mesh3d.checkpoint.folder import is_hf_folder, not_a_checkpoint
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.checkpoint.training import lora_of
 from mesh3d.config import ExistingCheckpointInit, SpectralMupInit
-from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.mesh import groups_of
@@ -98,13 +97,8 @@ def initial_weights(cfg, layout: RunLayout) -> FullSource:
         error = not_a_checkpoint(path)
         if error is not None:
             raise error
-        if lora_of(path) is not None:
-            raise UserError(
-                f"`model.init_method.path` {path} holds LoRA adapters only, not a model; export "
-                f"the merged model (`mesh3d convert to-hf --checkpoint {path} --output <dir>`) "
-                "and start from that folder, or resume the adapters with "
-                "checkpoints.resume_checkpoint_path"
-            )
+        if lora_of(path) is not None:  # adapters only: not a model to start from
+            raise extensions.load("lora_files").not_a_base(path)
         root = path / "model"
         full = read_nanotron_weights(root, shape)
         n = sum(t.numel() for t in full.values())

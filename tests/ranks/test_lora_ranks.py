@@ -2,11 +2,12 @@
 base trained by a plain loop on the same batches from the same adapter initialisation;
 dp2 x tp2 x pp2 (ZeRO-1, sequence parallel) equals one process within 1e-5; a one-process
 checkpoint resumes at 2 x 2 x 2 and a 2 x 2 x 2 one at dp4 x tp2 (full shard); the PEFT export
-loaded by peft and the merged Hugging Face export give the model's logits; the base stays
+loaded by peft and the merged Hugging Face export give the model's logits, and generation at
+tp 2 x pp 2 (the adapters live on the base) picks the merged model's tokens; the base stays
 bitwise frozen; a checkpoint holds the adapters only.
 
 One 1-rank launch (the reference, a run that saves at step 2 and its exact resume) and one
-8-rank launch; ~25 s on 2 cores.
+8-rank launch; a 4-rank generation; ~30 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ def _runs(rank: int, world: int, runs: list[list[str]]) -> list[dict]:
             optimizer_states=sum(1 for s in res.optimizer.state.values() if s),
         ))  # fmt: skip
     return out
+
+
+def _generate_parallel(rank: int, world: int, step, prompt) -> list[int]:
+    from mesh3d.generation.parallel import generate_parallel, load_parallel_model
+
+    model = load_parallel_model(step, tp=2, pp=2, batch=1, length=16, device="cpu")
+    return generate_parallel(model, prompt, 10).tolist()
 
 
 def _ck(root, name: str, resume: str | None = None) -> list[str]:
@@ -196,6 +204,14 @@ def test_lora_equals_peft_and_one_process_at_2x2x2_resumes_and_exports(tmp_path)
         merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged")(
             input_ids=ids
         ).logits
+    # generation at tp 2 x pp 2 runs the base with the adapters live: the merged model's tokens
+    from mesh3d.generation.sampling import generate
+
+    prompt = ids[0, :6]
+    with torch.no_grad():
+        one = generate(ours, prompt, 10, vocab_size=VOCAB).tolist()
+    parallel = run_ranks(4, _generate_parallel, step, prompt, timeout=300)
+    assert all(p == one for p in parallel), (one, parallel)
     print(
         "logits: PEFT export",
         f"{rel(via_peft, want):.1e}",

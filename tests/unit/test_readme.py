@@ -151,6 +151,17 @@ DOC_COMMANDS: dict[str, tuple[str | None, str]] = {
     "[--nodes-of 8] [--top 10] [--json] [--write best.yaml] [key=value ...]": (
         None, "a synopsis: its --hardware form is the planning page's line, which runs; "
         "tests/unit/test_plan_search.py runs --hardware-file"),
+    'mesh3d train "mesh3d.lora={r: 16, lora_alpha: 32, target_modules: all-linear}" '
+    '"model.init_method={path: runs/default/checkpoints/STEP}" general.run=lora tokens.train_steps=20': (
+        'mesh3d train "mesh3d.lora={r: 16, lora_alpha: 32, target_modules: all-linear}" '
+        '"model.init_method={path: runs/default/checkpoints/{latest}}" general.run=lora '
+        "tokens.train_steps=20", ""),
+    "mesh3d convert to-peft --checkpoint runs/lora/checkpoints --output ./adapter": (
+        "mesh3d convert to-peft --checkpoint runs/lora/checkpoints --output ./adapter", ""),
+    "mesh3d convert to-hf --checkpoint runs/lora/checkpoints --output ./merged": (
+        "mesh3d convert to-hf --checkpoint runs/lora/checkpoints --output ./merged", ""),
+    'mesh3d generate --checkpoint runs/lora/checkpoints --prompt "def "': (
+        'mesh3d generate --checkpoint runs/lora/checkpoints --prompt "def "', ""),
 }
 # fmt: on
 
