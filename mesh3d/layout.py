@@ -25,9 +25,10 @@ from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.models.spec import ModelShape, ModelSpec
 
 
-def dp_mode(zero_stage: int, full_shard: bool) -> str:
-    """'replicate' (zero 0), 'zero1' or 'full': how parameters live on the dp axis."""
-    if full_shard:
+def dp_mode(zero_stage: int, full_shard: bool, dp_shard: int | None = None) -> str:
+    """'replicate' (zero 0), 'zero1' or 'full': how parameters live on the dp axis (inside each
+    replica group with `mesh3d.dp_shard`, which shards fully unless zero_stage is 1)."""
+    if full_shard or (dp_shard is not None and zero_stage == 0):
         return "full"
     return "zero1" if zero_stage > 0 else "replicate"
 
@@ -64,6 +65,7 @@ class RunLayout:
     recompute: str = "none"  # none | full | selective: `recompute_mode(cfg)`
     recompute_every: int = 1  # only layers whose index is a multiple of it are recomputed
     lora: object | None = None  # `models/lora.py::LoraPlan` with `mesh3d.lora`: adapters train
+    dp_shard: int | None = None  # HSDP (`mesh3d.dp_shard`): FSDP groups of this many dp ranks
 
     @classmethod
     def resolve(cls, cfg, world_size: int, rank: int = 0) -> RunLayout:
@@ -75,7 +77,8 @@ class RunLayout:
             dims=dims,
             rank=rank,
             coords=dims.coords(rank),
-            dp_mode=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard),
+            dp_mode=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard, cfg.mesh3d.dp_shard),
+            dp_shard=cfg.mesh3d.dp_shard,
             sequence_parallel=p.tp_mode == "REDUCE_SCATTER" and p.tp > 1,
             model_dtype=DTYPES[cfg.model.dtype],
             param_dtype=param,

@@ -192,6 +192,16 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "cp"]._flatten("dp_cp")
 
 
+@functools.lru_cache(maxsize=8)
+def hsdp_mesh(mesh: DeviceMesh, dp_shard: int) -> DeviceMesh:
+    """The 2-D ("dp_replicate", "dp_shard") mesh of HSDP (`mesh3d.dp_shard`): the replica mesh
+    cut into dp / dp_shard groups of dp_shard consecutive dp ranks (x cp, whose ranks hold the
+    same parameters); FSDP shards inside a group and all-reduces across groups."""
+    replicas = replica_mesh(mesh)
+    shard = dp_shard * replicas.size() // mesh["dp"].size()
+    return replicas._unflatten(0, (replicas.size() // shard, shard), ("dp_replicate", "dp_shard"))
+
+
 @dataclass(frozen=True)
 class Groups:
     """A mesh's process groups and sizes, resolved once (`groups_of`): every `mesh["dp"]`

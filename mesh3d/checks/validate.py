@@ -310,6 +310,24 @@ def _run(cfg: Config) -> Iterator[str]:
         )
     if m.skip_nonfinite_steps < 0:
         yield f"`mesh3d.skip_nonfinite_steps` must be >= 0 (0 stops at the first non-finite step), got {m.skip_nonfinite_steps}"
+    yield from _hsdp(cfg)
+
+
+def _hsdp(cfg: Config) -> Iterator[str]:
+    """`mesh3d.dp_shard` k: 1 <= k <= dp, k divides dp; not beside expert parallelism."""
+    k, p = cfg.mesh3d.dp_shard, cfg.parallelism
+    if k is None:
+        return
+    if not 1 <= k <= p.dp or p.dp % k:
+        yield (
+            f"`mesh3d.dp_shard` ({k}) must divide `parallelism.dp` ({p.dp}): FSDP shards inside "
+            f"groups of dp_shard dp ranks, dp / dp_shard groups replicate; use a divisor of {p.dp}"
+        )
+    if p.expert_parallel_size > 1:
+        yield (
+            "`mesh3d.dp_shard` with `parallelism.expert_parallel_size` > 1 is not supported yet "
+            "(experts split over dp beside HSDP's groups); drop one of them"
+        )
 
 
 def _recompute(cfg: Config) -> Iterator[str]:

@@ -418,6 +418,7 @@ class Mesh3dArgs:
     pp_schedule: str | None = None  # overrides parallelism.pp_engine (parallel/pipeline_layout.py)
     pp_virtual_stages: int = 1  # stages per pp rank (2 for the V schedules)
     full_shard: bool = False  # FSDP full sharding over dp instead of zero_stage semantics
+    dp_shard: int | None = None  # HSDP: FSDP inside groups of k dp ranks, dp / k replica groups
     device: str = "auto"  # auto | cpu | cuda
     attention: str = "auto"  # auto | sdpa | flash
     dummy_data: str = "random"  # random (Nanotron's uniform tokens) | learnable

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from mesh3d import extensions
-from mesh3d.mesh import replica_mesh
+from mesh3d.mesh import hsdp_mesh, replica_mesh
 from mesh3d.models.init import init_full_tensor
 from mesh3d.models.spec import Blocks
 from mesh3d.parallel.tensor import apply_tp, shard_grads_like_params
@@ -247,7 +247,9 @@ def canonical_name(name: str) -> str:
 def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str, blocks: str = "layers") -> nn.Module:
     """FSDP2 over the dp mesh for 'zero1' / 'full'; 'replicate' leaves the model as is (sum the
     gradients with `allreduce_gradients` after backward). Each block of `model.<blocks>` (a
-    ModuleDict or ModuleList, if present) becomes its own FSDP unit, then the root.
+    ModuleDict or ModuleList, if present) becomes its own FSDP unit, then the root. A 2-D
+    ("dp_replicate", "dp_shard") mesh gives HSDP: sharded over its second dim, replicated over
+    its first.
 
     Example:
 
@@ -290,6 +292,7 @@ def parallelize(
     ep=None,  # `experts.ExpertParallel`, when the run has ep > 1
     blocks: Blocks | None = None,
     lora=None,  # `models/lora.py::LoraPlan`, when the run trains adapters (`mesh3d.lora`)
+    dp_shard: int | None = None,  # HSDP (`mesh3d.dp_shard`): FSDP groups of this many dp ranks
 ) -> nn.Module:
     """Steps 1-4 above on a model built on meta; returns the model ready to train.
 
@@ -318,6 +321,6 @@ def parallelize(
         extensions.load("lora").freeze_base(model)
     replicas = replica_mesh(mesh)
     if replicas.size() > 1:
-        apply_dp(model, replicas, dp)
+        apply_dp(model, hsdp_mesh(mesh, dp_shard) if dp_shard else replicas, dp)
     mark_expert_shards(model)
     return model

@@ -68,9 +68,14 @@ def _comm(
         many = m if z.pp == 1 else 1
         gathers = 2 * m if z.mode == "full" else many  # full with pp > 1: a bound
         gathered = sum(p.gathered for p in params) * z.e_p  # expert slices: 0, not FSDP's
-        dp = [(f"parameters (FSDP unshard){over}", "all_gather", gathers, gathered),
+        if z.dp_shard:
+            over = f" in HSDP groups of {z.shards}"
+        dp = [(f"parameters (FSDP unshard){over}", "all_gather", gathers, gathered, z.shards),
               (f"grads{over}", "reduce_scatter", many,
-               sum(p.gathered for p in params if p.trains) * z.e_p)]  # fmt: skip
+               sum(p.gathered for p in params if p.trains) * z.e_p, z.shards)]  # fmt: skip
+        if z.replica_groups > 1:  # HSDP: each shard's gradient summed over the groups
+            dp.append((f"grad shards across {z.replica_groups} replica groups", "all_reduce", many,
+                       sum(p.grad for p in params if not p.expert) * z.e_p, z.replica_groups))  # fmt: skip
     experts = sum(p.grad for p in params if p.expert) * z.e_p  # summed apart in either mode
     who = f"dp/ep x cp = {z.expert_replicas}" if z.cp > 1 else f"dp/ep = {z.expert_replicas}"
     dp.append((f"expert grads over their replicas ({who})", "all_reduce", 1, experts,

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
-from mesh3d.mesh import ParallelDims, build_mesh, replica_mesh
+from mesh3d.mesh import ParallelDims, build_mesh, hsdp_mesh, replica_mesh
 from mesh3d.parallel.pipeline_layout import stage_ids_of_rank
 from mesh3d.plan.build import stage_shapes
 from mesh3d.plan.memory import _params
@@ -112,6 +112,7 @@ def fake_world(rank: int, world_size: int):
     finally:
         dist.destroy_process_group()
         replica_mesh.cache_clear()  # keyed by mesh equality: the next rank's mesh is "equal"
+        hsdp_mesh.cache_clear()
 
 
 def _local_bytes(tensors) -> tuple[int, int]:

@@ -115,9 +115,9 @@ def _params(z: _Sizes, shapes: list[_Shape], coords: dict[str, int]) -> list[_Pa
         local = tp_local = gathered = row * shape[0]
         if z.fsdp and s.expert:  # FSDP leaves expert slices alone
             gathered = 0
-        elif z.fsdp:
-            local = _chunk(shape[0], z.replicas, z.replica_index(coords)) * row
-            gathered = -(-shape[0] // z.replicas) * z.replicas * row
+        elif z.fsdp:  # over the shard group: dp x cp, or HSDP's dp_shard x cp
+            local = _chunk(shape[0], z.shards, z.shard_index(coords)) * row
+            gathered = -(-shape[0] // z.shards) * z.shards * row
         grad = local if s.trains else 0
         out.append(_Param(s.name, local, tp_local, gathered, grad, s.matmul, s.expert, s.trains))
     return out

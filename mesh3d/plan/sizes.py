@@ -48,6 +48,7 @@ class _Sizes:
     bucket_cap: int = 25 * 2**20  # model.ddp_bucket_cap_mb in bytes (zero_stage 0's buckets)
     recompute_mode: str = "none"  # none | full | selective (`layout.recompute_mode`)
     recompute_every: int = 1  # only layers whose index is a multiple of it are recomputed
+    dp_shard: int = 0  # HSDP (`mesh3d.dp_shard`): FSDP groups of this many dp ranks; 0: none
 
     @classmethod
     def of(cls, cfg) -> _Sizes:
@@ -67,6 +68,7 @@ class _Sizes:
             max(1, p.expert_parallel_size), getattr(moe, "token_dispatcher_type", "alltoall"),
             bucket_cap=cfg.model.ddp_bucket_cap_mb * 2**20,
             recompute_mode=z.recompute, recompute_every=z.recompute_every,
+            dp_shard=z.dp_shard or 0,
         )  # fmt: skip
 
     def recomputed(self, layer: int) -> bool:
@@ -91,3 +93,14 @@ class _Sizes:
 
     def replica_index(self, coords: dict[str, int]) -> int:  # in the flattened dp x cp group
         return coords["dp"] * self.cp + coords["cp"]
+
+    @property
+    def shards(self) -> int:  # FSDP's shard group: dp x cp, or dp_shard x cp under HSDP
+        return self.dp_shard * self.cp if self.dp_shard else self.replicas
+
+    @property
+    def replica_groups(self) -> int:  # HSDP's groups holding the same shards (1: plain FSDP)
+        return self.replicas // self.shards
+
+    def shard_index(self, coords: dict[str, int]) -> int:  # in this rank's FSDP shard group
+        return self.replica_index(coords) % self.shards

@@ -157,6 +157,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
             ep=ep,
             blocks=spec.blocks(),
             lora=layout.lora,
+            dp_shard=layout.dp_shard,
         )
 
     if p.pp == 1:

@@ -1,7 +1,8 @@
 """`mesh3d plan --dry-run`: every distinct rank of 512-rank layouts built as training builds them.
 
 - Llama-3-8B and -70B, Qwen2-72B, Qwen3-32B, Qwen1.5-MoE-A2.7B (expert parallelism 4) and
-  StarCoder2-15B shapes at 512 ranks, dp x tp x pp = 8 x 8 x 8 or with cp 2, zero 0 / zero 1 / full shard, five
+  StarCoder2-15B shapes at 512 ranks, dp x tp x pp = 8 x 8 x 8 or with cp 2, zero 0 / zero 1 / full shard
+  / HSDP (`mesh3d.dp_shard`) / LoRA adapters (only they have gradients and optimizer state), five
   schedules: each representative rank's parts are built on meta with torch's fake process group
   (in this process, one group at a time), and their parameter, gradient and optimizer-state
   bytes equal make_plan's for every rank they stand for, exactly.
@@ -126,6 +127,16 @@ CASES = {  # label -> (config, representatives expected)
                 "parallelism.recompute_layer=true",
             ),
         ),
+        8,
+    ),  # fmt: skip
+    "llama3-8b HSDP dp8 (groups of 4) cp2 tp8 pp4 full": (
+        _config(LLAMA3_8B, _layout(8, 8, 4, "1f1b", 8, "mesh3d.dp_shard=4",
+                                   "parallelism.context_parallel_size=2")),
+        4,
+    ),  # fmt: skip
+    "llama3-8b 8x8x8 LoRA r16 all-linear zero1": (
+        _config(LLAMA3_8B, _layout(8, 8, 8, "1f1b", 8, "optimizer.zero_stage=1",
+                                   "mesh3d.lora={r: 16, target_modules: all-linear}")),
         8,
     ),  # fmt: skip
     "llama3-8b dp64 tp8 zero1 (uneven vocab chunks)": (
