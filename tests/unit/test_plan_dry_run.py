@@ -130,13 +130,25 @@ CASES = {  # label -> (config, representatives expected)
         8,
     ),  # fmt: skip
     "llama3-8b HSDP dp8 (groups of 4) cp2 tp8 pp4 full": (
-        _config(LLAMA3_8B, _layout(8, 8, 4, "1f1b", 8, "mesh3d.dp_shard=4",
-                                   "parallelism.context_parallel_size=2")),
+        _config(
+            LLAMA3_8B,
+            _layout(8, 8, 4, "1f1b", 8, "mesh3d.dp_shard=4", "parallelism.context_parallel_size=2"),
+        ),
         4,
     ),  # fmt: skip
     "llama3-8b 8x8x8 LoRA r16 all-linear zero1": (
-        _config(LLAMA3_8B, _layout(8, 8, 8, "1f1b", 8, "optimizer.zero_stage=1",
-                                   "mesh3d.lora={r: 16, target_modules: all-linear}")),
+        _config(
+            LLAMA3_8B,
+            _layout(
+                8,
+                8,
+                8,
+                "1f1b",
+                8,
+                "optimizer.zero_stage=1",
+                "mesh3d.lora={r: 16, target_modules: all-linear}",
+            ),
+        ),
         8,
     ),  # fmt: skip
     "llama3-8b dp64 tp8 zero1 (uneven vocab chunks)": (
