@@ -19,18 +19,16 @@ Results: benchmarks/results/local/lora[_quick].json (`--publish`: benchmarks/res
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import resource
-import shlex
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 from _ranks import launch
-from _results import add_publish_flag, results_dir
+from _results import add_publish_flag, print_header, results_dir
 
 from mesh3d.config import load_config
 from mesh3d.data.corpus import default_run_overrides
@@ -107,8 +105,7 @@ def main(argv=None) -> int:
     add_publish_flag(ap)
     args = ap.parse_args(argv)
     steps = 5 if args.quick else args.steps
-    print("command:", "python", *map(shlex.quote, sys.argv))
-    print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
+    head = print_header()
     runs = {name: launch(1, _rank, steps, extra, timeout=1800)[0]
             for name, extra in (("full", []), ("lora r16", [LORA]))}  # fmt: skip
     full, lora = runs["full"], runs["lora r16"]
@@ -124,8 +121,7 @@ def main(argv=None) -> int:
         print(f"  {label:22s}{_mib(a):>14s}{_mib(b):>14s}{b / a:12.3f}x")
     print(f"  {'step time (median)':22s}{full['step_ms']:11.1f} ms{lora['step_ms']:11.1f} ms"
           f"{lora['step_ms'] / full['step_ms']:12.3f}x")  # fmt: skip
-    result = {"date": str(datetime.date.today()), "torch": torch.__version__,
-              "cores": os.cpu_count(), "steps": steps, "runs": runs}  # fmt: skip
+    result = {**head, "steps": steps, "runs": runs}  # fmt: skip
     out = results_dir(args.publish) / f"lora{'_quick' if args.quick else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

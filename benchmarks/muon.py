@@ -17,11 +17,8 @@ Results: benchmarks/results/local/muon[_quick].json (`--publish`: benchmarks/res
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import shlex
 import statistics
 import sys
 import time
@@ -29,7 +26,7 @@ from pathlib import Path
 
 import torch
 from _ranks import launch
-from _results import add_publish_flag, results_dir
+from _results import add_publish_flag, print_header, results_dir
 
 from mesh3d.config import load_config
 from mesh3d.data.corpus import default_run_overrides
@@ -91,8 +88,7 @@ def main(argv=None) -> int:
     add_publish_flag(ap)
     args = ap.parse_args(argv)
     steps = 20 if args.quick else args.steps
-    print("command:", "python", *map(shlex.quote, sys.argv))
-    print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
+    head = print_header()
     three_d = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "optimizer.zero_stage=1",
                "tokens.batch_accumulation_per_replica=2", "tokens.micro_batch_size=4"]  # fmt: skip
     timing = {}
@@ -122,8 +118,7 @@ def main(argv=None) -> int:
         lr = min(row, key=row.get)
         best[name] = {"lr": lr, "loss": row[lr]}
         print(f"         best: lr {lr:g}, loss {row[lr]:.4f}")
-    result = {"date": str(datetime.date.today()), "torch": torch.__version__,
-              "cores": os.cpu_count(), "timing": timing, "steps": steps, "losses": losses,
+    result = {**head, "timing": timing, "steps": steps, "losses": losses,
               "best": best}  # fmt: skip
     out = results_dir(args.publish) / f"muon{'_quick' if args.quick else ''}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
