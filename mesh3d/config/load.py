@@ -27,6 +27,8 @@ from mesh3d.config.schema import (
     Config,
     ExistingCheckpointInit,
     LlamaConfig,
+    MambaConfig,
+    MambaInit,
     Mesh3dArgs,
     ModelConfig,
     MuonOptimizerArgs,
@@ -58,7 +60,6 @@ def _need_mapping(value: Any, path: str) -> dict:
 # Nanotron model families that live in its examples/ with their own config classes, and why
 # mesh3d does not read them as one of its own
 OTHER_FAMILIES = {
-    "is_mamba_config": ("mamba", "a state-space model: no attention, no MLP"),
     "is_llamoe_config": (
         "llamoe",
         "examples/moe's LlaMoE routes like mesh3d's MoE (moe_num_experts, num_experts_per_tok: "
@@ -89,6 +90,8 @@ def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
                 f"({why}); supported: {_nanotron_families()}"
             )
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
+    if "is_mamba_config" in d or d.keys() & {"d_model", "ssm_cfg"}:
+        return MambaConfig, d
     if "is_llama_config" in d:
         return LlamaConfig, d
     for family in MESH3D_FAMILIES.values():  # mesh3d's own model_config.json of its checkpoint
@@ -107,14 +110,16 @@ def _pick_init_method(value: Any, path: str) -> tuple[type, dict]:
     d = _need_mapping(value, path)
     for key, cls in (
         ("std", RandomInit),
+        ("initializer_range", MambaInit),
         ("use_mup", SpectralMupInit),
         ("path", ExistingCheckpointInit),
     ):
         if key in d:
             return cls, d
     raise ConfigError(
-        f"`{path}` needs `std` (random init), `use_mup` (spectral muP) or `path` (weights of an "
-        f"existing checkpoint); got keys {sorted(map(str, d))}"
+        f"`{path}` needs `std` (random init), `use_mup` (spectral muP), `initializer_range` "
+        f"(Mamba's init) or `path` (weights of an existing checkpoint); got keys "
+        f"{sorted(map(str, d))}"
     )
 
 
@@ -177,7 +182,7 @@ def _nanoset_forms(d: dict, path: str) -> dict:
 
 _PICKERS: Pickers = {
     frozenset(get_args(ModelConfig)): _pick_model_config,
-    frozenset({RandomInit, SpectralMupInit, ExistingCheckpointInit}): _pick_init_method,
+    frozenset({RandomInit, SpectralMupInit, ExistingCheckpointInit, MambaInit}): _pick_init_method,
     frozenset({AdamWOptimizerArgs, SGDOptimizerArgs, MuonOptimizerArgs}): _pick_optimizer_factory,
     frozenset({PretrainDatasetsArgs, NanosetDatasetsArgs, SFTDatasetsArgs}): _pick_dataset,
 }
