@@ -210,6 +210,12 @@ class MambaConfig:
         """The residual stream's width (what the pipeline stages send), `d_model`."""
         return self.d_model
 
+    @property
+    def max_position_embeddings(self) -> int:
+        """No position limit: the scan runs over any length (`convert from-hf` caps its
+        config's sequence_length by this)."""
+        return 2**31 - 1
+
 
 @dataclass
 class MambaInit:

@@ -198,7 +198,7 @@ def config_sizes(mc) -> dict[str, int]:
     ssm = ssm_of(mc)
     sizes = {f"{MC}.{k}": getattr(mc, k) for k in ("d_model", "num_hidden_layers", "vocab_size")}
     sizes.update({f"{MC}.ssm_cfg.{k}": getattr(ssm, k) for k in ("d_state", "d_conv", "expand")})
-    if ssm.dt_rank != "auto":
+    if isinstance(ssm.dt_rank, int):  # a string other than "auto": `config_errors` says so
         sizes[f"{MC}.ssm_cfg.dt_rank"] = ssm.dt_rank
     return sizes
 
