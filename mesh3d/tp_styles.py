@@ -180,65 +180,6 @@ class LocalRowwise(RowwiseParallel):
         return module
 
 
-class LocalRowwiseShared(LocalRowwise):
-    """`LocalRowwise` with its output all-reduced to `Replicate()` for channel-sharded readers:
-    the gradient coming back is each rank's share too (Mamba's x_proj, whose dt, B and C feed
-    the scan of this rank's channels only), so it is summed over tp on the way back."""
-
-    def __init__(self):
-        super().__init__(output_layouts=Replicate())
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        super()._apply(module, device_mesh)
-        rowwise = module.forward
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            return gather_full(rowwise(x), device_mesh.get_group(), Replicate())
-
-        module.forward = forward
-        return module
-
-
-class LocalChannels(ParallelStyle):
-    """A block whose own tensors are split over tp on dim 0 (its channels) and read by its
-    forward directly: Mamba's mixer reads `A_log`, `D` and `conv1d`'s weight and bias. Each
-    named parameter becomes a `Shard(0)` DTensor, and during the block's forward the block
-    sees this rank's rows as plain tensors (`local_of`: the gradient arrives `Shard(0)`). The
-    block's input is handed to it as `block_input(input_layout)` does. Its submodules take
-    their own styles (in_proj `LocalColwise`, ...)."""
-
-    def __init__(self, input_layout, names: tuple[str, ...]):
-        super().__init__()
-        self.input_layout, self.names = input_layout, names
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        slots = []
-        for name in self.names:
-            owner_name, _, leaf = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            p = owner._parameters.get(leaf)
-            if p is None:
-                continue
-            dt = distribute_tensor(p, device_mesh, [Shard(0)], src_data_rank=None)
-            owner.register_parameter(leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
-            slots.append((owner, leaf))
-        _BlockInput(self.input_layout)._apply(module, device_mesh)
-        inner = module.forward
-
-        def forward(*args, **kwargs):
-            held = [(owner, leaf, owner._parameters[leaf]) for owner, leaf in slots]
-            try:
-                for owner, leaf, p in held:
-                    owner._parameters[leaf] = local_of(p)
-                return inner(*args, **kwargs)
-            finally:
-                for owner, leaf, p in held:
-                    owner._parameters[leaf] = p
-
-        module.forward = forward
-        return module
-
-
 class LocalEmbedding(RowwiseParallel):
     """`RowwiseParallel`'s vocab-parallel embedding (weight `Shard(0)` over the vocabulary, input
     ids replicated), computed on local tensors: each rank looks up the ids in its rows (others

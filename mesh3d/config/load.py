@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
@@ -27,8 +28,6 @@ from mesh3d.config.schema import (
     Config,
     ExistingCheckpointInit,
     LlamaConfig,
-    MambaConfig,
-    MambaInit,
     Mesh3dArgs,
     ModelConfig,
     MuonOptimizerArgs,
@@ -81,6 +80,10 @@ def _nanotron_families() -> str:
     return ", ".join(out)
 
 
+def _mamba(name: str) -> type:
+    return getattr(importlib.import_module("mesh3d.config.mamba"), name)
+
+
 def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
     d = _need_mapping(value, path)
     for marker, (family, why) in OTHER_FAMILIES.items():
@@ -91,7 +94,7 @@ def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
             )
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     if "is_mamba_config" in d or d.keys() & {"d_model", "ssm_cfg"}:
-        return MambaConfig, d
+        return _mamba("MambaConfig"), d  # not in ModelConfig: loaded for a Mamba only
     if "is_llama_config" in d:
         return LlamaConfig, d
     for family in MESH3D_FAMILIES.values():  # mesh3d's own model_config.json of its checkpoint
@@ -108,9 +111,10 @@ def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
 
 def _pick_init_method(value: Any, path: str) -> tuple[type, dict]:
     d = _need_mapping(value, path)
+    if "initializer_range" in d:  # Nanotron's examples/mamba init (not in InitMethod)
+        return _mamba("MambaInit"), d
     for key, cls in (
         ("std", RandomInit),
-        ("initializer_range", MambaInit),
         ("use_mup", SpectralMupInit),
         ("path", ExistingCheckpointInit),
     ):
@@ -182,7 +186,7 @@ def _nanoset_forms(d: dict, path: str) -> dict:
 
 _PICKERS: Pickers = {
     frozenset(get_args(ModelConfig)): _pick_model_config,
-    frozenset({RandomInit, SpectralMupInit, ExistingCheckpointInit, MambaInit}): _pick_init_method,
+    frozenset({RandomInit, SpectralMupInit, ExistingCheckpointInit}): _pick_init_method,
     frozenset({AdamWOptimizerArgs, SGDOptimizerArgs, MuonOptimizerArgs}): _pick_optimizer_factory,
     frozenset({PretrainDatasetsArgs, NanosetDatasetsArgs, SFTDatasetsArgs}): _pick_dataset,
 }

@@ -19,7 +19,7 @@ Notable choices:
   with `ssm_cfg.use_fast_path` and `mamba-ssm` / `causal-conv1d` installed, their kernels run
   the same math.
 - Shapes come from tensors, so a tensor-parallel shard with fewer channels runs this code.
-  The mixer reads `A_log`, `D` and `conv1d`'s tensors itself (under tp, `tp_styles.LocalChannels`
+  The mixer reads `A_log`, `D` and `conv1d`'s tensors itself (under tp, `mamba_tp.LocalChannels`
   hands it this rank's rows); everything else goes through its module.
 """
 
@@ -45,7 +45,7 @@ except ImportError:
 
 def ssm_sizes(mc) -> tuple[int, int, int, int]:
     """(d_inner, d_state, d_conv, dt_rank) of a MambaConfig (`ssm_cfg: null`: the defaults)."""
-    from mesh3d.config.schema import MambaSSMConfig
+    from mesh3d.config.mamba import MambaSSMConfig
 
     ssm = mc.ssm_cfg or MambaSSMConfig()
     dt_rank = math.ceil(mc.d_model / 16) if ssm.dt_rank == "auto" else int(ssm.dt_rank)

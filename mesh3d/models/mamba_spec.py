@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from mesh3d.config.schema import MambaConfig, MambaInit, MambaSSMConfig
+from mesh3d.config.mamba import MambaConfig, MambaInit, MambaSSMConfig
 from mesh3d.errors import not_divisible
 from mesh3d.models.llama_checks import MC
 from mesh3d.models.spec import Blocks, HFSpec, LayerTable, ModelShape, ModelSpec
@@ -65,14 +65,13 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     """in_proj and dt_proj column-wise, x_proj row-wise summed to every rank (its gradient
     summed back), out_proj row-wise, the mixer's own channel tensors split on dim 0; norms
     replicated, a vocab-parallel embedding and head (as Llama's plan)."""
+    from mesh3d.models.mamba_tp import LocalChannels, LocalRowwiseShared
     from mesh3d.tp_styles import (
-        LocalChannels,
         LocalColwise,
         LocalEmbedding,
         LocalHead,
         LocalReplicated,
         LocalRowwise,
-        LocalRowwiseShared,
         Replicate,
         Shard,
     )
@@ -146,7 +145,9 @@ def init_for(mc):
 
     def dt_bias(shape, gen):
         lo, hi = math.log(ssm.dt_min), math.log(ssm.dt_max)
-        dt = torch.exp(torch.rand(shape, generator=gen) * (hi - lo) + lo).clamp(min=ssm.dt_init_floor)
+        dt = torch.exp(torch.rand(shape, generator=gen) * (hi - lo) + lo).clamp(
+            min=ssm.dt_init_floor
+        )
         return dt + torch.log(-torch.expm1(-dt))
 
     def a_log(shape, gen):
@@ -162,7 +163,9 @@ def init_for(mc):
             return dt_bias
         if leaf == "dt_proj.weight":
             bound = ssm.dt_scale * (shape(mc, 1).dt_rank ** -0.5)
-            return (lambda s, g: torch.full(s, bound)) if ssm.dt_init == "constant" else uniform(bound)
+            return (
+                (lambda s, g: torch.full(s, bound)) if ssm.dt_init == "constant" else uniform(bound)
+            )
         if leaf == "conv1d.bias":
             return uniform(1 / math.sqrt(ssm.d_conv))
         if leaf in ("in_proj.weight", "x_proj.weight", "out_proj.weight", "conv1d.weight"):
@@ -208,7 +211,7 @@ def config_errors(cfg) -> Iterator[str]:
     mc, p = cfg.model.model_config, cfg.parallelism
     ssm, key = ssm_of(mc), f"{MC}.ssm_cfg"
     if isinstance(ssm.dt_rank, str) and ssm.dt_rank != "auto":
-        yield f"`{key}.dt_rank` must be \"auto\" or an int >= 1, got {ssm.dt_rank!r}"
+        yield f'`{key}.dt_rank` must be "auto" or an int >= 1, got {ssm.dt_rank!r}'
     if ssm.dt_init not in ("random", "constant"):
         yield f"`{key}.dt_init` {ssm.dt_init!r} is not one of random, constant"
     if not 0 < ssm.dt_min <= ssm.dt_max:
@@ -279,7 +282,9 @@ def weights_from_hf(weights: dict, mc) -> dict:
     for i in range(mc.num_hidden_layers):
         w = out.get(_in_proj(i))
         if w is not None:
-            out[_in_proj(i)] = w.view(2, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape).contiguous()
+            out[_in_proj(i)] = (
+                w.view(2, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape).contiguous()
+            )
     return out
 
 

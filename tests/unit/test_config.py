@@ -213,8 +213,9 @@ def _qwen_moe_ep(d):
 
 
 def _mamba(d):  # Nanotron's examples/mamba model_config, small
-    d["model"]["model_config"] = dict(is_mamba_config=True, d_model=64, num_hidden_layers=2,
-                                      vocab_size=128, ssm_cfg={"expand": 3})
+    d["model"]["model_config"] = dict(
+        is_mamba_config=True, d_model=64, num_hidden_layers=2, vocab_size=128, ssm_cfg={"expand": 3}
+    )
 
 
 def _llamoe(d):  # Nanotron's examples/moe/config_llamoe.yaml model_config
