@@ -59,14 +59,17 @@ def selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Te
     dtype = x.dtype
     x, dt, z = x.float(), dt.float(), z.float()
     B, C = B.float(), C.float()
-    dA = torch.exp(dt.unsqueeze(-1) * A[:, None, :])  # (B, d, S, N)
-    dBx = (dt * x).unsqueeze(-1) * B[:, None, :, :]  # (B, d, S, N)
+    # time first, so that each step reads a contiguous (B, d, N) slice and backward stacks
+    # the slices' gradients once (a slice of dim 2 would allocate a full-size gradient per step)
+    dt_s = dt.permute(2, 0, 1).unsqueeze(-1)  # (S, B, d, 1)
+    dA = torch.exp(dt_s * A)  # (S, B, d, N)
+    dBx = dt_s * x.permute(2, 0, 1).unsqueeze(-1) * B.transpose(0, 1).unsqueeze(2)  # (S, B, d, N)
     state = x.new_zeros(x.shape[0], x.shape[1], A.shape[1])  # (B, d, N)
     states = []
-    for t in range(x.shape[-1]):
-        state = dA[:, :, t] * state + dBx[:, :, t]
+    for a, bx in zip(dA.unbind(0), dBx.unbind(0)):
+        state = a * state + bx
         states.append(state)
-    y = torch.einsum("bdsn,bsn->bds", torch.stack(states, dim=2), C)  # (B, d, S)
+    y = torch.einsum("sbdn,bsn->bds", torch.stack(states), C)  # (B, d, S)
     y = y + x * D.float()[:, None]
     return (y * F.silu(z)).to(dtype)
 
