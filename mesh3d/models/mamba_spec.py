@@ -234,6 +234,12 @@ def config_errors(cfg) -> Iterator[str]:
     if p.context_parallel_size > 1:
         yield ("`parallelism.context_parallel_size` must be 1 for Mamba (the scan runs over the "
                "whole sequence; context parallelism would split it); set it to 1")  # fmt: skip
+    fp32_grads = cfg.optimizer is not None and cfg.optimizer.accumulate_grad_in_fp32
+    if p.pp > 1 and mc.residual_in_fp32 and cfg.model.dtype != "float32" and not fp32_grads:
+        yield (f"`{MC}.residual_in_fp32` with pp {p.pp} and {cfg.model.dtype} weights: the stages "
+               "would send an fp32 residual where they expect the weights' dtype; set "
+               "optimizer.accumulate_grad_in_fp32 to true (fp32 weights, autocast) or "
+               "residual_in_fp32 to false")  # fmt: skip
     init = cfg.model.init_method
     if isinstance(init, MambaInit) and init.n_residuals_per_layer != 1:
         yield (f"`model.init_method.n_residuals_per_layer` is {init.n_residuals_per_layer}, but a "
