@@ -166,7 +166,16 @@ class Mamba(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         """Token ids [B, S] (or hidden states [B, S, h] on a later pipeline stage) -> logits.
-        `positions` is accepted and unused: the scan runs over the whole row."""
+        The scan runs over the whole row: `positions` [B, S] other than 0..S-1 on every row
+        (documents restarting inside a row, left-padded prompts) are refused, not ignored."""
+        if positions is not None:
+            plain = torch.arange(positions.shape[-1], device=positions.device)
+            if not torch.equal(positions, plain.expand_as(positions)):
+                raise ValueError(
+                    "Mamba's scan cannot restart inside a row: positions other than 0..S-1 "
+                    "(document masking, packed SFT rows, left-padded prompts) are not supported; "
+                    "give one document or prompt per row"
+                )
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)  # (B, S, h)
         for layer in self.layers.values():

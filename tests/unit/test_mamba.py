@@ -189,3 +189,28 @@ def test_cuda_kernels_equal_the_plain_scan():
         layer.mixer.fast_path = False
     plain = model(ids)
     assert _max_rel(fast, plain) <= 1e-4
+
+
+def test_greedy_generation_equals_transformers():
+    """`mesh3d.generation`'s greedy tokens (no KV cache for Mamba: the whole row each token)
+    are transformers' `generate` (its recurrent state cache) from the same weights."""
+    from mesh3d.generation.sampling import generate
+
+    hf = _hf_model(seed=4).eval()
+    ours = _ours_from(hf).eval()
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        got = generate(ours, prompt, 12, vocab_size=VOCAB)
+        want = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)  # fmt: skip
+    assert got.tolist() == want.tolist()
+
+
+def test_positions_restarting_inside_a_row_are_refused():
+    mc = MambaConfig(d_model=32, num_hidden_layers=1, vocab_size=VOCAB)
+    model = spec_of(mc).build(mc)
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    plain = torch.arange(6).expand(2, 6)
+    assert model(ids, positions=plain).shape == (2, 6, VOCAB)
+    with pytest.raises(ValueError, match="cannot restart inside a row"):
+        model(ids, positions=torch.tensor([[0, 1, 2, 0, 1, 2]] * 2))
