@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterator
 
 from mesh3d.config.mamba import MambaConfig, MambaInit, MambaSSMConfig
+from mesh3d.config.schema import SFTDatasetsArgs
 from mesh3d.errors import not_divisible
 from mesh3d.models.llama_checks import MC
 from mesh3d.models.spec import Blocks, HFSpec, LayerTable, ModelShape, ModelSpec
@@ -234,6 +235,10 @@ def config_errors(cfg) -> Iterator[str]:
     if p.context_parallel_size > 1:
         yield ("`parallelism.context_parallel_size` must be 1 for Mamba (the scan runs over the "
                "whole sequence; context parallelism would split it); set it to 1")  # fmt: skip
+    sft = any(isinstance(st.data.dataset, SFTDatasetsArgs) for st in cfg.data_stages or [])
+    if sft and cfg.mesh3d.sft_packing:
+        yield ("`mesh3d.sft_packing` is true, but Mamba's scan cannot restart inside a row (packed "
+               "examples would read each other's state); set it to false for a Mamba SFT run")  # fmt: skip
     fp32_grads = cfg.optimizer is not None and cfg.optimizer.accumulate_grad_in_fp32
     if p.pp > 1 and mc.residual_in_fp32 and cfg.model.dtype != "float32" and not fp32_grads:
         yield (f"`{MC}.residual_in_fp32` with pp {p.pp} and {cfg.model.dtype} weights: the stages "

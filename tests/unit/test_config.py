@@ -311,6 +311,7 @@ BAD = [
     ("mamba-tp", ["parallelism.tp=5"], _mamba, 5, f"`{MC}.ssm_cfg.expand x {MC}.d_model` (192) must be divisible by `parallelism.tp` (5)"),
     ("mamba-cp", ["parallelism.context_parallel_size=2"], _mamba, 2, "`parallelism.context_parallel_size` must be 1 for Mamba"),
     ("mamba-bf16-pp", ["parallelism.pp=2", "model.dtype=bfloat16", "optimizer.accumulate_grad_in_fp32=false", "tokens.batch_accumulation_per_replica=2"], _mamba, 2, f"`{MC}.residual_in_fp32` with pp 2 and bfloat16 weights: the stages would send an fp32 residual"),
+    ("mamba-sft-packing", ["data_stages[0].data.dataset={hf_dataset_or_datasets: /data/chat, sft_dataloader: true}"], _mamba, None, "`mesh3d.sft_packing` is true, but Mamba's scan cannot restart inside a row"),
     ("mamba-bias", [f"{MC}.ssm_cfg.bias=true"], _mamba, None, f"`{MC}.ssm_cfg.bias` is true, but Nanotron's Mamba builds in_proj and out_proj without biases"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
     ("z-loss", [f"{MC}.z_loss_enabled=true", f"{MC}.z_loss_coefficient=0"], None, None, f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got 0.0"),
