@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
@@ -58,7 +59,6 @@ def _need_mapping(value: Any, path: str) -> dict:
 # Nanotron model families that live in its examples/ with their own config classes, and why
 # mesh3d does not read them as one of its own
 OTHER_FAMILIES = {
-    "is_mamba_config": ("mamba", "a state-space model: no attention, no MLP"),
     "is_llamoe_config": (
         "llamoe",
         "examples/moe's LlaMoE routes like mesh3d's MoE (moe_num_experts, num_experts_per_tok: "
@@ -80,6 +80,10 @@ def _nanotron_families() -> str:
     return ", ".join(out)
 
 
+def _mamba(name: str) -> type:
+    return getattr(importlib.import_module("mesh3d.config.mamba"), name)
+
+
 def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
     d = _need_mapping(value, path)
     for marker, (family, why) in OTHER_FAMILIES.items():
@@ -89,6 +93,8 @@ def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
                 f"({why}); supported: {_nanotron_families()}"
             )
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
+    if "is_mamba_config" in d or d.keys() & {"d_model", "ssm_cfg"}:
+        return _mamba("MambaConfig"), d  # not in ModelConfig: loaded for a Mamba only
     if "is_llama_config" in d:
         return LlamaConfig, d
     for family in MESH3D_FAMILIES.values():  # mesh3d's own model_config.json of its checkpoint
@@ -105,6 +111,8 @@ def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
 
 def _pick_init_method(value: Any, path: str) -> tuple[type, dict]:
     d = _need_mapping(value, path)
+    if "initializer_range" in d:  # Nanotron's examples/mamba init (not in InitMethod)
+        return _mamba("MambaInit"), d
     for key, cls in (
         ("std", RandomInit),
         ("use_mup", SpectralMupInit),
@@ -113,8 +121,9 @@ def _pick_init_method(value: Any, path: str) -> tuple[type, dict]:
         if key in d:
             return cls, d
     raise ConfigError(
-        f"`{path}` needs `std` (random init), `use_mup` (spectral muP) or `path` (weights of an "
-        f"existing checkpoint); got keys {sorted(map(str, d))}"
+        f"`{path}` needs `std` (random init), `use_mup` (spectral muP), `initializer_range` "
+        f"(Mamba's init) or `path` (weights of an existing checkpoint); got keys "
+        f"{sorted(map(str, d))}"
     )
 
 

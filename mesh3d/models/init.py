@@ -29,15 +29,18 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def init_full_tensor(
-    name: str, shape: Sequence[int], std: float | None, seed: int, dtype=torch.float32
+    name: str, shape: Sequence[int], std: float | Callable | None, seed: int, dtype=torch.float32
 ) -> Tensor:
-    """The full initial value of parameter `name`: ones if `std` is None, else N(0, std^2).
+    """The full initial value of parameter `name`: ones if `std` is None, N(0, std^2) for a
+    number, `std(shape, generator)` for a function (a family's init that is not normal).
 
     Drawn in fp32 on CPU from its own generator, then cast to `dtype`.
     """
     if std is None:
         return torch.ones(tuple(shape), dtype=dtype, device="cpu")
     gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+    if callable(std):
+        return std(tuple(shape), gen).to(dtype)
     full = torch.empty(tuple(shape), dtype=torch.float32, device="cpu")
     return full.normal_(0.0, std, generator=gen).to(dtype)
 

@@ -51,6 +51,10 @@ class ModelShape:
     top_k: int = 0
     moe_ffn: int = 0  # each expert's intermediate size
     shared_ffn: int = 0  # the shared expert's intermediate size, 0 without one
+    d_state: int = 0  # a state-space mixer's state size per channel (Mamba), 0 without one
+    d_conv: int = 0  # its causal convolution's width
+    dt_rank: int = 0  # its dt projection's rank
+    conv_bias: bool = False  # its convolution has a bias
 
     def __post_init__(self):
         if not self.head_dim:
@@ -106,7 +110,9 @@ class ModelSpec:
     nanotron_layer: Callable[..., LayerTable]  # (shape, layer index=0) -> that layer's table
     nanotron_outer: dict[str, tuple[tuple[str, ...], Kind, Literal["first", "last"]]]
     param_shapes: Callable[[ModelShape], dict[str, tuple[int, ...]]]  # our name -> full shape
-    init_std: Callable[[str, float, int, str], float | None]  # (name, std, layers, scaling)
+    # (name, std, layers, scaling) -> std (None: ones), or a function (shape, generator) ->
+    # the full tensor for an init that is not N(0, std) (`models/init.py`)
+    init_std: Callable[[str, float, int, str], Any]
     step_flops: Callable[[ModelShape, int, int], float]  # (shape, seq len, global batch)
     pipeline_costs: Callable[[ModelShape], tuple[list[int], int]]  # (per-layer, lm_head)
     hf: tuple[HFSpec, ...]  # the HF architectures the family converts to and from
@@ -118,6 +124,9 @@ class ModelSpec:
     # whether `plan/activations.py`'s table (Llama's layer: RMSNorms, gated MLP, SDPA) is this
     # family's; if not, `mesh3d plan` says its activation bytes are an estimate
     llama_activations: bool = True
+    # (model config) -> `init_std` with the config's own init settings (Mamba's ssm_cfg); None:
+    # `init_std` as is
+    init_for: Callable[[Any], Callable[[str, float, int, str], Any]] | None = None
 
     def hf_of(self, model_config) -> HFSpec:
         """The HF architecture `model_config` converts to (the first, unless `hf_for` says)."""

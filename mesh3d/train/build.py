@@ -110,7 +110,7 @@ def initial_weights(cfg, layout: RunLayout) -> FullSource:
         rules = mup_rules(spec, shape, mc.vocab_size)
         return seeded_init(lambda name: rules[name].std, seed, rows)
     scaling = getattr(init, "scaling_method", "NUM_LAYERS")
-    init_std = spec.init_std
+    init_std = spec.init_for(mc) if spec.init_for is not None else spec.init_std
     return seeded_init(
         lambda name: init_std(name, init.std, mc.num_hidden_layers, scaling), seed, rows
     )

@@ -212,8 +212,10 @@ def _qwen_moe_ep(d):
     d["parallelism"]["dp"] = 2
 
 
-def _mamba(d):
-    d["model"]["model_config"] = dict(is_mamba_config=True, d_model=64)
+def _mamba(d):  # Nanotron's examples/mamba model_config, small
+    d["model"]["model_config"] = dict(
+        is_mamba_config=True, d_model=64, num_hidden_layers=2, vocab_size=128, ssm_cfg={"expand": 3}
+    )
 
 
 def _llamoe(d):  # Nanotron's examples/moe/config_llamoe.yaml model_config
@@ -306,7 +308,11 @@ BAD = [
     ("starcoder2-mq-gq", [f"{MC}.multi_query=true", f"{MC}.grouped_query=true", f"{MC}.num_kv_heads=2"], _starcoder, None, f"`{MC}.multi_query` and `{MC}.grouped_query` are both true; set one of them"),
     ("starcoder2-global-layers", [f"{MC}.global_attn_layers=[0, 7]"], _starcoder, None, f"`{MC}.global_attn_layers` has [7], outside the layers 0..3; use indices below num_hidden_layers (4)"),
     ("llamoe", [], _llamoe, None, "model family llamoe (`is_llamoe_config`) is not supported by mesh3d yet (examples/moe's LlaMoE routes like mesh3d's MoE"),
-    ("mamba", [], _mamba, None, "`model.model_config`: model family mamba (`is_mamba_config`) is not supported by mesh3d yet"),
+    ("mamba-tp", ["parallelism.tp=5"], _mamba, 5, f"`{MC}.ssm_cfg.expand x {MC}.d_model` (192) must be divisible by `parallelism.tp` (5)"),
+    ("mamba-cp", ["parallelism.context_parallel_size=2"], _mamba, 2, "`parallelism.context_parallel_size` must be 1 for Mamba"),
+    ("mamba-bf16-pp", ["parallelism.pp=2", "model.dtype=bfloat16", "optimizer.accumulate_grad_in_fp32=false", "tokens.batch_accumulation_per_replica=2"], _mamba, 2, f"`{MC}.residual_in_fp32` with pp 2 and bfloat16 weights: the stages would send an fp32 residual"),
+    ("mamba-sft-packing", ["data_stages[0].data.dataset={hf_dataset_or_datasets: /data/chat, sft_dataloader: true}"], _mamba, None, "`mesh3d.sft_packing` is true, but Mamba's scan cannot restart inside a row"),
+    ("mamba-bias", [f"{MC}.ssm_cfg.bias=true"], _mamba, None, f"`{MC}.ssm_cfg.bias` is true, but Nanotron's Mamba builds in_proj and out_proj without biases"),
     ("scaling-method", ["model.init_method.scaling_method=layer_index"], None, None, "`model.init_method.scaling_method` is not supported by mesh3d yet (LAYER_INDEX"),
     ("z-loss", [f"{MC}.z_loss_enabled=true", f"{MC}.z_loss_coefficient=0"], None, None, f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got 0.0"),
     ("nanoset-read-path-count", ["data_stages[0].data.dataset={dataset_folder: [/a, /b], dataset_read_path: [/m]}"], None, None, "`data_stages[name='Stable Training Stage'].data.dataset.dataset_read_path` has 1 entries ['/m'] but dataset_folder has 2 folders; give one per folder (or drop dataset_read_path)"),

@@ -1,0 +1,77 @@
+"""Mamba's tensor-parallel styles, beside `tp_styles.py`'s (imported by `mamba_spec.tp_plan`
+only, so other families' runs never load them).
+
+The mixer's scan runs per channel: each tp rank holds a share of d_inner. `LocalChannels`
+splits the tensors the mixer reads itself (A_log, D, conv1d) on their channels;
+`LocalRowwiseShared` sums x_proj's partial products (dt, B, C) to every rank and, since each
+rank's scan uses them for its own channels only, sums their gradient back over tp.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from mesh3d.tp_styles import LocalRowwise, block_input, gather_full, local_of
+
+
+class LocalRowwiseShared(LocalRowwise):
+    """`LocalRowwise` with its output all-reduced to `Replicate()` for channel-sharded readers:
+    the gradient coming back is each rank's share too (Mamba's x_proj, whose dt, B and C feed
+    the scan of this rank's channels only), so it is summed over tp on the way back."""
+
+    def __init__(self):
+        super().__init__(output_layouts=Replicate())
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        super()._apply(module, device_mesh)
+        rowwise = module.forward
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return gather_full(rowwise(x), device_mesh.get_group(), Replicate())
+
+        module.forward = forward
+        return module
+
+
+class LocalChannels(ParallelStyle):
+    """A block whose own tensors are split over tp on dim 0 (its channels) and read by its
+    forward directly: Mamba's mixer reads `A_log`, `D` and `conv1d`'s weight and bias. Each
+    named parameter becomes a `Shard(0)` DTensor, and during the block's forward the block
+    sees this rank's rows as plain tensors (`local_of`: the gradient arrives `Shard(0)`). The
+    block's input is handed to it as `block_input(input_layout)` does. Its submodules take
+    their own styles (in_proj `LocalColwise`, ...)."""
+
+    def __init__(self, input_layout, names: tuple[str, ...]):
+        super().__init__()
+        self.input_layout, self.names = input_layout, names
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        slots = []
+        for name in self.names:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            p = owner._parameters.get(leaf)
+            if p is None:
+                continue
+            dt = distribute_tensor(p, device_mesh, [Shard(0)], src_data_rank=None)
+            owner.register_parameter(leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
+            slots.append((owner, leaf))
+        block_input(self.input_layout)._apply(module, device_mesh)
+        inner = module.forward
+
+        def forward(*args, **kwargs):
+            held = [(owner, leaf, owner._parameters[leaf]) for owner, leaf in slots]
+            try:
+                for owner, leaf, p in held:
+                    owner._parameters[leaf] = local_of(p)
+                return inner(*args, **kwargs)
+            finally:
+                for owner, leaf, p in held:
+                    owner._parameters[leaf] = p
+
+        module.forward = forward
+        return module
