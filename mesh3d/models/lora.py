@@ -135,6 +135,9 @@ def lora_plan(args, spec, shape) -> LoraPlan:
 
 def plan_errors(args, spec, shape) -> Iterator[str]:
     """Every problem of `mesh3d.lora` for this model, one message each (no torch work)."""
+    if not spec.lora:
+        yield f"`{KEY}` with the {spec.family} family is not supported yet; train it without adapters"
+        return
     if args.r < 1:
         yield f"`{KEY}.r` must be >= 1 (the adapters' rank), got {args.r}"
         return

@@ -373,4 +373,5 @@ MAMBA = ModelSpec(
     pipeline_costs=pipeline_costs,
     hf=(HF_SPEC,),
     llama_activations=False,  # no attention or MLP: `mesh3d plan` estimates its activations
+    lora=False,  # x_proj's own row-parallel style, in_proj's interleaved rows: not yet
 )

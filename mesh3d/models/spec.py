@@ -124,6 +124,9 @@ class ModelSpec:
     # whether `plan/activations.py`'s table (Llama's layer: RMSNorms, gated MLP, SDPA) is this
     # family's; if not, `mesh3d plan` says its activation bytes are an estimate
     llama_activations: bool = True
+    # whether `mesh3d.lora` adapters apply (`models/lora.py`: its column/row projections run
+    # through `tp_styles.LocalColwise` / `LocalRowwise`, and their rows are the HF export's)
+    lora: bool = True
     # (model config) -> `init_std` with the config's own init settings (Mamba's ssm_cfg); None:
     # `init_std` as is
     init_for: Callable[[Any], Callable[[str, float, int, str], Any]] | None = None

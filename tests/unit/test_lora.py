@@ -127,6 +127,18 @@ def test_bad_lora_settings_are_named(override, words):
     assert all(w in errors[0] for w in words), errors[0]
 
 
+def test_a_family_without_adapters_is_refused():
+    from pathlib import Path
+
+    from mesh3d.config import load_config
+
+    example = Path(__file__).parents[1] / "configs" / "nanotron_mamba_example.yaml"
+    errors = validation_errors(load_config(example, ["mesh3d.lora={}"]))
+    assert errors == [
+        "`mesh3d.lora` with the mamba family is not supported yet; train it without adapters"
+    ]
+
+
 def test_lora_with_float8_is_refused():
     errors = _errors("mesh3d.lora={}", "mesh3d.float8=true")
     assert any("`mesh3d.lora` with `mesh3d.float8: true`" in e for e in errors), errors
