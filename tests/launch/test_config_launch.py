@@ -18,7 +18,7 @@ def _cli(tmp_path, d, *args):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
 
 
-CLI_BAD = ["unknown-key", "override-no-equals", "world-size", "qwen2-moe", "mamba",
+CLI_BAD = ["unknown-key", "override-no-equals", "world-size", "qwen2-moe", "mamba-bias",
            "starcoder2-heads-tp", "starcoder2-mq-gq", "starcoder2-global-layers", "s3-no-s5cmd"]  # fmt: skip
 
 
