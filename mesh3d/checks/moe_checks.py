@@ -13,11 +13,14 @@ MC = "model.model_config"
 def moe_errors(cfg: Config, mc) -> Iterator[str]:
     """`moe_config`: its values."""
     moe, key = mc.moe_config, f"{MC}.moe_config"
+    name = {k: f"{key}.{k}" for k in ("num_experts", "top_k", "moe_intermediate_size")}
+    name.update(getattr(moe, "names", {}))  # a family that keeps these keys elsewhere (LlaMoE)
     for k in ("num_experts", "top_k", "moe_intermediate_size"):
         if getattr(moe, k) < 1:
-            yield f"`{key}.{k}` must be >= 1, got {getattr(moe, k)}"
+            yield f"`{name[k]}` must be >= 1, got {getattr(moe, k)}"
     if 1 <= moe.num_experts < moe.top_k:
-        yield f"`{key}.top_k` ({moe.top_k}) must be at most num_experts ({moe.num_experts})"
+        yield (f"`{name['top_k']}` ({moe.top_k}) must be at most {name['num_experts'].rsplit('.')[-1]} "
+               f"({moe.num_experts})")  # fmt: skip
     if moe.enable_shared_expert and moe.shared_expert_intermediate_size < 1:
         yield (f"`{key}.shared_expert_intermediate_size` must be >= 1 with enable_shared_expert, "
                f"got {moe.shared_expert_intermediate_size}")  # fmt: skip
@@ -44,4 +47,5 @@ def expert_parallel_errors(cfg: Config) -> Iterator[str]:
         yield (f"`{key}` ({ep}) must divide `parallelism.dp` ({p.dp}): the experts are split over "
                "dp ranks (mesh3d, like Nanotron, does not count ep in the world size)")  # fmt: skip
     if moe.num_experts % ep:
-        yield f"`{MC}.moe_config.num_experts` ({moe.num_experts}) must be divisible by `{key}` ({ep})"
+        experts = getattr(moe, "names", {}).get("num_experts", f"{MC}.moe_config.num_experts")
+        yield f"`{experts}` ({moe.num_experts}) must be divisible by `{key}` ({ep})"

@@ -74,7 +74,7 @@ def config_warnings(cfg: Config) -> list[str]:
     """
     if validation_errors(cfg):
         return []
-    warnings = list(lr_warnings(cfg))
+    warnings = list(lr_warnings(cfg)) + list(getattr(cfg.model.model_config, "notes", []))
     t = cfg.tokens
     if t.val_check_interval > t.train_steps > 0 and t.limit_val_batches > 0:
         warnings.append(

@@ -56,45 +56,21 @@ def _need_mapping(value: Any, path: str) -> dict:
     return value
 
 
-# Nanotron model families that live in its examples/ with their own config classes, and why
-# mesh3d does not read them as one of its own
-OTHER_FAMILIES = {
-    "is_llamoe_config": (
-        "llamoe",
-        "examples/moe's LlaMoE routes like mesh3d's MoE (moe_num_experts, num_experts_per_tok: "
-        "softmax then top-k, dropless, no balancing loss) but its experts are ungated GELU MLPs "
-        "w2(gelu(w1 x)) where mesh3d's are gated, and its checkpoint names are its own; for a "
-        "Llama with experts use a Qwen2 model_config with moe_config",
-    ),
-}
-
-
-def _nanotron_families() -> str:
-    """The Nanotron model configs the schema holds, with their markers: "llama
-    (is_llama_config), ..."."""
-    out = []
-    for cls in get_args(ModelConfig):
-        family = cls.__name__.removesuffix("Config").lower()
-        if f"is_{family}_config" in _names(cls):
-            out.append(f"{family} (is_{family}_config)")
-    return ", ".join(out)
-
-
 def _mamba(name: str) -> type:
     return getattr(importlib.import_module("mesh3d.config.mamba"), name)
 
 
+def _llamoe() -> type:
+    return importlib.import_module("mesh3d.config.llamoe").LlaMoEConfig
+
+
 def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
     d = _need_mapping(value, path)
-    for marker, (family, why) in OTHER_FAMILIES.items():
-        if marker in d:
-            raise ConfigError(
-                f"`{path}`: model family {family} (`{marker}`) is not supported by mesh3d yet "
-                f"({why}); supported: {_nanotron_families()}"
-            )
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     if "is_mamba_config" in d or d.keys() & {"d_model", "ssm_cfg"}:
         return _mamba("MambaConfig"), d  # not in ModelConfig: loaded for a Mamba only
+    if "is_llamoe_config" in d or d.keys() & {"moe_num_experts", "moe_capacity_factor"}:
+        return _llamoe(), d  # Nanotron's examples/moe, loaded for a LlaMoE only
     if "is_llama_config" in d:
         return LlamaConfig, d
     for family in MESH3D_FAMILIES.values():  # mesh3d's own model_config.json of its checkpoint
@@ -237,6 +213,8 @@ def _resolve(cfg: Config) -> Config:
     mc = cfg.model.model_config
     if hasattr(mc, "num_key_value_heads") and mc.num_key_value_heads is None:
         mc.num_key_value_heads = mc.num_attention_heads
+    if hasattr(mc, "resolve"):  # a family's own derived values (config/llamoe.py)
+        mc.resolve(cfg)
     family = MESH3D_FAMILIES.get(cfg.mesh3d.model_family)
     if family is not None and type(mc) is family.base:
         fields = {f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}

@@ -26,6 +26,7 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "qwen3": ("mesh3d.models.qwen3_spec", "QWEN3", "Qwen3Config"),
     "starcoder2": ("mesh3d.models.starcoder2_spec", "STARCODER2", "Starcoder2Config"),
     "mamba": ("mesh3d.models.mamba_spec", "MAMBA", "MambaConfig"),
+    "llamoe": ("mesh3d.models.llamoe_spec", "LLAMOE", "LlaMoEConfig"),
 }
 
 
