@@ -47,7 +47,7 @@ def make_plan(cfg, world_size: int | None = None) -> Plan:
         tied_embeddings=basis.tied, padded_vocab=z.padded,
         total_params=sum(p.numel() for n, p in full.named_parameters() if not _adapter(n)),
         trainable_params=sum(p.numel() for n, p in full.named_parameters()
-                             if _adapter(n) or lora_plan_of(cfg) is None),  # fmt: skip
+                             if _adapter(n) or cfg.mesh3d.lora is None),  # fmt: skip
         active_params=sum(p.numel() for n, p in full.named_parameters() if not _adapter(n))
         - _idle_experts(z),
         groups=_groups(z, dims), stages=stages,
