@@ -40,6 +40,7 @@ CAPABILITIES: dict[str, str] = {
     "evaluation_in_run": "mesh3d.evaluation.in_run",  # a lighteval: section
     "lora": "mesh3d.models.lora",  # mesh3d.lora: adapters, the base frozen
     "lora_files": "mesh3d.checkpoint.lora_files",  # a LoRA step folder: merge, PEFT export
+    "fault_tolerance": "mesh3d.train.fault_tolerance",  # mesh3d.fault_tolerance: torchft groups
 }
 
 

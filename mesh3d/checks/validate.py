@@ -20,6 +20,7 @@ from mesh3d.checks.data_checks import (
     stage_length_errors,
     unsupported_data,
 )
+from mesh3d.checks.ft_checks import fault_tolerance_errors
 from mesh3d.checks.guard_checks import loss_spike_errors
 from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.checks.optim_checks import lr_errors, lr_warnings, optimizer_errors
@@ -110,7 +111,8 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
         return errors
     checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
               _unsupported, expert_parallel_errors, speed_errors, scale_errors,
-              loss_spike_errors, checkpoint_errors, _recompute, s3_errors)  # fmt: skip
+              loss_spike_errors, checkpoint_errors, _recompute, s3_errors,
+              fault_tolerance_errors)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))

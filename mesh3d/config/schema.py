@@ -412,6 +412,21 @@ class LoraArgs:
 
 
 @dataclass
+class FaultToleranceArgs:
+    """`mesh3d.fault_tolerance`: this job is replica group `replica_id` of `replica_groups`
+    jobs that train one model through torchft; a group that dies is dropped from the step's
+    quorum, the others train on, and it heals from a live peer when it comes back
+    (docs/fault-tolerance.md)."""
+
+    replica_groups: int = 2  # jobs (torchrun launches) that train the model together
+    replica_id: int | None = None  # this job's index, 0 .. replica_groups-1 (null: $MESH3D_REPLICA_ID)
+    lighthouse: str | None = None  # torchft lighthouse address (null: $TORCHFT_LIGHTHOUSE)
+    min_replicas: int = 1  # groups a step needs to commit
+    quorum_timeout_s: float = 60.0  # the wait for a quorum (a peer's heartbeat, a joiner)
+    timeout_s: float = 60.0  # cross-group collectives and a healing transfer
+
+
+@dataclass
 class Mesh3dArgs:
     """mesh3d's own settings, under `mesh3d:`; a config without the section loads in Nanotron."""
 
@@ -443,6 +458,7 @@ class Mesh3dArgs:
     load_without_manifest: bool = False  # resume from a mesh3d checkpoint whose manifest is gone
     loss_spike: LossSpikeArgs | None = None  # null: off; {} turns it on with the defaults
     lora: LoraArgs | None = None  # null: train every weight; {r: 16, ...}: adapters only
+    fault_tolerance: FaultToleranceArgs | None = None  # null: off; torchft replica groups
     # activation recompute beside Nanotron's parallelism.recompute_layer (docs/parallelism.md)
     recompute: str | None = None  # null: recompute_layer decides (full); selective | full | none
     recompute_every: int = 1  # recompute only every k-th decoder layer (index a multiple of k)

@@ -125,6 +125,7 @@ def train(cfg, metrics_file: str | None = None, hooks: Sequence = ()) -> RunResu
         [m["lm_loss"] for m in result.metrics]
     """
     run = Run.start(cfg)
+    cfg = run.cfg  # a fault-tolerant replica group's own (its checkpoint folder)
     with RunGuard(cfg, run.device) as guard:  # the folder first: a refusal builds no model
         run.build()
         n = run.n_params
@@ -146,6 +147,8 @@ def train(cfg, metrics_file: str | None = None, hooks: Sequence = ()) -> RunResu
                     error.args = (f"{error.args[0]} (s3_upload: {report.line()})",)
             finally:
                 run.feed.close()  # the loader's workers, if any
+                if run.replicas is not None:
+                    run.replicas.close()
         result.uploads = run.checkpoints.report
         return result
 
@@ -215,12 +218,28 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
         result.saved_dir = Path(ck.checkpoints_path) / "0"  # `_resume` saved it
     on_step = [h.on_step for h in hooks if hasattr(h, "on_step")]
     evals = _in_run_evaluation(cfg, metrics_file)
-    saved = start
+    saved, step, replicas = start, start, run.replicas
+    if replicas is not None:  # consumed samples count every group's slots (run.data.gbs)
+        replicas.start_at(start, consumed, tokens)
     with step_profiler(cfg.profiler, rank) as profiler:
-        for step in range(start + 1, tok.train_steps + 1):
+        while step < tok.train_steps:
+            step += 1
             t0 = time.time()
+            if replicas is not None:  # the quorum; a group behind heals and jumps ahead
+                step, healed = replicas.begin(step)
+                if healed is not None:
+                    consumed, tokens = healed
+                if step > tok.train_steps:
+                    break
             guard.at(step, "step")
             out = run.step(step, guard.accepts)
+            if not out.committed:  # a replica group failed during the step: train it again
+                logger.warning(
+                    f"[FT] step {step} was not applied (a replica group failed during it); "
+                    "training it again with the groups alive now"
+                )
+                step -= 1
+                continue
             loss, grad_norm = out.loss, out.grad_norm
             if cfg.mesh3d.compile and step == start + 1:
                 logger.info(compile_cache_text())
@@ -228,9 +247,11 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                 torch.cuda.synchronize()
             stop = guard.stop_requested()  # every rank ends the step together
             profiler.step()
-            consumed += gbs
+            consumed += run.data.gbs
             seq = run.data.sequence_length_at(step)
-            tokens += gbs * seq
+            tokens += run.data.gbs * seq
+            if replicas is not None:
+                replicas.progress = (consumed, tokens)
             step_seconds.append(time.time() - t0)
             m = iteration_metrics(
                 iteration=step, consumed_samples=consumed, seq_len=seq,
@@ -244,6 +265,8 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                 moe = extensions.load("moe")
                 m.update(moe.step_metrics(run.parts.modules, run.layout, g.replicas, g.pp,
                                           run.device, tp_group))  # fmt: skip
+            if replicas is not None:
+                m.update(replicas.metrics(gbs))
             m.update(peak_memory())
             if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):
                 m.update(memory_metrics())  # Nanotron's extra items of the first steps

@@ -58,6 +58,7 @@ class StepOutput:
     batches: list[tuple[torch.Tensor, torch.Tensor]]
     loss: float
     grad_norm: float
+    committed: bool = True  # False: a fault-tolerant step a replica group's failure voided
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Run:
     checkpoints: Checkpointer | None = None  # every save's lifecycle (`build`)
     feed: Feed | None = None  # this rank's loader of each step's batches (`build`)
     share: object | None = None  # `stream_share.ReplicaShare` for streamed data (`build`)
+    replicas: object | None = None  # `fault_tolerance.Replicas` (mesh3d.fault_tolerance)
 
     @classmethod
     def prepare(cls, cfg) -> Run:
@@ -93,7 +95,11 @@ class Run:
         with decided_alike():
             validate(cfg, world_size=world)  # before any process-group work: never a hang
             _check_sft_tokenizer(cfg)
-            data = StagedData(cfg)  # every stage's dataset checked before the first collective
+            data_cfg = cfg
+            if cfg.mesh3d.fault_tolerance is not None:  # a replica group's folder and data
+                ft = extensions.load("fault_tolerance")
+                cfg, data_cfg = ft.group_config(cfg), ft.data_config(ft.group_config(cfg))
+            data = StagedData(data_cfg)  # every stage's dataset checked before any collective
             device = resolve_device(cfg.mesh3d.device)
         if not dist.is_initialized():
             init_distributed(timeout_s=cfg.mesh3d.collective_timeout_s, device=cfg.mesh3d.device)
@@ -123,7 +129,10 @@ class Run:
         setup_logging(layout.coords, level, cp=dims.cp)
         self.n_params = total_params(self.parts, self.mesh)
         self.checkpoints = Checkpointer(cfg, self.mesh)
-        self.feed = Feed(self.data, layout.coords["dp"], dims.dp, layout.microbatch_size,
+        slot, slots = layout.coords["dp"], dims.dp
+        if cfg.mesh3d.fault_tolerance is not None:
+            slot, slots = extensions.load("fault_tolerance").data_slot(cfg, slot, slots)
+        self.feed = Feed(self.data, slot, slots, layout.microbatch_size,
                          timeout_s=cfg.mesh3d.collective_timeout_s,
                          pin=self.device.type == "cuda")  # fmt: skip
         if any(getattr(ds, "streamed", False) for ds in self.data.datasets):
@@ -131,6 +140,8 @@ class Run:
 
             if needs_share(self.data, dims):
                 self.share = ReplicaShare(dims, dist.get_rank())
+        if cfg.mesh3d.fault_tolerance is not None:
+            self.replicas = extensions.load("fault_tolerance").Replicas(self)
         return self
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -182,9 +193,10 @@ class Run:
         loss, grad_norm = train_step(
             self.parts, self.optimizer, self.scheduler, batches, layout=self.layout_at(step),
             clip_grad=self.cfg.optimizer.clip_grad, mesh=self.mesh, device=self.device,
-            accepts=accepts, step=step,
+            accepts=accepts, step=step, across=self.replicas,
         )  # fmt: skip
-        return StepOutput(batches, loss, grad_norm)
+        committed = self.replicas is None or self.replicas.committed
+        return StepOutput(batches, loss, grad_norm, committed)
 
     def save(self, step: int, consumed: int, extra: dict | None = None,
              latest: bool = True, background: bool = False) -> None:  # fmt: skip

@@ -233,6 +233,7 @@ def train_step(
     device: torch.device,
     accepts: Callable[[float, float], bool] | None = None,
     step: int = 0,
+    across=None,
 ) -> tuple[float, float]:
     """Run one step (number `step`, which keys the dropout masks); return (global mean token
     loss, pre-clip global gradient norm).
@@ -242,6 +243,11 @@ def train_step(
     caller decides whether the run goes on (`RunGuard.check_finite`, `check_spike`). With
     `dp_mode` 'replicate' gradients are summed over dp x cp after the last microbatch; with FSDP
     ('zero1', 'full') they were reduce-scattered in backward.
+
+    `across`: the link to the other replica groups of a fault-tolerant run
+    (`train/fault_tolerance.py::Replicas`): the loss and gradients become the mean over the
+    groups alive this step, and the update is applied only if the step commits
+    (`across.committed` says whether it did; the LR schedule advances only then).
     """
     g = groups_of(mesh)
     dp, pp, dp_group, pp_group, replica_group = g.dp_size, g.pp_size, g.dp, g.pp, g.replicas
@@ -265,6 +271,9 @@ def train_step(
                     if p.grad is not None:
                         p.grad.div_(layout.backward_scale)
         dist.all_reduce(total, group=replica_group)
+    if across is not None:
+        with_grads = [p for p in parts.parameters() if p.grad is not None]
+        total = across.reduce(with_grads, total, layout.global_tokens if tokens is None else tokens)
     if pp > 1:
         sync_tied_embeddings(parts.modules, pp_group, parts.embed_rank, parts.head_rank)
     params = [p for p in parts.parameters() if p.grad is not None]
@@ -274,10 +283,14 @@ def train_step(
     )
     loss = float(total)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)  # the non-finite guard
-    if finite and (accepts is None or accepts(loss, grad_norm)):
+    committed = True if across is None else across.commit()
+    if across is not None:
+        across.committed = committed
+    if finite and committed and (accepts is None or accepts(loss, grad_norm)):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+    if committed:
+        scheduler.step()
     return loss, grad_norm
 
 
