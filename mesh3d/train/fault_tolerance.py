@@ -29,8 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import socket
+import time
+import warnings
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -44,6 +47,7 @@ from mesh3d.config.load import config_to_dict
 from mesh3d.errors import UserError, on_every_rank
 from mesh3d.log import logger
 
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
 
 def group_config(cfg):
     """`cfg` as replica group g runs it: checkpoints under `<checkpoints_path>/replica_<g>`
@@ -74,21 +78,25 @@ def data_slot(cfg, dp_rank: int, dp: int) -> tuple[int, int]:
     return ft.replica_id * dp + dp_rank, ft.replica_groups * dp
 
 
+# what may differ between the groups' configs: folders, names, logging, the group's own keys
+_OWN = ("general.run", "general.project", "checkpoints.", "logging.", "profiler.", "s3_upload.",
+        "lighteval.", "mesh3d.fault_tolerance.replica_id", "mesh3d.fault_tolerance.lighthouse",
+        "mesh3d.existing_checkpoints", "mesh3d.wandb", "mesh3d.tensorboard_dir", "mesh3d.console",
+        "mesh3d.keep_", "mesh3d.hf_export", "mesh3d.upload_wait")
+
+
 def _fingerprint(cfg) -> int:
-    """A 31-bit hash of what every group must share: the config less the group's own keys
-    (replica_id, checkpoint folder), and mesh3d's version."""
-    d = config_to_dict(cfg)
-    d["mesh3d"]["fault_tolerance"]["replica_id"] = None
-    if d.get("checkpoints"):
-        d["checkpoints"]["checkpoints_path"] = None
-    text = repr(sorted(_flat(d))) + mesh3d.__version__
+    """A 31-bit hash of what every group must share (the config less `_OWN`) and mesh3d's
+    version."""
+    items = sorted(kv for kv in _flat(config_to_dict(cfg)) if not kv[0].startswith(_OWN))
+    text = repr(items) + mesh3d.__version__
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
 
 
 def _flat(d, prefix=""):
     if isinstance(d, dict):
         for k, v in d.items():
-            yield from _flat(v, f"{prefix}{k}.")
+            yield from _flat(v, f"{prefix}{k}." if isinstance(v, dict) else f"{prefix}{k}")
     else:
         yield prefix, repr(d)
 
@@ -119,11 +127,17 @@ class Replicas:
         from torchft import Manager
         from torchft.process_group import ProcessGroupGloo
 
+        if logger.getEffectiveLevel() > logging.DEBUG:  # its per-step lines: at debug only
+            for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+                logging.getLogger(name).setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
         cfg = run.cfg
         ft = cfg.mesh3d.fault_tolerance
         self.run, self.group, self.groups = run, ft.replica_id, ft.replica_groups
         self.fingerprint = _fingerprint(cfg)
         self.live, self.healed, self.progress = self.groups, None, (0, 0)
+        self.first, self.quorum_timeout_s = True, ft.quorum_timeout_s
         rank, world = dist.get_rank(), dist.get_world_size()
         error = None
         if rank == 0:
@@ -161,7 +175,14 @@ class Replicas:
         this group healed from a peer and jumped there, else None)."""
         self.healed = None
         self.manager.start_quorum()
-        self.live = self.manager.num_participants()
+        if self.first:  # a clean start waits for every group, so all train from step 1
+            self.first, deadline = False, time.monotonic() + self.quorum_timeout_s
+            while self.manager.num_participants() < self.groups and time.monotonic() < deadline:
+                time.sleep(0.2)
+                self.manager.start_quorum()
+        live, self.live = self.live, self.manager.num_participants()
+        if live != self.live:
+            logger.info(f"[FT] step {step}: {self.live} of {self.groups} replica groups train")
         done = self.manager.current_step()
         if self.healed is not None:
             logger.info(
@@ -248,8 +269,11 @@ class Replicas:
 
 def _optimizer_state(optimizer) -> dict:
     """The optimizer's state with each tensor as this rank's local part, keyed by the
-    parameter's position in the param groups (the same in every group: one layout)."""
-    out, k = {}, 0
+    parameter's position in the param groups (the same in every group: one layout), and each
+    param group's settings under "groups" (its current lr among them: the LR schedule's
+    state alone sets it only at its next step)."""
+    out, k = {"groups": [{n: v for n, v in g.items() if n != "params"}
+                         for g in optimizer.param_groups]}, 0  # fmt: skip
     for group in optimizer.param_groups:
         for p in group["params"]:
             out[k] = {
@@ -263,6 +287,8 @@ def _optimizer_state(optimizer) -> dict:
 def _load_optimizer_state(optimizer, saved: dict) -> None:
     """Take a peer's optimizer state: a tensor held as a DTensor like its parameter's gets the
     parameter's mesh and placements back; a group that never stepped gets the state created."""
+    for group, settings in zip(optimizer.param_groups, saved["groups"], strict=True):
+        group.update(settings)
     k = 0
     for group in optimizer.param_groups:
         for p in group["params"]:
