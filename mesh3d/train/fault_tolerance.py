@@ -88,9 +88,13 @@ _OWN = ("general.run", "general.project", "checkpoints.", "logging.", "profiler.
 def _fingerprint(cfg) -> int:
     """A 31-bit hash of what every group must share (the config less `_OWN`) and mesh3d's
     version."""
-    items = sorted(kv for kv in _flat(config_to_dict(cfg)) if not kv[0].startswith(_OWN))
+    items = sorted(kv for kv in _flat(config_to_dict(cfg)) if not _own(kv[0]))
     text = repr(items) + mesh3d.__version__
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
+
+
+def _own(key: str) -> bool:
+    return key.startswith(_OWN) or any(key == p.rstrip(".") for p in _OWN)
 
 
 def _flat(d, prefix=""):

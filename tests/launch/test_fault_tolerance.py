@@ -1,0 +1,182 @@
+"""Fault tolerance across replica groups (`mesh3d.fault_tolerance`, torchft), with real
+processes: a torchft lighthouse in the test process and each replica group its own job of
+`recipes/train.py` ranks (`launch.Ranks`), as `recipes/fault_tolerance/run_local.py` starts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launch import REPO, Ranks, free_port, losses
+from safetensors.torch import load_file
+
+pytest.importorskip("torchft", reason="torchft is not installed (pip install 'mesh3d[ft]')")
+os.environ.setdefault("RUST_LOG", "warn")  # before torchft's servers start: no per-quorum lines
+from torchft.coordination import LighthouseServer  # noqa: E402
+
+CFG = REPO / "recipes" / "configs" / "cpu_tiny.yaml"
+SMALL = ["model.model_config.hidden_size=64", "model.model_config.intermediate_size=128",
+         "model.model_config.num_hidden_layers=2", "logging.log_level=info"]  # fmt: skip
+
+
+@pytest.fixture
+def lighthouse():
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=200,
+                              heartbeat_timeout_ms=1000)  # fmt: skip
+    yield server.address()
+    server.shutdown()
+
+
+def _group(g: int, world: int, folder: Path, lighthouse: str, *overrides: str, tag: str = ""):
+    args = ["--config-file", str(CFG), *SMALL, f"mesh3d.fault_tolerance.lighthouse={lighthouse}",
+            "mesh3d.fault_tolerance.replica_groups=2", f"mesh3d.fault_tolerance.replica_id={g}",
+            "mesh3d.fault_tolerance.quorum_timeout_s=20", "mesh3d.fault_tolerance.timeout_s=20",
+            *overrides, "--metrics-file", str(folder / f"m{g}{tag}.jsonl")]  # fmt: skip
+    return Ranks(world, args, folder / f"g{g}{tag}")
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _files_equal(a: Path, b: Path, under: str) -> int:
+    """Every file under `a/under` equals its twin under `b` (tensors bitwise); returns the count."""
+    n = 0
+    for f in sorted((a / under).rglob("*")):
+        if f.is_dir():
+            continue
+        g = b / f.relative_to(a)
+        if f.suffix == ".safetensors":
+            x, y = load_file(f), load_file(g)
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), f
+        elif f.suffix == ".pt":
+            x, y = torch.load(f, weights_only=False), torch.load(g, weights_only=False)
+            assert _same(x, y), f  # optimizer / LR-scheduler states
+        else:
+            assert f.read_bytes() == g.read_bytes(), f
+        n += 1
+    assert n, f"no files under {a / under}"
+    return n
+
+
+def _same(x, y) -> bool:
+    if torch.is_tensor(x):
+        return torch.is_tensor(y) and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y, strict=True))
+    return x == y
+
+
+def test_two_groups_train_as_one_job_at_dp2_and_resume_with_fault_tolerance_off(
+    lighthouse, tmp_path
+):
+    """No fault: 2 groups of 1 rank equal one job at dp 2 bitwise (each group reads its dp slot
+    of the dp-2 run); a group's checkpoint resumes at dp 2 with fault tolerance off."""
+    ck = ["tokens.train_steps=8", "checkpoints.checkpoint_interval=4",
+          f"checkpoints.checkpoints_path={tmp_path / 'ck'}"]  # fmt: skip
+    groups = [_group(g, 1, tmp_path, lighthouse, *ck) for g in range(2)]
+    plain_ck = tmp_path / "plain"
+    plain = Ranks(2, ["--config-file", str(CFG), *SMALL, "parallelism.dp=2", "tokens.train_steps=8",
+                      "checkpoints.checkpoint_interval=8", f"checkpoints.checkpoints_path={plain_ck}",
+                      "--metrics-file", str(tmp_path / "plain.jsonl")], tmp_path / "p")  # fmt: skip
+    codes = [g.wait(timeout=180) for g in groups] + [plain.wait(timeout=180)]
+    assert codes == [[0], [0], [0, 0]], [g.output()[-2000:] for g in groups]
+    straight = _metrics(tmp_path / "plain.jsonl")
+    for g in range(2):
+        got = _metrics(tmp_path / f"m{g}.jsonl")
+        assert [m["lm_loss"] for m in got] == [m["lm_loss"] for m in straight]
+        assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in straight]
+        assert {m["ft_replicas"] for m in got} == {2} and {m["ft_samples"] for m in got} == {32}
+    n = _files_equal(tmp_path / "ck" / "replica_0" / "8", plain_ck / "8", "model")
+    _files_equal(tmp_path / "ck" / "replica_0" / "8", tmp_path / "ck" / "replica_1" / "8", "optimizer")
+    print(f"2 groups x 1 rank = one job at dp 2: 8 losses and grad norms equal, {n} weight files bitwise")
+    # the group's step-4 checkpoint, resumed by a job at dp 2 without fault tolerance
+    resumed = Ranks(2, ["--config-file", str(CFG), *SMALL, "parallelism.dp=2", "tokens.train_steps=8",
+                        f"checkpoints.resume_checkpoint_path={tmp_path / 'ck' / 'replica_0' / '4'}",
+                        f"checkpoints.checkpoints_path={tmp_path / 'off'}", "checkpoints.checkpoint_interval=8",
+                        "--metrics-file", str(tmp_path / "off.jsonl")], tmp_path / "o")  # fmt: skip
+    assert resumed.wait(timeout=180) == [0, 0], resumed.output()[-2000:]
+    assert losses(tmp_path / "off.jsonl") == [m["lm_loss"] for m in straight[4:]]
+    _files_equal(tmp_path / "off" / "8", plain_ck / "8", "model")
+
+
+def test_a_killed_group_rejoins_and_every_replica_ends_bitwise_identical(lighthouse, tmp_path):
+    """Two groups of 2 ranks (tp 2): `kill -9` of group 1 at step 8. Group 0 trains on alone
+    with no gap longer than the quorum timeout; group 1, started again with the same command,
+    heals from group 0 (no checkpoint read) and from then on both hold the same weights and
+    optimizer state, bit for bit, up to the final checkpoints."""
+    steps = 100
+    args = [f"tokens.train_steps={steps}", f"checkpoints.checkpoint_interval={steps}",
+            f"checkpoints.checkpoints_path={tmp_path / 'ck'}", "parallelism.tp=2",
+            "mesh3d.existing_checkpoints=resume"]  # fmt: skip
+    a, b = _group(0, 2, tmp_path, lighthouse, *args), _group(1, 2, tmp_path, lighthouse, *args)
+    while len(losses(tmp_path / "m1.jsonl")) < 8:
+        assert b.procs[0].poll() is None and a.procs[0].poll() is None, b.output()[-2000:]
+        time.sleep(0.05)
+    for p in b.procs:
+        p.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    for p in b.procs:
+        p.wait()
+    at_kill = len(losses(tmp_path / "m0.jsonl"))
+    b2 = _group(1, 2, tmp_path, lighthouse, *args, tag="r")
+    codes = [a.wait(timeout=300), b2.wait(timeout=300)]
+    out_a, out_b = a.output(), b2.output()
+    assert codes == [[0, 0], [0, 0]], (out_a[-2000:], out_b[-2000:])
+    assert at_kill < steps // 2, "group 0 ran ahead of the test; lower the model size"
+    ma = _metrics(tmp_path / "m0.jsonl")
+    assert [m["iteration"] for m in ma] == list(range(1, steps + 1))
+    alone = [m["iteration"] for m in ma if m["ft_replicas"] == 1]
+    assert alone and alone == list(range(alone[0], alone[-1] + 1)), alone
+    gap = max(m["elapsed_time_per_iteration_ms"] for m in ma) / 1000
+    assert gap < 20, gap  # never longer than the quorum timeout
+    healed = re.search(r"replica group 1 healed from a live peer: at step (\d+)", out_b)
+    assert healed, out_b[-3000:]
+    joined = int(healed.group(1)) + 1
+    assert joined == alone[-1] + 1  # group 0 trains with it from that step on
+    mb = _metrics(tmp_path / "m1r.jsonl")
+    assert mb[0]["iteration"] == joined and mb[-1]["iteration"] == steps
+    assert "[FT] step" in out_a and "was not applied" in out_a
+    rejoin_s = time.monotonic() - killed
+    final = [tmp_path / "ck" / f"replica_{g}" / str(steps) for g in range(2)]
+    n = sum(_files_equal(*final, under) for under in ("model", "optimizer", "lr_scheduler"))
+    print(f"group 1 killed after step {at_kill} of group 0; group 0 trained alone for steps "
+          f"{alone[0]}-{alone[-1]} (longest step {gap:.2f} s); group 1 rejoined at step {joined}; "
+          f"{n} checkpoint files bitwise identical ({rejoin_s:.0f} s from the kill to the end)")  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["same replica id", "different configs"])
+def test_groups_that_cannot_train_together_stop_with_one_line(lighthouse, tmp_path, case):
+    first = _group(0, 1, tmp_path, lighthouse, "tokens.train_steps=5",
+                   f"checkpoints.checkpoints_path={tmp_path / 'a'}", "checkpoints.checkpoint_interval=5")
+    second = ["mesh3d.fault_tolerance.replica_id=0"] if case == "same replica id" else \
+        ["optimizer.learning_rate_scheduler.learning_rate=0.002"]  # fmt: skip
+    other = _group(1, 1, tmp_path, lighthouse, "tokens.train_steps=5",
+                   f"checkpoints.checkpoints_path={tmp_path / 'b'}", "checkpoints.checkpoint_interval=5",
+                   *second)
+    codes = [first.wait(timeout=120), other.wait(timeout=120)]
+    assert codes == [[2], [2]], (first.output()[-2000:], other.output()[-2000:])
+    lines = [x for x in first.output().splitlines() if x.startswith("error:")]
+    expect = "two replica groups run as" if case == "same replica id" else "run different configs"
+    assert len(lines) == 1 and expect in lines[0], first.output()[-2000:]
+    assert not (tmp_path / "m0.jsonl").exists() or losses(tmp_path / "m0.jsonl") == []
+
+
+def test_an_unreachable_lighthouse_is_one_line_before_training(tmp_path):
+    port = free_port()
+    job = _group(0, 2, tmp_path, f"http://127.0.0.1:{port}", "tokens.train_steps=5",
+                 "parallelism.dp=2", f"checkpoints.checkpoints_path={tmp_path / 'ck'}",
+                 "checkpoints.checkpoint_interval=5")
+    assert job.wait(timeout=120) == [2, 2], job.output()[-2000:]
+    lines = [x for x in job.output().splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and f"127.0.0.1:{port}: no lighthouse answers there" in lines[0], lines
+    assert "Traceback" not in job.output() + job.output(1)
