@@ -58,6 +58,7 @@ class StepOutput:
     batches: list[tuple[torch.Tensor, torch.Tensor]]
     loss: float
     grad_norm: float
+    metrics: dict = field(default_factory=dict)  # the step's own items (DoReMi's weights)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Run:
     checkpoints: Checkpointer | None = None  # every save's lifecycle (`build`)
     feed: Feed | None = None  # this rank's loader of each step's batches (`build`)
     share: object | None = None  # `stream_share.ReplicaShare` for streamed data (`build`)
+    doremi: object | None = None  # `train/doremi.py::DoReMi` with a doremi: section (`build`)
 
     @classmethod
     def prepare(cls, cfg) -> Run:
@@ -93,6 +95,8 @@ class Run:
         with decided_alike():
             validate(cfg, world_size=world)  # before any process-group work: never a hang
             _check_sft_tokenizer(cfg)
+            if cfg.doremi is not None:  # the domains sampled by their weights (docs/doremi.md)
+                cfg = extensions.load("doremi").sampling_config(cfg)
             data = StagedData(cfg)  # every stage's dataset checked before the first collective
             device = resolve_device(cfg.mesh3d.device)
         if not dist.is_initialized():
@@ -122,6 +126,8 @@ class Run:
         level = cfg.logging.log_level if primary else cfg.logging.log_level_replica
         setup_logging(layout.coords, level, cp=dims.cp)
         self.n_params = total_params(self.parts, self.mesh)
+        if cfg.doremi is not None:  # a proxy run builds its reference model here
+            self.doremi = extensions.load("doremi").DoReMi(self)
         self.checkpoints = Checkpointer(cfg, self.mesh)
         self.feed = Feed(self.data, layout.coords["dp"], dims.dp, layout.microbatch_size,
                          timeout_s=cfg.mesh3d.collective_timeout_s,
@@ -174,6 +180,8 @@ class Run:
     def step(self, step: int, accepts=None) -> StepOutput:
         """Read step `step`'s batches and train on them. `accepts(loss, grad_norm)`: whether
         the update may be applied (the loss-spike guard); a non-finite step never is."""
+        if self.doremi is not None and self.doremi.proxy:  # DoReMi's weighted excess loss
+            return StepOutput(*self.doremi.step(self, step, accepts))
         batches = self.batches(step)
         if self.layout.shape.moe_layers:
             extensions.load("moe").clear_stats(
@@ -199,7 +207,8 @@ class Run:
             return save_checkpoint(
                 self.cfg.checkpoints.checkpoints_path, step, self.cfg, self.parts,
                 self.optimizer, self.scheduler, self.mesh, consumed, layout=self.layout,
-                extra=extra or {}, latest=latest, background=background,
+                extra={**(extra or {}), **(self.doremi.metas() if self.doremi else {})},
+                latest=latest, background=background,
                 data_state=self.feed.data_state(step) if writes else None,
             )  # fmt: skip
 
@@ -217,7 +226,10 @@ class Run:
         self.feed.resume(
             start, load_data_state(path), str(path)
         )  # a stream continues, or is refused
-        return start, consumed, checkpoint_custom_metas(path) or {}
+        custom = checkpoint_custom_metas(path) or {}
+        if self.doremi is not None:
+            self.doremi.resumed(custom)
+        return start, consumed, custom
 
     def model(self) -> torch.nn.Module:
         """The model, or a ModuleList of this rank's pipeline stages."""
