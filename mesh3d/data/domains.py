@@ -22,17 +22,24 @@ from mesh3d.data.datatrove import TokenFileWriter
 from mesh3d.errors import UserError
 
 
+def check_domains(data) -> None:
+    """Raise `UserError` unless every data stage of `data` (the run's `StagedData`) is a
+    Nanoset blend, whose index says each sample's domain."""
+    for i, ds in enumerate(data.datasets):
+        if not hasattr(ds, "sample_source"):
+            raise UserError(
+                f"DoReMi reads the domain of each sample from a Nanoset blend; "
+                f"{data.sources[i]} is not one: give the stage a dataset_folder with one folder "
+                "per domain (tokenize each domain with `python -m mesh3d.data.tokenize`)"
+            )
+
+
 def stage_domains(data, step: int) -> torch.Tensor:
     """[GBS] int64: the domain of each sample of step `step`'s global batch, in global order
-    (dp rank r holds rows r·GBS/dp .. (r+1)·GBS/dp - 1). `data`: the run's `StagedData`."""
+    (dp rank r holds rows r·GBS/dp .. (r+1)·GBS/dp - 1). `data`: the run's `StagedData`,
+    checked by `check_domains`."""
     i = data.stage_at(step)
     ds = data.datasets[i]
-    if not hasattr(ds, "sample_source"):
-        raise UserError(
-            f"DoReMi needs the domain of each sample, which mesh3d reads from a Nanoset blend; "
-            f"{data.sources[i]} is not one: give the stage a dataset_folder with one folder "
-            "per domain (tokenize each domain with `python -m mesh3d.data.tokenize`)"
-        )
     local_step = step - max(data.starts[i], 1) + 1
     first = (local_step - 1) * data.gbs
     return torch.tensor([ds.sample_source(first + j)[0] for j in range(data.gbs)])

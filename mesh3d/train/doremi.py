@@ -23,8 +23,8 @@ each step starts again from the initial weights (its context never keeps the upd
 they come from the global batch and carry over, as in the paper. So that a_t is known before
 the backward, the step first runs the proxy and the reference forward only (no grad) over the
 step's batches, then the usual training step (`train/step.py::train_step`) backpropagates the
-loss above through the run's loss function (`StepLoss.instead`). The extra proxy forward costs
-about a third of a step.
+loss above through the run's loss function (`StepLoss.instead`). The two extra forwards make
+a proxy step about 5/3 of a plain one in FLOPs.
 
 Layouts: every token's loss is computed on the last pipeline stage (vocab-parallel under tp:
 each tp rank holds the same losses); the per-domain sums are added over pp (zeros off the
@@ -50,7 +50,7 @@ from mesh3d.checkpoint.training import checkpoint_custom_metas, resolve_step_dir
 from mesh3d.checks.doremi_checks import domain_names, domain_weights
 from mesh3d.config.schema import ExistingCheckpointInit, NanosetDatasetsArgs
 from mesh3d.data.documents import IGNORE
-from mesh3d.data.domains import stage_domains
+from mesh3d.data.domains import check_domains, stage_domains
 from mesh3d.errors import UserError
 from mesh3d.log import logger
 from mesh3d.mesh import groups_of
@@ -185,6 +185,7 @@ class DoReMi:
 
     def __init__(self, run):
         d = run.cfg.doremi
+        check_domains(run.data)  # every rank alike, before any collective of the run's own
         self.names = domain_names(d)
         self.step_size, self.smoothing = d.step_size, d.smoothing_param
         self.proxy = is_proxy(run.cfg)
