@@ -4,9 +4,9 @@
 ("Github, ArXiv"), or as YAML lists. The weights, when given, are one finite weight >= 0 per
 domain summing to 1 (within 1e-3, Nanotron's tolerance). Each Nanoset stage has one folder
 per domain, in the order of `domain_names`; a stage's own `dataset_weights`, when given beside
-`domain_weights`, must be the same. A proxy run (`ref_model_resume_checkpoint_path` set) scores
-every token with its reference model, so it needs dense pretraining samples: no document
-masking, no SFT data, no context parallelism. What needs the files (the reference checkpoint,
+`domain_weights`, must be the same. Every token's loss is counted in its sample's domain, so the
+samples are dense pretraining samples of a dense model: no SFT data, no document masking, no
+context parallelism, no MoE (not supported yet). What needs the files (the reference checkpoint,
 a data stage that is not a Nanoset) is checked when the run starts (`train/doremi.py`).
 """
 
@@ -16,6 +16,7 @@ import math
 from collections.abc import Iterator
 
 from mesh3d.config.schema import Config, DoReMiArgs, NanosetDatasetsArgs, SFTDatasetsArgs
+from mesh3d.errors import not_supported_yet
 
 SECTION = "doremi"
 
@@ -60,8 +61,7 @@ def doremi_errors(cfg: Config) -> Iterator[str]:
         yield (f"`{SECTION}.smoothing_param` must be in [0, 1] (Nanotron's is 1e-3), "
                f"got {d.smoothing_param}")  # fmt: skip
     yield from _stage_errors(cfg, names, weights)
-    if d.ref_model_resume_checkpoint_path is not None:
-        yield from _proxy_errors(cfg)
+    yield from _run_errors(cfg)
 
 
 def _weight_errors(weights: list[float], names: list[str]) -> Iterator[str]:
@@ -98,13 +98,16 @@ def _stage_errors(cfg: Config, names: list[str], weights: list[float] | None) ->
                        "sampling weights; drop dataset_weights")  # fmt: skip
 
 
-def _proxy_errors(cfg: Config) -> Iterator[str]:
-    key = f"`{SECTION}.ref_model_resume_checkpoint_path`"
+def _run_errors(cfg: Config) -> Iterator[str]:
     mc = cfg.model.model_config
     if getattr(mc, "_use_doc_masking", False):
-        yield (f"{key} is set (a proxy run) with document masking "
-               "(model_config._use_doc_masking): the proxy compares dense token losses; "
-               "set _use_doc_masking to false")  # fmt: skip
-    if cfg.parallelism.context_parallel_size > 1:
-        yield (f"{key} is set (a proxy run) with parallelism.context_parallel_size "
-               f"{cfg.parallelism.context_parallel_size}: not supported by mesh3d yet; set it to 1")  # fmt: skip
+        yield (f"`{SECTION}:` with document masking (model_config._use_doc_masking) is not "
+               "supported by mesh3d yet: DoReMi compares dense token losses per domain; set "
+               "_use_doc_masking to false")  # fmt: skip
+    cp = cfg.parallelism.context_parallel_size
+    if cp > 1:
+        yield not_supported_yet("parallelism.context_parallel_size",
+                                f"{cp} with a `{SECTION}:` section; set it to 1")  # fmt: skip
+    if getattr(mc, "moe_config", None) is not None:
+        yield not_supported_yet("model.model_config.moe_config",
+                                f"with a `{SECTION}:` section; use a dense model")  # fmt: skip

@@ -58,7 +58,7 @@ from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
 from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts, build_model_parts
 from mesh3d.train.evaluate import _reshard
-from mesh3d.train.loss import _local_padding, _vocab_parallel
+from mesh3d.train.loss import StepLoss, _local_padding, _vocab_parallel
 from mesh3d.train.step import _autocast, _loss_ctx, step_token_keys, train_step
 
 REF_KEY = "`doremi.ref_model_resume_checkpoint_path`"
@@ -179,6 +179,21 @@ class _WeightedExcess:
         return (coef * (excess.detach() > 0) * excess).sum() * self.scale
 
 
+class _DomainSums:
+    """A reference (or final) run's loss function: the run's own loss (`plain`, a `StepLoss`),
+    with each token's loss, no gradient, added to its domain's sum in `sums` [k] (float64)."""
+
+    def __init__(self, plain: StepLoss, sums: torch.Tensor, domains: torch.Tensor):
+        self.plain, self.sums, self.domains = plain, sums, domains
+
+    def __call__(self, logits: torch.Tensor, tagged: torch.Tensor) -> torch.Tensor:
+        rows, labels = tagged[:, -1], tagged[:, :-1]
+        with torch.no_grad():
+            losses = token_losses(logits.detach(), labels, self.plain.vocab_size)
+        self.sums.index_add_(0, self.domains[rows], losses.view(len(rows), -1).double().sum(1))
+        return self.plain(logits, labels)
+
+
 class DoReMi:
     """A run's DoReMi state: the domains and, in a proxy run, the reference model and the
     weights (`step` trains one proxy step; `metas`/`resumed` keep the weights in checkpoints)."""
@@ -242,8 +257,30 @@ class DoReMi:
                 parts.loss_fn.instead = None
         return table
 
+    def _train(self, run, layout, tagged, loss_fn, step: int, accepts) -> tuple[float, float]:
+        """`train_step` with `loss_fn` as the run's loss function for this step."""
+        run.parts.loss_fn.instead = loss_fn
+        try:
+            return train_step(
+                run.parts, run.optimizer, run.scheduler, tagged, layout=layout,
+                clip_grad=run.cfg.optimizer.clip_grad, mesh=run.mesh, device=run.device,
+                accepts=accepts, step=step,
+            )  # fmt: skip
+        finally:
+            run.parts.loss_fn.instead = None
+
+    def _sum(self, run, layout, sums: torch.Tensor) -> torch.Tensor:
+        """`sums` added over pp (only the last stage has token losses) and dp, on the CPU."""
+        g = groups_of(run.mesh)
+        if layout.dims.pp > 1:
+            dist.all_reduce(sums, group=g.pp)
+        if layout.dims.dp > 1:
+            dist.all_reduce(sums, group=g.dp)
+        return sums.cpu()
+
     def step(self, run, step: int, accepts=None) -> tuple[list, float, float, dict]:
-        """Train proxy step `step`: (batches, DRO loss, grad norm, metrics)."""
+        """Train step `step`: (batches, loss, grad norm, metrics). A proxy trains on the weighted
+        excess loss; a reference or final run on its usual loss, its domains' losses logged."""
         layout, device = run.layout_at(step), run.device
         mbs, s, k = layout.microbatch_size, layout.sequence_length, len(self.names)
         rows = layout.microbatches * mbs
@@ -251,7 +288,21 @@ class DoReMi:
         tagged = _tag(batches, mbs)
         domains = stage_domains(run.data, step)  # [GBS], the same on every rank
         mine = domains[layout.coords["dp"] * rows : (layout.coords["dp"] + 1) * rows].to(device)
-        tokens = torch.bincount(domains, minlength=k).double() * s  # per domain, global
+        samples = torch.bincount(domains, minlength=k)
+        tokens = samples.double() * s  # per domain, global
+        counts = {f"doremi/samples/{n}": int(samples[i]) for i, n in enumerate(self.names)}
+        if not self.proxy:
+            sums = torch.zeros(k, dtype=torch.float64, device=device)
+            plain = run.parts.loss_fn
+            plain = StepLoss(plain.vocab_size, layout.global_tokens, plain.backward_scale,
+                             plain.z_loss)  # fmt: skip
+            loss, grad_norm = self._train(run, layout, tagged, _DomainSums(plain, sums, mine),
+                                          step, accepts)  # fmt: skip
+            per_domain = torch.where(
+                tokens > 0, self._sum(run, layout, sums) / tokens.clamp_min(1), 0.0
+            )
+            metrics = {f"doremi/loss/{n}": float(per_domain[i]) for i, n in enumerate(self.names)}
+            return batches, loss, grad_norm, metrics | counts
         keys = step_token_keys(layout, step, device)
         ref = self._forward_losses(self.ref, tagged, layout, None)
         _reshard(self.ref.modules)
@@ -260,27 +311,14 @@ class DoReMi:
         if run.parts.has_last:  # (excess, proxy loss, reference loss) summed per domain
             per_row = torch.stack([(proxy - ref).clamp_min(0), proxy, ref]).double().sum(-1)
             sums.index_add_(1, mine, per_row)
-        g = groups_of(run.mesh)
-        if layout.dims.pp > 1:
-            dist.all_reduce(sums, group=g.pp)  # only the last stage has token losses
-        if layout.dims.dp > 1:
-            dist.all_reduce(sums, group=g.dp)
-        sums = sums.cpu()
+        sums = self._sum(run, layout, sums)
         per_domain = torch.where(tokens > 0, sums / tokens.clamp_min(1), 0.0)
         self.weights = update_weights(self.weights, per_domain[0], self.step_size, self.smoothing)
         self.weight_sum += self.weights
         self.steps += 1
         coef = (self.weights / tokens.clamp_min(1)).float().to(device)
-        loss_fn = run.parts.loss_fn
-        loss_fn.instead = _WeightedExcess(ref, mine, coef, layout.vocab_size, layout.backward_scale)
-        try:
-            loss, grad_norm = train_step(
-                run.parts, run.optimizer, run.scheduler, tagged, layout=layout,
-                clip_grad=run.cfg.optimizer.clip_grad, mesh=run.mesh, device=device,
-                accepts=accepts, step=step,
-            )  # fmt: skip
-        finally:
-            loss_fn.instead = None
+        excess = _WeightedExcess(ref, mine, coef, layout.vocab_size, layout.backward_scale)
+        loss, grad_norm = self._train(run, layout, tagged, excess, step, accepts)
         metrics = {"doremi/ce_loss": float(sums[1].sum() / tokens.sum())}
         for i, name in enumerate(self.names):
             metrics[f"doremi/weight/{name}"] = float(self.weights[i])
@@ -288,7 +326,7 @@ class DoReMi:
             metrics[f"doremi/loss/{name}"] = float(per_domain[1, i])
         shown = ", ".join(f"{n}: {float(w):.5f}" for n, w in zip(self.names, self.weights))
         logger.info(f"[DoReMi] step {step} domain weights: {shown}")
-        return batches, loss, grad_norm, metrics
+        return batches, loss, grad_norm, metrics | counts
 
     def metas(self) -> dict:
         """What a checkpoint keeps (`custom_metas["doremi"]`): the weights and their sum."""

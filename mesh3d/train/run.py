@@ -180,7 +180,7 @@ class Run:
     def step(self, step: int, accepts=None) -> StepOutput:
         """Read step `step`'s batches and train on them. `accepts(loss, grad_norm)`: whether
         the update may be applied (the loss-spike guard); a non-finite step never is."""
-        if self.doremi is not None and self.doremi.proxy:  # DoReMi's weighted excess loss
+        if self.doremi is not None:  # domain losses; a proxy's weighted excess loss
             return StepOutput(*self.doremi.step(self, step, accepts))
         batches = self.batches(step)
         if self.layout.shape.moe_layers:

@@ -7,7 +7,8 @@ process's, and so do its weights at dp2 x tp2 (no pipeline, zero 0) and at tp2 x
 zbv_zero_bubble (a V schedule: forward-only passes walk the stages); a proxy resumed from its
 step-2 checkpoint continues with the same weights; the checkpoint's average weights are the
 mean of the logged ones and print as the final run's `doremi:` section; a `doremi:` run on
-dummy data stops with one line.
+dummy data stops with one line. The reference run trains bitwise as the same run without the
+section, and logs its domains' losses, which add up to its loss.
 
 One 1-rank launch (references, proxies, resumed proxy), one 4-rank and one 8-rank launch:
 ~15 s on 2 cores.
@@ -54,6 +55,8 @@ def _runs(rank: int, world: int, runs: list[tuple[dict, list[str]]]) -> list[dic
             loss=[m["lm_loss"] for m in res.metrics],
             weights=[[m.get(f"doremi/weight/{n}") for n in NAMES] for m in res.metrics],
             excess=[[m.get(f"doremi/excess/{n}") for n in NAMES] for m in res.metrics],
+            domain_loss=[[m.get(f"doremi/loss/{n}") for n in NAMES] for m in res.metrics],
+            samples=[[m.get(f"doremi/samples/{n}") for n in NAMES] for m in res.metrics],
         ))  # fmt: skip
     return out
 
@@ -81,11 +84,19 @@ def test_proxy_weights_rise_on_the_lagging_domain_and_equal_one_process_at_2x2x2
         (base, one + _ck(tmp_path, "ref4", 6) + four + ["tokens.train_steps=6"]),
         (base, one + proxy4),
         (base, one + proxy + ["data_stages[0].data.dataset=null"]),
+        ({k: v for k, v in base.items() if k != "doremi"}, one + ["tokens.train_steps=6"]),
     ]
-    ref, single, resumed, _, single4, dummy = run_ranks(1, _runs, runs, timeout=300)[0]
+    ref, single, resumed, _, single4, dummy, plain = run_ranks(1, _runs, runs, timeout=300)[0]
+    assert ref["loss"] == plain["loss"]  # the reference trains as a plain run, bitwise
     assert dummy.startswith("DoReMi reads the domain of each sample from a Nanoset blend; "
                             "data_stages[0] ('s'): dummy data is not one"), dummy  # fmt: skip
     assert all(w == [None, None] for w in ref["weights"])  # a reference run has no weights
+    # ... but its domains' losses, which add up to its loss (the same samples at every step)
+    for loss, losses, samples in zip(ref["loss"], ref["domain_loss"], ref["samples"]):
+        assert sum(samples) == 8 and min(samples) > 0
+        mean = sum(x * n for x, n in zip(losses, samples)) / sum(samples)
+        assert abs(mean - loss) < 1e-6 * loss, (mean, loss)
+    assert ref["domain_loss"][-1][0] < ref["domain_loss"][-1][1] - 1  # it learned `easy`
     w = single["weights"]
     # the proxy lags the reference on the learnable domain: its weight rises from 0.5
     assert w[0][0] > 0.6 and w[-1][0] > 0.9, w

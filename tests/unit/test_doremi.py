@@ -96,7 +96,7 @@ REFUSED = [
     ("smoothing", dict(domain_names="a, b", smoothing_param=2), (), "`doremi.smoothing_param` must be in [0, 1] (Nanotron's is 1e-3), got 2.0"),
     ("folders", dict(domain_names="a, b, c"), (), "`data_stages[0] ('s').data.dataset.dataset_folder` has 2 folders but `doremi.domain_names` has 3 domains ['a', 'b', 'c']; give one folder per domain, in the order of domain_names"),
     ("dataset-weights", dict(domain_names="a, b", domain_weights="0.5, 0.5"), ("data_stages[0].data.dataset.dataset_weights=[0.2, 0.8]",), "`data_stages[0] ('s').data.dataset.dataset_weights` [0.2, 0.8] differ from `doremi.domain_weights` [0.5, 0.5]: the domain weights are the sampling weights; drop dataset_weights"),
-    ("proxy-cp", dict(domain_names="a, b", ref_model_resume_checkpoint_path="/ref"), ("parallelism.context_parallel_size=2",), "`doremi.ref_model_resume_checkpoint_path` is set (a proxy run) with parallelism.context_parallel_size 2: not supported by mesh3d yet; set it to 1"),
+    ("proxy-cp", dict(domain_names="a, b", ref_model_resume_checkpoint_path="/ref"), ("parallelism.context_parallel_size=2",), "`parallelism.context_parallel_size` is not supported by mesh3d yet (2 with a `doremi:` section; set it to 1)"),
 ]  # fmt: skip
 
 
