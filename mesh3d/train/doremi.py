@@ -59,7 +59,7 @@ from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts, build_model_parts
 from mesh3d.train.evaluate import _reshard
 from mesh3d.train.loss import StepLoss, _local_padding, _vocab_parallel
-from mesh3d.train.step import _autocast, _loss_ctx, step_token_keys, train_step
+from mesh3d.train.step import _autocast, _loss_ctx, train_step
 
 REF_KEY = "`doremi.ref_model_resume_checkpoint_path`"
 
@@ -225,23 +225,33 @@ class DoReMi:
         logger.info(f"[DoReMi] reference model from {path}, frozen")
         return parts
 
-    def _forward_losses(self, parts: ModelParts, tagged: list[tuple], layout, keys) -> torch.Tensor:
-        """[rows, S] each token's loss under `parts`, forward only (zeros off the last stage)."""
+    def _forward_losses(self, parts: ModelParts, tagged: list[tuple], layout) -> torch.Tensor:
+        """[rows, S] each token's loss under `parts`, forward only, in eval mode (no dropout,
+        whatever the layout); zeros off the last stage."""
         rows, s = layout.microbatches * layout.microbatch_size, layout.sequence_length
         device = next(iter(parts.parameters())).device
         table = torch.zeros(rows, s, device=device)
         record = _Record(table, layout.vocab_size)
+        modes = [m.training for m in parts.modules]
+        for m in parts.modules:
+            m.eval()
+        try:
+            self._forward(parts, tagged, layout, record, device)
+        finally:
+            for m, mode in zip(parts.modules, modes, strict=True):
+                m.train(mode)
+        return table
+
+    def _forward(self, parts: ModelParts, tagged: list[tuple], layout, record, device) -> None:
         autocast, tp = layout.autocast_dtype, layout.dims.tp
         with torch.no_grad():
             if parts.schedule is None:
-                model, mbs = parts.modules[0], layout.microbatch_size
-                for m, (inputs, tags) in enumerate(tagged):
-                    kwargs = {} if keys is None else {"token_keys": keys[m * mbs : (m + 1) * mbs]}
+                for inputs, tags in tagged:
                     with _autocast(device, autocast):
-                        logits = model(inputs.to(device), **kwargs)
+                        logits = parts.modules[0](inputs.to(device))
                     with _loss_ctx(tp):
                         record(logits, tags.to(device))
-                return table
+                return
             inputs = torch.cat([b[0] for b in tagged]).to(device) if parts.has_first else None
             labels = torch.cat([b[1] for b in tagged]).to(device) if parts.has_last else None
             stages, schedule = parts.pipeline_at(layout.sequence_length)
@@ -255,7 +265,6 @@ class DoReMi:
                         run_schedule(schedule, stages, inputs, labels, forward_only=True)
             finally:
                 parts.loss_fn.instead = None
-        return table
 
     def _train(self, run, layout, tagged, loss_fn, step: int, accepts) -> tuple[float, float]:
         """`train_step` with `loss_fn` as the run's loss function for this step."""
@@ -281,33 +290,43 @@ class DoReMi:
     def step(self, run, step: int, accepts=None) -> tuple[list, float, float, dict]:
         """Train step `step`: (batches, loss, grad norm, metrics). A proxy trains on the weighted
         excess loss; a reference or final run on its usual loss, its domains' losses logged."""
-        layout, device = run.layout_at(step), run.device
-        mbs, s, k = layout.microbatch_size, layout.sequence_length, len(self.names)
-        rows = layout.microbatches * mbs
+        layout = run.layout_at(step)
+        mbs, rows = layout.microbatch_size, layout.microbatches * layout.microbatch_size
         batches = run.batches(step)
         tagged = _tag(batches, mbs)
         domains = stage_domains(run.data, step)  # [GBS], the same on every rank
-        mine = domains[layout.coords["dp"] * rows : (layout.coords["dp"] + 1) * rows].to(device)
-        samples = torch.bincount(domains, minlength=k)
-        tokens = samples.double() * s  # per domain, global
-        counts = {f"doremi/samples/{n}": int(samples[i]) for i, n in enumerate(self.names)}
-        if not self.proxy:
-            sums = torch.zeros(k, dtype=torch.float64, device=device)
-            plain = run.parts.loss_fn
-            plain = StepLoss(plain.vocab_size, layout.global_tokens, plain.backward_scale,
-                             plain.z_loss)  # fmt: skip
-            loss, grad_norm = self._train(run, layout, tagged, _DomainSums(plain, sums, mine),
-                                          step, accepts)  # fmt: skip
-            per_domain = torch.where(
-                tokens > 0, self._sum(run, layout, sums) / tokens.clamp_min(1), 0.0
-            )
-            metrics = {f"doremi/loss/{n}": float(per_domain[i]) for i, n in enumerate(self.names)}
-            return batches, loss, grad_norm, metrics | counts
-        keys = step_token_keys(layout, step, device)
-        ref = self._forward_losses(self.ref, tagged, layout, None)
+        first = layout.coords["dp"] * rows
+        mine = domains[first : first + rows].to(run.device)  # this rank's rows
+        samples = torch.bincount(domains, minlength=len(self.names))
+        tokens = samples.double() * layout.sequence_length  # per domain, global
+        train = self._proxy_step if self.proxy else self._reference_step
+        loss, grad_norm, metrics = train(run, layout, step, accepts, tagged, mine, tokens)
+        for i, name in enumerate(self.names):
+            metrics[f"doremi/samples/{name}"] = int(samples[i])
+        return batches, loss, grad_norm, metrics
+
+    def _reference_step(self, run, layout, step, accepts, tagged, mine, tokens):
+        """The run's own loss (a `StepLoss` like the run's), each domain's loss summed aside."""
+        sums = torch.zeros(len(self.names), dtype=torch.float64, device=run.device)
+        own = run.parts.loss_fn
+        plain = StepLoss(own.vocab_size, layout.global_tokens, own.backward_scale, own.z_loss)
+        loss_fn = _DomainSums(plain, sums, mine)
+        loss, grad_norm = self._train(run, layout, tagged, loss_fn, step, accepts)
+        per_domain = torch.where(
+            tokens > 0, self._sum(run, layout, sums) / tokens.clamp_min(1), 0.0
+        )
+        return (
+            loss,
+            grad_norm,
+            {f"doremi/loss/{n}": float(x) for n, x in zip(self.names, per_domain)},
+        )
+
+    def _proxy_step(self, run, layout, step, accepts, tagged, mine, tokens):
+        """The weights updated from the step's excess losses, then the weighted excess loss."""
+        ref = self._forward_losses(self.ref, tagged, layout)
         _reshard(self.ref.modules)
-        proxy = self._forward_losses(run.parts, tagged, layout, keys)
-        sums = torch.zeros(3, k, dtype=torch.float64, device=device)
+        proxy = self._forward_losses(run.parts, tagged, layout)
+        sums = torch.zeros(3, len(self.names), dtype=torch.float64, device=run.device)
         if run.parts.has_last:  # (excess, proxy loss, reference loss) summed per domain
             per_row = torch.stack([(proxy - ref).clamp_min(0), proxy, ref]).double().sum(-1)
             sums.index_add_(1, mine, per_row)
@@ -316,7 +335,7 @@ class DoReMi:
         self.weights = update_weights(self.weights, per_domain[0], self.step_size, self.smoothing)
         self.weight_sum += self.weights
         self.steps += 1
-        coef = (self.weights / tokens.clamp_min(1)).float().to(device)
+        coef = (self.weights / tokens.clamp_min(1)).float().to(run.device)
         excess = _WeightedExcess(ref, mine, coef, layout.vocab_size, layout.backward_scale)
         loss, grad_norm = self._train(run, layout, tagged, excess, step, accepts)
         metrics = {"doremi/ce_loss": float(sums[1].sum() / tokens.sum())}
@@ -326,7 +345,7 @@ class DoReMi:
             metrics[f"doremi/loss/{name}"] = float(per_domain[1, i])
         shown = ", ".join(f"{n}: {float(w):.5f}" for n, w in zip(self.names, self.weights))
         logger.info(f"[DoReMi] step {step} domain weights: {shown}")
-        return batches, loss, grad_norm, metrics | counts
+        return loss, grad_norm, metrics
 
     def metas(self) -> dict:
         """What a checkpoint keeps (`custom_metas["doremi"]`): the weights and their sum."""
