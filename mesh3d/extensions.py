@@ -41,6 +41,8 @@ CAPABILITIES: dict[str, str] = {
     "lora": "mesh3d.models.lora",  # mesh3d.lora: adapters, the base frozen
     "lora_files": "mesh3d.checkpoint.lora_files",  # a LoRA step folder: merge, PEFT export
     "fault_tolerance": "mesh3d.train.fault_tolerance",  # mesh3d.fault_tolerance: torchft groups
+    "doremi_checks": "mesh3d.checks.doremi_checks",  # a doremi: section
+    "doremi": "mesh3d.train.doremi",  # a doremi: section: domains, the proxy's weights
 }
 
 

@@ -74,5 +74,10 @@ def fault_tolerance_errors(cfg: Config) -> Iterator[str]:
             "need the stream's position from its peer); use map-style data (a Nanoset folder or "
             "an HF dataset without streaming)"
         )
+    if cfg.doremi is not None:
+        yield (
+            f"`{KEY}` with a `doremi:` section is not supported yet (the proxy's domain weights "
+            "would need the groups' excess losses); run DoReMi without fault tolerance"
+        )
     if importlib.util.find_spec("torchft") is None:
         yield f"`{KEY}` needs torchft, which is not installed: pip install 'mesh3d[ft]'"

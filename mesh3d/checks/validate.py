@@ -118,6 +118,8 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
         errors.extend(check(cfg))
     if cfg.mesh3d.lora is not None and not errors:  # its plan needs a sane model config
         errors.extend(extensions.load("lora").config_errors(cfg))
+    if cfg.doremi is not None:  # Nanotron's examples/doremi section (docs/doremi.md)
+        errors.extend(extensions.load("doremi_checks").doremi_errors(cfg))
     return errors
 
 

@@ -427,6 +427,20 @@ class FaultToleranceArgs:
 
 
 @dataclass
+class DoReMiArgs:
+    """The `doremi:` section of Nanotron's examples/doremi (docs/doremi.md): the domains (one
+    per folder of the Nanoset stage, in order), their sampling weights (null: the stage's own,
+    proxy runs uniform) and, for a proxy run, the reference model's step folder. Comma strings
+    (Nanotron's form) and lists both load; `mesh3d/checks/doremi_checks.py` checks them."""
+
+    domain_names: str | list[str]
+    domain_weights: str | list[float] | None = None
+    ref_model_resume_checkpoint_path: str | None = None  # set: a proxy run
+    step_size: float = 1.0  # the weights' step in log space (Nanotron's and the paper's)
+    smoothing_param: float = 1e-3  # mixed with uniform after each update
+
+
+@dataclass
 class Mesh3dArgs:
     """mesh3d's own settings, under `mesh3d:`; a config without the section loads in Nanotron."""
 
@@ -501,4 +515,5 @@ class Config:
     profiler: ProfilerArgs | None = None
     lighteval: dict[str, Any] | None = None  # parsed as an opaque mapping
     s3_upload: S3UploadArgs | None = None
+    doremi: DoReMiArgs | None = None  # Nanotron's examples/doremi (docs/doremi.md)
     mesh3d: Mesh3dArgs = field(default_factory=Mesh3dArgs)

@@ -267,6 +267,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                                           run.device, tp_group))  # fmt: skip
             if replicas is not None:
                 m.update(replicas.metrics(gbs))
+            m.update(out.metrics)
             m.update(peak_memory())
             if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):
                 m.update(memory_metrics())  # Nanotron's extra items of the first steps

@@ -59,6 +59,7 @@ class StepOutput:
     loss: float
     grad_norm: float
     committed: bool = True  # False: a fault-tolerant step a replica group's failure voided
+    metrics: dict = field(default_factory=dict)  # the step's own items (DoReMi's weights)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Run:
     feed: Feed | None = None  # this rank's loader of each step's batches (`build`)
     share: object | None = None  # `stream_share.ReplicaShare` for streamed data (`build`)
     replicas: object | None = None  # `fault_tolerance.Replicas` (mesh3d.fault_tolerance)
+    doremi: object | None = None  # `train/doremi.py::DoReMi` with a doremi: section (`build`)
 
     @classmethod
     def prepare(cls, cfg) -> Run:
@@ -95,10 +97,13 @@ class Run:
         with decided_alike():
             validate(cfg, world_size=world)  # before any process-group work: never a hang
             _check_sft_tokenizer(cfg)
+            if cfg.doremi is not None:  # the domains sampled by their weights (docs/doremi.md)
+                cfg = extensions.load("doremi").sampling_config(cfg)
             data_cfg = cfg
             if cfg.mesh3d.fault_tolerance is not None:  # a replica group's folder and data
                 ft = extensions.load("fault_tolerance")
-                cfg, data_cfg = ft.group_config(cfg), ft.data_config(ft.group_config(cfg))
+                cfg = ft.group_config(cfg)
+                data_cfg = ft.data_config(cfg)
             data = StagedData(data_cfg)  # every stage's dataset checked before any collective
             device = resolve_device(cfg.mesh3d.device)
         if not dist.is_initialized():
@@ -128,6 +133,8 @@ class Run:
         level = cfg.logging.log_level if primary else cfg.logging.log_level_replica
         setup_logging(layout.coords, level, cp=dims.cp)
         self.n_params = total_params(self.parts, self.mesh)
+        if cfg.doremi is not None:  # a proxy run builds its reference model here
+            self.doremi = extensions.load("doremi").DoReMi(self)
         self.checkpoints = Checkpointer(cfg, self.mesh)
         slot, slots = layout.coords["dp"], dims.dp
         if cfg.mesh3d.fault_tolerance is not None:
@@ -185,6 +192,9 @@ class Run:
     def step(self, step: int, accepts=None) -> StepOutput:
         """Read step `step`'s batches and train on them. `accepts(loss, grad_norm)`: whether
         the update may be applied (the loss-spike guard); a non-finite step never is."""
+        if self.doremi is not None:  # domain losses; a proxy's weighted excess loss
+            batches, loss, grad_norm, metrics = self.doremi.step(self, step, accepts)
+            return StepOutput(batches, loss, grad_norm, metrics=metrics)
         batches = self.batches(step)
         if self.layout.shape.moe_layers:
             extensions.load("moe").clear_stats(
@@ -211,7 +221,8 @@ class Run:
             return save_checkpoint(
                 self.cfg.checkpoints.checkpoints_path, step, self.cfg, self.parts,
                 self.optimizer, self.scheduler, self.mesh, consumed, layout=self.layout,
-                extra=extra or {}, latest=latest, background=background,
+                extra={**(extra or {}), **(self.doremi.metas() if self.doremi else {})},
+                latest=latest, background=background,
                 data_state=self.feed.data_state(step) if writes else None,
             )  # fmt: skip
 
@@ -229,7 +240,10 @@ class Run:
         self.feed.resume(
             start, load_data_state(path), str(path)
         )  # a stream continues, or is refused
-        return start, consumed, checkpoint_custom_metas(path) or {}
+        custom = checkpoint_custom_metas(path) or {}
+        if self.doremi is not None:
+            self.doremi.resumed(custom)
+        return start, consumed, custom
 
     def model(self) -> torch.nn.Module:
         """The model, or a ModuleList of this rank's pipeline stages."""

@@ -82,6 +82,18 @@ DOC_COMMANDS: dict[str, tuple[str | None, str]] = {
     "parallelism.dp=2 parallelism.expert_parallel_size=2 tokens.train_steps=10": (
         "torchrun --nproc_per_node=2 recipes/train.py --config-file recipes/configs/cpu_tiny_moe.yaml "
         "parallelism.dp=2 parallelism.expert_parallel_size=2 tokens.train_steps=10", ""),
+    "python recipes/doremi/run.py": ("python recipes/doremi/run.py", ""),
+    "mesh3d train reference.yaml": (
+        None, "the user's own config and per-domain Nanoset folders; recipes/doremi/run.py runs "
+        "the same three steps at toy size, tests/ranks/test_doremi_ranks.py checks them"),
+    "mesh3d train proxy.yaml": (
+        None, "needs the reference run of the user's own config; tests/ranks/test_doremi_ranks.py "
+        "trains a proxy against a reference, at one process and dp2 x tp2 x pp2"),
+    "python -m mesh3d.train.doremi checkpoints/proxy": (
+        None, "needs the user's proxy run; tests/ranks/test_doremi_ranks.py averages a proxy "
+        "checkpoint's weights and prints the section, recipes/doremi/run.py uses it"),
+    "mesh3d train final.yaml": (
+        None, "the user's larger run with the printed weights; recipes/doremi/run.py trains one"),
     "mesh3d plot runs/default/metrics.jsonl": ("mesh3d plot runs/default/metrics.jsonl", ""),
     "mesh3d plot runs/a/metrics.jsonl runs/b/metrics.jsonl --output compare.png": (
         "mesh3d plot runs/default/metrics.jsonl runs/default/metrics.jsonl --output compare.png", ""),
