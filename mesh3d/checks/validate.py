@@ -22,6 +22,7 @@ from mesh3d.checks.data_checks import (
 )
 from mesh3d.checks.ft_checks import fault_tolerance_errors
 from mesh3d.checks.guard_checks import loss_spike_errors
+from mesh3d.config.derive import longest_sequence
 from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.checks.optim_checks import lr_errors, lr_warnings, optimizer_errors
 from mesh3d.checks.size_checks import scale_errors, too_large
@@ -82,6 +83,21 @@ def config_warnings(cfg: Config) -> list[str]:
             f"`tokens.val_check_interval` ({t.val_check_interval}) is larger than "
             f"`tokens.train_steps` ({t.train_steps}): validating once, at the last step "
             f"({t.train_steps}); set val_check_interval to -1 for none"
+        )
+    if t.val_check_interval <= 0 and t.limit_val_batches > 0:
+        warnings.append(
+            f"`tokens.limit_val_batches` is {t.limit_val_batches} but `tokens.val_check_interval` "
+            f"is {t.val_check_interval} (never): no validation runs (as in Nanotron); set "
+            "val_check_interval to evaluate every that many steps, or limit_val_batches to 0"
+        )
+    mc = cfg.model.model_config
+    positions, (key, seq) = getattr(mc, "max_position_embeddings", None), longest_sequence(cfg)
+    if getattr(mc, "is_llama_config", False) and positions is not None and 1 <= positions < seq:
+        warnings.append(
+            f"`model.model_config.max_position_embeddings` ({positions}) is smaller than `{key}` "
+            f"({seq}): trained anyway (mesh3d's rotary positions have no table, Nanotron's Llama "
+            "table grows), but a Hugging Face export keeps the smaller limit; raise it to at "
+            f"least {seq} to match"
         )
     return warnings
 
@@ -269,7 +285,8 @@ def _stage_split(cfg: Config, stages: int) -> Iterator[str]:
 
 def _validation(t) -> Iterator[str]:
     """The validation pass: every `val_check_interval` steps (-1 or 0: never), over
-    `limit_val_batches` held-out global batches; a setting that would do nothing is refused."""
+    `limit_val_batches` held-out global batches; an interval with no batches is refused (held-out
+    batches with no interval only warned about: Nanotron accepts them, `config_warnings`)."""
     every, batches = t.val_check_interval, t.limit_val_batches
     if every < -1:
         yield (
@@ -281,12 +298,6 @@ def _validation(t) -> Iterator[str]:
             f"`tokens.val_check_interval` is {every} but `tokens.limit_val_batches` is 0, so "
             "validation would run on no batches: set limit_val_batches to the number of held-out "
             "global batches per evaluation (e.g. 4), or val_check_interval to -1"
-        )
-    elif every <= 0 and batches > 0:
-        yield (
-            f"`tokens.limit_val_batches` is {batches} but `tokens.val_check_interval` is {every} "
-            "(never), so no validation would run: set val_check_interval to evaluate every that "
-            "many steps, or limit_val_batches to 0"
         )
 
 

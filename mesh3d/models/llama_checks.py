@@ -103,7 +103,7 @@ def _positions_and_tokens(cfg, mc) -> Iterator[str]:
     positions, (key, seq) = mc.max_position_embeddings, longest_sequence(cfg)
     if positions < 1:
         yield f"`{MC}.max_position_embeddings` must be >= 1, got {positions}"
-    elif positions < seq:
+    elif positions < seq and not getattr(mc, "is_llama_config", False):  # Llama: a warning
         yield (
             f"`{MC}.max_position_embeddings` ({positions}) is smaller than `{key}` "
             f"({seq}); raise max_position_embeddings to at least {seq} or lower sequence_length"
