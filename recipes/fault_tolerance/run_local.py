@@ -50,6 +50,9 @@ def start_group(g: int, groups: int, lighthouse: str, args: list[str], output: P
                str(folder / f"metrics{tag}.jsonl"), f"mesh3d.fault_tolerance.replica_groups={groups}",
                f"mesh3d.fault_tolerance.replica_id={g}", f"mesh3d.fault_tolerance.lighthouse={lighthouse}"]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1", RUST_LOG="warn")
+    # the groups share this machine's cores: each its share (a group's launcher splits it
+    # further only when unset, so a group of several ranks gets one thread per rank)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // groups)))
     with open(folder / f"log{tag}.txt", "wb") as log:
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
