@@ -40,6 +40,7 @@ CAPABILITIES: dict[str, str] = {
     "evaluation_in_run": "mesh3d.evaluation.in_run",  # a lighteval: section
     "lora": "mesh3d.models.lora",  # mesh3d.lora: adapters, the base frozen
     "lora_files": "mesh3d.checkpoint.lora_files",  # a LoRA step folder: merge, PEFT export
+    "ft_checks": "mesh3d.checks.ft_checks",  # mesh3d.fault_tolerance: its config checks
     "fault_tolerance": "mesh3d.train.fault_tolerance",  # mesh3d.fault_tolerance: torchft groups
     "doremi_checks": "mesh3d.checks.doremi_checks",  # a doremi: section
     "doremi": "mesh3d.train.doremi",  # a doremi: section: domains, the proxy's weights

@@ -20,14 +20,12 @@ from mesh3d.checks.data_checks import (
     stage_length_errors,
     unsupported_data,
 )
-from mesh3d.checks.ft_checks import fault_tolerance_errors
 from mesh3d.checks.guard_checks import loss_spike_errors
-from mesh3d.config.derive import longest_sequence
 from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.checks.optim_checks import lr_errors, lr_warnings, optimizer_errors
 from mesh3d.checks.size_checks import scale_errors, too_large
 from mesh3d.checks.speed import speed_errors
-from mesh3d.config.derive import effective_pp_schedule
+from mesh3d.config.derive import effective_pp_schedule, longest_sequence
 from mesh3d.config.families import MESH3D_FAMILIES
 from mesh3d.config.schema import (
     Config,
@@ -127,13 +125,14 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
         return errors
     checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
               _unsupported, expert_parallel_errors, speed_errors, scale_errors,
-              loss_spike_errors, checkpoint_errors, _recompute, s3_errors,
-              fault_tolerance_errors)  # fmt: skip
+              loss_spike_errors, checkpoint_errors, _recompute, s3_errors)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
     if cfg.mesh3d.lora is not None and not errors:  # its plan needs a sane model config
         errors.extend(extensions.load("lora").config_errors(cfg))
+    if cfg.mesh3d.fault_tolerance is not None:  # torchft replica groups
+        errors.extend(extensions.load("ft_checks").fault_tolerance_errors(cfg))
     if cfg.doremi is not None:  # Nanotron's examples/doremi section (docs/doremi.md)
         errors.extend(extensions.load("doremi_checks").doremi_errors(cfg))
     return errors

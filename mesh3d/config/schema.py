@@ -419,7 +419,9 @@ class FaultToleranceArgs:
     (docs/fault-tolerance.md)."""
 
     replica_groups: int = 2  # jobs (torchrun launches) that train the model together
-    replica_id: int | None = None  # this job's index, 0 .. replica_groups-1 (null: $MESH3D_REPLICA_ID)
+    replica_id: int | None = (
+        None  # this job's index, 0 .. replica_groups-1 (null: $MESH3D_REPLICA_ID)
+    )
     lighthouse: str | None = None  # torchft lighthouse address (null: $TORCHFT_LIGHTHOUSE)
     min_replicas: int = 1  # groups a step needs to commit
     quorum_timeout_s: float = 60.0  # the wait for a quorum (a peer's heartbeat, a joiner)

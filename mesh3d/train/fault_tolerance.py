@@ -41,13 +41,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-import mesh3d
 from mesh3d.checks.ft_checks import KEY, lighthouse, replica_id
 from mesh3d.config.load import config_to_dict
-from mesh3d.errors import UserError, on_every_rank
+from mesh3d.errors import PeerError, UserError, on_every_rank
 from mesh3d.log import logger
 
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
+
 
 def group_config(cfg):
     """`cfg` as replica group g runs it: checkpoints under `<checkpoints_path>/replica_<g>`
@@ -67,9 +67,7 @@ def data_config(cfg):
     """The config the data is read with: dp = groups x dp, so a group's dp ranks are slots
     g*dp .. of every step's global batch (`Run.build` gives them those slots)."""
     ft, p = cfg.mesh3d.fault_tolerance, cfg.parallelism
-    return dataclasses.replace(
-        cfg, parallelism=dataclasses.replace(p, dp=p.dp * ft.replica_groups)
-    )
+    return dataclasses.replace(cfg, parallelism=dataclasses.replace(p, dp=p.dp * ft.replica_groups))
 
 
 def data_slot(cfg, dp_rank: int, dp: int) -> tuple[int, int]:
@@ -79,18 +77,42 @@ def data_slot(cfg, dp_rank: int, dp: int) -> tuple[int, int]:
 
 
 # what may differ between the groups' configs: folders, names, logging, the group's own keys
-_OWN = ("general.run", "general.project", "checkpoints.", "logging.", "profiler.", "s3_upload.",
-        "lighteval.", "mesh3d.fault_tolerance.replica_id", "mesh3d.fault_tolerance.lighthouse",
-        "mesh3d.existing_checkpoints", "mesh3d.wandb", "mesh3d.tensorboard_dir", "mesh3d.console",
-        "mesh3d.keep_", "mesh3d.hf_export", "mesh3d.upload_wait")
+_OWN = (
+    "general.run",
+    "general.project",
+    "checkpoints.",
+    "logging.",
+    "profiler.",
+    "s3_upload.",
+    "lighteval.",
+    "mesh3d.fault_tolerance.replica_id",
+    "mesh3d.fault_tolerance.lighthouse",
+    "mesh3d.existing_checkpoints",
+    "mesh3d.wandb",
+    "mesh3d.tensorboard_dir",
+    "mesh3d.console",
+    "mesh3d.keep_",
+    "mesh3d.hf_export",
+    "mesh3d.upload_wait",
+)
 
 
 def _fingerprint(cfg) -> int:
     """A 31-bit hash of what every group must share (the config less `_OWN`) and mesh3d's
     version."""
     items = sorted(kv for kv in _flat(config_to_dict(cfg)) if not _own(kv[0]))
-    text = repr(items) + mesh3d.__version__
+    text = repr(items) + _version()
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big") >> 1
+
+
+def _version() -> str:
+    """mesh3d's installed version (the package's metadata; "unknown" from a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mesh3d")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def _own(key: str) -> bool:
@@ -142,6 +164,7 @@ class Replicas:
         self.fingerprint = _fingerprint(cfg)
         self.live, self.healed, self.progress = self.groups, None, (0, 0)
         self.first, self.quorum_timeout_s = True, ft.quorum_timeout_s
+        self.lighthouse = lighthouse(cfg)
         rank, world = dist.get_rank(), dist.get_world_size()
         error = None
         if rank == 0:
@@ -178,12 +201,12 @@ class Replicas:
         """The quorum before step `step`: (the step to train, (consumed samples, tokens) when
         this group healed from a peer and jumped there, else None)."""
         self.healed = None
-        self.manager.start_quorum()
+        self._quorum(step)
         if self.first:  # a clean start waits for every group, so all train from step 1
             self.first, deadline = False, time.monotonic() + self.quorum_timeout_s
             while self.manager.num_participants() < self.groups and time.monotonic() < deadline:
                 time.sleep(0.2)
-                self.manager.start_quorum()
+                self._quorum(step)
         live, self.live = self.live, self.manager.num_participants()
         if live != self.live:
             logger.info(f"[FT] step {step}: {self.live} of {self.groups} replica groups train")
@@ -195,6 +218,20 @@ class Replicas:
             )
             return done + 1, self.healed
         return step, None
+
+    def _quorum(self, step: int) -> None:
+        """torchft's quorum; one line (exit 4) when there is none (the lighthouse gone, or not
+        `min_replicas` groups within `quorum_timeout_s`)."""
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # noqa: BLE001 - torchft raises RuntimeError or TimeoutError
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerError(
+                f"replica group {self.group}: no torchft quorum before step {step} ({first[:200]}); "
+                f"check that the lighthouse ({self.lighthouse}) is up and that at least "
+                f"`{KEY}.min_replicas` groups run, then start this group again (it heals from a "
+                "live peer, or resumes from its checkpoints with existing_checkpoints: resume)"
+            ) from None
 
     def reduce(self, params, loss: torch.Tensor, tokens: int) -> torch.Tensor:
         """The quorum's mean loss; `params`' gradients become the quorum's token-weighted mean.

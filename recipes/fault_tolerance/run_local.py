@@ -107,15 +107,36 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--groups", type=int, default=2, help="replica groups (jobs) to start")
-    ap.add_argument("--output", type=Path, default=Path("runs/fault_tolerance"),
-                    help="where each group's metrics, log and (by default) checkpoints go")
-    ap.add_argument("--kill", type=int, default=None, metavar="G",
-                    help="kill -9 replica group G's whole job once it logged --kill-at steps")
-    ap.add_argument("--kill-at", type=int, default=10, metavar="STEP",
-                    help="the step after which --kill kills the group (default 10)")
-    ap.add_argument("--restart-after", type=float, default=3.0, metavar="S",
-                    help="start the killed group again (the same command) after S seconds")
-    ap.epilog = "Every other argument goes to recipes/train.py: --config-file FILE and dotted overrides."
+    ap.add_argument(
+        "--output",
+        type=Path,
+        default=Path("runs/fault_tolerance"),
+        help="where each group's metrics, log and (by default) checkpoints go",
+    )
+    ap.add_argument(
+        "--kill",
+        type=int,
+        default=None,
+        metavar="G",
+        help="kill -9 replica group G's whole job once it logged --kill-at steps",
+    )
+    ap.add_argument(
+        "--kill-at",
+        type=int,
+        default=10,
+        metavar="STEP",
+        help="the step after which --kill kills the group (default 10)",
+    )
+    ap.add_argument(
+        "--restart-after",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="start the killed group again (the same command) after S seconds",
+    )
+    ap.epilog = (
+        "Every other argument goes to recipes/train.py: --config-file FILE and dotted overrides."
+    )
     a, args = ap.parse_known_args(argv)
     if not any(x.startswith("checkpoints.checkpoints_path=") for x in args):
         args += [f"checkpoints.checkpoints_path={a.output / 'checkpoints'}"]
@@ -146,7 +167,7 @@ def main(argv=None) -> int:
         print(f"group {g}: exit {codes[g]}, {span}{' (after healing)' if tag else ''}; "
               f"with fewer groups: {f'{fewer[0]}-{fewer[-1]}' if fewer else 'none'}")  # fmt: skip
         last[g] = rows[-1]["iteration"] if rows else None
-    ck = next((x.split("=", 1)[1] for x in args if x.startswith("checkpoints.checkpoints_path=")))
+    ck = next(x.split("=", 1)[1] for x in args if x.startswith("checkpoints.checkpoints_path="))
     folders = [Path(ck) / f"replica_{g}" / str(last[0]) for g in range(a.groups)]
     if all(f.is_dir() for f in folders) and a.groups > 1:
         for f in folders[1:]:

@@ -97,8 +97,12 @@ def test_two_groups_train_as_one_job_at_dp2_and_resume_with_fault_tolerance_off(
         assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in straight]
         assert {m["ft_replicas"] for m in got} == {2} and {m["ft_samples"] for m in got} == {32}
     n = _files_equal(tmp_path / "ck" / "replica_0" / "8", plain_ck / "8", "model")
-    _files_equal(tmp_path / "ck" / "replica_0" / "8", tmp_path / "ck" / "replica_1" / "8", "optimizer")
-    print(f"2 groups x 1 rank = one job at dp 2: 8 losses and grad norms equal, {n} weight files bitwise")
+    _files_equal(
+        tmp_path / "ck" / "replica_0" / "8", tmp_path / "ck" / "replica_1" / "8", "optimizer"
+    )
+    print(
+        f"2 groups x 1 rank = one job at dp 2: 8 losses and grad norms equal, {n} weight files bitwise"
+    )
     # the group's step-4 checkpoint, resumed by a job at dp 2 without fault tolerance
     resumed = Ranks(2, ["--config-file", str(CFG), *SMALL, "parallelism.dp=2", "tokens.train_steps=8",
                         f"checkpoints.resume_checkpoint_path={tmp_path / 'ck' / 'replica_0' / '4'}",
@@ -156,13 +160,27 @@ def test_a_killed_group_rejoins_and_every_replica_ends_bitwise_identical(lightho
 
 @pytest.mark.parametrize("case", ["same replica id", "different configs"])
 def test_groups_that_cannot_train_together_stop_with_one_line(lighthouse, tmp_path, case):
-    first = _group(0, 1, tmp_path, lighthouse, "tokens.train_steps=5",
-                   f"checkpoints.checkpoints_path={tmp_path / 'a'}", "checkpoints.checkpoint_interval=5")
+    first = _group(
+        0,
+        1,
+        tmp_path,
+        lighthouse,
+        "tokens.train_steps=5",
+        f"checkpoints.checkpoints_path={tmp_path / 'a'}",
+        "checkpoints.checkpoint_interval=5",
+    )
     second = ["mesh3d.fault_tolerance.replica_id=0"] if case == "same replica id" else \
         ["optimizer.learning_rate_scheduler.learning_rate=0.002"]  # fmt: skip
-    other = _group(1, 1, tmp_path, lighthouse, "tokens.train_steps=5",
-                   f"checkpoints.checkpoints_path={tmp_path / 'b'}", "checkpoints.checkpoint_interval=5",
-                   *second)
+    other = _group(
+        1,
+        1,
+        tmp_path,
+        lighthouse,
+        "tokens.train_steps=5",
+        f"checkpoints.checkpoints_path={tmp_path / 'b'}",
+        "checkpoints.checkpoint_interval=5",
+        *second,
+    )
     codes = [first.wait(timeout=120), other.wait(timeout=120)]
     assert codes == [[2], [2]], (first.output()[-2000:], other.output()[-2000:])
     lines = [x for x in first.output().splitlines() if x.startswith("error:")]
@@ -173,9 +191,16 @@ def test_groups_that_cannot_train_together_stop_with_one_line(lighthouse, tmp_pa
 
 def test_an_unreachable_lighthouse_is_one_line_before_training(tmp_path):
     port = free_port()
-    job = _group(0, 2, tmp_path, f"http://127.0.0.1:{port}", "tokens.train_steps=5",
-                 "parallelism.dp=2", f"checkpoints.checkpoints_path={tmp_path / 'ck'}",
-                 "checkpoints.checkpoint_interval=5")
+    job = _group(
+        0,
+        2,
+        tmp_path,
+        f"http://127.0.0.1:{port}",
+        "tokens.train_steps=5",
+        "parallelism.dp=2",
+        f"checkpoints.checkpoints_path={tmp_path / 'ck'}",
+        "checkpoints.checkpoint_interval=5",
+    )
     assert job.wait(timeout=120) == [2, 2], job.output()[-2000:]
     lines = [x for x in job.output().splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and f"127.0.0.1:{port}: no lighthouse answers there" in lines[0], lines

@@ -5,8 +5,9 @@ standard-library data) ends by listing the mesh3d modules in `sys.modules` and t
 optional capability (`mesh3d/extensions.py`'s table) and no other family's spec may be among
 them, and the lines stay under `CEILING`: 18,606 lines in 114 modules before the optional parts
 moved behind the extension point, 14,252 in 94 after; 14,395 in 93 with later work (the lighteval
-checks, the streamed-data share, µP's rules and the BPE trainer imported where used; issue 43
-asks for 10,000; the rest is the
+checks, the streamed-data share, µP's rules and the BPE trainer imported where used; 14,568
+with the hooks of fault tolerance and DoReMi in the schema, run, step and loop, their own
+modules and checks loaded only when configured; issue 43 asks for 10,000; the rest is the
 core itself: config, checks, checkpoint formats, the parallel plan, the loop).
 """
 
@@ -21,7 +22,7 @@ from launch import quiet_env
 from mesh3d.extensions import CAPABILITIES
 from mesh3d.models.registry import FAMILIES
 
-CEILING = 14_500
+CEILING = 14_600
 
 _MEASURE = """
 import json, sys

@@ -43,10 +43,9 @@ WARNED = {
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_nanotrons_example_configs_pass_mesh3d_config(path, capsys):
+    from mesh3d.checks import config_warnings
     from mesh3d.checks.__main__ import main
     from mesh3d.config import load_config
-
-    from mesh3d.checks import config_warnings
 
     cfg = load_config(str(path))
     assert validation_errors(cfg) == []  # as written, the doremi: section included

@@ -44,7 +44,11 @@ def test_replica_id_and_lighthouse_from_the_environment(monkeypatch):
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://other:1")
     cfg = _cfg("mesh3d.fault_tolerance.lighthouse=null")
     assert not [e for e in validation_errors(cfg, world_size=1) if "fault_tolerance" in e]
-    group = ft.group_config(apply_overrides(cfg, ["checkpoints.checkpoints_path=/x/ck/", "checkpoints.checkpoint_interval=5"]))
+    group = ft.group_config(
+        apply_overrides(
+            cfg, ["checkpoints.checkpoints_path=/x/ck/", "checkpoints.checkpoint_interval=5"]
+        )
+    )
     assert group.mesh3d.fault_tolerance.replica_id == 1
     assert group.checkpoints.checkpoints_path == "/x/ck/replica_1"
 

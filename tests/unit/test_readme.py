@@ -83,6 +83,24 @@ DOC_COMMANDS: dict[str, tuple[str | None, str]] = {
         "torchrun --nproc_per_node=2 recipes/train.py --config-file recipes/configs/cpu_tiny_moe.yaml "
         "parallelism.dp=2 parallelism.expert_parallel_size=2 tokens.train_steps=10", ""),
     "python recipes/doremi/run.py": ("python recipes/doremi/run.py", ""),
+    # docs/fault-tolerance.md
+    "python recipes/fault_tolerance/run_local.py --groups 2 --output runs/ft --config-file "
+    "recipes/configs/cpu_tiny.yaml parallelism.tp=2 tokens.train_steps=200": (
+        None, "4 ranks for 200 steps: minutes on 2 cores; tests/launch/test_fault_tolerance.py "
+        "starts the same lighthouse and groups (2 groups of tp 2) and kills one"),
+    "python recipes/fault_tolerance/run_local.py --groups 2 --output runs/ft --kill 1 --kill-at 20 "
+    "--config-file recipes/configs/cpu_tiny.yaml tokens.train_steps=200": (
+        None, "200 steps, a kill and a restart: minutes on 2 cores; "
+        "tests/launch/test_fault_tolerance.py kills and restarts a group the same way"),
+    "torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000": (
+        None, "a server that runs until stopped; tests/launch/test_fault_tolerance.py starts "
+        "torchft's lighthouse in the test process"),
+    "sbatch --nodes=2 --export=ALL,MESH3D_REPLICA_ID=0,TORCHFT_LIGHTHOUSE=http://head:29510 "
+    "recipes/slurm/train.sbatch cfg.yaml": (
+        None, "needs a Slurm cluster; tests/launch/test_slurm.py submits recipes/slurm/train.sbatch"),
+    "sbatch --nodes=2 --export=ALL,MESH3D_REPLICA_ID=1,TORCHFT_LIGHTHOUSE=http://head:29510 "
+    "recipes/slurm/train.sbatch cfg.yaml": (
+        None, "needs a Slurm cluster; tests/launch/test_slurm.py submits recipes/slurm/train.sbatch"),
     "mesh3d train reference.yaml": (
         None, "the user's own config and per-domain Nanoset folders; recipes/doremi/run.py runs "
         "the same three steps at toy size, tests/ranks/test_doremi_ranks.py checks them"),
