@@ -264,6 +264,8 @@ def _drop_not_nanotron(d: dict, always: bool) -> None:
             section = section[part]
         if key in section and (always or section[key] == default):
             del section[key]
+    if d.get("doremi", 0) is None:  # only Nanotron's examples/doremi config class has it
+        del d["doremi"]
     model_config = d["model"]["model_config"]
     for key in _FAMILY_ONLY:
         model_config.pop(key, None)
