@@ -205,3 +205,45 @@ def test_an_unreachable_lighthouse_is_one_line_before_training(tmp_path):
     lines = [x for x in job.output().splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and f"127.0.0.1:{port}: no lighthouse answers there" in lines[0], lines
     assert "Traceback" not in job.output() + job.output(1)
+
+
+def test_a_lighthouse_restart_ends_every_group_with_one_line(tmp_path):
+    """The lighthouse killed at step 5 and started again 2 s later on its port: torchft's
+    quorum requests in flight fail, so every group ends within its quorum timeout with one
+    line naming the lighthouse, exit 4 (never a hang; each group's checkpoints stay intact)."""
+    import subprocess
+
+    port = free_port()
+
+    def start():
+        return subprocess.Popen(
+            ["torchft_lighthouse", "--min_replicas", "1", "--bind", f"[::]:{port}",
+             "--join_timeout_ms", "200", "--heartbeat_timeout_ms", "1000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, RUST_LOG="warn"),
+        )  # fmt: skip
+
+    server = start()
+    time.sleep(0.5)
+    address = f"http://127.0.0.1:{port}"
+    args = ["tokens.train_steps=200", "mesh3d.fault_tolerance.quorum_timeout_s=8",
+            "mesh3d.fault_tolerance.timeout_s=8"]  # fmt: skip
+    groups = [_group(g, 1, tmp_path, address, *args) for g in range(2)]
+    try:
+        while len(losses(tmp_path / "m0.jsonl")) < 5:
+            assert groups[0].procs[0].poll() is None, groups[0].output()[-2000:]
+            time.sleep(0.05)
+        server.kill()
+        server.wait()
+        killed = time.monotonic()
+        time.sleep(2)
+        server = start()
+        codes = [g.wait(timeout=120) for g in groups]
+        took = time.monotonic() - killed
+    finally:
+        server.kill()
+    assert codes == [[4], [4]], [g.output()[-2000:] for g in groups]
+    assert took < 8 + 20, took
+    for g in groups:
+        lines = [x for x in g.output().splitlines() if x.startswith("error:")]
+        assert len(lines) == 1 and f"check that the lighthouse ({address}) is up" in lines[0], lines
+    print(f"lighthouse restarted: both groups ended {took:.1f} s after its kill, exit 4")
