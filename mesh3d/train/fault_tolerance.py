@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import signal
 import socket
 import time
 import warnings
@@ -282,6 +283,8 @@ class Replicas:
     # -- healing: what a live peer sends, and how it is taken --------------------------------
 
     def _state(self) -> dict:
+        if os.environ.get("MESH3D_FT_DIE_SENDING") == "1":  # the fault tests: a donor that dies
+            os.kill(os.getpid(), signal.SIGKILL)  # as a healing group asks for its state
         run = self.run
         return {
             "progress": self.progress,

@@ -34,12 +34,13 @@ def lighthouse():
     server.shutdown()
 
 
-def _group(g: int, world: int, folder: Path, lighthouse: str, *overrides: str, tag: str = ""):
+def _group(g: int, world: int, folder: Path, lighthouse: str, *overrides: str, tag: str = "",
+           groups: int = 2, env: dict | None = None):  # fmt: skip
     args = ["--config-file", str(CFG), *SMALL, f"mesh3d.fault_tolerance.lighthouse={lighthouse}",
-            "mesh3d.fault_tolerance.replica_groups=2", f"mesh3d.fault_tolerance.replica_id={g}",
+            f"mesh3d.fault_tolerance.replica_groups={groups}", f"mesh3d.fault_tolerance.replica_id={g}",
             "mesh3d.fault_tolerance.quorum_timeout_s=20", "mesh3d.fault_tolerance.timeout_s=20",
             *overrides, "--metrics-file", str(folder / f"m{g}{tag}.jsonl")]  # fmt: skip
-    return Ranks(world, args, folder / f"g{g}{tag}")
+    return Ranks(world, args, folder / f"g{g}{tag}", env=env)
 
 
 def _metrics(path: Path) -> list[dict]:
@@ -156,6 +157,39 @@ def test_a_killed_group_rejoins_and_every_replica_ends_bitwise_identical(lightho
     print(f"group 1 killed after step {at_kill} of group 0; group 0 trained alone for steps "
           f"{alone[0]}-{alone[-1]} (longest step {gap:.2f} s); group 1 rejoined at step {joined}; "
           f"{n} checkpoint files bitwise identical ({rejoin_s:.0f} s from the kill to the end)")  # fmt: skip
+
+
+def test_a_donor_that_dies_while_a_group_heals_is_survived(lighthouse, tmp_path):
+    """Three groups of one rank; group 1 killed after step 5 and started again; group 0, the
+    first donor torchft picks, dies as the healing group asks for its state
+    (MESH3D_FT_DIE_SENDING). The healing group's attempt fails, the live group's step in flight
+    is voided, and the next quorum heals group 1 from group 2: the two end bitwise identical."""
+    steps = 80
+    args = [
+        f"tokens.train_steps={steps}",
+        f"checkpoints.checkpoint_interval={steps}",
+        f"checkpoints.checkpoints_path={tmp_path / 'ck'}",
+        "mesh3d.existing_checkpoints=resume",
+    ]
+    donor = _group(0, 1, tmp_path, lighthouse, *args, groups=3, env={"MESH3D_FT_DIE_SENDING": "1"})
+    b = _group(1, 1, tmp_path, lighthouse, *args, groups=3)
+    c = _group(2, 1, tmp_path, lighthouse, *args, groups=3)
+    while len(losses(tmp_path / "m1.jsonl")) < 5:
+        assert b.procs[0].poll() is None, b.output()[-2000:]
+        time.sleep(0.05)
+    b.procs[0].kill()
+    b.procs[0].wait()
+    again = _group(1, 1, tmp_path, lighthouse, *args, groups=3, tag="r")
+    codes = [donor.wait(timeout=240), c.wait(timeout=240), again.wait(timeout=240)]
+    assert codes == [[-signal.SIGKILL], [0], [0]], (again.output()[-2000:], c.output()[-2000:])
+    healed = re.search(r"replica group 1 healed from a live peer: at step (\d+)", again.output())
+    assert healed, again.output()[-3000:]
+    assert "was not applied" in c.output()
+    assert [m["iteration"] for m in _metrics(tmp_path / "m2.jsonl")] == list(range(1, steps + 1))
+    final = [tmp_path / "ck" / f"replica_{g}" / str(steps) for g in (2, 1)]
+    n = sum(_files_equal(*final, under) for under in ("model", "optimizer", "lr_scheduler"))
+    print(f"donor died as group 1 healed; group 1 healed from group 2 at step "
+          f"{healed.group(1)}; {n} checkpoint files bitwise identical")  # fmt: skip
 
 
 @pytest.mark.parametrize("case", ["same replica id", "different configs"])
