@@ -16,7 +16,7 @@ sequences of 128 tokens per group and step, each group one process (2 cores).
    and the steps group 0 trained again (a step in flight is voided and trained again). Against
    that, the checkpoint-restart path at the same `checkpoint_interval` restarts every group and
    loses the steps since the last checkpoint: `kill step mod interval` here, interval / 2 on
-   average.
+   average. The losses are compared with the same run without a fault.
 Results: benchmarks/results/local/fault_tolerance[_quick].json (`--publish`: benchmarks/results/).
 """
 
@@ -108,12 +108,27 @@ def failure(steps: int, interval: int, address: str, root: Path, kill_at: int = 
     print(f"group 1 killed after step {kill_step}: group 0's next step {next_step_s:.2f} s later "
           f"({redone} step voided and trained again); group 1 restarted, trained again from "
           f"step {first} (healed, no checkpoint read) {rejoin_s:.1f} s after its restart")  # fmt: skip
+    faulted = [m["lm_loss"] for m in metrics(m0)]
+    base_root = root / "no_fault"
+    base_args = [a for a in args if not a.startswith("checkpoints.checkpoints_path=")]
+    base_args.append(f"checkpoints.checkpoints_path={base_root / 'ck'}")
+    again = [start_group(g, 2, address, base_args, base_root) for g in range(2)]
+    assert [p.wait() for p in again] == [0, 0]
+    clean = [m["lm_loss"] for m in metrics(base_root / "group_0" / "metrics.jsonl")]
+    same_until = next((i for i, (x, y) in enumerate(zip(faulted, clean, strict=True)) if x != y),
+                      len(clean))  # fmt: skip
+    print(f"losses against the same run without a fault: equal (bitwise) up to step {same_until}, "
+          f"then {steps - same_until} steps apart (group 1's samples dropped for the steps it "
+          f"missed); final loss {faulted[-1]:.4f} vs {clean[-1]:.4f}, largest difference "
+          f"{max(abs(x - y) for x, y in zip(faulted, clean, strict=True)):.4f}")  # fmt: skip
     print(f"steps lost per failure: fault tolerance {0} committed steps ({redone} retried); "
           f"checkpoint restart at checkpoint_interval {interval}: {lost_ckpt} here, "
           f"{interval / 2:.0f} on average, plus every group's restart")  # fmt: skip
     return {"kill_step": kill_step, "death_to_next_step_s": next_step_s, "restart_to_rejoin_s": rejoin_s,
             "rejoined_at_step": first, "steps_retried": redone, "checkpoint_interval": interval,
-            "steps_lost_checkpoint_restart": lost_ckpt, "steps_lost_mean_checkpoint_restart": interval / 2}  # fmt: skip
+            "steps_lost_checkpoint_restart": lost_ckpt, "steps_lost_mean_checkpoint_restart": interval / 2,
+            "losses_equal_until_step": same_until, "final_loss": faulted[-1], "final_loss_no_fault": clean[-1],
+            "losses": faulted, "losses_no_fault": clean}  # fmt: skip
 
 
 def main() -> None:

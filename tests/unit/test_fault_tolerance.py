@@ -70,3 +70,10 @@ def test_the_fingerprint_ignores_a_groups_own_keys_and_sees_the_rest():
         other = _cfg("mesh3d.fault_tolerance.replica_id=0", change)
         assert ft._fingerprint(ft.group_config(other)) != base, change
     assert 0 <= base < 2**31  # exact in the float64 sum over up to 2**22 groups
+
+
+def test_the_fingerprint_sees_another_mesh3d_version(monkeypatch):
+    cfg = ft.group_config(_cfg("mesh3d.fault_tolerance.replica_id=0"))
+    here = ft._fingerprint(cfg)
+    monkeypatch.setattr(ft, "_version", lambda: "0.0.0-other")
+    assert ft._fingerprint(cfg) != here
