@@ -163,7 +163,9 @@ def write_results(results: dict, out: Path) -> Path:
 def _scorer(step: Path, args, tp: int, pp: int, dp: int):
     """(the checkpoint's tokenizer, a `Scorer` of its model built at dp x tp x pp)."""
     tokenizer = hf_tokenizer(step, args.tokenizer)
-    if getattr(args, "apply_chat_template", False) and not getattr(tokenizer, "chat_template", None):
+    if getattr(args, "apply_chat_template", False) and not getattr(
+        tokenizer, "chat_template", None
+    ):
         raise UserError(
             f"--apply-chat-template: the tokenizer of {step} has no chat template; give "
             "--tokenizer <a folder whose tokenizer_config.json has chat_template> or leave the "
@@ -209,7 +211,9 @@ def evaluate_lighteval(step: Path, args, tp: int, pp: int, dp: int = 1, output: 
     from mesh3d.evaluation.lighteval_model import Mesh3dLightevalModel
     from mesh3d.evaluation.lighteval_run import run_lighteval
 
-    model = Mesh3dLightevalModel(scorer, tokenizer, chat=getattr(args, "apply_chat_template", False))
+    model = Mesh3dLightevalModel(
+        scorer, tokenizer, chat=getattr(args, "apply_chat_template", False)
+    )
     return run_lighteval(model, specs, configs, output, args.max_samples)
 
 

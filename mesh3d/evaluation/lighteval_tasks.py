@@ -100,7 +100,9 @@ def builtin_index() -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
     built-in (non-multilingual) task modules, read from their source."""
     spec = importlib.util.find_spec("lighteval.tasks.tasks")
     root = Path(spec.submodule_search_locations[0])
-    files = {f"lighteval.tasks.tasks.{f.stem}": f for f in root.glob("*.py") if f.stem != "__init__"}
+    files = {
+        f"lighteval.tasks.tasks.{f.stem}": f for f in root.glob("*.py") if f.stem != "__init__"
+    }
     files |= {f"lighteval.tasks.tasks.{d.name}.main": d / "main.py" for d in root.iterdir()
               if (d / "main.py").is_file()}  # fmt: skip
     exact: dict[str, set[str]] = {}
