@@ -11,8 +11,9 @@ are the transformers backend's at any dp x tp x pp. Perplexity tasks are scored 
 rolling windows (`Scorer.rolling`).
 
 Every rank runs the whole pipeline with the same requests (each batch one collective forward);
-only global rank 0 writes results (`lighteval_run.py`). No sample cache is kept: lighteval's
-caches answers under the model's name, which would hand a later checkpoint an earlier one's.
+only global rank 0 writes results (`lighteval_run.py`, which also turns lighteval's sample
+cache off: it is keyed by the model's name, and would hand a later checkpoint an earlier one's
+answers).
 """
 
 from __future__ import annotations
@@ -27,13 +28,6 @@ from lighteval.tasks.requests import Doc
 from mesh3d.evaluation.scorer import Scorer
 
 
-class _NoCache:
-    """What lighteval's `Pipeline` asks of a model's sample cache (`_init_registry`)."""
-
-    def _init_registry(self, registry) -> None:
-        return None
-
-
 class Mesh3dLightevalModel(LightevalModel):
     """`scorer` and `tokenizer` (a transformers tokenizer) for lighteval; `name` goes into the
     results' paths (`results/<name>/`)."""
@@ -43,7 +37,6 @@ class Mesh3dLightevalModel(LightevalModel):
         self.config = ModelConfig(model_name=name)
         self.prompts = PromptManager(use_chat_template=chat, tokenizer=tokenizer)
         self.chat = chat
-        self._cache = _NoCache()
 
     @property
     def tokenizer(self):

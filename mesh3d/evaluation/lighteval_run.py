@@ -4,7 +4,8 @@ examples, metrics, `EvaluationTracker`) on the tasks `lighteval_tasks.py` select
 Every rank runs the pipeline alike (each batch of requests one collective forward); global
 rank 0 alone computes the metrics and writes lighteval's files under the output folder:
 `results/<model>/results_<time>.json` and `details/<model>/<time>/details_<task>_<time>.parquet`
-(each sample's prompt, choices, log-likelihoods or generated text, and metrics).
+(each sample's prompt, choices, log-likelihoods or generated text, and metrics). No sample
+cache is used, for mesh3d's model or lighteval's own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from lighteval.logging.evaluation_tracker import EvaluationTracker
 from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
 
 from mesh3d.evaluation.lighteval_tasks import make_registry
+
+
+class _NoCache:
+    """What lighteval's `Pipeline` asks of a model's sample cache while it starts."""
+
+    def _init_registry(self, registry) -> None:
+        return None
 
 
 class _Pipeline(Pipeline):
@@ -47,8 +55,12 @@ def run_lighteval(model, specs: list[tuple[str, int]], configs: dict, output_dir
     tracker = EvaluationTracker(output_dir=str(output_dir or "."), save_details=True)
     params = PipelineParameters(launcher_type=ParallelismManager.CUSTOM, max_samples=max_samples)
     tasks = ",".join(f"{name}|{shots}" for name, shots in specs)
+    # no sample cache: lighteval's backends keep one under ~/.cache keyed by the model's name and
+    # config, so a later checkpoint at the same path would get an earlier one's answers
+    model._cache = _NoCache()  # what the pipeline's start asks for; None: its models cache nothing
     pipeline = _Pipeline(make_registry(specs, configs), tasks=tasks, pipeline_parameters=params,
                          evaluation_tracker=tracker, model=model)  # fmt: skip
+    model._cache = None
     pipeline.evaluate()
     if output_dir is not None:
         pipeline.save_and_push_results()

@@ -153,3 +153,62 @@ def test_the_command_prints_the_table_and_writes_results_and_details(scored):
     assert [p.name.split("_")[1] for p in details] == ["tiny", "tiny"] and len(details) == 2
     rows = pd.read_parquet(next(p for p in details if "tiny_mc" in p.name))
     assert len(rows) == 20 and "model_response" in rows.columns
+
+
+# --- the lighteval: section with mesh3d.eval_engine: lighteval ------------------------------
+
+
+def _in_run(rank: int, world: int, root) -> list:
+    from parity import layout_overrides
+
+    layout = layout_overrides(2, 1, "ALL_REDUCE", 0, False) + ["parallelism.pp=2"]
+    section = (f"lighteval={{batch_size: 4, tasks: {{tasks: 'custom|tiny_mc|0|0,tiny_gen', "
+               f"custom_tasks: {root / 'lighteval_tasks.py'}}}, "
+               f"logging: {{local_output_path: {root / 'evals'}}}}}")  # fmt: skip
+    cfg = train_config(root / "run", steps=4, extra=[*layout, "checkpoints.checkpoint_interval=4",
+                                                     section, "mesh3d.eval_engine=lighteval"])  # fmt: skip
+    return train(cfg).evals
+
+
+def _checkpoint_scores(rank: int, world: int, root) -> dict:
+    return _per_sample(evaluate_lighteval(root / "run" / "ck" / "4", _args(root), 1, 1))
+
+
+@pytest.fixture(scope="module")
+def in_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lighteval_in_run")
+    write_tasks(root)
+    write_lighteval_tasks(root)
+    (root / "run").mkdir()
+    (root / "run" / "tok").symlink_to(root / "tok")
+    offline = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    try:
+        evals = run_ranks(4, _in_run, root, timeout=600)[0]
+        one = run_ranks(1, _checkpoint_scores, root, timeout=300)[0]
+    finally:
+        for k, v in offline.items():
+            os.environ.pop(k) if v is None else os.environ.update({k: v})
+    return {"evals": evals, "one": one, "root": root}
+
+
+def test_the_section_scores_through_lighteval_in_the_run_as_on_the_checkpoint(in_run):
+    """dp 2 x pp 2 training ranks score Nanotron's task strings through lighteval after the
+    step-4 save: the scores and every choice's log-likelihood (lighteval's details file) equal
+    `mesh3d eval --engine lighteval` on that checkpoint at one process."""
+    import pandas as pd
+
+    (last,) = [e for e in in_run["evals"] if e["iteration"] == 4]
+    one = in_run["one"]
+    assert last["eval/tiny_mc/acc"] == one["results"]["tiny_mc:0"]["acc"]
+    assert last["eval/tiny_gen/em"] == one["results"]["tiny_gen:0"]["em"]
+    (details,) = (in_run["root"] / "evals" / "4" / "details" / "mesh3d").glob("*/*tiny_mc*")
+    rows = pd.read_parquet(details)
+    got = {d["query"]: list(r["logprobs"]) for d, r in zip(rows["doc"], rows["model_response"])}
+    assert (
+        _rel(
+            {q: (v, None) for q, v in got.items()},
+            {q: v[:1] for q, v in one["samples"]["tiny_mc"].items()},
+        )
+        <= 1e-5
+    )
