@@ -13,8 +13,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lighteval.logging.evaluation_tracker import EvaluationTracker
-from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
+import torch
+
+# importing lighteval's pipeline imports its transformers backend, which turns autograd off for
+# the whole process (`torch.set_grad_enabled(False)` at import): kept as it was, so a run that
+# evaluates in the run trains on
+with torch.set_grad_enabled(torch.is_grad_enabled()):
+    from lighteval.logging.evaluation_tracker import EvaluationTracker
+    from lighteval.pipeline import ParallelismManager, Pipeline, PipelineParameters
 
 from mesh3d.evaluation.lighteval_tasks import make_registry
 
@@ -52,6 +58,11 @@ def run_lighteval(model, specs: list[tuple[str, int]], configs: dict, output_dir
                   max_samples: int | None) -> Pipeline:  # fmt: skip
     """The pipeline that scored `specs` ([(task, few-shot count)]) on `model` (a
     `LightevalModel`); its files saved under `output_dir` on rank 0 (not when None)."""
+    with torch.set_grad_enabled(torch.is_grad_enabled()):  # as it was, whatever lighteval does
+        return _run(model, specs, configs, output_dir, max_samples)
+
+
+def _run(model, specs, configs, output_dir, max_samples) -> Pipeline:
     tracker = EvaluationTracker(output_dir=str(output_dir or "."), save_details=True)
     params = PipelineParameters(launcher_type=ParallelismManager.CUSTOM, max_samples=max_samples)
     tasks = ",".join(f"{name}|{shots}" for name, shots in specs)

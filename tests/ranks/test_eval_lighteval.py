@@ -20,6 +20,7 @@ import json
 import os
 
 import pytest
+import torch
 
 pytest.importorskip(
     "lighteval", reason="lighteval is not installed: pip install 'mesh3d[lighteval]'"
@@ -103,6 +104,7 @@ def scored(tmp_path_factory):
         theirs = _per_sample(run_lighteval(hf, specs, task_configs(specs, _args(root).custom_tasks),
                                            None, None))  # fmt: skip
     finally:
+        torch.set_grad_enabled(True)  # lighteval's transformers backend turns it off at import
         for k, v in offline.items():
             os.environ.pop(k) if v is None else os.environ.update({k: v})
     return {"one": one, "four": four, "hf": theirs, "root": root}
@@ -165,9 +167,13 @@ def _in_run(rank: int, world: int, root) -> list:
     section = (f"lighteval={{batch_size: 4, tasks: {{tasks: 'custom|tiny_mc|0|0,tiny_gen', "
                f"custom_tasks: {root / 'lighteval_tasks.py'}}}, "
                f"logging: {{local_output_path: {root / 'evals'}}}}}")  # fmt: skip
-    cfg = train_config(root / "run", steps=4, extra=[*layout, "checkpoints.checkpoint_interval=4",
-                                                     section, "mesh3d.eval_engine=lighteval"])  # fmt: skip
-    return train(cfg).evals
+    out = {}
+    for name, extra in (("run", [section, "mesh3d.eval_engine=lighteval"]), ("plain", [])):
+        cfg = train_config(root / name, steps=4,
+                           extra=[*layout, "checkpoints.checkpoint_interval=2", *extra])  # fmt: skip
+        res = train(cfg)
+        out[name] = {"evals": res.evals, "loss": [m["lm_loss"] for m in res.metrics]}
+    return out
 
 
 def _checkpoint_scores(rank: int, world: int, root) -> dict:
@@ -179,25 +185,30 @@ def in_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lighteval_in_run")
     write_tasks(root)
     write_lighteval_tasks(root)
-    (root / "run").mkdir()
-    (root / "run" / "tok").symlink_to(root / "tok")
+    for name in ("run", "plain"):
+        (root / name).mkdir()
+        (root / name / "tok").symlink_to(root / "tok")
     offline = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     try:
-        evals = run_ranks(4, _in_run, root, timeout=600)[0]
+        got = run_ranks(4, _in_run, root, timeout=600)[0]
         one = run_ranks(1, _checkpoint_scores, root, timeout=300)[0]
     finally:
         for k, v in offline.items():
             os.environ.pop(k) if v is None else os.environ.update({k: v})
-    return {"evals": evals, "one": one, "root": root}
+    return got["run"] | {"plain_loss": got["plain"]["loss"], "one": one, "root": root}
 
 
 def test_the_section_scores_through_lighteval_in_the_run_as_on_the_checkpoint(in_run):
     """dp 2 x pp 2 training ranks score Nanotron's task strings through lighteval after the
-    step-4 save: the scores and every choice's log-likelihood (lighteval's details file) equal
-    `mesh3d eval --engine lighteval` on that checkpoint at one process."""
+    step-2 and step-4 saves and train on exactly as a run without them (lighteval's import turns
+    autograd off and its pipeline reseeds Python's and numpy's generators; mesh3d puts both
+    back): the step-4 scores and every choice's log-likelihood (lighteval's
+    details file) equal `mesh3d eval --engine lighteval` on that checkpoint at one process."""
     import pandas as pd
 
+    assert [e["iteration"] for e in in_run["evals"]] == [2, 4]
+    assert len(in_run["loss"]) == 4 and in_run["loss"] == in_run["plain_loss"]
     (last,) = [e for e in in_run["evals"] if e["iteration"] == 4]
     one = in_run["one"]
     assert last["eval/tiny_mc/acc"] == one["results"]["tiny_mc:0"]["acc"]
