@@ -1,8 +1,9 @@
-"""Downstream evaluation speed: `mesh3d eval` against lm-eval's own transformers backend, and
-what an in-run evaluation (`lighteval:`) adds to a run.
+"""Downstream evaluation speed: `mesh3d eval` against the engine's own transformers backend,
+and what an in-run evaluation (`lighteval:`) adds to a run.
 
     python benchmarks/eval.py            # ~3 min on 2 cores
     python benchmarks/eval.py --quick    # fewer samples and steps
+    python benchmarks/eval.py --engine lighteval   # parts 1 and 2 through lighteval, ~2 min
 
 1. Trains the default CPU config's model (mesh3d/configs/default.yaml: a 4-layer Llama,
    hidden 192, its built-in tokenizer) for a few steps, exports it with `mesh3d convert to-hf`
@@ -15,7 +16,12 @@ what an in-run evaluation (`lighteval:`) adds to a run.
 3. Trains the default config `--steps` steps with and without a `lighteval:` section that
    scores the multiple-choice task every `--every` steps: the added wall time against the
    evaluations' own time (each `[Eval]` line's seconds).
-Results: benchmarks/results/local/eval[_quick].json (`--publish`: benchmarks/results/).
+With `--engine lighteval`, part 2 scores the multiple-choice task as a lighteval custom task
+through lighteval's pipeline: mesh3d's model (`evaluation.lighteval_model`) at one process and
+at tp 2 against lighteval's `TransformersModel` on the export (which batches
+`round(batch / choices / 8) * 8` samples, so the default batch 32 gives both sides 32
+sequences a forward); part 3 is left out.
+Results: benchmarks/results/local/eval[_lighteval][_quick].json (`--publish`: benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -82,6 +88,96 @@ def _tasks(work: Path, n: int) -> Path:
     return tasks
 
 
+LIGHTEVAL_TASK = """from lighteval.metrics.metrics import Metrics
+from lighteval.tasks.lighteval_task import LightevalTaskConfig
+from lighteval.tasks.requests import Doc
+
+
+def prompt(line, task_name=None):
+    return Doc(task_name=task_name, query=line["question"], choices=[" " + c for c in line["choices"]],
+               gold_index=line["answer"])
+
+
+TASKS_TABLE = [LightevalTaskConfig(name="bench_mc", prompt_function=prompt, hf_repo="{folder}",
+                                   hf_subset="default", hf_avail_splits=["test"],
+                                   evaluation_splits=["test"], metrics=[Metrics.loglikelihood_acc])]
+"""
+
+
+def _lighteval_task(work: Path) -> Path:
+    """work/bench_lighteval.py: the multiple-choice task as a lighteval custom task."""
+    (work / "lighteval_mc").mkdir(exist_ok=True)
+    (work / "lighteval_mc" / "test.jsonl").write_text((work / "mc.jsonl").read_text())
+    path = work / "bench_lighteval.py"
+    path.write_text(LIGHTEVAL_TASK.replace("{folder}", str(work / "lighteval_mc")))
+    return path
+
+
+def _lighteval_rank(rank: int, world: int, work: str, batch: int, reps: int, backend: str):
+    """lighteval's pipeline on bench_mc: mesh3d's model at tp `world` or lighteval's
+    transformers backend on the export (one process), built before the clock starts."""
+    from mesh3d.evaluation.lighteval_run import run_lighteval
+    from mesh3d.evaluation.lighteval_tasks import task_configs, task_specs
+
+    specs = task_specs("bench_mc")
+    configs = task_configs(specs, str(Path(work) / "bench_lighteval.py"))
+    if backend == "mesh3d":
+        from mesh3d.evaluation.cli import hf_tokenizer
+        from mesh3d.evaluation.lighteval_model import Mesh3dLightevalModel
+        from mesh3d.evaluation.scorer import Scorer
+        from mesh3d.generation.parallel import load_parallel_model
+
+        step = Path(work) / "step"
+        model = Mesh3dLightevalModel(Scorer(load_parallel_model(step, world, 1, batch, 128, "cpu")),
+                                     hf_tokenizer(step, None))  # fmt: skip
+    else:
+        from lighteval.models.transformers.transformers_model import (
+            TransformersModel,
+            TransformersModelConfig,
+        )
+
+        model = TransformersModel(TransformersModelConfig(
+            model_name=str(Path(work) / "hf"), dtype="float32", device="cpu", batch_size=batch,
+            max_length=128))  # fmt: skip
+    times, lls = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        pipeline = run_lighteval(model, specs, configs, None, None)
+        times.append(time.perf_counter() - t0)
+        if rank == 0:
+            (details,) = pipeline.get_details().values()
+            lls = [float(x) for d in details for x in d.model_response.logprobs]
+    return {"seconds": times, "lls": lls}
+
+
+def _lighteval_bench(args, work: Path) -> dict:
+    """Part 2 through lighteval: requests/s of mesh3d (1 process, tp 2) and of lighteval's
+    transformers backend, interleaved; the max relative difference of their log-likelihoods."""
+    _lighteval_task(work)
+    n = args.samples * 4
+    ours, theirs, lls = [], [], {}
+    for _ in range(args.reps):
+        got = launch(1, _lighteval_rank, str(work), args.batch_size, 1, "mesh3d", timeout=1800)[0]
+        ours += got["seconds"]
+        lls["mesh3d"] = got["lls"]
+        got = launch(1, _lighteval_rank, str(work), args.batch_size, 1, "hf", timeout=1800)[0]
+        theirs += got["seconds"]
+        lls["hf"] = got["lls"]
+    tp2 = launch(2, _lighteval_rank, str(work), args.batch_size, args.reps, "mesh3d",
+                 timeout=1800)[0]  # fmt: skip
+    rate = {"mesh3d tp1": n / statistics.median(ours), "hf": n / statistics.median(theirs),
+            "mesh3d tp2": n / statistics.median(tp2["seconds"])}  # fmt: skip
+    diff = max(abs(a - b) / abs(b) for a, b in zip(lls["mesh3d"], lls["hf"], strict=True))
+    print(f"lighteval: scoring {args.samples} multiple-choice samples (x4 choices), batch "
+          f"{args.batch_size}, median of {args.reps}:")  # fmt: skip
+    for key, r in rate.items():
+        print(f"  {key:10s} {r:8.1f} requests/s  ({r / rate['hf']:.2f}x lighteval's "
+              "transformers backend)")  # fmt: skip
+    print(f"  per-request log-likelihood, mesh3d vs transformers: max relative difference "
+          f"{diff:.1e}")  # fmt: skip
+    return {"requests": n, "requests_per_s": rate, "max_rel_ll_diff": diff}
+
+
 def _lls(results: dict) -> list[float]:
     out = []
     for task in sorted(results["samples"]):
@@ -138,7 +234,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--engine", choices=("lm-eval", "lighteval"), default="lm-eval")
+    ap.add_argument("--batch-size", type=int, help="default 16 (lm-eval), 32 (lighteval)")
     ap.add_argument("--samples", type=int, default=200, help="multiple-choice samples")
     ap.add_argument("--steps", type=int, default=60, help="part 3: steps of each run")
     ap.add_argument("--every", type=int, default=20, help="part 3: steps between evaluations")
@@ -146,6 +243,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.reps, args.samples, args.steps, args.every = 1, 40, 20, 10
+    if args.batch_size is None:
+        args.batch_size = 32 if args.engine == "lighteval" else 16
     print("command:", "python", *map(shlex.quote, sys.argv))
     print(f"torch {torch.__version__} | cores {os.cpu_count()} | {datetime.date.today()}")
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -157,6 +256,17 @@ def main(argv=None) -> int:
     from mesh3d.convert import main as convert
 
     convert(["to-hf", "--checkpoint", str(work / "step"), "--output", str(work / "hf")])
+    name = (
+        f"eval{'_lighteval' if args.engine == 'lighteval' else ''}{'_quick' if args.quick else ''}"
+    )
+    if args.engine == "lighteval":
+        result = {"date": str(datetime.date.today()), "torch": torch.__version__,
+                  "cores": os.cpu_count(), "engine": "lighteval", "samples": args.samples,
+                  "batch_size": args.batch_size, **_lighteval_bench(args, work)}  # fmt: skip
+        out = results_dir(args.publish) / f"{name}.json"
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     n = args.samples * 4 + 20  # requests: 4 choices a sample, and the rolling documents' windows
     ours, theirs, lls = [], [], {}
     for _ in range(args.reps):  # interleaved, so both see the same machine
@@ -194,7 +304,7 @@ def main(argv=None) -> int:
                          "without_s": without["seconds"], "with_s": with_["seconds"],
                          "evaluations_own_s": own,
                          "evaluations": len(with_["evals"])}}  # fmt: skip
-    out = results_dir(args.publish) / f"eval{'_quick' if args.quick else ''}.json"
+    out = results_dir(args.publish) / f"{name}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

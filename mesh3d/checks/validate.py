@@ -384,6 +384,7 @@ def _choices(cfg: Config) -> Iterator[str]:
         "mesh3d.model_family": (cfg.mesh3d.model_family, (None, *MESH3D_FAMILIES)),
         "mesh3d.existing_checkpoints": (cfg.mesh3d.existing_checkpoints, EXISTING_CHECKPOINTS),
         "mesh3d.eval_failure": (cfg.mesh3d.eval_failure, ("continue", "stop")),
+        "mesh3d.eval_engine": (cfg.mesh3d.eval_engine, ("lm-eval", "lighteval")),
     }
     if cfg.metrics_logging is not None:
         choices["metrics_logging.log_level"] = (cfg.metrics_logging.log_level, (0, 1))

@@ -1,22 +1,27 @@
 """`mesh3d eval CHECKPOINT --tasks TASKS`: downstream scores of a checkpoint at any layout.
 
     mesh3d eval runs/default/checkpoints --tasks my_task --custom-tasks tasks/ --max-samples 100
+    mesh3d eval CK --engine lighteval --tasks "lighteval|hellaswag|0|1" --max-samples 100
     torchrun --nproc_per_node=4 -m mesh3d.evaluation.cli CK --tasks hellaswag --tp 2 --pp 2
     torchrun --nproc_per_node=8 -m mesh3d.evaluation.cli CK --tasks hellaswag --dp 2 --tp 2 --pp 2
 
 The model is built as training builds it at dp x tp x pp (`generation/parallel.py`: each rank
 reads its own weights of a checkpoint saved at any layout; each dp replica holds the whole model
-and scores a slice of every batch) and scored through lm-evaluation-harness
-(`--engine lm-eval`, the default): `lm_eval_model.Mesh3dLM` gives it log-likelihoods, rolling
-log-likelihoods and greedy generations. `--custom-tasks` is lm-eval's include path (a folder of
-task YAMLs or one YAML), so a task over a local jsonl runs with no network. Rank 0 writes
-`results.json` and one `samples_<task>.jsonl` per task (each sample's requests and scores) under
-`--output-dir` and prints lm-eval's table. Checked before the model is built: the checkpoint,
-its tokenizer, the engine being installed, every task name (the nearest names listed), the
-custom-task path; one line each, exit 2.
+and scores a slice of every batch) and scored (`scorer.Scorer`: log-likelihoods, rolling
+log-likelihoods, greedy generations) through one of two engines:
 
-`--engine lighteval` is not available yet: lighteval 0.13's task registry imports every built-in
-task, and two of them need the network at import; README "Evaluation" says what to use.
+- `--engine lm-eval` (the default), lm-evaluation-harness (`lm_eval_model.Mesh3dLM`):
+  `--custom-tasks` is its include path (a folder of task YAMLs or one YAML); rank 0 writes
+  `results.json` and one `samples_<task>.jsonl` per task and prints lm-eval's table.
+- `--engine lighteval` (`lighteval_model.Mesh3dLightevalModel`, `lighteval_run.py`): tasks in
+  lighteval's or Nanotron's syntax (`hellaswag`, `hellaswag|0`, `lighteval|hellaswag|0|1`),
+  `--custom-tasks` its custom-task file; only the requested and custom tasks are imported
+  (`lighteval_tasks.py`), so it needs no network; rank 0 writes lighteval's results json and
+  details parquet files and prints its table.
+
+A task over local files needs no network with either engine. Checked before the model is built:
+the checkpoint, its tokenizer, the engine being installed, every task name (the nearest names
+listed), the custom-task path; one line each, exit 2.
 """
 
 from __future__ import annotations
@@ -37,10 +42,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="mesh3d eval", description="downstream scores of a checkpoint, at any tp x pp"
     )
     ap.add_argument("checkpoint", help="a step folder, or a checkpoints folder (its latest step)")
-    ap.add_argument("--tasks", required=True, help="comma-separated task names (lm-eval's)")
+    ap.add_argument("--tasks", required=True,
+                    help="comma-separated task names: lm-eval's, or lighteval's (task|shots, "
+                         "suite|task|shots|truncate) with --engine lighteval")  # fmt: skip
     ap.add_argument("--engine", choices=("lm-eval", "lighteval"), default="lm-eval",
                     help="the evaluation engine (default lm-eval)")  # fmt: skip
-    ap.add_argument("--custom-tasks", help="lm-eval include path: a folder of task YAMLs or one")
+    ap.add_argument("--custom-tasks",
+                    help="lm-eval: include path (a folder of task YAMLs, or one); lighteval: its "
+                         "custom-task file (a .py with TASKS_TABLE)")  # fmt: skip
     ap.add_argument("--output-dir", default="evals", help="where results go (default ./evals)")
     ap.add_argument("--max-samples", type=int, help="score at most N samples of each task")
     ap.add_argument("--num-fewshot", type=int, help="few-shot examples (default: the task's)")
@@ -151,23 +160,17 @@ def write_results(results: dict, out: Path) -> Path:
     return path
 
 
-def evaluate(step: Path, args, tp: int, pp: int, dp: int = 1) -> dict | None:
-    """lm-eval's results of `args.tasks` on `step` at dp x tp x pp: every rank calls it and runs
-    the same requests (each dp replica scores its slice of every batch); lm-eval returns the
-    results on rank 0 (LOCAL_RANK 0), None elsewhere."""
-    tasks = [t for t in args.tasks.split(",") if t]
-    manager = check_tasks(tasks, args.custom_tasks)
+def _scorer(step: Path, args, tp: int, pp: int, dp: int):
+    """(the checkpoint's tokenizer, a `Scorer` of its model built at dp x tp x pp)."""
     tokenizer = hf_tokenizer(step, args.tokenizer)
-    chat = getattr(args, "apply_chat_template", False)
-    if chat and not getattr(tokenizer, "chat_template", None):
+    if getattr(args, "apply_chat_template", False) and not getattr(
+        tokenizer, "chat_template", None
+    ):
         raise UserError(
             f"--apply-chat-template: the tokenizer of {step} has no chat template; give "
             "--tokenizer <a folder whose tokenizer_config.json has chat_template> or leave the "
             "flag out (the tasks are then scored as plain text)"
         )
-    from lm_eval import simple_evaluate
-
-    from mesh3d.evaluation.lm_eval_model import Mesh3dLM
     from mesh3d.evaluation.scorer import Scorer
     from mesh3d.generation.parallel import load_parallel_model
     from mesh3d.generation.single import saved_config
@@ -175,11 +178,43 @@ def evaluate(step: Path, args, tp: int, pp: int, dp: int = 1) -> dict | None:
     length = args.max_length or int((saved_config(step).get("tokens") or {}).get(
         "sequence_length") or 2048)  # fmt: skip
     per = max(1, -(-args.batch_size // dp))  # sequences a replica's forward takes
-    model = load_parallel_model(step, tp, pp, per, length, args.device, dp)
-    lm = Mesh3dLM(Scorer(model), tokenizer)
-    return simple_evaluate(model=lm, tasks=tasks, num_fewshot=args.num_fewshot,
-                           limit=args.max_samples, task_manager=manager, log_samples=True,
-                           batch_size=args.batch_size, apply_chat_template=chat)  # fmt: skip
+    return tokenizer, Scorer(load_parallel_model(step, tp, pp, per, length, args.device, dp))
+
+
+def evaluate(step: Path, args, tp: int, pp: int, dp: int = 1) -> dict | None:
+    """lm-eval's results of `args.tasks` on `step` at dp x tp x pp: every rank calls it and runs
+    the same requests (each dp replica scores its slice of every batch); lm-eval returns the
+    results on rank 0 (LOCAL_RANK 0), None elsewhere."""
+    tasks = [t for t in args.tasks.split(",") if t]
+    manager = check_tasks(tasks, args.custom_tasks)
+    tokenizer, scorer = _scorer(step, args, tp, pp, dp)
+    from lm_eval import simple_evaluate
+
+    from mesh3d.evaluation.lm_eval_model import Mesh3dLM
+
+    chat = getattr(args, "apply_chat_template", False)
+    return simple_evaluate(model=Mesh3dLM(scorer, tokenizer), tasks=tasks,
+                           num_fewshot=args.num_fewshot, limit=args.max_samples,
+                           task_manager=manager, log_samples=True, batch_size=args.batch_size,
+                           apply_chat_template=chat)  # fmt: skip
+
+
+def evaluate_lighteval(step: Path, args, tp: int, pp: int, dp: int = 1, output: Path | None = None):
+    """lighteval's pipeline of `args.tasks` on `step` at dp x tp x pp, every rank calling it
+    alike; rank 0's has the results (`get_results()`, `get_details()`) and wrote lighteval's
+    files under `output` (when given)."""
+    from mesh3d.evaluation.lighteval_tasks import task_configs, task_specs
+
+    specs = task_specs(args.tasks, args.num_fewshot)
+    configs = task_configs(specs, args.custom_tasks)
+    tokenizer, scorer = _scorer(step, args, tp, pp, dp)
+    from mesh3d.evaluation.lighteval_model import Mesh3dLightevalModel
+    from mesh3d.evaluation.lighteval_run import run_lighteval
+
+    model = Mesh3dLightevalModel(
+        scorer, tokenizer, chat=getattr(args, "apply_chat_template", False)
+    )
+    return run_lighteval(model, specs, configs, output, args.max_samples)
 
 
 @exit_on_user_error
@@ -190,26 +225,32 @@ def main(argv: list[str] | None = None) -> None:
     from mesh3d.mesh import shutdown_distributed
 
     args = _parser().parse_args(argv)
-    if args.engine == "lighteval":
-        raise UserError(
-            "--engine lighteval is not available yet (lighteval 0.13 loads every built-in task, "
-            "two of which need the network); use --engine lm-eval with lm-eval's task names"
-        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp, tp, pp = _degrees(args, world)
     if args.batch_size < 1 or (args.max_samples is not None and args.max_samples < 1):
         raise UserError("--batch-size and --max-samples must be >= 1")
     step = weights_dir(args.checkpoint, "checkpoint")
     started = dist.is_initialized()
-    results = evaluate(step, args, tp, pp, dp)
+    out = Path(args.output_dir)
+    if args.engine == "lighteval":
+        results = evaluate_lighteval(step, args, tp, pp, dp, out)
+    else:
+        results = evaluate(step, args, tp, pp, dp)
     if not started:
         shutdown_distributed()
-    if int(os.environ.get("RANK", "0")) == 0 and results is not None:
+    if int(os.environ.get("RANK", "0")) != 0 or results is None:
+        return
+    if args.engine == "lighteval":
+        from lighteval.utils.utils import make_results_table
+
+        print(make_results_table(results.get_results()))
+        path = f"{out / 'results'} (details: {out / 'details'})"
+    else:
         from lm_eval.utils import make_table
 
         print(make_table(results))
-        path = write_results(results, Path(args.output_dir))
-        print(f"{step}: scores at dp {dp} x tp {tp} x pp {pp} written to {path}")
+        path = write_results(results, out)
+    print(f"{step}: scores at dp {dp} x tp {tp} x pp {pp} written to {path}")
 
 
 if __name__ == "__main__":

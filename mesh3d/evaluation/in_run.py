@@ -12,8 +12,11 @@ converted and no second job starts; the parts run in eval mode and are put back 
 resharded), and the random states are restored, so the run trains on exactly as it would have
 (`tests/ranks/test_eval_in_run.py`).
 
+The engine is lm-eval (Nanotron's task strings mapped to lm-eval tasks) unless
+`mesh3d.eval_engine: lighteval`, which scores the task strings and custom-task file as Nanotron
+gives them to lighteval (`lighteval_model.Mesh3dLightevalModel` on the same scorer).
 Scores go to the metrics file, TensorBoard and W&B (`eval/<task>/<metric>`), the console and
-the end-of-run summary; lm-eval's results of each step under
+the end-of-run summary; the engine's results of each step under
 `lighteval.logging.local_output_path` (else `<run>/evals`)/`<step>/`. An evaluation that fails
 is one logged line and the run trains on (`mesh3d.eval_failure: stop` stops it).
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import time
 from pathlib import Path
 
@@ -169,9 +173,13 @@ def kept_random_state(device: torch.device):
 
 
 def _numbers(results: dict) -> dict[str, float]:
-    """`eval/<task>/<metric>` -> value of lm-eval's results (stderrs and non-numbers left out)."""
+    """`eval/<task>/<metric>` -> value of lm-eval's or lighteval's results (stderrs, lighteval's
+    `all` and non-numbers left out; lighteval's `task:shots` named `task`)."""
     out = {}
     for task, metrics in results.get("results", {}).items():
+        if task == "all":
+            continue
+        task = re.sub(r"[:|]\d+$", "", task)
         for key, value in metrics.items():
             if "stderr" in key or isinstance(value, bool) or not isinstance(value, int | float):
                 continue
@@ -181,7 +189,7 @@ def _numbers(results: dict) -> dict[str, float]:
 
 class InRunEvaluation:
     """The `lighteval:` section of a run, checked when the run starts (every rank alike: task
-    names, tokenizer, lm-eval installed) and run by `after_save`."""
+    names, tokenizer, the engine installed) and run by `after_save`."""
 
     def __init__(self, cfg, run_dir: Path):
         from mesh3d.checks.eval_checks import eval_interval, lm_eval_tasks
@@ -189,11 +197,18 @@ class InRunEvaluation:
 
         section = cfg.lighteval
         tasks = section["tasks"]
-        self.groups: dict[int | None, list[str]] = {}
-        for task, shots in lm_eval_tasks(tasks["tasks"]):
-            self.groups.setdefault(shots, []).append(task)
         custom = tasks.get("custom_tasks")
-        self.manager = check_tasks([t for g in self.groups.values() for t in g], custom)
+        self.lighteval = cfg.mesh3d.eval_engine == "lighteval"
+        if self.lighteval:
+            from mesh3d.evaluation.lighteval_tasks import task_configs, task_specs
+
+            self.specs = task_specs(tasks["tasks"])
+            self.configs = task_configs(self.specs, custom)
+        else:
+            self.groups: dict[int | None, list[str]] = {}
+            for task, shots in lm_eval_tasks(tasks["tasks"]):
+                self.groups.setdefault(shots, []).append(task)
+            self.manager = check_tasks([t for g in self.groups.values() for t in g], custom)
         self.max_samples = tasks.get("max_samples")
         self.batch_size = section.get("batch_size") or 8
         self.interval = eval_interval(cfg)
@@ -208,29 +223,44 @@ class InRunEvaluation:
             )
         self.tokenizer = tokenizer_as_exported(Path(path), cfg.model.model_config)
 
+    def _lm_eval(self, scorer: TrainingScorer, out: Path) -> dict[str, float]:
+        """lm-eval's scores (on rank 0; {} elsewhere), its files written under `out`."""
+        from lm_eval import simple_evaluate
+
+        from mesh3d.evaluation.cli import write_results
+        from mesh3d.evaluation.lm_eval_model import Mesh3dLM
+
+        lm, scores = Mesh3dLM(scorer, self.tokenizer), {}
+        for shots, tasks in self.groups.items():
+            got = simple_evaluate(model=lm, tasks=tasks, num_fewshot=shots, limit=self.max_samples,
+                                  task_manager=self.manager, log_samples=True,
+                                  batch_size=self.batch_size)  # fmt: skip
+            if got is not None:  # rank 0 (LOCAL_RANK 0)
+                scores.update(_numbers(got))
+                write_results(got, out)
+        return scores
+
+    def _lighteval(self, scorer: TrainingScorer, out: Path) -> dict[str, float]:
+        """lighteval's scores (on rank 0; {} elsewhere), its files written under `out`."""
+        from mesh3d.evaluation.lighteval_model import Mesh3dLightevalModel
+        from mesh3d.evaluation.lighteval_run import run_lighteval
+
+        model = Mesh3dLightevalModel(scorer, self.tokenizer)
+        pipeline = run_lighteval(model, self.specs, self.configs, out, self.max_samples)
+        return _numbers(pipeline.get_results()) if pipeline.is_main_process() else {}
+
     def due(self, step: int, last: bool) -> bool:
         return step % self.interval == 0 or last
 
     def after_save(self, run, step: int) -> dict[str, float]:
         """Score the model of the checkpoint just saved at `step`; the scores on every rank
         ({} when the evaluation failed and the run goes on)."""
-        from lm_eval import simple_evaluate
-
-        from mesh3d.evaluation.cli import write_results
-        from mesh3d.evaluation.lm_eval_model import Mesh3dLM
-
         t0 = time.time()
         scores, error = {}, None
         try:
             with kept_random_state(run.device):
-                lm = Mesh3dLM(TrainingScorer(run), self.tokenizer)
-                for shots, tasks in self.groups.items():
-                    got = simple_evaluate(model=lm, tasks=tasks, num_fewshot=shots,
-                                          limit=self.max_samples, task_manager=self.manager,
-                                          log_samples=True, batch_size=self.batch_size)  # fmt: skip
-                    if got is not None:  # rank 0 (LOCAL_RANK 0)
-                        scores.update(_numbers(got))
-                        write_results(got, self.output / str(step))
+                score = self._lighteval if self.lighteval else self._lm_eval
+                scores = score(TrainingScorer(run), self.output / str(step))
         except Exception as e:  # noqa: BLE001 - one line; the run trains on unless told to stop
             error = f"{type(e).__name__}: {e}".splitlines()[0]
         scores, error, took = share((scores, error, time.time() - t0))  # rank 0's, everywhere

@@ -70,6 +70,51 @@ class Scorer:
                 out[i] = (float(logp[r, m - k : m].double().sum()), bool(hit[r, m - k : m].all()))
         return out  # type: ignore[return-value]
 
+    def continuations(self, pairs: list[tuple[list[int], list[int]]],
+                      keep: int) -> list[tuple[float, bool]]:  # fmt: skip
+        """`score` of each (context, continuation) token pair cut from the left to its last
+        `keep` tokens (at most `length` + 1): the continuation's summed log-probability and
+        whether greedy decoding picks it."""
+        seqs = [(context + continuation)[-keep:] for context, continuation in pairs]
+        spans = [min(len(c), len(s) - 1) for (_, c), s in zip(pairs, seqs)]
+        return self.score(seqs, spans)
+
+    def rolling(self, docs: list[list[int]], prefix: int) -> list[float]:
+        """Each token list's log-likelihood, scored in disjoint windows of `length` predicted
+        tokens, each window's input the `length` tokens before its last one (the first
+        window's starts at `prefix`): lm-eval's rolling windows with a context of one."""
+        n, seqs, spans, owner = self.length, [], [], []
+        for i, tokens in enumerate(docs):
+            full = [prefix, *tokens]  # full[j + 1] is tokens[j]
+            for start in range(0, len(tokens), n):
+                end = min(start + n, len(tokens))
+                seqs.append(full[max(0, end - n) : end + 1])
+                spans.append(end - start)
+                owner.append(i)
+        totals = [0.0] * len(docs)
+        for i, (logp, _) in zip(owner, self.score(seqs, spans)):
+            totals[i] += logp
+        return totals
+
+    def greedy_until(self, requests: list[tuple[list[int], int, tuple[str, ...]]], decode,
+                     eos: int | None) -> list[tuple[str, list[int]]]:  # fmt: skip
+        """Each (context tokens, most new tokens, stop texts) request's greedy continuation
+        as (its text from `decode`, cut before the first of each stop text in turn; its new
+        tokens); requests with the same budget and stops run batched together."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, steps, stops) in enumerate(requests):
+            groups.setdefault((steps, tuple(stops)), []).append(i)
+        out: list[tuple[str, list[int]]] = [("", [])] * len(requests)
+        for (steps, stops), idx in groups.items():
+            news = self.greedy([requests[i][0] for i in idx], steps, eos)
+            for i, new in zip(idx, news):
+                text = decode(new)
+                for stop in stops:
+                    if stop:
+                        text = text.split(stop)[0]
+                out[i] = (text, new)
+        return out
+
     def _token_scores(self, x: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(log-probability of each target [B, n] fp32, whether it is the arg-max [B, n], the
         arg-max [B, n]) on every rank; each dp replica computes its slice of the B rows, and one

@@ -1,6 +1,6 @@
-"""A tiny trained checkpoint with a tokenizer, and three local lm-eval tasks over jsonl files
-(multiple choice, greedy generation, rolling log-likelihood): what the `mesh3d eval` tests
-score with no network."""
+"""A tiny trained checkpoint with a tokenizer, three local lm-eval tasks over jsonl files
+(multiple choice, greedy generation, rolling log-likelihood) and two of them as a lighteval
+custom-task file: what the `mesh3d eval` tests score with no network."""
 
 from __future__ import annotations
 
@@ -65,6 +65,48 @@ def write_tasks(root: Path) -> Path:
         "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n"
     )
     return tasks
+
+
+LIGHTEVAL_TASKS = '''"""tiny_mc and tiny_gen as lighteval tasks over local jsonl folders (no network)."""
+
+from lighteval.metrics.metrics import Metrics
+from lighteval.tasks.lighteval_task import LightevalTaskConfig
+from lighteval.tasks.requests import Doc
+
+
+def mc_prompt(line, task_name=None):
+    return Doc(task_name=task_name, query=line["question"],
+               choices=[" " + c for c in line["choices"]], gold_index=line["answer"])
+
+
+def gen_prompt(line, task_name=None):
+    return Doc(task_name=task_name, query=line["prompt"], choices=[" " + line["target"]],
+               gold_index=0)
+
+
+def _task(name, prompt, folder, metric, **kw):
+    return LightevalTaskConfig(name=name, prompt_function=prompt, hf_repo=folder,
+                               hf_subset="default", hf_avail_splits=["test"],
+                               evaluation_splits=["test"], metrics=[metric], **kw)
+
+
+TASKS_TABLE = [
+    _task("tiny_mc", mc_prompt, "{root}/lighteval/mc", Metrics.loglikelihood_acc),
+    _task("tiny_gen", gen_prompt, "{root}/lighteval/gen", Metrics.exact_match,
+          generation_size=8, stop_sequence=["."]),
+]
+'''
+
+
+def write_lighteval_tasks(root: Path) -> Path:
+    """root/lighteval_tasks.py: tiny_mc and tiny_gen (of `write_tasks`) as lighteval's custom
+    tasks, each over a folder holding test.jsonl."""
+    for name in ("mc", "gen"):
+        (root / "lighteval" / name).mkdir(parents=True, exist_ok=True)
+        (root / "lighteval" / name / "test.jsonl").write_text((root / f"{name}.jsonl").read_text())
+    path = root / "lighteval_tasks.py"
+    path.write_text(LIGHTEVAL_TASKS.replace("{root}", str(root)))
+    return path
 
 
 def per_sample(results: dict) -> dict:

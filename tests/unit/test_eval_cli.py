@@ -64,9 +64,6 @@ def test_layout_engine_and_numbers_are_checked_first(root):
     assert "--dp 1 x --tp 2 x --pp 1 = 2 ranks, but 1 process(es) run" in _refused(
         step, "--tasks", "x", "--tp", "2"
     )
-    assert "--engine lighteval is not available yet" in _refused(
-        step, "--tasks", "x", "--engine", "lighteval"
-    )
     assert ">= 1" in _refused(step, "--tasks", "x", "--batch-size", "0")
     assert "does not exist" in _refused(str(root / "missing"), "--tasks", "x")
 

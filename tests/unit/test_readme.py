@@ -167,6 +167,12 @@ DOC_COMMANDS: dict[str, tuple[str | None, str]] = {
     "torchrun --nproc_per_node=4 -m mesh3d.evaluation.cli CK --tasks my_task --custom-tasks tasks/ "
     "--tp 2 --pp 2": (
         None, "tests/ranks/test_eval.py scores the same tasks at tp 2 x pp 2 on 4 ranks"),
+    'mesh3d eval CK --engine lighteval --tasks "lighteval|hellaswag|0|1" --max-samples 200': (
+        None, "hub data: needs the network; tests/launch/test_lighteval_tasks_offline.py resolves "
+        "this task string offline"),
+    "mesh3d eval CK --engine lighteval --tasks my_mc,my_gen --custom-tasks my_tasks.py": (
+        None, "tests/ranks/test_eval_lighteval.py runs this command on a trained checkpoint and two "
+        "local lighteval tasks (and compares with lighteval's transformers backend)"),
     "python recipes/custom_model.py": ("python recipes/custom_model.py", ""),
     "torchrun --nproc_per_node=8 recipes/custom_model.py --dp 2 --tp 2 --pp 2": (
         None, "8 ranks: tests/ranks/test_library.py runs the same main() at dp 2 x tp 2 x pp 2 and "
