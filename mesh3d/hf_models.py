@@ -1,0 +1,198 @@
+"""Any Hugging Face `transformers` causal LM on mesh3d's mesh: its own TP plan, mesh3d's DP.
+
+`transformers` writes a TP plan for most architectures (`model.tp_plan`: the config's
+`base_model_tp_plan` under the base model's attribute name, plus the head's own entry), in style
+names such as "colwise" and "rowwise". This module translates each name into one of torch's
+parallel styles and applies them with `mesh3d.apply_tp`; the model file stays untouched. What a
+style means here (a name with no entry below is refused, naming the module):
+
+    colwise                      ColwiseParallel: input replicated, output sharded on features
+    rowwise                      RowwiseParallel: input sharded on features, output all-reduced
+    colwise_rep / _gather_output ColwiseParallel, output all-gathered
+    rowwise_rep / _split_input   RowwiseParallel, replicated input split locally
+    embedding_rowwise            vocab-parallel embedding (RowwiseParallel on nn.Embedding)
+    replicated_with_grad_allreduce  nothing: the module stays replicated, its inputs too, so
+                                 its gradients are already equal on every tp rank
+    the LM head (colwise_gather_output in transformers' plan): vocab-parallel, its logits left
+    sharded for `mesh3d.normalized_loss` (`vocab_parallel=False`: gathered as transformers does)
+
+Modules no plan names (norms, routers, MoE experts) stay replicated plain parameters; so an
+optimizer over the model needs `foreach=False` (mixed plain and DTensor parameters).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from mesh3d.errors import UserError
+from mesh3d.parallel.parallelize import apply_dp
+from mesh3d.parallel.tensor import apply_tp
+
+# transformers' style name -> the torch style that does the same on mesh3d's mesh
+_STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "replicated_with_grad_allreduce": lambda: None,
+}
+# projections whose output holds attention heads, fused or not (their shards must be whole heads)
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn")
+
+
+def hf_tp_plan(
+    model: nn.Module, tp: int, vocab_parallel: bool = True, names: dict[str, str] | None = None
+) -> dict[str, ParallelStyle]:
+    """`model`'s own TP plan (or `names`, `{module pattern: transformers style}`) as torch parallel styles for `tp` ranks, checked against its sizes
+    without communication: a style mesh3d cannot apply, or sizes tp does not divide, raise one
+    `UserError` line naming the module (see the module docstring for the styles).
+
+    Example:
+
+        plan = mesh3d.hf_models.hf_tp_plan(transformers.OlmoForCausalLM(config), tp=2)
+    """
+    names = names or getattr(model, "tp_plan", None) or _config_plan(model)
+    if not names:
+        raise UserError(
+            f"tp: {type(model).__name__} has no TP plan (config.base_model_tp_plan is empty); "
+            "use tp=1, or pass tp_plan={module pattern: style}"
+        )
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    plan = {}
+    for pattern, style in names.items():
+        modules = _matches(model, pattern)
+        if style not in _STYLES:
+            raise UserError(
+                f"tp: module {pattern!r} has style {style!r}, which mesh3d cannot apply yet "
+                f"(it applies {', '.join(sorted(_STYLES))}); use tp=1 for {type(model).__name__}"
+            )
+        for name, module in modules:
+            _check_divides(model, name, module, style, tp, module is head)
+        if head is not None and any(m is head for _, m in modules) and vocab_parallel:
+            plan[pattern] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        elif (made := _STYLES[style]()) is not None:
+            plan[pattern] = made
+    return plan
+
+
+def parallelize_hf(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    tp_plan: str | dict[str, str] = "auto",
+    dp_mode: str = "replicate",
+    vocab_parallel: bool = True,
+) -> nn.Module:
+    """Put a `transformers` causal LM (the same full weights on every rank) on `mesh`'s tp and dp
+    axes, in place: tensor parallelism from its own plan (`tp_plan="auto"`, or a dict
+    `{module pattern: transformers style name}`), then data parallelism by `dp_mode`
+    ('replicate': sum gradients with `mesh3d.allreduce_gradients` after backward; 'zero1' /
+    'full': FSDP2 over dp, one unit per decoder layer, which *averages* gradients: multiply the
+    loss by the dp size). Everything is checked before any collective; what cannot be done is
+    refused in one `UserError` line naming the axis and the reason. With `vocab_parallel` the
+    logits come back vocab-sharded (a DTensor): give them to `mesh3d.normalized_loss`.
+
+    Example:
+
+        mesh = mesh3d.build_mesh(mesh3d.ParallelDims(dp=2, tp=2, pp=1), "cpu")
+        torch.manual_seed(0)
+        model = transformers.GPTNeoXForCausalLM(config)      # same weights on every rank
+        mesh3d.parallelize_hf(model, mesh)
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        logits = model(input_ids=tokens[:, :-1]).logits
+        mesh3d.normalized_loss(logits, tokens[:, 1:], config.vocab_size, global_tokens).backward()
+        mesh3d.allreduce_gradients(model, mesh["dp"].get_group())
+    """
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
+    for axis, why in (
+        ("pp", "pipeline stages of transformers models are not built yet"),
+        ("cp", "context parallelism needs mesh3d's own attention"),
+    ):
+        if sizes.get(axis, 1) > 1:
+            raise UserError(f"{axis}: {axis}={sizes[axis]} is not supported for "
+                            f"{type(model).__name__}: {why}; use {axis}=1")  # fmt: skip
+    if dp_mode not in ("replicate", "zero1", "full"):
+        raise UserError(f"dp: dp_mode {dp_mode!r} is unknown; use 'replicate', 'zero1' or 'full'")
+    tp = sizes.get("tp", 1)
+    if tp > 1:
+        given = None if tp_plan == "auto" else tp_plan
+        if given is not None and not isinstance(given, dict):
+            raise UserError(f"tp: tp_plan {tp_plan!r} is neither 'auto' nor a dict")
+        plan = hf_tp_plan(model, tp, vocab_parallel, given)
+        tied = _tied(model)
+        apply_tp(model, mesh["tp"], plan)
+        if tied:  # the embedding and the head were parallelized apart: one parameter again
+            model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    if sizes.get("dp", 1) > 1 and dp_mode != "replicate":
+        apply_dp(model, mesh["dp"], dp_mode, blocks=decoder_layers(model))
+    return model
+
+
+def decoder_layers(model: nn.Module) -> str:
+    """The dotted name of `model`'s decoder layers (a ModuleList), from its pipeline plan or
+    the base model's `layers`."""
+    pp_plan = getattr(model, "_pp_plan", None) or {}
+    for name in [*pp_plan, f"{getattr(model, 'base_model_prefix', 'model')}.layers"]:
+        try:
+            if isinstance(model.get_submodule(name), nn.ModuleList):
+                return name
+        except AttributeError:
+            continue
+    raise UserError(f"dp: {type(model).__name__} has no ModuleList of decoder layers that "
+                    "mesh3d can find; use dp_mode='replicate'")  # fmt: skip
+
+
+def _config_plan(model: nn.Module) -> dict[str, str]:
+    base = (getattr(getattr(model, "config", None), "base_model_tp_plan", None)) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and getattr(model, prefix, None) is not None:
+        return {f"{prefix}.{k}": v for k, v in base.items()}
+    return dict(base)
+
+
+def _matches(model, pattern: str) -> list[tuple[str, nn.Module]]:
+    """The submodules `pattern` names (`*` matching one name)."""
+    from fnmatch import fnmatch
+
+    tokens = pattern.split(".")
+    return [(n, m) for n, m in model.named_modules()
+            if n and len(n.split(".")) == len(tokens) and all(map(fnmatch, n.split("."), tokens))]  # fmt: skip
+
+
+def _check_divides(model, name: str, module: nn.Module, style: str, tp: int, is_head: bool) -> None:
+    """Sharded sizes must split evenly; head projections must split into whole heads."""
+    if _STYLES[style]() is None:  # stays replicated: nothing is split
+        return
+    config = model.config
+    if isinstance(module, nn.Embedding) or is_head:  # [V, h] weights, split on the vocabulary
+        size, what = module.weight.shape[0], "vocabulary size"
+        fix = f"pad it: model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of={tp})"
+    elif isinstance(module, nn.Linear):
+        col = style.startswith("colwise")
+        size = module.out_features if col else module.in_features
+        what = "output features" if col else "input features"
+        fix = "choose a tp that divides it"
+    else:
+        raise UserError(f"tp: module {name!r} ({type(module).__name__}) has style {style!r}, "
+                        "which mesh3d applies to nn.Linear and nn.Embedding only; use tp=1")  # fmt: skip
+    if size % tp:
+        raise UserError(f"tp: {name} has {size} {what}, not divisible by tp={tp}; {fix}")
+    if name.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS and style == "colwise":
+        heads = getattr(config, "num_attention_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        for key, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
+            if n is not None and n % tp:
+                raise UserError(f"tp: {key}={n} of {type(model).__name__} is not divisible by "
+                                f"tp={tp} ({name} is split by heads); choose a tp that divides it")  # fmt: skip
+
+
+def _tied(model: nn.Module) -> bool:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return emb is not None and head is not None and head.weight is emb.weight

@@ -1,0 +1,155 @@
+"""`mesh3d.parallelize_hf`: three `transformers` causal LMs that differ in structure, each under
+its own TP plan and mesh3d's DP at dp 2 x tp 2, against the unmodified model trained by a plain
+one-process loop on the same batches (torch's cross-entropy, no mesh3d): losses, gradient norms
+and final weights within 1e-5.
+
+- GPT-NeoX: LayerNorm with biases, GELU, partial rotary (rotary_pct 0.5), parallel residual,
+  fused query_key_value (heads interleaved q, k, v), a vocab-parallel `embed_in`;
+- Gemma 2: four RMSNorms per layer, GeGLU, grouped-query attention, logit soft-capping, tied
+  embedding and head (both vocab-parallel, one parameter);
+- Mixtral: a mixture of experts; its plan splits attention only, the router and experts stay
+  replicated.
+
+The tests of this subject that run in one process without a process group are in
+`tests/unit/test_hf_models_unit.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist import run_ranks
+from torch.distributed.tensor import DTensor
+
+import mesh3d
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (the dev extra has it)"
+)  # imported before the ranks fork: they find it loaded
+
+VOCAB, GBS, SEQ, STEPS = 128, 8, 16, 4
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_hidden_layers=2, max_position_embeddings=32)  # fmt: skip
+
+
+def tiny(arch: str, **extra):
+    """A tiny random `transformers` model of `arch` (`extra` overrides config values), the same
+    weights for the same seed."""
+    t = transformers
+    if arch == "gpt_neox":
+        kw = dict(rotary_pct=0.5, use_parallel_residual=True, tie_word_embeddings=False)
+        return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(**{**SMALL, **kw, **extra}))
+    if arch == "gemma2":  # eager attention: SDPA has no logit soft-capping
+        kw = dict(num_key_value_heads=2, head_dim=16, attn_implementation="eager")
+        return t.Gemma2ForCausalLM(t.Gemma2Config(**{**SMALL, **kw, **extra}))
+    kw = dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    return t.MixtralForCausalLM(t.MixtralConfig(**{**SMALL, **kw, **extra}))
+
+
+def _batch(step: int) -> torch.Tensor:
+    """[GBS, SEQ + 1] rows counting up from a random start (mod VOCAB): learnable in a few steps."""
+    start = torch.randint(0, VOCAB, (GBS, 1), generator=torch.Generator().manual_seed(step))
+    return (start + torch.arange(SEQ + 1)) % VOCAB
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _grad_norm(model) -> float:
+    return float(torch.sqrt(sum(_full(p.grad).double().square().sum() for p in model.parameters())))
+
+
+def _plain(rank: int, world: int, arch: str) -> dict:
+    """The unmodified model, one process, a plain loop: the reference."""
+    torch.manual_seed(0)
+    model = tiny(arch)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    out = {"loss": [], "grad_norm": []}
+    for step in range(STEPS):
+        tokens = _batch(step)
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        out["grad_norm"].append(_grad_norm(model))
+        optimizer.step()
+        optimizer.zero_grad()
+        out["loss"].append(float(loss))
+    out["weights"] = {n: _full(p) for n, p in model.named_parameters()}
+    return out
+
+
+def _mesh3d(rank: int, world: int, arch: str, dp: int, tp: int, dp_mode: str) -> dict:
+    torch.manual_seed(0)
+    model = tiny(arch)  # the same full weights on every rank
+    mesh = mesh3d.build_mesh(mesh3d.ParallelDims(dp=dp, tp=tp, pp=1), "cpu")
+    mesh3d.parallelize_hf(model, mesh, dp_mode=dp_mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, foreach=False)
+    dp_group, dp_rank, per = mesh["dp"].get_group(), mesh["dp"].get_local_rank(), GBS // dp
+    scale = dp if dp_mode != "replicate" else 1  # FSDP averages gradients over dp
+    out = {"loss": [], "grad_norm": []}
+    for step in range(STEPS):
+        mine = _batch(step)[dp_rank * per : (dp_rank + 1) * per]
+        logits = model(input_ids=mine[:, :-1]).logits
+        loss = mesh3d.normalized_loss(logits, mine[:, 1:], VOCAB, GBS * SEQ)
+        (loss * scale).backward()
+        if dp_mode == "replicate":
+            mesh3d.allreduce_gradients(model, dp_group)
+        out["grad_norm"].append(_grad_norm(model))
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=dp_group)
+        out["loss"].append(float(total))
+    out["vocab_sharded_logits"] = isinstance(logits, DTensor)
+    out["tp_split"] = sorted(n for n, p in model.named_parameters() if _tp_split(p))
+    out["head_split"] = _tp_split(model.get_output_embeddings().weight)
+    out["weights"] = {n: _full(p) for n, p in model.named_parameters()}
+    return out
+
+
+def _tp_split(p: torch.Tensor) -> bool:
+    """Whether `p` is split over tp (under FSDP too: its mesh is then ("dp", "tp"))."""
+    if not isinstance(p, DTensor) or p.device_mesh.mesh_dim_names[-1] != "tp":
+        return False
+    return p.placements[-1].is_shard()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
+
+
+@pytest.mark.parametrize(
+    "arch,dp_mode",
+    [("gpt_neox", "replicate"), ("gemma2", "replicate"), ("mixtral", "replicate"),
+     ("gpt_neox", "zero1"), ("gemma2", "full")],
+)  # fmt: skip
+def test_dp2_tp2_equals_the_plain_transformers_loop(arch, dp_mode):
+    ref = run_ranks(1, _plain, arch, timeout=60)[0]
+    got = run_ranks(4, _mesh3d, arch, 2, 2, dp_mode, timeout=60)[0]
+    assert ref["loss"][-1] < ref["loss"][0]  # it learns
+    assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(got["grad_norm"], ref["grad_norm"])) <= 1e-5
+    assert got["weights"].keys() == ref["weights"].keys()
+    assert _max_diff(got["weights"], ref["weights"]) <= 1e-5
+    # tp really split the model: the plan's projections and the vocab-parallel head
+    assert got["vocab_sharded_logits"]
+    assert got["head_split"]
+    split = " ".join(got["tp_split"])
+    assert ("q_proj" in split or "query_key_value" in split) and "norm" not in split
+
+
+def _refused(rank: int, world: int, dims: dict) -> str:
+    model = tiny("gpt_neox")
+    mesh = mesh3d.build_mesh(mesh3d.ParallelDims(**dims), "cpu")
+    with pytest.raises(mesh3d.UserError) as caught:
+        mesh3d.parallelize_hf(model, mesh)
+    return str(caught.value)
+
+
+def test_pp_and_cp_are_refused_in_one_line():
+    pp = run_ranks(2, _refused, {"dp": 1, "tp": 1, "pp": 2}, timeout=60)
+    assert all(m.startswith("pp: pp=2 is not supported") and "\n" not in m for m in pp)
+    cp = run_ranks(2, _refused, {"dp": 1, "tp": 1, "pp": 1, "cp": 2}, timeout=60)
+    assert all(m.startswith("cp: cp=2") for m in cp)

@@ -1,0 +1,66 @@
+"""`mesh3d.hf_models` without a process group: each architecture's own TP plan translated to
+torch's styles, and the one-line refusals (sizes tp does not divide, styles mesh3d cannot apply).
+The multi-rank parity tests are in `tests/ranks/test_hf_models.py`."""
+
+from __future__ import annotations
+
+import pytest
+from test_hf_models import tiny
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import mesh3d
+from mesh3d.hf_models import decoder_layers, hf_tp_plan
+
+pytest.importorskip("transformers", reason="transformers is not installed (the dev extra has it)")
+
+
+def test_gpt_neox_plan_is_its_own_in_torch_styles():
+    plan = hf_tp_plan(tiny("gpt_neox"), 2)
+    assert set(plan) == {"lm_head", "gpt_neox.embed_in", "gpt_neox.layers.*.attention.query_key_value",
+                         "gpt_neox.layers.*.attention.dense", "gpt_neox.layers.*.mlp.dense_h_to_4h",
+                         "gpt_neox.layers.*.mlp.dense_4h_to_h"}  # fmt: skip
+    assert type(plan["gpt_neox.layers.*.attention.query_key_value"]) is ColwiseParallel
+    assert type(plan["gpt_neox.layers.*.mlp.dense_4h_to_h"]) is RowwiseParallel
+    head = plan["lm_head"]  # vocab-parallel: the logits stay sharded on the vocabulary
+    assert head.output_layouts == (Shard(-1),) and not head.use_local_output
+    gathered = hf_tp_plan(tiny("gpt_neox"), 2, vocab_parallel=False)["lm_head"]
+    assert gathered.output_layouts == (Replicate(),)  # transformers' colwise_gather_output
+
+
+def test_mixtral_plan_splits_attention_only():
+    plan = hf_tp_plan(tiny("mixtral"), 2)
+    assert not any("mlp" in k or "experts" in k for k in plan)
+    assert "model.layers.*.self_attn.o_proj" in plan
+
+
+def test_tp_that_does_not_divide_the_heads_is_refused_in_one_line():
+    model = tiny("gpt_neox", num_attention_heads=6, hidden_size=96)  # 96 features, 6 heads
+    with pytest.raises(mesh3d.UserError) as caught:
+        hf_tp_plan(model, 4)
+    msg = str(caught.value)
+    assert msg.startswith(
+        "tp: num_attention_heads=6 of GPTNeoXForCausalLM is not divisible by tp=4"
+    )
+    assert "query_key_value" in msg and "\n" not in msg
+
+
+def test_tp_that_does_not_divide_the_vocabulary_is_refused_with_the_fix():
+    with pytest.raises(
+        mesh3d.UserError, match=r"tp: .* 127 vocabulary size, not divisible by tp=2; pad"
+    ):
+        hf_tp_plan(tiny("mixtral", vocab_size=127), 2)
+
+
+def test_a_style_mesh3d_cannot_apply_is_refused_naming_module_and_style():
+    names = {"model.layers.*.mlp.experts": "moe_tp_experts"}
+    with pytest.raises(mesh3d.UserError) as caught:
+        hf_tp_plan(tiny("mixtral"), 2, names=names)
+    msg = str(caught.value)
+    assert "'model.layers.*.mlp.experts'" in msg and "'moe_tp_experts'" in msg
+    assert msg.startswith("tp: ") and "use tp=1" in msg
+
+
+def test_decoder_layers_come_from_the_pipeline_plan():
+    assert decoder_layers(tiny("gpt_neox")) == "gpt_neox.layers"
+    assert decoder_layers(tiny("gemma2")) == "model.layers"
