@@ -5,6 +5,7 @@ The multi-rank parity tests are in `tests/ranks/test_hf_models.py`."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_hf_models import tiny
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -64,3 +65,34 @@ def test_a_style_mesh3d_cannot_apply_is_refused_naming_module_and_style():
 def test_decoder_layers_come_from_the_pipeline_plan():
     assert decoder_layers(tiny("gpt_neox")) == "gpt_neox.layers"
     assert decoder_layers(tiny("gemma2")) == "model.layers"
+
+
+@pytest.mark.parametrize(
+    "arch,extra",
+    [("gpt_neox", {}), ("gemma2", {"tie_word_embeddings": False}), ("mixtral", {})],
+)
+def test_stages_chained_give_the_models_logits_and_keep_its_names(arch, extra):
+    """Gemma 2 alternates sliding and full attention by layer: each stage reads its own layers'
+    types, so 3 stages of 4 layers (sliding window 4 < 12 tokens) must still match."""
+    torch.manual_seed(0)
+    model = tiny(arch, num_hidden_layers=4, sliding_window=4, **extra) if arch == "gemma2" else (
+        tiny(arch, num_hidden_layers=4, **extra))  # fmt: skip
+    cuts = [[0], [1, 2], [3]]
+    stages = [mesh3d.build_hf_stage(model, i, 3, layers) for i, layers in enumerate(cuts)]
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    assert torch.allclose(x, model(input_ids=ids).logits, atol=1e-6, rtol=0)
+    names = [n for s in stages for n, _ in s.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # each exactly once
+
+
+def test_tied_embeddings_across_stages_are_refused_in_one_line():
+    with pytest.raises(mesh3d.UserError, match=r"^pp: Gemma2ForCausalLM ties its embedding"):
+        mesh3d.build_hf_stage(tiny("gemma2"), 0, 2, [0])
+
+
+def test_stage_layers_out_of_range_are_refused():
+    with pytest.raises(mesh3d.UserError, match=r"pp: stage 1 layers \[1, 5\] must be increasing"):
+        mesh3d.build_hf_stage(tiny("gpt_neox"), 1, 2, [1, 5])
