@@ -126,7 +126,7 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.mark.parametrize(
     "arch,dp_mode",
     [("gpt_neox", "replicate"), ("gemma2", "replicate"), ("mixtral", "replicate"),
-     ("gpt_neox", "zero1"), ("gemma2", "full")],
+     ("gpt_neox", "zero1"), ("gemma2", "full"), ("mixtral", "full")],
 )  # fmt: skip
 def test_dp2_tp2_equals_the_plain_transformers_loop(arch, dp_mode):
     ref = run_ranks(1, _plain, arch, timeout=60)[0]
