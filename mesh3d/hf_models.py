@@ -1,5 +1,4 @@
-"""Any Hugging Face `transformers` causal LM on mesh3d's mesh: its own TP plan, pipeline stages
-cut at its decoder layers, mesh3d's DP.
+"""Any Hugging Face `transformers` causal LM on mesh3d's mesh: its own TP plan, mesh3d's DP.
 
 `transformers` writes a TP plan for most architectures (`model.tp_plan`: the config's
 `base_model_tp_plan` under the base model's attribute name, plus the head's own entry), in style
@@ -20,17 +19,10 @@ style means here (a name with no entry below is refused, naming the module):
 Modules no plan names (norms, routers, MoE experts) stay replicated plain parameters; so an
 optimizer over the model needs `foreach=False` (mixed plain and DTensor parameters).
 
-Pipeline stages (`build_hf_stage`) are copies of the model without what a stage does not own,
-run through the model's own forward: a middle stage calls the base model with `inputs_embeds`
-(its final norm an identity), the last stage the causal LM's forward (norm, head, soft-capping
-and whatever else the architecture does after its layers). The stage's class is a subclass of
-the model's with a one-tensor forward, as `torch.distributed.pipelining` calls it.
+Pipeline stages of such a model: `mesh3d/hf_stages.py`.
 """
 
 from __future__ import annotations
-
-import copy
-import functools
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -59,9 +51,10 @@ _HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"
 def hf_tp_plan(
     model: nn.Module, tp: int, vocab_parallel: bool = True, names: dict[str, str] | None = None
 ) -> dict[str, ParallelStyle]:
-    """`model`'s own TP plan (or `names`, `{module pattern: transformers style}`) as torch parallel styles for `tp` ranks, checked against its sizes
-    without communication: a style mesh3d cannot apply, or sizes tp does not divide, raise one
-    `UserError` line naming the module (see the module docstring for the styles).
+    """`model`'s own TP plan (or `names`: `{module pattern: transformers style}`) as torch
+    parallel styles for `tp` ranks, checked against its sizes without communication: a style
+    mesh3d cannot apply, or sizes tp does not divide, raise one `UserError` line naming the
+    module (see the module docstring for the styles).
 
     Example:
 
@@ -120,12 +113,16 @@ def parallelize_hf(
         mesh3d.allreduce_gradients(model, mesh["dp"].get_group())
     """
     sizes = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
-    if sizes.get("pp", 1) > 1 and not isinstance(model, _StageForward):
-        raise UserError(f"pp: pp={sizes['pp']} needs this rank's stage, not the whole "
-                        f"{type(model).__name__}: pass mesh3d.build_hf_stage(model, ...)")  # fmt: skip
+    if sizes.get("pp", 1) > 1 and getattr(model, "mesh3d_stage", None) is None:
+        raise UserError(
+            f"pp: pp={sizes['pp']} needs this rank's stage, not the whole "
+            f"{type(model).__name__}: pass mesh3d.build_hf_stage(model, ...)"
+        )
     if sizes.get("cp", 1) > 1:
-        raise UserError(f"cp: cp={sizes['cp']} is not supported for {type(model).__name__}: "
-                        "context parallelism needs mesh3d's own attention; use cp=1")  # fmt: skip
+        raise UserError(
+            f"cp: cp={sizes['cp']} is not supported for {type(model).__name__}: "
+            "context parallelism needs mesh3d's own attention; use cp=1"
+        )
     if dp_mode not in ("replicate", "zero1", "full"):
         raise UserError(f"dp: dp_mode {dp_mode!r} is unknown; use 'replicate', 'zero1' or 'full'")
     tp = sizes.get("tp", 1)
@@ -134,7 +131,7 @@ def parallelize_hf(
         if given is not None and not isinstance(given, dict):
             raise UserError(f"tp: tp_plan {tp_plan!r} is neither 'auto' nor a dict")
         plan = hf_tp_plan(model, tp, vocab_parallel, given)
-        tied = _tied(model)
+        tied = ties_embeddings(model)
         apply_tp(model, mesh["tp"], plan)
         if tied:  # the embedding and the head were parallelized apart: one parameter again
             model.get_output_embeddings().weight = model.get_input_embeddings().weight
@@ -153,8 +150,10 @@ def decoder_layers(model: nn.Module) -> str:
                 return name
         except AttributeError:
             continue
-    raise UserError(f"dp: {type(model).__name__} has no ModuleList of decoder layers that "
-                    "mesh3d can find; use dp_mode='replicate'")  # fmt: skip
+    raise UserError(
+        f"dp: {type(model).__name__} has no ModuleList of decoder layers that "
+        "mesh3d can find; use dp_mode='replicate'"
+    )
 
 
 def _config_plan(model: nn.Module) -> dict[str, str]:
@@ -170,8 +169,11 @@ def _matches(model, pattern: str) -> list[tuple[str, nn.Module]]:
     from fnmatch import fnmatch
 
     tokens = pattern.split(".")
-    return [(n, m) for n, m in model.named_modules()
-            if n and len(n.split(".")) == len(tokens) and all(map(fnmatch, n.split("."), tokens))]  # fmt: skip
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if n and len(n.split(".")) == len(tokens) and all(map(fnmatch, n.split("."), tokens))
+    ]
 
 
 def _check_divides(model, name: str, module: nn.Module, style: str, tp: int, is_head: bool) -> None:
@@ -188,8 +190,10 @@ def _check_divides(model, name: str, module: nn.Module, style: str, tp: int, is_
         what = "output features" if col else "input features"
         fix = "choose a tp that divides it"
     else:
-        raise UserError(f"tp: module {name!r} ({type(module).__name__}) has style {style!r}, "
-                        "which mesh3d applies to nn.Linear and nn.Embedding only; use tp=1")  # fmt: skip
+        raise UserError(
+            f"tp: module {name!r} ({type(module).__name__}) has style {style!r}, "
+            "which mesh3d applies to nn.Linear and nn.Embedding only; use tp=1"
+        )
     if size % tp:
         raise UserError(f"tp: {name} has {size} {what}, not divisible by tp={tp}; {fix}")
     if name.rsplit(".", 1)[-1] in _HEAD_PROJECTIONS and style == "colwise":
@@ -197,90 +201,14 @@ def _check_divides(model, name: str, module: nn.Module, style: str, tp: int, is_
         kv = getattr(config, "num_key_value_heads", None) or heads
         for key, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
             if n is not None and n % tp:
-                raise UserError(f"tp: {key}={n} of {type(model).__name__} is not divisible by "
-                                f"tp={tp} ({name} is split by heads); choose a tp that divides it")  # fmt: skip
+                raise UserError(
+                    f"tp: {key}={n} of {type(model).__name__} is not divisible by "
+                    f"tp={tp} ({name} is split by heads); choose a tp that divides it"
+                )
 
 
-def _tied(model: nn.Module) -> bool:
+def ties_embeddings(model: nn.Module) -> bool:
+    """Whether `model`'s input embedding and LM head share one weight."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return emb is not None and head is not None and head.weight is emb.weight
-
-
-def build_hf_stage(
-    model: nn.Module, stage_id: int, num_stages: int, layers: list[int]
-) -> nn.Module:
-    """A copy of the `transformers` causal LM `model` holding pipeline stage `stage_id`'s part:
-    its decoder `layers` (parameter names as in the full model), the embedding on the first
-    stage, the final norm and the head on the last. Its forward takes token ids (first stage)
-    or the previous stage's hidden states and returns hidden states, or logits on the last
-    stage, through the model's own code (so the rotary or other position embeddings are
-    computed on every stage from the positions). The model's `base_model_pp_plan` says which
-    modules come before and after the layers. Tied embeddings across stages are refused.
-
-    Example:
-
-        stage = mesh3d.build_hf_stage(model, pp_rank, 2, [[0, 1], [2, 3]][pp_rank])
-        mesh3d.parallelize_hf(stage, mesh)           # then mesh3d.pipeline_stage / build_schedule
-    """
-    name = type(model).__name__
-    if num_stages > 1 and _tied(model):
-        raise UserError(f"pp: {name} ties its embedding and LM head, which pipeline stages "
-                        "cannot split yet; use pp=1 or tie_word_embeddings=False")  # fmt: skip
-    where = decoder_layers(model)
-    count = len(model.get_submodule(where))
-    if not layers or any(not 0 <= i < count for i in layers) or sorted(set(layers)) != list(layers):
-        raise UserError(f"pp: stage {stage_id} layers {layers} must be increasing indices "
-                        f"of {name}'s {count} decoder layers")  # fmt: skip
-    order = list(getattr(model, "_pp_plan", None) or {})
-    if where not in order:
-        raise UserError(f"pp: {name} has no base_model_pp_plan naming {where}; use pp=1")
-    head = _name_of(model, model.get_output_embeddings())
-    embedding = _name_of(model, model.get_input_embeddings())
-    before = [n for n in order[: order.index(where)] if n != head]
-    after = [n for n in order[order.index(where) + 1 :] if n != head] + [head]
-    first, last = stage_id == 0, stage_id == num_stages - 1
-    container = model.get_submodule(where)
-    dropped = [m for i, m in enumerate(container) if i not in layers]
-    dropped += [model.get_submodule(n) for n in before if not first]
-    dropped += [model.get_submodule(n) for n in after if not last]
-    stage = copy.deepcopy(model, memo={id(m): None for m in dropped})
-    kept = stage.get_submodule(where)
-    for key in [k for k, m in kept._modules.items() if m is None]:
-        del kept._modules[key]  # the kept keys stay: "layers.2..." on stage 1 as in the model
-    for n in before if not first else ():  # embeddings, dropouts: done once, on stage 0
-        _set(stage, n, None if n == embedding else nn.Identity())
-    for n in after if not last else ():  # the final norm; the head
-        _set(stage, n, None if n == head else nn.Identity())
-    base = stage.base_model
-    if isinstance(getattr(base.config, "layer_types", None), list):  # read by position i
-        base.config = copy.copy(base.config)
-        base.config.layer_types = [base.config.layer_types[i] for i in layers]
-    stage.__class__ = _stage_class(type(model))
-    stage.mesh3d_stage = (first, last)
-    return stage
-
-
-class _StageForward:
-    """Mixed into a stage's class: the pipeline's one-tensor forward."""
-
-    def forward(self, x):
-        first, last = self.mesh3d_stage
-        given = {"input_ids": x} if first else {"inputs_embeds": x}
-        if last:
-            return super().forward(**given, use_cache=False).logits
-        return self.base_model(**given, use_cache=False).last_hidden_state
-
-
-@functools.cache
-def _stage_class(cls: type) -> type:
-    return type(f"{cls.__name__}Stage", (_StageForward, cls), {})
-
-
-def _set(model: nn.Module, dotted: str, value) -> None:
-    parent, _, leaf = dotted.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, value)
-
-
-def _name_of(model: nn.Module, module: nn.Module | None) -> str | None:
-    return next((n for n, m in model.named_modules() if m is module), None)
