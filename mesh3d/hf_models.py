@@ -24,6 +24,8 @@ Pipeline stages of such a model: `mesh3d/hf_stages.py`.
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -85,21 +87,22 @@ def hf_tp_plan(
 
 
 def parallelize_hf(
-    model: nn.Module,
+    model: nn.Module | str | os.PathLike,
     mesh: DeviceMesh,
     *,
     tp_plan: str | dict[str, str] = "auto",
     dp_mode: str = "replicate",
     vocab_parallel: bool = True,
 ) -> nn.Module:
-    """Put a `transformers` causal LM (the same full weights on every rank) on `mesh`'s tp and dp
-    axes, in place: tensor parallelism from its own plan (`tp_plan="auto"`, or a dict
+    """Put a `transformers` causal LM (the same full weights on every rank; or a local folder or
+    hub id, which every rank loads, `load_hf`) on `mesh`'s tp and dp axes, in place: tensor parallelism from its own plan (`tp_plan="auto"`, or a dict
     `{module pattern: transformers style name}`), then data parallelism by `dp_mode`
     ('replicate': sum gradients with `mesh3d.allreduce_gradients` after backward; 'zero1' /
     'full': FSDP2 over dp, one unit per decoder layer, which *averages* gradients: multiply the
     loss by the dp size). Everything is checked before any collective; what cannot be done is
     refused in one `UserError` line naming the axis and the reason. With `vocab_parallel` the
-    logits come back vocab-sharded (a DTensor): give them to `mesh3d.normalized_loss`.
+    logits come back vocab-sharded (a DTensor): give them to `mesh3d.normalized_loss`. Returns
+    the model (the loaded one, for a folder or hub id).
 
     Example:
 
@@ -112,6 +115,7 @@ def parallelize_hf(
         mesh3d.normalized_loss(logits, tokens[:, 1:], config.vocab_size, global_tokens).backward()
         mesh3d.allreduce_gradients(model, mesh["dp"].get_group())
     """
+    model = load_hf(model)
     sizes = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
     if sizes.get("pp", 1) > 1 and getattr(model, "mesh3d_stage", None) is None:
         raise UserError(
@@ -138,6 +142,24 @@ def parallelize_hf(
     if sizes.get("dp", 1) > 1 and dp_mode != "replicate":
         apply_dp(model, mesh["dp"], dp_mode, blocks=decoder_layers(model))
     return model
+
+
+def load_hf(source: nn.Module | str | os.PathLike) -> nn.Module:
+    """`source` itself when it is a model, else the causal LM saved in that local folder (or at
+    that hub id, where a network exists), in its saved dtype; a source that cannot be loaded is
+    one `UserError` line."""
+    if isinstance(source, nn.Module):
+        return source
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(os.fspath(source))
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"model: {os.fspath(source)!r} is neither a folder holding a transformers causal LM "
+            f"(config.json and weights) nor a reachable hub id ({first})"
+        ) from None
 
 
 def decoder_layers(model: nn.Module) -> str:

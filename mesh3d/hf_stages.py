@@ -14,27 +14,30 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 from torch import nn
 
 from mesh3d.errors import UserError
-from mesh3d.hf_models import decoder_layers, ties_embeddings
+from mesh3d.hf_models import decoder_layers, load_hf, ties_embeddings
 
 
 def build_hf_stage(
-    model: nn.Module, stage_id: int, num_stages: int, layers: list[int]
+    model: nn.Module | str | os.PathLike, stage_id: int, num_stages: int, layers: list[int]
 ) -> nn.Module:
     """A copy of the `transformers` causal LM `model` holding pipeline stage `stage_id`'s part:
     its decoder `layers` (names as in the full model; may be empty), the embedding on the
     first stage, the final norm and the head on the last (module docstring). Its forward takes
     token ids (first stage) or the previous stage's hidden states and returns hidden states,
-    or logits on the last stage. Tied embeddings across stages are refused.
+    or logits on the last stage. Tied embeddings across stages are refused. A folder or hub id
+    is loaded first (`mesh3d.hf_models.load_hf`).
 
     Example:
 
         stage = mesh3d.build_hf_stage(model, pp_rank, 2, [[0, 1], [2, 3]][pp_rank])
         mesh3d.parallelize_hf(stage, mesh)    # then a PipelineStage of it, mesh3d.build_schedule
     """
+    model = load_hf(model)
     name = type(model).__name__
     if num_stages > 1 and ties_embeddings(model):
         raise UserError(

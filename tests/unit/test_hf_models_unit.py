@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import mesh3d
-from mesh3d.hf_models import decoder_layers, hf_tp_plan
+from mesh3d.hf_models import decoder_layers, hf_tp_plan, load_hf
 
 pytest.importorskip("transformers", reason="transformers is not installed (the dev extra has it)")
 
@@ -96,3 +96,29 @@ def test_tied_embeddings_across_stages_are_refused_in_one_line():
 def test_stage_layers_out_of_range_are_refused():
     with pytest.raises(mesh3d.UserError, match=r"pp: stage 1 layers \[1, 5\] must be increasing"):
         mesh3d.build_hf_stage(tiny("gpt_neox"), 1, 2, [1, 5])
+
+
+def test_a_stage_may_hold_no_layers():
+    torch.manual_seed(0)
+    model = tiny("gpt_neox")
+    stages = [mesh3d.build_hf_stage(model, i, 2, layers) for i, layers in enumerate([[0, 1], []])]
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(stages[1](stages[0](ids)), model(input_ids=ids).logits, atol=1e-6, rtol=0)
+
+
+def test_a_saved_folder_loads_as_the_model(tmp_path):
+    torch.manual_seed(0)
+    model = tiny("mixtral")
+    model.save_pretrained(tmp_path / "mixtral")
+    loaded = load_hf(str(tmp_path / "mixtral"))
+    assert type(loaded) is type(model)
+    want = dict(model.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in loaded.named_parameters())
+    assert load_hf(model) is model
+
+
+def test_a_folder_without_a_model_is_one_line(tmp_path):
+    with pytest.raises(mesh3d.UserError) as caught:
+        load_hf(tmp_path)
+    msg = str(caught.value)
+    assert msg.startswith(f"model: '{tmp_path}' is neither a folder") and "\n" not in msg
