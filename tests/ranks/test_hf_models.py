@@ -10,8 +10,9 @@ and final weights within 1e-5.
 - Mixtral: a mixture of experts; its plan splits attention only, the router and experts stay
   replicated.
 
-Pipelined: GPT-NeoX at dp1 x tp1 x pp2 and dp2 x tp2 x pp2 (ZeRO-1), Mixtral at dp2 x tp2 x pp2,
-1F1B, against the same plain loop.
+Pipelined, one decoder layer a stage, against the same plain loop: 1F1B (GPT-NeoX at 1x1x2 and
+2x2x2 with ZeRO-1, Mixtral at 2x2x2), Interleaved 1F1B (GPT-NeoX at 1x1x2, Gemma 2 at 2x2x2 full
+shard; 2 stages a rank) and ZBV zero bubble (Gemma 2 at dp1 x tp2 x pp2; V placement).
 
 The tests of this subject that run in one process without a process group are in
 `tests/unit/test_hf_models_unit.py`."""
@@ -64,10 +65,10 @@ def _grad_norm(model) -> float:
     return float(torch.sqrt(sum(_full(p.grad).double().square().sum() for p in model.parameters())))
 
 
-def _plain(rank: int, world: int, arch: str) -> dict:
+def _plain(rank: int, world: int, arch: str, **extra) -> dict:
     """The unmodified model, one process, a plain loop: the reference."""
     torch.manual_seed(0)
-    model = tiny(arch)
+    model = tiny(arch, **extra)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     out = {"loss": [], "grad_norm": []}
     for step in range(STEPS):
@@ -143,35 +144,51 @@ def test_dp2_tp2_equals_the_plain_transformers_loop(arch, dp_mode):
     assert ("q_proj" in split or "query_key_value" in split) and "norm" not in split
 
 
-def _pipelined(rank: int, world: int, arch: str, dp: int, tp: int, pp: int, dp_mode: str) -> dict:
-    """Two stages cut at the decoder layers (layer 0 with the embedding, layer 1 with the norm
-    and head), 1F1B over 2 microbatches per dp rank."""
-    from mesh3d.parallel.pipeline import pipeline_stage
+def _pipelined(
+    rank: int,
+    world: int,
+    arch: str,
+    dp: int,
+    tp: int,
+    pp: int,
+    dp_mode: str,
+    schedule: str,
+    extra: dict,
+) -> dict:
+    """One decoder layer a stage (the first with the embedding, the last with the norm and
+    head), pp stages or 2 per rank for multi-stage schedules, 2 microbatches per dp rank."""
+    from mesh3d.parallel.pipeline import is_multi_stage, pipeline_stage, stage_ids_of_rank
 
+    n_stages = 2 * pp if is_multi_stage(schedule) else pp
     torch.manual_seed(0)
-    model = tiny(arch)
+    model = tiny(arch, num_hidden_layers=n_stages, **extra)
     mesh = mesh3d.build_mesh(mesh3d.ParallelDims(dp=dp, tp=tp, pp=pp), "cpu")
     pp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
-    part = mesh3d.build_hf_stage(model, pp_rank, pp, [[0], [1]][pp_rank])
-    mesh3d.parallelize_hf(part, mesh, dp_mode=dp_mode)
-    optimizer = torch.optim.AdamW(part.parameters(), lr=1e-3, eps=1e-6, foreach=False)
+    ids = stage_ids_of_rank(pp_rank, pp, n_stages // pp, schedule)
+    parts = [mesh3d.build_hf_stage(model, i, n_stages, [i]) for i in ids]
+    for part in parts:
+        mesh3d.parallelize_hf(part, mesh, dp_mode=dp_mode)
+    params = [p for part in parts for p in part.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, eps=1e-6, foreach=False)
     dp_group, dp_rank, per, n_mb = mesh["dp"].get_group(), mesh["dp"].get_local_rank(), GBS // dp, 2
     scale = dp if dp_mode != "replicate" else 1
-    stage = pipeline_stage(part, pp_rank, pp, torch.device("cpu"), pp_group,
-                           microbatch_size=per // n_mb, seq_len=SEQ, seq_len_local=SEQ,
-                           hidden_size=SMALL["hidden_size"], vocab_size=VOCAB, dtype=torch.float32)  # fmt: skip
+    stages = [pipeline_stage(part, i, n_stages, torch.device("cpu"), pp_group,
+                             microbatch_size=per // n_mb, seq_len=SEQ, seq_len_local=SEQ,
+                             hidden_size=SMALL["hidden_size"], vocab_size=VOCAB,
+                             dtype=torch.float32) for i, part in zip(ids, parts)]  # fmt: skip
 
     def loss_fn(logits, labels):
         return mesh3d.normalized_loss(logits, labels, VOCAB, GBS * SEQ) * scale
 
-    schedule = mesh3d.build_schedule("1f1b", [stage], n_mb, loss_fn)
+    scheduled = mesh3d.build_schedule(schedule, stages, n_mb, loss_fn)
     out = {"loss": [], "grad_norm": []}
     for step in range(STEPS):
         mine = _batch(step)[dp_rank * per : (dp_rank + 1) * per]
-        losses = mesh3d.run_schedule(schedule, [stage], mine[:, :-1], mine[:, 1:])
+        losses = mesh3d.run_schedule(scheduled, stages, mine[:, :-1], mine[:, 1:])
         if dp_mode == "replicate":
-            mesh3d.allreduce_gradients(part, dp_group)
-        squares = sum(_full(p.grad).double().square().sum() for p in part.parameters())
+            for part in parts:
+                mesh3d.allreduce_gradients(part, dp_group)
+        squares = sum(_full(p.grad).double().square().sum() for p in params)
         dist.all_reduce(squares, group=pp_group)
         out["grad_norm"].append(float(squares.sqrt()))
         optimizer.step()
@@ -180,29 +197,40 @@ def _pipelined(rank: int, world: int, arch: str, dp: int, tp: int, pp: int, dp_m
         for group in (pp_group, dp_group):
             dist.all_reduce(total, group=group)
         out["loss"].append(float(total))
-    parts = [None] * pp
-    dist.all_gather_object(parts, {n: _full(p) for n, p in part.named_parameters()}, group=pp_group)
-    out["weights"] = {k: v for got in parts for k, v in got.items()}
-    out["stage_layers"] = sorted(
-        {n.split(".")[2] for n, _ in part.named_parameters() if ".layers." in n}
-    )
+    mine = {n: _full(p) for part in parts for n, p in part.named_parameters()}
+    gathered = [None] * pp
+    dist.all_gather_object(gathered, mine, group=pp_group)
+    out["weights"] = {k: v for got in gathered for k, v in got.items()}
+    out["layers_match_stages"] = sorted(
+        {n.split(".")[2] for n in mine if ".layers." in n}
+    ) == sorted(str(i) for i in ids)  # the names of the full model: layer i on stage i
     return out
 
 
 @pytest.mark.parametrize(
-    "arch,dims,dp_mode",
-    [("gpt_neox", (1, 1, 2), "replicate"), ("gpt_neox", (2, 2, 2), "zero1"),
-     ("mixtral", (2, 2, 2), "replicate")],
+    "arch,dims,dp_mode,schedule",
+    [("gpt_neox", (1, 1, 2), "replicate", "1f1b"), ("gpt_neox", (2, 2, 2), "zero1", "1f1b"),
+     ("mixtral", (2, 2, 2), "replicate", "1f1b"),
+     ("gpt_neox", (1, 1, 2), "replicate", "interleaved_1f1b"),
+     ("gemma2", (1, 2, 2), "replicate", "zbv_zero_bubble"),
+     ("gemma2", (2, 2, 2), "full", "interleaved_1f1b")],
 )  # fmt: skip
-def test_pipelined_stages_equal_the_plain_transformers_loop(arch, dims, dp_mode):
-    ref = run_ranks(1, _plain, arch, timeout=60)[0]
-    ranks = run_ranks(dims[0] * dims[1] * dims[2], _pipelined, arch, *dims, dp_mode, timeout=90)
-    got = ranks[0]
-    assert ranks[0]["stage_layers"] == ["0"] and ranks[-1]["stage_layers"] == ["1"]  # names kept
+def test_pipelined_stages_equal_the_plain_transformers_loop(arch, dims, dp_mode, schedule):
+    # Gemma 2 untied (stages cannot split a tie yet), its sliding layers' window inside the batch
+    extra = {"tie_word_embeddings": False, "sliding_window": 4} if arch == "gemma2" else {}
+    got = run_ranks(dims[0] * dims[1] * dims[2], _pipelined, arch, *dims, dp_mode, schedule,
+                    extra, timeout=90)  # fmt: skip
+    ref = run_ranks(1, _plain, arch, num_hidden_layers=_layers(got[0]), **extra, timeout=60)[0]
+    assert all(r["layers_match_stages"] for r in got)
+    got = got[0]
     assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) <= 1e-5
     assert max(abs(a - b) for a, b in zip(got["grad_norm"], ref["grad_norm"])) <= 1e-5
     assert got["weights"].keys() == ref["weights"].keys()
     assert _max_diff(got["weights"], ref["weights"]) <= 1e-5
+
+
+def _layers(result: dict) -> int:
+    return len({n.split(".")[2] for n in result["weights"] if ".layers." in n})
 
 
 def _refused(rank: int, world: int, dims: dict) -> str:
