@@ -93,16 +93,21 @@ def parallelize_hf(
     tp_plan: str | dict[str, str] = "auto",
     dp_mode: str = "replicate",
     vocab_parallel: bool = True,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Put a `transformers` causal LM (the same full weights on every rank; or a local folder or
-    hub id, which every rank loads, `load_hf`) on `mesh`'s tp and dp axes, in place: tensor parallelism from its own plan (`tp_plan="auto"`, or a dict
-    `{module pattern: transformers style name}`), then data parallelism by `dp_mode`
-    ('replicate': sum gradients with `mesh3d.allreduce_gradients` after backward; 'zero1' /
-    'full': FSDP2 over dp, one unit per decoder layer, which *averages* gradients: multiply the
-    loss by the dp size). Everything is checked before any collective; what cannot be done is
-    refused in one `UserError` line naming the axis and the reason. With `vocab_parallel` the
-    logits come back vocab-sharded (a DTensor): give them to `mesh3d.normalized_loss`. Returns
-    the model (the loaded one, for a folder or hub id).
+    hub id, which every rank loads, `load_hf`) on `mesh`'s tp and dp axes, in place: tensor
+    parallelism from its own plan (`tp_plan="auto"`, or a dict `{module pattern: transformers
+    style name}`), then data parallelism by `dp_mode` ('replicate': sum gradients with
+    `mesh3d.allreduce_gradients` after backward; 'zero1' / 'full': FSDP2 over dp, one unit per
+    decoder layer, which *averages* gradients: multiply the loss by the dp size). Everything is
+    checked before any collective; what cannot be done is refused in one `UserError` line naming
+    the axis and the reason. With `vocab_parallel` the logits come back vocab-sharded (a
+    DTensor): give them to `mesh3d.normalized_loss`. With `sequence_parallel` (tp > 1, pp = 1)
+    the residual stream and the norms are split over tp on the sequence
+    (`mesh3d/hf_sequence.py`); the norms' gradients are then `Partial` DTensors
+    (`allreduce_gradients` and AdamW handle them). Returns the model (the loaded one, for a
+    folder or hub id).
 
     Example:
 
@@ -135,6 +140,8 @@ def parallelize_hf(
         if given is not None and not isinstance(given, dict):
             raise UserError(f"tp: tp_plan {tp_plan!r} is neither 'auto' nor a dict")
         plan = hf_tp_plan(model, tp, vocab_parallel, given)
+        if sequence_parallel:
+            plan = _with_sequence_parallel(model, plan, sizes.get("pp", 1))
         tied = ties_embeddings(model)
         apply_tp(model, mesh["tp"], plan)
         if tied:  # the embedding and the head were parallelized apart: one parameter again
@@ -142,6 +149,22 @@ def parallelize_hf(
     if sizes.get("dp", 1) > 1 and dp_mode != "replicate":
         apply_dp(model, mesh["dp"], dp_mode, blocks=decoder_layers(model))
     return model
+
+
+def _with_sequence_parallel(model: nn.Module, plan: dict, pp: int) -> dict:
+    from mesh3d.hf_sequence import sequence_parallel_plan
+
+    if pp > 1:
+        raise UserError(
+            f"tp: sequence parallelism with pp={pp} is not supported for "
+            f"{type(model).__name__} yet; use sequence_parallel=False or pp=1"
+        )
+    layers = decoder_layers(model)
+    order = list(getattr(model, "_pp_plan", None) or {})
+    head = model.get_output_embeddings()
+    after = order[order.index(layers) + 1 :] if layers in order else []
+    norms = [n for n in after if model.get_submodule(n) is not head]
+    return sequence_parallel_plan(model, plan, layers, norms)
 
 
 def load_hf(source: nn.Module | str | os.PathLike) -> nn.Module:

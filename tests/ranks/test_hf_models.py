@@ -10,6 +10,8 @@ and final weights within 1e-5.
 - Mixtral: a mixture of experts; its plan splits attention only, the router and experts stay
   replicated.
 
+Each also with sequence parallelism (`sequence_parallel=True`), under each DP mode once.
+
 Pipelined, one decoder layer a stage, against the same plain loop: 1F1B (GPT-NeoX at 1x1x2 and
 2x2x2 with ZeRO-1, Mixtral at 2x2x2), Interleaved 1F1B (GPT-NeoX at 1x1x2, Gemma 2 at 2x2x2 full
 shard; 2 stages a rank) and ZBV zero bubble (Gemma 2 at dp1 x tp2 x pp2; V placement).
@@ -84,11 +86,13 @@ def _plain(rank: int, world: int, arch: str, **extra) -> dict:
     return out
 
 
-def _mesh3d(rank: int, world: int, arch: str, dp: int, tp: int, dp_mode: str) -> dict:
+def _mesh3d(
+    rank: int, world: int, arch: str, dp: int, tp: int, dp_mode: str, sp: bool = False
+) -> dict:
     torch.manual_seed(0)
     model = tiny(arch)  # the same full weights on every rank
     mesh = mesh3d.build_mesh(mesh3d.ParallelDims(dp=dp, tp=tp, pp=1), "cpu")
-    mesh3d.parallelize_hf(model, mesh, dp_mode=dp_mode)
+    mesh3d.parallelize_hf(model, mesh, dp_mode=dp_mode, sequence_parallel=sp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, foreach=False)
     dp_group, dp_rank, per = mesh["dp"].get_group(), mesh["dp"].get_local_rank(), GBS // dp
     scale = dp if dp_mode != "replicate" else 1  # FSDP averages gradients over dp
@@ -109,6 +113,10 @@ def _mesh3d(rank: int, world: int, arch: str, dp: int, tp: int, dp_mode: str) ->
     out["vocab_sharded_logits"] = isinstance(logits, DTensor)
     out["tp_split"] = sorted(n for n, p in model.named_parameters() if _tp_split(p))
     out["head_split"] = _tp_split(model.get_output_embeddings().weight)
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    out["norms_on_tp"] = all(
+        isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names for p in norms
+    )
     out["weights"] = {n: _full(p) for n, p in model.named_parameters()}
     return out
 
@@ -125,13 +133,15 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize(
-    "arch,dp_mode",
-    [("gpt_neox", "replicate"), ("gemma2", "replicate"), ("mixtral", "replicate"),
-     ("gpt_neox", "zero1"), ("gemma2", "full"), ("mixtral", "full")],
+    "arch,dp_mode,sp",
+    [("gpt_neox", "replicate", False), ("gemma2", "replicate", False),
+     ("mixtral", "replicate", False), ("gpt_neox", "zero1", False), ("gemma2", "full", False),
+     ("mixtral", "full", False),
+     ("gpt_neox", "replicate", True), ("gemma2", "full", True), ("mixtral", "zero1", True)],
 )  # fmt: skip
-def test_dp2_tp2_equals_the_plain_transformers_loop(arch, dp_mode):
+def test_dp2_tp2_equals_the_plain_transformers_loop(arch, dp_mode, sp):
     ref = run_ranks(1, _plain, arch, timeout=60)[0]
-    got = run_ranks(4, _mesh3d, arch, 2, 2, dp_mode, timeout=60)[0]
+    got = run_ranks(4, _mesh3d, arch, 2, 2, dp_mode, sp, timeout=60)[0]
     assert ref["loss"][-1] < ref["loss"][0]  # it learns
     assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) <= 1e-5
     assert max(abs(a - b) for a, b in zip(got["grad_norm"], ref["grad_norm"])) <= 1e-5
@@ -142,6 +152,8 @@ def test_dp2_tp2_equals_the_plain_transformers_loop(arch, dp_mode):
     assert got["head_split"]
     split = " ".join(got["tp_split"])
     assert ("q_proj" in split or "query_key_value" in split) and "norm" not in split
+    # sequence parallelism: every norm runs on this rank's rows, its weight a tp DTensor
+    assert got["norms_on_tp"] == sp
 
 
 def _pipelined(

@@ -122,3 +122,30 @@ def test_a_folder_without_a_model_is_one_line(tmp_path):
         load_hf(tmp_path)
     msg = str(caught.value)
     assert msg.startswith(f"model: '{tmp_path}' is neither a folder") and "\n" not in msg
+
+
+def _sp_plan(model, layers: str, final: list[str]):
+    from mesh3d.hf_sequence import sequence_parallel_plan
+
+    return sequence_parallel_plan(model, hf_tp_plan(model, 2), layers, final)
+
+
+def test_sequence_parallel_plan_shards_norms_and_gathers_blocks():
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from mesh3d.hf_sequence import _FullInput
+
+    plan = _sp_plan(tiny("mixtral"), "model.layers", ["model.norm"])
+    assert isinstance(plan["model.layers.*.input_layernorm"], SequenceParallel)
+    assert isinstance(plan["model.norm"], SequenceParallel)
+    attn, moe = plan["model.layers.*.self_attn"], plan["model.layers.*.mlp"]
+    assert not attn.keep_rows and moe.keep_rows  # the replicated MoE block keeps its rows
+    assert isinstance(attn, _FullInput)
+    assert plan["model.layers.*.self_attn.o_proj"].output_layouts == (Shard(1),)
+    assert plan["model.embed_tokens"].output_layouts == (Shard(1),)
+
+
+def test_sequence_parallel_refuses_dropout_on_sequence_shards():
+    model = tiny("gpt_neox", hidden_dropout=0.1)
+    with pytest.raises(mesh3d.UserError, match=r"^tp: GPTNeoXForCausalLM's post_attention_dropout"):
+        _sp_plan(model, "gpt_neox.layers", ["gpt_neox.final_layer_norm"])
