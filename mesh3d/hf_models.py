@@ -60,7 +60,8 @@ def hf_tp_plan(
 
     Example:
 
-        plan = mesh3d.hf_models.hf_tp_plan(transformers.OlmoForCausalLM(config), tp=2)
+        from mesh3d.hf_models import hf_tp_plan
+        plan = hf_tp_plan(transformers.OlmoForCausalLM(config), tp=2)
     """
     names = names or getattr(model, "tp_plan", None) or _config_plan(model)
     if not names:
