@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     from mesh3d.data.dummy import DummyTokens, microbatches
     from mesh3d.data.nanoset import Nanoset
     from mesh3d.errors import ConfigError, UserError
+    from mesh3d.hf_models import parallelize_hf
+    from mesh3d.hf_stages import build_hf_stage
     from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, mesh_from_config
     from mesh3d.models.llama import Llama
     from mesh3d.models.llama_spec import hf_llama_tp_plan, llama_tp_plan
@@ -93,6 +95,8 @@ _EXPORTS = {
     "TPPlan": "mesh3d.tp_styles",
     "apply_tp": "mesh3d.parallel.tensor",
     "hf_llama_tp_plan": "mesh3d.models.llama_spec",
+    "parallelize_hf": "mesh3d.hf_models",
+    "build_hf_stage": "mesh3d.hf_stages",
     "llama_tp_plan": "mesh3d.models.llama_spec",
     "train": "mesh3d.train.loop",
     "normalized_loss": "mesh3d.train.loss",
@@ -132,6 +136,8 @@ __all__ = [
     "apply_tp",
     "llama_tp_plan",
     "hf_llama_tp_plan",
+    "parallelize_hf",
+    "build_hf_stage",
     # data parallelism
     "apply_dp",
     "allreduce_gradients",

@@ -11,7 +11,8 @@ import mesh3d
 PUBLIC = [
     "Config", "load_config", "config_from_dict", "apply_overrides", "validate",
     "ParallelDims", "init_distributed", "build_mesh", "mesh_from_config",
-    "TPPlan", "apply_tp", "llama_tp_plan", "hf_llama_tp_plan",
+    "TPPlan", "apply_tp", "llama_tp_plan", "hf_llama_tp_plan", "parallelize_hf",
+    "build_hf_stage",
     "apply_dp", "allreduce_gradients",
     "SCHEDULES", "split_layers", "build_stage", "build_schedule", "run_schedule",
     "normalized_loss", "clip_grad_norm",
