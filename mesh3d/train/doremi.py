@@ -58,7 +58,7 @@ from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
 from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts, build_model_parts
 from mesh3d.train.evaluate import _reshard
-from mesh3d.train.loss import StepLoss, _local_padding, _vocab_parallel
+from mesh3d.train.loss import StepLoss, _local_padding, _vocab_parallel, sharded_softmax
 from mesh3d.train.step import _autocast, _loss_ctx, train_step
 
 REF_KEY = "`doremi.ref_model_resume_checkpoint_path`"
@@ -98,19 +98,10 @@ class _TokenCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, group, start):
-        width = logits.shape[-1]
-        top = logits.amax(-1)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        probs = (logits - top[:, None]).exp_()
-        local = labels - start
-        mine = (local >= 0) & (local < width)
-        target = logits.gather(-1, local.clamp(0, width - 1)[:, None]).squeeze(-1)
-        both = torch.stack([probs.sum(-1), (target - top) * mine])
-        dist.all_reduce(both, group=group)
-        probs.div_(both[0][:, None])
+        probs, rows = sharded_softmax(logits, labels, group, start)
         ctx.start = start
         ctx.save_for_backward(probs, labels)
-        return (both[0].log() - both[1]) * (labels != IGNORE)
+        return rows * (labels != IGNORE)
 
     @staticmethod
     def backward(ctx, grad):

@@ -60,20 +60,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, group, start):
-        width = logits.shape[-1]
-        top = logits.amax(-1)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        probs = (logits - top[:, None]).exp_()
-        local = labels - start
-        mine = (local >= 0) & (local < width)
-        target = logits.gather(-1, local.clamp(0, width - 1)[:, None]).squeeze(-1)
-        both = torch.stack([probs.sum(-1), (target - top) * mine])
-        dist.all_reduce(both, group=group)
+        probs, rows = sharded_softmax(logits, labels, group, start)
         valid = labels != IGNORE
-        probs.div_(both[0][:, None]).mul_(valid[:, None])
+        probs.mul_(valid[:, None])
         ctx.start = start
         ctx.save_for_backward(probs, labels)
-        return ((both[0].log() - both[1]) * valid).sum()
+        return (rows * valid).sum()
 
     @staticmethod
     def backward(ctx, grad):
@@ -84,6 +76,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         out = probs * grad
         out.scatter_add_(-1, local.clamp(0, width - 1)[:, None], -(hit * grad)[:, None])
         return out, None, None, None
+
+
+def sharded_softmax(logits, labels, group, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax of each row [N, W] over the whole vocabulary, each row's cross-entropy [N]) of
+    vocab-sharded logits (this rank's columns start.., fp32 [N, W]): one max and one sum
+    all-reduce over the tp `group`. Labels outside this rank's columns (or IGNORE) count 0 here."""
+    width = logits.shape[-1]
+    top = logits.amax(-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    probs = (logits - top[:, None]).exp_()
+    local = labels - start
+    mine = (local >= 0) & (local < width)
+    target = logits.gather(-1, local.clamp(0, width - 1)[:, None]).squeeze(-1)
+    both = torch.stack([probs.sum(-1), (target - top) * mine])
+    dist.all_reduce(both, group=group)
+    return probs.div_(both[0][:, None]), both[0].log() - both[1]
 
 
 def _vocab_parallel(logits: DTensor) -> tuple[dist.ProcessGroup, int] | None:
