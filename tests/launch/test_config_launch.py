@@ -3,6 +3,7 @@
 This file holds the tests of that subject that launch real processes; the others are in
 `tests/unit/test_config.py`."""
 
+import os
 import subprocess
 import sys
 
@@ -11,11 +12,11 @@ import yaml
 from test_config import BAD, REPO, base
 
 
-def _cli(tmp_path, d, *args):
+def _cli(tmp_path, d, *args, env=None):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(d))
     cmd = [sys.executable, "-m", "mesh3d.checks", str(cfg), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=60, env=env)
 
 
 CLI_BAD = ["unknown-key", "override-no-equals", "world-size", "qwen2-moe", "mamba-bias",
@@ -28,7 +29,9 @@ def test_cli_exit_2_without_traceback(case, tmp_path):
     d = base()
     if mutate:
         mutate(d)
-    r = _cli(tmp_path, d, *overrides, *(["--world-size", str(world)] if world else []))
+    # s5cmd named by a path that is not here falls back to the one on PATH: none on PATH here
+    env = dict(os.environ, PATH=str(tmp_path)) if "needs s5cmd" in fragment else None
+    r = _cli(tmp_path, d, *overrides, *(["--world-size", str(world)] if world else []), env=env)
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and fragment in r.stderr
     assert r.stderr.count("\n") == 1, r.stderr  # one line
