@@ -274,8 +274,10 @@ class Replicas:
                 "with the same config file and the same mesh3d"))  # fmt: skip
 
     def commit(self) -> bool:
-        """Whether the step may be applied (every group's sum succeeded)."""
-        return self.manager.should_commit()
+        """Whether the step may be applied (every group's sum succeeded); kept as `committed`
+        for `Run.step`."""
+        self.committed = self.manager.should_commit()
+        return self.committed
 
     def metrics(self, samples_per_group: int) -> dict:
         return {"ft_replicas": self.live, "ft_samples": self.live * samples_per_group}

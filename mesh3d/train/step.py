@@ -284,8 +284,6 @@ def train_step(
     loss = float(total)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)  # the non-finite guard
     committed = True if across is None else across.commit()
-    if across is not None:
-        across.committed = committed
     if finite and committed and (accepts is None or accepts(loss, grad_norm)):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
