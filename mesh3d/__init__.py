@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     from mesh3d.data.dummy import DummyTokens, microbatches
     from mesh3d.data.nanoset import Nanoset
     from mesh3d.errors import ConfigError, UserError
+    from mesh3d.checkpoint.hf_export import export_hf
     from mesh3d.hf_models import parallelize_hf
     from mesh3d.hf_stages import build_hf_stage
     from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, mesh_from_config
@@ -96,6 +97,7 @@ _EXPORTS = {
     "apply_tp": "mesh3d.parallel.tensor",
     "hf_llama_tp_plan": "mesh3d.models.llama_spec",
     "parallelize_hf": "mesh3d.hf_models",
+    "export_hf": "mesh3d.checkpoint.hf_export",
     "build_hf_stage": "mesh3d.hf_stages",
     "llama_tp_plan": "mesh3d.models.llama_spec",
     "train": "mesh3d.train.loop",
@@ -153,6 +155,7 @@ __all__ = [
     # checkpoints
     "save_state",
     "load_state",
+    "export_hf",
     "ModelShape",
     "model_shape",
     "read_nanotron_weights",

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -133,4 +135,24 @@ def load_state(
     if problems:
         raise damaged_error(path, problems)
     held = held_parameters(modules)
-    load_rank_state(path, params_of(modules, name_map), held, optimizer, optimizer is not None)
+    params = [_as_saved(path / "model", p) for p in params_of(modules, name_map)]
+    load_rank_state(path, params, held, optimizer, optimizer is not None)
+
+
+def _as_saved(root: Path, p: Param) -> Param:
+    """`p` with the TP kind its files were saved with, which the loading model's placement
+    may not tell (saved split over tp, loaded at tp 1, or the other way round)."""
+    *dirs, leaf = p.name.split(".")
+    folder = root.joinpath(*dirs)
+    if (folder / names.UNSHARDED_FILE.format(leaf=leaf)).is_file():
+        return replace(p, kind="replicated")
+    shards = sorted(folder.glob(f"model_{leaf}_pp-rank-*_tp-rank-*.safetensors"))
+    if not shards:
+        return p  # nothing saved: reading it names the missing file
+    try:
+        with safe_open(str(shards[0]), framework="pt") as f:
+            local = tuple(f.get_slice(names.TENSOR_KEY).get_shape())
+    except Exception:  # a damaged file: reading it names the problem
+        return p
+    split_rows = len(local) > 0 and local[0] != p.shape[0]
+    return replace(p, kind="vocab" if split_rows or len(local) == 1 else "row")

@@ -320,6 +320,9 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--checkpoint", required=True, help="e.g. checkpoints/1000, or checkpoints")
     a.add_argument("--output", required=True, help="folder for the Hugging Face model")
     a.add_argument("--dtype", choices=sorted(DTYPES), help="cast weights (default: as stored)")
+    a.add_argument("--model", help="a checkpoint of any transformers model (mesh3d.save_state of "
+                   "parallelize_hf / build_hf_stage parts): its original folder, for the "
+                   "architecture, config and tokenizer (mesh3d.export_hf)")  # fmt: skip
     b = sub.add_parser(
         "from-hf",
         help="Hugging Face model folder -> Nanotron-layout weights checkpoint",
@@ -342,7 +345,12 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--checkpoint", required=True, help="e.g. checkpoints/1000, or checkpoints")
     c.add_argument("--output", required=True, help="folder for the PEFT adapter")
     args = ap.parse_args(argv)
-    if args.command == "to-hf":
+    if args.command == "to-hf" and args.model:
+        from mesh3d.checkpoint.hf_export import export_hf
+
+        out = export_hf(args.checkpoint, args.model, args.output)
+        paths = sorted(p for p in out.iterdir() if p.is_file())
+    elif args.command == "to-hf":
         paths = to_hf(args.checkpoint, args.output, args.dtype)
     elif args.command == "to-peft":
         step = weights_dir(args.checkpoint, "--checkpoint")

@@ -16,7 +16,7 @@ PUBLIC = [
     "apply_dp", "allreduce_gradients",
     "SCHEDULES", "split_layers", "build_stage", "build_schedule", "run_schedule",
     "normalized_loss", "clip_grad_norm",
-    "save_state", "load_state", "ModelShape", "model_shape", "read_nanotron_weights", "write_nanotron_weights",
+    "save_state", "load_state", "export_hf", "ModelShape", "model_shape", "read_nanotron_weights", "write_nanotron_weights",
     "Nanoset", "DummyTokens", "microbatches",
     "Llama", "train", "make_plan",
     "UserError", "ConfigError",
