@@ -104,7 +104,8 @@ def _mesh3d(
         (loss * scale).backward()
         if dp_mode == "replicate":
             mesh3d.allreduce_gradients(model, dp_group)
-        out["grad_norm"].append(_grad_norm(model))
+        # mesh3d's norm over mixed parameters (sharded projections, replicated norms)
+        out["grad_norm"].append(mesh3d.clip_grad_norm(list(model.parameters()), None))
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach().clone()
