@@ -34,8 +34,16 @@ import time
 import torch
 from _ranks import launch
 from _results import add_publish_flag, print_header, results_dir
-from _ways import COMMON, CONFIG, hf_model, loop_stepper, mesh3d_stepper, plain_model
-from _ways import shape_overrides, step_batches
+from _ways import (
+    COMMON,
+    CONFIG,
+    hf_model,
+    loop_stepper,
+    mesh3d_stepper,
+    plain_model,
+    shape_overrides,
+    step_batches,
+)
 from throughput import bootstrap_median, interleave
 
 import mesh3d
@@ -77,7 +85,9 @@ def hf_mesh3d_stepper(model, cfg, steps, mesh):
 def _summary(out: dict, base: str, tokens: int, warmup: int) -> dict:
     rows = {}
     for name, m in out.items():
-        m["tokens_per_sec_median"] = statistics.median(tokens / s for s in m["step_seconds"][warmup:])
+        m["tokens_per_sec_median"] = statistics.median(
+            tokens / s for s in m["step_seconds"][warmup:]
+        )
         if name == base:
             continue
         per_round = [b / a for a, b in zip(m["step_seconds"], out[base]["step_seconds"])][warmup:]
@@ -146,7 +156,11 @@ def main() -> None:
                                       ("tp 2", tp2, tp2_ratios, "family")):  # fmt: skip
         for name, m in ways.items():
             r = ratios.get(f"{name}_over_{base}")
-            text = "base" if r is None else f"{r['paired']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] / {base}"
+            text = (
+                "base"
+                if r is None
+                else f"{r['paired']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] / {base}"
+            )
             print(f"| {label} | {name} | {m['tokens_per_sec_median']:,.0f} | {text} |")
     fam = single["ways"]["family"]["tokens_per_sec_median"]
     hf = single["ways"]["hf_mesh3d"]["tokens_per_sec_median"]

@@ -30,6 +30,7 @@ quiet_known_import_noise()  # before any import of transformers or torchao (see 
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
     from mesh3d.checkpoint.any_model import load_state, save_state
+    from mesh3d.checkpoint.hf_export import export_hf
     from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights, write_nanotron_weights
     from mesh3d.checks import validate
     from mesh3d.config import apply_overrides, config_from_dict, load_config
@@ -37,7 +38,6 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     from mesh3d.data.dummy import DummyTokens, microbatches
     from mesh3d.data.nanoset import Nanoset
     from mesh3d.errors import ConfigError, UserError
-    from mesh3d.checkpoint.hf_export import export_hf
     from mesh3d.hf_models import parallelize_hf
     from mesh3d.hf_stages import build_hf_stage
     from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, mesh_from_config

@@ -186,6 +186,21 @@ def load_hf(source: nn.Module | str | os.PathLike) -> nn.Module:
         ) from None
 
 
+def load_hf_config(source: str | os.PathLike):
+    """The `transformers` config saved in a local folder (or at a hub id, where a network
+    exists); one `UserError` line when there is none."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(os.fspath(source))
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"model: {os.fspath(source)!r} is neither a folder holding a transformers config.json "
+            f"nor a reachable hub id ({first})"
+        ) from None
+
+
 def decoder_layers(model: nn.Module) -> str:
     """The dotted name of `model`'s decoder layers (a ModuleList), from its pipeline plan or
     the base model's `layers`."""

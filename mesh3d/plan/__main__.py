@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> None:
         help="memory per device, GiB or a name (H100, A100-40GB, H200, ...): says whether the "
         "largest per-rank peak fits",
     )
+    ap.add_argument("--hf-model", metavar="FOLDER",
+                    help="plan this transformers causal LM (a local folder or hub id: its "
+                    "config.json) at the config's parallelism and tokens, read off its module "
+                    "tree (mesh3d/plan/hf.py) instead of the config's model")  # fmt: skip
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)
     if args.world_size is not None and args.world_size < 1:
@@ -75,13 +79,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.config and "=" in args.config:  # `mesh3d plan parallelism.tp=2`: no CONFIG
         args.overrides.insert(0, args.config)
         args.config = None
-    if args.config is None:
+    if args.config is None and args.hf_model:
+        sys.stderr.write(
+            f"no config given: the layout and tokens come from mesh3d's built-in default run "
+            f"({DEFAULT_CONFIG}); set them with parallelism.* and tokens.* overrides\n"
+        )
+    elif args.config is None:
         sys.stderr.write(
             f"no config given: planning mesh3d's built-in default run ({DEFAULT_CONFIG}, "
             "what `mesh3d train` trains without a config)\n"
         )
     presets = preset_overrides(args.preset) if args.preset else []
     cfg = load_config(args.config or DEFAULT_CONFIG, presets + args.overrides)
+    if args.hf_model:
+        _plan_hf(cfg, args)
+        return
     if args.search:
         run_search(cfg, args)
         return
@@ -104,6 +116,26 @@ def main(argv: list[str] | None = None) -> None:
             f"dry run: the plan differs from the parts built on rank(s) {ranks}: {first}\n"
         )
         raise SystemExit(1)
+
+
+def _plan_hf(cfg, args) -> None:
+    """`--hf-model`: the module-tree plan of a transformers model at the config's layout."""
+    from mesh3d.plan.hf import dp_mode_of, format_hf_plan, plan_hf
+
+    p, t = cfg.parallelism, cfg.tokens
+    if p.context_parallel_size > 1 or args.search or args.dry_run:
+        raise UserError(
+            "--hf-model plans dp x tp x pp only: leave out --search, --dry-run and "
+            "parallelism.context_parallel_size (context parallelism needs mesh3d's attention)"
+        )
+    _check_world_size(cfg, args.world_size)
+    plan = plan_hf(args.hf_model, dp=p.dp, tp=p.tp, pp=p.pp, dp_mode=dp_mode_of(cfg),
+                   micro_batch=t.micro_batch_size, sequence_length=t.sequence_length,
+                   microbatches=t.batch_accumulation_per_replica)  # fmt: skip
+    if args.json:
+        sys.stdout.write(json.dumps(dataclasses.asdict(plan), indent=1) + "\n")
+    else:
+        sys.stdout.write(format_hf_plan(plan))
 
 
 def _check_world_size(cfg, world: int | None) -> None:
