@@ -3,7 +3,8 @@
 Reads the files `--metrics-file` writes (one JSON object per logged iteration, see
 `mesh3d/train/metrics.py`) and draws four panels: loss (train `lm_loss`, solid; validation
 `val_loss`, dashed with dots, when a file has it), learning rate, gradient norm and tokens/s,
-and a fifth, the downstream scores of in-run evaluations (`eval/<task>/<metric>`), when any.
+and a fifth, the downstream scores of in-run evaluations (`eval/<task>/<metric>`), and a sixth, a
+DoReMi proxy's domain weights (`doremi/weight/<domain>`), when any.
 Several files are overlaid, one colour per run, each labelled by its folder's name (by its file
 name when folders share a name). The default image is `metrics.png` next to the first file.
 
@@ -129,31 +130,37 @@ def _panel(ax, title: str, ylabel: str, series: list, runs: list[tuple[str, list
     ax.grid(alpha=0.3)
 
 
-def _eval_keys(runs: list[tuple[str, list[dict]]]) -> list[str]:
-    """The in-run evaluation scores in these files (`eval/<task>/<metric>`), in first-seen order."""
+def _keys(runs: list[tuple[str, list[dict]]], prefix: str) -> list[str]:
+    """The keys starting with `prefix` in these files, in first-seen order: in-run evaluation
+    scores (`eval/<task>/<metric>`), a DoReMi proxy's domain weights (`doremi/weight/<domain>`)."""
     keys: dict[str, None] = {}
     for _, records in runs:
         for r in records:
-            keys.update((k, None) for k in r if k.startswith("eval/"))
+            keys.update((k, None) for k in r if k.startswith(prefix))
     return list(keys)
 
 
 def draw(runs: list[tuple[str, list[dict]]]):
     """A matplotlib Figure of the four panels for `runs` = [(label, records)], on an Agg canvas;
-    a fifth, the downstream scores, when the files have in-run evaluations (`lighteval:`)."""
+    a fifth, the downstream scores, when the files have in-run evaluations (`lighteval:`), and
+    a sixth, the domain weights, when they have a DoReMi proxy's (docs/doremi.md)."""
     Figure, FigureCanvasAgg = _matplotlib()
-    evals = _eval_keys(runs)
-    rows = 3 if evals else 2
+    extra = [
+        ("downstream scores (in-run)", "score", "eval/", _keys(runs, "eval/")),
+        ("DoReMi domain weights", "weight", "doremi/weight/", _keys(runs, "doremi/weight/")),
+    ]
+    rows = 3 if any(keys for *_, keys in extra) else 2
     fig = Figure(figsize=(12, 4 * rows), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    grid = fig.subplots(rows, 2, sharex=True)  # loss, lr / grad norm, tokens/s (/ evals)
+    grid = fig.subplots(rows, 2, sharex=True)  # loss, lr / grad norm, tokens/s (/ evals, weights)
     for ax, panel in zip(grid.flat, PANELS):
         _panel(ax, *panel, runs)
-    if evals:
-        series = [(k, "-", "o", k.removeprefix("eval/")) for k in evals]
-        _panel(grid[2, 0], "downstream scores (in-run)", "score", series, runs)
-        grid[2, 0].legend(fontsize="small")
-        grid[2, 1].set_visible(False)
+    for ax, (title, ylabel, prefix, keys) in zip(grid[2] if rows == 3 else [], extra):
+        if not keys:
+            ax.set_visible(False)
+            continue
+        _panel(ax, title, ylabel, [(k, "-", "o", k.removeprefix(prefix)) for k in keys], runs)
+        ax.legend(fontsize="small")
     for ax in grid[-1]:
         ax.set_xlabel("step")
     if grid[0, 0].lines:
