@@ -111,14 +111,17 @@ def _points(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _panel(ax, title: str, ylabel: str, series: list, runs: list[tuple[str, list[dict]]]) -> None:
-    """One panel: every run's curve of each key in `series`, run i in colour Ci."""
-    for colour, (label, records) in enumerate(runs):
-        for key, style, marker, kind in series:
+def _panel(ax, title: str, ylabel: str, series: list, runs: list[tuple[str, list[dict]]],
+           by_key: bool = False) -> None:  # fmt: skip
+    """One panel: every run's curve of each key in `series`, run i in colour Ci (`by_key`: each
+    (run, key) a colour of its own, for panels of many keys: scores, domain weights)."""
+    for r, (label, records) in enumerate(runs):
+        for k, (key, style, marker, kind) in enumerate(series):
             steps, values = _points(records, key)
             if steps:
                 name = f"{label} {kind}" if kind else label
                 dot = marker or ("o" if len(steps) == 1 else "")  # one point shows as a dot
+                colour = r * len(series) + k if by_key else r
                 line = dict(marker=dot, markersize=3, color=f"C{colour % 10}", label=name)
                 ax.plot(steps, values, style, **line)
     if not ax.lines:
@@ -155,11 +158,14 @@ def draw(runs: list[tuple[str, list[dict]]]):
     grid = fig.subplots(rows, 2, sharex=True)  # loss, lr / grad norm, tokens/s (/ evals, weights)
     for ax, panel in zip(grid.flat, PANELS):
         _panel(ax, *panel, runs)
-    for ax, (title, ylabel, prefix, keys) in zip(grid[2] if rows == 3 else [], extra):
-        if not keys:
-            ax.set_visible(False)
-            continue
-        _panel(ax, title, ylabel, [(k, "-", "o", k.removeprefix(prefix)) for k in keys], runs)
+    present = [panel for panel in extra if panel[-1]]
+    for column in range(len(present), 2 if rows == 3 else 0):
+        grid[2, column].set_visible(False)
+        grid[1, column].tick_params(labelbottom=True)  # the panel above ends its column
+        grid[1, column].set_xlabel("step")
+    for ax, (title, ylabel, prefix, keys) in zip(grid[2] if rows == 3 else [], present):
+        series = [(k, "-", "o", k.removeprefix(prefix)) for k in keys]
+        _panel(ax, title, ylabel, series, runs, by_key=True)
         ax.legend(fontsize="small")
     for ax in grid[-1]:
         ax.set_xlabel("step")

@@ -85,9 +85,10 @@ def test_a_doremi_proxys_domain_weights_get_their_own_panel(tmp_path):
         w = 1 - 0.5 / r["iteration"]
         r.update({"doremi/weight/easy": w, "doremi/weight/hard": 1 - w})
     fig = draw([("proxy", records)])
-    *_, evals, weights = fig.axes
-    assert not evals.get_visible() and weights.get_title() == "DoReMi domain weights"
+    *_, weights, unused = fig.axes
+    assert not unused.get_visible() and weights.get_title() == "DoReMi domain weights"
     assert [line.get_label() for line in weights.lines] == ["proxy easy", "proxy hard"]
+    assert [line.get_color() for line in weights.lines] == ["C0", "C1"]  # a colour per domain
     assert list(weights.lines[0].get_ydata()) == [r["doremi/weight/easy"] for r in records]
     assert len(draw([("plain", read_metrics(tmp_path / "proxy.jsonl"))]).axes) == 4
 
