@@ -3,8 +3,7 @@
 Reads the files `--metrics-file` writes (one JSON object per logged iteration, see
 `mesh3d/train/metrics.py`) and draws four panels: loss (train `lm_loss`, solid; validation
 `val_loss`, dashed with dots, when a file has it), learning rate, gradient norm and tokens/s,
-and a fifth, the downstream scores of in-run evaluations (`eval/<task>/<metric>`), and a sixth, a
-DoReMi proxy's domain weights (`doremi/weight/<domain>`), when any.
+and in-run evaluation scores (`eval/<task>/<metric>`) and DoReMi weights (`doremi/weight/<d>`).
 Several files are overlaid, one colour per run, each labelled by its folder's name (by its file
 name when folders share a name). The default image is `metrics.png` next to the first file.
 
@@ -30,6 +29,8 @@ PANELS = [
     ("gradient norm (before clipping)", "grad_norm", [("grad_norm", "-", "", "")]),
     ("throughput", "tokens/s", [("tokens_per_sec", "-", "", "")]),
 ]
+EXTRA_PANELS = [("downstream scores (in-run)", "score", "eval/"),  # when a file has these keys
+                ("DoReMi domain weights", "weight", "doremi/weight/")]  # fmt: skip
 EXAMPLE = "runs/default/metrics.jsonl"
 
 
@@ -111,10 +112,8 @@ def _points(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _panel(ax, title: str, ylabel: str, series: list, runs: list[tuple[str, list[dict]]],
-           by_key: bool = False) -> None:  # fmt: skip
-    """One panel: every run's curve of each key in `series`, run i in colour Ci (`by_key`: each
-    (run, key) a colour of its own, for panels of many keys: scores, domain weights)."""
+def _panel(ax, title: str, ylabel: str, series: list, runs: list, by_key: bool = False) -> None:
+    """One panel: every run's curve of each key in `series`, run i in colour Ci (`by_key`: each key)."""
     for r, (label, records) in enumerate(runs):
         for k, (key, style, marker, kind) in enumerate(series):
             steps, values = _points(records, key)
@@ -134,8 +133,7 @@ def _panel(ax, title: str, ylabel: str, series: list, runs: list[tuple[str, list
 
 
 def _keys(runs: list[tuple[str, list[dict]]], prefix: str) -> list[str]:
-    """The keys starting with `prefix` in these files, in first-seen order: in-run evaluation
-    scores (`eval/<task>/<metric>`), a DoReMi proxy's domain weights (`doremi/weight/<domain>`)."""
+    """The keys starting with `prefix` in these files (scores, DoReMi weights), first seen first."""
     keys: dict[str, None] = {}
     for _, records in runs:
         for r in records:
@@ -145,30 +143,21 @@ def _keys(runs: list[tuple[str, list[dict]]], prefix: str) -> list[str]:
 
 def draw(runs: list[tuple[str, list[dict]]]):
     """A matplotlib Figure of the four panels for `runs` = [(label, records)], on an Agg canvas;
-    a fifth, the downstream scores, when the files have in-run evaluations (`lighteval:`), and
-    a sixth, the domain weights, when they have a DoReMi proxy's (docs/doremi.md)."""
+    panels of the downstream scores (`lighteval:`) and DoReMi weights, when the files have them."""
     Figure, FigureCanvasAgg = _matplotlib()
-    extra = [
-        ("downstream scores (in-run)", "score", "eval/", _keys(runs, "eval/")),
-        ("DoReMi domain weights", "weight", "doremi/weight/", _keys(runs, "doremi/weight/")),
-    ]
-    rows = 3 if any(keys for *_, keys in extra) else 2
-    fig = Figure(figsize=(12, 4 * rows), dpi=100, layout="constrained")
+    present = [(*panel, keys) for panel in EXTRA_PANELS if (keys := _keys(runs, panel[2]))]
+    fig = Figure(figsize=(12, 12 if present else 8), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    grid = fig.subplots(rows, 2, sharex=True)  # loss, lr / grad norm, tokens/s (/ evals, weights)
+    grid = fig.subplots(3 if present else 2, 2, sharex=True)  # loss, lr / grad norm, tokens/s
     for ax, panel in zip(grid.flat, PANELS):
         _panel(ax, *panel, runs)
-    present = [panel for panel in extra if panel[-1]]
-    for column in range(len(present), 2 if rows == 3 else 0):
-        grid[2, column].set_visible(False)
-        grid[1, column].tick_params(labelbottom=True)  # the panel above ends its column
-        grid[1, column].set_xlabel("step")
-    for ax, (title, ylabel, prefix, keys) in zip(grid[2] if rows == 3 else [], present):
-        series = [(k, "-", "o", k.removeprefix(prefix)) for k in keys]
-        _panel(ax, title, ylabel, series, runs, by_key=True)
+    for ax, (title, ylabel, prefix, keys) in zip(grid[-1], present):  # (/ scores, weights)
+        _panel(ax, title, ylabel, [(k, "-", "o", k.removeprefix(prefix)) for k in keys], runs, True)
         ax.legend(fontsize="small")
-    for ax in grid[-1]:
-        ax.set_xlabel("step")
+    for column in range(2):  # the steps under each column's last panel
+        grid[-1, column].set_visible(not present or column < len(present))
+        grid[2 if column < len(present) else 1, column].tick_params(labelbottom=True)
+        grid[2 if column < len(present) else 1, column].set_xlabel("step")
     if grid[0, 0].lines:
         grid[0, 0].legend(fontsize="small")
     return fig

@@ -62,13 +62,8 @@ def build_dataset(cfg, index: int):
     if data.dataset is None:
         return DummyTokens(mc.vocab_size, seq, seed, cfg.mesh3d.dummy_data)
     if isinstance(data.dataset, PretrainDatasetsArgs) and cfg.doremi is not None:
-        from mesh3d.data.nanoset import check_enough
-
-        # Nanotron's DoReMi data: one pre-tokenized dataset per domain (data/domain_datasets.py)
-        load_domains = extensions.load("doremi_datasets").load_domain_datasets
-        ds = load_domains(cfg, data.dataset, seq, seed, num_samples, where)
-        check_enough(ds.epoch_len, gbs, f"{where} hf_dataset_or_datasets")
-        return ds
+        domains = extensions.load("doremi_datasets")  # Nanotron's DoReMi data, one per domain
+        return domains.load_domain_datasets(cfg, data.dataset, seq, seed, num_samples, gbs, where)
     hf = isinstance(data.dataset, (PretrainDatasetsArgs, SFTDatasetsArgs))
     tokenizer = _tokenizer_path(cfg, required=hf)
     if isinstance(data.dataset, NanosetDatasetsArgs):

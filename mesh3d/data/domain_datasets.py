@@ -23,7 +23,7 @@ import numpy as np
 from mesh3d.checks.doremi_checks import domain_names, sampling_weights
 from mesh3d.config.schema import PretrainDatasetsArgs
 from mesh3d.data.hf import _datasets
-from mesh3d.data.nanoset import BlendedSamples
+from mesh3d.data.nanoset import BlendedSamples, check_enough
 from mesh3d.errors import UserError
 
 KEY = "hf_dataset_or_datasets"
@@ -124,10 +124,10 @@ def domain_rows(root: str, name: str, seq_len: int, vocab_size: int, splits: lis
 
 
 def load_domain_datasets(cfg, args: PretrainDatasetsArgs, seq_len: int, seed: int,
-                         num_samples: int, where: str) -> BlendedSamples:  # fmt: skip
+                         num_samples: int, global_batch: int, where: str) -> BlendedSamples:  # fmt: skip
     """The stage's `num_samples` samples blended from its domains by the DoReMi sampling weights
     (`doremi_checks.sampling_weights`; None: the domains' sample counts, Nanotron's
-    token-count weights). `ds[i]` -> (input_ids [S], label_ids [S])."""
+    token-count weights), at least one global batch. `ds[i]` -> (input_ids [S], label_ids [S])."""
     root = args.hf_dataset_or_datasets
     if not isinstance(root, str) or not Path(root).is_dir():
         raise UserError(
@@ -140,4 +140,6 @@ def load_domain_datasets(cfg, args: PretrainDatasetsArgs, seq_len: int, seed: in
     vocab = cfg.model.model_config.vocab_size
     sources = [domain_rows(root, n, seq_len, vocab, splits, where)
                for n in domain_names(cfg.doremi)]  # fmt: skip
-    return BlendedSamples(sources, sampling_weights(cfg), num_samples, seed)
+    ds = BlendedSamples(sources, sampling_weights(cfg), num_samples, seed)
+    check_enough(ds.epoch_len, global_batch, f"{where} {KEY} {root!r}")
+    return ds
