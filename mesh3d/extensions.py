@@ -44,6 +44,7 @@ CAPABILITIES: dict[str, str] = {
     "fault_tolerance": "mesh3d.train.fault_tolerance",  # mesh3d.fault_tolerance: torchft groups
     "doremi_checks": "mesh3d.checks.doremi_checks",  # a doremi: section
     "doremi": "mesh3d.train.doremi",  # a doremi: section: domains, the proxy's weights
+    "doremi_datasets": "mesh3d.data.domain_datasets",  # ... with hf_dataset_or_datasets
     "hf_models": "mesh3d.hf_models",  # mesh3d.parallelize_hf: a transformers model on the mesh
     "hf_stages": "mesh3d.hf_stages",  # mesh3d.build_hf_stage: its pipeline stages
 }

@@ -3,7 +3,7 @@
 Reads the files `--metrics-file` writes (one JSON object per logged iteration, see
 `mesh3d/train/metrics.py`) and draws four panels: loss (train `lm_loss`, solid; validation
 `val_loss`, dashed with dots, when a file has it), learning rate, gradient norm and tokens/s,
-and a fifth, the downstream scores of in-run evaluations (`eval/<task>/<metric>`), when any.
+and in-run evaluation scores (`eval/<task>/<metric>`) and DoReMi weights (`doremi/weight/<d>`).
 Several files are overlaid, one colour per run, each labelled by its folder's name (by its file
 name when folders share a name). The default image is `metrics.png` next to the first file.
 
@@ -29,6 +29,8 @@ PANELS = [
     ("gradient norm (before clipping)", "grad_norm", [("grad_norm", "-", "", "")]),
     ("throughput", "tokens/s", [("tokens_per_sec", "-", "", "")]),
 ]
+EXTRA_PANELS = [("downstream scores (in-run)", "score", "eval/"),  # when a file has these keys
+                ("DoReMi domain weights", "weight", "doremi/weight/")]  # fmt: skip
 EXAMPLE = "runs/default/metrics.jsonl"
 
 
@@ -110,14 +112,15 @@ def _points(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _panel(ax, title: str, ylabel: str, series: list, runs: list[tuple[str, list[dict]]]) -> None:
-    """One panel: every run's curve of each key in `series`, run i in colour Ci."""
-    for colour, (label, records) in enumerate(runs):
-        for key, style, marker, kind in series:
+def _panel(ax, title: str, ylabel: str, series: list, runs: list, by_key: bool = False) -> None:
+    """One panel: every run's curve of each key in `series`, run i in colour Ci (`by_key`: each key)."""
+    for r, (label, records) in enumerate(runs):
+        for k, (key, style, marker, kind) in enumerate(series):
             steps, values = _points(records, key)
             if steps:
                 name = f"{label} {kind}" if kind else label
                 dot = marker or ("o" if len(steps) == 1 else "")  # one point shows as a dot
+                colour = r * len(series) + k if by_key else r
                 line = dict(marker=dot, markersize=3, color=f"C{colour % 10}", label=name)
                 ax.plot(steps, values, style, **line)
     if not ax.lines:
@@ -129,33 +132,32 @@ def _panel(ax, title: str, ylabel: str, series: list, runs: list[tuple[str, list
     ax.grid(alpha=0.3)
 
 
-def _eval_keys(runs: list[tuple[str, list[dict]]]) -> list[str]:
-    """The in-run evaluation scores in these files (`eval/<task>/<metric>`), in first-seen order."""
+def _keys(runs: list[tuple[str, list[dict]]], prefix: str) -> list[str]:
+    """The keys starting with `prefix` in these files (scores, DoReMi weights), first seen first."""
     keys: dict[str, None] = {}
     for _, records in runs:
         for r in records:
-            keys.update((k, None) for k in r if k.startswith("eval/"))
+            keys.update((k, None) for k in r if k.startswith(prefix))
     return list(keys)
 
 
 def draw(runs: list[tuple[str, list[dict]]]):
     """A matplotlib Figure of the four panels for `runs` = [(label, records)], on an Agg canvas;
-    a fifth, the downstream scores, when the files have in-run evaluations (`lighteval:`)."""
+    panels of the downstream scores (`lighteval:`) and DoReMi weights, when the files have them."""
     Figure, FigureCanvasAgg = _matplotlib()
-    evals = _eval_keys(runs)
-    rows = 3 if evals else 2
-    fig = Figure(figsize=(12, 4 * rows), dpi=100, layout="constrained")
+    present = [(*panel, keys) for panel in EXTRA_PANELS if (keys := _keys(runs, panel[2]))]
+    fig = Figure(figsize=(12, 12 if present else 8), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    grid = fig.subplots(rows, 2, sharex=True)  # loss, lr / grad norm, tokens/s (/ evals)
+    grid = fig.subplots(3 if present else 2, 2, sharex=True)  # loss, lr / grad norm, tokens/s
     for ax, panel in zip(grid.flat, PANELS):
         _panel(ax, *panel, runs)
-    if evals:
-        series = [(k, "-", "o", k.removeprefix("eval/")) for k in evals]
-        _panel(grid[2, 0], "downstream scores (in-run)", "score", series, runs)
-        grid[2, 0].legend(fontsize="small")
-        grid[2, 1].set_visible(False)
-    for ax in grid[-1]:
-        ax.set_xlabel("step")
+    for ax, (title, ylabel, prefix, keys) in zip(grid[-1], present):  # (/ scores, weights)
+        _panel(ax, title, ylabel, [(k, "-", "o", k.removeprefix(prefix)) for k in keys], runs, True)
+        ax.legend(fontsize="small")
+    for column in range(2):  # the steps under each column's last panel
+        grid[-1, column].set_visible(not present or column < len(present))
+        grid[2 if column < len(present) else 1, column].tick_params(labelbottom=True)
+        grid[2 if column < len(present) else 1, column].set_xlabel("step")
     if grid[0, 0].lines:
         grid[0, 0].legend(fontsize="small")
     return fig

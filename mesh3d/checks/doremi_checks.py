@@ -4,10 +4,12 @@
 ("Github, ArXiv"), or as YAML lists. The weights, when given, are one finite weight >= 0 per
 domain summing to 1 (within 1e-3, Nanotron's tolerance). Each Nanoset stage has one folder
 per domain, in the order of `domain_names`; a stage's own `dataset_weights`, when given beside
-`domain_weights`, must be the same. Every token's loss is counted in its sample's domain, so the
-samples are dense pretraining samples of a dense model: no SFT data, no document masking, no
-context parallelism, no MoE (not supported yet). What needs the files (the reference checkpoint,
-a data stage that is not a Nanoset) is checked when the run starts (`train/doremi.py`).
+`domain_weights`, must be the same. A stage with `hf_dataset_or_datasets` is Nanotron's form,
+one folder with one saved dataset per domain (`data/domain_datasets.py`): a single folder, not
+streamed. Every token's loss is counted in its sample's domain, so the samples are dense
+pretraining samples of a dense model: no SFT data, no document masking, no context
+parallelism, no MoE (not supported yet). What needs the files (the reference checkpoint, the
+domain folders, dummy data) is checked when the run starts (`train/doremi.py`, the data build).
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from mesh3d.config.schema import Config, DoReMiArgs, NanosetDatasetsArgs, SFTDatasetsArgs
+from mesh3d.config.schema import (
+    Config,
+    DoReMiArgs,
+    NanosetDatasetsArgs,
+    PretrainDatasetsArgs,
+    SFTDatasetsArgs,
+)
 from mesh3d.errors import not_supported_yet
 
 SECTION = "doremi"
@@ -35,6 +43,16 @@ def domain_weights(d: DoReMiArgs) -> list[float] | None:
         return None
     items = w.split(",") if isinstance(w, str) else w
     return [float(str(x).strip()) for x in items]
+
+
+def sampling_weights(cfg: Config) -> list[float] | None:
+    """The domains' sampling weights: `domain_weights`, else uniform in a proxy run, else None
+    (a Nanoset stage's own `dataset_weights`, else the domains' sample counts)."""
+    weights = domain_weights(cfg.doremi)
+    if weights is None and cfg.doremi.ref_model_resume_checkpoint_path is not None:
+        k = len(domain_names(cfg.doremi))
+        weights = [1.0 / k] * k
+    return weights
 
 
 def doremi_errors(cfg: Config) -> Iterator[str]:
@@ -82,6 +100,8 @@ def _stage_errors(cfg: Config, names: list[str], weights: list[float] | None) ->
         if isinstance(ds, SFTDatasetsArgs):
             yield (f"`{where}.data.dataset` is SFT data, which DoReMi does not weigh by domain; "
                    "use a Nanoset stage with one folder per domain")  # fmt: skip
+        if isinstance(ds, PretrainDatasetsArgs):
+            yield from _domain_dataset_errors(cfg, ds, where)
         if not isinstance(ds, NanosetDatasetsArgs):
             continue
         folders = ds.dataset_folder
@@ -96,6 +116,17 @@ def _stage_errors(cfg: Config, names: list[str], weights: list[float] | None) ->
                 yield (f"`{where}.data.dataset.dataset_weights` {ds.dataset_weights} differ from "
                        f"`{SECTION}.domain_weights` {weights}: the domain weights are the "
                        "sampling weights; drop dataset_weights")  # fmt: skip
+
+
+def _domain_dataset_errors(cfg: Config, ds: PretrainDatasetsArgs, where: str) -> Iterator[str]:
+    """A stage of Nanotron's DoReMi form: one folder, one saved dataset per domain under it."""
+    if not isinstance(ds.hf_dataset_or_datasets, str):
+        yield (f"`{where}.data.dataset.hf_dataset_or_datasets` is {ds.hf_dataset_or_datasets!r}; "
+               f"with a `{SECTION}:` section it is one folder holding one dataset per domain "
+               "(Nanotron's DoReMi form), named as in domain_names: give that folder")  # fmt: skip
+    if cfg.mesh3d.hf_streaming:
+        yield (f"`mesh3d.hf_streaming` streams text; `{where}` with a `{SECTION}:` section reads "
+               "pre-tokenized domain datasets: set mesh3d.hf_streaming to false")  # fmt: skip
 
 
 def _run_errors(cfg: Config) -> Iterator[str]:

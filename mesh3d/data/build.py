@@ -61,6 +61,9 @@ def build_dataset(cfg, index: int):
     where = f"data_stages[{index}] ({stage.name!r})"
     if data.dataset is None:
         return DummyTokens(mc.vocab_size, seq, seed, cfg.mesh3d.dummy_data)
+    if isinstance(data.dataset, PretrainDatasetsArgs) and cfg.doremi is not None:
+        domains = extensions.load("doremi_datasets")  # Nanotron's DoReMi data, one per domain
+        return domains.load_domain_datasets(cfg, data.dataset, seq, seed, num_samples, gbs, where)
     hf = isinstance(data.dataset, (PretrainDatasetsArgs, SFTDatasetsArgs))
     tokenizer = _tokenizer_path(cfg, required=hf)
     if isinstance(data.dataset, NanosetDatasetsArgs):

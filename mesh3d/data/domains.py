@@ -1,8 +1,9 @@
 """Domains of the training samples, for DoReMi (docs/doremi.md).
 
-A domain is one folder of a Nanoset stage's blend: folder k of `dataset_folder` is domain k
-(`doremi.domain_names[k]`). The blend index already says which folder each global sample comes
-from (`BlendedSamples.sample_source`), so the domain of every sample of a step is known on
+A domain is one source of a stage's blend: folder k of a Nanoset stage's `dataset_folder`, or
+the dataset saved in `<hf_dataset_or_datasets>/<domain_names[k]>` (Nanotron's form,
+`data/domain_datasets.py`), is domain k (`doremi.domain_names[k]`). The blend index already
+says which source each global sample comes from (`BlendedSamples.sample_source`), so the domain of every sample of a step is known on
 every rank from the step alone, with no extra column in the data and no collective: the same
 global batch, the same domain ids, whatever the layout.
 
@@ -23,14 +24,15 @@ from mesh3d.errors import UserError
 
 
 def check_domains(data) -> None:
-    """Raise `UserError` unless every data stage of `data` (the run's `StagedData`) is a
-    Nanoset blend, whose index says each sample's domain."""
+    """Raise `UserError` unless every data stage of `data` (the run's `StagedData`) is a blend
+    of the domains, whose index says each sample's domain."""
     for i, ds in enumerate(data.datasets):
         if not hasattr(ds, "sample_source"):
             raise UserError(
-                f"DoReMi reads the domain of each sample from a Nanoset blend; "
+                f"DoReMi reads the domain of each sample from a blend of the domains; "
                 f"{data.sources[i]} is not one: give the stage a dataset_folder with one folder "
-                "per domain (tokenize each domain with `python -m mesh3d.data.tokenize`)"
+                "per domain (tokenize each with `python -m mesh3d.data.tokenize`), or "
+                "hf_dataset_or_datasets with one saved dataset per domain"
             )
 
 

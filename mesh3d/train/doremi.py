@@ -2,8 +2,9 @@
 
 Nanotron's examples/doremi in three runs of one config with a `doremi:` section:
 
-1. reference: an ordinary run on the domains (the folders of a Nanoset stage) sampled by
-   `domain_weights` (null: the stage's `dataset_weights`, else the folders' sizes);
+1. reference: an ordinary run on the domains (the folders of a Nanoset stage, or Nanotron's
+   one saved dataset per domain under `hf_dataset_or_datasets`) sampled by `domain_weights`
+   (null: the stage's `dataset_weights`, else the domains' sizes);
 2. proxy (`ref_model_resume_checkpoint_path` set): the same model trained from scratch on
    uniformly sampled domains (or `domain_weights`), with the reference frozen beside it;
 3. final: a reference-style run with `domain_weights` set to the proxy's average weights
@@ -31,7 +32,7 @@ each tp rank holds the same losses); the per-domain sums are added over pp (zero
 last stage) and dp in float64, so every rank updates the same weights: the weights at any
 (dp, tp, pp) are one process's. Labels travel with their row number in an extra last column,
 so the loss function finds each microbatch's reference losses and domains under any schedule.
-The domain of each sample comes from the Nanoset blend index (`data/domains.py`).
+The domain of each sample comes from the stage's blend index (`data/domains.py`).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from mesh3d.checkpoint.training import checkpoint_custom_metas, resolve_step_dir
-from mesh3d.checks.doremi_checks import domain_names, domain_weights
+from mesh3d.checks.doremi_checks import domain_names, domain_weights, sampling_weights
 from mesh3d.config.schema import ExistingCheckpointInit, NanosetDatasetsArgs
 from mesh3d.data.documents import IGNORE
 from mesh3d.data.domains import check_domains, stage_domains
@@ -70,11 +71,9 @@ def is_proxy(cfg) -> bool:
 
 def sampling_config(cfg):
     """`cfg` with each Nanoset stage sampling its folders by the domain weights: `domain_weights`
-    when given, uniform in a proxy run without them, else the stage's own (unchanged)."""
-    weights = domain_weights(cfg.doremi)
-    if weights is None and is_proxy(cfg):
-        k = len(domain_names(cfg.doremi))
-        weights = [1.0 / k] * k
+    when given, uniform in a proxy run without them, else the stage's own (unchanged). A stage of
+    per-domain datasets takes the same weights when it is built (`data/domain_datasets.py`)."""
+    weights = sampling_weights(cfg)
     if weights is None:
         return cfg
     cfg = copy.deepcopy(cfg)

@@ -5,7 +5,9 @@
 Writes two synthetic domains (`easy`: one short pattern repeated; `hard`: uniform random
 tokens), then trains (1) a reference model on both, sampled uniformly; (2) a proxy from scratch
 against it, printing its domain weights step by step; (3) a final model sampled by the proxy's
-average weights, printing the `doremi:` section it used. Each run is an ordinary `mesh3d.train`
+average weights, printing the `doremi:` section it used. The proxy's metrics file
+(`runs/doremi/proxy/metrics.jsonl`) is what `mesh3d plot` draws, its domain weights in a panel
+of their own. Each run is an ordinary `mesh3d.train`
 of one config with a `doremi:` section, as the three `mesh3d train` commands of docs/doremi.md.
 """
 
@@ -65,7 +67,8 @@ def main() -> None:
     print(f"1. reference: loss {ref.metrics[0]['lm_loss']:.3f} -> {ref.metrics[-1]['lm_loss']:.3f}")
 
     proxy_doremi = dict(domain_names=names, ref_model_resume_checkpoint_path=str(out / "reference"))
-    proxy = train(config_from_dict(config(out, folders, "proxy", 10, proxy_doremi)))
+    metrics = out / "proxy" / "metrics.jsonl"  # `mesh3d plot` draws its domain weights
+    proxy = train(config_from_dict(config(out, folders, "proxy", 10, proxy_doremi)), str(metrics))
     print("2. proxy: domain weights per step")
     print("   step  " + "  ".join(f"{n:>8}" for n in NAMES))
     for m in proxy.metrics:
@@ -77,6 +80,7 @@ def main() -> None:
     final_doremi = yaml.safe_load(section)["doremi"]
     final = train(config_from_dict(config(out, folders, "final", 8, final_doremi)))
     print(f"   final: loss {final.metrics[0]['lm_loss']:.3f} -> {final.metrics[-1]['lm_loss']:.3f}")
+    print(f"the proxy's curves, its domain weights included: mesh3d plot {metrics}")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def test_proxy_weights_rise_on_the_lagging_domain_and_equal_one_process_at_2x2x2
     ]
     ref, single, resumed, _, single4, dummy, plain = run_ranks(1, _runs, runs, timeout=300)[0]
     assert ref["loss"] == plain["loss"]  # the reference trains as a plain run, bitwise
-    assert dummy.startswith("DoReMi reads the domain of each sample from a Nanoset blend; "
+    assert dummy.startswith("DoReMi reads the domain of each sample from a blend of the domains; "
                             "data_stages[0] ('s'): dummy data is not one"), dummy  # fmt: skip
     assert all(w == [None, None] for w in ref["weights"])  # a reference run has no weights
     # ... but its domains' losses, which add up to its loss (the same samples at every step)

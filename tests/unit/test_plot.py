@@ -1,7 +1,7 @@
 """`mesh3d plot`: two synthetic metrics files make one PNG (signature, size, default path), the
-validation curve appears only for a file with `val_loss`, run labels, and the errors a new user
-meets: a missing, empty or non-JSON file (named with its line), no matplotlib, and the CLI's exit
-code 2 without a traceback.
+validation curve appears only for a file with `val_loss`, a DoReMi proxy's domain weights get a
+panel of their own, run labels, and the errors a new user meets: a missing, empty or non-JSON
+file (named with its line), no matplotlib, and the CLI's exit code 2 without a traceback.
 
 The tests of this subject that launch real processes are in `tests/launch/test_plot_launch.py`."""
 
@@ -76,6 +76,21 @@ def test_validation_curve_only_for_a_run_that_has_it(tmp_path):
     assert draw([("c", with_val[:1])]).axes[0].lines[0].get_marker() == "o"
     (empty_panel,) = draw([("b", without)]).axes[2].texts
     assert empty_panel.get_text() == "no grad_norm in these files"
+
+
+@needs_matplotlib
+def test_a_doremi_proxys_domain_weights_get_their_own_panel(tmp_path):
+    records = read_metrics(_metrics(tmp_path / "proxy.jsonl", 5))
+    for r in records:
+        w = 1 - 0.5 / r["iteration"]
+        r.update({"doremi/weight/easy": w, "doremi/weight/hard": 1 - w})
+    fig = draw([("proxy", records)])
+    *_, weights, unused = fig.axes
+    assert not unused.get_visible() and weights.get_title() == "DoReMi domain weights"
+    assert [line.get_label() for line in weights.lines] == ["proxy easy", "proxy hard"]
+    assert [line.get_color() for line in weights.lines] == ["C0", "C1"]  # a colour per domain
+    assert list(weights.lines[0].get_ydata()) == [r["doremi/weight/easy"] for r in records]
+    assert len(draw([("plain", read_metrics(tmp_path / "proxy.jsonl"))]).axes) == 4
 
 
 def test_run_labels():
