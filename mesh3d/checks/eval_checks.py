@@ -78,8 +78,13 @@ def eval_interval(cfg) -> int | None:
 
 def eval_errors(cfg) -> Iterator[str]:
     """What in the `lighteval:` section cannot run as written."""
-    section = cfg.lighteval
+    section, mode = cfg.lighteval, cfg.mesh3d.eval_mode
+    if mode not in ("in_run", "slurm_job"):
+        yield f"`mesh3d.eval_mode` {mode!r} is not one of in_run, slurm_job"
     if section is None:
+        if mode == "slurm_job":
+            yield ("`mesh3d.eval_mode: slurm_job` submits the evaluations of the `lighteval:` "
+                   "section, and this config has none: add one or remove eval_mode")  # fmt: skip
         return
     if not isinstance(section, dict):
         yield f"`lighteval` must be a mapping (or null), got {type(section).__name__}"
@@ -110,11 +115,12 @@ def eval_errors(cfg) -> Iterator[str]:
     batch = section.get("batch_size")
     if batch is not None and (not isinstance(batch, int) or batch < 1):
         yield f"`lighteval.batch_size` must be a positive integer or null, got {batch!r}"
-    if cfg.mesh3d.eval_mode == "slurm_job":
+    if mode == "slurm_job":
         yield from _slurm_job_errors(cfg, section)
     elif cfg.parallelism.context_parallel_size > 1:
         yield ("`lighteval` in-run evaluation at context_parallel_size > 1 is not supported yet: "
-               "set lighteval: null and score the saved checkpoints with `mesh3d eval`")  # fmt: skip
+               "set mesh3d.eval_mode: slurm_job, or lighteval: null and score the saved "
+               "checkpoints with `mesh3d eval`")  # fmt: skip
 
 
 def sbatch_binary() -> str | None:

@@ -385,7 +385,6 @@ def _choices(cfg: Config) -> Iterator[str]:
         "mesh3d.existing_checkpoints": (cfg.mesh3d.existing_checkpoints, EXISTING_CHECKPOINTS),
         "mesh3d.eval_failure": (cfg.mesh3d.eval_failure, ("continue", "stop")),
         "mesh3d.eval_engine": (cfg.mesh3d.eval_engine, ("lm-eval", "lighteval")),
-        "mesh3d.eval_mode": (cfg.mesh3d.eval_mode, ("in_run", "slurm_job")),
     }
     if cfg.metrics_logging is not None:
         choices["metrics_logging.log_level"] = (cfg.metrics_logging.log_level, (0, 1))
@@ -423,13 +422,10 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     m = cfg.model
     if cfg.tokens is not None and cfg.tokens.limit_test_batches > 0:
         yield not_supported_yet("tokens.limit_test_batches", "there is no test pass; set it to 0")
-    if cfg.lighteval is not None:  # the section, scored in-run or by jobs (checked when given)
+    if cfg.lighteval is not None or cfg.mesh3d.eval_mode != "in_run":  # checked when given
         from mesh3d.checks.eval_checks import eval_errors
 
         yield from eval_errors(cfg)
-    elif cfg.mesh3d.eval_mode != "in_run":
-        yield (f"`mesh3d.eval_mode: {cfg.mesh3d.eval_mode}` submits the evaluations of the "
-               "`lighteval:` section, and this config has none: add one or remove eval_mode")  # fmt: skip
     try:
         spec_of(m.model_config)
     except ConfigError as e:

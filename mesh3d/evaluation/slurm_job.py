@@ -16,9 +16,11 @@ written only when given; `gpus_per_node`: the GPUs asked for, default N) and `hf
 `HF_HOME`. `lighteval.slurm_template`, a file, replaces the whole script: its `{{ name }}`
 placeholders (`checks/eval_checks.PLACEHOLDERS`) are filled in.
 
-The checkpoint is read in place, never copied or written: retention (`mesh3d.keep_last_checkpoints`)
-never deletes the folder of an evaluated step (`keeps`), so a job that waits in the queue still
-finds it (the config check refuses `s3_upload.remove_after_upload`, which would delete it).
+The checkpoint is read in place, never copied or written: retention
+(`mesh3d.keep_last_checkpoints`) never deletes the folder of an evaluated step
+(`EvalJobs.kept`), so a job that waits in the queue still finds it (the config check refuses
+`s3_upload.remove_after_upload`, which would delete it). `attach` hands both to the run's
+`Checkpointer` (`kept` as its `keeps`, and `submit` after each commit).
 Scripts are written whole (a temporary file renamed) to `lighteval.slurm_script_dir`
 (default `<run>/eval_jobs`), the job's log beside them or in `lighteval.logs_path`. The
 submission is the only wait (sbatch, at most 60 s); one that fails is one logged line, and
@@ -34,6 +36,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
+from mesh3d.checkpoint.folder import step_folders
 from mesh3d.checks.eval_checks import eval_interval, eval_ranks, lm_eval_tasks, sbatch_binary
 from mesh3d.log import logger
 
@@ -44,6 +49,14 @@ TORCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
              "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")  # fmt: skip
 SBATCH_FLAGS = (("partition", "partition"), ("qos", "qos"), ("time", "time"),
                 ("reservation", "reservation"), ("cpus_per_task", "cpus-per-task"))  # fmt: skip
+
+
+def attach(cfg, run_dir: Path, checkpoints) -> None:
+    """Give the run's `Checkpointer` the jobs of `cfg.lighteval` (every rank calls it)."""
+    jobs = EvalJobs(cfg, run_dir)
+    checkpoints.keeps = jobs.kept
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        checkpoints.after_commit.append(jobs.submit)
 
 
 class EvalJobs:
@@ -63,9 +76,12 @@ class EvalJobs:
         template = section.get("slurm_template")
         self.template = Path(str(template)).expanduser().read_text() if template else None
 
-    def keeps(self, step: int) -> bool:
-        """Whether step `step` is evaluated (its folder is read by a job: never deleted)."""
+    def evaluated(self, step: int) -> bool:
         return step > 0 and step % self.interval == 0
+
+    def kept(self) -> set[int]:
+        """The evaluated step folders: read by a job, now or later, so retention keeps them."""
+        return {s for s in step_folders(self.root) if self.evaluated(s)}
 
     def commands(self, step: int) -> list[list[str]]:
         """The `mesh3d eval` command lines of step `step` (one per few-shot count of the lm-eval
@@ -141,7 +157,7 @@ class EvalJobs:
         """After the commit of `step_dir` (world rank 0): write and submit its job when the step
         is evaluated; the job id, or None (not evaluated, or the one logged line of a failure)."""
         step = int(step_dir.name)
-        if not self.keeps(step):
+        if not self.evaluated(step):
             return None
         script = None
         try:

@@ -300,6 +300,7 @@ BAD = [
     ("s3-resume-no-s5cmd", ["checkpoints.resume_checkpoint_path=s3://b/x/4", "s3_upload={upload_s3_path: 's3://b/x', remove_after_upload: false, s5cmd_path: /nowhere/s5cmd}"], None, None, "`s3_upload` needs s5cmd"),
     ("lighteval", ["lighteval={slurm_script_dir: x}"], None, None, "`lighteval.tasks.tasks` must name the tasks"),
     ("eval-job-no-sbatch", ["lighteval={tasks: {tasks: hellaswag}}", "mesh3d.eval_mode=slurm_job"], None, None, "`mesh3d.eval_mode: slurm_job` submits each evaluation with sbatch, and no sbatch is on PATH: run on a Slurm node, set MESH3D_SBATCH to the sbatch binary, or set mesh3d.eval_mode: in_run"),
+    ("eval-mode", ["mesh3d.eval_mode=later"], None, None, "`mesh3d.eval_mode` 'later' is not one of in_run, slurm_job"),
     ("eval-job-no-section", ["mesh3d.eval_mode=slurm_job"], None, None, "`mesh3d.eval_mode: slurm_job` submits the evaluations of the `lighteval:` section, and this config has none"),
     ("eval-job-slurm-key", ["lighteval={tasks: {tasks: hellaswag}, slurm: {gpus: 8}}", "mesh3d.eval_mode=slurm_job"], None, None, "`lighteval.slurm` has unknown key(s) ['gpus']"),
     ("eval-job-gpus", ["lighteval={tasks: {tasks: hellaswag}, parallelism: {dp: 1, tp: 2, pp: 2}, slurm: {gpus_per_node: 2}}", "mesh3d.eval_mode=slurm_job"], None, None, "`lighteval.slurm.gpus_per_node` (2) must be at least the evaluation's ranks, lighteval.parallelism dp x tp x pp = 4"),
