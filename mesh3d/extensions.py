@@ -38,6 +38,7 @@ CAPABILITIES: dict[str, str] = {
     "tokenize": "mesh3d.data.tokenize",  # preparing the built-in default data (first run only)
     "evaluation": "mesh3d.evaluation.scorer",  # mesh3d eval
     "evaluation_in_run": "mesh3d.evaluation.in_run",  # a lighteval: section
+    "evaluation_jobs": "mesh3d.evaluation.slurm_job",  # ... with mesh3d.eval_mode: slurm_job
     "lora": "mesh3d.models.lora",  # mesh3d.lora: adapters, the base frozen
     "lora_files": "mesh3d.checkpoint.lora_files",  # a LoRA step folder: merge, PEFT export
     "ft_checks": "mesh3d.checks.ft_checks",  # mesh3d.fault_tolerance: its config checks

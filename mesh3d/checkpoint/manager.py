@@ -6,7 +6,7 @@ loop's poll, or by a finish before the next save, before a step is judged, at a 
 error or at the end. Every one of these routes ends in `_committed`, which does the work that
 follows a commit, in order:
 announce it -> the Hugging Face export (`mesh3d.hf_export`) -> queue its upload (`s3_upload`)
--> retention (`mesh3d.keep_last_checkpoints`), which never deletes a folder not yet uploaded.
+-> retention (`mesh3d.keep_last_checkpoints`; not unsent folders, nor `keeps()`) -> `after_commit`.
 `name_latest` is the only way, after a commit, to point `latest.txt` at a step; the loss-spike
 guard names a checkpoint through it once the next step is healthy, and the bucket's `latest.txt`
 follows. `close` ends the run's saves: it commits or abandons a save still being written, then
@@ -77,6 +77,8 @@ class Checkpointer:
         self.pending = None  # a background save still being written (`async_save.PendingSave`)
         self.uploads = None  # `s3_upload`'s background uploads (rank 0, `upload.Uploader`)
         self.report: UploadReport | None = None  # set by `close` when the run uploaded
+        self.after_commit: list[Callable[[Path], None]] = []  # they must not raise
+        self.keeps: Callable[[], set[int]] = set  # steps retention never deletes (jobs read them)
 
     # ------------------------------------------------------------------------------ saving
 
@@ -129,6 +131,8 @@ class Checkpointer:
                            "itself is complete; free the folder or set mesh3d.hf_export: false")  # fmt: skip
             self._upload(final)
             self._retain()
+            for callback in self.after_commit:
+                callback(final)
         problem = share(problem)  # world rank 0's
         if problem:
             raise CheckpointWriteError(problem)
@@ -151,13 +155,13 @@ class Checkpointer:
 
     def _retain(self) -> None:
         """Delete what `mesh3d.keep_last_checkpoints` does not keep, never a folder whose upload
-        is queued, running or failed."""
+        is queued, running or failed, nor one in `keeps()`."""
         m, up = self.cfg.mesh3d, self.uploads
         if not m.keep_last_checkpoints:
             return
         with up.lock if up else nullcontext():
             gone = prune(self.root, m.keep_last_checkpoints, m.keep_checkpoint_every,
-                         up.unsent() if up else set())  # fmt: skip
+                         self.keeps() | (up.unsent() if up else set()))  # fmt: skip
         if gone:
             logger.info(f"Deleted old checkpoints {gone} in {self.root} "
                         f"(mesh3d.keep_last_checkpoints={m.keep_last_checkpoints})")  # fmt: skip

@@ -422,7 +422,7 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     m = cfg.model
     if cfg.tokens is not None and cfg.tokens.limit_test_batches > 0:
         yield not_supported_yet("tokens.limit_test_batches", "there is no test pass; set it to 0")
-    if cfg.lighteval is not None:  # the section, scored in-run (checked only when given)
+    if cfg.lighteval is not None or cfg.mesh3d.eval_mode != "in_run":  # checked when given
         from mesh3d.checks.eval_checks import eval_errors
 
         yield from eval_errors(cfg)

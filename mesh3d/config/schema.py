@@ -458,6 +458,7 @@ class Mesh3dArgs:
     stream_shards: int | None = None  # a streamed stage's logical shards (null: its global batch)
     eval_failure: str = "continue"  # an in-run evaluation that fails: continue | stop (lighteval:)
     eval_engine: str = "lm-eval"  # the in-run evaluation's engine (lighteval:): lm-eval | lighteval
+    eval_mode: str = "in_run"  # lighteval: in_run | slurm_job (an sbatch job per evaluated save)
     sft_assistant_turns: str = "all"  # chat SFT data: the assistant turns that train: all | last
     compile: bool = False
     float8: bool = False  # decoder linears in float8 through torchao (tp 1, ep 1)

@@ -176,13 +176,13 @@ def start_notes(cfg, device: torch.device, start: int) -> list[str]:
     return notes
 
 
-def _in_run_evaluation(cfg, metrics_file: str | None):
+def _in_run_evaluation(cfg, metrics_file: str | None, checkpoints):
     """The `lighteval:` section's evaluation, checked on every rank alike (None without one)."""
     if cfg.lighteval is None:
         return None
-    folder = (
-        Path(metrics_file).parent if metrics_file else Path(cfg.checkpoints.checkpoints_path).parent
-    )
+    folder = Path(metrics_file or cfg.checkpoints.checkpoints_path).parent
+    if cfg.mesh3d.eval_mode == "slurm_job":  # sbatch jobs submitted after commits, no pause
+        return extensions.load("evaluation_jobs").attach(cfg, folder, checkpoints)
     with decided_alike():
         return extensions.load("evaluation_in_run").InRunEvaluation(cfg, folder)
 
@@ -217,7 +217,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
     if guard.resume_path is None and ck is not None and ck.save_initial_state:
         result.saved_dir = Path(ck.checkpoints_path) / "0"  # `_resume` saved it
     on_step = [h.on_step for h in hooks if hasattr(h, "on_step")]
-    evals = _in_run_evaluation(cfg, metrics_file)
+    evals = _in_run_evaluation(cfg, metrics_file, run.checkpoints)
     saved, step, replicas = start, start, run.replicas
     if replicas is not None:  # consumed samples count every group's slots (run.data.gbs)
         replicas.start_at(start, consumed, tokens)

@@ -20,7 +20,8 @@ def _cli(tmp_path, d, *args, env=None):
 
 
 CLI_BAD = ["unknown-key", "override-no-equals", "world-size", "qwen2-moe", "mamba-bias",
-           "starcoder2-heads-tp", "starcoder2-mq-gq", "starcoder2-global-layers", "s3-no-s5cmd"]  # fmt: skip
+           "starcoder2-heads-tp", "starcoder2-mq-gq", "starcoder2-global-layers", "s3-no-s5cmd",
+           "eval-job-no-sbatch"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CLI_BAD)
@@ -30,7 +31,10 @@ def test_cli_exit_2_without_traceback(case, tmp_path):
     if mutate:
         mutate(d)
     # s5cmd named by a path that is not here falls back to the one on PATH: none on PATH here
-    env = dict(os.environ, PATH=str(tmp_path)) if "needs s5cmd" in fragment else None
+    env = None
+    if "needs s5cmd" in fragment or "with sbatch" in fragment:  # a named s5cmd falls back to PATH
+        env = {k: v for k, v in os.environ.items() if k != "MESH3D_SBATCH"}
+        env["PATH"] = str(tmp_path)
     r = _cli(tmp_path, d, *overrides, *(["--world-size", str(world)] if world else []), env=env)
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and fragment in r.stderr

@@ -299,6 +299,12 @@ BAD = [
     ("s3-no-checkpoints", ["checkpoints=null", "s3_upload={upload_s3_path: 's3://b/x', remove_after_upload: false}"], None, None, "`s3_upload` uploads checkpoints: it needs a `checkpoints` section"),
     ("s3-resume-no-s5cmd", ["checkpoints.resume_checkpoint_path=s3://b/x/4", "s3_upload={upload_s3_path: 's3://b/x', remove_after_upload: false, s5cmd_path: /nowhere/s5cmd}"], None, None, "`s3_upload` needs s5cmd"),
     ("lighteval", ["lighteval={slurm_script_dir: x}"], None, None, "`lighteval.tasks.tasks` must name the tasks"),
+    ("eval-job-no-sbatch", ["lighteval={tasks: {tasks: hellaswag}}", "mesh3d.eval_mode=slurm_job"], None, None, "`mesh3d.eval_mode: slurm_job` submits each evaluation with sbatch, and no sbatch is on PATH: run on a Slurm node, set MESH3D_SBATCH to the sbatch binary, or set mesh3d.eval_mode: in_run"),
+    ("eval-mode", ["mesh3d.eval_mode=later"], None, None, "`mesh3d.eval_mode` 'later' is not one of in_run, slurm_job"),
+    ("eval-job-no-section", ["mesh3d.eval_mode=slurm_job"], None, None, "`mesh3d.eval_mode: slurm_job` submits the evaluations of the `lighteval:` section, and this config has none"),
+    ("eval-job-slurm-key", ["lighteval={tasks: {tasks: hellaswag}, slurm: {gpus: 8}}", "mesh3d.eval_mode=slurm_job"], None, None, "`lighteval.slurm` has unknown key(s) ['gpus']"),
+    ("eval-job-gpus", ["lighteval={tasks: {tasks: hellaswag}, parallelism: {dp: 1, tp: 2, pp: 2}, slurm: {gpus_per_node: 2}}", "mesh3d.eval_mode=slurm_job"], None, None, "`lighteval.slurm.gpus_per_node` (2) must be at least the evaluation's ranks, lighteval.parallelism dp x tp x pp = 4"),
+    ("eval-job-removed", ["lighteval={tasks: {tasks: hellaswag}}", "mesh3d.eval_mode=slurm_job", "s3_upload={upload_s3_path: 's3://b/x', remove_after_upload: true}"], None, None, "`s3_upload.remove_after_upload: true` deletes them once uploaded"),
     ("expert-parallel-dense", ["parallelism.expert_parallel_size=2"], None, None, "`parallelism.expert_parallel_size` is 2, but the model has no experts (no moe_config); set it to 1"),
     ("expert-parallel-dp", ["parallelism.expert_parallel_size=4"], _qwen_moe_ep, None, "`parallelism.expert_parallel_size` (4) must divide `parallelism.dp` (2)"),
     ("context-parallel-world", ["parallelism.context_parallel_size=2"], None, 1, "parallelism.dp (1) x tp (1) x pp (1) x context_parallel_size (2) = 2, but the world size is 1; change parallelism.dp/context_parallel_size/tp/pp so the product is 1"),
@@ -362,8 +368,9 @@ def test_base_config_is_valid():
     "overrides,mutate,world,fragment", [b[1:] for b in BAD], ids=[b[0] for b in BAD]
 )
 def test_bad_config_message(overrides, mutate, world, fragment, monkeypatch, tmp_path):
-    if "needs s5cmd" in fragment:  # refused only when no s5cmd is on PATH either
+    if "needs s5cmd" in fragment or "with sbatch" in fragment:  # refused only when not on PATH
         monkeypatch.setenv("PATH", str(tmp_path))
+        monkeypatch.delenv("MESH3D_SBATCH", raising=False)
     d = base()
     if mutate:
         mutate(d)
