@@ -8,6 +8,6 @@ from pathlib import Path
 
 from mesh3d import tp_styles
 
-tp_styles._pair = lambda x, group: None  # every group takes the c10d collective
+tp_styles._pair = lambda x, group: (None, None)  # every group takes the c10d collective
 sys.argv[0] = str(Path(__file__).resolve().parents[1] / "recipes/train.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

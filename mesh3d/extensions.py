@@ -46,6 +46,7 @@ CAPABILITIES: dict[str, str] = {
     "doremi_checks": "mesh3d.checks.doremi_checks",  # a doremi: section
     "doremi": "mesh3d.train.doremi",  # a doremi: section: domains, the proxy's weights
     "doremi_datasets": "mesh3d.data.domain_datasets",  # ... with hf_dataset_or_datasets
+    "pair_collectives": "mesh3d.parallel.pair_collectives",  # tp = 2 on CPU ranks
     "hf_models": "mesh3d.hf_models",  # mesh3d.parallelize_hf: a transformers model on the mesh
     "hf_stages": "mesh3d.hf_stages",  # mesh3d.build_hf_stage: its pipeline stages
 }

@@ -2,7 +2,7 @@
 
 A plan is data, `FQN pattern -> ParallelStyle` (each family's spec writes its own in
 `models/<family>_spec.py`); `parallel/tensor.py` applies it on mesh["tp"]. This module sits
-below the models so that the specs can name these styles; it imports no mesh3d module.
+below the models so that the specs can name these styles; of mesh3d it imports `extensions`.
 
 `LocalColwise` / `LocalRowwise` / `LocalReplicated` keep torch's layouts but compute on local
 tensors inside a block, and `LocalEmbedding` / `LocalHead` do so for the vocab-parallel
@@ -35,6 +35,8 @@ from torch.distributed.tensor.parallel import (  # noqa: F401  (re-exported for 
     ParallelStyle,
     RowwiseParallel,
 )
+
+from mesh3d import extensions
 
 TPPlan = dict[str, ParallelStyle]
 
@@ -210,43 +212,24 @@ class LocalEmbedding(RowwiseParallel):
         return module
 
 
-# The activations' collectives, on plain tensors (eager mode): what DTensor's `redistribute`
-# does for `LocalRowwise`'s output and `block_input`'s input, as one autograd function each with
-# one c10d call per direction, without DTensor's per-call Python (specs, functional-collective
-# wrappers). Compiled code keeps DTensor's traceable path; the math is the same.
+# The activations' collectives, on plain tensors (eager mode): what DTensor's `redistribute` does
+# for `LocalRowwise`'s output and `block_input`'s input, one c10d call per direction, without
+# DTensor's per-call Python. Compiled code keeps DTensor's traceable path; the math is the same.
 
 
-# Between two CPU (gloo) ranks one send and one receive each way costs a quarter of gloo's
-# ring all-reduce / all-gather / reduce-scatter of the same tensor (`benchmarks/tp_collectives.py`),
-# so a pair trades tensors and adds them: x0 + x1 in either order is the same float (addition
-# commutes), the bits the ring gives. Other sizes and devices keep the c10d collective.
-
-
-def _pair(x: torch.Tensor, group: dist.ProcessGroup) -> int | None:
-    """This rank's index in `group` when it is a pair on the CPU (gloo), else None."""
-    if x.device.type != "cpu" or dist.get_world_size(group) != 2:
-        return None
-    return dist.get_rank(group)
-
-
-def _swap(x: torch.Tensor, group: dist.ProcessGroup, me: int) -> torch.Tensor:
-    """The other rank's `x` (same shape; `x` contiguous), for this rank's own."""
-    peer = dist.get_global_rank(group, 1 - me)
-    theirs = torch.empty_like(x)
-    sent = dist.isend(x, peer, group=group)
-    dist.irecv(theirs, peer, group=group).wait()
-    sent.wait()
-    return theirs
+def _pair(x: torch.Tensor, group: dist.ProcessGroup):
+    """(rank in `group`, `parallel/pair_collectives.py`) for a pair of CPU ranks, else Nones."""
+    pair = x.device.type == "cpu" and dist.get_world_size(group) == 2
+    return (dist.get_rank(group), extensions.load("pair_collectives")) if pair else (None, None)
 
 
 def _seq_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather `x` along `dim` (equal shards, in rank order)."""
     size = dist.get_world_size(group)
-    me = _pair(x, group)
+    me, pair = _pair(x, group)
     x = x.movedim(dim, 0).contiguous()
     if me is not None:
-        theirs = _swap(x, group, me)
-        out = torch.cat((x, theirs) if me == 0 else (theirs, x))
+        out = pair.gather(x, group, me)
     else:
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))
         all_gather_flat(out, x, group=group)
@@ -256,13 +239,10 @@ def _seq_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Te
 def _seq_reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum `x` over `group` and keep this rank's shard along `dim`."""
     size = dist.get_world_size(group)
-    me = _pair(x, group)
+    me, pair = _pair(x, group)
     x = x.movedim(dim, 0).contiguous()
     if me is not None:
-        mine, other = x.chunk(2)
-        if me == 1:
-            mine, other = other, mine
-        out = mine + _swap(other, group, me)
+        out = pair.reduce_scatter(x, group, me)
     else:
         out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
         reduce_scatter_flat(out, x, group=group)
@@ -271,9 +251,9 @@ def _seq_reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> 
 
 def _summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous(memory_format=torch.contiguous_format)
-    me = _pair(x, group)
+    me, pair = _pair(x, group)
     if me is not None:
-        return x + _swap(x, group, me)
+        return pair.summed(x, group, me)
     out = x.clone()
     dist.all_reduce(out, group=group)
     return out

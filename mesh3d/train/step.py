@@ -47,8 +47,7 @@ def clip_grad_norm(
         norm = mesh3d.clip_grad_norm(list(model.parameters()), 1.0, pp_group=mesh["pp"].get_group())
     """
     counted = [p for p in (params if norm_params is None else norm_params) if p.grad is not None]
-    grads = [p.grad for p in counted if getattr(p, "expert_shard", None) is None]
-    total = _total_norm(grads)
+    total = _total_norm([p.grad for p in counted if getattr(p, "expert_shard", None) is None])
     sliced = [p for p in counted if getattr(p, "expert_shard", None) is not None]
     if sliced:  # expert-parallel slices: their squares summed over the ep group
         sq = sum(_local_grad(p).double().pow(2).sum() for p in sliced)
@@ -59,34 +58,26 @@ def clip_grad_norm(
         dist.all_reduce(sq, group=pp_group)
         total = sq.sqrt().to(total.dtype)
     if max_norm is not None:  # expert slices apart: plain next to FSDP's DTensors under zero 1
-        for sliced in (False, True):
-            subset = [p for p in params if (getattr(p, "expert_shard", None) is not None) == sliced]
-            for alike in _alike(subset, lambda p: p.grad):
-                torch.nn.utils.clip_grads_with_norm_(alike, max_norm, total)
+        for alike in _alike(params, lambda p: p.grad):
+            torch.nn.utils.clip_grads_with_norm_(alike, max_norm, total)
     return float(total)
 
 
-def _alike(items: list, tensor_of=lambda t: t) -> list[list]:
-    """`items` grouped by their tensor's kind: plain tensors, DTensors of each mesh (torch's
-    foreach kernels refuse a mix, as a `transformers` model under its TP plan has: replicated
-    norms beside sharded projections). One group, in order, when they are all alike."""
+def _alike(items: list, of=lambda t: t) -> list[list]:
+    """`items` grouped by their tensor's kind (plain, DTensor of each mesh; expert slices apart),
+    in order: foreach kernels refuse a mix, which a `transformers` model under its TP plan has."""
     groups: dict = {}
-    for item in items:
-        t = tensor_of(item)
-        if t is not None:
-            groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(item)
+    for item in (i for i in items if of(i) is not None):
+        kind = (getattr(item, "expert_shard", None) is None, getattr(of(item), "device_mesh", 0))
+        groups.setdefault(kind, []).append(item)
     return list(groups.values())
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of `grads` as full tensors (DTensor shards counted once)."""
-    norms = []
-    for alike in _alike(grads):
-        norm = torch.nn.utils.get_total_norm(alike, 2.0)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if len(norms) <= 1:
-        return norms[0] if norms else torch.zeros(())
-    return torch.stack([n.double() for n in norms]).square().sum().sqrt().to(norms[0].dtype)
+    norms = [torch.nn.utils.get_total_norm(alike, 2.0) for alike in _alike(grads)]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms] or [torch.zeros(())]
+    return norms[0] if len(norms) == 1 else torch.stack(norms).double().norm().to(norms[0].dtype)
 
 
 def _local_grad(p: torch.nn.Parameter) -> torch.Tensor:

@@ -7,7 +7,8 @@ them, and the lines stay under `CEILING`: 18,606 lines in 114 modules before the
 moved behind the extension point, 14,252 in 94 after; 14,395 in 93 with later work (the lighteval
 checks, the streamed-data share, µP's rules and the BPE trainer imported where used; 14,568
 with the hooks of fault tolerance and DoReMi in the schema, run, step and loop, their own
-modules and checks loaded only when configured; issue 43 asks for 10,000; the rest is the
+modules and checks loaded only when configured; 14,600 with the sbatch evaluation jobs, DoReMi's
+per-domain datasets and the CPU pair's tp collectives moved out of tp_styles; issue 43 asks for 10,000; the rest is the
 core itself: config, checks, checkpoint formats, the parallel plan, the loop).
 """
 

@@ -40,7 +40,7 @@ needs none in backward. The
 head's input gradient is a partial sum (1 AR, or 1 RS), and with sequence parallelism the
 embedding's sequence-sharded output gradient is gathered for its weight gradient (1 AG).
 
-On the CPU at tp=2 (gloo) the blocks' collectives are pair swaps instead (`tp_styles._swap`: one
+On the CPU at tp=2 (gloo) the blocks' collectives are pair swaps instead (`parallel/pair_collectives.py::swap`: one
 send and one receive each way, then the sum, the concatenation or this rank's half of it): a
 second pass counts one swap per collective above and checks that outputs, gradients, loss and the
 AdamW step keep the same bits. The counts above are taken with the swap turned off.
@@ -71,6 +71,7 @@ from mesh3d.mesh import ParallelDims, build_mesh
 from mesh3d.models.llama import Llama
 from mesh3d.models.llama_spec import init_std as llama_init_std
 from mesh3d.models.llama_spec import llama_tp_plan
+from mesh3d.parallel import pair_collectives
 from mesh3d.parallel.parallelize import materialize, seeded_init
 from mesh3d.parallel.tensor import apply_tp, reduce_partial_grads
 from mesh3d.tp_styles import local_of
@@ -132,7 +133,9 @@ OPTIM = {
 C10D_NAMES = {"allreduce_": AR, "_allgather_base_": AG, "_reduce_scatter_base_": RS}
 
 
-SWAPS = Counter()  # calls of tp_styles._swap (a CPU pair's send + receive), counted by _measure_all
+SWAPS = (
+    Counter()
+)  # calls of pair_collectives.swap (a CPU pair's send + receive), counted by _measure_all
 
 
 @contextlib.contextmanager
@@ -268,8 +271,8 @@ def _measure_all(rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # CommDebugMode's
     mesh = build_mesh(ParallelDims(dp=1, tp=world, pp=1), "cpu")
     # the blocks' collectives as c10d collectives (what they are on GPUs and for tp > 2) ...
-    swap, pair = tp_styles._swap, tp_styles._pair
-    tp_styles._pair = lambda x, group: None
+    swap, pair = pair_collectives.swap, tp_styles._pair
+    tp_styles._pair = lambda x, group: (None, None)
     try:
         measured = {m: _measure(m, rank, mesh["tp"]) for m in MODES}
     finally:
@@ -281,7 +284,7 @@ def _measure_all(rank: int, world: int) -> dict:
         SWAPS["n"] += 1
         return swap(*args)
 
-    tp_styles._swap = counted_swap
+    pair_collectives.swap = counted_swap
     try:
         for m in MODES:
             counts, values = _measure(m, rank, mesh["tp"])
@@ -289,7 +292,7 @@ def _measure_all(rank: int, world: int) -> dict:
             same = len(values) == len(reference) and all(map(torch.equal, values, reference))
             out[f"{m} swapped"] = {**counts, "same values": same}
     finally:
-        tp_styles._swap = swap
+        pair_collectives.swap = swap
     out["local_of"] = _local_of_against_to_local(mesh["tp"])
     out["cross_entropy"] = _cross_entropy_against_full(mesh["tp"])
     return out
@@ -340,7 +343,7 @@ def test_norm_weight_grads_reduced_once(measured, tp_mode):
 @pytest.mark.parametrize("tp_mode", MODES)
 def test_cpu_pairs_swap_instead_with_the_same_bits(measured, tp_mode):
     """At tp=2 on the CPU each of a block's collectives (all-reduce, all-gather, reduce-scatter)
-    is one swap between the two ranks (`tp_styles._swap`: one send and one receive each way), and
+    is one swap between the two ranks (`parallel/pair_collectives.py::swap`: one send and one receive each way), and
     so are the embedding's and the head's (`LocalEmbedding`, `LocalHead`); the layer and model
     outputs, input and weight gradients, loss and the AdamW step that follows equal the
     collectives' bit for bit. The loss's and the optimizer's collectives stay."""
