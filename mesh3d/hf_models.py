@@ -176,14 +176,8 @@ def load_hf(source: nn.Module | str | os.PathLike) -> nn.Module:
         return source
     import transformers
 
-    try:
-        return transformers.AutoModelForCausalLM.from_pretrained(os.fspath(source))
-    except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(
-            f"model: {os.fspath(source)!r} is neither a folder holding a transformers causal LM "
-            f"(config.json and weights) nor a reachable hub id ({first})"
-        ) from None
+    what = "a transformers causal LM (config.json and weights)"
+    return _from_pretrained(transformers.AutoModelForCausalLM, source, what)
 
 
 def load_hf_config(source: str | os.PathLike):
@@ -191,13 +185,17 @@ def load_hf_config(source: str | os.PathLike):
     exists); one `UserError` line when there is none."""
     import transformers
 
+    return _from_pretrained(transformers.AutoConfig, source, "a transformers config.json")
+
+
+def _from_pretrained(cls, source: str | os.PathLike, what: str):
     try:
-        return transformers.AutoConfig.from_pretrained(os.fspath(source))
+        return cls.from_pretrained(os.fspath(source))
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserError(
-            f"model: {os.fspath(source)!r} is neither a folder holding a transformers config.json "
-            f"nor a reachable hub id ({first})"
+            f"model: {os.fspath(source)!r} is neither a folder holding {what} nor a reachable "
+            f"hub id ({first})"
         ) from None
 
 
