@@ -46,6 +46,9 @@ CAPABILITIES: dict[str, str] = {
     "doremi_checks": "mesh3d.checks.doremi_checks",  # a doremi: section
     "doremi": "mesh3d.train.doremi",  # a doremi: section: domains, the proxy's weights
     "doremi_datasets": "mesh3d.data.domain_datasets",  # ... with hf_dataset_or_datasets
+    "hf_config": "mesh3d.config.hf_model",  # mesh3d.hf_model: the model from a transformers folder
+    "hf_parts": "mesh3d.train.hf_parts",  # ... built and parallelized from its own code
+    "expert_files": "mesh3d.checkpoint.expert_files",  # expert stacks split over ep ranks
     "pair_collectives": "mesh3d.parallel.pair_collectives",  # tp = 2 on CPU ranks
     "hf_models": "mesh3d.hf_models",  # mesh3d.parallelize_hf: a transformers model on the mesh
     "hf_stages": "mesh3d.hf_stages",  # mesh3d.build_hf_stage: its pipeline stages

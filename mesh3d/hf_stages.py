@@ -20,6 +20,7 @@ from torch import nn
 
 from mesh3d.errors import UserError
 from mesh3d.hf_models import decoder_layers, load_hf, ties_embeddings
+from mesh3d.parallel.pipeline_layout import split_by_cost
 
 
 def build_hf_stage(
@@ -78,6 +79,15 @@ def build_hf_stage(
     stage.__class__ = _stage_class(type(model))
     stage.mesh3d_stage = (first, last)
     return stage
+
+
+def hf_stage_layers(model: nn.Module, pp: int) -> list[list[int]]:
+    """The decoder layers of each of `pp` stages, split by their parameter counts (Nanotron's
+    cost split, the head's parameters counted after the last layer)."""
+    layers = model.get_submodule(decoder_layers(model))
+    costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    head = model.get_output_embeddings()
+    return split_by_cost(costs, head.weight.numel() if head is not None else 0, pp)
 
 
 class _StageForward:

@@ -93,8 +93,8 @@ def _plot(metrics_file: str | None) -> Path | None:
 def _sample(cfg, step_dir: Path | None, new_tokens: int = 24) -> str | None:
     """Greedy text from the last checkpoint, or None without one or a local tokenizer."""
     name = cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None
-    if step_dir is None or not name or not Path(name).exists():
-        return None
+    if step_dir is None or not name or not Path(name).exists() or cfg.mesh3d.hf_model:
+        return None  # (a transformers model's: `mesh3d convert to-hf`, then its own generate)
     from mesh3d.data.tokenizer import load_tokenizer
     from mesh3d.generation.sampling import generate
     from mesh3d.generation.single import load_model

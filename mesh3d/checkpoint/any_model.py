@@ -135,11 +135,11 @@ def load_state(
     if problems:
         raise damaged_error(path, problems)
     held = held_parameters(modules)
-    params = [_as_saved(path / "model", p) for p in params_of(modules, name_map)]
+    params = [as_saved(path / "model", p) for p in params_of(modules, name_map)]
     load_rank_state(path, params, held, optimizer, optimizer is not None)
 
 
-def _as_saved(root: Path, p: Param) -> Param:
+def as_saved(root: Path, p: Param) -> Param:
     """`p` with the TP kind its files were saved with, which the loading model's placement
     may not tell (saved split over tp, loaded at tp 1, or the other way round)."""
     *dirs, leaf = p.name.split(".")

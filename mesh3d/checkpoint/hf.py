@@ -38,7 +38,7 @@ from mesh3d import extensions
 from mesh3d.checkpoint.from_hf_config import training_config
 from mesh3d.checkpoint.model_config import _read_json_object, read_model_config_json, shape_of  # noqa: F401
 from mesh3d.checkpoint.tokenizer_files import copy_into_folder, step_tokenizer
-from mesh3d.checkpoint.training import lora_of, weights_dir
+from mesh3d.checkpoint.training import lora_of, resolve_step_dir, weights_dir
 from mesh3d.checks import validate
 from mesh3d.config import save_config
 from mesh3d.errors import ConfigError, UserError, exit_on_user_error
@@ -304,6 +304,16 @@ def hf_config_of(model_dir: Path):
 
 
 @exit_on_user_error
+def _hf_model_of(checkpoint: str) -> str | None:
+    """The `mesh3d.hf_model` a run's step folder (or checkpoints folder) was trained as."""
+    try:
+        step = resolve_step_dir(checkpoint, "--checkpoint")
+        meta = json.loads((step / "checkpoint_metadata.json").read_text())
+    except (UserError, OSError, ValueError):
+        return None
+    return ((meta.get("custom_metas") or {}).get("mesh3d") or {}).get("hf_model")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m mesh3d.convert",
@@ -345,10 +355,12 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--checkpoint", required=True, help="e.g. checkpoints/1000, or checkpoints")
     c.add_argument("--output", required=True, help="folder for the PEFT adapter")
     args = ap.parse_args(argv)
-    if args.command == "to-hf" and args.model:
+    trained = _hf_model_of(args.checkpoint) if args.command == "to-hf" else None
+    if args.command == "to-hf" and (args.model or trained):  # a transformers model's
         from mesh3d.checkpoint.hf_export import export_hf
 
-        out = export_hf(args.checkpoint, args.model, args.output)
+        step = args.checkpoint if args.model else weights_dir(args.checkpoint, "--checkpoint")
+        out = export_hf(step, args.model or trained, args.output)
         paths = sorted(p for p in out.iterdir() if p.is_file())
     elif args.command == "to-hf":
         paths = to_hf(args.checkpoint, args.output, args.dtype)

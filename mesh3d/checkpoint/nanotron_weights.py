@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from mesh3d import extensions
 from mesh3d import nanotron_names as names
 from mesh3d.errors import UserError
 from mesh3d.models.registry import spec_named
@@ -341,43 +342,6 @@ def is_expert_stack(p: Param) -> bool:
     return p.name.endswith(names.EXPERT_STACKS)
 
 
-def expert_files(p: Param, ep: int, pp: int, tp: int) -> list[tuple[str, slice]]:
-    """(path under `model/`, rows) of each ep rank's file of the expert stack `p` (ep > 1)."""
-    *dirs, leaf = p.name.split(".")
-    n = p.shape[0] // ep
-    return [
-        ("/".join([*dirs, names.EXPERT_FILE.format(leaf=leaf, pp_rank=p.pp_rank, pp=pp, tp_rank=0,
-                                                    tp=tp, ep_rank=e, ep=ep)]),
-         slice(e * n, (e + 1) * n))
-        for e in range(ep)
-    ]  # fmt: skip
-
-
-def _read_expert_files(root: Path, p: Param) -> Tensor | None:
-    """An expert stack saved split over ep ranks, put back together; None if not saved so."""
-    *dirs, leaf = p.name.split(".")
-    folder = root.joinpath(*dirs)
-    pattern = re.compile(names.EXPERT_FILE_REGEX.format(leaf=leaf))
-    found = {}
-    for f in folder.glob(f"model_{leaf}_*exp-rank-*.safetensors") if folder.is_dir() else []:
-        m = pattern.fullmatch(f.name)
-        if m:
-            found[int(m.group(5))] = (int(m.group(6)), f)
-    if not found:
-        return None
-    ep = next(iter(found.values()))[0]
-    if sorted(found) != list(range(ep)):
-        raise UserError(
-            f"{folder}: expert files of {p.name} for exp-ranks {sorted(found)}, expected 0..{ep - 1}; "
-            "the checkpoint is incomplete"
-        )
-    full = torch.cat([_read_file(found[e][1])[0] for e in range(ep)])
-    if tuple(full.shape) != p.shape:
-        raise UserError(f"{folder}: the expert files of {p.name} make {tuple(full.shape)}, "
-                        f"but the model config gives {p.shape}")  # fmt: skip
-    return full
-
-
 def read_param(root: str | Path, p: Param) -> Tensor:
     """The full (fused) tensor of `p` from `root` (= `<step>/model`), saved at any TP/PP (and
     any ep for expert stacks)."""
@@ -385,8 +349,8 @@ def read_param(root: str | Path, p: Param) -> Tensor:
     if p.kind != "replicated":
         return _read_sharded(root, p)
     path = root / _path(p, 0, 1, 1)
-    if not path.is_file() and is_expert_stack(p):
-        split = _read_expert_files(root, p)
+    if not path.is_file() and is_expert_stack(p):  # saved split over ep ranks?
+        split = extensions.load("expert_files").read_expert_files(root, p)
         if split is not None:
             return split
     if not path.is_file():

@@ -31,7 +31,6 @@ from mesh3d.checkpoint.finite import non_finite
 from mesh3d.checkpoint.folder import FolderWriter
 from mesh3d.checkpoint.nanotron_weights import (
     Param,
-    expert_files,
     fuse,
     is_expert_stack,
     read_param,
@@ -164,7 +163,7 @@ def write_rank_state(
         if writes and D == 0 and (p.kind != "replicated" or T == 0) and writes_weight(p):
             data, meta = shard_of(p, fused.to(model_dtype or fused.dtype), T, tp)
             if ep > 1 and is_expert_stack(p):  # one file per ep rank, Nanotron's exp-rank names
-                for rel, rows in expert_files(p, ep, pp, tp):
+                for rel, rows in extensions.load("expert_files").expert_files(p, ep, pp, tp):
                     writer.save_tensors(
                         f"model/{rel}", {names.TENSOR_KEY: data[rows].contiguous()}, meta
                     )

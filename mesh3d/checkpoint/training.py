@@ -65,6 +65,8 @@ def _rank_params(layout: RunLayout, parts, pp_rank: int) -> list:
     the embedding's name (Nanotron's loader pairs saved and live states by position). A LoRA
     run's: its adapters (`adapter_params`)."""
     held = held_parameters(parts.modules)
+    if parts.params_of is not None:  # a transformers model: its own names
+        return parts.params_of(pp_rank)
     if layout.lora is not None:
         return extensions.load("lora_files").adapter_params(layout.lora, pp_rank, held)
     params = [p for p in nanotron_params(layout.shape, layout.dims.pp)
@@ -72,6 +74,11 @@ def _rank_params(layout: RunLayout, parts, pp_rank: int) -> list:
     if parts.embed_rank != pp_rank:  # at most the tied lm_head copy is named like the embedding
         params.sort(key=is_embedding)  # stable: the rest keep their order
     return params
+
+
+def _zero_files(cfg) -> bool:
+    """Optimizer files in Nanotron's ZeRO-1 form (a transformers model's: whole, ZeRO-0)."""
+    return cfg.optimizer.zero_stage > 0 and not cfg.mesh3d.hf_model
 
 
 def data_state_file(dp_rank: int, dp: int) -> str:
@@ -90,7 +97,7 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler,
     params = _rank_params(layout, parts, P)
     write_rank_state(
         writer, params, held_parameters(parts.modules), optimizer,
-        Layout(par.dp, par.tp, par.pp, coords), zero=cfg.optimizer.zero_stage > 0,
+        Layout(par.dp, par.tp, par.pp, coords), zero=_zero_files(cfg),
         model_dtype=layout.model_dtype, masters=layout.fp32_masters,
         writes_weight=lambda p: not is_embedding(p) or parts.embed_rank == P,
         ep=par.expert_parallel_size,
@@ -115,7 +122,7 @@ def _write_rank0_files(writer: FolderWriter, cfg, layout: RunLayout, step: int, 
     shape = layout.shape
     writer.write_text("config.yaml", nanotron_config_yaml(cfg, step, consumed))
     writer.write_text("model_config.json", json.dumps(model_config_json(cfg)))
-    zero = cfg.optimizer.zero_stage > 0
+    zero = _zero_files(cfg)
     kind = "ZeroDistributedOptimizer" if zero else "NamedOptimizer"
     if not zero and layout.fp32_masters:
         kind = "OptimizerFromGradientAccumulator"
@@ -313,6 +320,8 @@ def load_weights(folder: Path, parts, layout: RunLayout, optimizer=None) -> None
         params = extensions.load("lora_files").adapter_params(layout.lora, 0, held)
         load_rank_state(folder, params, held, optimizer, optimizer is not None)
         return
+    if parts.params_of is not None:  # a transformers model: its own names, split as saved
+        return load_rank_state(folder, parts.params_of(0, folder), held, optimizer, bool(optimizer))
     params = [p for p in nanotron_params(saved_shape) if all(o in held for o in p.ours)]
     load_rank_state(folder, params, held, optimizer, optimizer is not None,
                     rows=shape.padded_vocab)  # fmt: skip

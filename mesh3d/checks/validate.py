@@ -283,7 +283,9 @@ def _pipeline(cfg: Config) -> Iterator[str]:
 
 def _stage_split(cfg: Config, stages: int) -> Iterator[str]:
     """The layer split the trainer will use, so an empty stage fails here, not at build time."""
-    try:
+    try:  # (a transformers model's is by its own module tree: `train/hf_parts.py`)
+        if cfg.mesh3d.hf_model:
+            return
         split_by_cost(*spec_of(cfg.model.model_config).pipeline_costs(model_shape(cfg)), stages)
     except ConfigError as e:
         yield str(e)

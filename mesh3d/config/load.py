@@ -21,6 +21,7 @@ from typing import Any, get_args
 
 import yaml
 
+from mesh3d import extensions
 from mesh3d.config.families import MESH3D_FAMILIES, Mesh3dFamily, family_of_config
 from mesh3d.config.overrides import apply_to_dict
 from mesh3d.config.schema import (
@@ -245,6 +246,8 @@ def config_from_dict(d: dict) -> Config:
     """
     if not isinstance(d, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {show(d)}")
+    if isinstance(d.get("mesh3d"), dict) and d["mesh3d"].get("hf_model"):  # its model: a folder
+        d = extensions.load("hf_config").fill(d)
     return _resolve(build(Config, _upgrade_legacy(copy.deepcopy(d)), "", _PICKERS))
 
 

@@ -459,6 +459,7 @@ class Mesh3dArgs:
     eval_failure: str = "continue"  # an in-run evaluation that fails: continue | stop (lighteval:)
     eval_engine: str = "lm-eval"  # the in-run evaluation's engine (lighteval:): lm-eval | lighteval
     eval_mode: str = "in_run"  # lighteval: in_run | slurm_job (an sbatch job per evaluated save)
+    hf_model: str | None = None  # a transformers causal LM folder / hub id (docs/hf-models.md)
     sft_assistant_turns: str = "all"  # chat SFT data: the assistant turns that train: all | last
     compile: bool = False
     float8: bool = False  # decoder linears in float8 through torchao (tp 1, ep 1)

@@ -29,9 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from mesh3d.errors import UserError
 from mesh3d.hf_models import decoder_layers, load_hf_config, parallelize_hf
-from mesh3d.hf_stages import build_hf_stage
+from mesh3d.hf_stages import build_hf_stage, hf_stage_layers
 from mesh3d.mesh import ParallelDims, build_mesh
-from mesh3d.parallel.pipeline_layout import split_by_cost
 
 
 @dataclass
@@ -62,15 +61,6 @@ class HFPlan:
     microbatches: int
     stages: list[HFStagePlan] = field(default_factory=list)
     note: str | None = None
-
-
-def hf_stage_layers(model: nn.Module, pp: int) -> list[list[int]]:
-    """The decoder layers of each of `pp` stages, split by their parameter counts (Nanotron's
-    cost split, the head's parameters counted after the last layer)."""
-    layers = model.get_submodule(decoder_layers(model))
-    costs = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    head = model.get_output_embeddings()
-    return split_by_cost(costs, head.weight.numel() if head is not None else 0, pp)
 
 
 def plan_hf(source, *, dp: int = 1, tp: int = 1, pp: int = 1, dp_mode: str = "replicate",

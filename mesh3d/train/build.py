@@ -55,6 +55,7 @@ class ModelParts:
     loss_fn: object = None  # train/loss.py::step_loss of the run: what every path backpropagates
     expert_replicas: object = None  # with expert parallelism: the group expert grads sum over
     reducers: list = field(default_factory=list)  # zero_stage 0 over dp x cp: parallel/buckets.py
+    params_of: Callable | None = None  # a transformers model's saved names (train/hf_parts.py)
     seq_len: int = 0  # the sequence length `stages` and `schedule` are declared for
     reshape: Callable[[int], tuple[list, object]] | None = None  # (stages, schedule) at a length
     _shaped: dict = field(default_factory=dict)

@@ -61,10 +61,11 @@ def param_groups(
         scale = lr_scale[candidates[0]] if lr_scale else 1.0
         # expert-parallel slices in groups of their own: under zero 1 they stay plain tensors
         # beside FSDP's DTensors, and one fused/foreach AdamW call cannot mix the two
-        sliced = getattr(p, "expert_shard", None) is not None
+        sliced = getattr(p, "expert_shard", None) is not None  # and plain apart from DTensors
+        sliced = (sliced, str(getattr(getattr(p, "device_mesh", None), "mesh_dim_names", "")))
         by_group.setdefault((scale != 1.0, scale, excluded, sliced), []).append(p)
     if not by_group:
-        by_group[(False, 1.0, False, False)] = []
+        by_group[(False, 1.0, False, (False, ""))] = []
     return [
         {"params": params, "weight_decay": 0.0 if excluded else weight_decay, "lr_scale": scale}
         for (_, scale, excluded, _), params in sorted(by_group.items(), key=lambda kv: kv[0])

@@ -121,7 +121,10 @@ class Run:
         self.mesh = build_mesh(dims, self.device.type)
         set_collective_timeout(self.mesh, cfg.mesh3d.collective_timeout_s)  # sub-groups too
         torch.manual_seed(cfg.general.seed)
-        self.parts = build_model_parts(cfg, layout, self.mesh, self.device)
+        build = (
+            extensions.load("hf_parts").build_hf_parts if cfg.mesh3d.hf_model else build_model_parts
+        )
+        self.parts = build(cfg, layout, self.mesh, self.device)
         self.optimizer, self.scheduler = build_optimizer(
             self.parts.named_parameters(), cfg, layout, self.device
         )

@@ -83,6 +83,12 @@ DOC_COMMANDS: dict[str, tuple[str | None, str]] = {
         "torchrun --nproc_per_node=2 recipes/train.py --config-file recipes/configs/cpu_tiny_moe.yaml "
         "parallelism.dp=2 parallelism.expert_parallel_size=2 tokens.train_steps=10", ""),
     "python recipes/doremi/run.py": ("python recipes/doremi/run.py", ""),
+    # docs/hf-models.md
+    "mesh3d train --config-file recipes/configs/cpu_tiny.yaml mesh3d.hf_model=path/to/model "
+    "parallelism.dp=2 parallelism.tp=2 parallelism.pp=2 parallelism.tp_mode=ALL_REDUCE "
+    "model.dtype=float32": (
+        None, "path/to/model stands for the user's folder; tests/ranks/test_hf_train.py trains a "
+        "GPT-NeoX folder with this config and layout (8 ranks) through the same train()"),
     # docs/fault-tolerance.md
     "python recipes/fault_tolerance/run_local.py --groups 2 --output runs/ft --config-file "
     "recipes/configs/cpu_tiny.yaml parallelism.tp=2 tokens.train_steps=200": (

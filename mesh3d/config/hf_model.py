@@ -1,0 +1,77 @@
+"""`mesh3d.hf_model`: a config whose model is a `transformers` causal LM folder (or hub id), trained
+with the model's own modeling code (`mesh3d/train/hf_parts.py`).
+
+The folder's config.json is the model: `model.model_config` is replaced by its sizes in
+Nanotron's Llama form (vocabulary, hidden size, layers, heads, positions, tied embeddings), which
+mesh3d's data, checks, plan and logs read, and `model.init_method` by a placeholder (the weights
+come from the folder, or from transformers' own initialization when it holds none). What such a
+run cannot do yet is refused here, in one line naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mesh3d.errors import ConfigError
+
+# `mesh3d:` keys a transformers model does not take yet: (key, its off value, why)
+_NOT_YET = (("lora", None, "LoRA adapters"), ("float8", False, "float8 linears"),
+            ("compile", False, "torch.compile of mesh3d's blocks"),
+            ("fault_tolerance", None, "fault tolerance"), ("async_tp", False, "async TP"),
+            ("hf_export", False, "the in-run export (use `mesh3d convert to-hf --checkpoint "
+             "STEP`: it finds the model in the checkpoint)"))  # fmt: skip
+
+
+def fill(d: dict) -> dict:
+    """`d` (a config mapping) with `model.model_config` / `init_method` from `mesh3d.hf_model`."""
+    source = d["mesh3d"]["hf_model"]
+    try:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(os.fspath(source))
+    except ImportError:
+        raise ConfigError("mesh3d.hf_model needs transformers: pip install transformers") from None
+    except (OSError, ValueError) as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(
+            f"mesh3d.hf_model: {os.fspath(source)!r} is neither a folder holding a transformers "
+            f"config.json nor a reachable hub id ({first})"
+        ) from None
+    for key, off, what in _NOT_YET:
+        if (d.get("mesh3d") or {}).get(key, off) not in (off, None):
+            raise ConfigError(f"mesh3d.{key}: {what} is not supported with mesh3d.hf_model yet")
+    p = d.get("parallelism") or {}
+    if (p.get("context_parallel_size") or 1) > 1 or (p.get("expert_parallel_size") or 1) > 1:
+        raise ConfigError(
+            "parallelism.context_parallel_size / expert_parallel_size: a transformers model "
+            "(mesh3d.hf_model) trains with dp x tp x pp only; set them to 1"
+        )
+    if (
+        (p.get("pp") or 1) > 1
+        and (p.get("tp") or 1) > 1
+        and str(p.get("tp_mode", "")).upper() == "REDUCE_SCATTER"
+    ):
+        raise ConfigError(
+            "parallelism.tp_mode: REDUCE_SCATTER (sequence parallelism) with pp > 1 is not "
+            "supported with mesh3d.hf_model yet; use ALL_REDUCE, or pp 1"
+        )
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not (heads and hidden and layers and getattr(config, "vocab_size", None)):
+        raise ConfigError(
+            f"mesh3d.hf_model: {type(config).__name__} of {os.fspath(source)!r} has no "
+            "hidden_size / num_attention_heads / num_hidden_layers / vocab_size; it is not a "
+            "decoder-only causal LM mesh3d can train"
+        )
+    model = dict(d.get("model") or {})
+    model["model_config"] = {
+        "vocab_size": config.vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "intermediate_size": getattr(config, "intermediate_size", None) or 4 * hidden,
+        "max_position_embeddings": getattr(config, "max_position_embeddings", None) or 2048,
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+    }  # fmt: skip
+    model["init_method"] = {"std": getattr(config, "initializer_range", 0.02)}
+    model["make_vocab_size_divisible_by"] = 1  # the model's own vocabulary, as it is
+    return {**d, "model": model}

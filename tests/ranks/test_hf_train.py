@@ -1,0 +1,82 @@
+"""`mesh3d train` of a transformers folder (`mesh3d.hf_model`): mesh3d's own run (data, loss,
+step, metrics, checkpoints) around the model's own modeling code.
+
+A tiny GPT-NeoX folder (fused query_key_value, LayerNorms with biases, partial rotary), 4 steps
+of the CPU config's learnable data:
+- at dp2 x tp2 x pp2 (ZeRO-1, 1F1B) the losses and gradient norms equal one process's within
+  1e-5, at the same global batch;
+- its step-2 checkpoint resumed at 1x1x1 and at dp1 x tp2 continues as the 2x2x2 run did;
+- `mesh3d convert to-hf` of its last step (the model found in the checkpoint's metadata) is a
+  folder `from_pretrained` loads, with logits equal to one process's last step's export.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import run_ranks
+
+from mesh3d.checkpoint.hf import main as convert
+from mesh3d.config import load_config
+from mesh3d.train.loop import train
+
+transformers = pytest.importorskip("transformers", reason="mesh3d.hf_model needs transformers")
+
+CONFIG = "recipes/configs/cpu_tiny.yaml"
+COMMON = ["tokens.train_steps=4", "tokens.sequence_length=32", "model.dtype=float32",
+          "mesh3d.device=cpu", "optimizer.learning_rate_scheduler.lr_warmup_steps=1",
+          "tokens.val_check_interval=-1", "logging.log_level=warning",
+          "parallelism.tp_mode=ALL_REDUCE", "checkpoints.checkpoint_interval=2",
+          "tokens.micro_batch_size=4"]  # fmt: skip
+ONE = ["tokens.batch_accumulation_per_replica=4"]  # global batch 16 at every layout
+THREE = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "optimizer.zero_stage=1",
+         "tokens.batch_accumulation_per_replica=2"]  # fmt: skip
+
+
+def _folder(path):
+    config = transformers.GPTNeoXConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                        num_attention_heads=4, num_hidden_layers=4,
+                                        max_position_embeddings=64, rotary_pct=0.5,
+                                        tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _run(rank, world, overrides):
+    metrics = train(load_config(CONFIG, COMMON + overrides)).metrics
+    return [(m["iteration"], m["lm_loss"], m["grad_norm"]) for m in metrics]
+
+
+def _close(a: list, b: list) -> bool:
+    return [x[0] for x in a] == [x[0] for x in b] and all(
+        abs(x[1] - y[1]) <= 1e-5 and abs(x[2] - y[2]) <= 1e-5 for x, y in zip(a, b)
+    )
+
+
+def test_a_transformers_folder_trains_at_any_layout_resumes_and_exports(tmp_path):
+    hf = _folder(tmp_path / "neox")
+    model = [f"mesh3d.hf_model={hf}"]
+    one = run_ranks(1, _run, model + ONE + [f"checkpoints.checkpoints_path={tmp_path / 'one'}"],
+                    timeout=120)[0]  # fmt: skip
+    three = run_ranks(8, _run, model + THREE + [f"checkpoints.checkpoints_path={tmp_path / 'three'}"],
+                      timeout=300)[0]  # fmt: skip
+    assert len(one) == 4 and _close(three, one), (three, one)
+
+    for layout, world in ((ONE, 1), (["parallelism.tp=2", *ONE], 2)):
+        resumed = run_ranks(world, _run, model + layout + [
+            f"checkpoints.checkpoints_path={tmp_path / f'resumed{world}'}",
+            f"checkpoints.resume_checkpoint_path={tmp_path / 'three' / '2'}"], timeout=180)[0]  # fmt: skip
+        assert _close(resumed, three[2:]), (world, resumed, three[2:])
+
+    for run in ("one", "three"):  # no --model: the checkpoint names its model
+        convert(["to-hf", "--checkpoint", str(tmp_path / run / "4"),
+                 "--output", str(tmp_path / f"{run}-hf")])  # fmt: skip
+    a, b = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{r}-hf")
+            for r in ("one", "three"))  # fmt: skip
+    assert isinstance(a, transformers.GPTNeoXForCausalLM)
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (a(input_ids=tokens).logits - b(input_ids=tokens).logits).abs().max()
+    assert diff <= 1e-4, diff
+    assert (tmp_path / "one-hf" / "config.json").is_file()
