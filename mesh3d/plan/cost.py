@@ -8,7 +8,8 @@ shards) of every pp rank:
   microbatch;
 - tp, cp, ep, pp: every byte the plan says the rank sends on that axis, over the link that axis
   crosses (intra-node when its group fits in `nodes_of` consecutive ranks: the mesh is
-  (pp, dp, cp, tp), tp innermost), plus the latency per collective; none of it overlaps compute
+  (pp, dp, cp, tp), tp innermost; across nodes k members per node share k network cards),
+  plus the latency per collective; none of it overlaps compute
   (mesh3d runs TP, CP and EP collectives inline, and a stage waits for its input);
 - bubble: the busiest pp rank's time / (1 - the schedule's bubble fraction); with more ranks
   than cores (`cpu_share` < 1) a waiting rank's core runs the others: the pp ranks' mean time
@@ -22,6 +23,9 @@ shards) of every pp rank:
   (zero 1, full shard) without a pipeline overlaps its gathers and reduce-scatters with compute
   except one layer's share; under a pipeline its reduction waits for the last backward, and with
   more ranks than cores no core is free to run it alongside: exposed;
+- the dp collectives' memory traffic (the ring's reads and writes, the copies into and out of
+  the flat buffers) is added to compute at the memory bandwidth: overlapped or not, it runs on
+  the same memory as the kernels;
 - optimizer: AdamW reads parameter, gradient and both moments and writes three of them, at the
   memory bandwidth.
 """
@@ -45,7 +49,8 @@ class StepTime:
 
 
 def link(axis: str, dims: dict[str, int], ep: int, nodes_of: int, hw: Hardware):
-    """(bytes/s, latency s) of the link an axis's groups cross."""
+    """(bytes/s, latency s) of the link an axis's groups cross: NVLink's ring bandwidth within a
+    node; across nodes, the cards of the group's members on one node, at most NVLink's."""
     stride = 1
     for a in reversed(AXIS_ORDER):
         if a == axis:
@@ -56,8 +61,11 @@ def link(axis: str, dims: dict[str, int], ep: int, nodes_of: int, hw: Hardware):
         stride //= dims["cp"]
     if axis == "ep":  # ep groups take consecutive dp ranks
         stride, size = dims["tp"] * dims["cp"], ep
-    intra = stride * size <= nodes_of
-    bw = hw.intra_node_gbps if intra else hw.inter_node_gbps
+    if stride * size <= nodes_of:
+        return hw.intra_node_gbps * 1e9, hw.latency_us * 1e-6
+    # across nodes NCCL runs one ring per network card, so k members per node use k cards
+    per_node = max(1, min(size, nodes_of // stride))
+    bw = min(hw.intra_node_gbps, per_node * hw.inter_node_gbps)
     return bw * 1e9, hw.latency_us * 1e-6
 
 
@@ -101,6 +109,13 @@ def step_time(
 
     dp_items = [c for c in dp_rank.comm if c.axis == "dp"]
     dp_s = seconds(dp_items)
+    # what the dp collectives move through this rank's memory, while compute runs: the ring
+    # reads what it sends and writes what it receives (a reduction also reads its addend), and
+    # the tensors are copied in and out of the flat buffers (FSDP2's copy-in / copy-out, zero
+    # 0's buckets): read and write each full tensor once
+    hbm = sum(c.sent_bytes * (2 if c.collective == "all_gather" else 3)
+              + 2 * c.count * c.bytes_each for c in dp_items)  # fmt: skip
+    parts["compute"] += hbm / (hw.memory_gbps * 1e9 * hw.cpu_share)
     if mode != "replicate" and dims["pp"] == 1 and hw.cpu_share >= 1:
         # FSDP overlaps all but about one layer's share (not where the ranks already share cores)
         dp_s = max(dp_s - parts["compute"], dp_s / max(1, layers_worst))

@@ -3,9 +3,11 @@ its links, as data.
 
 Units in the table and in a `--hardware-file` (YAML or JSON, the same keys): peak_tflops per
 compute dtype (dense, no sparsity), memory_gib (what the device reports as total), memory_gbps
-(HBM bandwidth: the optimizer step streams its state), intra_node_gbps / inter_node_gbps (GB/s
-one GPU sends in one direction: NVLink within a node, its network card across nodes),
-latency_us (added per collective or send), efficiency (the fraction of the peak large matmuls
+(HBM bandwidth: the optimizer step streams its state), intra_node_gbps (the bus bandwidth a
+ring collective reaches over NVLink within a node: GB/s each GPU sends, as nccl-tests' busbw),
+inter_node_gbps (the same of one GPU's network card: a group with k members on each node runs k
+rings, one per card, so it gets min(intra, k x inter)), latency_us (the time of a collective too
+small for bandwidth to matter: added per collective or send), efficiency (the fraction of the peak large matmuls
 reach), float8_efficiency (the same of float8 matmuls, against `peak_tflops["float8"]`),
 attention_efficiency (the fraction of the peak a causal flash-attention kernel reaches, its
 executed FLOPs counted as FlashAttention counts them), layer_overhead_us (fixed cost per decoder
@@ -25,6 +27,14 @@ Sources (dense figures):
 - A100 SXM4 80GB / 40GB: NVIDIA A100 datasheet: BF16 312 TFLOPS, FP32 19.5 TFLOPS, 2.04 / 1.56
   TB/s, NVLink 600 GB/s (both directions); HDR 200 Gb/s per GPU (DGX A100).
 FP32 is the plain FP32 rate: torch's default matmul precision does not use TF32.
+Links, measured with nccl-tests (S. Bekman, ml-engineering, network/README.md, "Real network
+throughput" and "NVLink SHARP"): ring busbw at 16 GiB on 8 GPUs of one node, NVLink 4 (H100,
+H200: 450 GB/s one way) all-gather 361.4, reduce-scatter 362.9, all-reduce 367.2 GB/s -> 365;
+NVLink 3 (A100: 300 GB/s) all-reduce 234.89 -> 235; the smallest all-reduce (32 KiB) takes 43.8 us
+(8x A100) and 40 us (8x H200) -> latency 40 us. Across nodes "expect about 80%" of the card's
+rate (same page): 400 Gb/s -> 40 GB/s, 200 Gb/s -> 20 GB/s; a 32-rank all-reduce on 4 nodes of
+8x H200 measured 364.65 GB/s busbw, the NVLink figure: 8 rings, one per card, as min(intra,
+8 x inter) says.
 `efficiency`: the Maximum Achievable Matmul FLOPS measured with mamf-finder.py over the peak
 (S. Bekman, ml-engineering, compute/accelerator/README.md, MAMF table): H100 SXM BF16 794.5 of 989
 (0.803; "H200 is the same"), FP8 1402.6 of 1979 (0.709); A100 SXM BF16 271.2 of 312 (0.869). An
@@ -85,10 +95,10 @@ class Hardware:
 
 
 _H100 = dict(peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float8": 1979.0, "float32": 67.0},
-             intra_node_gbps=450, inter_node_gbps=50, latency_us=15, efficiency=0.803,
+             intra_node_gbps=365, inter_node_gbps=40, latency_us=40, efficiency=0.803,
              float8_efficiency=0.709, attention_efficiency=0.33)  # fmt: skip
 _A100 = dict(peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
-             intra_node_gbps=300, inter_node_gbps=25, latency_us=20, efficiency=0.869,
+             intra_node_gbps=235, inter_node_gbps=20, latency_us=40, efficiency=0.869,
              attention_efficiency=0.6)  # fmt: skip
 # between H100 NVL and SXM (dense): TorchTitan's Grand Teton H100s at 500 W
 _TETON = {"bfloat16": 912.0, "float16": 912.0, "float8": 1825.0, "float32": 63.5}

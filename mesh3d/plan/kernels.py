@@ -14,6 +14,12 @@ Three classes, each at its own rate on the device (`Hardware`):
   under `mesh3d.compile` (inductor's kernels for the compiled blocks: the norms too without tp).
   Per token, forward and forward + backward, as a·h + b·(q + 2·kv) + c·F in bf16; other
   compute dtypes scale them by their size.
+Under `mesh3d.float8` (torchao's dynamic tensorwise scaling) each linear also casts, per token:
+forward, its input x (K wide): an amax pass (read 2K bytes) and the cast (read 2K, write K);
+backward, the output gradient (N wide) the same (5N) and both float8 operands re-laid out for
+the weight-gradient matmul (read and write K, and N): 7·(K + N) bytes, memory-bound; a
+recomputed forward reruns the 5·K. The weights' own casts (per microbatch, not per token) are
+left out: under 2 % of these at the published runs' batches.
 Recompute reruns a layer's forward: matmuls, attention and its memory-bound kernels under
 `full`; only the memory-bound kernels under `selective` (it keeps matmul and attention outputs).
 """
@@ -32,6 +38,7 @@ LAYER_BYTES = {
     "compiled_tp": {"fwd": (91.6, 6.6, 6.1), "all": (318.3, 12.5, 16.4)},
 }
 LOSS_BYTES = 44.0  # per token per vocabulary entry, forward + backward ("loss_per_token_vocab")
+FLOAT8_CAST = (5.0, 7.0)  # bytes per input width K (forward) and per K + N (all) of a linear
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class Work:
     # kernels of one layer: split over tp only under sequence parallelism
     bytes_tp: tuple[float, float]  # the same of the head- and F-wide kernels: split over tp
     loss_bytes: float  # bytes of the loss (vocabulary-parallel: split over tp)
+    float8_bytes: tuple[float, float] = (0.0, 0.0)  # (forward, all) of one layer's float8 casts
 
 
 def work_of(spec, shape, seq: int, compute_bytes: int, kind: str = "eager") -> Work:
@@ -57,6 +65,8 @@ def work_of(spec, shape, seq: int, compute_bytes: int, kind: str = "eager") -> W
     head = 3 * 2 * h * V
     scale = compute_bytes / 2  # the counts are of bf16 tensors
     a = LAYER_BYTES[kind]
+    ins = 5 * h + q + shape.intermediate_size  # q, k, v, gate, up read h; o reads q; down F
+    outs = q + 2 * kv + 2 * h + 2 * shape.intermediate_size
     return Work(
         layer_matmul=(per_token - head) / L - counted, head_matmul=head,
         attention_fwd=2 * q * seq,
@@ -64,7 +74,15 @@ def work_of(spec, shape, seq: int, compute_bytes: int, kind: str = "eager") -> W
         bytes_tp=tuple((c[1] * (q + 2 * kv) + c[2] * shape.intermediate_size) * scale
                        for c in (a["fwd"], a["all"])),
         loss_bytes=LOSS_BYTES * V * scale,
+        float8_bytes=(FLOAT8_CAST[0] * ins, FLOAT8_CAST[1] * (ins + outs)),
     )  # fmt: skip
+
+
+def linear_flops(hw: Hardware, dtype: str, float8: bool = False) -> float:
+    """FLOP/s of the decoder's linears: float8 under `mesh3d.float8` where the part has it."""
+    if float8 and "float8" in hw.peak_tflops:
+        return hw.peak("float8") * hw.float8_efficiency
+    return hw.peak(dtype) * hw.efficiency
 
 
 def compute_seconds(
@@ -77,7 +95,7 @@ def compute_seconds(
     rerun = recomputed if mode == "full" else 0  # layers whose matmuls and attention rerun
     peak = hw.peak(dtype)
     fp8 = float8 and "float8" in hw.peak_tflops
-    linear = hw.peak("float8") * hw.float8_efficiency if fp8 else peak * hw.efficiency
+    linear = linear_flops(hw, dtype, float8)
     matmul = tokens * (layers + rerun / 3) * w.layer_matmul / tp / linear
     matmul += tokens * head * w.head_matmul / tp / (peak * hw.efficiency)
     attention = tokens * (3.5 * layers + rerun) * w.attention_fwd / tp
@@ -85,6 +103,8 @@ def compute_seconds(
     t_fwd, t_all = (b / tp for b in w.bytes_tp)
     moved = tokens * (layers * (h_all + t_all) + recomputed * (h_fwd + t_fwd))
     moved += tokens * head * w.loss_bytes / tp
+    if fp8:
+        moved += tokens * (layers * w.float8_bytes[1] + recomputed * w.float8_bytes[0]) / tp
     return (
         matmul
         + attention / (peak * hw.attention_efficiency)

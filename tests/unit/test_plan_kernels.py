@@ -82,3 +82,18 @@ def test_constants_are_the_published_counts():
             assert coef == pytest.approx((got["h"], got["q_plus_2kv"], got["ffn"]), abs=0.051)
     loss = kernels.LOSS_BYTES
     assert loss == pytest.approx(counted["loss_per_token_vocab"], abs=0.051)
+
+
+def test_float8_casts_are_memory_bound_bytes_of_every_linear():
+    """torchao's dynamic scaling per token: 5·K forward, 7·(K + N) in all, over the 7 linears."""
+    w = _work()
+    h, q, kv, F = 4096, 4096, 1024, 14336
+    ins, outs = 5 * h + q + F, q + 2 * kv + 2 * h + 2 * F
+    assert w.float8_bytes == pytest.approx((5 * ins, 7 * (ins + outs)))
+    plain = compute_seconds(w, H100, "bfloat16", 16384, 32, 0, False, 1, False, "none", False)
+    f8 = compute_seconds(w, H100, "bfloat16", 16384, 32, 0, False, 1, False, "none", True)
+    matmul = 16384 * 32 * w.layer_matmul
+    gain = matmul / (H100.peak("bfloat16") * H100.efficiency) - matmul / (
+        H100.peak("float8") * H100.float8_efficiency)  # fmt: skip
+    casts = 16384 * 32 * w.float8_bytes[1] / (H100.memory_gbps * 1e9)
+    assert plain - f8 == pytest.approx(gain - casts)

@@ -77,6 +77,21 @@ def test_step_time_moves_the_obvious_way():
     )
 
 
+def test_links_across_nodes_use_one_card_per_member_on_a_node():
+    """NCCL runs a ring per network card: k members of a group on each node get k cards' rate,
+    never more than NVLink's; a group inside a node gets NVLink's."""
+    from mesh3d.plan.cost import link
+
+    hw = _hw()
+    dims = {"pp": 1, "dp": 16, "cp": 1, "tp": 8}
+    assert link("tp", dims, 1, 8, hw)[0] == hw.intra_node_gbps * 1e9
+    assert link("dp", dims, 1, 8, hw)[0] == hw.inter_node_gbps * 1e9  # one member per node
+    dims = {"pp": 1, "dp": 128, "cp": 1, "tp": 1}  # 8 members per node: 8 cards, capped
+    assert link("dp", dims, 1, 8, hw)[0] == min(hw.intra_node_gbps, 8 * hw.inter_node_gbps) * 1e9
+    dims = {"pp": 1, "dp": 32, "cp": 1, "tp": 2}  # 4 members per node
+    assert link("dp", dims, 1, 8, hw)[0] == 4 * hw.inter_node_gbps * 1e9
+
+
 def test_ranking_sorted_fits_first():
     cfg = load_config(CPU_TINY)
     found = search(cfg, 8, _hw())
