@@ -12,11 +12,11 @@ so a shared machine's drifts hit each alike. Ways:
 
   1x1x1, one process:
     hf_plain   transformers' LlamaForCausalLM in a plain loop (torch's cross-entropy) - the base
-    hf_mesh3d  the same model after `mesh3d.parallelize_hf` on a 1x1x1 mesh, with
-               `mesh3d.normalized_loss` and `mesh3d.clip_grad_norm`
-    family     mesh3d's own Llama run (`Run.prepare` / `run.step`, what `mesh3d train` steps)
+    hf_mesh3d  the same model saved to a folder and trained by mesh3d's own run of it
+               (`mesh3d.hf_model`: `Run.prepare` / `run.step`, what `mesh3d train` steps)
+    family     mesh3d's own Llama run of the same config
   tp 2, two ranks:
-    hf_mesh3d  LlamaForCausalLM under its own TP plan (vocab-parallel head)
+    hf_mesh3d  mesh3d's run of the folder at tp 2 (the model's own TP plan, vocab-parallel head)
     family     mesh3d's Llama run at tp 2
 
 Reported: median tokens/s after the warm-up rounds and the median of the per-round ratios with a
@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
-import time
+import tempfile
 
 import torch
 from _ranks import launch
@@ -46,7 +47,6 @@ from _ways import (
 )
 from throughput import bootstrap_median, interleave
 
-import mesh3d
 from mesh3d.config import global_batch_size, load_config
 
 
@@ -54,32 +54,18 @@ def _config(mode: str, tp: int = 1):
     return load_config(CONFIG, [*COMMON, *shape_overrides(mode), f"parallelism.tp={tp}"])
 
 
-def hf_mesh3d_stepper(model, cfg, steps, mesh):
-    """`model` through `parallelize_hf` on `mesh`, stepped like `_ways.loop_stepper` but with
-    mesh3d's loss (vocab-sharded logits at tp > 1) and global-norm clipping."""
-    mesh3d.parallelize_hf(model, mesh)
-    o, f = cfg.optimizer, cfg.optimizer.optimizer_factory
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=o.learning_rate_scheduler.learning_rate,
-                                  betas=(f.adam_beta1, f.adam_beta2), eps=f.adam_eps,
-                                  weight_decay=o.weight_decay, foreach=False)  # fmt: skip
-    vocab = cfg.model.model_config.vocab_size
-    tokens = global_batch_size(cfg) * cfg.tokens.sequence_length
+def write_folder(mode: str, folder: str) -> None:
+    """transformers' LlamaForCausalLM with the weights of `mode`'s mesh3d Llama, saved in
+    `folder` (before any rank starts: saving inside a rank's process group skips ranks > 0)."""
+    cfg = _config(mode)
+    hf_model(cfg, plain_model(cfg).state_dict()).save_pretrained(folder)
 
-    def step(k: int) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        total = torch.zeros(())
-        for inputs, labels in steps[k - 1]:
-            logits = model(input_ids=inputs, use_cache=False).logits
-            loss = mesh3d.normalized_loss(logits, labels, vocab, tokens)
-            loss.backward()
-            total += loss.detach()
-        mesh3d.clip_grad_norm(params, o.clip_grad)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0, float(total)
 
-    return step
+def hf_config(mode: str, folder: str, tp: int = 1):
+    """The run of `mode`'s config with its model the folder's: what `mesh3d train
+    mesh3d.hf_model=FOLDER` trains."""
+    return load_config(CONFIG, [*COMMON, *shape_overrides(mode), f"parallelism.tp={tp}",
+                                f"mesh3d.hf_model={folder}", "parallelism.tp_mode=ALL_REDUCE"])  # fmt: skip
 
 
 def _summary(out: dict, base: str, tokens: int, warmup: int) -> dict:
@@ -96,7 +82,7 @@ def _summary(out: dict, base: str, tokens: int, warmup: int) -> dict:
     return rows
 
 
-def one_process(mode: str, rounds: int, warmup: int) -> dict:
+def one_process(mode: str, rounds: int, warmup: int, folder: str) -> dict:
     torch.set_num_threads(1)
     cfg = _config(mode)
     steps = step_batches(cfg, rounds)
@@ -104,21 +90,16 @@ def one_process(mode: str, rounds: int, warmup: int) -> dict:
     ways = {"hf_plain": loop_stepper(hf_model(cfg, weights),
                                      lambda m, x: m(input_ids=x, use_cache=False).logits, cfg, steps),
             "family": mesh3d_stepper(cfg)}  # fmt: skip
-    mesh = mesh3d.build_mesh(mesh3d.ParallelDims(dp=1, tp=1, pp=1), "cpu")
-    ways["hf_mesh3d"] = hf_mesh3d_stepper(hf_model(cfg, weights), cfg, steps, mesh)
+    ways["hf_mesh3d"] = mesh3d_stepper(hf_config(mode, folder))
     out = interleave(ways, rounds)
     tokens = global_batch_size(cfg) * cfg.tokens.sequence_length
     return {"ways": out, "ratios": _summary(out, "hf_plain", tokens, warmup),
             "first_losses": {n: m["losses"][0] for n, m in out.items()}}  # fmt: skip
 
 
-def _tp2_rank(rank: int, world: int, mode: str, rounds: int):
-    cfg = _config(mode, tp=2)
-    steps = step_batches(cfg, rounds)
-    weights = plain_model(cfg).state_dict()
-    ways = {"family": mesh3d_stepper(cfg)}
-    mesh = mesh3d.build_mesh(mesh3d.ParallelDims(dp=1, tp=2, pp=1), "cpu")
-    ways["hf_mesh3d"] = hf_mesh3d_stepper(hf_model(cfg, weights), cfg, steps, mesh)
+def _tp2_rank(rank: int, world: int, mode: str, rounds: int, folder: str):
+    ways = {"family": mesh3d_stepper(_config(mode, tp=2)),
+            "hf_mesh3d": mesh3d_stepper(hf_config(mode, folder, tp=2))}  # fmt: skip
     if rank == 0:
         return interleave(ways, rounds)
     return _quiet_interleave(ways, rounds)
@@ -143,10 +124,13 @@ def main() -> None:
     rounds = a.rounds or (4 if a.tiny else 12)
     warmup = 1 if a.tiny else 2
     tokens = global_batch_size(_config(mode)) * _config(mode).tokens.sequence_length
+    folder = tempfile.mkdtemp(prefix="mesh3d-hf-")
+    write_folder(mode, folder)
     print("== tp 2, two ranks")  # first: forked ranks must not inherit a process group
-    tp2 = launch(2, _tp2_rank, mode, rounds, timeout=1800)[0]
+    tp2 = launch(2, _tp2_rank, mode, rounds, folder, timeout=1800)[0]
     print(f"== 1x1x1, one process ({mode} shapes, {tokens} tokens a step)")
-    single = one_process(mode, rounds, warmup)
+    single = one_process(mode, rounds, warmup, folder)
+    shutil.rmtree(folder, ignore_errors=True)
     tp2_ratios = _summary(tp2, "family", tokens, warmup)
     result = {**head, "mode": mode, "rounds": rounds, "warmup": warmup, "single": single,
               "tp2": {"ways": tp2, "ratios": tp2_ratios}}  # fmt: skip
