@@ -30,8 +30,9 @@ def build_hf_stage(
     its decoder `layers` (names as in the full model; may be empty), the embedding on the
     first stage, the final norm and the head on the last (module docstring). Its forward takes
     token ids (first stage) or the previous stage's hidden states and returns hidden states,
-    or logits on the last stage. Tied embeddings across stages are refused. A folder or hub id
-    is loaded first (`mesh3d.hf_models.load_hf`).
+    or logits on the last stage. A tied embedding and head on different stages become two
+    copies whose gradients `mesh3d.parallel.pipeline.sync_tied_embeddings` sums after each
+    backward (mesh3d's run does it). A folder or hub id is loaded first (`load_hf`).
 
     Example:
 
@@ -40,11 +41,7 @@ def build_hf_stage(
     """
     model = load_hf(model)
     name = type(model).__name__
-    if num_stages > 1 and ties_embeddings(model):
-        raise UserError(
-            f"pp: {name} ties its embedding and LM head, which pipeline stages "
-            "cannot split yet; use pp=1 or tie_word_embeddings=False"
-        )
+    tied = num_stages > 1 and ties_embeddings(model)
     where = decoder_layers(model)
     count = len(model.get_submodule(where))
     if any(not 0 <= i < count for i in layers) or sorted(set(layers)) != list(layers):
@@ -77,7 +74,9 @@ def build_hf_stage(
         base.config = copy.copy(base.config)
         base.config.layer_types = [base.config.layer_types[i] for i in layers]
     stage.__class__ = _stage_class(type(model))
-    stage.mesh3d_stage = (first, last)
+    stage.mesh3d_stage, stage.mesh3d_tied = (first, last), tied
+    if tied and last and not first:  # the head's own copy, saved under the embedding's name
+        stage.tied_parameters = {f"{head}.weight": f"{embedding}.weight"}
     return stage
 
 
@@ -91,7 +90,15 @@ def hf_stage_layers(model: nn.Module, pp: int) -> list[list[int]]:
 
 
 class _StageForward:
-    """Mixed into a stage's class: the pipeline's one-tensor forward."""
+    """Mixed into a stage's class: the pipeline's one-tensor forward, and the ends of a tie."""
+
+    def mesh3d_tied_ends(self):
+        """(embedding, head) of a model whose tie the stages split, None where this stage holds
+        one not; None otherwise. The pipeline sums their gradients every step
+        (`parallel/pipeline.py::sync_tied_embeddings`), so the two copies stay equal."""
+        if not self.mesh3d_tied:
+            return None
+        return self.get_input_embeddings(), self.get_output_embeddings()
 
     def forward(self, x):
         first, last = self.mesh3d_stage

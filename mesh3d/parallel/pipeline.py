@@ -256,10 +256,11 @@ def sync_tied_embeddings(
     have the same shape and placements (tp Shard(0) on the vocab, FSDP shards on dp).
     No-op for untied models or when one module holds both (the same Parameter).
     """
-    if not any(getattr(m, "tie_word_embeddings", False) for m in stage_modules):
+    ends = [e for e in map(tied_ends, stage_modules) if e is not None]
+    if not ends:
         return
-    embed = next((m.embed_tokens for m in stage_modules if m.embed_tokens is not None), None)
-    head = next((m.lm_head for m in stage_modules if m.lm_head is not None), None)
+    embed = next((e for e, _ in ends if e is not None), None)
+    head = next((h for _, h in ends if h is not None), None)
     if embed is not None and head is not None:
         if embed.weight is not head.weight:
             ge, gh = _grad_shard(embed.weight), _grad_shard(head.weight)
@@ -279,6 +280,14 @@ def sync_tied_embeddings(
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     mine.add_(theirs)
+
+
+def tied_ends(m: nn.Module) -> tuple[nn.Module | None, nn.Module | None] | None:
+    """A tied model's stage: (its embedding, its head), None where it holds one not; None for an
+    untied model. A transformers stage says its own (`hf_stages.py`)."""
+    if hasattr(m, "mesh3d_tied_ends"):
+        return m.mesh3d_tied_ends()
+    return (m.embed_tokens, m.lm_head) if getattr(m, "tie_word_embeddings", False) else None
 
 
 def _grad_shard(param: nn.Parameter) -> torch.Tensor:

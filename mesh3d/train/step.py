@@ -25,7 +25,7 @@ from mesh3d.layout import RunLayout
 from mesh3d.mesh import groups_of
 from mesh3d.models.dropout import token_keys
 from mesh3d.parallel.data import allreduce_gradients, allreduce_param_grads
-from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings
+from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings, tied_ends
 from mesh3d.parallel.tensor import reduce_partial_grads
 from mesh3d.train.build import ModelParts
 
@@ -314,12 +314,9 @@ def total_params(parts: ModelParts, mesh) -> int:
 def _counted_once(parts: ModelParts, with_grad: bool = True) -> list[torch.nn.Parameter]:
     """Parameters for the norm: a tied head that is a separate copy of the embedding is left
     out (after the tie sync its gradient equals the embedding's)."""
+    ends = [e for e in map(tied_ends, parts.modules) if e is not None]
     skip = {
-        id(m.lm_head.weight)
-        for m in parts.modules
-        if getattr(m, "tie_word_embeddings", False)
-        and m.lm_head is not None
-        and (m.embed_tokens is None or m.lm_head.weight is not m.embed_tokens.weight)
+        id(h.weight) for e, h in ends if h is not None and (e is None or h.weight is not e.weight)
     }
     return [
         p for p in parts.parameters() if (p.grad is not None or not with_grad) and id(p) not in skip

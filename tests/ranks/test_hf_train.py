@@ -80,3 +80,37 @@ def test_a_transformers_folder_trains_at_any_layout_resumes_and_exports(tmp_path
         diff = (a(input_ids=tokens).logits - b(input_ids=tokens).logits).abs().max()
     assert diff <= 1e-4, diff
     assert (tmp_path / "one-hf" / "config.json").is_file()
+
+
+def _tied_folder(path):
+    """A tiny Gemma 2 (RMSNorms around each block, GeGLU, grouped-query attention, logit
+    soft-capping) whose embedding and head are one tensor, as Gemma's are."""
+    config = transformers.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       num_hidden_layers=4, max_position_embeddings=64,
+                                       attn_logit_softcapping=None, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Gemma2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_a_tied_model_split_over_stages_stays_tied(tmp_path):
+    """The embedding on stage 0 and the head on stage 1 are two copies whose gradients are summed
+    every step: 2x2x2 equals one process, and checkpoints cross between the two forms."""
+    model = [f"mesh3d.hf_model={_tied_folder(tmp_path / 'gemma2')}"]
+    one = run_ranks(1, _run, model + ONE + [f"checkpoints.checkpoints_path={tmp_path / 'one'}"],
+                    timeout=120)[0]  # fmt: skip
+    three = run_ranks(8, _run, model + THREE + [f"checkpoints.checkpoints_path={tmp_path / 'three'}"],
+                      timeout=300)[0]  # fmt: skip
+    assert len(one) == 4 and _close(three, one), (three, one)
+    to_one = run_ranks(1, _run, model + ONE + [
+        f"checkpoints.checkpoints_path={tmp_path / 'to_one'}",
+        f"checkpoints.resume_checkpoint_path={tmp_path / 'three' / '2'}"], timeout=120)[0]  # fmt: skip
+    to_three = run_ranks(8, _run, model + THREE + [
+        f"checkpoints.checkpoints_path={tmp_path / 'to_three'}",
+        f"checkpoints.resume_checkpoint_path={tmp_path / 'one' / '2'}"], timeout=300)[0]  # fmt: skip
+    assert _close(to_one, one[2:]) and _close(to_three, one[2:]), (to_one, to_three, one[2:])
+    convert(["to-hf", "--checkpoint", str(tmp_path / "three" / "4"),
+             "--output", str(tmp_path / "hf")])  # fmt: skip
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight

@@ -88,9 +88,15 @@ def test_stages_chained_give_the_models_logits_and_keep_its_names(arch, extra):
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # each exactly once
 
 
-def test_tied_embeddings_across_stages_are_refused_in_one_line():
-    with pytest.raises(mesh3d.UserError, match=r"^pp: Gemma2ForCausalLM ties its embedding"):
-        mesh3d.build_hf_stage(tiny("gemma2"), 0, 2, [0])
+def test_tied_embeddings_across_stages_become_two_equal_copies():
+    model = tiny("gemma2")  # ties its embedding and head
+    first, last = (mesh3d.build_hf_stage(model, i, 2, [i]) for i in (0, 1))
+    emb, no_head = first.mesh3d_tied_ends()
+    no_emb, head = last.mesh3d_tied_ends()
+    assert no_head is None and no_emb is None
+    assert head.weight is not emb.weight and torch.equal(head.weight, emb.weight)
+    assert last.tied_parameters == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert mesh3d.build_hf_stage(model, 0, 1, [0, 1]).mesh3d_tied_ends() is None  # one stage
 
 
 def test_stage_layers_out_of_range_are_refused():
