@@ -32,6 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from mesh3d.errors import UserError
+from mesh3d.mesh import replica_mesh
 from mesh3d.parallel.parallelize import apply_dp
 from mesh3d.parallel.tensor import apply_tp
 
@@ -128,11 +129,14 @@ def parallelize_hf(
             f"pp: pp={sizes['pp']} needs this rank's stage, not the whole "
             f"{type(model).__name__}: pass mesh3d.build_hf_stage(model, ...)"
         )
-    if sizes.get("cp", 1) > 1:
-        raise UserError(
-            f"cp: cp={sizes['cp']} is not supported for {type(model).__name__}: "
-            "context parallelism needs mesh3d's own attention; use cp=1"
-        )
+    cp = sizes.get("cp", 1)
+    if cp > 1:  # its attention modules call mesh3d's (`mesh3d/hf_context.py`)
+        from mesh3d.hf_context import check_cp
+
+        if sizes.get("pp", 1) > 1:
+            raise UserError(f"cp: cp={cp} with pp={sizes['pp']} is not supported for "
+                            f"{type(model).__name__} yet; use pp=1 or cp=1")  # fmt: skip
+        check_cp(model, cp)
     if dp_mode not in ("replicate", "zero1", "full"):
         raise UserError(f"dp: dp_mode {dp_mode!r} is unknown; use 'replicate', 'zero1' or 'full'")
     tp = sizes.get("tp", 1)
@@ -147,8 +151,13 @@ def parallelize_hf(
         apply_tp(model, mesh["tp"], plan)
         if tied:  # the embedding and the head were parallelized apart: one parameter again
             model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    if sizes.get("dp", 1) > 1 and dp_mode != "replicate":
-        apply_dp(model, mesh["dp"], dp_mode, blocks=decoder_layers(model))
+    if cp > 1:
+        from mesh3d.hf_context import use_cp
+        from mesh3d.parallel.context import ContextParallel
+
+        use_cp(model, ContextParallel(mesh["cp"].get_group(), cp, mesh["cp"].get_local_rank()))
+    if sizes.get("dp", 1) * cp > 1 and dp_mode != "replicate":  # cp ranks replicate like dp's
+        apply_dp(model, replica_mesh(mesh), dp_mode, blocks=decoder_layers(model))
     return model
 
 

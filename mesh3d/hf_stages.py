@@ -12,6 +12,7 @@ read from the model's `base_model_pp_plan`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
@@ -19,6 +20,7 @@ import os
 from torch import nn
 
 from mesh3d.errors import UserError
+from mesh3d.hf_context import positions_of
 from mesh3d.hf_models import decoder_layers, load_hf, ties_embeddings
 from mesh3d.parallel.pipeline_layout import split_by_cost
 
@@ -100,12 +102,21 @@ class _StageForward:
             return None
         return self.get_input_embeddings(), self.get_output_embeddings()
 
-    def forward(self, x):
+    def forward(self, x, positions=None):
+        """Token ids or hidden states -> hidden states or logits; `positions`: the global
+        positions of the tokens of this cp rank (context parallelism, `hf_context.py`)."""
         first, last = self.mesh3d_stage
         given = {"input_ids": x} if first else {"inputs_embeds": x}
-        if last:
-            return super().forward(**given, use_cache=False).logits
-        return self.base_model(**given, use_cache=False).last_hidden_state
+        cp = getattr(self, "mesh3d_cp", None)
+        if (positions is None) != (cp is None):
+            raise UserError(f"{type(self).__name__}: positions go with context parallelism only")
+        scope = contextlib.nullcontext() if cp is None else positions_of(cp, positions)
+        with scope:
+            if cp is not None:
+                given["position_ids"] = positions
+            if last:
+                return super().forward(**given, use_cache=False).logits
+            return self.base_model(**given, use_cache=False).last_hidden_state
 
 
 @functools.cache

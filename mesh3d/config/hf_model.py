@@ -41,10 +41,15 @@ def fill(d: dict) -> dict:
         if (d.get("mesh3d") or {}).get(key, off) not in (off, None):
             raise ConfigError(f"mesh3d.{key}: {what} is not supported with mesh3d.hf_model yet")
     p = d.get("parallelism") or {}
-    if (p.get("context_parallel_size") or 1) > 1 or (p.get("expert_parallel_size") or 1) > 1:
+    if (p.get("expert_parallel_size") or 1) > 1:
         raise ConfigError(
-            "parallelism.context_parallel_size / expert_parallel_size: a transformers model "
-            "(mesh3d.hf_model) trains with dp x tp x pp only; set them to 1"
+            "parallelism.expert_parallel_size: a transformers model (mesh3d.hf_model) keeps its "
+            "experts replicated; set it to 1"
+        )
+    if (p.get("context_parallel_size") or 1) > 1 and (p.get("pp") or 1) > 1:
+        raise ConfigError(
+            "parallelism.context_parallel_size: with pp > 1 it is not supported for a "
+            "transformers model (mesh3d.hf_model) yet; use pp 1 or context_parallel_size 1"
         )
     if (
         (p.get("pp") or 1) > 1

@@ -5,6 +5,7 @@ A tiny GPT-NeoX folder (fused query_key_value, LayerNorms with biases, partial r
 of the CPU config's learnable data:
 - at dp2 x tp2 x pp2 (ZeRO-1, 1F1B) the losses and gradient norms equal one process's within
   1e-5, at the same global batch;
+- at cp2 x tp2 (its attention modules calling mesh3d's context-parallel attention) likewise;
 - its step-2 checkpoint resumed at 1x1x1 and at dp1 x tp2 continues as the 2x2x2 run did;
 - `mesh3d convert to-hf` of its last step (the model found in the checkpoint's metadata) is a
   folder `from_pretrained` loads, with logits equal to one process's last step's export.
@@ -31,6 +32,8 @@ COMMON = ["tokens.train_steps=4", "tokens.sequence_length=32", "model.dtype=floa
 ONE = ["tokens.batch_accumulation_per_replica=4"]  # global batch 16 at every layout
 THREE = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.pp=2", "optimizer.zero_stage=1",
          "tokens.batch_accumulation_per_replica=2"]  # fmt: skip
+
+CP = ["parallelism.context_parallel_size=2", "parallelism.tp=2", *ONE]  # 4 ranks, cp2 x tp2
 
 
 def _folder(path):
@@ -62,6 +65,9 @@ def test_a_transformers_folder_trains_at_any_layout_resumes_and_exports(tmp_path
     three = run_ranks(8, _run, model + THREE + [f"checkpoints.checkpoints_path={tmp_path / 'three'}"],
                       timeout=300)[0]  # fmt: skip
     assert len(one) == 4 and _close(three, one), (three, one)
+    cp = run_ranks(4, _run, model + CP + [f"checkpoints.checkpoints_path={tmp_path / 'cp'}"],
+                   timeout=300)[0]  # fmt: skip
+    assert _close(cp, one), (cp, one)  # its attention is mesh3d's, over the cp ranks
 
     for layout, world in ((ONE, 1), (["parallelism.tp=2", *ONE], 2)):
         resumed = run_ranks(world, _run, model + layout + [

@@ -38,7 +38,9 @@ def test_the_model_section_comes_from_the_folder(folder):
     [(["mesh3d.lora={r: 4}"], "mesh3d.lora: LoRA adapters is not supported"),
      (["mesh3d.compile=true"], "mesh3d.compile:"),
      (["mesh3d.hf_export=true"], "mesh3d.hf_export: the in-run export"),
-     (["parallelism.context_parallel_size=2"], "parallelism.context_parallel_size"),
+     (["parallelism.context_parallel_size=2", "parallelism.pp=2"],
+      "parallelism.context_parallel_size: with pp > 1"),
+     (["parallelism.expert_parallel_size=2"], "parallelism.expert_parallel_size"),
      (["parallelism.pp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
       "parallelism.tp_mode: REDUCE_SCATTER")],
 )  # fmt: skip
