@@ -303,7 +303,6 @@ def hf_config_of(model_dir: Path):
 # --- CLI -----------------------------------------------------------------------------------
 
 
-@exit_on_user_error
 def _hf_model_of(checkpoint: str) -> str | None:
     """The `mesh3d.hf_model` a run's step folder (or checkpoints folder) was trained as."""
     try:
@@ -314,6 +313,7 @@ def _hf_model_of(checkpoint: str) -> str | None:
     return ((meta.get("custom_metas") or {}).get("mesh3d") or {}).get("hf_model")
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m mesh3d.convert",
