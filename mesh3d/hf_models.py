@@ -96,6 +96,7 @@ def parallelize_hf(
     dp_mode: str = "replicate",
     vocab_parallel: bool = True,
     sequence_parallel: bool = False,
+    ep=None,
 ) -> nn.Module:
     """Put a `transformers` causal LM (the same full weights on every rank; or a local folder or
     hub id, which every rank loads, `load_hf`) on `mesh`'s tp and dp axes, in place: tensor
@@ -108,8 +109,10 @@ def parallelize_hf(
     DTensor): give them to `mesh3d.normalized_loss`. With `sequence_parallel` (tp > 1, pp = 1)
     the residual stream and the norms are split over tp on the sequence
     (`mesh3d/hf_sequence.py`); the norms' gradients are then `Partial` DTensors
-    (`allreduce_gradients` and AdamW handle them). Returns the model (the loaded one, for a
-    folder or hub id).
+    (`allreduce_gradients` and AdamW handle them). `ep` (a `parallel.experts.ExpertParallel`,
+    ep > 1): its stacked MoE experts split over the ep ranks (`mesh3d/hf_experts.py`; their
+    gradients sum over the ranks holding the same experts). Returns the model (the loaded one,
+    for a folder or hub id).
 
     Example:
 
@@ -139,6 +142,10 @@ def parallelize_hf(
         check_cp(model, cp)
     if dp_mode not in ("replicate", "zero1", "full"):
         raise UserError(f"dp: dp_mode {dp_mode!r} is unknown; use 'replicate', 'zero1' or 'full'")
+    if ep is not None and ep.size > 1:  # its stacked experts split (`mesh3d/hf_experts.py`)
+        from mesh3d.hf_experts import apply_ep
+
+        apply_ep(model, ep)
     tp = sizes.get("tp", 1)
     if tp > 1:
         given = None if tp_plan == "auto" else tp_plan

@@ -59,6 +59,8 @@ def params_of(
         param = group[0]
         saved = name_map(name) if name_map else name
         shape = tuple(param.shape)
+        if (shard := getattr(param, "expert_shard", None)) is not None:  # its rows of [E, ...]
+            shape = (shape[0] * shard[2], *shape[1:])
         out.append(Param(saved, (name,), (shape[0],), shape, _tp_kind(param), pp_rank))
     return out
 

@@ -36,7 +36,7 @@ def moe_errors(cfg: Config, mc) -> Iterator[str]:
 def expert_parallel_errors(cfg: Config) -> Iterator[str]:
     """`parallelism.expert_parallel_size`: the experts split over that many dp ranks."""
     p, ep = cfg.parallelism, cfg.parallelism.expert_parallel_size
-    if ep <= 1:
+    if ep <= 1 or cfg.mesh3d.hf_model:  # (a transformers model's: config/hf_model.py)
         return
     key = "parallelism.expert_parallel_size"
     moe = getattr(cfg.model.model_config, "moe_config", None)

@@ -41,10 +41,12 @@ def fill(d: dict) -> dict:
         if (d.get("mesh3d") or {}).get(key, off) not in (off, None):
             raise ConfigError(f"mesh3d.{key}: {what} is not supported with mesh3d.hf_model yet")
     p = d.get("parallelism") or {}
-    if (p.get("expert_parallel_size") or 1) > 1:
+    ep = p.get("expert_parallel_size") or 1
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if ep > 1 and (not experts or experts % ep or (p.get("dp") or 1) % ep):
         raise ConfigError(
-            "parallelism.expert_parallel_size: a transformers model (mesh3d.hf_model) keeps its "
-            "experts replicated; set it to 1"
+            f"parallelism.expert_parallel_size: {ep} must divide parallelism.dp "
+            f"({p.get('dp') or 1}) and the model's experts ({experts or 'none'})"
         )
     if (p.get("context_parallel_size") or 1) > 1 and (p.get("pp") or 1) > 1:
         raise ConfigError(

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mesh3d import extensions
 from mesh3d.checkpoint.any_model import as_saved, params_of
 from mesh3d.config import SFTDatasetsArgs
 from mesh3d.errors import UserError
@@ -62,14 +63,19 @@ def build_hf_parts(cfg, layout: RunLayout, mesh, device: torch.device) -> ModelP
     model = load_model(cfg).to(device="cpu", dtype=layout.param_dtype)
     loss_fn = step_loss(layout)
     mode, sp = layout.dp_mode, layout.sequence_parallel
+    ep, replicas = None, None
+    if layout.expert_parallel > 1:  # every rank makes every group, before any stage is built
+        experts = extensions.load("expert_parallel")
+        ep, replicas = experts.new_groups(layout.dims, layout.expert_parallel)
 
     def finish(part: nn.Module) -> nn.Module:
-        part = parallelize_hf(part, mesh, dp_mode=mode, sequence_parallel=sp)
+        part = parallelize_hf(part, mesh, dp_mode=mode, sequence_parallel=sp, ep=ep)
         return part.to(device) if device.type != "cpu" else part
 
     every = list(range(len(model.get_submodule(decoder_layers(model)))))
     if p.pp == 1:
-        parts = ModelParts([finish(build_hf_stage(model, 0, 1, every))], loss_fn=loss_fn)
+        parts = ModelParts([finish(build_hf_stage(model, 0, 1, every))], loss_fn=loss_fn,
+                           expert_replicas=replicas)  # fmt: skip
         parts.params_of = _saved_names(parts)
         return parts
     name, virtual = layout.schedule, layout.virtual_stages
@@ -95,7 +101,7 @@ def build_hf_parts(cfg, layout: RunLayout, mesh, device: torch.device) -> ModelP
     parts = ModelParts(
         modules=modules, schedule=schedule, stages=stages, has_first=0 in ids,
         has_last=n - 1 in ids, embed_rank=rank_of_stage(0, p.pp, name),
-        head_rank=rank_of_stage(n - 1, p.pp, name), loss_fn=loss_fn,
+        head_rank=rank_of_stage(n - 1, p.pp, name), loss_fn=loss_fn, expert_replicas=replicas,
         seq_len=layout.sequence_length, reshape=shaped,
     )  # fmt: skip
     parts.params_of = _saved_names(parts)

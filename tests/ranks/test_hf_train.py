@@ -19,6 +19,8 @@ from dist import run_ranks
 
 from mesh3d.checkpoint.hf import main as convert
 from mesh3d.config import load_config
+from mesh3d.hf_experts import stacked_experts
+from mesh3d.train.hooks import KeepModel
 from mesh3d.train.loop import train
 
 transformers = pytest.importorskip("transformers", reason="mesh3d.hf_model needs transformers")
@@ -49,6 +51,13 @@ def _folder(path):
 def _run(rank, world, overrides):
     metrics = train(load_config(CONFIG, COMMON + overrides)).metrics
     return [(m["iteration"], m["lm_loss"], m["grad_norm"]) for m in metrics]
+
+
+def _experts_held(rank, world, overrides):
+    """(the steps, as `_run`), and the experts of each layer this rank holds."""
+    result = train(load_config(CONFIG, COMMON + overrides), hooks=[KeepModel()])
+    held = [m.gate_up_proj.shape[0] for m in stacked_experts(result.model)]
+    return [(m["iteration"], m["lm_loss"], m["grad_norm"]) for m in result.metrics], held
 
 
 def _close(a: list, b: list) -> bool:
@@ -120,3 +129,33 @@ def test_a_tied_model_split_over_stages_stays_tied(tmp_path):
              "--output", str(tmp_path / "hf")])  # fmt: skip
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert exported.lm_head.weight is exported.model.embed_tokens.weight
+
+
+def _moe_folder(path):
+    """A tiny Mixtral: 4 stacked experts a layer, top-2 routing."""
+    config = transformers.MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        num_hidden_layers=2, max_position_embeddings=64,
+                                        num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_moe_experts_split_over_ep_ranks(tmp_path):
+    """dp2 x ep2 x tp2: each rank holds 2 of the 4 experts of a layer, tokens sent to them and
+    back; equal to one process, and its checkpoint (experts gathered whole) resumes there."""
+    model = [f"mesh3d.hf_model={_moe_folder(tmp_path / 'mixtral')}"]
+    ep = ["parallelism.dp=2", "parallelism.tp=2", "parallelism.expert_parallel_size=2",
+          "tokens.batch_accumulation_per_replica=2"]  # fmt: skip
+    one = run_ranks(1, _run, model + ONE + [f"checkpoints.checkpoints_path={tmp_path / 'one'}"],
+                    timeout=120)[0]  # fmt: skip
+    split, held = run_ranks(4, _experts_held,
+                            model + ep + [f"checkpoints.checkpoints_path={tmp_path / 'ep'}"],
+                            timeout=300)[0]  # fmt: skip
+    assert held == [2, 2]  # of 4, in each of the 2 layers
+    assert len(one) == 4 and _close(split, one), (split, one)
+    resumed = run_ranks(1, _run, model + ONE + [
+        f"checkpoints.checkpoints_path={tmp_path / 'resumed'}",
+        f"checkpoints.resume_checkpoint_path={tmp_path / 'ep' / '2'}"], timeout=120)[0]  # fmt: skip
+    assert _close(resumed, one[2:]), (resumed, one[2:])
