@@ -66,14 +66,20 @@ def _close(a: list, b: list) -> bool:
     )
 
 
-def test_a_transformers_folder_trains_at_any_layout_resumes_and_exports(tmp_path):
-    hf = _folder(tmp_path / "neox")
-    model = [f"mesh3d.hf_model={hf}"]
+def _one_and_2x2x2(model: list, tmp_path) -> tuple[list, list]:
+    """4 steps at one process and at dp2 x tp2 x pp2 (checkpoints in `one/`, `three/`), equal."""
     one = run_ranks(1, _run, model + ONE + [f"checkpoints.checkpoints_path={tmp_path / 'one'}"],
                     timeout=120)[0]  # fmt: skip
     three = run_ranks(8, _run, model + THREE + [f"checkpoints.checkpoints_path={tmp_path / 'three'}"],
                       timeout=300)[0]  # fmt: skip
     assert len(one) == 4 and _close(three, one), (three, one)
+    return one, three
+
+
+def test_a_transformers_folder_trains_at_any_layout_resumes_and_exports(tmp_path):
+    hf = _folder(tmp_path / "neox")
+    model = [f"mesh3d.hf_model={hf}"]
+    one, three = _one_and_2x2x2(model, tmp_path)
     cp = run_ranks(4, _run, model + CP + [f"checkpoints.checkpoints_path={tmp_path / 'cp'}"],
                    timeout=300)[0]  # fmt: skip
     assert _close(cp, one), (cp, one)  # its attention is mesh3d's, over the cp ranks
@@ -113,11 +119,7 @@ def test_a_tied_model_split_over_stages_stays_tied(tmp_path):
     """The embedding on stage 0 and the head on stage 1 are two copies whose gradients are summed
     every step: 2x2x2 equals one process, and checkpoints cross between the two forms."""
     model = [f"mesh3d.hf_model={_tied_folder(tmp_path / 'gemma2')}"]
-    one = run_ranks(1, _run, model + ONE + [f"checkpoints.checkpoints_path={tmp_path / 'one'}"],
-                    timeout=120)[0]  # fmt: skip
-    three = run_ranks(8, _run, model + THREE + [f"checkpoints.checkpoints_path={tmp_path / 'three'}"],
-                      timeout=300)[0]  # fmt: skip
-    assert len(one) == 4 and _close(three, one), (three, one)
+    one, three = _one_and_2x2x2(model, tmp_path)
     to_one = run_ranks(1, _run, model + ONE + [
         f"checkpoints.checkpoints_path={tmp_path / 'to_one'}",
         f"checkpoints.resume_checkpoint_path={tmp_path / 'three' / '2'}"], timeout=120)[0]  # fmt: skip
