@@ -37,7 +37,7 @@ import os
 import sys
 from pathlib import Path
 
-from mesh3d.checkpoint.hf import read_model_config_json
+from mesh3d.checkpoint.hf import hf_model_of, read_model_config_json
 from mesh3d.checkpoint.training import weights_dir
 from mesh3d.data.tokenizer import load_tokenizer
 from mesh3d.errors import UserError, exit_on_user_error
@@ -222,6 +222,12 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tp, pp = _degrees(args, world)  # before any collective: a wrong layout never hangs
     step = weights_dir(_existing(args.checkpoint), "--checkpoint")
+    if hf_model_of(str(step)):  # a transformers model's (mesh3d.hf_model): not a family's
+        raise UserError(
+            f"{step} is a checkpoint of the transformers model {hf_model_of(str(step))} "
+            f"(mesh3d.hf_model); export it with `mesh3d convert to-hf --checkpoint {step} "
+            "--output DIR` and generate with transformers"
+        )
     tok_path, where = find_tokenizer(step, args.tokenizer)
     tokenizer = load_tokenizer(tok_path)
     texts, chats = _render(_prompts(args), tok_path, args)

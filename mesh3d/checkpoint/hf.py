@@ -303,7 +303,7 @@ def hf_config_of(model_dir: Path):
 # --- CLI -----------------------------------------------------------------------------------
 
 
-def _hf_model_of(checkpoint: str) -> str | None:
+def hf_model_of(checkpoint: str) -> str | None:
     """The `mesh3d.hf_model` a run's step folder (or checkpoints folder) was trained as."""
     try:
         step = resolve_step_dir(checkpoint, "--checkpoint")
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--checkpoint", required=True, help="e.g. checkpoints/1000, or checkpoints")
     c.add_argument("--output", required=True, help="folder for the PEFT adapter")
     args = ap.parse_args(argv)
-    trained = _hf_model_of(args.checkpoint) if args.command == "to-hf" else None
+    trained = hf_model_of(args.checkpoint) if args.command == "to-hf" else None
     if args.command == "to-hf" and (args.model or trained):  # a transformers model's
         from mesh3d.checkpoint.hf_export import export_hf
 

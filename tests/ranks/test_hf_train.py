@@ -19,6 +19,7 @@ from dist import run_ranks
 
 from mesh3d.checkpoint.hf import main as convert
 from mesh3d.config import load_config
+from mesh3d.generate import main as generate
 from mesh3d.hf_experts import stacked_experts
 from mesh3d.train.hooks import KeepModel
 from mesh3d.train.loop import train
@@ -101,6 +102,9 @@ def test_a_transformers_folder_trains_at_any_layout_resumes_and_exports(tmp_path
         diff = (a(input_ids=tokens).logits - b(input_ids=tokens).logits).abs().max()
     assert diff <= 1e-4, diff
     assert (tmp_path / "one-hf" / "config.json").is_file()
+    with pytest.raises(SystemExit) as refused:  # mesh3d generate reads families: one line, exit 2
+        generate(["--checkpoint", str(tmp_path / "one" / "4"), "--prompt", "hi"])
+    assert refused.value.code == 2
 
 
 def _tied_folder(path):
