@@ -164,7 +164,8 @@ def parallelize_hf(
 
         use_cp(model, ContextParallel(mesh["cp"].get_group(), cp, mesh["cp"].get_local_rank()))
     if sizes.get("dp", 1) * cp > 1 and dp_mode != "replicate":  # cp ranks replicate like dp's
-        apply_dp(model, replica_mesh(mesh), dp_mode, blocks=decoder_layers(model))
+        replicas = replica_mesh(mesh) if cp > 1 else mesh["dp"]
+        apply_dp(model, replicas, dp_mode, blocks=decoder_layers(model))
     return model
 
 

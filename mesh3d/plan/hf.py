@@ -31,6 +31,7 @@ from mesh3d.errors import UserError
 from mesh3d.hf_models import decoder_layers, load_hf_config, parallelize_hf
 from mesh3d.hf_stages import build_hf_stage, hf_stage_layers
 from mesh3d.mesh import ParallelDims, build_mesh
+from mesh3d.plan.dry_run import fake_world
 
 
 @dataclass
@@ -73,7 +74,7 @@ def plan_hf(source, *, dp: int = 1, tp: int = 1, pp: int = 1, dp_mode: str = "re
         from mesh3d.plan.hf import plan_hf, format_hf_plan
         print(format_hf_plan(plan_hf("models/pythia-160m", tp=2, pp=2, sequence_length=2048)))
     """
-    if dist.is_initialized():
+    if dist.is_initialized():  # (and torch keeps meshes of those worlds: a process of its own)
         raise UserError("plan: plan_hf starts its own fake process group; call it outside a run")
     config = source.config if isinstance(source, nn.Module) else load_hf_config(source)
     import transformers
@@ -86,7 +87,7 @@ def plan_hf(source, *, dp: int = 1, tp: int = 1, pp: int = 1, dp_mode: str = "re
     dims = ParallelDims(dp=dp, tp=tp, pp=pp)
     for s in range(pp):
         rank = next(r for r in range(dims.world_size) if dims.coords(r) == {"pp": s, "dp": 0, "cp": 0, "tp": 0})  # fmt: skip
-        with _fake_world(rank, dims.world_size):
+        with fake_world(rank, dims.world_size):
             mesh = build_mesh(dims, "cpu")
             built = _part(config, s, pp, split[s], mesh, dp_mode)
             local = [_local(p) for p in built.parameters()]
@@ -109,21 +110,6 @@ def plan_hf(source, *, dp: int = 1, tp: int = 1, pp: int = 1, dp_mode: str = "re
 
 def _count_layers(model: nn.Module) -> int:
     return len(model.get_submodule(decoder_layers(model)))
-
-
-class _fake_world:
-    """torch's fake process group as `rank` of `world`, destroyed on exit."""
-
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-
-    def __enter__(self):
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world)
-
-    def __exit__(self, *exc):
-        dist.destroy_process_group()
 
 
 def _part(config, stage: int, pp: int, layers: list[int], mesh, dp_mode: str) -> nn.Module:

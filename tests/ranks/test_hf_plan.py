@@ -6,6 +6,7 @@ covering the model, MoE's unmeasured activations said in a note, and the command
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
 
@@ -15,7 +16,30 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 transformers = pytest.importorskip("transformers", reason="the HF plan needs transformers")
 
-from mesh3d.plan.hf import format_hf_plan, plan_hf  # noqa: E402
+from mesh3d.plan.hf import format_hf_plan  # noqa: E402
+from mesh3d.plan.hf import plan_hf as plan_here  # noqa: E402
+
+
+def plan_hf(model, **kw):
+    """`plan_hf` in a forked child: its fake process groups (and the meshes torch keeps of them)
+    stay out of this process, whose later tests fork real ranks."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+
+    def child():
+        torch.set_num_threads(1)  # a forked child using the parent's thread pool hangs
+        try:
+            queue.put(("ok", plan_here(model, **kw)))
+        except BaseException as e:  # noqa: BLE001 - handed to the parent
+            queue.put(("err", repr(e)))
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    status, value = queue.get(timeout=120)
+    proc.join(10)
+    assert status == "ok", value
+    return value
+
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
              num_hidden_layers=4, max_position_embeddings=64)  # fmt: skip
