@@ -27,6 +27,8 @@ Results: benchmarks/results/local/hf_models[_tiny].json (`--publish`: benchmarks
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import shutil
 import statistics
@@ -100,16 +102,8 @@ def one_process(mode: str, rounds: int, warmup: int, folder: str) -> dict:
 def _tp2_rank(rank: int, world: int, mode: str, rounds: int, folder: str):
     ways = {"family": mesh3d_stepper(_config(mode, tp=2)),
             "hf_mesh3d": mesh3d_stepper(hf_config(mode, folder, tp=2))}  # fmt: skip
-    if rank == 0:
-        return interleave(ways, rounds)
-    return _quiet_interleave(ways, rounds)
-
-
-def _quiet_interleave(ways, rounds):
-    import contextlib
-    import io
-
-    with contextlib.redirect_stdout(io.StringIO()):
+    quiet = contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext()
+    with quiet:  # rank 0 prints the rounds
         return interleave(ways, rounds)
 
 

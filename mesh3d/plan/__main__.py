@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _plan_hf(cfg, args) -> None:
     """`--hf-model`: the module-tree plan of a transformers model at the config's layout."""
-    from mesh3d.plan.hf import dp_mode_of, format_hf_plan, plan_hf
+    from mesh3d.layout import dp_mode
+    from mesh3d.plan.hf import format_hf_plan, plan_hf
 
     p, t = cfg.parallelism, cfg.tokens
     if p.context_parallel_size > 1 or args.search or args.dry_run:
@@ -129,7 +130,7 @@ def _plan_hf(cfg, args) -> None:
             "parallelism.context_parallel_size (context parallelism needs mesh3d's attention)"
         )
     _check_world_size(cfg, args.world_size)
-    plan = plan_hf(args.hf_model, dp=p.dp, tp=p.tp, pp=p.pp, dp_mode=dp_mode_of(cfg),
+    plan = plan_hf(args.hf_model, dp=p.dp, tp=p.tp, pp=p.pp, dp_mode=dp_mode(cfg.optimizer.zero_stage, cfg.mesh3d.full_shard, cfg.mesh3d.dp_shard),
                    micro_batch=t.micro_batch_size, sequence_length=t.sequence_length,
                    microbatches=t.batch_accumulation_per_replica)  # fmt: skip
     if args.json:

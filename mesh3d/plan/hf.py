@@ -176,10 +176,3 @@ def format_hf_plan(plan: HFPlan) -> str:
     if plan.note:
         lines.append(f"note: {plan.note}; the peak leaves them out")
     return "\n".join(lines) + "\n"
-
-
-def dp_mode_of(cfg) -> str:
-    """The dp mode a config asks for: zero_stage 0 -> replicate, 1 -> zero1; full shard."""
-    if getattr(cfg.mesh3d, "full_shard", False):
-        return "full"
-    return "zero1" if cfg.optimizer.zero_stage == 1 else "replicate"
