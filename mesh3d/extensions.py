@@ -29,6 +29,10 @@ CAPABILITIES: dict[str, str] = {
     "loss_spike": "mesh3d.train.spike",  # mesh3d.loss_spike
     "float8": "mesh3d.train.float8",  # mesh3d.float8
     "async_tp": "mesh3d.train.async_tp",  # mesh3d.async_tp
+    "mup": "mesh3d.models.mup",  # init_method: {use_mup: true} (spectral µP: init and lr rules)
+    "dropout": "mesh3d.models.dropout",  # a model_config with dropout > 0: keyed masks
+    "moe_checks": "mesh3d.checks.moe_checks",  # a moe_config or expert_parallel_size > 1
+    "speed_checks": "mesh3d.checks.speed",  # mesh3d.float8 / mesh3d.async_tp
     "moe": "mesh3d.train.experts",  # a model_config with a moe_config: aux loss, load metrics
     "expert_parallel": "mesh3d.parallel.experts",  # its experts split over ep, dispatch
     "context_parallel": "mesh3d.parallel.context",  # parallelism.context_parallel_size > 1

@@ -22,10 +22,8 @@ from mesh3d.checks.data_checks import (
     unsupported_data,
 )
 from mesh3d.checks.guard_checks import loss_spike_errors
-from mesh3d.checks.moe_checks import expert_parallel_errors, moe_errors
 from mesh3d.checks.optim_checks import lr_errors, lr_warnings, optimizer_errors
 from mesh3d.checks.size_checks import scale_errors, too_large
-from mesh3d.checks.speed import speed_errors
 from mesh3d.config.derive import effective_pp_schedule, longest_sequence
 from mesh3d.config.families import MESH3D_FAMILIES
 from mesh3d.config.schema import (
@@ -36,7 +34,6 @@ from mesh3d.config.schema import (
 )
 from mesh3d.errors import ConfigError, not_supported_yet
 from mesh3d.models.activations import TRAIN_DTYPES
-from mesh3d.models.mup import mup_rules
 from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.pipeline_layout import SCHEDULES, microbatches_needed, split_by_cost
 
@@ -131,7 +128,7 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     if errors:
         return errors
     checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
-              _unsupported, expert_parallel_errors, speed_errors, scale_errors,
+              _unsupported, _experts, _speed, scale_errors,
               loss_spike_errors, checkpoint_errors, _recompute, s3_errors)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
@@ -419,6 +416,16 @@ def _family_keys(cfg: Config) -> Iterator[str]:
                        "remove it or set the family")  # fmt: skip
 
 
+def _experts(cfg: Config) -> Iterator[str]:
+    if cfg.parallelism.expert_parallel_size > 1:
+        yield from extensions.load("moe_checks").expert_parallel_errors(cfg)
+
+
+def _speed(cfg: Config) -> Iterator[str]:
+    if cfg.mesh3d.float8 or cfg.mesh3d.async_tp:
+        yield from extensions.load("speed_checks").speed_errors(cfg)
+
+
 def _unsupported(cfg: Config) -> Iterator[str]:
     """Nanotron settings mesh3d does not implement yet; delete a line when its feature lands."""
     m = cfg.model
@@ -435,10 +442,12 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     yield from _family_keys(cfg)
     moe = getattr(m.model_config, "moe_config", None)
     if moe is not None:
-        yield from moe_errors(cfg, m.model_config)
+        yield from extensions.load("moe_checks").moe_errors(cfg, m.model_config)
     if isinstance(m.init_method, SpectralMupInit):
         try:
-            mup_rules(spec_of(m.model_config), model_shape(cfg), m.model_config.vocab_size)
+            extensions.load("mup").mup_rules(
+                spec_of(m.model_config), model_shape(cfg), m.model_config.vocab_size
+            )
         except ConfigError as e:
             yield str(e)
     scaling = getattr(m.init_method, "scaling_method", None)

@@ -26,7 +26,6 @@ from mesh3d.config import ExistingCheckpointInit, SpectralMupInit
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.mesh import groups_of
-from mesh3d.models.mup import mup_rules
 from mesh3d.parallel.buckets import GradBuckets
 from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
 from mesh3d.parallel.pipeline import (
@@ -108,7 +107,7 @@ def initial_weights(cfg, layout: RunLayout) -> FullSource:
         return lambda name, shape: full[tied.get(name, name)]
     rows = {"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size}
     if isinstance(init, SpectralMupInit):
-        rules = mup_rules(spec, shape, mc.vocab_size)
+        rules = extensions.load("mup").mup_rules(spec, shape, mc.vocab_size)
         return seeded_init(lambda name: rules[name].std, seed, rows)
     scaling = getattr(init, "scaling_method", "NUM_LAYERS")
     init_std = spec.init_for(mc) if spec.init_for is not None else spec.init_std

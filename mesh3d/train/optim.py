@@ -15,6 +15,7 @@ import re
 
 import torch
 
+from mesh3d import extensions
 from mesh3d import nanotron_names as names
 from mesh3d.config.schema import SpectralMupInit
 from mesh3d.errors import decided_alike
@@ -83,9 +84,7 @@ def build_optimizer(named_params, cfg, layout: RunLayout, device: torch.device):
     named_params = list(named_params)
     scales = None
     if isinstance(cfg.model.init_method, SpectralMupInit):
-        from mesh3d.models.mup import mup_rules
-
-        rules = mup_rules(layout.spec, shape, layout.vocab_size)
+        rules = extensions.load("mup").mup_rules(layout.spec, shape, layout.vocab_size)
         scales = {name: rule.lr_scale for name, rule in rules.items()}
     groups = param_groups(named_params, o.weight_decay, exclude, shape, scales)
     for g in groups:

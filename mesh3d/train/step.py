@@ -23,7 +23,6 @@ from mesh3d import extensions
 from mesh3d.data.documents import IGNORE, document_positions, mask_document_starts
 from mesh3d.layout import RunLayout
 from mesh3d.mesh import groups_of
-from mesh3d.models.dropout import token_keys
 from mesh3d.parallel.data import allreduce_gradients, allreduce_param_grads
 from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings, tied_ends
 from mesh3d.parallel.tensor import reduce_partial_grads
@@ -171,7 +170,8 @@ def step_token_keys(layout: RunLayout, step: int, device) -> torch.Tensor | None
         positions = extensions.load("context_parallel").local_indices(s, cp, layout.coords["cp"])
     else:
         positions = torch.arange(s)
-    return token_keys(layout.seed, step, samples, positions).to(device)
+    keys = extensions.load("dropout").token_keys(layout.seed, step, samples, positions)
+    return keys.to(device)
 
 
 def with_documents(batches: list[tuple], layout: RunLayout, dp_group, device) -> tuple[list, int]:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_plain_run_imports import check_reports, module_report_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "recipes" / "train.py")
@@ -125,8 +126,11 @@ def test_3d_torchrun_1f1b_matches_one_process(tmp_path):
     ref = read_metrics(one)
     for engine in ("1f1b",):
         out = tmp_path / f"{engine}.jsonl"
-        r = torchrun(8, "--metrics-file", str(out), *steps, *_pp_args(engine), timeout=400)
+        report = tmp_path / "modules"  # what each rank of this plain 3D run imports of mesh3d
+        r = torchrun(8, "--metrics-file", str(out), *steps, *_pp_args(engine), timeout=400,
+                     **module_report_env(report))  # fmt: skip
         assert r.returncode == 0, r.stdout + r.stderr
+        check_reports(report, 8)
         # the iteration line comes from the rank (pp = last stage, dp 0, tp 0)
         assert "[INFO|DP=0|PP=1|TP=0]: iteration: 6 / 6" in r.stdout
         got = read_metrics(out)
