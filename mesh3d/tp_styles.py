@@ -215,48 +215,62 @@ class LocalEmbedding(RowwiseParallel):
 # The activations' collectives, on plain tensors (eager mode): what DTensor's `redistribute` does
 # for `LocalRowwise`'s output and `block_input`'s input, one c10d call per direction, without
 # DTensor's per-call Python. Compiled code keeps DTensor's traceable path; the math is the same.
+# Each TP group's collectives are chosen once, when tp is applied (`choose_collectives`).
 
 
-def _pair(x: torch.Tensor, group: dist.ProcessGroup):
-    """(rank in `group`, `parallel/pair_collectives.py`) for a pair of CPU ranks, else Nones."""
-    pair = x.device.type == "cpu" and dist.get_world_size(group) == 2
-    return (dist.get_rank(group), extensions.load("pair_collectives")) if pair else (None, None)
+class C10dCollectives:
+    """A TP group's activation collectives as c10d calls, on dim 0 of contiguous tensors."""
+
+    @staticmethod
+    def gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """Every rank's `x` along dim 0, in rank order."""
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        all_gather_flat(out, x, group=group)
+        return out
+
+    @staticmethod
+    def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """The sum of every rank's `x`, this rank's shard of dim 0."""
+        out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+        reduce_scatter_flat(out, x, group=group)
+        return out
+
+    @staticmethod
+    def summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """The sum of every rank's `x`."""
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+
+C10D = C10dCollectives()
+_CHOSEN: dict[dist.ProcessGroup, object] = {}  # TP group -> its collectives (default C10D)
+
+
+def choose_collectives(group: dist.ProcessGroup, device_type: str) -> None:
+    """Fix the activation collectives of TP group `group` (`apply_tp` calls this): a pair of CPU
+    ranks trades tensors (`parallel/pair_collectives.py`, a capability of that layout only),
+    every other group, and any group never chosen, uses c10d's collectives."""
+    pair = device_type == "cpu" and dist.get_world_size(group) == 2
+    pairs = extensions.load("pair_collectives").PairCollectives if pair else None
+    _CHOSEN[group] = pairs(dist.get_rank(group)) if pairs else C10D
 
 
 def _seq_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """All-gather `x` along `dim` (equal shards, in rank order)."""
-    size = dist.get_world_size(group)
-    me, pair = _pair(x, group)
-    x = x.movedim(dim, 0).contiguous()
-    if me is not None:
-        out = pair.gather(x, group, me)
-    else:
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        all_gather_flat(out, x, group=group)
+    out = _CHOSEN.get(group, C10D).gather(x.movedim(dim, 0).contiguous(), group)
     return out.movedim(0, dim).contiguous()
 
 
 def _seq_reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum `x` over `group` and keep this rank's shard along `dim`."""
-    size = dist.get_world_size(group)
-    me, pair = _pair(x, group)
-    x = x.movedim(dim, 0).contiguous()
-    if me is not None:
-        out = pair.reduce_scatter(x, group, me)
-    else:
-        out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-        reduce_scatter_flat(out, x, group=group)
+    out = _CHOSEN.get(group, C10D).reduce_scatter(x.movedim(dim, 0).contiguous(), group)
     return out.movedim(0, dim).contiguous()
 
 
 def _summed(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     x = x.contiguous(memory_format=torch.contiguous_format)
-    me, pair = _pair(x, group)
-    if me is not None:
-        return pair.summed(x, group, me)
-    out = x.clone()
-    dist.all_reduce(out, group=group)
-    return out
+    return _CHOSEN.get(group, C10D).summed(x, group)
 
 
 class _ReduceToLayout(torch.autograd.Function):

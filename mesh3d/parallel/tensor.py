@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import parallelize_module
 
+from mesh3d import tp_styles
 from mesh3d.tp_styles import TPPlan
 
 
@@ -92,6 +93,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
     )
     present = {k: v for k, v in plan.items() if _resolves(model, k)}
     parallelize_module(model, tp_mesh, present, src_data_rank=None)
+    tp_styles.choose_collectives(tp_mesh.get_group(), tp_mesh.device_type)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     return model

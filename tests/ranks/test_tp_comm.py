@@ -271,12 +271,12 @@ def _measure_all(rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore", message="Full backward hook is firing")  # CommDebugMode's
     mesh = build_mesh(ParallelDims(dp=1, tp=world, pp=1), "cpu")
     # the blocks' collectives as c10d collectives (what they are on GPUs and for tp > 2) ...
-    swap, pair = pair_collectives.swap, tp_styles._pair
-    tp_styles._pair = lambda x, group: (None, None)
+    swap, choose = pair_collectives.swap, tp_styles.choose_collectives
+    tp_styles.choose_collectives = lambda group, device_type: choose(group, "cuda")  # c10d's
     try:
         measured = {m: _measure(m, rank, mesh["tp"]) for m in MODES}
     finally:
-        tp_styles._pair = pair
+        tp_styles.choose_collectives = choose
     out = {m: counts for m, (counts, _) in measured.items()}
 
     # ... and as a CPU pair runs them: swapped, with the same bits
