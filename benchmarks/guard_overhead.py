@@ -11,8 +11,8 @@ training steps, in an order that rotates every round:
 - guarded: `RunGuard.at` (wakes the heartbeat thread, which publishes the step), `run.step`,
   `stop_requested()` (the one-integer all-reduce that replaced the barrier) and
   `check_finite`, as the training loop does without the loss-spike guard;
-- spike: the same, plus the loss-spike guard: `train_step` asks it before the optimizer step
-  (two running medians of up to 100 values) and `check_spike` counts the step after it.
+- spike: the same, plus the loss-spike guard: `train_step` asks its verdict before the
+  optimizer step (two running medians of up to 100 values) and `after_step` acts on it.
 The heartbeat thread runs during all three. Reported: median step time of each, the ratio of
 the medians to bare, and the median of the per-round ratios with a bootstrap 95% interval.
 Results go to `benchmarks/results/local/guard_overhead.json` (`--publish`:
@@ -76,8 +76,7 @@ def rank_main(rank: int, world: int, rounds: int) -> dict:
             out = run.step(step, guard.accepts)
             loss, grad_norm = out.loss, out.grad_norm
             guard.stop_requested()
-            guard.check_finite(step, loss, grad_norm)
-            guard.check_spike(step, loss, grad_norm)
+            guard.after_step(step, loss, grad_norm, lambda step_dir: None)
 
         order = list(zip(VARIANTS, (bare, guarded, spike)))
         for k in range(rounds):
@@ -99,8 +98,7 @@ def spike_guard_cost_us(steps: int = 20_000) -> float:
         spikes.check(0, loss, norm, str)
     t0 = time.perf_counter()
     for loss, norm in values:
-        spikes.accepts(loss, norm)
-        spikes.check(0, loss, norm, str)
+        spikes.check(0, loss, norm, str, spikes.reason(loss, norm))  # the step's one verdict
     return 1e6 * (time.perf_counter() - t0) / steps
 
 

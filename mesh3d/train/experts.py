@@ -9,8 +9,12 @@ layer and rank gives the coefficient times the mean over sequences and MoE layer
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+
+from mesh3d.mesh import groups_of
 
 
 def moe_blocks(modules, layout) -> list:
@@ -30,6 +34,13 @@ def set_aux_weights(modules, layout) -> None:
 def clear_stats(modules, layout) -> None:
     for block in moe_blocks(modules, layout):
         block.stats.clear()
+
+
+def step_metrics_of(run) -> Callable[[], dict[str, float]]:
+    """`step_metrics` of a training run's model (`Run.step_metric_sources`)."""
+    g = groups_of(run.mesh)
+    tp = g.tp if run.layout.sequence_parallel else None
+    return lambda: step_metrics(run.parts.modules, run.layout, g.replicas, g.pp, run.device, tp)
 
 
 def step_metrics(

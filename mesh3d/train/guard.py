@@ -42,6 +42,10 @@ from mesh3d.mesh import collective_timeout, share
 from mesh3d.train.signals import StopSignals
 from mesh3d.train.watchdog import Watchdog, heartbeat_interval, is_collective_failure
 
+NONFINITE = (
+    "non-finite"  # a step's verdict (`RunGuard.verdict`) when its loss or norm is not finite
+)
+
 
 class RunGuard:
     """The lock, watchdog and signal handling of one run (see the module doc).
@@ -64,6 +68,7 @@ class RunGuard:
         self.spikes = extensions.load("loss_spike").SpikeGuard(spike) if spike else None
         self.signals: StopSignals | None = None
         self.skipped = 0  # non-finite steps skipped so far (resumed runs continue the count)
+        self._verdict: tuple = ((), None)  # ((loss, grad_norm), the step's verdict)
         self.fail_at = _injected_failure(self.rank)
         self.leave_wait_s = 0.0  # how long world rank 0 may still upload as the run ends
 
@@ -185,8 +190,39 @@ class RunGuard:
             raise on_every_rank(UserError(problem))
 
     def accepts(self, loss: float, grad_norm: float) -> bool:
-        """Whether the step's update is applied as far as the loss-spike guard goes."""
-        return self.spikes is None or self.spikes.accepts(loss, grad_norm)
+        """Whether the step's update is applied (`train_step` asks before the optimizer step)."""
+        return self.verdict(loss, grad_norm) is None
+
+    def verdict(self, loss: float, grad_norm: float) -> str | None:
+        """The step's one decision: None when it is healthy and its update applied, else why
+        not (`NONFINITE`, or the loss spike's reason, `spike.py`). Taken once per step (when
+        `train_step` asks, or by the loop for a non-finite step it never asked about) and kept:
+        `after_step` acts on the same verdict."""
+        values, kept = self._verdict
+        if values == (loss, grad_norm):
+            return kept
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            why = NONFINITE
+        else:
+            why = None if self.spikes is None else self.spikes.reason(loss, grad_norm)
+        self._verdict = ((loss, grad_norm), why)
+        return why
+
+    def after_step(self, step: int, loss: float, grad_norm: float,
+                   name_latest: Callable[[Path], None]) -> None:  # fmt: skip
+        """Act on step `step`'s verdict: a non-finite step is skipped (counted) or stops the
+        run (`check_finite`); with the loss-spike guard, a spike is skipped with a warning or
+        stops the run, a healthy step joins its history, and the checkpoint waiting for this
+        step is named (through `name_latest`, the checkpointer's) or marked."""
+        why = self.verdict(loss, grad_norm)
+        self.check_finite(step, loss, grad_norm)
+        if self.spikes is None:
+            return
+        try:
+            spike = None if why == NONFINITE else why
+            self.spikes.check(step, loss, grad_norm, lambda: self.last_checkpoint("healthy"), spike)
+        finally:
+            self.spikes.settle(why is None, name_latest, writes=self.rank == 0)
 
     def step_metrics(self) -> dict:
         """The guard's counts for the metrics line: steps skipped so far, each kind."""
@@ -211,20 +247,6 @@ class RunGuard:
         if self.spikes is not None and isinstance(custom.get("loss_spike_guard"), dict):
             self.spikes.load(custom["loss_spike_guard"])
 
-    def check_spike(self, step: int, loss: float, grad_norm: float,
-                    name_latest: Callable[[Path], None]) -> None:  # fmt: skip
-        """The loss-spike guard after step `step` (`spike.py`): a spike is skipped with a
-        warning, or stops the run; the checkpoint waiting for this step is named (through
-        `name_latest`, the checkpointer's) or marked."""
-        if self.spikes is None:
-            return
-        healthy = False
-        try:
-            self.spikes.check(step, loss, grad_norm, lambda: self.last_checkpoint("healthy"))
-            healthy = not self.spikes.spiking and math.isfinite(loss) and math.isfinite(grad_norm)
-        finally:
-            self.spikes.settle(healthy, name_latest, writes=self.rank == 0)
-
     def check_folder_owner(self, step: int) -> None:
         """Before writing step `step`: stop every rank, with one line, if another run took this
         run's checkpoints folder (possible across hosts after `STALE_S` without a refresh: a
@@ -248,8 +270,10 @@ class RunGuard:
 
     def at(self, step: int, phase: str) -> None:
         """Tell the watchdog where this rank is (read by peers after a failure); the step a
-        fault was injected at (`MESH3D_FAIL_AT`) fails here."""
+        fault was injected at (`MESH3D_FAIL_AT`) fails here. A new step has no verdict yet."""
         self.watchdog.at(step, phase)
+        if phase == "step":
+            self._verdict = ((), None)
         if phase == "step" and step == self.fail_at:
             raise RuntimeError(
                 f"MESH3D_FAIL_AT: injected failure on rank {self.rank} at step {step}"

@@ -9,7 +9,6 @@ holds the folder lock, watchdog and stop signals around the loop.
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from mesh3d import extensions
 from mesh3d.checkpoint.manager import UploadReport
 from mesh3d.errors import Interrupted, Preempted, RunStopped, UserError, decided_alike
 from mesh3d.log import logger
-from mesh3d.mesh import groups_of, share
+from mesh3d.mesh import share
 from mesh3d.parallel.parallelize import compile_cache_text, compile_notice
 from mesh3d.train.evaluate import evaluate, is_evaluation_step
 from mesh3d.train.guard import RunGuard
@@ -217,6 +216,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
     if guard.resume_path is None and ck is not None and ck.save_initial_state:
         result.saved_dir = Path(ck.checkpoints_path) / "0"  # `_resume` saved it
     on_step = [h.on_step for h in hooks if hasattr(h, "on_step")]
+    metric_sources = run.step_metric_sources()
     evals = _in_run_evaluation(cfg, metrics_file, run.checkpoints)
     saved, step, replicas = start, start, run.replicas
     if replicas is not None:  # consumed samples count every group's slots (run.data.gbs)
@@ -259,14 +259,8 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                 lm_loss=loss, lr=run.scheduler.get_last_lr()[0], step_flops=run.flops_at(step),
                 grad_norm=grad_norm, peak=peak, consumed_tokens=tokens,
             )  # fmt: skip
-            if run.layout.shape.moe_layers:  # every rank: collectives inside
-                g = groups_of(run.mesh)
-                tp_group = g.tp if run.layout.sequence_parallel else None
-                moe = extensions.load("moe")
-                m.update(moe.step_metrics(run.parts.modules, run.layout, g.replicas, g.pp,
-                                          run.device, tp_group))  # fmt: skip
-            if replicas is not None:
-                m.update(replicas.metrics(gbs))
+            for source in metric_sources:  # every rank: collectives inside
+                m.update(source())
             m.update(out.metrics)
             m.update(peak_memory())
             if step < 5 or (ck is not None and (step - 1) % ck.checkpoint_interval == 0):
@@ -275,13 +269,11 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                 guard.at(step, "validation")
                 m.update(evaluate(run.parts, run.data.validation, run.layout, run.mesh, run.device))
             run.checkpoints.poll()  # a background save every rank finished writing is committed
-            unusual = not (math.isfinite(loss) and math.isfinite(grad_norm))
-            unusual = unusual or not guard.accepts(loss, grad_norm)  # a loss spike
+            unusual = guard.verdict(loss, grad_norm) is not None  # non-finite, or a loss spike
             if unusual or guard.spikes is not None:  # committed before this step is judged: a
                 run.checkpoints.finish()  # stop names it, the spike guard names or marks it
-            try:
-                guard.check_finite(step, loss, grad_norm)  # skips (counted) or stops the run
-                guard.check_spike(step, loss, grad_norm, run.checkpoints.name_latest)
+            try:  # skipped (counted), or the run stops; the waiting checkpoint named or marked
+                guard.after_step(step, loss, grad_norm, run.checkpoints.name_latest)
             finally:
                 m.update(guard.step_metrics())
                 result.metrics.append(m)

@@ -17,6 +17,7 @@ the model parts, the optimizer and the LR schedule.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -191,6 +192,16 @@ class Run:
         """Model FLOPs of step `step`, at the active stage's sequence length."""
         layout = self.layout_at(step)
         return layout.spec.step_flops(layout.shape, layout.sequence_length, layout.global_batch)
+
+    def step_metric_sources(self) -> list[Callable[[], dict]]:
+        """What the configured optional parts add to every step's metrics (MoE routing, the
+        fault-tolerant groups), one call each after the step, on every rank alike."""
+        sources = []
+        if self.layout.shape.moe_layers:
+            sources.append(extensions.load("moe").step_metrics_of(self))
+        if self.replicas is not None:
+            sources.append(lambda: self.replicas.metrics(self.layout.global_batch))
+        return sources
 
     def step(self, step: int, accepts=None) -> StepOutput:
         """Read step `step`'s batches and train on them. `accepts(loss, grad_norm)`: whether

@@ -75,11 +75,12 @@ class SpikeGuard:
         """Whether `train_step` applies this step's update (False for a spike)."""
         return self.reason(loss, grad_norm) is None
 
-    def check(self, step: int, loss: float, grad_norm: float, last: Callable[[], str]) -> None:
+    def check(self, step: int, loss: float, grad_norm: float, last: Callable[[], str],
+              why: str | None = "") -> None:  # fmt: skip
         """Count step `step`, whose update `train_step` did not apply if it spiked: a warning,
         or after `max_skipped` spikes in a row a `LossSpikeError`; `last()` names the checkpoint
-        a restart resumes from."""
-        why = self.reason(loss, grad_norm)
+        a restart resumes from. `why`: the step's `reason`, when the caller already took it."""
+        why = self.reason(loss, grad_norm) if why == "" else why
         if why is None:
             if math.isfinite(loss) and math.isfinite(grad_norm):
                 self.in_a_row = 0

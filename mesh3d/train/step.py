@@ -250,7 +250,7 @@ def train_step(
 
     A non-finite loss or gradient norm (the same value on every rank) skips the optimizer
     update, and so does a step `accepts(loss, grad_norm)` refuses (the loss-spike guard); the
-    caller decides whether the run goes on (`RunGuard.check_finite`, `check_spike`). With
+    caller decides whether the run goes on (`RunGuard.after_step`). With
     `dp_mode` 'replicate' gradients are summed over dp x cp after the last microbatch; with FSDP
     ('zero1', 'full') they were reduce-scattered in backward.
 
