@@ -23,6 +23,7 @@ from mesh3d.errors import UserError
 from mesh3d.hf_context import positions_of
 from mesh3d.hf_models import decoder_layers, load_hf, ties_embeddings
 from mesh3d.parallel.pipeline_layout import split_by_cost
+from mesh3d.torch_private import child_slots
 
 
 def build_hf_stage(
@@ -65,8 +66,9 @@ def build_hf_stage(
     dropped += [model.get_submodule(n) for n in after if not last]
     stage = copy.deepcopy(model, memo={id(m): None for m in dropped})
     kept = stage.get_submodule(where)
-    for key in [k for k, m in kept._modules.items() if m is None]:
-        del kept._modules[key]  # the kept keys stay: "layers.2..." on stage 1 as in the model
+    slots = child_slots(kept)
+    for key in [k for k, m in slots.items() if m is None]:
+        del slots[key]  # the kept keys stay: "layers.2..." on stage 1 as in the model
     for n in before if not first else ():  # embeddings, dropouts: done once, on stage 0
         _set(stage, n, None if n == embedding else nn.Identity())
     for n in after if not last else ():  # the final norm; the head

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh3d.errors import ConfigError, UserError
 from mesh3d.rendezvous import start_process_group
+from mesh3d.torch_private import flatten_mesh, pg_timeout_setter, unflatten_mesh
 
 AXES = ("pp", "dp", "cp", "tp")  # mesh dimension names, outermost first; tp varies fastest
 
@@ -189,7 +190,7 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
     samples; they are summed like dp's). Once per mesh (building a sub-mesh costs ~2 ms)."""
     if "cp" not in (mesh.mesh_dim_names or ()) or mesh["cp"].size() == 1:
         return mesh["dp"]
-    return mesh["dp", "cp"]._flatten("dp_cp")
+    return flatten_mesh(mesh["dp", "cp"], "dp_cp")
 
 
 @functools.lru_cache(maxsize=8)
@@ -199,7 +200,8 @@ def hsdp_mesh(mesh: DeviceMesh, dp_shard: int) -> DeviceMesh:
     same parameters); FSDP shards inside a group and all-reduces across groups."""
     replicas = replica_mesh(mesh)
     shard = dp_shard * replicas.size() // mesh["dp"].size()
-    return replicas._unflatten(0, (replicas.size() // shard, shard), ("dp_replicate", "dp_shard"))
+    sizes, names = (replicas.size() // shard, shard), ("dp_replicate", "dp_shard")
+    return unflatten_mesh(replicas, 0, sizes, names)
 
 
 @dataclass(frozen=True)
@@ -232,7 +234,7 @@ def set_collective_timeout(mesh: DeviceMesh | None, seconds: float) -> None:
     torch gives the sub-groups it makes for a mesh its own 30-minute default, whatever timeout
     the default group was started with: a stopped rank would hang its peers for half an hour.
     """
-    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    set_timeout = pg_timeout_setter()
     if set_timeout is None:  # older torch: the groups keep their timeouts
         return
     groups = [None] + (list(mesh.get_all_groups()) if mesh is not None else [])

@@ -2,7 +2,8 @@
 
 A plan is data, `FQN pattern -> ParallelStyle` (each family's spec writes its own in
 `models/<family>_spec.py`); `parallel/tensor.py` applies it on mesh["tp"]. This module sits
-below the models so that the specs can name these styles; of mesh3d it imports `extensions`.
+below the models so that the specs can name these styles; of mesh3d it imports `extensions`
+and `torch_private`.
 
 `LocalColwise` / `LocalRowwise` / `LocalReplicated` keep torch's layouts but compute on local
 tensors inside a block, and `LocalEmbedding` / `LocalHead` do so for the vocab-parallel
@@ -37,6 +38,7 @@ from torch.distributed.tensor.parallel import (  # noqa: F401  (re-exported for 
 )
 
 from mesh3d import extensions
+from mesh3d.torch_private import apply_style, dtensor_spec, local_tensor, partition_fn
 
 TPPlan = dict[str, ParallelStyle]
 
@@ -53,9 +55,9 @@ class _LocalOf(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, p):
-        ctx.spec = p._spec
+        ctx.spec = dtensor_spec(p)
         ctx.set_materialize_grads(False)
-        local = p._local_tensor
+        local = local_tensor(p)
         return local.view_as(local)
 
     @staticmethod
@@ -133,7 +135,7 @@ class ExpertsReplicated(LocalReplicated):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if self.partial_grads:
             module.sequence_sums.append(summed_over(device_mesh.get_group()))
-        return super()._apply(module, device_mesh)
+        return apply_style(super(), module, device_mesh)
 
 
 def _local_colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +153,7 @@ class LocalColwise(ColwiseParallel):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        distribute_module(module, device_mesh, self._partition_linear_fn)
+        distribute_module(module, device_mesh, partition_fn(self, "linear"))
         module.forward = types.MethodType(_local_colwise_forward, module)
         return module
 
@@ -163,7 +165,7 @@ class LocalRowwise(RowwiseParallel):
     parallelism) and the bias; the output is local."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        distribute_module(module, device_mesh, self._partition_linear_fn)
+        distribute_module(module, device_mesh, partition_fn(self, "linear"))
         layout = self.output_layouts[0]
         bias_grad = Partial() if layout.is_shard() else Replicate()
 
@@ -193,7 +195,7 @@ class LocalEmbedding(RowwiseParallel):
     `torch.chunk`'s (the last may be shorter), as `Shard(0)` lays them out."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        distribute_module(module, device_mesh, self._partition_embedding_fn)
+        distribute_module(module, device_mesh, partition_fn(self, "embedding"))
         layout = self.output_layouts[0]
         rows = -(-module.weight.shape[0] // device_mesh.size())
         start = min(device_mesh.get_local_rank() * rows, module.weight.shape[0])
@@ -360,8 +362,8 @@ class LocalHead(ColwiseParallel):
                          use_local_output=False)  # fmt: skip
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        distribute_module(module, device_mesh, self._partition_linear_fn)
-        _BlockInput(self.input_layouts[0])._apply(module, device_mesh)
+        distribute_module(module, device_mesh, partition_fn(self, "linear"))
+        apply_style(_BlockInput(self.input_layouts[0]), module, device_mesh)
         vocab = module.weight.shape[0]
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -24,10 +24,12 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from mesh3d.checkpoint.finite import non_finite
 from mesh3d.checkpoint.folder import FolderWriter
 from mesh3d.errors import NonFiniteError
+from mesh3d.torch_private import local_tensor
 
 
 def live_storages(modules, optimizer) -> set[int]:
@@ -41,7 +43,7 @@ def live_storages(modules, optimizer) -> set[int]:
 
 
 def _storage(t: torch.Tensor) -> int:
-    local = getattr(t, "_local_tensor", t)  # a DTensor's shard
+    local = local_tensor(t) if isinstance(t, DTensor) else t  # a DTensor's shard
     return local.untyped_storage().data_ptr()
 
 

@@ -57,6 +57,7 @@ from mesh3d.errors import UserError, on_every_rank
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout
+from mesh3d.torch_private import set_scheduler_position
 
 
 def _rank_params(layout: RunLayout, parts, pp_rank: int) -> list:
@@ -269,11 +270,11 @@ def _load_scheduler(step_dir: Path, scheduler, optimizer, layout: RunLayout) -> 
             "checkpoints.load_lr_scheduler: false to restart the schedule"
         )
     k = int(nanotron_state.safe_load(files[0], "LR scheduler")["last_epoch"])
-    scheduler.last_epoch, scheduler._step_count = k, k + 1
+    scheduler.last_epoch = k
     lrs = [base * f(k) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
-    scheduler._last_lr = lrs
+    set_scheduler_position(scheduler, k + 1, lrs)
 
 
 def verify_everywhere(step_dir: Path, meta: dict, unverified_ok: bool = False) -> None:

@@ -40,6 +40,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from mesh3d.data.dummy import microbatches
 from mesh3d.data.worker_failure import Failed, by_value
 from mesh3d.errors import DataWorkerError, UserError, on_every_rank
+from mesh3d.torch_private import loader_workers, set_loader_timeout, shutdown_loader_workers
 
 _PREFETCH = 2  # steps each worker reads ahead
 _POLL = 2.0  # seconds between checks that the workers are alive while waiting for a batch
@@ -139,7 +140,7 @@ class StageLoader:
         if self._it is None:
             self._it = iter(self.loader)  # starts the workers, reads the first steps ahead
             if self.workers:
-                self._it._timeout = min(_POLL, self.timeout_s)  # read by each wait
+                set_loader_timeout(self._it, min(_POLL, self.timeout_s))  # read by each wait
         waited = 0.0
         while True:
             try:
@@ -152,7 +153,7 @@ class StageLoader:
     def _dead(self, step: int, error: Exception) -> DataWorkerError:
         """The one-line error for a worker that died or did not answer in time."""
         it = self._it
-        workers = getattr(it, "_workers", []) or []
+        workers = loader_workers(it)
         if workers:  # a worker killed a moment ago may not be reaped yet
             multiprocessing.connection.wait([w.sentinel for w in workers], timeout=2.0)
         dead = [(i, w.pid, w.exitcode) for i, w in enumerate(workers) if not w.is_alive()]
@@ -185,8 +186,8 @@ class StageLoader:
     def close(self) -> None:
         """Stop the workers, if any."""
         it, self._it = self._it, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        if it is not None:
+            shutdown_loader_workers(it)
 
 
 def _tensor(a, pin: bool) -> torch.Tensor:
@@ -209,7 +210,7 @@ def _keep(item):
 def worker_pids(loader: StageLoader) -> list[int]:
     """The pids of a loader's running workers (tests kill one)."""
     it = loader._it
-    return [w.pid for w in getattr(it, "_workers", []) or [] if w.is_alive()]
+    return [w.pid for w in loader_workers(it) if w.is_alive()]
 
 
 class Feed:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from mesh3d.errors import ConfigError
 from mesh3d.models.activations import ACTIVATIONS, HIDDEN_ACTS
 from mesh3d.models.dtypes import DTYPES  # noqa: F401  (re-exported for library code)
+from mesh3d.torch_private import version_counter
 from mesh3d.tp_styles import local_of
 
 try:
@@ -148,7 +149,7 @@ def document_segments(positions: Tensor) -> tuple[Tensor, int]:
     unmodified: one computation (and one host sync, for the longest length) per forward.
     """
     ref, version, cached = _last_segments
-    if ref is not None and ref() is positions and version == positions._version:
+    if ref is not None and ref() is positions and version == version_counter(positions):
         return cached
     starts = positions == 0
     starts[:, 0] = True
@@ -156,7 +157,7 @@ def document_segments(positions: Tensor) -> tuple[Tensor, int]:
     total = torch.tensor([positions.numel()], device=positions.device)
     offsets = torch.cat([index, total]).to(torch.int32)
     result = offsets, int((offsets[1:] - offsets[:-1]).max())
-    _last_segments[:] = [weakref.ref(positions), positions._version, result]
+    _last_segments[:] = [weakref.ref(positions), version_counter(positions), result]
     return result
 
 

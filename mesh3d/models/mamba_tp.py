@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from mesh3d.torch_private import apply_style, parameter_slots
 from mesh3d.tp_styles import LocalRowwise, block_input, gather_full, local_of
 
 
@@ -27,7 +28,7 @@ class LocalRowwiseShared(LocalRowwise):
         super().__init__(output_layouts=Replicate())
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        super()._apply(module, device_mesh)
+        apply_style(super(), module, device_mesh)
         rowwise = module.forward
 
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -54,24 +55,25 @@ class LocalChannels(ParallelStyle):
         for name in self.names:
             owner_name, _, leaf = name.rpartition(".")
             owner = module.get_submodule(owner_name)
-            p = owner._parameters.get(leaf)
+            p = parameter_slots(owner).get(leaf)
             if p is None:
                 continue
             dt = distribute_tensor(p, device_mesh, [Shard(0)], src_data_rank=None)
             owner.register_parameter(leaf, nn.Parameter(dt, requires_grad=p.requires_grad))
             slots.append((owner, leaf))
-        block_input(self.input_layout)._apply(module, device_mesh)
+        apply_style(block_input(self.input_layout), module, device_mesh)
         inner = module.forward
 
         def forward(*args, **kwargs):
-            held = [(owner, leaf, owner._parameters[leaf]) for owner, leaf in slots]
+            held = [(parameter_slots(owner), leaf) for owner, leaf in slots]
+            held = [(params, leaf, params[leaf]) for params, leaf in held]
             try:
-                for owner, leaf, p in held:
-                    owner._parameters[leaf] = local_of(p)
+                for params, leaf, p in held:
+                    params[leaf] = local_of(p)
                 return inner(*args, **kwargs)
             finally:
-                for owner, leaf, p in held:
-                    owner._parameters[leaf] = p
+                for params, leaf, p in held:
+                    params[leaf] = p
 
         module.forward = forward
         return module

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from mesh3d.models.kernels import grouped_gemm_ok
 from mesh3d.models.llama import MLP
+from mesh3d.torch_private import grouped_mm, in_backward_recompute
 from mesh3d.tp_styles import local_of
 
 
@@ -102,8 +103,8 @@ class Experts(nn.Module):
                 low = torch.get_autocast_dtype(kind)
                 rows, gate_up, down = rows.to(low), gate_up.to(low), down.to(low)
             ends = counts.cumsum(0).to(torch.int32)
-            gate, up = torch._grouped_mm(rows, gate_up, offs=ends).chunk(2, dim=-1)
-            return torch._grouped_mm(self.act(gate) * up, down, offs=ends)
+            gate, up = grouped_mm(rows, gate_up, offs=ends).chunk(2, dim=-1)
+            return grouped_mm(self.act(gate) * up, down, offs=ends)
         gate_ups, downs = gate_up.unbind(0), down.unbind(0)
         parts = rows.split(counts.tolist())
         ran = [self.run(x, gate_ups[e], downs[e]) for e, x in enumerate(parts) if len(x)]
@@ -219,7 +220,7 @@ class MoE(nn.Module):
             gate = torch.sigmoid(F.linear(x, self._w(self.shared_expert_gate.weight)))
             out = out + gate * self.shared_expert(x, self._w)
         aux = self.aux_per_sequence(probs, experts).sum()
-        if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+        if not in_backward_recompute():  # not a recompute inside backward
             self.stats.append((aux.detach(), counts.detach()))
         if self.training and self.aux_coef and torch.is_grad_enabled():
             weight = self.aux_weight

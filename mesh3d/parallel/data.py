@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
+
+from mesh3d.torch_private import flatten_dense_tensors, unflatten_dense_tensors
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -40,7 +41,7 @@ def allreduce_param_grads(params, group: dist.ProcessGroup) -> None:
     grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return
-    flat = _flatten_dense_tensors(grads)
+    flat = flatten_dense_tensors(grads)
     dist.all_reduce(flat, group=group)
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+    for g, synced in zip(grads, unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)

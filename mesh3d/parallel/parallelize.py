@@ -23,8 +23,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch._functorch import config as functorch_config
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -35,6 +33,12 @@ from mesh3d.mesh import hsdp_mesh, replica_mesh
 from mesh3d.models.init import init_full_tensor
 from mesh3d.models.spec import Blocks
 from mesh3d.parallel.tensor import apply_tp, shard_grads_like_params
+from mesh3d.torch_private import (
+    checkpoint_wrapper,
+    compile_counters,
+    disable_donated_buffer,
+    inductor_cache_dir,
+)
 from mesh3d.tp_styles import TPPlan, summed_over
 
 
@@ -101,7 +105,7 @@ def compile_blocks(model: nn.Module, kinds: tuple[type, ...], mesh: DeviceMesh |
     if mesh is not None:
         private_compile_cache(mesh)
     if split_backward:
-        functorch_config.donated_buffer = False
+        disable_donated_buffer()
     for layer in model.layers.values():
         for module in layer.modules():
             if type(module) in kinds:  # exactly: not the shared expert (an MLP subclass)
@@ -118,35 +122,29 @@ def private_compile_cache(mesh: DeviceMesh) -> str:
     and correct: the same rank of the same layout compiles the same code. Must run before the
     first compile (inductor reads the folder then); calling it again changes nothing.
     """
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     layout = "-".join(f"{n}{k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape, strict=True))
     own = f"mesh3d-{layout}-rank{torch.distributed.get_rank()}"
-    base = cache_dir()
+    base = inductor_cache_dir()
     if os.path.basename(base).startswith("mesh3d-"):  # set before, by this function
         base = os.path.dirname(base)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, own)
-    return cache_dir()
+    return inductor_cache_dir()
 
 
 def compile_notice() -> str:
     """Said before the first compiled step, which is silent for as long as compiling takes."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
+    folder = inductor_cache_dir()
     return (
         "torch.compile (mesh3d.compile): the first step compiles the model's blocks, which "
-        f"takes a while (tens of seconds); the graphs are cached in {cache_dir()} for next runs"
+        f"takes a while (tens of seconds); the graphs are cached in {folder} for next runs"
     )
 
 
 def compile_cache_text() -> str:
     """What torch.compile did so far in this process: graphs compiled, and loaded from its cache."""
-    from torch._dynamo.utils import counters
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    aot = counters["aot_autograd"]
+    aot, folder = compile_counters()["aot_autograd"], inductor_cache_dir()
     return (
-        f"torch.compile: {aot['autograd_cache_hit']} graphs loaded from the cache in {cache_dir()}, "
+        f"torch.compile: {aot['autograd_cache_hit']} graphs loaded from the cache in {folder}, "
         f"{aot['autograd_cache_miss']} compiled and saved, {aot['autograd_cache_bypass']} "
         "compiled and not cacheable"
     )

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from mesh3d.errors import ConfigError
@@ -39,6 +38,7 @@ from mesh3d.parallel.pipeline_layout import (
     split_layers,
     stage_ids_of_rank,
 )
+from mesh3d.torch_private import pipeline_schedule_base
 
 __all__ = [  # the arithmetic lives in parallel/pipeline_layout.py (no torch); re-exported for callers
     "SCHEDULES", "build_schedule", "build_stage", "is_multi_stage", "is_v_schedule",
@@ -47,8 +47,11 @@ __all__ = [  # the arithmetic lives in parallel/pipeline_layout.py (no torch); r
     "sync_tied_embeddings",
 ]  # fmt: skip
 
+# a torch schedule (their common base class is private: `torch_private.pipeline_schedule_base`)
+Schedule = torch_schedules.PipelineScheduleSingle | torch_schedules.PipelineScheduleMulti
+
 # torch's schedule class for each name of the schedule table (`parallel/pipeline_layout.py`)
-SCHEDULES: dict[str, type[_PipelineSchedule]] = {
+SCHEDULES: dict[str, type[Schedule]] = {
     name: getattr(torch_schedules, traits.torch_class)
     for name, traits in stage_math.SCHEDULES.items()
 }
@@ -157,7 +160,7 @@ def build_schedule(
     stages: list[PipelineStage],
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> _PipelineSchedule:
+) -> Schedule:
     """The schedule called `name` over this rank's `stages`, with `scale_grads=False`.
 
     `loss_fn(logits, labels)` gets one microbatch on the last stage and must return that
@@ -190,11 +193,13 @@ def build_schedule(
     return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-_HAS_RETURN_OUTPUTS = "return_outputs" in inspect.signature(_PipelineSchedule.step).parameters
+_HAS_RETURN_OUTPUTS = (
+    "return_outputs" in inspect.signature(pipeline_schedule_base().step).parameters
+)
 
 
 def run_schedule(
-    schedule: _PipelineSchedule,
+    schedule: Schedule,
     stages: list[PipelineStage],
     inputs: torch.Tensor | None,
     labels: torch.Tensor | None,

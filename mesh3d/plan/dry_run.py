@@ -55,6 +55,7 @@ from mesh3d.plan.memory import _params
 from mesh3d.plan.records import BuiltRank, DryRun, Plan
 from mesh3d.plan.report import _ranges
 from mesh3d.plan.sizes import _Sizes
+from mesh3d.torch_private import fake_store
 
 TOLERANCE = 1e-6  # relative (16 KiB of 16 GiB); the plan has been exact, which the tests demand
 PACKAGE = str(Path(__file__).resolve().parents[1])  # mesh3d/: its frames name the failing part
@@ -104,9 +105,8 @@ def representatives(cfg, world_size: int) -> dict[int, list[int]]:
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int):
     """This process as `rank` of `world_size` on torch's fake process group, for the block."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    store = fake_store()  # registers "fake"
+    dist.init_process_group("fake", store=store, rank=rank, world_size=world_size)
     try:
         yield
     finally:

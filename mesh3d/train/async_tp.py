@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 
 from mesh3d.checks.speed import ASYNC_TP_NEEDS
 from mesh3d.errors import ConfigError
+from mesh3d.torch_private import enable_micro_pipeline_tp, enable_symm_mem_for_group
 
 
 def check_async_tp(device: torch.device, tp_group: ProcessGroup) -> None:
@@ -35,12 +36,9 @@ def check_async_tp(device: torch.device, tp_group: ProcessGroup) -> None:
 def enable_async_tp(tp_group: ProcessGroup) -> None:
     """Turn on inductor's micro-pipeline TP pass and symmetric memory for `tp_group`; call
     before the first compiled forward (the pass runs when a graph is compiled)."""
-    from torch._inductor import config as inductor_config
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    inductor_config._micro_pipeline_tp = True
+    enable_micro_pipeline_tp()
     with warnings.catch_warnings():
         # torch 2.13 marks it deprecated ("no need to call"), yet its micro-pipeline pass
         # still skips a group unless `is_symm_mem_enabled_for_group`, which only this sets
         warnings.simplefilter("ignore", FutureWarning)
-        symm_mem.enable_symm_mem_for_group(tp_group.group_name)
+        enable_symm_mem_for_group(tp_group.group_name)

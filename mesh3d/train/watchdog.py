@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from mesh3d.errors import PeerError
 from mesh3d.rendezvous import process_state
+from mesh3d.torch_private import default_store
 
 # what a failed collective says on gloo and NCCL (a timeout, or a peer that went away)
 _COLLECTIVE_FAILURE = re.compile(
@@ -64,9 +65,7 @@ class Watchdog:
         self.step, self.phase, self.why = 0, "start", None
         self.lock, self.last_checkpoint = lock, last_checkpoint
         self.host, self.pid, self.ppid = socket.gethostname(), os.getpid(), os.getppid()
-        self._store = dist.PrefixStore(
-            f"mesh3d/heartbeat/{key}", dist.distributed_c10d._get_default_store()
-        )
+        self._store = dist.PrefixStore(f"mesh3d/heartbeat/{key}", default_store())
         self._stop, self._wake = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="mesh3d-watchdog", daemon=True)
 
