@@ -11,7 +11,8 @@ History: 18,606 lines in 114 modules before the optional parts moved behind the 
 point, 14,252 in 94 after; 14,592 in 93 with later work (the hooks of fault tolerance, DoReMi,
 the sbatch evaluation jobs and transformers models); 14,274 in 89 with µP, dropout, the MoE
 and float8/async-TP checks loaded only when configured (2x2x2: 14,317, the CPU pair's tp
-collectives added). Issue 43 asks for 10,000; the rest is the core itself: config, checks,
+collectives added); 14,516 in 90 with `torch_private.py`, the one place that reaches torch's
+private APIs (issue 43 asks for it). Issue 43 asks for 10,000; the rest is the core itself: config, checks,
 checkpoint formats, the parallel plan, the loop, the fail-safe guards, and the end-of-run
 summary with its sample and plot.
 """
@@ -29,8 +30,8 @@ from launch import quiet_env
 from mesh3d.extensions import CAPABILITIES
 from mesh3d.models.registry import FAMILIES
 
-CEILING = 14_300
-CEILING_3D = 14_350
+CEILING = 14_550
+CEILING_3D = 14_600
 
 _REPORT = """
 import atexit, json, os, sys
