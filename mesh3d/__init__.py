@@ -61,49 +61,39 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     from mesh3d.train.loss import normalized_loss
     from mesh3d.train.step import clip_grad_norm
 
-# public name -> the module that defines it. Loaded lazily (PEP 562) so that `import mesh3d.config`
-# stays free of torch, and `python -m mesh3d.plan` does not import itself twice.
-_EXPORTS = {
-    "make_plan": "mesh3d.plan",
-    "ModelShape": "mesh3d.models.spec",
-    "model_shape": "mesh3d.models.registry",
-    "read_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
-    "write_nanotron_weights": "mesh3d.checkpoint.nanotron_weights",
-    "load_state": "mesh3d.checkpoint.any_model",
-    "save_state": "mesh3d.checkpoint.any_model",
-    "apply_overrides": "mesh3d.config",
-    "config_from_dict": "mesh3d.config",
-    "load_config": "mesh3d.config",
-    "validate": "mesh3d.checks",
-    "Config": "mesh3d.config.schema",
-    "DummyTokens": "mesh3d.data.dummy",
-    "microbatches": "mesh3d.data.dummy",
-    "Nanoset": "mesh3d.data.nanoset",
-    "ConfigError": "mesh3d.errors",
-    "UserError": "mesh3d.errors",
-    "ParallelDims": "mesh3d.mesh",
-    "build_mesh": "mesh3d.mesh",
-    "init_distributed": "mesh3d.mesh",
-    "mesh_from_config": "mesh3d.mesh",
-    "Llama": "mesh3d.models.llama",
-    "allreduce_gradients": "mesh3d.parallel.data",
-    "apply_dp": "mesh3d.parallel.parallelize",
-    "SCHEDULES": "mesh3d.parallel.pipeline",
-    "build_schedule": "mesh3d.parallel.pipeline",
-    "build_stage": "mesh3d.parallel.pipeline",
-    "run_schedule": "mesh3d.parallel.pipeline",
-    "split_layers": "mesh3d.parallel.pipeline",
-    "TPPlan": "mesh3d.tp_styles",
-    "apply_tp": "mesh3d.parallel.tensor",
-    "hf_llama_tp_plan": "mesh3d.models.llama_spec",
-    "parallelize_hf": "mesh3d.hf_models",
-    "export_hf": "mesh3d.checkpoint.hf_export",
-    "build_hf_stage": "mesh3d.hf_stages",
-    "llama_tp_plan": "mesh3d.models.llama_spec",
-    "train": "mesh3d.train.loop",
-    "normalized_loss": "mesh3d.train.loss",
-    "clip_grad_norm": "mesh3d.train.step",
-}
+# the module that defines each public name, by topic. Loaded lazily (PEP 562) so that
+# `import mesh3d.config` stays free of torch, and `python -m mesh3d.plan` does not import itself twice.
+_PUBLIC = {
+    "mesh3d.config.schema": ("Config",),  # config
+    "mesh3d.config": ("load_config", "config_from_dict", "apply_overrides"),
+    "mesh3d.checks": ("validate",),
+    "mesh3d.mesh": ("ParallelDims", "init_distributed", "build_mesh", "mesh_from_config"),
+    "mesh3d.tp_styles": ("TPPlan",),  # tensor parallelism
+    "mesh3d.parallel.tensor": ("apply_tp",),
+    "mesh3d.models.llama_spec": ("llama_tp_plan", "hf_llama_tp_plan"),
+    "mesh3d.hf_models": ("parallelize_hf",),
+    "mesh3d.hf_stages": ("build_hf_stage",),
+    "mesh3d.parallel.parallelize": ("apply_dp",),  # data parallelism
+    "mesh3d.parallel.data": ("allreduce_gradients",),
+    "mesh3d.parallel.pipeline": (  # pipeline parallelism
+        "SCHEDULES", "split_layers", "build_stage", "build_schedule", "run_schedule",
+    ),
+    "mesh3d.train.loss": ("normalized_loss",),  # loss and step
+    "mesh3d.train.step": ("clip_grad_norm",),
+    "mesh3d.checkpoint.any_model": ("save_state", "load_state"),  # checkpoints
+    "mesh3d.checkpoint.hf_export": ("export_hf",),
+    "mesh3d.models.spec": ("ModelShape",),
+    "mesh3d.models.registry": ("model_shape",),
+    "mesh3d.checkpoint.nanotron_weights": ("read_nanotron_weights", "write_nanotron_weights"),
+    "mesh3d.data.nanoset": ("Nanoset",),  # data
+    "mesh3d.data.dummy": ("DummyTokens", "microbatches"),
+    "mesh3d.models.llama": ("Llama",),  # the Llama trainer
+    "mesh3d.train.loop": ("train",),
+    "mesh3d.plan": ("make_plan",),
+    "mesh3d.errors": ("UserError", "ConfigError"),  # errors
+}  # fmt: skip
+_EXPORTS = {name: module for module, names in _PUBLIC.items() for name in names}
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
@@ -119,56 +109,3 @@ def __dir__() -> list[str]:
 
 
 __version__ = "0.1.0"
-
-
-__all__ = [
-    # config
-    "Config",
-    "load_config",
-    "config_from_dict",
-    "apply_overrides",
-    "validate",
-    # mesh
-    "ParallelDims",
-    "init_distributed",
-    "build_mesh",
-    "mesh_from_config",
-    # tensor parallelism
-    "TPPlan",
-    "apply_tp",
-    "llama_tp_plan",
-    "hf_llama_tp_plan",
-    "parallelize_hf",
-    "build_hf_stage",
-    # data parallelism
-    "apply_dp",
-    "allreduce_gradients",
-    # pipeline parallelism
-    "SCHEDULES",
-    "split_layers",
-    "build_stage",
-    "build_schedule",
-    "run_schedule",
-    # loss and step
-    "normalized_loss",
-    "clip_grad_norm",
-    # checkpoints
-    "save_state",
-    "load_state",
-    "export_hf",
-    "ModelShape",
-    "model_shape",
-    "read_nanotron_weights",
-    "write_nanotron_weights",
-    # data
-    "Nanoset",
-    "DummyTokens",
-    "microbatches",
-    # the Llama trainer
-    "Llama",
-    "train",
-    "make_plan",
-    # errors
-    "UserError",
-    "ConfigError",
-]
