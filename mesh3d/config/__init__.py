@@ -9,100 +9,20 @@ Files: `schema.py` (the dataclasses), `typecheck.py` (strict mapping -> dataclas
 above the model families, whose specs they consult.
 """
 
-from mesh3d.config.derive import (
-    effective_pp_schedule,
-    expand_run_name,
-    global_batch_size,
-    layout_text,
-    max_sequence_length,
-    padded_vocab_size,
-    stage_sequence_length,
-    world_size,
-)
-from mesh3d.config.load import (
-    DEFAULT_CONFIG,
-    apply_overrides,
-    config_from_dict,
-    config_to_dict,
-    config_to_yaml,
-    load_config,
-    save_config,
-)
-from mesh3d.config.schema import (
-    AdamWOptimizerArgs,
-    CheckpointsArgs,
-    Config,
-    DataArgs,
-    DatasetStageArgs,
-    ExistingCheckpointInit,
-    GeneralArgs,
-    LlamaConfig,
-    LoggingArgs,
-    LRSchedulerArgs,
-    Mesh3dArgs,
-    MetricsLoggingArgs,
-    ModelArgs,
-    MoEConfig,
-    NanosetDatasetsArgs,
-    OptimizerArgs,
-    ParallelismArgs,
-    PretrainDatasetsArgs,
-    ProfilerArgs,
-    Qwen2Config,
-    Qwen3Config,
-    RandomInit,
-    S3UploadArgs,
-    SFTDatasetsArgs,
-    SGDOptimizerArgs,
-    SpectralMupInit,
-    Starcoder2Config,
-    TokenizerArgs,
-    TokensArgs,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_CONFIG",
-    "layout_text",
-    "max_sequence_length",
-    "stage_sequence_length",
-    "world_size",
-    "AdamWOptimizerArgs",
-    "CheckpointsArgs",
-    "Config",
-    "DataArgs",
-    "DatasetStageArgs",
-    "ExistingCheckpointInit",
-    "GeneralArgs",
-    "LRSchedulerArgs",
-    "LlamaConfig",
-    "LoggingArgs",
-    "Mesh3dArgs",
-    "MetricsLoggingArgs",
-    "ModelArgs",
-    "MoEConfig",
-    "NanosetDatasetsArgs",
-    "OptimizerArgs",
-    "ParallelismArgs",
-    "PretrainDatasetsArgs",
-    "ProfilerArgs",
-    "Qwen2Config",
-    "Qwen3Config",
-    "RandomInit",
-    "S3UploadArgs",
-    "SFTDatasetsArgs",
-    "SGDOptimizerArgs",
-    "SpectralMupInit",
-    "Starcoder2Config",
-    "TokenizerArgs",
-    "TokensArgs",
-    "apply_overrides",
-    "config_from_dict",
-    "config_to_dict",
-    "config_to_yaml",
-    "effective_pp_schedule",
-    "expand_run_name",
-    "global_batch_size",
-    "load_config",
-    "padded_vocab_size",
-    "save_config",
-]
+import importlib
+
+# where the public names live: YAML in/out (`load_config`, `config_from_dict`, `save_config`,
+# `apply_overrides`, `DEFAULT_CONFIG`, ...), derived values (`global_batch_size`, ...), and the
+# schema's dataclasses (`Config`, `LlamaConfig`, ...); each loaded on first use
+_MODULES = ("mesh3d.config.load", "mesh3d.config.derive", "mesh3d.config.schema")
+
+
+def __getattr__(name: str):
+    for module in _MODULES:
+        found = getattr(importlib.import_module(module), name, None)
+        if found is not None and not name.startswith("_"):
+            globals()[name] = found
+            return found
+    raise AttributeError(f"module 'mesh3d.config' has no attribute {name!r}")
