@@ -1,6 +1,6 @@
 """Hugging Face folders inside a run: `init_method: {path: <HF folder>}` reads one at any
 layout as `from-hf` would (`read_hf_for_run`), and `mesh3d.hf_export` writes one beside each
-committed step folder (`export_hf`). The conversion itself is `hf.py`'s."""
+committed step folder (`export_hf`, run by the `Checkpointer`'s commit hook `ExportHook`). The conversion itself is `hf.py`'s."""
 
 from __future__ import annotations
 
@@ -21,7 +21,33 @@ from mesh3d.checkpoint.hf import (
     shape_of,
     to_hf,
 )
-from mesh3d.errors import UserError
+from mesh3d.checkpoint.manager import one_line
+from mesh3d.errors import CheckpointWriteError, UserError
+from mesh3d.log import logger
+
+
+class ExportHook:
+    """`mesh3d.hf_export` as a commit hook (`checkpoint/manager.py`): every committed step
+    (`True`) or every multiple of the interval into `<checkpoints>/hf/<step>`. A failure is a
+    `CheckpointWriteError` naming both folders (the checkpoint itself is complete)."""
+
+    def __init__(self, setting: bool | int, root: Path):
+        self.setting, self.root = setting, root
+
+    def committed(self, final: Path) -> None:
+        setting = self.setting
+        if not (setting if isinstance(setting, bool) else int(final.name) % setting == 0):
+            return
+        output = self.root / "hf" / final.name
+        try:
+            out = export_hf(final, output)
+        except Exception as e:  # noqa: BLE001 - one line, the same on every rank (the manager)
+            raise CheckpointWriteError(
+                f"mesh3d.hf_export: cannot write the Hugging Face model of {final} to {output}: "
+                f"{one_line(e)}. The checkpoint itself is complete; free the folder or set "
+                "mesh3d.hf_export: false"
+            ) from e
+        logger.info(f"Wrote the Hugging Face model {out}")
 
 
 def export_hf(step_dir: Path, output: Path) -> Path:

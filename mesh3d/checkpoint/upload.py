@@ -15,7 +15,8 @@ never removed. With `remove_after_upload`, a verified folder is deleted locally,
 one `latest.txt` names and any newer one (waiting for the loss-spike guard to name it): a restart always finds the newest checkpoint on disk (the older ones
 are in the bucket; `checkpoints.resume_checkpoint_path: s3://...` downloads one). Retention
 (`retention.prune`) takes `lock` and spares `unsent()`: the folders queued, being uploaded,
-or whose upload failed.
+or whose upload failed. `UploadHook` is how a run's `Checkpointer` drives it (a commit hook,
+`checkpoint/manager.py`): the uploader started at the first commit, on world rank 0.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import queue
 import shutil
 import threading
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mesh3d.checkpoint.folder import latest_step
@@ -32,6 +35,67 @@ from mesh3d.log import logger
 
 ATTEMPTS = 3
 BACKOFF_S = 2.0  # before the second attempt; doubled for each next one
+
+
+@dataclass
+class UploadReport:
+    """What became of a run's uploads when it ended: the S3 prefix, the steps uploaded and
+    verified, those whose upload failed (kept locally), and those still uploading when the
+    wait ended."""
+
+    s3_root: str
+    uploaded: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    unfinished: list[int] = field(default_factory=list)
+
+    def line(self) -> str:
+        """One line for the run's summary."""
+        text = f"{len(self.uploaded)} uploaded to {self.s3_root}"
+        if self.failed:
+            text += f"; NOT uploaded (kept locally): steps {self.failed}"
+        if self.unfinished:
+            text += f"; still uploading when the run ended: steps {self.unfinished}"
+        return text
+
+
+class UploadHook:
+    """`s3_upload` as a commit hook of the run's `Checkpointer` (called on world rank 0)."""
+
+    def __init__(self, s3, root: Path):
+        self.s3, self.root, self.uploads = s3, root, None
+
+    def committed(self, final: Path) -> None:
+        if self.uploads is None:
+            s3 = self.s3
+            self.uploads = Uploader(self.root, s3.upload_s3_path, S5cmd.of(s3),
+                                    s3.remove_after_upload)  # fmt: skip
+        self.uploads.submit(final)
+
+    def spared(self) -> set[int]:
+        return self.uploads.unsent() if self.uploads else set()
+
+    @property
+    def lock(self):
+        return self.uploads.lock if self.uploads else nullcontext()
+
+    def named_latest(self, step_dir: Path) -> None:
+        if self.uploads is not None:
+            self.uploads.point_latest(int(step_dir.name))
+
+    def close(self, wait_s: float) -> UploadReport | None:
+        """Wait up to `wait_s` for the queued uploads; log and report what was not uploaded."""
+        up = self.uploads
+        if up is None:
+            return None
+        start = time.monotonic()
+        failed, unfinished = up.close(timeout=wait_s)
+        if failed:
+            logger.error(f"s3_upload: {len(failed)} checkpoint(s) not uploaded, kept in "
+                         f"{self.root}: steps {sorted(failed)}")  # fmt: skip
+        if unfinished:
+            logger.error(f"s3_upload: still uploading after {time.monotonic() - start:.0f} s, "
+                         f"the run ends without them (kept in {self.root}): steps {unfinished}")  # fmt: skip
+        return UploadReport(up.s3_root, up.verified(), sorted(failed), unfinished)
 
 
 class Uploader:

@@ -18,9 +18,9 @@ placeholders (`checks/eval_checks.PLACEHOLDERS`) are filled in.
 
 The checkpoint is read in place, never copied or written: retention
 (`mesh3d.keep_last_checkpoints`) never deletes the folder of an evaluated step
-(`EvalJobs.kept`), so a job that waits in the queue still finds it (the config check refuses
+(`EvalJobs.spared`), so a job that waits in the queue still finds it (the config check refuses
 `s3_upload.remove_after_upload`, which would delete it). `attach` hands both to the run's
-`Checkpointer` (`kept` as its `keeps`, and `submit` after each commit).
+`Checkpointer` (a commit hook: `committed` submits, `spared` keeps evaluated steps).
 Scripts are written whole (a temporary file renamed) to `lighteval.slurm_script_dir`
 (default `<run>/eval_jobs`), the job's log beside them or in `lighteval.logs_path`. The
 submission is the only wait (sbatch, at most 60 s); one that fails is one logged line, and
@@ -35,8 +35,6 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-
-import torch.distributed as dist
 
 from mesh3d.checkpoint.folder import step_folders
 from mesh3d.checks.eval_checks import eval_interval, eval_ranks, lm_eval_tasks, sbatch_binary
@@ -53,10 +51,7 @@ SBATCH_FLAGS = (("partition", "partition"), ("qos", "qos"), ("time", "time"),
 
 def attach(cfg, run_dir: Path, checkpoints) -> None:
     """Give the run's `Checkpointer` the jobs of `cfg.lighteval` (every rank calls it)."""
-    jobs = EvalJobs(cfg, run_dir)
-    checkpoints.keeps = jobs.kept
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        checkpoints.after_commit.append(jobs.submit)
+    checkpoints.hooks.append(EvalJobs(cfg, run_dir))  # its hooks run on world rank 0
 
 
 class EvalJobs:
@@ -79,7 +74,7 @@ class EvalJobs:
     def evaluated(self, step: int) -> bool:
         return step > 0 and step % self.interval == 0
 
-    def kept(self) -> set[int]:
+    def spared(self) -> set[int]:
         """The evaluated step folders: read by a job, now or later, so retention keeps them."""
         return {s for s in step_folders(self.root) if self.evaluated(s)}
 
@@ -153,7 +148,7 @@ class EvalJobs:
         os.replace(tmp, path)
         return path
 
-    def submit(self, step_dir: Path) -> str | None:
+    def committed(self, step_dir: Path) -> str | None:
         """After the commit of `step_dir` (world rank 0): write and submit its job when the step
         is evaluated; the job id, or None (not evaluated, or the one logged line of a failure)."""
         step = int(step_dir.name)

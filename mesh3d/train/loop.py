@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d import extensions
-from mesh3d.checkpoint.manager import UploadReport
 from mesh3d.errors import Interrupted, Preempted, RunStopped, UserError, decided_alike
 from mesh3d.log import logger
 from mesh3d.mesh import share
@@ -49,7 +48,7 @@ class RunResult:
     mesh: DeviceMesh | None = None
     start_step: int = 0  # the step the run resumed from (0: it started fresh)
     saved_dir: Path | None = None  # the step folder this run saved last (None: it saved none)
-    uploads: UploadReport | None = None  # what `s3_upload` uploaded (None: no upload)
+    uploads: object | None = None  # `s3_upload`'s `upload.UploadReport` (None: no upload)
     evals: list[dict] = field(default_factory=list)  # each in-run evaluation's scores (lighteval:)
 
 

@@ -65,4 +65,4 @@ def test_retention_keeps_the_evaluated_step_folders(tmp_path):
     for step in (0, 1, 2, 3, 4):
         (tmp_path / "ck" / str(step)).mkdir(parents=True)
         (tmp_path / "ck" / str(step) / "checkpoint_metadata.json").write_text("{}")
-    assert jobs.kept() == {2, 4}
+    assert jobs.spared() == {2, 4}
