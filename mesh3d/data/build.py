@@ -13,6 +13,7 @@ later stage can train on longer sequences (long-context annealing).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from mesh3d import extensions
@@ -46,8 +47,32 @@ def _stage_steps(starts: list[int], index: int, train_steps: int) -> int:
     return max(end - max(starts[index], 1) + 1, 1)
 
 
+@dataclass(frozen=True)
+class StageData:
+    """What the builder of a data stage's dataset gets: the stage's `data.dataset` section, its
+    sequence length, seed, samples (the stage's steps x GBS), the global batch and its name."""
+
+    cfg: object
+    index: int
+    dataset: object
+    seq: int
+    seed: int
+    num_samples: int
+    gbs: int
+    where: str
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.model.model_config.vocab_size
+
+    def tokenizer(self, required: bool = True) -> str | None:
+        """The local tokenizer path (`required`: the data is tokenized with it)."""
+        return _tokenizer_path(self.cfg, required)
+
+
 def build_dataset(cfg, index: int):
-    """The dataset of `data_stages[index]` (dummy tokens when there are no stages)."""
+    """The dataset of `data_stages[index]` (dummy tokens when there are no stages). A Nanoset
+    is built here; the other kinds by the `build_stage` of their capability (`_builder`)."""
     mc, tok = cfg.model.model_config, cfg.tokens
     stages = cfg.data_stages or []
     if not stages:
@@ -56,65 +81,45 @@ def build_dataset(cfg, index: int):
         )
     stage, starts = stages[index], [s.start_training_step for s in stages]
     data, gbs, seq = stage.data, global_batch_size(cfg), stage_sequence_length(cfg, stage)
-    seed = data.seed if data.seed is not None else 42
-    num_samples = _stage_steps(starts, index, tok.train_steps) * gbs
-    where = f"data_stages[{index}] ({stage.name!r})"
     if data.dataset is None:
-        return DummyTokens(mc.vocab_size, seq, seed, cfg.mesh3d.dummy_data)
-    if isinstance(data.dataset, PretrainDatasetsArgs) and cfg.doremi is not None:
-        domains = extensions.load("doremi_datasets")  # Nanotron's DoReMi data, one per domain
-        return domains.load_domain_datasets(cfg, data.dataset, seq, seed, num_samples, gbs, where)
-    hf = isinstance(data.dataset, (PretrainDatasetsArgs, SFTDatasetsArgs))
-    tokenizer = _tokenizer_path(cfg, required=hf)
+        return DummyTokens(mc.vocab_size, seq, data.seed if data.seed is not None else 42,
+                           cfg.mesh3d.dummy_data)  # fmt: skip
+    request = StageData(
+        cfg, index, data.dataset, seq, data.seed if data.seed is not None else 42,
+        _stage_steps(starts, index, tok.train_steps) * gbs, gbs,
+        f"data_stages[{index}] ({stage.name!r})",
+    )  # fmt: skip
     if isinstance(data.dataset, NanosetDatasetsArgs):
-        from mesh3d.data.nanoset import Nanoset, check_enough
-        from mesh3d.data.tokenizer import check_tokenizer_vocab
+        return _nanoset(request)
+    return extensions.load(_builder(cfg, data.dataset, request.where)).build_stage(request)
 
-        if tokenizer:
-            check_tokenizer_vocab(tokenizer, mc.vocab_size)
-        d = data.dataset
-        ds = Nanoset(d.dataset_folder, d.dataset_weights, seq, num_samples, seed,
-                     mc.vocab_size, token_size_in_bytes=d.token_size_in_bytes,
-                     read_paths=d.dataset_read_path, max_tokens=d.dataset_max_tokens)  # fmt: skip
-        check_enough(ds.epoch_len, gbs, f"{where} dataset_folder {d.dataset_folder}")
-        return ds
-    if isinstance(data.dataset, PretrainDatasetsArgs) and cfg.mesh3d.hf_streaming:
-        from mesh3d.data.tokenizer import check_tokenizer_vocab
 
-        StreamedText = extensions.load("streaming").StreamedText  # noqa: N806
-
-        if not tokenizer:
-            raise UserError(
-                f"{where} streams hf_dataset_or_datasets, which needs a tokenizer: set "
-                "tokenizer.tokenizer_name_or_path to a local folder with tokenizer.json"
-            )
-        check_tokenizer_vocab(tokenizer, mc.vocab_size)
-        ds = StreamedText(data.dataset, tokenizer, seq, seed, gbs, where, cfg.mesh3d.stream_shards)
-        ds.check_dp(cfg.parallelism.dp)
-        return ds
-    if isinstance(data.dataset, PretrainDatasetsArgs):
-        from mesh3d.data.nanoset import check_enough
-
-        load_pretrain_dataset = extensions.load("hf_datasets").load_pretrain_dataset
-
-        ds = load_pretrain_dataset(data.dataset, tokenizer, seq, seed, num_samples, mc.vocab_size)
-        check_enough(ds.epoch_len, gbs, f"{where} hf_dataset_or_datasets")
-        return ds
-    if isinstance(data.dataset, SFTDatasetsArgs):
-        from mesh3d.data.nanoset import check_enough
-
-        load_sft_dataset = extensions.load("sft").load_sft_dataset
-
-        validating = index == 0 and tok.val_check_interval > 0 and tok.limit_val_batches > 0
-        ds = load_sft_dataset(data.dataset, tokenizer, seq, seed, num_samples,
-                              mc.vocab_size, packing=cfg.mesh3d.sft_packing, where=where,
-                              turns=cfg.mesh3d.sft_assistant_turns, global_batch=gbs,
-                              held=tok.limit_val_batches * gbs if validating else 0)  # fmt: skip
-        check_enough(ds.epoch_len, gbs, f"{where} hf_dataset_or_datasets")
-        return ds
+def _builder(cfg, dataset, where: str) -> str:
+    """The capability that builds a stage's `dataset` (`mesh3d/extensions.py`)."""
+    if isinstance(dataset, PretrainDatasetsArgs):  # Hugging Face datasets
+        if cfg.doremi is not None:  # Nanotron's DoReMi data, one dataset per domain
+            return "doremi_datasets"
+        return "streaming" if cfg.mesh3d.hf_streaming else "hf_datasets"
+    if isinstance(dataset, SFTDatasetsArgs):
+        return "sft"
     raise UserError(
-        f"`{where}.data.dataset` of type {type(data.dataset).__name__} is not supported by mesh3d yet"
+        f"`{where}.data.dataset` of type {type(dataset).__name__} is not supported by mesh3d yet"
     )
+
+
+def _nanoset(s: StageData):
+    """A Nanoset stage: Nanotron's tokenized folders (`dataset_folder`), blended."""
+    from mesh3d.data.nanoset import Nanoset, check_enough
+    from mesh3d.data.tokenizer import check_tokenizer_vocab
+
+    tokenizer, d = s.tokenizer(required=False), s.dataset
+    if tokenizer:
+        check_tokenizer_vocab(tokenizer, s.vocab_size)
+    ds = Nanoset(d.dataset_folder, d.dataset_weights, s.seq, s.num_samples, s.seed,
+                 s.vocab_size, token_size_in_bytes=d.token_size_in_bytes,
+                 read_paths=d.dataset_read_path, max_tokens=d.dataset_max_tokens)  # fmt: skip
+    check_enough(ds.epoch_len, s.gbs, f"{s.where} dataset_folder {d.dataset_folder}")
+    return ds
 
 
 def _files(dataset) -> str:

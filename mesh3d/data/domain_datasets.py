@@ -143,3 +143,8 @@ def load_domain_datasets(cfg, args: PretrainDatasetsArgs, seq_len: int, seed: in
     ds = BlendedSamples(sources, sampling_weights(cfg), num_samples, seed)
     check_enough(ds.epoch_len, global_batch, f"{where} {KEY} {root!r}")
     return ds
+
+
+def build_stage(s) -> BlendedSamples:
+    """A stage of Nanotron's DoReMi data (a `doremi:` section; `data/build.py`'s `StageData`)."""
+    return load_domain_datasets(s.cfg, s.dataset, s.seq, s.seed, s.num_samples, s.gbs, s.where)

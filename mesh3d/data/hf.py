@@ -221,3 +221,14 @@ def load_pretrain_dataset(
             "or lower tokens.sequence_length"
         )
     return BlendedSamples([windows], None, num_samples, seed)
+
+
+def build_stage(s) -> BlendedSamples:
+    """A map-style Hugging Face stage (`data/build.py`'s `StageData` `s`), at least one global
+    batch of samples."""
+    from mesh3d.data.nanoset import check_enough
+
+    ds = load_pretrain_dataset(s.dataset, s.tokenizer(), s.seq, s.seed, s.num_samples,
+                               s.vocab_size)  # fmt: skip
+    check_enough(ds.epoch_len, s.gbs, f"{s.where} hf_dataset_or_datasets")
+    return ds

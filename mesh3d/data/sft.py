@@ -265,3 +265,18 @@ def load_sft_dataset(args, tokenizer_path: str | None, seq_len: int, seed: int,
         + (f"; the last {held} sequences held out for validation" if held else "")
     )
     return ds
+
+
+def build_stage(s) -> SFTSequences:
+    """An `sft_dataloader` stage (`data/build.py`'s `StageData` `s`); the first stage holds out
+    `tokens.limit_val_batches` global batches for validation."""
+    from mesh3d.data.nanoset import check_enough
+
+    cfg, tok = s.cfg, s.cfg.tokens
+    validating = s.index == 0 and tok.val_check_interval > 0 and tok.limit_val_batches > 0
+    ds = load_sft_dataset(s.dataset, s.tokenizer(), s.seq, s.seed, s.num_samples, s.vocab_size,
+                          packing=cfg.mesh3d.sft_packing, where=s.where,
+                          turns=cfg.mesh3d.sft_assistant_turns, global_batch=s.gbs,
+                          held=tok.limit_val_batches * s.gbs if validating else 0)  # fmt: skip
+    check_enough(ds.epoch_len, s.gbs, f"{s.where} hf_dataset_or_datasets")
+    return ds

@@ -373,3 +373,20 @@ def _positions_to_torch(state: dict) -> dict:
     return {"block": int(state["block"]), "taken": int(state["taken"]),
             "counts": list(state.get("counts", [])),
             "at_block": {"sources": sources, "counts": list(state["at_block"]["counts"])}}  # fmt: skip
+
+
+def build_stage(s) -> StreamedText:
+    """A streamed stage (`mesh3d.hf_streaming`; `data/build.py`'s `StageData` `s`)."""
+    from mesh3d.data.tokenizer import check_tokenizer_vocab
+
+    tokenizer = s.tokenizer()
+    if not tokenizer:
+        raise UserError(
+            f"{s.where} streams hf_dataset_or_datasets, which needs a tokenizer: set "
+            "tokenizer.tokenizer_name_or_path to a local folder with tokenizer.json"
+        )
+    check_tokenizer_vocab(tokenizer, s.vocab_size)
+    cfg = s.cfg
+    ds = StreamedText(s.dataset, tokenizer, s.seq, s.seed, s.gbs, s.where, cfg.mesh3d.stream_shards)
+    ds.check_dp(cfg.parallelism.dp)
+    return ds
