@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import add_publish_flag, results_dir  # noqa: E402
 
 from mesh3d.checkpoint import hf as convert  # noqa: E402
+from mesh3d.generation.load import load_model  # noqa: E402
 from mesh3d.generation.sampling import generate  # noqa: E402
-from mesh3d.generation.single import load_model  # noqa: E402
 
 
 def main() -> None:

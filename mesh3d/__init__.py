@@ -38,11 +38,11 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     from mesh3d.data.dummy import DummyTokens, microbatches
     from mesh3d.data.nanoset import Nanoset
     from mesh3d.errors import ConfigError, UserError
-    from mesh3d.hf_models import parallelize_hf
+    from mesh3d.hf_models import hf_llama_tp_plan, parallelize_hf
     from mesh3d.hf_stages import build_hf_stage
     from mesh3d.mesh import ParallelDims, build_mesh, init_distributed, mesh_from_config
     from mesh3d.models.llama import Llama
-    from mesh3d.models.llama_spec import hf_llama_tp_plan, llama_tp_plan
+    from mesh3d.models.llama_spec import llama_tp_plan
     from mesh3d.models.registry import model_shape
     from mesh3d.models.spec import ModelShape
     from mesh3d.parallel.data import allreduce_gradients
@@ -70,8 +70,8 @@ _PUBLIC = {
     "mesh3d.mesh": ("ParallelDims", "init_distributed", "build_mesh", "mesh_from_config"),
     "mesh3d.tp_styles": ("TPPlan",),  # tensor parallelism
     "mesh3d.parallel.tensor": ("apply_tp",),
-    "mesh3d.models.llama_spec": ("llama_tp_plan", "hf_llama_tp_plan"),
-    "mesh3d.hf_models": ("parallelize_hf",),
+    "mesh3d.models.llama_spec": ("llama_tp_plan",),
+    "mesh3d.hf_models": ("hf_llama_tp_plan", "parallelize_hf"),
     "mesh3d.hf_stages": ("build_hf_stage",),
     "mesh3d.parallel.parallelize": ("apply_dp",),  # data parallelism
     "mesh3d.parallel.data": ("allreduce_gradients",),

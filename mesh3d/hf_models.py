@@ -88,6 +88,26 @@ def hf_tp_plan(
     return plan
 
 
+def hf_llama_tp_plan() -> dict:
+    """A plan for Hugging Face `transformers` `LlamaForCausalLM` (its module names).
+
+    Attention and MLP projections are split Megatron-style (column then row); embeddings, norms
+    and the LM head stay replicated (plain parameters: use `foreach=False` in the optimizer).
+    Heads are divided over tp, so tp must divide both head counts.
+
+    Example:
+
+        model = transformers.LlamaForCausalLM(config)   # same full weights on every rank
+        mesh3d.apply_tp(model, mesh["tp"], mesh3d.hf_llama_tp_plan())
+    """
+    col, row = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
+    where = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+             "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+    plan = {f"model.layers.*.{where[n]}.{n}": ColwiseParallel() for n in col}
+    plan.update({f"model.layers.*.{where[n]}.{n}": RowwiseParallel() for n in row})
+    return plan
+
+
 def parallelize_hf(
     model: nn.Module | str | os.PathLike,
     mesh: DeviceMesh,

@@ -96,8 +96,8 @@ def _sample(cfg, step_dir: Path | None, new_tokens: int = 24) -> str | None:
     if step_dir is None or not name or not Path(name).exists() or cfg.mesh3d.hf_model:
         return None  # (a transformers model's: `mesh3d convert to-hf`, then its own generate)
     from mesh3d.data.tokenizer import load_tokenizer
+    from mesh3d.generation.load import load_model
     from mesh3d.generation.sampling import generate
-    from mesh3d.generation.single import load_model
 
     tokenizer = load_tokenizer(name)
     model, mc = load_model(step_dir, torch.device("cpu"))

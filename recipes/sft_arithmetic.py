@@ -32,8 +32,8 @@ import torch
 from mesh3d.config import config_from_dict
 from mesh3d.data.synthetic import train_bpe
 from mesh3d.data.tokenize import load_tokenizer
+from mesh3d.generation.load import load_model
 from mesh3d.generation.sampling import generate
-from mesh3d.generation.single import load_model
 from mesh3d.train.loop import train
 
 MODEL = dict(hidden_size=128, intermediate_size=384, num_attention_heads=4,

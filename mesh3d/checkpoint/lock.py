@@ -2,8 +2,9 @@
 
 `<checkpoints_path>/mesh3d.lock` holds the owner's run id, host, pid, the pid's start time and
 the run's start. It is created complete (written beside, then hard-linked into place, which
-fails if it exists), its modification time is refreshed every `REFRESH_S` seconds by the
-owner's watchdog, and it is removed when the run ends, however it ends short of SIGKILL.
+fails if it exists), its modification time is refreshed by the owner's watchdog
+(`train/watchdog.py`, at its check interval), and it is removed when the run ends, however it
+ends short of SIGKILL.
 
 When a lock is stale, and taken over with a warning:
 - owner on this host: only when its process is gone (or the pid now belongs to a process that
@@ -30,7 +31,6 @@ from mesh3d.errors import UserError
 from mesh3d.log import logger
 
 LOCK = "mesh3d.lock"
-REFRESH_S = 10.0
 STALE_S = 60.0
 
 

@@ -172,8 +172,3 @@ def unsupported_data(stage) -> Iterator[str]:
                 f"{where}.data.dataset.{key}",
                 f"set it to {off!r}".replace("None", "null").replace("False", "false"),
             )
-
-
-def has_sft(cfg: Config) -> bool:
-    """Whether a data stage of `cfg` is SFT data (`SFTDatasetsArgs`)."""
-    return any(isinstance(s.data.dataset, SFTDatasetsArgs) for s in cfg.data_stages or [])

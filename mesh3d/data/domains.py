@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mesh3d.data.datatrove import TokenFileWriter
+from mesh3d.data.token_writer import TokenFileWriter
 from mesh3d.errors import UserError
 
 

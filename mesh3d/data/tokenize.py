@@ -38,7 +38,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from mesh3d.data.datatrove import TokenFileWriter
+from mesh3d.data.token_writer import TokenFileWriter
 from mesh3d.data.tokenizer import EOS_CANDIDATES, find_eos, load_tokenizer  # noqa: F401 (re-exported)
 from mesh3d.errors import UserError, exit_on_user_error
 

@@ -1,4 +1,4 @@
-"""The model-config checks of the Llama-like families (Llama, Qwen2, Qwen3), torch-free: each
+"""The model-config checks of the Llama-like families (Qwen2's own are in `qwen2_spec.py`), torch-free: each
 family's spec names its own (`ModelSpec.config_sizes`, `ModelSpec.config_errors`), so a new
 config class can never pass without the head, key/value head and tp checks.
 
@@ -72,26 +72,6 @@ def llama_errors(cfg) -> Iterator[str]:
     if mc.z_loss_enabled and not mc.z_loss_coefficient > 0:
         yield f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got {mc.z_loss_coefficient}"
     yield from _positions_and_tokens(cfg, mc)
-
-
-def qwen2_errors(cfg) -> Iterator[str]:
-    """Llama's, plus Qwen2's NoPE layers, sliding window and RoPE interpolation."""
-    yield from llama_errors(cfg)
-    yield from _qwen2_fields(cfg.model.model_config)
-
-
-def _qwen2_fields(mc) -> Iterator[str]:
-    k, layers = mc.no_rope_layer, mc.num_hidden_layers
-    if k is not None and (k < 1 or layers % k):
-        yield (
-            f"`{MC}.no_rope_layer` ({k}) must be >= 1 and divide num_hidden_layers ({layers}) "
-            "(every k-th layer has no RoPE, the last one included); use a divisor or null"
-        )
-    if mc.sliding_window_size is not None and mc.sliding_window_size < 1:
-        yield f"`{MC}.sliding_window_size` must be >= 1 or null, got {mc.sliding_window_size}"
-    factor = mc.rope_seq_len_interpolation_factor
-    if factor is not None and not factor > 0:
-        yield f"`{MC}.rope_seq_len_interpolation_factor` must be > 0 or null, got {factor}"
 
 
 def _positions_and_tokens(cfg, mc) -> Iterator[str]:

@@ -21,11 +21,33 @@ name maps go to the in-memory names; `moe_spec.experts_to_hf` writes the per-exp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 from mesh3d.config.schema import Qwen2Config
 from mesh3d.models import llama_spec, moe_spec
-from mesh3d.models.llama_checks import qwen2_errors
+from mesh3d.models.llama_checks import MC, llama_errors
 from mesh3d.models.spec import HFSpec, LayerTable, ModelShape
+
+
+def qwen2_errors(cfg) -> Iterator[str]:
+    """Llama's, plus Qwen2's NoPE layers, sliding window and RoPE interpolation."""
+    yield from llama_errors(cfg)
+    yield from _qwen2_fields(cfg.model.model_config)
+
+
+def _qwen2_fields(mc) -> Iterator[str]:
+    k, layers = mc.no_rope_layer, mc.num_hidden_layers
+    if k is not None and (k < 1 or layers % k):
+        yield (
+            f"`{MC}.no_rope_layer` ({k}) must be >= 1 and divide num_hidden_layers ({layers}) "
+            "(every k-th layer has no RoPE, the last one included); use a divisor or null"
+        )
+    if mc.sliding_window_size is not None and mc.sliding_window_size < 1:
+        yield f"`{MC}.sliding_window_size` must be >= 1 or null, got {mc.sliding_window_size}"
+    factor = mc.rope_seq_len_interpolation_factor
+    if factor is not None and not factor > 0:
+        yield f"`{MC}.rope_seq_len_interpolation_factor` must be > 0 or null, got {factor}"
+
 
 BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
@@ -66,11 +88,11 @@ def step_flops(s: ModelShape, seq_len: int, batch_size: int) -> float:
 
 def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     """Llama's plan; with `shape`'s MoE layers, their MLP entries replaced by the experts'
-    style (replicated weights, the rank's tokens: `parallel/tensor.py::ExpertsReplicated`)."""
+    style (replicated weights, the rank's tokens: `models/moe.py::ExpertsReplicated`)."""
     plan = llama_spec.tp_plan(sequence_parallel)
     if shape is None or not shape.moe_layers:
         return plan
-    from mesh3d.tp_styles import ExpertsReplicated
+    from mesh3d.models.moe import ExpertsReplicated
 
     mlp = {k: plan.pop(k) for k in list(plan) if k.startswith("layers.*.mlp")}
     for i in range(shape.num_layers):

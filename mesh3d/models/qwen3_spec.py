@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 from mesh3d.config.schema import Qwen3Config
 from mesh3d.models import llama_spec, moe_spec, qwen2_spec
-from mesh3d.models.llama_checks import qwen2_errors
 from mesh3d.models.spec import HFSpec, LayerTable, ModelShape
 
 QK_NORMS = {"attn.q_norm.weight": (("self_attn.q_norm.weight",), "replicated"),
@@ -116,7 +115,7 @@ def qwen3_moe_to_hf(mc, dtype: str) -> dict:
 
 def config_errors(cfg) -> Iterator[str]:
     """Qwen2's checks, and renormalized router weights only with experts (Qwen3-MoE)."""
-    yield from qwen2_errors(cfg)
+    yield from qwen2_spec.qwen2_errors(cfg)
     mc = cfg.model.model_config
     if mc.norm_topk_prob and mc.moe_config is None:
         yield ("`mesh3d.norm_topk_prob` is only for `mesh3d.model_family: qwen3` with a "

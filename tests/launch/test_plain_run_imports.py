@@ -3,7 +3,8 @@
 The run (one process, in place, 2 steps of the built-in default: a Llama on the prepared
 standard-library data) ends by listing the mesh3d modules in `sys.modules` and their lines. No
 optional capability (`mesh3d/extensions.py`'s table) and no other family's spec may be among
-them, and the lines stay under `CEILING`. The 8-rank dp x tp x pp torchrun run of
+them, the lines stay under `CEILING`, and their code (without docstrings, comments and blank
+lines: `code_lines`) under `CODE_CEILING`. The 8-rank dp x tp x pp torchrun run of
 tests/launch/test_train_e2e.py is measured the same way (`module_report_env`: each rank lists
 its modules at exit) against `CEILING_3D`.
 
@@ -12,13 +13,19 @@ point, 14,252 in 94 after; 14,592 in 93 with later work (the hooks of fault tole
 the sbatch evaluation jobs and transformers models); 14,274 in 89 with µP, dropout, the MoE
 and float8/async-TP checks loaded only when configured (2x2x2: 14,317, the CPU pair's tp
 collectives added); 14,516 in 90 with `torch_private.py`, the one place that reaches torch's
-private APIs (issue 43 asks for it). Issue 43 asks for 10,000; the rest is the core itself: config, checks,
-checkpoint formats, the parallel plan, the loop, the fail-safe guards, and the end-of-run
-summary with its sample and plot.
+private APIs (issue 43 asks for it); 14,127 in 90 (9,373 of code) with writing datatrove
+files, the one-process generate command, the MoE and dropout tp styles, Qwen2's checks and the
+transformers Llama plan moved to their users. Issue 43 asks for 10,000 lines; of the rest,
+every top-level function and class is reached from the run (an AST walk from `mesh3d.launch`
+found 451 lines that were not, moved above where they belonged to optional code): the core
+itself, config, checks, checkpoint formats, the parallel plan, the loop, the fail-safe guards
+and the end-of-run summary with its sample and plot, 2,636 of its lines docstrings.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -30,8 +37,9 @@ from launch import quiet_env
 from mesh3d.extensions import CAPABILITIES
 from mesh3d.models.registry import FAMILIES
 
-CEILING = 14_550
-CEILING_3D = 14_600
+CEILING = 14_200
+CEILING_3D = 14_250
+CODE_CEILING = 9_450  # `code_lines`: the lines that are not docstrings, comments or blank
 
 _REPORT = """
 import atexit, json, os, sys
@@ -59,6 +67,24 @@ def module_report_env(folder: Path) -> dict[str, str]:
     return {"PYTHONPATH": path, "MESH3D_MODULE_REPORT": str(folder)}
 
 
+def code_lines(module: str) -> int:
+    """The lines of `module`'s source that are code: not blank, not a comment, not a docstring."""
+    source = Path(importlib.util.find_spec(module).origin).read_text()
+    docs = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for i, line in enumerate(source.splitlines(), 1)
+               if line.strip() and not line.strip().startswith("#") and i not in docs)  # fmt: skip
+
+
 def check_core_only(rows: dict[str, int], ceiling: int, allowed: frozenset = frozenset()) -> int:
     """The lines of `rows` (module -> lines); asserts no optional capability but `allowed`
     and no family but Llama is among them, and the lines are within `ceiling`."""
@@ -69,7 +95,9 @@ def check_core_only(rows: dict[str, int], ceiling: int, allowed: frozenset = fro
     assert "mesh3d.models.llama_spec" in rows and "mesh3d.train.loop" in rows
     total = sum(rows.values())
     assert total <= ceiling, (total, sorted(rows.items(), key=lambda kv: -kv[1])[:15])
-    print(f"plain run: {total:,} lines of mesh3d in {len(rows)} modules")  # shown with -s
+    code = sum(code_lines(m) for m in rows)
+    assert code <= CODE_CEILING, code
+    print(f"plain run: {total:,} lines of mesh3d in {len(rows)} modules, {code:,} of code")  # -s
     return total
 
 

@@ -26,9 +26,10 @@ from mesh3d.config import apply_overrides, config_from_dict
 from mesh3d.data.synthetic import make_tokenizer
 from mesh3d.generate import main
 from mesh3d.generation.cache import left_pad
+from mesh3d.generation.load import load_model
 from mesh3d.generation.parallel import generate_parallel, load_parallel_model
 from mesh3d.generation.sampling import generate
-from mesh3d.generation.single import load_model, new_tokens
+from mesh3d.generation.single import new_tokens
 from mesh3d.train.loop import train
 
 VOCAB = 301  # the tokenizer's 300 ids fit; odd, so tp 2 pads it

@@ -186,7 +186,7 @@ def test_lora_equals_peft_and_one_process_at_2x2x2_resumes_and_exports(tmp_path)
 
     # exports: PEFT adapter folder onto the HF base, and the merged model, give our logits
     from mesh3d.checkpoint.hf import main as convert
-    from mesh3d.generation.single import load_model
+    from mesh3d.generation.load import load_model
 
     convert(
         ["to-peft", "--checkpoint", str(tmp_path / "ref"), "--output", str(tmp_path / "adapter")]

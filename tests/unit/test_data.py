@@ -14,10 +14,11 @@ from data_fixtures import make_documents, make_tokenizer, write_jsonl
 from tokenizers import Tokenizer
 
 from mesh3d.config.schema import PretrainDatasetsArgs
-from mesh3d.data.datatrove import DatatroveFolder, TokenFileWriter
+from mesh3d.data.datatrove import DatatroveFolder
 from mesh3d.data.dummy import microbatches
 from mesh3d.data.hf import check_tokenizer_vocab, load_pretrain_dataset
 from mesh3d.data.nanoset import Nanoset, check_enough, greedy_blend
+from mesh3d.data.token_writer import TokenFileWriter
 from mesh3d.data.tokenize import tokenize_to_folder
 from mesh3d.errors import UserError
 

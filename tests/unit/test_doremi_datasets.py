@@ -22,7 +22,7 @@ from mesh3d.checks import validation_errors
 from mesh3d.checks.doremi_checks import domain_names
 from mesh3d.config import apply_overrides, config_from_dict, load_config
 from mesh3d.data.build import StagedData
-from mesh3d.data.datatrove import TokenFileWriter
+from mesh3d.data.token_writer import TokenFileWriter
 from mesh3d.errors import UserError
 from mesh3d.train.doremi import sampling_config
 

@@ -21,8 +21,8 @@ from mesh3d.config import LlamaConfig, Qwen2Config, Starcoder2Config
 from mesh3d.data.synthetic import make_tokenizer
 from mesh3d.data.tokenize import load_tokenizer
 from mesh3d.generate import main
+from mesh3d.generation.load import load_model
 from mesh3d.generation.sampling import generate, next_token
-from mesh3d.generation.single import load_model
 from mesh3d.models.registry import spec_of
 
 transformers = pytest.importorskip("transformers", reason="transformers (dev extra) not installed")
