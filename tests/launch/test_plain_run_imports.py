@@ -15,11 +15,12 @@ and float8/async-TP checks loaded only when configured (2x2x2: 14,317, the CPU p
 collectives added); 14,516 in 90 with `torch_private.py`, the one place that reaches torch's
 private APIs (issue 43 asks for it); 14,127 in 90 (9,373 of code) with writing datatrove
 files, the one-process generate command, the MoE and dropout tp styles, Qwen2's checks and the
-transformers Llama plan moved to their users. Issue 43 asks for 10,000 lines; of the rest,
-every top-level function and class is reached from the run (an AST walk from `mesh3d.launch`
-found 451 lines that were not, moved above where they belonged to optional code): the core
-itself, config, checks, checkpoint formats, the parallel plan, the loop, the fail-safe guards
-and the end-of-run summary with its sample and plot, 2,636 of its lines docstrings.
+transformers Llama plan moved to their users (2x2x2: 13,467-13,685, 8,915-9,079 of code).
+Issue 43 asks for 10,000 lines; of the rest, every top-level function and class is reached
+from the run (an AST walk from `mesh3d.launch` found 451 lines that were not, moved above where
+they belonged to optional code): the core itself, config, checks, checkpoint formats, the
+parallel plan, the loop, the fail-safe guards and the end-of-run summary with its sample and
+plot, 2,636 of its lines docstrings.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from mesh3d.extensions import CAPABILITIES
 from mesh3d.models.registry import FAMILIES
 
 CEILING = 14_200
-CEILING_3D = 14_250
+CEILING_3D = 13_800
 CODE_CEILING = 9_450  # `code_lines`: the lines that are not docstrings, comments or blank
 
 _REPORT = """
