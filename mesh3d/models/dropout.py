@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle
 
 MASK32 = 0xFFFFFFFF
 POSITION_SALT = 0x2545F491  # keeps hash(i) of positions, features, heads and keys apart
@@ -101,7 +99,7 @@ class KeyedDropout(nn.Module):
         super().__init__()
         self.p = p
         self.site = site
-        self.tp_rank = 0  # set by the TP plan (`RankAware` below)
+        self.tp_rank = 0  # set by the TP plan (`tp_family_styles.RankAware`)
 
     def forward(self, x: Tensor, keys: Tensor | None) -> Tensor:
         if not self.training or self.p == 0:
@@ -129,13 +127,3 @@ class KeyedDropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}, site={self.site}"
-
-
-class RankAware(ParallelStyle):
-    """Tell a module without parameters its rank on the tp mesh (`module.tp_rank`): a dropout
-    that draws each value's mask from the value's global index finds the offset of its heads,
-    or of its sequence shard under sequence parallelism (`models/dropout.py`)."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.tp_rank = device_mesh.get_local_rank()
-        return module

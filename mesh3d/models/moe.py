@@ -32,12 +32,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d.models.kernels import grouped_gemm_ok
 from mesh3d.models.llama import MLP
-from mesh3d.torch_private import apply_style, grouped_mm, in_backward_recompute
-from mesh3d.tp_styles import LocalReplicated, local_of, summed_over
+from mesh3d.torch_private import grouped_mm, in_backward_recompute
+from mesh3d.tp_styles import local_of
 
 
 class _AttachAux(torch.autograd.Function):
@@ -152,7 +151,7 @@ class MoE(nn.Module):
         self.aux_weight: float | None = None  # set by training (module doc)
         self.stats: list[tuple[Tensor, Tensor]] = []
         # set by the parallel code, which this file does not import:
-        # - under tensor parallelism (`ExpertsReplicated` below) the weights are
+        # - under tensor parallelism (`tp_family_styles.py::ExpertsReplicated`) the weights are
         #   replicated DTensors, used locally with gradients of this placement;
         # - when a sequence's tokens are split over ranks (tp under sequence parallelism, cp),
         #   one `f(t) -> group size` per split sums the load statistics over it in place
@@ -229,25 +228,3 @@ class MoE(nn.Module):
                 weight = self.aux_coef / (self.num_moe_layers * b)
             out = attach_aux(out, aux, weight)
         return out
-
-
-class ExpertsReplicated(LocalReplicated):
-    """A mixture-of-experts block under tensor parallelism: router, experts and shared expert
-    replicated (`Replicate()` DTensor weights, the same on every tp rank), run on the tokens
-    the rank holds, with local tensors inside.
-
-    ALL_REDUCE: the rank holds every token (activations are replicated), so every tp rank
-    computes the same thing and the same weight gradients. REDUCE_SCATTER: the rank holds its
-    sequence shard and runs the experts on it alone (the block is per token: no gather); the
-    weight gradients are partial sums over tp (`Partial()`, reduced once after backward by
-    `reduce_partial_grads`), and the block sums its load-balancing statistics over tp. The
-    block reads the mode from `grad_placement` and `sequence_sums`.
-    """
-
-    def __init__(self, sequence_parallel: bool):
-        super().__init__(partial_grads=sequence_parallel)
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if self.partial_grads:
-            module.sequence_sums.append(summed_over(device_mesh.get_group()))
-        return apply_style(super(), module, device_mesh)

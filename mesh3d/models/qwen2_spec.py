@@ -88,11 +88,11 @@ def step_flops(s: ModelShape, seq_len: int, batch_size: int) -> float:
 
 def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     """Llama's plan; with `shape`'s MoE layers, their MLP entries replaced by the experts'
-    style (replicated weights, the rank's tokens: `models/moe.py::ExpertsReplicated`)."""
+    style (replicated weights, the rank's tokens: `tp_family_styles.py::ExpertsReplicated`)."""
     plan = llama_spec.tp_plan(sequence_parallel)
     if shape is None or not shape.moe_layers:
         return plan
-    from mesh3d.models.moe import ExpertsReplicated
+    from mesh3d.tp_family_styles import ExpertsReplicated
 
     mlp = {k: plan.pop(k) for k in list(plan) if k.startswith("layers.*.mlp")}
     for i in range(shape.num_layers):

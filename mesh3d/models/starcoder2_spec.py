@@ -114,7 +114,7 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     replicated), the multi-query key/value head whole on every rank (its gradient summed over
     tp), LayerNorms like RMSNorms, and each dropout told its tp rank (the offset of its heads,
     or of its sequence shard under sequence parallelism)."""
-    from mesh3d.models.dropout import RankAware
+    from mesh3d.tp_family_styles import RankAware
     from mesh3d.tp_styles import LocalReplicated
 
     plan = llama_spec.tp_plan(sequence_parallel)
