@@ -115,7 +115,7 @@ def step_time(
     # 0's buckets): read and write each full tensor once
     hbm = sum(c.sent_bytes * (2 if c.collective == "all_gather" else 3)
               + 2 * c.count * c.bytes_each for c in dp_items)  # fmt: skip
-    parts["compute"] += hbm / (hw.memory_gbps * 1e9 * hw.cpu_share)
+    parts["compute"] += hbm / hw.memory_bytes_per_s()
     if mode != "replicate" and dims["pp"] == 1 and hw.cpu_share >= 1:
         # FSDP overlaps all but about one layer's share (not where the ranks already share cores)
         dp_s = max(dp_s - parts["compute"], dp_s / max(1, layers_worst))
@@ -125,6 +125,7 @@ def step_time(
         inside = seconds([c for c in dp_items if c.overlaps])
         dp_s = max(0.0, inside - parts["compute"] * 2 / 3 / m) + dp_s - inside
     parts["dp comm"] = dp_s
-    parts["optimizer"] = 7 * dp_rank.param_elements * e_p / (hw.memory_gbps * 1e9)
+    hbm_s = hw.memory_gbps * 1e9 * hw.memory_efficiency  # the step runs alone: a whole core's
+    parts["optimizer"] = 7 * dp_rank.param_elements * e_p / hbm_s
     step = sum(parts.values())
     return StepTime(step, parts, max(parts, key=parts.get))

@@ -3,7 +3,8 @@ its links, as data.
 
 Units in the table and in a `--hardware-file` (YAML or JSON, the same keys): peak_tflops per
 compute dtype (dense, no sparsity), memory_gib (what the device reports as total), memory_gbps
-(HBM bandwidth: the optimizer step streams its state), intra_node_gbps (the bus bandwidth a
+(HBM bandwidth: the optimizer step streams its state; memory_efficiency the fraction streaming
+kernels reach), intra_node_gbps (the bus bandwidth a
 ring collective reaches over NVLink within a node: GB/s each GPU sends, as nccl-tests' busbw),
 inter_node_gbps (the same of one GPU's network card: a group with k members on each node runs k
 rings, one per card, so it gets min(intra, k x inter)), latency_us (the time of a collective too
@@ -42,6 +43,14 @@ upper bound for a model's own matmul shapes. `attention_efficiency`: FlashAttent
 35% of the H100's peak (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract; its
 backward 318 TFLOP/s at head dim 128, 8k: 0.32) and 50-73% of the A100's (Dao 2023,
 FlashAttention-2, arXiv:2307.08691, abstract): 0.33 and 0.6 (that range's middle).
+`memory_efficiency`: BabelStream's triad (two reads, one write: what an elementwise kernel does)
+over the datasheet bandwidth: H100 80GB HBM3 2.97 of 3.35 TB/s (0.887; Azure/AI-benchmarking-guide,
+ND_H100_v5 results, "HBM Bandwidth"), used for every H100 and the H200 (no HBM2e or HBM3e H100
+part measured with BabelStream was found; the H100 PCIe's HBM2e reaches 1832 of 2039 GB/s in
+RRZE-HPC/gpu-benches' gpu-stream triad, 0.90, consistent); A100-SXM4-80GB 1,724.8 of 2,039
+GB/s (0.846; ukri-bench/benchmark-BabelStream README, Tursa; Azure's ND_A100_v4 1.70 TB/s,
+0.834, agrees); A100-SXM4-40GB 1,377.5 of 1,555 GB/s (0.886; argonne-lcf/ALCFBeginnersGuide,
+polaris/02_profiling.md, BabelStream 5.0).
 
 `cpu`: measured on the spot (`measure_cpu`, each figure the best of 5 tries): one thread's fp32
 256^3 matmul rate (the peak) and an MLP-shaped forward and backward's rate (its ratio is the
@@ -79,6 +88,7 @@ class Hardware:
     efficiency: float = 0.6  # of the peak, in large matmuls
     attention_efficiency: float = 0.35  # of the peak, in the attention kernel's executed FLOPs
     float8_efficiency: float = 0.6  # of the float8 peak, in large float8 matmuls
+    memory_efficiency: float = 1.0  # of memory_gbps, in streaming kernels (BabelStream's triad)
     layer_overhead_us: float = 0.0
     gpus_per_node: int = 8
     cpu_share: float = 1.0  # the fraction of one core each rank gets (cpu: cores / ranks)
@@ -89,6 +99,10 @@ class Hardware:
         peak = self.peak_tflops.get(dtype) or self.peak_tflops["float32"]
         return peak * 1e12 * self.cpu_share
 
+    def memory_bytes_per_s(self) -> float:
+        """Achievable memory bandwidth of one rank, bytes/s (its share on a CPU)."""
+        return self.memory_gbps * 1e9 * self.memory_efficiency * self.cpu_share
+
     def flops(self, dtype: str) -> float:
         """Achievable matmul FLOP/s of one rank in `dtype`."""
         return self.peak(dtype) * self.efficiency
@@ -96,10 +110,10 @@ class Hardware:
 
 _H100 = dict(peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float8": 1979.0, "float32": 67.0},
              intra_node_gbps=365, inter_node_gbps=40, latency_us=40, efficiency=0.803,
-             float8_efficiency=0.709, attention_efficiency=0.33)  # fmt: skip
+             float8_efficiency=0.709, attention_efficiency=0.33, memory_efficiency=0.887)  # fmt: skip
 _A100 = dict(peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
              intra_node_gbps=235, inter_node_gbps=20, latency_us=40, efficiency=0.869,
-             attention_efficiency=0.6)  # fmt: skip
+             attention_efficiency=0.6, memory_efficiency=0.846)  # fmt: skip
 # between H100 NVL and SXM (dense): TorchTitan's Grand Teton H100s at 500 W
 _TETON = {"bfloat16": 912.0, "float16": 912.0, "float8": 1825.0, "float32": 63.5}
 PROFILES: dict[str, Hardware] = {
@@ -129,11 +143,16 @@ PROFILES: dict[str, Hardware] = {
         source="NVIDIA A100 datasheet; ml-engineering MAMF; FlashAttention-2",
     ),  # fmt: skip
     "a100-40g": Hardware(
-        "a100-40g", memory_gib=40.0, memory_gbps=1555, **_A100, source="NVIDIA A100 datasheet"
+        "a100-40g",
+        memory_gib=40.0,
+        memory_gbps=1555,
+        **(_A100 | {"memory_efficiency": 0.886}),
+        source="NVIDIA A100 datasheet; ALCF BabelStream",
     ),  # fmt: skip
 }
 KNOWN = (*PROFILES, "cpu")
-OPTIONAL = ("efficiency", "attention_efficiency", "float8_efficiency", "layer_overhead_us",
+OPTIONAL = ("efficiency", "attention_efficiency", "float8_efficiency", "memory_efficiency",
+            "layer_overhead_us",
             "gpus_per_node", "cpu_share")  # fmt: skip
 _EXAMPLE = "write keys as in docs/plan-search.md, e.g. memory_gib: 80"
 
@@ -173,6 +192,8 @@ def hardware_file(path: str | Path) -> Hardware:
         else:
             ok = all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0
                      for v in values)  # fmt: skip
+        if ok and key.endswith("efficiency") and value > 1:
+            raise ConfigError(f"{where}: {key} is {value!r}; it is a fraction of the peak, 0-1")
         if not ok:
             raise ConfigError(
                 f"{where}: {key} is {value!r}; it must be a positive number"

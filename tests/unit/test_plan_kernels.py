@@ -59,7 +59,7 @@ def test_recompute_modes_cost_what_they_rerun():
     matmul = 16384 * 32 * w.layer_matmul / 3 / (peak * hw.efficiency)
     attention = 16384 * 32 * w.attention_fwd / (peak * hw.attention_efficiency)
     assert full - selective == pytest.approx(matmul + attention)
-    moved = 16384 * 32 * (w.bytes_h[0] + w.bytes_tp[0]) / (hw.memory_gbps * 1e9)
+    moved = 16384 * 32 * (w.bytes_h[0] + w.bytes_tp[0]) / hw.memory_bytes_per_s()
     assert selective - none == pytest.approx(moved)
     half = _seconds(w, recomputed=16, mode="full")  # recompute_every 2
     assert half - none == pytest.approx((full - none) / 2)
@@ -95,5 +95,5 @@ def test_float8_casts_are_memory_bound_bytes_of_every_linear():
     matmul = 16384 * 32 * w.layer_matmul
     gain = matmul / (H100.peak("bfloat16") * H100.efficiency) - matmul / (
         H100.peak("float8") * H100.float8_efficiency)  # fmt: skip
-    casts = 16384 * 32 * w.float8_bytes[1] / (H100.memory_gbps * 1e9)
+    casts = 16384 * 32 * w.float8_bytes[1] / H100.memory_bytes_per_s()
     assert plain - f8 == pytest.approx(gain - casts)

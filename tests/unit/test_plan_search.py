@@ -171,7 +171,7 @@ def test_published_runs_go_through_the_model():
     import plan_search
 
     rows = plan_search.published()
-    assert len(rows) == len(plan_search.PUBLISHED)
+    assert len(rows) == len(plan_search.PUBLISHED) + len(plan_search.HELD_OUT)
     committed = json.loads((bench / "results" / "plan_search_published.json").read_text())
     for r, c in zip(rows, committed, strict=True):
         assert r["predicted"] > 0 and 0 < r["mfu"] < 1 and r["source"].startswith("torchtitan")
@@ -199,7 +199,8 @@ def test_refusals_of_world_size_hardware_file_and_write_path(capsys, tmp_path):
         assert err.count("\n") == 1
     good = {"peak_tflops": {"float32": 1.0}, "memory_gib": 4, "memory_gbps": 50,
             "intra_node_gbps": 10, "inter_node_gbps": 1, "latency_us": 30}  # fmt: skip
-    for key, value in (("memory_gib", "lots"), ("peak_tflops", 5), ("latency_us", -1)):
+    for key, value in (("memory_gib", "lots"), ("peak_tflops", 5), ("latency_us", -1),
+                       ("memory_efficiency", 1.5)):  # fmt: skip
         bad.write_text(json.dumps(good | {key: value}))
         code, _, err = _run(capsys, CPU_TINY, "--search", "--hardware-file", str(bad))
         assert code == 2 and key in err and err.count("\n") == 1, err
