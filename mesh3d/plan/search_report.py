@@ -32,6 +32,31 @@ def why_first(a: Candidate, b: Candidate) -> str:
     )
 
 
+# Where the model is known to be optimistic: TorchTitan's published long-context runs with
+# context parallelism 4-8 (8B and 405B, 128k-256k tokens) ran this much slower than predicted
+# (`python benchmarks/plan_search.py --published`, held-out rows; docs/plan-search.md)
+CP_OPTIMISTIC = (4, 1.36, 1.64)
+
+
+def caution(fits: list[Candidate], hw: Hardware) -> str | None:
+    """A line when the winner relies on what the model prices too low (CP >= 4 on a GPU
+    profile), naming the best layout that does not, so the user can compare the two."""
+    cp, low, high = CP_OPTIMISTIC
+    if not fits or fits[0].cp < cp or hw.name == "cpu":
+        return None
+    other = next(((i, c) for i, c in enumerate(fits, 1) if c.cp < cp), None)
+    alt = (
+        f"the best layout with cp < {cp} is #{other[0]} {other[1].label}, "
+        f"{other[1].step_time_s:.4g} s/step"
+        if other
+        else f"no layout with cp < {cp} fits"
+    )
+    return (
+        f"caution: #1 uses cp {fits[0].cp}; published runs with cp {cp}-8 ran {low}-{high}x "
+        f"slower than this model predicts (docs/plan-search.md); {alt}"
+    )
+
+
 def format_search(found: list[Candidate], hw: Hardware, world: int, top: int, secs: float) -> str:
     fits = [c for c in found if c.fits]
     cap = USABLE * hw.memory_gib
@@ -48,6 +73,8 @@ def format_search(found: list[Candidate], hw: Hardware, world: int, top: int, se
         )
     if len(fits) > 1:
         lines.append(why_first(fits[0], fits[1]))
+    if warn := caution(fits, hw):
+        lines.append(warn)
     return "\n".join(lines) + "\n"
 
 
@@ -105,7 +132,8 @@ def run_search(cfg, args) -> None:
     if args.json:
         rows = [{k: getattr(c, k) for k in JSON_FIELDS} | {"layout": c.label} for c in fits]
         out = {"world_size": world, "hardware": dataclasses.asdict(hw), "nodes_of": nodes_of,
-               "valid": len(found), "seconds": secs, "candidates": rows[: args.top]}  # fmt: skip
+               "valid": len(found), "seconds": secs, "caution": caution(fits, hw),
+               "candidates": rows[: args.top]}  # fmt: skip
         sys.stdout.write(json.dumps(out, indent=1) + "\n")
     else:
         sys.stdout.write(format_search(found, hw, world, args.top, secs))
