@@ -3,6 +3,7 @@
     python benchmarks/plan_search.py             # ~18 layouts of the CPU tiny Llama at 8 ranks
     python benchmarks/plan_search.py --quick     # 6 layouts, 2 timed steps (the test)
     python benchmarks/plan_search.py --published # published GPU runs through the model (seconds)
+    python benchmarks/plan_search.py --published --teton-clock 0.85  # what-if: 500 W clocks
 
 The cpu hardware profile is measured first (`mesh3d.plan.hardware.measure_cpu`: one thread's
 matmul rate, a gloo all-reduce, the per-op dispatch cost; 8 ranks share the machine's cores).
@@ -163,6 +164,9 @@ HELD_OUT = [
 ]  # fmt: skip
 
 
+CLOCKED = ("efficiency", "float8_efficiency", "attention_efficiency")
+
+
 def op_sac_seconds(search, c, float8: bool) -> float:
     """What TorchTitan's op-level selective AC reruns beyond mesh3d's `selective` (which keeps
     every matmul output): its policy (`_custom_policy` in torchtitan/parallelisms/
@@ -179,9 +183,13 @@ def op_sac_seconds(search, c, float8: bool) -> float:
     return tokens * layers * rerun / c.tp / linear_flops(search.hw, "bfloat16", float8)
 
 
-def published() -> list[dict]:
+def published(teton_clock: float = 1.0) -> list[dict]:
     """Each published run's layout through the cost model (no process starts); a row with
-    `mesh3d.recompute=selective` (TorchTitan's op-level SAC) adds `op_sac_seconds`."""
+    `mesh3d.recompute=selective` (TorchTitan's op-level SAC) adds `op_sac_seconds`.
+    `teton_clock` < 1 is a what-if: the 500 W H100 profile's matmul and attention rates scaled
+    by it (its clocks under the power cap are not published)."""
+    import dataclasses
+
     from mesh3d.plan.hardware import PROFILES
     from mesh3d.plan.search import Candidate, Search
 
@@ -194,7 +202,12 @@ def published() -> list[dict]:
                                    f"tokens.batch_accumulation_per_replica={acc}", *BF16_PARAMS,
                                    *keys])  # fmt: skip
         c = Candidate(dp, tp, pp, cp, 1, 1, full, rc, mbs, acc, sched, v)
-        s = Search(cfg, world, PROFILES[hw], 8)
+        profile = PROFILES[hw]
+        if hw == TEST and teton_clock != 1.0:
+            profile = dataclasses.replace(
+                profile, **{k: getattr(profile, k) * teton_clock for k in CLOCKED}
+            )
+        s = Search(cfg, world, profile, 8)
         c = s.predict(c)
         if "mesh3d.recompute=selective" in keys:  # TorchTitan's op SAC reruns half the matmuls
             extra = op_sac_seconds(s, c, "mesh3d.float8=true" in keys)
@@ -226,11 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="6 layouts, 2 timed steps")
     ap.add_argument("--passes", type=int, default=2, help="measure every layout this many times")
     ap.add_argument("--published", action="store_true", help="only the published GPU runs")
+    ap.add_argument("--teton-clock", type=float, default=1.0, metavar="F",
+                    help="with --published, a what-if: the 500 W H100's matmul and attention "
+                    "rates x F (written to plan_search_published_clock.json)")  # fmt: skip
     add_publish_flag(ap)
     args = ap.parse_args(argv)
     if args.published:
-        rows = published()
-        out = results_dir(args.publish) / "plan_search_published.json"
+        rows = published(args.teton_clock)
+        name = "_clock" if args.teton_clock != 1.0 else ""
+        out = results_dir(args.publish) / f"plan_search_published{name}.json"
         out.write_text(json.dumps(rows, indent=1) + "\n")
         print(f"wrote {out}")
         return 0
