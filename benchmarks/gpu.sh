@@ -9,8 +9,10 @@
 #   bash benchmarks/gpu.sh --dry-run       # the plan and configs, no GPU needed
 #
 # Without a GPU it prints a message and exits 0. See benchmarks/gpu.py for the details. On a GPU it
-# then runs benchmarks/async_checkpoint.py (sync vs asynchronous checkpoint saves) on CUDA, and
-# with 2+ GPUs benchmarks/overlap.py (zero 0's buckets vs the flat all-reduce) with NCCL.
+# then runs benchmarks/async_checkpoint.py (sync vs asynchronous checkpoint saves) on CUDA,
+# benchmarks/model_constants.py and kernel_bytes.py --device cuda (the plan's step-time model
+# against this GPU), and with 2+ GPUs benchmarks/overlap.py (zero 0's buckets vs the flat
+# all-reduce) with NCCL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -23,6 +25,10 @@ python benchmarks/gpu.py "$@"
 # measurement is bounded by the writer thread competing with a CPU-bound step; here it should not)
 if python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" && [[ " $* " != *" --dry-run "* ]]; then
     python benchmarks/async_checkpoint.py --rounds 3 mesh3d.device=cuda
+    # the step-time model's constants on this GPU (matmul, memory, attention, one Llama-3-8B
+    # layer eager and compiled: model speed / measured), and inductor's CUDA kernels' bytes
+    python benchmarks/model_constants.py
+    python benchmarks/kernel_bytes.py --device cuda
     # zero_stage 0's bucketed gradient sum vs the flat all-reduce, on 2 (and 4) GPUs with NCCL
     if python -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)"; then
         python benchmarks/overlap.py --device cuda --rounds 6

@@ -1,6 +1,7 @@
 """Bytes that mesh3d's Llama moves through memory outside its matmuls and attention kernels.
 
     python benchmarks/kernel_bytes.py            # ~4 minutes on 2 cores (torch.compile)
+    python benchmarks/kernel_bytes.py --device cuda   # inductor's CUDA kernels (a GPU)
 
 The cost model of `mesh3d plan --search` (docs/plan-search.md, "compute") prices these
 memory-bound kernels (norms, RoPE, SiLU x up, residual adds, casts, copies, the loss's
@@ -48,6 +49,7 @@ FREE = ("view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand"
 PRICED = ("mm", "addmm", "bmm", "_scaled_dot_product")  # matmuls and attention: priced by FLOPs
 SHAPES = [(256, 8, 2, 512), (512, 8, 2, 512), (256, 8, 4, 1024), (384, 6, 2, 768)]  # all GQA
 TOKENS = 256
+DEVICE = torch.device("cpu")  # --device cuda: inductor's CUDA kernels instead
 
 
 class Bytes(TorchDispatchMode):
@@ -80,7 +82,7 @@ class Inductor(logging.Handler):
                                    if type(node).__name__ != "ExternKernelSchedulerNode"))  # fmt: skip
 
 
-def _layer(h: int, heads: int, kv: int, ffn: int) -> DecoderLayer:
+def llama_layer(h: int, heads: int, kv: int, ffn: int) -> DecoderLayer:
     cfg = SimpleNamespace(hidden_size=h, rms_norm_eps=1e-5, num_key_value_heads=kv,
                           num_attention_heads=heads, intermediate_size=ffn, hidden_act="silu")  # fmt: skip
     dh = h // heads
@@ -91,7 +93,7 @@ def _layer(h: int, heads: int, kv: int, ffn: int) -> DecoderLayer:
 def _eager(module, h: int) -> tuple[int, int]:
     """(forward, forward + backward) bytes of `module` on one fresh bf16 input."""
     module.zero_grad(set_to_none=True)  # a first backward: no accumulation into .grad
-    x = torch.randn(1, TOKENS, h, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, TOKENS, h, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
     with Bytes() as fwd:
         y = module(x)
     grad = torch.randn_like(y)  # made outside the count: the layer's own ops only
@@ -103,7 +105,7 @@ def _eager(module, h: int) -> tuple[int, int]:
 def _compiled(module, h: int, handler: Inductor) -> tuple[int, int]:
     """(forward, forward + backward) bytes of inductor's kernels for `module`, compiled."""
     module.zero_grad(set_to_none=True)
-    x = torch.randn(1, TOKENS, h, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(1, TOKENS, h, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
     torch._dynamo.reset()
     handler.graphs.clear()
     y = torch.compile(module)(x)
@@ -115,7 +117,7 @@ def _compiled(module, h: int, handler: Inductor) -> tuple[int, int]:
 def layer_bytes(shape: tuple[int, int, int, int], handler: Inductor) -> dict[str, float]:
     """Bytes per token of one decoder layer: eager, compiled (norms too: tp 1) and compiled
     under tp (attention and MLP only), each forward and forward + backward."""
-    layer, h = _layer(*shape), shape[0]
+    layer, h = llama_layer(*shape).to(DEVICE), shape[0]
     whole = _eager(layer, h)
     blocks = {"attention": layer.self_attn, "mlp": layer.mlp, "norm": layer.input_layernorm}
     eager = {k: _eager(m, h) for k, m in blocks.items()}
@@ -134,8 +136,8 @@ def loss_bytes(vocab: int) -> float:
     """Bytes per token per vocabulary entry of the loss on bf16 logits, forward + backward."""
     from mesh3d.train.loss import token_loss_sum
 
-    logits = torch.randn(1, TOKENS, vocab, dtype=torch.bfloat16, requires_grad=True)
-    labels = torch.randint(0, vocab, (1, TOKENS))
+    logits = torch.randn(1, TOKENS, vocab, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
+    labels = torch.randint(0, vocab, (1, TOKENS), device=DEVICE)
     with Bytes() as count:
         token_loss_sum(logits, labels, vocab).backward()
     return count.total / TOKENS / vocab
@@ -151,9 +153,12 @@ def fit(rows: list[list[int]], got: list[float]) -> tuple[list[float], float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DEVICE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", help="cpu (the published counts) or cuda")
     add_publish_flag(ap)
     args = ap.parse_args(argv)
+    DEVICE = torch.device(args.device)
     torch.manual_seed(0)
     torch._inductor.config.force_disable_caches = True  # a cached graph logs no count
     handler = Inductor()
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     log.propagate = False  # the graphs' metrics go to the handler only, not the console
     got = [layer_bytes(s, handler) for s in SHAPES]
     rows = [[h, h + 2 * kv * h // heads, f] for h, heads, kv, f in SHAPES]
-    result = {"torch": torch.__version__, "shapes": SHAPES, "tokens": TOKENS, "per_token": got,
+    result = {"torch": torch.__version__, "device": args.device, "shapes": SHAPES, "tokens": TOKENS, "per_token": got,
               "layer": {}, "loss_per_token_vocab": loss_bytes(4096)}  # fmt: skip
     for key in got[0]:
         (a, b, c), worst = fit(rows, [g[key] for g in got])
@@ -171,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key:<16} {a:7.1f}·h + {b:6.1f}·(q + 2kv) + {c:6.1f}·F bytes per token "
               f"(largest residual {worst:.1%})")  # fmt: skip
     print(f"loss: {result['loss_per_token_vocab']:.1f} bytes per token per vocabulary entry")
-    out = results_dir(args.publish) / "kernel_bytes.json"
+    suffix = "" if DEVICE.type == "cpu" else f"_{DEVICE.type}"
+    out = results_dir(args.publish) / f"kernel_bytes{suffix}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
