@@ -112,17 +112,19 @@ FAST = ["mesh3d.compile=true", "mesh3d.float8=true"]
 # run had that the model does not count). FSDP under a pipeline: TorchTitan keeps parameters
 # gathered (reshard_after_forward=False): zero 1 here; its pipeline runs as many microbatches
 # as pp ranks unless told (pipelining_utils.py at 9dec370): 8 of local batch 32 / 8 = 4.
+FSDP_8, FSDP_128 = ((dp, 1, 1, 1, True, True, 2, 1, "1f1b", 1) for dp in (8, 128))
+TABLE_4 = (32, 8, 1, 1, True, True, 16, 1, "1f1b", 1)
 PUBLISHED = [
     (TT, "Table 1 FSDP, 8B, 8 GPUs", TEST, L8B, 8192,
-     (8, 1, 1, 1, True, True, 2, 1, "1f1b", 1), SAC_OP, 5762, "500 W clocks"),
+     FSDP_8, SAC_OP, 5762, "500 W clocks"),
     (TT, "Table 1 FSDP + compile + Float8, 8B", TEST, L8B, 8192,
-     (8, 1, 1, 1, True, True, 2, 1, "1f1b", 1), SAC_OP + FAST, 8532,
+     FSDP_8, SAC_OP + FAST, 8532,
      "500 W clocks; float8 weight casts"),
     (TT, "Table 3 FSDP, 8B, 128 GPUs", TEST, L8B, 8192,
-     (128, 1, 1, 1, True, True, 2, 1, "1f1b", 1), SAC_OP, 5605,
+     FSDP_128, SAC_OP, 5605,
      "500 W clocks; 128-rank ring latency"),
     (TT, "Table 4 2D, 70B, 256 GPUs", TEST, L70B, 8192,
-     (32, 8, 1, 1, True, True, 16, 1, "1f1b", 1), FAST, 829,
+     TABLE_4, FAST, 829,
      "500 W clocks; float8 all-gather"),
     (TT, "Table 5 1F1B, 405B, 512 GPUs", TEST, L405B, 8192,
      (8, 8, 8, 1, False, True, 4, 8, "1f1b", 1), FAST, 100,
@@ -143,15 +145,15 @@ COMPILE = ["mesh3d.compile=true"]
 # Table 6: 512 GPUs (tp 8, pp 8), local batch 8 (8 microbatches of 1), full AC, async TP.
 HELD_OUT = [
     (TT, "Table 1 FSDP + compile, 8B", TEST, L8B, 8192,
-     (8, 1, 1, 1, True, True, 2, 1, "1f1b", 1), SAC_OP + COMPILE, 6667, "500 W clocks"),
+     FSDP_8, SAC_OP + COMPILE, 6667, "500 W clocks"),
     (TT, "Table 3 FSDP + compile, 8B, 128 GPUs", TEST, L8B, 8192,
-     (128, 1, 1, 1, True, True, 2, 1, "1f1b", 1), SAC_OP + COMPILE, 6514,
+     FSDP_128, SAC_OP + COMPILE, 6514,
      "500 W clocks; 128-rank ring latency"),
     (TT, "Table 3 FSDP + compile + Float8, 8B", TEST, L8B, 8192,
-     (128, 1, 1, 1, True, True, 2, 1, "1f1b", 1), SAC_OP + FAST, 8380,
+     FSDP_128, SAC_OP + FAST, 8380,
      "500 W clocks; float8 weight casts"),
     (TT, "Table 4 2D + AsyncTP, 70B", TEST, L70B, 8192,
-     (32, 8, 1, 1, True, True, 16, 1, "1f1b", 1), FAST, 876,
+     TABLE_4, FAST, 876,
      "500 W clocks; async TP's overlap"),
     *[(TT, f"Table 2 FSDP {8 // cp} CP {cp}, 8B, seq {seq}", TEST, L8B, seq,
        (8 // cp, 1, 1, cp, True, True, 1, 1, "1f1b", 1), FAST, tps, "500 W clocks")
