@@ -6,8 +6,9 @@
 The model (docs/plan-search.md, "Constants") prices a step by kernel class at a profile's rates.
 This measures each class on the device, each figure the best of `--repeats` timed runs (CUDA
 events on a GPU; other jobs only add time), against the profile the device's name selects
-(H100 80GB HBM3 -> h100-80g, H200 -> h200, A100 80GB -> a100-80g, A100 40GB -> a100-40g;
-`--hardware` to choose; on a CPU the measured `cpu` profile of one rank):
+(exactly: H100 80GB HBM3 -> h100-80g, H200 -> h200, A100-SXM4-80GB / 40GB -> a100-80g / 40g;
+others, PCIe and NVL parts included, need `--hardware`; on a CPU the measured `cpu` profile
+of one rank):
 - matmul: the seven linears of a Llama-3-8B layer (h 4096, F 14336, 32 heads, 8 kv heads) on
   `--tokens` tokens, forward and both backward matmuls (6·T·K·N FLOPs a linear): its fraction
   of the peak, against the profile's `efficiency`;
@@ -53,21 +54,23 @@ from mesh3d.plan.kernels import compute_seconds, work_of  # noqa: E402
 CONFIG = str(Path(__file__).resolve().parents[1] / "recipes" / "configs" / "cpu_tiny.yaml")
 LLAMA_8B = (4096, 32, 8, 14336)  # hidden, heads, kv heads, MLP width
 QUICK = (256, 8, 2, 688)
-NAMES = (("H200", "h200"), ("H100", "h100-80g"), ("A100-SXM4-40GB", "a100-40g"),
-         ("A100", "a100-80g"))  # fmt: skip
+# the device names torch reports for the parts the profiles describe (others: --hardware)
+NAMES = {"NVIDIA H100 80GB HBM3": "h100-80g", "NVIDIA H200": "h200",
+         "NVIDIA A100-SXM4-80GB": "a100-80g", "NVIDIA A100-SXM4-40GB": "a100-40g"}  # fmt: skip
 
 
 def profile_for(device: torch.device, name: str | None) -> Hardware:
-    """The profile to compare with: `name`, else the GPU's by its name, else this CPU's."""
+    """The profile to compare with: `name`, else the GPU's by its exact name, else this CPU's."""
     if name:
         return hardware_named(name)
     if device.type == "cpu":
         return hardware_named("cpu", 1)
     gpu = torch.cuda.get_device_name(device)
-    found = next((p for key, p in NAMES if key in gpu), None)
-    if found is None:
-        raise SystemExit(f"no profile for {gpu!r}: give --hardware {{{','.join(PROFILES)}}}")
-    return PROFILES[found]
+    if gpu not in NAMES:
+        print(f"error: no profile for {gpu!r}; give --hardware {{{','.join(PROFILES)}}}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    return PROFILES[NAMES[gpu]]
 
 
 def best_seconds(fn, device: torch.device, repeats: int) -> float:
@@ -123,6 +126,7 @@ def attention_rate(heads: int, seq: int, dtype, device, repeats: int) -> float:
     grad = torch.randn(1, heads, seq, 128, dtype=dtype, device=device)
 
     def run():
+        q.grad = k.grad = v.grad = None  # no accumulation: each run writes fresh gradients
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
     return 3.5 * 2 * heads * 128 * seq * seq / best_seconds(run, device, repeats)
@@ -139,6 +143,8 @@ def layer_seconds(shape, tokens: int, dtype, device, repeats: int, compiled: boo
     grad = torch.randn_like(x)
 
     def run():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
         layer(x).backward(grad)
 
     return best_seconds(run, device, repeats)
@@ -179,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     hw = profile_for(device, args.hardware)
     name = "bfloat16" if device.type == "cuda" else "float32"
     dtype = getattr(torch, name)
-    shape = QUICK if args.quick or device.type == "cpu" and not args.tokens else LLAMA_8B
     small = args.quick or device.type == "cpu"
+    shape = QUICK if small else LLAMA_8B
     tokens = args.tokens or (256 if small else 8192)
     seq = args.seq or (256 if small else 8192)
     size = 2**26 if args.quick else 2**28 if device.type == "cpu" else 2**30  # bytes, past caches

@@ -125,7 +125,9 @@ def step_time(
         inside = seconds([c for c in dp_items if c.overlaps])
         dp_s = max(0.0, inside - parts["compute"] * 2 / 3 / m) + dp_s - inside
     parts["dp comm"] = dp_s
-    hbm_s = hw.memory_gbps * 1e9 * hw.memory_efficiency  # the step runs alone: a whole core's
+    # the optimizer's passes at the device's bandwidth; on a CPU it is not divided among the
+    # ranks that share it (a simplification: the step is small beside the rest there)
+    hbm_s = hw.memory_gbps * 1e9 * hw.memory_efficiency
     parts["optimizer"] = 7 * dp_rank.param_elements * e_p / hbm_s
     step = sum(parts.values())
     return StepTime(step, parts, max(parts, key=parts.get))

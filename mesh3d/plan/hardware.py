@@ -193,7 +193,10 @@ def hardware_file(path: str | Path) -> Hardware:
             ok = all(isinstance(v, int | float) and not isinstance(v, bool) and v > 0
                      for v in values)  # fmt: skip
         if ok and key.endswith("efficiency") and value > 1:
-            raise ConfigError(f"{where}: {key} is {value!r}; it is a fraction of the peak, 0-1")
+            raise ConfigError(
+                f"{where}: {key} is {value!r}; it is a fraction (of the peak or of "
+                "memory_gbps), 0-1"
+            )
         if not ok:
             raise ConfigError(
                 f"{where}: {key} is {value!r}; it must be a positive number"

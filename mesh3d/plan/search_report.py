@@ -33,13 +33,13 @@ def why_first(a: Candidate, b: Candidate) -> str:
 
 
 # Where the model is known to be optimistic: TorchTitan's published long-context runs with
-# context parallelism 4-8 (8B and 405B, 128k-256k tokens) ran this much slower than predicted
+# context parallelism 2-8 (8B and 405B, 64k-256k tokens) ran this much slower than predicted
 # (`python benchmarks/plan_search.py --published`, held-out rows; docs/plan-search.md)
-CP_OPTIMISTIC = (4, 1.36, 1.64)
+CP_OPTIMISTIC = (2, 1.17, 1.64)
 
 
 def caution(fits: list[Candidate], hw: Hardware) -> str | None:
-    """A line when the winner relies on what the model prices too low (CP >= 4 on a GPU
+    """A line when the winner relies on what the model prices too low (CP >= 2 on a GPU
     profile), naming the best layout that does not, so the user can compare the two."""
     cp, low, high = CP_OPTIMISTIC
     if not fits or fits[0].cp < cp or hw.name == "cpu":

@@ -31,5 +31,5 @@ def test_rates_and_one_layer_against_the_model(tmp_path):
         assert r["measured"] > 0 and r["model"] > 0 and math.isfinite(r["measured"]), key
         expect = r["measured"] / r["model"] if r["unit"] == "s" else r["model"] / r["measured"]
         assert r["model_speed_over_measured"] == pytest.approx(expect), key
-    # the model prices one eager layer on this CPU within a factor of 3 (measured: 1.10)
+    # the model prices one eager layer on this CPU within a factor of 3 (measured: 0.81-1.18)
     assert 1 / 3 < rows["layer s, eager"]["model_speed_over_measured"] < 3
