@@ -17,7 +17,8 @@ of one rank):
   against `memory_gbps` x `memory_efficiency`;
 - attention: causal SDPA forward + backward at sequence `--seq`, 32 heads of 128, its FLOPs as
   the model counts them (3.5 x 2·q·S per token): the fraction of the peak, against
-  `attention_efficiency`;
+  `attention_efficiency`; and one ring-attention step's block (`seq` queries against `seq` / 2
+  keys, no mask: each step after the first under CP's head-tail balancing), the same way;
 - a layer: mesh3d's own Llama decoder layer forward + backward, eager and with `mesh3d.compile`'s
   blocks compiled (`compile_blocks`), against `kernels.compute_seconds` for one layer (matmuls,
   attention and the counted memory-bound bytes, plus `layer_overhead_us`): measured / predicted.
@@ -132,6 +133,22 @@ def attention_rate(heads: int, seq: int, dtype, device, repeats: int) -> float:
     return 3.5 * 2 * heads * 128 * seq * seq / best_seconds(run, device, repeats)
 
 
+def block_rate(heads: int, seq: int, dtype, device, repeats: int) -> float:
+    """Executed FLOP/s of one ring-attention step's block, forward + backward: `seq` queries
+    against `seq` / 2 keys, no mask (what each step after the first runs under context
+    parallelism's head-tail balancing: the whole local query against half a peer's keys)."""
+    q = torch.randn(1, heads, seq, 128, dtype=dtype, device=device, requires_grad=True)
+    k, v = (torch.randn(1, heads, seq // 2, 128, dtype=dtype, device=device, requires_grad=True)
+            for _ in range(2))  # fmt: skip
+    grad = torch.randn(1, heads, seq, 128, dtype=dtype, device=device)
+
+    def run():
+        q.grad = k.grad = v.grad = None
+        F.scaled_dot_product_attention(q, k, v).backward(grad)
+
+    return 3.5 * 4 * heads * 128 * seq * (seq // 2) / best_seconds(run, device, repeats)
+
+
 def layer_seconds(shape, tokens: int, dtype, device, repeats: int, compiled: bool) -> float:
     """Seconds of one mesh3d Llama decoder layer's forward + backward on `tokens` tokens."""
     holder = nn.Module()
@@ -208,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     row("memory GB/s", triad_rate(elements, dtype, device, args.repeats) / 1e9,
         hw.memory_bytes_per_s() / 1e9, "GB/s")  # fmt: skip
     row("attention fraction", attention_rate(shape[1], seq, dtype, device, args.repeats) / peak,
+        hw.attention_efficiency, "of peak")  # fmt: skip
+    row("ring block fraction", block_rate(shape[1], seq, dtype, device, args.repeats) / peak,
         hw.attention_efficiency, "of peak")  # fmt: skip
     for compiled in (False, True)[: 1 if args.no_compile else 2]:
         key = "layer s, compiled" if compiled else "layer s, eager"

@@ -26,7 +26,7 @@ def test_rates_and_one_layer_against_the_model(tmp_path):
     written = run.stdout.strip().splitlines()[-1].removeprefix("wrote ")
     rows = json.loads(Path(written).read_text())["rows"]
     assert sorted(rows) == ["attention fraction", "layer s, eager", "matmul fraction",
-                            "memory GB/s"]  # fmt: skip
+                            "memory GB/s", "ring block fraction"]  # fmt: skip
     for key, r in rows.items():
         assert r["measured"] > 0 and r["model"] > 0 and math.isfinite(r["measured"]), key
         expect = r["measured"] / r["model"] if r["unit"] == "s" else r["model"] / r["measured"]
