@@ -10,8 +10,9 @@ Three classes, each at its own rate on the device (`Hardware`):
   the forward's two), the convention FlashAttention's own TFLOP/s figures use;
 - everything else (norms, RoPE, SiLU x up, residual adds, casts, copies, the loss's softmax):
   memory-bound, its bytes at `memory_gbps` x `memory_efficiency`. The bytes are counted on
-  mesh3d's own Llama layer and loss (benchmarks/kernel_bytes.py, benchmarks/results/kernel_bytes.json): eager, and
-  under `mesh3d.compile` (inductor's kernels for the compiled blocks: the norms too without tp).
+  mesh3d's own Llama layer and loss (benchmarks/kernel_bytes.py,
+  benchmarks/results/kernel_bytes.json): eager, and under `mesh3d.compile` (inductor's kernels
+  for the compiled blocks: the norms too without tp).
   Per token, forward and forward + backward, as a·h + b·(q + 2·kv) + c·F in bf16; other
   compute dtypes scale them by their size.
 Under `mesh3d.float8` (torchao's dynamic tensorwise scaling) each linear also casts, per token:
