@@ -231,8 +231,8 @@ def published(teton_clock: float = 1.0) -> list[dict]:
     for held_out, what in ((False, "compared"), (True, "held out")):
         ratios = [r["ratio"] for r in rows if r["held_out"] == held_out]
         inside = sum(0.75 <= r <= 1.25 for r in ratios)
-        print(f"{what}: {inside} of {len(ratios)} within ±25% (ratios {min(ratios)}-"
-              f"{max(ratios)}); {datetime.datetime.now(datetime.UTC):%Y-%m-%d}")  # fmt: skip
+        print(f"{what}: {inside} of {len(ratios)} within ±25% (ratios {min(ratios):.2f}-"
+              f"{max(ratios):.2f}); {datetime.datetime.now(datetime.UTC):%Y-%m-%d}")  # fmt: skip
     return rows
 
 

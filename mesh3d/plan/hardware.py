@@ -36,10 +36,16 @@ NVLink 3 (A100: 300 GB/s) all-reduce 234.89 -> 235; the smallest all-reduce (32 
 rate (same page): 400 Gb/s -> 40 GB/s, 200 Gb/s -> 20 GB/s; a 32-rank all-reduce on 4 nodes of
 8x H200 measured 364.65 GB/s busbw, the NVLink figure: 8 rings, one per card, as min(intra,
 8 x inter) says.
-`efficiency`: the Maximum Achievable Matmul FLOPS measured with mamf-finder.py over the peak
-(S. Bekman, ml-engineering, compute/accelerator/README.md, MAMF table): H100 SXM BF16 794.5 of 989
-(0.803; "H200 is the same"), FP8 1402.6 of 1979 (0.709); A100 SXM BF16 271.2 of 312 (0.869). An
-upper bound for a model's own matmul shapes. `attention_efficiency`: FlashAttention-2 reaches
+`efficiency`: what large matmuls sustain, over the peak. H100 and H200: the Maximum Sustainable
+Matmul FLOPS (MSMF: the rate a shape holds over a window once the clock has settled at the power
+limit, mamf-finder.py; S. Bekman, ml-engineering, compute/accelerator/benchmarks/README.md): BF16
+on 8 H200s all computing at once, the slowest GPU (which a synchronous step waits on) 745 of 989
+(0.753; the node's median 755; the H100 has the same compute and power limit), FP8 about 1330 of
+1979 (0.672). A short burst at the boost clock reaches more (MAMF: 848 BF16 on that H200, 794.5
+on an H100 SXM in the older method, 0.803), but a training step runs for seconds at the power
+limit. The 500 W H100 gets the same fraction of its own peak: no BF16 rate under a 500 W cap
+is published (arXiv:2604.11391 caps an HBM2e H100 from 200 to 700 W, for FP64 DGEMM). A100 SXM: no MSMF is published; MAMF 271.2 of 312 (0.869, ml-engineering MAMF table),
+an upper bound for a model's own matmul shapes. `attention_efficiency`: FlashAttention-2 reaches
 35% of the H100's peak (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract; its
 backward 318 TFLOP/s at head dim 128, 8k: 0.32) and 50-73% of the A100's (Dao 2023,
 FlashAttention-2, arXiv:2307.08691, abstract): 0.33 and 0.6 (that range's middle).
@@ -109,8 +115,8 @@ class Hardware:
 
 
 _H100 = dict(peak_tflops={"bfloat16": 989.0, "float16": 989.0, "float8": 1979.0, "float32": 67.0},
-             intra_node_gbps=365, inter_node_gbps=40, latency_us=40, efficiency=0.803,
-             float8_efficiency=0.709, attention_efficiency=0.33, memory_efficiency=0.887)  # fmt: skip
+             intra_node_gbps=365, inter_node_gbps=40, latency_us=40, efficiency=0.753,
+             float8_efficiency=0.672, attention_efficiency=0.33, memory_efficiency=0.887)  # fmt: skip
 _A100 = dict(peak_tflops={"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
              intra_node_gbps=235, inter_node_gbps=20, latency_us=40, efficiency=0.869,
              attention_efficiency=0.6, memory_efficiency=0.846)  # fmt: skip
@@ -122,7 +128,7 @@ PROFILES: dict[str, Hardware] = {
         memory_gib=79.6,
         memory_gbps=3350,
         **_H100,
-        source="NVIDIA H100 datasheet (SXM5); ml-engineering MAMF; FlashAttention-3",
+        source="NVIDIA H100 datasheet (SXM5); ml-engineering MSMF; FlashAttention-3",
     ),  # fmt: skip
     "h100-96g-500w": Hardware(
         "h100-96g-500w",

@@ -35,7 +35,7 @@ def why_first(a: Candidate, b: Candidate) -> str:
 # Where the model is known to be optimistic: TorchTitan's published long-context runs with
 # context parallelism 2-8 (8B and 405B, 64k-256k tokens) ran this much slower than predicted
 # (`python benchmarks/plan_search.py --published`, held-out rows; docs/plan-search.md)
-CP_OPTIMISTIC = (2, 1.17, 1.64)
+CP_OPTIMISTIC = (2, 1.16, 1.64)
 
 
 def caution(fits: list[Candidate], hw: Hardware) -> str | None:
