@@ -19,8 +19,9 @@ Notable choices:
   with `ssm_cfg.use_fast_path` and `mamba-ssm` / `causal-conv1d` installed, their kernels run
   the same math.
 - Shapes come from tensors, so a tensor-parallel shard with fewer channels runs this code.
-  The mixer reads `A_log`, `D` and `conv1d`'s tensors itself (under tp, `mamba_tp.LocalChannels`
-  hands it this rank's rows); everything else goes through its module.
+  The mixer reads `A_log`, `D` and `conv1d`'s tensors itself (under tp,
+  `tp_family_styles.LocalChannels` hands it this rank's rows); everything else goes through its
+  module.
 """
 
 from __future__ import annotations

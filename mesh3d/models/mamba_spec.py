@@ -66,7 +66,7 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     """in_proj and dt_proj column-wise, x_proj row-wise summed to every rank (its gradient
     summed back), out_proj row-wise, the mixer's own channel tensors split on dim 0; norms
     replicated, a vocab-parallel embedding and head (as Llama's plan)."""
-    from mesh3d.models.mamba_tp import LocalChannels, LocalRowwiseShared
+    from mesh3d.tp_family_styles import LocalChannels, LocalRowwiseShared
     from mesh3d.tp_styles import (
         LocalColwise,
         LocalEmbedding,
