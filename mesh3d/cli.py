@@ -7,7 +7,7 @@ mesh3d eval CHECKPOINT --tasks TASKS [--custom-tasks PATH] [...] downstream scor
 mesh3d plot METRICS.jsonl ... [--output PNG]                    loss, lr, grad norm, tokens/s
 mesh3d plan [CONFIG] [--preset NAME] [--world-size N] [...]     same as python -m mesh3d.plan
 mesh3d plan --search CONFIG --world-size N [--hardware h100-80g] [--write best.yaml]  rank layouts
-mesh3d config CONFIG [--world-size N] [--check-data] [...]      check a config: exit 0, or 2 with the errors
+mesh3d config [CONFIG] [--world-size N] [--check-data] [...]    check a config: exit 0, or 2 with the errors
 mesh3d --version                                                the installed version
 """
 
@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if argv and argv[0] == "config":  # with what `--check-data` opens (data/ is above checks/)
         from mesh3d.data.build import StagedData
+        from mesh3d.data.corpus import default_run_overrides
 
-        importlib.import_module(COMMANDS["config"]).main(argv[1:], data_check=StagedData)
+        check = importlib.import_module(COMMANDS["config"]).main
+        check(argv[1:], data_check=StagedData, default_data=default_run_overrides)
         return
     if argv and argv[0] in COMMANDS:
         importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])

@@ -1,4 +1,5 @@
-"""`python -m mesh3d.convert to-hf | from-hf | to-peft`: the command line of `mesh3d/checkpoint/hf.py`."""
+"""`mesh3d convert to-hf | from-hf | to-peft` (also `python -m mesh3d.convert`): the command
+line of `mesh3d/checkpoint/hf.py`."""
 
 from mesh3d.checkpoint.hf import from_hf, main, to_hf
 

@@ -31,11 +31,17 @@ import contextlib
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable
 from signal import SIGINT
 from typing import TypeVar
 
 USER_ERROR_EXIT_CODE = 2
+# How long a rank other than 0 waits before exiting with an error every rank raised, under an
+# elastic agent (torchrun, `mesh3d train`): the agent stops every rank as soon as one exits, so
+# without the wait rank 0 could be stopped before it prints the line. Rank 0 exits as soon as it
+# has printed, and the agent then ends the wait.
+RANK0_GRACE_S = 5.0
 
 F = TypeVar("F", bound=Callable)
 
@@ -185,4 +191,17 @@ def report(error: Exception) -> None:
 
 def _report(error: Exception, code: int) -> None:
     report(error)
+    if _rank0_prints_it(error):
+        time.sleep(RANK0_GRACE_S)
     raise SystemExit(code) from None
+
+
+def _rank0_prints_it(error: Exception) -> bool:
+    """Whether `error` is one every rank raised, this is not rank 0 and an elastic agent runs
+    the ranks (it stops the others when one exits: let rank 0 print first)."""
+    return (
+        getattr(error, "same_on_every_rank", False)
+        and int(os.environ.get("RANK", "0")) != 0
+        and int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and "TORCHELASTIC_RUN_ID" in os.environ
+    )

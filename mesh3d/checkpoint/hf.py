@@ -316,7 +316,7 @@ def hf_model_of(checkpoint: str) -> str | None:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m mesh3d.convert",
+        prog="mesh3d convert",
         description="Convert weights between Hugging Face and Nanotron's checkpoint layout.",
     )
     sub = ap.add_subparsers(dest="command", required=True)

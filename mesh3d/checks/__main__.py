@@ -1,7 +1,8 @@
-"""Check a config before launching: `mesh3d config CONFIG [--world-size N] [key=value ...]`.
+"""Check a config before launching: `mesh3d config [CONFIG] [--world-size N] [key=value ...]`.
 
 Loads the file, applies the dotted overrides, validates it (for `--world-size`, default
 dp x cp x tp x pp) and prints the resolved YAML; exit 0. A problem prints `error: ...` and exits 2.
+Without CONFIG it checks mesh3d's built-in default run (what `mesh3d train` trains without one).
 """
 
 from __future__ import annotations
@@ -10,18 +11,22 @@ import argparse
 import sys
 
 from mesh3d.checks.validate import config_warnings, validate
-from mesh3d.config.load import config_to_yaml, load_config
+from mesh3d.config.load import DEFAULT_CONFIG, config_to_yaml, load_config
 from mesh3d.errors import UserError, exit_on_user_error
 
 
 @exit_on_user_error
-def main(argv: list[str] | None = None, data_check=None) -> None:
+def main(argv: list[str] | None = None, data_check=None, default_data=None) -> None:
     """`data_check(cfg)`: opens every data stage's dataset and the tokenizer, raising a
-    UserError (`mesh3d config --check-data`; given by `mesh3d.cli`, which sits above data/)."""
+    UserError (`mesh3d config --check-data`); `default_data()`: the overrides that point the
+    default run at its prepared data (as `mesh3d train` does). Both given by `mesh3d.cli`, which
+    sits above data/."""
     ap = argparse.ArgumentParser(
         prog="mesh3d config", description=" ".join(__doc__.split("\n\n")[0].split())
     )
-    ap.add_argument("config", help="Nanotron YAML config file")
+    ap.add_argument("config", nargs="?",
+                    help="Nanotron YAML config file (default: the built-in run `mesh3d train` "
+                    "trains without a config)")  # fmt: skip
     ap.add_argument(
         "--world-size", type=int, help="number of processes (default: dp x cp x tp x pp)"
     )
@@ -32,7 +37,17 @@ def main(argv: list[str] | None = None, data_check=None) -> None:
     )
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    if args.config and "=" in args.config:  # `mesh3d config parallelism.tp=2`: no CONFIG
+        args.overrides.insert(0, args.config)
+        args.config = None
+    if args.config is None:
+        sys.stderr.write(
+            f"no config given: checking mesh3d's built-in default run ({DEFAULT_CONFIG}, what "
+            "`mesh3d train` trains without a config)\n"
+        )
+        if args.check_data and default_data is not None:  # its data, prepared once
+            args.overrides[:0] = default_data()
+    cfg = load_config(args.config or DEFAULT_CONFIG, args.overrides)
     validate(cfg, world_size=args.world_size)
     if args.check_data:
         if data_check is None:

@@ -23,7 +23,7 @@ import yaml
 
 from mesh3d import extensions
 from mesh3d.config.families import MESH3D_FAMILIES, Mesh3dFamily, family_of_config
-from mesh3d.config.overrides import apply_to_dict
+from mesh3d.config.overrides import apply_to_dict, yaml_problem
 from mesh3d.config.schema import (
     AdamWOptimizerArgs,
     Config,
@@ -358,7 +358,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        raise ConfigError(
+            f"config file {path} is not valid YAML: {yaml_problem(e)}; fix the file there"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {show(raw)}")
     raw = apply_overrides(raw, overrides)

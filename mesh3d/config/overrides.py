@@ -37,8 +37,23 @@ def parse_override(token: str) -> tuple[list[str | int], Any]:
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"override `{token}`: the value is not valid YAML ({e})") from None
+        raise ConfigError(
+            f"override `{token}`: the value is not valid YAML: {yaml_problem(e)}; quote a "
+            f"value meant as text: {key}='\"{text}\"'"
+        ) from None
     return parts, value
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: what is wrong and where (1-based line and column of the text
+    read), without its copies of the source lines."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context, start = getattr(error, "context", None), getattr(error, "context_mark", None)
+    after = f" ({context} from line {start.line + 1}, column {start.column + 1})" if (
+        context and start is not None) else ""  # fmt: skip
+    return f"{where}{problem}{after}"
 
 
 def _dotted(parts: Sequence[str | int]) -> str:

@@ -181,9 +181,18 @@ def test_expand_run_name(monkeypatch):
 def test_load_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
-    (tmp_path / "bad.yaml").write_text("general: [1,\n")
-    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+    (tmp_path / "bad.yaml").write_text("general:\n  seed: [1, 2\nmodel: {}\n")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML") as e:
         load_config(tmp_path / "bad.yaml")
+    # one line: where PyYAML stopped (1-based, in the file) and what it expected, not its copy
+    # of the source lines nor its "<unicode string>" for the file
+    assert "\n" not in str(e.value) and "unicode string" not in str(e.value)
+    assert "line 3, column 6: expected ',' or ']', but got ':'" in str(e.value)
+    assert "(while parsing a flow sequence from line 2, column 9)" in str(e.value)
+    with pytest.raises(ConfigError, match="not valid YAML: line 1, column 3") as e:
+        (tmp_path / "ok.yaml").write_text("general: {}\n")
+        load_config(tmp_path / "ok.yaml", ["tokens.train_steps=[1"])
+    assert "\n" not in str(e.value) and "tokens.train_steps='\"[1\"'" in str(e.value)
     (tmp_path / "list.yaml").write_text("- 1\n")
     with pytest.raises(ConfigError, match="list.yaml must hold a mapping"):
         load_config(tmp_path / "list.yaml")

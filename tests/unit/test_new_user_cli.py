@@ -27,6 +27,29 @@ def test_help_names_the_command_and_closes_its_backticks(command, capsys):
     assert "dp x cp x tp x pp" in out
 
 
+@pytest.mark.parametrize("argv", [["convert"], ["convert", "to-hf"], ["config"]])
+def test_help_usage_is_the_command_a_user_typed(argv, capsys):
+    """`mesh3d convert --help` said `usage: python -m mesh3d.convert` (a fresh clone's first
+    hour); every subcommand's usage starts with what was typed."""
+    from mesh3d import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: mesh3d {' '.join(argv)} ")
+
+
+def test_config_without_a_config_checks_the_default_run(capsys):
+    """`mesh3d config` alone checked nothing (argparse: "config, overrides are required") while
+    `mesh3d train` and `mesh3d plan` fall back to the built-in default run; now it does too."""
+    from mesh3d import cli
+
+    cli.main(["config", "tokens.train_steps=7"])
+    out, err = capsys.readouterr()
+    assert "no config given: checking mesh3d's built-in default run" in err
+    assert "train_steps: 7" in out and "checkpoints_path: runs/default/checkpoints" in out
+
+
 def _prose(path: Path) -> str:
     """A file's text with comment markers dropped and lines joined (phrases wrap)."""
     lines = (line.strip().lstrip("#").strip() for line in path.read_text().splitlines())
@@ -67,6 +90,41 @@ def test_readme_says_what_plain_torchrun_does_to_a_user_error():
     assert "torchrun --nproc_per_node=2 recipes/train.py" in using  # the example it sits under
     assert "Every rank prints user errors as one `error: ...` line" not in using
     assert "`ChildFailedError` report, and exits 1" in using
+
+
+@pytest.mark.parametrize("rank, agent, waits, prints", [
+    ("1", True, True, False),  # under torchrun: wait for rank 0 to print, print nothing
+    ("0", True, False, True),  # rank 0 prints and exits at once
+    ("1", False, False, False),  # no agent to stop rank 0 early: no wait
+])  # fmt: skip
+def test_an_error_every_rank_raised_leaves_rank_0_time_to_print_it(
+    rank, agent, waits, prints, monkeypatch, capsys
+):
+    """A fresh clone's first hour: under plain torchrun a misspelled key sometimes printed no
+    `error:` line (rank 1 exited first and torch's agent stopped rank 0 before it printed). A
+    rank other than 0 now waits (up to `RANK0_GRACE_S`) before exiting under an agent."""
+    from mesh3d import errors
+
+    slept = []
+    monkeypatch.setattr(errors.time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    if agent:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    else:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+
+    @errors.exit_on_user_error
+    def main():
+        with errors.decided_alike():
+            raise errors.ConfigError("cfg.yaml: unknown key `tokens.train_stepz`")
+
+    with pytest.raises(SystemExit) as e:
+        main()
+    assert e.value.code == 2
+    assert slept == ([errors.RANK0_GRACE_S] if waits else [])
+    err = capsys.readouterr().err
+    assert (err == "error: cfg.yaml: unknown key `tokens.train_stepz`\n") if prints else err == ""
 
 
 def test_missing_metrics_file_suggests_a_path_a_run_writes(tmp_path):

@@ -70,6 +70,7 @@ DOC_COMMANDS: dict[str, tuple[str | None, str]] = {
         "mesh3d config config_tiny_llama.yaml --world-size 8 parallelism.tp=2", ""),
     "mesh3d config cfg.yaml --check-data": (
         "mesh3d config recipes/configs/cpu_tiny.yaml --check-data", ""),
+    "mesh3d config": ("mesh3d config", ""),
     "mesh3d train config_tiny_llama.yaml": (
         None, "8 CPU ranks for its 15 steps: 25 s on a 2-core host at load 6 with one thread a "
         "rank, 132 s at load 26 with the clean clone's two; tests/launch/test_config_tiny_llama.py "
