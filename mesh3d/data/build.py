@@ -191,9 +191,7 @@ class StagedData:
         i = self.stage_at(step)
         if i != self._logged:
             self._logged = i
-            remaining = _stage_steps(self.starts, i, self.train_steps) - (
-                step - max(self.starts[i], 1)
-            )
+            remaining = min(self.last_step(i), self.train_steps) - step + 1  # a run may end first
             logger.info(
                 f"[Training Plan] Stage {self.names[i]} has {remaining} remaining training steps "
                 f"and has consumed {consumed_in_stage(self.starts, step, self.gbs, self.resumed)} samples"

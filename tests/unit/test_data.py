@@ -4,6 +4,7 @@ Single process and fast; the tokenizer and the text are generated locally (`data
 
 The tests of this subject that launch real processes are in `tests/launch/test_data_launch.py`."""
 
+import logging
 import re
 from pathlib import Path
 
@@ -334,3 +335,18 @@ def test_consumed_lines_agree_after_resuming_at_another_batch_size():
     assert consumed_in_stage([1], 9, 16, resumed=(5, 160)) == 160 + 3 * 16
     assert consumed_in_stage([1, 10], 12, 16, resumed=(5, 160)) == 2 * 16  # a later stage
     assert consumed_in_stage([1], 6, 16) == 80  # not resumed: steps x batch
+
+
+@pytest.mark.parametrize("train_steps, step, remaining", [(3, 1, 3), (20, 1, 9), (20, 10, 11)])
+def test_the_training_plan_line_counts_the_steps_the_run_will_train(train_steps, step,
+                                                                    remaining, caplog):  # fmt: skip
+    """Stages from steps 1 and 10: a run of 3 steps said its first stage "has 9 remaining
+    training steps" (to the next stage's start); it has 3 (a fresh clone's first hour)."""
+    from mesh3d.data.build import StagedData
+
+    data = StagedData.__new__(StagedData)  # the line needs only the stage table
+    data.names, data.starts, data.train_steps, data.gbs = ["a", "b"], [1, 10], train_steps, 4
+    data._logged, data.resumed = None, None
+    with caplog.at_level(logging.INFO, logger="mesh3d"):
+        data.log_stage(step)
+    assert f"has {remaining} remaining training steps" in caplog.text, caplog.text
