@@ -90,7 +90,12 @@ def main(argv: list[str] | None = None) -> None:
             "what `mesh3d train` trains without a config)\n"
         )
     presets = preset_overrides(args.preset) if args.preset else []
-    cfg = load_config(args.config or DEFAULT_CONFIG, presets + args.overrides)
+    base = []
+    if args.config is None and args.search and args.write:  # a config `mesh3d train` can run:
+        from mesh3d.data.corpus import default_run_overrides  # with the default run's data
+
+        base = default_run_overrides()
+    cfg = load_config(args.config or DEFAULT_CONFIG, base + presets + args.overrides)
     if args.hf_model:
         _plan_hf(cfg, args)
         return

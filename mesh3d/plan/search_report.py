@@ -95,13 +95,20 @@ def check_writable(path: str) -> None:
 
 def kept_line(cfg, config: str | None) -> str:
     """What `--write` took from the config as it was: everything but the layout keys, with its
-    defaults written out; the two that surprise (no checkpoints, synthetic data) named."""
+    defaults written out; what surprises (no checkpoints, synthetic data, the default run's
+    data and checkpoints folder) named."""
     source = config or "the built-in default run"
     notes = []
     if cfg.checkpoints is None:
         notes.append("checkpoints: null (it has no checkpoints section: the run saves none)")
-    if cfg.mesh3d.dummy_data:
+    elif config is None:
+        notes.append(f"checkpoints_path: {cfg.checkpoints.checkpoints_path} (the default run's: "
+                     "it resumes from that run's checkpoints; set another for a new run)")  # fmt: skip
+    stages = cfg.data_stages or []
+    if not stages or any(stage.data.dataset is None for stage in stages):
         notes.append(f"mesh3d.dummy_data: {cfg.mesh3d.dummy_data} (synthetic data, no dataset)")
+    elif config is None:
+        notes.append("the default run's data, prepared in its cache (MESH3D_CACHE)")
     named = f", including {' and '.join(notes)}" if notes else ""
     return f"the layout keys changed; the rest is {source} as given (defaults written out){named}"
 

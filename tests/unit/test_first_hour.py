@@ -226,6 +226,26 @@ def test_plan_search_write_says_what_it_took_from_the_config(capsys, tmp_path):
     assert "mesh3d.dummy_data: learnable (synthetic data" in last, last
 
 
+def test_plan_search_write_of_the_default_run_writes_a_config_that_trains(capsys, tmp_path):
+    """A fresh clone's second hour: `plan --search --write` without a config wrote the default
+    run's placeholder dataset folder (`mesh3d train` on it: "does not exist") and claimed
+    synthetic data. It now writes the default run's prepared data and names its checkpoints."""
+    from mesh3d.config import load_config
+
+    best = tmp_path / "best.yaml"
+    code, out, err = _cli(capsys, "plan", "--search", "--world-size", "2", "--hardware",
+                          "h100-80g", "--top", "1", "--write", str(best))  # fmt: skip
+    assert code == 0, err
+    last = out.splitlines()[-1]
+    assert "dummy_data" not in last and "the default run's data, prepared in its cache" in last
+    assert "checkpoints_path: runs/default/checkpoints (the default run's" in last, last
+    cfg = load_config(best)
+    (folder,) = cfg.data_stages[0].data.dataset.dataset_folder
+    assert Path(folder).is_dir() and any(Path(folder).iterdir()), folder
+    assert Path(cfg.tokenizer.tokenizer_name_or_path).is_dir()
+    assert cfg.parallelism.dp * cfg.parallelism.tp * cfg.parallelism.pp == 2
+
+
 def _logged(fn) -> list[str]:
     """The messages mesh3d's logger gets while `fn()` runs (at INFO)."""
     return logged(fn)[0]
