@@ -377,8 +377,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {len(shards)} weight files under {Path(args.output) / 'model'}/")
     if args.command == "from-hf":
         yaml_path = Path(args.output).resolve() / "config.yaml"
-        print(f"train from it: torchrun --nproc_per_node={args.tp * args.pp} recipes/train.py "
-              f"--config-file {yaml_path}")  # fmt: skip
+        print(f"train from it: mesh3d train {yaml_path}  (starts its {args.tp * args.pp} "
+              "processes itself)")  # fmt: skip
 
 
 if __name__ == "__main__":

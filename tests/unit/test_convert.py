@@ -142,3 +142,18 @@ def test_transformers4_config_and_user_errors(tmp_path):
         UserError, match="model_type 'gpt2'.*is not a family mesh3d converts; supported: llama"
     ):
         convert.from_hf(tmp_path / "hf", tmp_path / "nt3")
+
+
+def test_from_hf_says_a_command_that_trains_from_any_folder(tmp_path, capsys, monkeypatch):
+    """from-hf printed `torchrun ... recipes/train.py --config-file ...`, which fails outside a
+    clone (no recipes/ there); it now names `mesh3d train CONFIG` (a fresh clone's second hour),
+    and the config it names exists."""
+    hf_llama(tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    convert.main(["from-hf", "--model", "hf", "--output", "nt", "--tp", "2"])
+    line = capsys.readouterr().out.splitlines()[-1]
+    config = tmp_path / "nt" / "config.yaml"
+    assert (
+        line == f"train from it: mesh3d train {config.resolve()}  (starts its 2 processes itself)"
+    )
+    assert config.is_file() and "recipes/train.py" not in line

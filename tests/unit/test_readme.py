@@ -145,7 +145,7 @@ DOC_COMMANDS: dict[str, tuple[str | None, str]] = {
         '--output data/tokenized --text-column text --eos-token "</s>"', ""),
     "python -m mesh3d.convert from-hf --model ./Llama-3.2-1B --output ./ckpt_from_hf --tp 2 --pp 2": (
         "python -m mesh3d.convert from-hf --model ./hf_out --output ./ckpt_from_hf --tp 2 --pp 2", ""),
-    "torchrun --nproc_per_node=4 recipes/train.py --config-file ./ckpt_from_hf/config.yaml": (
+    "mesh3d train ./ckpt_from_hf/config.yaml": (
         None, "4 ranks for the 100 steps from-hf's config.yaml sets: over a minute; "
         "tests/ranks/test_hf_in_run.py trains from a from-hf folder"),
     "python -m mesh3d.convert to-hf --checkpoint runs/default/checkpoints --output ./hf_out": (
