@@ -38,6 +38,7 @@ import os
 from pathlib import Path
 
 import torch.distributed as dist
+import yaml
 
 from mesh3d import extensions
 from mesh3d.checkpoint import nanotron_state
@@ -335,6 +336,31 @@ def lora_of(folder: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return (meta.get("custom_metas") or {}).get("lora") if isinstance(meta, dict) else None
+
+
+def resume_change(path: str | Path, dims, global_batch: int) -> str:
+    """What differs between the checkpoint at `path` and the run resuming it, for the resume
+    line: its layout (the random states are then not restored) and its global batch (from the
+    config.yaml saved with it); "" when neither does."""
+    step_dir = resolve_step_dir(path)
+    meta = nanotron_state.read_metadata(step_dir)
+    saved = {"dp": meta["dp"], "tp": meta["tp"], "pp": (meta.get("custom_metas") or {}).get("pp"),
+             "cp": meta.get("cp", 1)}  # fmt: skip
+    now = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp}
+    notes = []
+    if saved != now:
+        was, is_ = (" ".join(f"{k}{v}" for k, v in d.items()) for d in (saved, now))
+        notes.append(f"saved at {was}, now {is_}: the weights and optimizer are resharded, the "
+                     "random states start fresh (restored at the same layout only)")  # fmt: skip
+    try:
+        tokens = yaml.safe_load((step_dir / "config.yaml").read_text())["tokens"]
+        saved_batch = meta["dp"] * tokens["micro_batch_size"] * tokens[
+            "batch_accumulation_per_replica"]  # fmt: skip
+    except (OSError, yaml.YAMLError, KeyError, TypeError):  # written by another tool: unknown
+        saved_batch = global_batch
+    if saved_batch != global_batch:
+        notes.append(f"its global batch was {saved_batch} samples a step, now {global_batch}")
+    return "; ".join(notes)
 
 
 def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layout: RunLayout,

@@ -323,3 +323,29 @@ def test_model_config_json_key_order_and_padded_vocab():
         "intermediate_size",
     ]
     assert d["vocab_size"] == 256 and d["tie_word_embeddings"] is True
+
+
+def test_the_resume_line_says_what_changed_since_the_checkpoint(tmp_path):
+    """A fresh clone's second hour: a 1-process checkpoint resumed at dp 2 logged only
+    "Resumed from ... at step 30" while the global batch doubled and the random states (restored
+    at the same layout only) started fresh; the line now says both."""
+    import json
+
+    from mesh3d.checkpoint.training import resume_change
+    from mesh3d.mesh import ParallelDims
+
+    step = tmp_path / "30"
+    step.mkdir()
+    metas = {"last_train_step": 30, "consumed_train_samples": 480}
+    (step / "checkpoint_metadata.json").write_text(json.dumps(
+        {"dp": 1, "tp": 1, "cp": 1, "custom_metas": {"pp": 1}, "metas": metas, "version": "1.4"}))  # fmt: skip
+    (step / "config.yaml").write_text(
+        "tokens:\n  micro_batch_size: 8\n  batch_accumulation_per_replica: 2\n"
+    )
+    assert resume_change(step, ParallelDims(dp=1, tp=1, pp=1), 16) == ""
+    moved = resume_change(step, ParallelDims(dp=2, tp=1, pp=1), 32)
+    assert moved.startswith("saved at dp1 tp1 pp1 cp1, now dp2 tp1 pp1 cp1: the weights and "
+                            "optimizer are resharded, the random states start fresh"), moved  # fmt: skip
+    assert moved.endswith("; its global batch was 16 samples a step, now 32"), moved
+    (step / "config.yaml").unlink()  # written by another tool: no batch claimed
+    assert "global batch" not in resume_change(step, ParallelDims(dp=2, tp=1, pp=1), 32)
