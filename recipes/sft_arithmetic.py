@@ -111,8 +111,8 @@ def parser() -> argparse.ArgumentParser:
                     help="folder for train.jsonl, tokenizer/ and checkpoints/ "
                     "(default: runs/sft_arithmetic, relative to the current folder)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=150,
-                    help="training steps of 16 packed sequences each (default 150: about two "
-                    "minutes on 2 CPU cores)")  # fmt: skip
+                    help="training steps of 16 packed sequences each (default 150: 1-3 minutes "
+                    "on 2 CPU cores)")  # fmt: skip
     ap.add_argument("--held-out", type=int, default=50,
                     help="problems kept out of training, asked before and after to measure "
                     "exact-match accuracy (default 50)")  # fmt: skip

@@ -370,7 +370,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         paths = from_hf(args.model, args.output, args.tp, args.pp)
     shards = [p for p in paths if p.parent != Path(args.output)]  # from-hf's model/ files
-    print(f"wrote {len(paths)} files under {args.output}:")
+    source = ""
+    if args.command in ("to-hf", "to-peft") and not getattr(args, "model", None):
+        source = f" from {weights_dir(args.checkpoint, '--checkpoint')}"  # latest.txt's step
+    print(f"wrote {len(paths)} files under {args.output}{source}:")
     for p in (p for p in paths if p not in shards):
         print(f"  {p}")
     if shards:

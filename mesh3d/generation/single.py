@@ -78,5 +78,5 @@ def generate_here(step: Path, prompts: list[list[int]], args) -> tuple[list[list
     how = "KV cache" if cache else "no cache"
     new = sum(map(len, out))
     batch = f"{len(prompts)} prompts in one batch, " if len(prompts) > 1 else ""
-    return out, (f"in {took:.1f} s on {device.type} ({batch}{how}, "
+    return out, (f"in {took:.1f} s at tp 1 x pp 1 on {device.type} ({batch}{how}, "
                  f"{new / max(took, 1e-9):.1f} tokens/s)")  # fmt: skip

@@ -21,7 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d import extensions
 from mesh3d.checkpoint.training import resume_change
-from mesh3d.config.derive import global_batch_size
 from mesh3d.errors import Interrupted, Preempted, RunStopped, UserError, decided_alike
 from mesh3d.log import logger
 from mesh3d.mesh import share
@@ -70,9 +69,9 @@ def _resume(run: Run, guard: RunGuard) -> tuple[int, int, str | None]:
             f"({cfg.tokens.train_steps}): nothing to train. Raise tokens.train_steps to train on"
         )
     guard.clear_stale_steps()  # overwrite: only now that the checkpoint loaded
-    change = resume_change(guard.resume_path, run.layout.dims, global_batch_size(cfg))
+    change = resume_change(guard.resume_path, cfg, run.layout.dims)
     logger.info(
-        f"Resumed from {guard.resume_path} at step {start}" + (f" ({change})" if change else "")
+        f"Resumed from {guard.resume_path} at step {start}" + (f": {change}" if change else "")
     )
     guard.resumed(custom)
     wandb_id = custom.get("wandb_id")

@@ -328,24 +328,52 @@ def test_model_config_json_key_order_and_padded_vocab():
 def test_the_resume_line_says_what_changed_since_the_checkpoint(tmp_path):
     """A fresh clone's second hour: a 1-process checkpoint resumed at dp 2 logged only
     "Resumed from ... at step 30" while the global batch doubled and the random states (restored
-    at the same layout only) started fresh; the line now says both."""
+    at the same layout only) started fresh; a resume with tokens.train_steps raised moved the
+    learning rate (lr_decay_steps follows it) without a word. The line now says all three."""
     import json
 
     from mesh3d.checkpoint.training import resume_change
+    from mesh3d.config import DEFAULT_CONFIG, config_to_yaml, load_config
     from mesh3d.mesh import ParallelDims
 
+    batch = ["tokens.micro_batch_size=8", "tokens.batch_accumulation_per_replica=2"]
+    saved = load_config(DEFAULT_CONFIG, [*batch, "tokens.train_steps=30"])
     step = tmp_path / "30"
     step.mkdir()
     metas = {"last_train_step": 30, "consumed_train_samples": 480}
     (step / "checkpoint_metadata.json").write_text(json.dumps(
         {"dp": 1, "tp": 1, "cp": 1, "custom_metas": {"pp": 1}, "metas": metas, "version": "1.4"}))  # fmt: skip
-    (step / "config.yaml").write_text(
-        "tokens:\n  micro_batch_size: 8\n  batch_accumulation_per_replica: 2\n"
+    (step / "config.yaml").write_text(config_to_yaml(saved))
+    one = ParallelDims(dp=1, tp=1, pp=1)
+    assert resume_change(step, saved, one) == ""
+    at_dp2 = load_config(DEFAULT_CONFIG, [*batch, "tokens.train_steps=30", "parallelism.dp=2"])
+    moved = resume_change(step, at_dp2, ParallelDims(dp=2, tp=1, pp=1))
+    assert moved == ("saved at dp1 tp1 pp1 cp1, now dp2 tp1 pp1 cp1: the weights and optimizer "
+                     "are resharded, the random states start fresh (restored at the same layout "
+                     "only); its global batch was 16 samples a step, now 32"), moved  # fmt: skip
+    longer = resume_change(
+        step, load_config(DEFAULT_CONFIG, [*batch, "tokens.train_steps=50"]), one
     )
-    assert resume_change(step, ParallelDims(dp=1, tp=1, pp=1), 16) == ""
-    moved = resume_change(step, ParallelDims(dp=2, tp=1, pp=1), 32)
-    assert moved.startswith("saved at dp1 tp1 pp1 cp1, now dp2 tp1 pp1 cp1: the weights and "
-                            "optimizer are resharded, the random states start fresh"), moved  # fmt: skip
-    assert moved.endswith("; its global batch was 16 samples a step, now 32"), moved
-    (step / "config.yaml").unlink()  # written by another tool: no batch claimed
-    assert "global batch" not in resume_change(step, ParallelDims(dp=2, tp=1, pp=1), 32)
+    assert longer.startswith("its learning-rate schedule had lr_decay_steps 20 -> 40 ("), longer
+    assert longer.endswith("keep the old schedule with optimizer.learning_rate_scheduler."
+                           "lr_decay_steps=20"), longer  # fmt: skip
+    (step / "config.yaml").unlink()  # written by another tool: no batch or schedule claimed
+    plain = resume_change(step, at_dp2, ParallelDims(dp=2, tp=1, pp=1))
+    assert plain.endswith("(restored at the same layout only)"), plain
+
+
+def test_a_hugging_face_folder_given_as_a_checkpoint_names_the_conversion(tmp_path):
+    """`mesh3d generate --checkpoint hf_out` on a to-hf folder said only what it is not."""
+    from mesh3d.checkpoint.training import resolve_step_dir
+    from mesh3d.errors import UserError
+
+    (tmp_path / "hf_out").mkdir()
+    with pytest.raises(UserError) as plain:
+        resolve_step_dir(tmp_path / "hf_out", "--checkpoint")
+    assert "Hugging Face" not in str(plain.value)  # an empty folder: no such claim
+    (tmp_path / "hf_out" / "config.json").write_text("{}")
+    with pytest.raises(UserError) as e:
+        resolve_step_dir(tmp_path / "hf_out", "--checkpoint")
+    assert str(e.value).endswith(f"it is a Hugging Face model folder: mesh3d convert from-hf "
+                                 f"--model {tmp_path / 'hf_out'} --output FOLDER writes one "
+                                 "mesh3d reads"), e.value  # fmt: skip

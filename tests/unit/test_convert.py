@@ -157,3 +157,6 @@ def test_from_hf_says_a_command_that_trains_from_any_folder(tmp_path, capsys, mo
         line == f"train from it: mesh3d train {config.resolve()}  (starts its 2 processes itself)"
     )
     assert config.is_file() and "recipes/train.py" not in line
+    convert.main(["to-hf", "--checkpoint", "nt", "--output", "back"])  # from-hf's folder back
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "wrote 2 files under back from nt:", first  # the folder it read named

@@ -169,6 +169,7 @@ def test_cli_prints_the_prompt_and_the_generated_text(ckpts, capsys):
                               entry=cli.main)  # fmt: skip
     assert code == 0, err
     assert "(saved with the checkpoint)" in err
+    assert " s at tp 1 x pp 1 on cpu (KV cache, " in err, err  # the layout, as at tp x pp
     tok = load_tokenizer(ckpts / "tok")
     model, _ = load_model(ckpts / "ckpts" / "7", CPU)
     prompt = tok.encode("The cat was").ids
