@@ -38,7 +38,6 @@ import os
 from pathlib import Path
 
 import torch.distributed as dist
-import yaml
 
 from mesh3d import extensions
 from mesh3d.checkpoint import nanotron_state
@@ -52,7 +51,6 @@ from mesh3d.checkpoint.nanotron_weights import (
 from mesh3d.checkpoint.size import checkpoint_size
 from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, write_rank_state
 from mesh3d.checkpoint.tokenizer_files import copy_into_checkpoint
-from mesh3d.config.derive import global_batch_size
 from mesh3d.config.load import mesh3d_changes, nanotron_config_yaml
 from mesh3d.data.stages import stage_consumption
 from mesh3d.errors import UserError, on_every_rank
@@ -340,44 +338,6 @@ def lora_of(folder: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return (meta.get("custom_metas") or {}).get("lora") if isinstance(meta, dict) else None
-
-
-_SCHEDULE_KEYS = ("lr_warmup_steps", "lr_decay_steps", "lr_decay_starting_step")
-
-
-def resume_change(path: str | Path, cfg, dims) -> str:
-    """What differs between the checkpoint at `path` and the run `cfg` resuming it, for the
-    resume line: its layout (the random states are then not restored), its global batch and
-    its learning-rate schedule's steps (from the config.yaml saved with it); "" when none."""
-    step_dir = resolve_step_dir(path)
-    meta = nanotron_state.read_metadata(step_dir)
-    saved = {"dp": meta["dp"], "tp": meta["tp"], "pp": (meta.get("custom_metas") or {}).get("pp"),
-             "cp": meta.get("cp", 1)}  # fmt: skip
-    now = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp}
-    notes = []
-    if saved != now:
-        was, is_ = (" ".join(f"{k}{v}" for k, v in d.items()) for d in (saved, now))
-        notes.append(f"saved at {was}, now {is_}: the weights and optimizer are resharded, the "
-                     "random states start fresh (restored at the same layout only)")  # fmt: skip
-    try:
-        old = yaml.safe_load((step_dir / "config.yaml").read_text())
-        tokens, schedule = old["tokens"], old["optimizer"]["learning_rate_scheduler"]
-        batch = meta["dp"] * tokens["micro_batch_size"] * tokens["batch_accumulation_per_replica"]
-        steps = {k: schedule[k] for k in _SCHEDULE_KEYS}
-    except (OSError, yaml.YAMLError, KeyError, TypeError):  # written by another tool: unknown
-        return "; ".join(notes)
-    if batch != global_batch_size(cfg):
-        notes.append(f"its global batch was {batch} samples a step, now {global_batch_size(cfg)}")
-    current = cfg.optimizer.learning_rate_scheduler
-    changed = [f"{k} {v} -> {getattr(current, k)}" for k, v in steps.items()
-               if v != getattr(current, k)]  # fmt: skip
-    if changed:
-        keep = " ".join(f"optimizer.learning_rate_scheduler.{k}={steps[k]}" for k in _SCHEDULE_KEYS
-                        if steps[k] != getattr(current, k))  # fmt: skip
-        notes.append(f"its learning-rate schedule had {', '.join(changed)} (lr_decay_steps "
-                     "follows tokens.train_steps unless set), so the learning rate moves from "
-                     f"where it was; keep the old schedule with {keep}")  # fmt: skip
-    return "; ".join(notes)
 
 
 def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layout: RunLayout,

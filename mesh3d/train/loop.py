@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d import extensions
-from mesh3d.checkpoint.training import resume_change
 from mesh3d.errors import Interrupted, Preempted, RunStopped, UserError, decided_alike
 from mesh3d.log import logger
 from mesh3d.mesh import share
@@ -69,6 +68,8 @@ def _resume(run: Run, guard: RunGuard) -> tuple[int, int, str | None]:
             f"({cfg.tokens.train_steps}): nothing to train. Raise tokens.train_steps to train on"
         )
     guard.clear_stale_steps()  # overwrite: only now that the checkpoint loaded
+    from mesh3d.checkpoint.resume_notes import resume_change  # a resumed run's only
+
     change = resume_change(guard.resume_path, cfg, run.layout.dims)
     logger.info(
         f"Resumed from {guard.resume_path} at step {start}" + (f": {change}" if change else "")

@@ -332,7 +332,7 @@ def test_the_resume_line_says_what_changed_since_the_checkpoint(tmp_path):
     learning rate (lr_decay_steps follows it) without a word. The line now says all three."""
     import json
 
-    from mesh3d.checkpoint.training import resume_change
+    from mesh3d.checkpoint.resume_notes import resume_change
     from mesh3d.config import DEFAULT_CONFIG, config_to_yaml, load_config
     from mesh3d.mesh import ParallelDims
 
