@@ -162,7 +162,7 @@ def exit_on_user_error(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            _report(e, USER_ERROR_EXIT_CODE)
+            _report(e, USER_ERROR_EXIT_CODE, rank0_first=True)
         except RunStopped as e:
             _report(e, e.exit_code)
         except KeyboardInterrupt:  # Ctrl-C before a run's own handling started, or after it
@@ -189,9 +189,11 @@ def report(error: Exception) -> None:
         print(f"{kind}: {where}{error}", file=sys.stderr, flush=True)
 
 
-def _report(error: Exception, code: int) -> None:
+def _report(error: Exception, code: int, rank0_first: bool = False) -> None:
+    """Print `error` (`report`) and exit `code`; `rank0_first`: a user error, possibly raised
+    before the run's guard, whose barrier otherwise lets rank 0 print before any rank leaves."""
     report(error)
-    if _rank0_prints_it(error):
+    if rank0_first and _rank0_prints_it(error):
         time.sleep(RANK0_GRACE_S)
     raise SystemExit(code) from None
 
