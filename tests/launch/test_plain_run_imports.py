@@ -15,7 +15,9 @@ and float8/async-TP checks loaded only when configured (2x2x2: 14,317, the CPU p
 collectives added); 14,516 in 90 with `torch_private.py`, the one place that reaches torch's
 private APIs (issue 43 asks for it); 14,127 in 90 (9,373 of code) with writing datatrove
 files, the one-process generate command, the MoE and dropout tp styles, Qwen2's checks and the
-transformers Llama plan moved to their users (2x2x2: 13,467-13,685, 8,915-9,079 of code).
+transformers Llama plan moved to their users (2x2x2: 13,467-13,685, 8,915-9,079 of code);
+14,169 (9,402 of code) with one-line YAML errors and rank 0's grace for printing (the resume
+notes loaded only on a resume; 2x2x2: 13,509-13,727).
 Issue 43 asks for 10,000 lines; of the rest, every top-level function and class is reached
 from the run (an AST walk from `mesh3d.launch` found 451 lines that were not, moved above where
 they belonged to optional code): the core itself, config, checks, checkpoint formats, the
