@@ -88,7 +88,7 @@ _PUBLIC = {
     "mesh3d.data.nanoset": ("Nanoset",),  # data
     "mesh3d.data.dummy": ("DummyTokens", "microbatches"),
     "mesh3d.models.llama": ("Llama",),  # the Llama trainer
-    "mesh3d.train.loop": ("train",),
+    "mesh3d.train": ("train",),  # the package, callable as the run (mesh3d/train/__init__.py)
     "mesh3d.plan": ("make_plan",),
     "mesh3d.errors": ("UserError", "ConfigError"),  # errors
 }  # fmt: skip
@@ -97,6 +97,8 @@ __all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name == "train":  # the package, which sets itself here on import (and is callable)
+        return importlib.import_module("mesh3d.train")
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value

@@ -37,10 +37,8 @@ from signal import SIGINT
 from typing import TypeVar
 
 USER_ERROR_EXIT_CODE = 2
-# How long a rank other than 0 waits before exiting with an error every rank raised, under an
-# elastic agent (torchrun, `mesh3d train`): the agent stops every rank as soon as one exits, so
-# without the wait rank 0 could be stopped before it prints the line. Rank 0 exits as soon as it
-# has printed, and the agent then ends the wait.
+# How long a rank but 0 waits before exiting with a user error every rank raised, under an elastic
+# agent, which stops every rank once one exits: rank 0 prints first (its exit ends the wait)
 RANK0_GRACE_S = 5.0
 
 F = TypeVar("F", bound=Callable)
@@ -199,11 +197,8 @@ def _report(error: Exception, code: int, rank0_first: bool = False) -> None:
 
 
 def _rank0_prints_it(error: Exception) -> bool:
-    """Whether `error` is one every rank raised, this is not rank 0 and an elastic agent runs
-    the ranks (it stops the others when one exits: let rank 0 print first)."""
-    return (
-        getattr(error, "same_on_every_rank", False)
-        and int(os.environ.get("RANK", "0")) != 0
-        and int(os.environ.get("WORLD_SIZE", "1")) > 1
-        and "TORCHELASTIC_RUN_ID" in os.environ
-    )
+    """An error every rank raised, on a rank but 0, under an elastic agent (which stops the
+    others when one exits)."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    same = getattr(error, "same_on_every_rank", False)
+    return same and rank != 0 and world > 1 and "TORCHELASTIC_RUN_ID" in os.environ

@@ -91,6 +91,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
         getattr(model, "embed_tokens", None) is not None
         and model.lm_head.weight is model.embed_tokens.weight
     )
+    from mesh3d.parallel.plan_keys import check_plan_keys  # tp > 1 only
+
+    check_plan_keys(model, plan)
     present = {k: v for k, v in plan.items() if _resolves(model, k)}
     parallelize_module(model, tp_mesh, present, src_data_rank=None)
     tp_styles.choose_collectives(tp_mesh.get_group(), tp_mesh.device_type)

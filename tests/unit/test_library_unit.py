@@ -6,6 +6,8 @@ others are in `tests/ranks/test_library.py`."""
 
 from __future__ import annotations
 
+import sys
+
 import mesh3d
 
 PUBLIC = [
@@ -30,3 +32,51 @@ def test_public_names_are_stable_and_documented():
         if callable(obj) and not isinstance(obj, dict) and name != "TPPlan":
             doc = obj.__doc__ or ""
             assert "Example:" in doc, f"mesh3d.{name} has no example in its docstring"
+
+
+def test_mesh3d_train_stays_the_run_after_its_package_is_imported(monkeypatch):
+    """`from mesh3d.train.hooks import ...` (as docs/library.md does) bound `mesh3d.train` to the
+    package: `mesh3d.train(cfg, hooks=...)` then raised "'module' object is not callable". The
+    package is callable as the run, whichever was imported first."""
+    import mesh3d.train.hooks  # noqa: F401 - binds mesh3d.train to the package
+    import mesh3d.train.loop as loop
+
+    calls = []
+    monkeypatch.setattr(loop, "train", lambda *a: calls.append(a) or "result")
+    assert callable(mesh3d.train) and mesh3d.train is sys.modules["mesh3d.train"]
+    assert mesh3d.train("cfg", hooks=["h"]) == "result" and calls == [("cfg", None, ["h"])]
+    from mesh3d import train
+
+    assert train is mesh3d.train and "Example:" in train.__doc__
+
+
+def test_apply_tp_refuses_a_plan_key_that_names_no_module():
+    """`apply_tp(model, mesh, {"nothing.*": ColwiseParallel()})` left the model unsharded without
+    a word, so a typo (`h.*.attn.cq`) went unnoticed; a key a pipeline stage deleted (a None
+    child) or a `*` over an empty stage stays free."""
+    import pytest
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from mesh3d.errors import UserError
+    from mesh3d.parallel.plan_keys import names_nothing as _names_nothing
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    class Model(nn.Module):
+        def __init__(self, layers: int):
+            super().__init__()
+            self.h = nn.ModuleList(Block() for _ in range(layers))
+            self.embed = None  # deleted by a pipeline stage
+
+    model = Model(2)
+    assert not _names_nothing(model, "h.*.attn") and not _names_nothing(model, "embed")
+    assert not _names_nothing(Model(0), "h.*.attn")  # a stage without these layers
+    assert _names_nothing(model, "h.*.attn.cq") and _names_nothing(model, "nothing.*")
+    with pytest.raises(UserError) as e:
+        mesh3d.apply_tp(model, None, {"h.*.attn": ColwiseParallel(), "h.*.atn": ColwiseParallel()})
+    assert str(e.value).startswith("tp plan key(s) 'h.*.atn' name no submodule of Model; its "
+                                   "submodules include h, h.*, h.*.attn, h.*.mlp"), e.value  # fmt: skip
