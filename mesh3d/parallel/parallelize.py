@@ -302,7 +302,7 @@ def parallelize(
     if ep is not None and ep.size > 1:  # before tp: the expert stacks shrink to their slice
         apply_ep(model, ep, blocks.moe)
     if mesh["tp"].size() > 1:
-        apply_tp(model, mesh["tp"], tp_plan)
+        apply_tp(model, mesh["tp"], tp_plan, strict=False)  # a family's plan, every variant
     if lora is not None:  # split like the projections tp split just now
         extensions.load("lora").inject(model, lora, mesh["tp"])
     if "cp" in mesh.mesh_dim_names and mesh["cp"].size() > 1:

@@ -73,7 +73,7 @@ def reduce_partial_grads(params) -> None:
             )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, strict: bool = True) -> nn.Module:
     """Apply `plan` (`FQN pattern -> ParallelStyle`, `*` matching one name) to any `model` in
     place, on meta or real tensors, without communication: every rank keeps its slice of the
     full tensors it holds (`src_data_rank=None`), so build the full model from the same seed on
@@ -83,7 +83,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
 
         apply_tp(model, mesh["tp"], {"h.*.mlp.fc": ColwiseParallel(), "h.*.mlp.proj": RowwiseParallel()})
 
-    Plan entries whose module a pipeline stage deleted (None) are skipped. Tied embeddings are
+    Plan entries whose module a pipeline stage deleted (None) are skipped; a key that names no
+    submodule is refused (`strict`; mesh3d's own family plans, written for every variant of a
+    family, pass `strict=False` and skip it). Tied embeddings are
     re-tied afterwards: parallelizing the embedding and the head separately would otherwise
     give them two different parameters.
     """
@@ -91,9 +93,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
         getattr(model, "embed_tokens", None) is not None
         and model.lm_head.weight is model.embed_tokens.weight
     )
-    from mesh3d.parallel.plan_keys import check_plan_keys  # tp > 1 only
+    if strict:
+        from mesh3d.parallel.plan_keys import check_plan_keys  # a library caller's plan
 
-    check_plan_keys(model, plan)
+        check_plan_keys(model, plan)
     present = {k: v for k, v in plan.items() if _resolves(model, k)}
     parallelize_module(model, tp_mesh, present, src_data_rank=None)
     tp_styles.choose_collectives(tp_mesh.get_group(), tp_mesh.device_type)
