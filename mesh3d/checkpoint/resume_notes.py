@@ -35,15 +35,13 @@ def resume_change(path: str | Path, cfg, dims) -> str:
         steps = {k: schedule[k] for k in _SCHEDULE_KEYS}
     except (OSError, yaml.YAMLError, KeyError, TypeError):  # written by another tool: unknown
         return "; ".join(notes)
-    if batch != global_batch_size(cfg):
-        notes.append(f"its global batch was {batch} samples a step, now {global_batch_size(cfg)}")
+    if batch != (now_batch := global_batch_size(cfg)):
+        notes.append(f"its global batch was {batch} samples a step, now {now_batch}")
     current = cfg.optimizer.learning_rate_scheduler
-    changed = [f"{k} {v} -> {getattr(current, k)}" for k, v in steps.items()
-               if v != getattr(current, k)]  # fmt: skip
-    if changed:
-        keep = " ".join(f"optimizer.learning_rate_scheduler.{k}={steps[k]}" for k in _SCHEDULE_KEYS
-                        if steps[k] != getattr(current, k))  # fmt: skip
-        notes.append(f"its learning-rate schedule had {', '.join(changed)} (lr_decay_steps "
-                     "follows tokens.train_steps unless set), so the learning rate moves from "
-                     f"where it was; keep the old schedule with {keep}")  # fmt: skip
+    if moved := {k: v for k, v in steps.items() if v != getattr(current, k)}:
+        changed = ", ".join(f"{k} {v} -> {getattr(current, k)}" for k, v in moved.items())
+        keep = " ".join(f"optimizer.learning_rate_scheduler.{k}={v}" for k, v in moved.items())
+        notes.append(f"its learning-rate schedule had {changed} (lr_decay_steps follows "
+                     "tokens.train_steps unless set), so the learning rate moves from where it "
+                     f"was; keep the old schedule with {keep}")  # fmt: skip
     return "; ".join(notes)

@@ -44,8 +44,9 @@ on 8 H200s all computing at once, the slowest GPU (which a synchronous step wait
 1979 (0.672). A short burst at the boost clock reaches more (MAMF: 848 BF16 on that H200, 794.5
 on an H100 SXM in the older method, 0.803), but a training step runs for seconds at the power
 limit. The 500 W H100 gets the same fraction of its own peak: no BF16 rate under a 500 W cap
-is published (arXiv:2604.11391 caps an HBM2e H100 from 200 to 700 W, for FP64 DGEMM). A100 SXM: no MSMF is published; MAMF 271.2 of 312 (0.869, ml-engineering MAMF table),
-an upper bound for a model's own matmul shapes. `attention_efficiency`: FlashAttention-2 reaches
+is published (arXiv:2604.11391 caps an HBM2e H100 from 200 to 700 W, for FP64 DGEMM). A100
+SXM: no MSMF is published; MAMF 271.2 of 312 (0.869, ml-engineering MAMF table), an upper
+bound for a model's own matmul shapes. `attention_efficiency`: FlashAttention-2 reaches
 35% of the H100's peak (Shah et al. 2024, FlashAttention-3, arXiv:2407.08608, abstract; its
 backward 318 TFLOP/s at head dim 128, 8k: 0.32) and 50-73% of the A100's (Dao 2023,
 FlashAttention-2, arXiv:2307.08691, abstract): 0.33 and 0.6 (that range's middle).
