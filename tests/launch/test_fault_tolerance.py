@@ -150,12 +150,16 @@ def test_a_killed_group_rejoins_and_every_replica_ends_bitwise_identical(lightho
     assert joined == alone[-1] + 1  # group 0 trains with it from that step on
     mb = _metrics(tmp_path / "m1r.jsonl")
     assert mb[0]["iteration"] == joined and mb[-1]["iteration"] == steps
-    assert "[FT] step" in out_a and "was not applied" in out_a
+    # Whether a step of group 0's was in flight at the kill is timing: killed between two
+    # all-reduces, group 1 is simply left out of the next quorum. A voided step is trained again
+    # alone (the iterations above are contiguous); the donor test below always voids one.
+    voided = [int(s) for s in re.findall(r"\[FT\] step (\d+) was not applied", out_a)]
+    assert all(s in alone for s in voided), (voided, alone)
     rejoin_s = time.monotonic() - killed
     final = [tmp_path / "ck" / f"replica_{g}" / str(steps) for g in range(2)]
     n = sum(_files_equal(*final, under) for under in ("model", "optimizer", "lr_scheduler"))
     print(f"group 1 killed after step {at_kill} of group 0; group 0 trained alone for steps "
-          f"{alone[0]}-{alone[-1]} (longest step {gap:.2f} s); group 1 rejoined at step {joined}; "
+          f"{alone[0]}-{alone[-1]} ({len(voided)} step(s) voided; longest step {gap:.2f} s); group 1 rejoined at step {joined}; "
           f"{n} checkpoint files bitwise identical ({rejoin_s:.0f} s from the kill to the end)")  # fmt: skip
 
 
