@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mesh3d import tp_styles
 
-tp_styles._pair = lambda x, group: (None, None)  # every group takes the c10d collective
+# no group gets the pair's collectives: every one keeps c10d's (tp_styles.C10D)
+tp_styles.choose_collectives = lambda group, device_type: None
 sys.argv[0] = str(Path(__file__).resolve().parents[1] / "recipes/train.py")
 runpy.run_path(sys.argv[0], run_name="__main__")

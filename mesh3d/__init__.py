@@ -1,22 +1,15 @@
 """mesh3d: 3D-parallel LLM pretraining on PyTorch's own distributed primitives.
 
-Reads Nanotron YAML configs; one DeviceMesh ("pp", "dp", "cp", "tp"); tensor parallelism through
-DTensor plans, pipeline parallelism through torch.distributed.pipelining. Three ways to use it:
-`recipes/train.py` (a whole training run from a config), the benchmark scripts, and this
-package as a library for your own model and loop:
+Use it through `recipes/train.py`, the benchmarks, or as a library (docs/library.md,
+`recipes/custom_model.py`):
 
     import mesh3d
     mesh3d.init_distributed()
     mesh = mesh3d.build_mesh(mesh3d.ParallelDims(dp=2, tp=2, pp=2), "cpu")
     stage = mesh3d.build_stage(model, pp_rank, 2, layers, blocks="h", first=("wte",), last=("head",))
     mesh3d.apply_tp(stage, mesh["tp"], MY_PLAN)                # {FQN pattern: ParallelStyle}
-    schedule = mesh3d.build_schedule("1f1b", [pipeline_stage], microbatches, loss_fn)
-    ...
-    mesh3d.allreduce_gradients(stage, mesh["dp"].get_group())
-    mesh3d.save_state("ckpt/100", stage, optimizer, mesh=mesh)
 
-Every name in `__all__` is public and stable; everything else is internal. See
-`recipes/custom_model.py` for a whole worked example and the API reference in docs/library.md.
+Every name in `__all__` is public and stable; everything else is internal.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from mesh3d.log import quiet_known_import_noise
 
 quiet_known_import_noise()  # before any import of transformers or torchao (see mesh3d.log)
 
-if TYPE_CHECKING:  # the names below, for type checkers; at run time they load on first use
+if TYPE_CHECKING:  # at run time these load on first use
     from mesh3d.checkpoint.any_model import load_state, save_state
     from mesh3d.checkpoint.hf_export import export_hf
     from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights, write_nanotron_weights
@@ -61,8 +54,8 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time they load o
     from mesh3d.train.loss import normalized_loss
     from mesh3d.train.step import clip_grad_norm
 
-# the module that defines each public name, by topic. Loaded lazily (PEP 562) so that
-# `import mesh3d.config` stays free of torch, and `python -m mesh3d.plan` does not import itself twice.
+# module -> its public names, loaded lazily (PEP 562): `import mesh3d.config` stays free of torch
+# and `python -m mesh3d.plan` does not import itself twice.
 _PUBLIC = {
     "mesh3d.config.schema": ("Config",),  # config
     "mesh3d.config": ("load_config", "config_from_dict", "apply_overrides"),

@@ -33,31 +33,30 @@ COMMANDS = {  # command -> module whose main(argv) runs it
 def main(argv: list[str] | None = None) -> None:
     """Run `COMMAND` with the remaining arguments; no or an unknown command prints the usage."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-V", "--version"):
+    command = argv[0] if argv else None
+    if command in ("-V", "--version"):
         from mesh3d import __version__
 
         sys.stdout.write(f"mesh3d {__version__}\n")
-        return
-    if argv and argv[0] == "config":  # with what `--check-data` opens (data/ is above checks/)
+    elif command == "config":  # with what `--check-data` opens (data/ is above checks/)
         from mesh3d.data.build import StagedData
         from mesh3d.data.corpus import default_run_overrides
 
         check = importlib.import_module(COMMANDS["config"]).main
         check(argv[1:], data_check=StagedData, default_data=default_run_overrides)
-        return
-    if argv and argv[0] in COMMANDS:
-        importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
-        return
-    usage = __doc__.split("\n\n", 1)[1]
-    if argv and argv[0] in ("-h", "--help"):
-        sys.stdout.write(f"usage:\n{usage}")
-        return
-    what = f"unknown command {argv[0]!r}" if argv else "no command"
-    close = difflib.get_close_matches(argv[0], COMMANDS, n=1) if argv else []
-    if close:
-        what += f" (did you mean {close[0]!r}?)"
-    sys.stderr.write(f"error: {what}; use one of: {', '.join(COMMANDS)}\nusage:\n{usage}")
-    raise SystemExit(USER_ERROR_EXIT_CODE)
+    elif command in COMMANDS:
+        importlib.import_module(COMMANDS[command]).main(argv[1:])
+    else:
+        usage = __doc__.split("\n\n", 1)[1]
+        if command in ("-h", "--help"):
+            sys.stdout.write(f"usage:\n{usage}")
+            return
+        what = f"unknown command {command!r}" if argv else "no command"
+        close = difflib.get_close_matches(command, COMMANDS, n=1) if argv else []
+        if close:
+            what += f" (did you mean {close[0]!r}?)"
+        sys.stderr.write(f"error: {what}; use one of: {', '.join(COMMANDS)}\nusage:\n{usage}")
+        raise SystemExit(USER_ERROR_EXIT_CODE)
 
 
 if __name__ == "__main__":

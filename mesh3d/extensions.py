@@ -1,17 +1,8 @@
 """Optional capabilities, loaded only when a run's config asks for them.
 
-A plain pretraining run (one family, dp x tp x pp, synchronous checkpoints) imports the core
-only. Each capability below is a module of its own that the core never imports by name (the
-import-linter contract "the core of a plain run never imports an optional capability" in
-pyproject.toml checks it, function-level imports included); where the config turns it on, the
-core asks for it here:
-
-    if cfg.s3_upload is not None:
-        upload = extensions.load("s3_upload")    # mesh3d.checkpoint.upload, imported now
-        uploader = upload.Uploader(...)
-
-A capability that grows a new one adds a line to `CAPABILITIES` and to that contract's
-`forbidden_modules`. Model families are loaded the same way, by `models/registry.py`.
+The core of a plain run never imports these modules by name (an import-linter contract in
+pyproject.toml checks it); where the config turns one on, the core calls `load(name)`. A new
+capability adds a line to `CAPABILITIES` and to that contract's `forbidden_modules`.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from mesh3d.log import launcher_lines, logger, setup_launcher_logging
 LAUNCHED_ENV = "MESH3D_LAUNCHED"  # set in the ranks `mesh3d train` starts itself
 
 
-def _parser() -> argparse.ArgumentParser:
+def _split(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="mesh3d train", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -43,11 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--metrics-file", help="JSON lines, one per logged iteration "
                     "(default: runs/<run name>/metrics.jsonl)")  # fmt: skip
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.dp=2")
-    return ap
-
-
-def _split(argv: list[str]) -> argparse.Namespace:
-    args = _parser().parse_intermixed_args(argv)
+    args = ap.parse_intermixed_args(argv)
     if args.config and "=" in args.config:  # `mesh3d train tokens.train_steps=5`: no CONFIG
         args.overrides.insert(0, args.config)
         args.config = None
@@ -74,10 +70,8 @@ def _resolved(args: argparse.Namespace) -> tuple[str, list[str]]:
 
 def _resumed_run_name(cfg) -> str | None:
     """The run name of the checkpoint this launch resumes from, when the config's name has a
-    placeholder (`%date`, `%jobid`): a resumed run keeps its first launch's name, so its
-    metrics, plot and W&B run stay one (`runs/<name>/metrics.jsonl` is appended to). None for
-    a fixed name, a fresh start, or a checkpoint that cannot be read here (an `s3://` path, a
-    typo: the run's own checks report those)."""
+    placeholder (`%date`, `%jobid`), so a resumed run keeps its metrics, plot and W&B run. None
+    for a fixed name, a fresh start, or a checkpoint not readable here (the run's checks say)."""
     import yaml
 
     from mesh3d.checkpoint.training import resolve_step_dir
@@ -99,11 +93,8 @@ def _resumed_run_name(cfg) -> str | None:
 
 
 def _resolved_on_ranks(args: argparse.Namespace) -> tuple[str, list[str], str]:
-    """A rank that torchrun or Slurm started: the config checked before any collective (a
-    mistake is one `error:` line, from rank 0), then world rank 0's run name for every rank
-    (`%date` read once) and the same metrics file and plot as `mesh3d train`. World rank 0
-    prints what `mesh3d train`'s launcher does before the run (the default run's data
-    preparation, the config's warnings), in the same form."""
+    """A rank that torchrun or Slurm started: the config checked before any collective, then
+    world rank 0's run name for every rank and the same metrics file as `mesh3d train`."""
     from mesh3d.mesh import init_distributed, share
 
     shown = launcher_lines() if int(os.environ["RANK"]) == 0 else contextlib.nullcontext()
@@ -121,8 +112,8 @@ def _resolved_on_ranks(args: argparse.Namespace) -> tuple[str, list[str], str]:
 
 
 def where_it_writes(cfg, metrics_file: str | None, default_run: bool) -> str:
-    """The launcher's line naming where the run writes, as absolute paths (relative ones are
-    from the current folder), and for the default run the cache folder of its prepared data."""
+    """The launcher's line naming where the run writes, as absolute paths (and for the default
+    run the cache folder of its prepared data)."""
     metrics = Path(metrics_file or f"runs/{cfg.general.run}/metrics.jsonl").resolve()
     line = f"writing {metrics} (and its plot beside it)"
     if cfg.checkpoints is not None:
@@ -138,16 +129,13 @@ def where_it_writes(cfg, metrics_file: str | None, default_run: bool) -> str:
     return line
 
 
-def _is_rank() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     args = _split(sys.argv[1:] if argv is None else argv)
-    if _is_rank() and os.environ.get(LAUNCHED_ENV):  # started by `_launch`: all resolved there
+    is_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if is_rank and os.environ.get(LAUNCHED_ENV):  # started by `_launch`: all resolved there
         return run_rank(args.config, list(args.overrides), args.metrics_file)
-    if _is_rank():  # under torchrun / Slurm: one rank, resolved as `mesh3d train` would
+    if is_rank:  # under torchrun / Slurm: one rank, resolved as `mesh3d train` would
         return run_rank(*_resolved_on_ranks(args))
     setup_launcher_logging()  # the default run's data preparation is shown
     path, overrides = _resolved(args)
@@ -170,17 +158,14 @@ def run_rank(path: str, overrides: list[str], metrics_file: str | None) -> None:
 
     with decided_alike():  # the same file and overrides on every rank
         cfg = load_config(path, overrides)
-    peers_gone, ok = False, False
     try:
-        result = train(cfg, metrics_file=metrics_file)
-        finish(cfg, result, metrics_file)
-        ok = True
+        finish(cfg, train(cfg, metrics_file=metrics_file), metrics_file)
     except PeerError:
-        peers_gone = True  # tearing down a group whose peers are gone can hang: just exit
+        raise  # tearing down a group whose peers are gone can hang: just exit
+    except BaseException:
+        shutdown_distributed(wait=False)
         raise
-    finally:
-        if not peers_gone:
-            shutdown_distributed(wait=ok)
+    shutdown_distributed(wait=True)
 
 
 def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> None:
@@ -194,10 +179,9 @@ def _launch(world: int, path: str, overrides: list[str], metrics_file: str) -> N
 
 def run_agent(args: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str = "localhost:0",
               run_id: str | None = None) -> None:  # fmt: skip
-    """Run `python ARGS` as `nproc` ranks on this node (of `nnodes`, meeting at `rdzv_endpoint`
-    by c10d rendezvous) through torch's elastic agent, what torchrun does, but a failing rank's
-    own `error:` line is the only message and the exit code is the ranks' (2 for a mistake in
-    the config or the data, 75 only when they saved), not torchrun's traceback and 1."""
+    """Run `python ARGS` as `nproc` ranks on this node (of `nnodes`, by c10d rendezvous at
+    `rdzv_endpoint`) through torch's elastic agent, as torchrun does, but a failing rank's own
+    `error:` line is the only message and the exit code is the ranks'."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -207,8 +191,8 @@ def run_agent(args: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str =
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     agent_signals = _forward_stop_signals()
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = agent_signals  # torch < 2.9 reads only this
-    options = {"signals_to_handle": agent_signals}
-    options = {k: v for k, v in options.items() if k in LaunchConfig.__dataclass_fields__}
+    new = "signals_to_handle" in LaunchConfig.__dataclass_fields__
+    options = {"signals_to_handle": agent_signals} if new else {}
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc,
         run_id=run_id or str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint,
@@ -228,11 +212,10 @@ STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
 
 
 def _forward_stop_signals() -> str:
-    """Forward Ctrl-C, SIGTERM and SIGUSR1 to the ranks, each time one arrives; the signals
-    left to torch's agent. The ranks decide what a stop signal means (finish the step, save,
-    exit 75; a second one: exit at once, 130) and say it with their exit codes, which the agent
-    passes on. torch's agent would instead stop them itself and exit with a code of its own
-    (75 was reported for a Ctrl-C that saved nothing). Needs /proc to find the ranks."""
+    """Forward Ctrl-C, SIGTERM and SIGUSR1 to the ranks, each time one arrives; returns the
+    signals left to torch's agent. The ranks decide what a stop signal means and say it with
+    their exit codes (torch's agent would stop them and exit with a code of its own). Needs
+    /proc to find the ranks."""
     if not Path("/proc/self/stat").is_file():
         return ",".join((*STOP_SIGNALS, "SIGHUP", "SIGQUIT"))
 

@@ -1,12 +1,8 @@
 """One run's layout, resolved once from its config and world size, and passed to every part.
 
-Build, step, checkpoint and `plan` read these values here instead of re-deriving them from the
-config (each derivation in one place):
-
     layout = RunLayout.resolve(cfg, world_size=8, rank=5)
     layout.coords            # {'pp': 1, 'dp': 0, 'cp': 0, 'tp': 1}
     layout.dp_mode           # 'replicate' | 'zero1' | 'full'
-    layout.backward_scale    # FSDP averages gradients over dp x cp: the loss is scaled up by it
 
 torch is imported only for the dtypes; no process group is needed.
 """
@@ -26,8 +22,8 @@ from mesh3d.models.spec import ModelShape, ModelSpec
 
 
 def dp_mode(zero_stage: int, full_shard: bool, dp_shard: int | None = None) -> str:
-    """'replicate' (zero 0), 'zero1' or 'full': how parameters live on the dp axis (inside each
-    replica group with `mesh3d.dp_shard`, which shards fully unless zero_stage is 1)."""
+    """'replicate' (zero 0), 'zero1' or 'full': how parameters live on the dp axis
+    (`mesh3d.dp_shard` shards fully unless zero_stage is 1)."""
     if full_shard or (dp_shard is not None and zero_stage == 0):
         return "full"
     return "zero1" if zero_stage > 0 else "replicate"
@@ -35,7 +31,7 @@ def dp_mode(zero_stage: int, full_shard: bool, dp_shard: int | None = None) -> s
 
 @dataclass(frozen=True)
 class RunLayout:
-    """What a run's parts need to know about its layout (see the module doc)."""
+    """What a run's parts need to know about its layout."""
 
     dims: ParallelDims
     rank: int
@@ -109,16 +105,14 @@ class RunLayout:
 
     @classmethod
     def of(cls, cfg, rank: int = 0) -> RunLayout:
-        """The layout at the config's own world size (dp x tp x pp x cp): for tools and tests
-        that build one rank's view without launching the others."""
+        """The layout at the config's own world size (dp x tp x pp x cp)."""
         p = cfg.parallelism
         return cls.resolve(cfg, p.dp * p.tp * p.pp * p.context_parallel_size, rank)
 
     @property
     def fp32_masters(self) -> bool:
-        """Whether fp32 master weights differ from the saved weights (fp32 accumulation with a
-        bf16/fp16 model): checkpoints then keep them in the optimizer files, as Nanotron's
-        `gradient_accumulator` does."""
+        """Whether fp32 master weights differ from the saved weights: checkpoints then keep
+        them in the optimizer files, as Nanotron's `gradient_accumulator` does."""
         return self.param_dtype == torch.float32 and self.model_dtype != torch.float32
 
     @property
@@ -127,7 +121,7 @@ class RunLayout:
 
     def activation(self) -> torch.Tensor:
         """What a pipeline stage hands the next for one microbatch, as a meta tensor: hidden
-        states [mbs, S_local, h] (`parallel/pipeline.py::pipeline_stage` declares the same)."""
+        states [mbs, S_local, h]."""
         shape = (self.microbatch_size, self.local_sequence, self.shape.hidden_size)
         return torch.empty(shape, dtype=self.param_dtype, device="meta")
 
@@ -138,16 +132,14 @@ class RunLayout:
 
     @property
     def backward_scale(self) -> int:
-        """FSDP reduce-scatters gradients *averaged* over its group, dp x cp (gloo has no
-        PREMUL_SUM to sum them), so the backward loss is multiplied by dp x cp to keep the
-        one-process gradient."""
+        """FSDP averages gradients over dp x cp (gloo has no PREMUL_SUM to sum them), so the
+        backward loss is multiplied by dp x cp to keep the one-process gradient."""
         return self.dims.dp * self.dims.cp if self.dp_mode != "replicate" else 1
 
     @property
     def positions_everywhere(self) -> bool:
-        """Whether every pipeline stage's attention needs each token's position, so every rank
-        reads the data: document masking, SFT data (examples are documents), or context
-        parallelism (RoPE of split sequences)."""
+        """Whether every pipeline stage needs each token's position, so every rank reads the
+        data: document masking, SFT data or context parallelism."""
         return self.doc_masking or self.sft or self.dims.cp > 1
 
     @property
@@ -162,8 +154,7 @@ class RunLayout:
 
     @property
     def local_sequence(self) -> int:
-        """Tokens of the residual stream a rank holds per sample: its cp share, split again
-        over tp under sequence parallelism."""
+        """Tokens of the residual stream a rank holds per sample (its cp share, / tp under SP)."""
         return self.cp_sequence // self.dims.tp if self.sequence_parallel else self.cp_sequence
 
 
@@ -182,11 +173,8 @@ def recompute_mode(cfg) -> str:
 
 
 def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:
-    """(parameter dtype, autocast dtype or None) for `model.dtype` and fp32 accumulation.
-
-    bf16/fp16 with `accumulate_grad_in_fp32` keeps fp32 parameters (the master weights and
-    gradients Nanotron keeps beside bf16 copies) and runs the math under autocast.
-    """
+    """(parameter dtype, autocast dtype or None): bf16/fp16 with `accumulate_grad_in_fp32`
+    keeps fp32 parameters and runs the math under autocast."""
     dtype = DTYPES[cfg.model.dtype]
     if dtype == torch.float32:
         return torch.float32, None

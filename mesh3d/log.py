@@ -1,12 +1,8 @@
 """The one mesh3d logger, with Nanotron's line prefix and per-rank levels.
 
-`setup_logging` runs once per process, every line prefixed like Nanotron CLASSIC:
-`12/02/2026 12:00:00 [INFO|DP=0|PP=0|TP=0]: `. World rank 0 and the metrics-owning rank log at
-`logging.log_level`, the other ranks (replicas) at `logging.log_level_replica`, with one
-difference from Nanotron: a replica never logs below WARNING unless its level is `debug`, so
-Nanotron's default `log_level_replica: info` prints the run's start lines once, not once per
-rank. Code logs through `logger` and never checks ranks itself; the iteration line is only
-emitted on the one rank that owns the metrics.
+Lines look like Nanotron CLASSIC's: `12/02/2026 12:00:00 [INFO|DP=0|PP=0|TP=0]: `. Unlike
+Nanotron, a replica rank never logs below WARNING unless its level is `debug`, so the default
+`log_level_replica: info` prints the run's start lines once, not once per rank.
 """
 
 from __future__ import annotations
@@ -31,12 +27,9 @@ class _DropKnownNoise(logging.Filter):
 
 
 def quiet_known_import_noise() -> None:
-    """Silence the lines torchao's import prints on a machine its prebuilt kernels do not fit
-    (a CPU build of torch, another Python): "Failed to load .../_C_*.so" per kernel file, the
-    reason it skips them, and torch's deprecation note on its `register_constant` calls. They
-    come on every `import transformers` when torchao is installed (the `float8` and `dev`
-    extras) and say nothing about the run; torchao's float8 training does not use those
-    kernels. Every other torchao and torch record still shows. Idempotent."""
+    """Silence the lines torchao's import prints where its prebuilt kernels do not fit ("Failed
+    to load .../_C_*.so", why it skips them) and torch's note on its `register_constant` calls:
+    they come on every `import transformers` with torchao installed. Idempotent."""
     for name, noise in (
         ("torchao", _DropKnownNoise("Failed to load ", "Skipping import of cpp extensions")),
         ("torch.utils._pytree", _DropKnownNoise("%s is an Enum subclass")),
@@ -59,49 +52,39 @@ _LEVELS = {
 
 
 def setup_logging(coords: dict, level: str, cp: int = 1) -> None:
-    """Configure `logger` for this process at `level`; `coords` holds its dp/pp/tp (and cp)
-    coordinates; the prefix shows CP only when the run splits sequences (`cp` > 1).
-
-    The caller picks the level: `logging.log_level` for world rank 0 and for the rank that
-    owns the metrics (the last pipeline stage's dp 0 / tp 0 rank), `log_level_replica` for
-    the others. On a replica rank (see `is_primary`) `info` and `warning` both mean WARNING;
-    `debug` is kept, so a user who asks for every rank's details gets them.
-    """
+    """Configure `logger` for this process at `level` (see `effective_level`); `coords` holds
+    its dp/pp/tp (and cp) coordinates; the prefix shows CP only when `cp` > 1."""
     cp_part = f"|CP={coords.get('cp', 0)}" if cp > 1 else ""
     prefix = f"DP={coords['dp']}{cp_part}|PP={coords['pp']}|TP={coords['tp']}"
     if os.environ.get("SLURMD_NODENAME"):
         prefix += f"|{os.environ['SLURMD_NODENAME']}"
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(
-        logging.Formatter(f"%(asctime)s [%(levelname)s|{prefix}]: %(message)s", "%m/%d/%Y %H:%M:%S")
-    )
-    logger.handlers[:] = [handler]
-    logger.propagate = False
+    _handle(prefix)
     logger.setLevel(effective_level(level, is_primary(coords, *_world())))
     # DTensor warns on every 2-D (dp x tp) norm reduction that two collectives run; expected here.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def setup_launcher_logging() -> None:
-    """Show INFO lines in the process of `mesh3d train` before any rank exists (the default
-    run's one-time data preparation), with the same prefix as a rank's lines, the launcher
-    shown as `LAUNCHER`. A process whose logging is already set up keeps it."""
+    """Show INFO lines in the process of `mesh3d train` before any rank exists, prefixed
+    `LAUNCHER`. A process whose logging is already set up keeps it."""
     if logger.handlers:
         return
+    _handle("LAUNCHER")
+    logger.setLevel(logging.INFO)
+
+
+def _handle(prefix: str) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(
-        logging.Formatter("%(asctime)s [%(levelname)s|LAUNCHER]: %(message)s", "%m/%d/%Y %H:%M:%S")
+        logging.Formatter(f"%(asctime)s [%(levelname)s|{prefix}]: %(message)s", "%m/%d/%Y %H:%M:%S")
     )
     logger.handlers[:] = [handler]
     logger.propagate = False
-    logger.setLevel(logging.INFO)
 
 
 @contextlib.contextmanager
 def launcher_lines():
-    """`setup_launcher_logging` for a block (a torchrun rank 0 showing what `mesh3d train`'s
-    launcher shows before the run); afterwards the logger is as it was, unconfigured, until the
-    run sets up the rank's own logging."""
+    """`setup_launcher_logging` for a block; afterwards the logger is unconfigured again."""
     if logger.handlers:
         yield
         return
@@ -122,13 +105,9 @@ def effective_level(level: str, primary: bool) -> int:
 
 
 def is_primary(coords: dict, rank: int, world_size: int) -> bool:
-    """World rank 0, or the dp 0 / tp 0 rank of the last pipeline rank, which owns the metrics
-    (with the V schedules the last stage is on pipeline rank 0, and this rank logs as well).
-
-    Ranks are numbered (pp, dp, cp, tp) with tp fastest, so pipeline rank p starts at world
-    rank p * (dp * cp * tp): that rank is the last pipeline rank's when one more pipeline rank would reach
-    the world size.
-    """
+    """World rank 0, or the dp 0 / tp 0 rank of the last pipeline rank, which owns the metrics.
+    Pipeline rank p starts at world rank p * (dp * cp * tp), so it is the last when one more
+    would reach the world size."""
     if rank == 0:
         return True
     if coords["dp"] or coords.get("cp", 0) or coords["tp"] or not coords["pp"]:
@@ -146,11 +125,8 @@ def _world() -> tuple[int, int]:
 
 
 class Progress:
-    """Progress of long work that is not a training step (checkpoint save/load, data indexing).
-
-    `update()` after each item logs `<what>: i/n (p%), <elapsed> s, eta <s> s` at most every
-    `every_s` seconds; `done()` logs the total once. Quiet work (under `every_s`) logs one line.
-    """
+    """Progress of long work that is not a training step: `update()` after each item logs
+    `<what>: i/n (p%), ...` at most every `every_s` seconds; `done()` logs the total once."""
 
     def __init__(self, what: str, total: int, every_s: float = 10.0):
         import time

@@ -1,9 +1,7 @@
 """The device mesh: parallel degrees -> one named `DeviceMesh` with axes ("pp", "dp", "cp", "tp").
 
-Global ranks fill the mesh shape (pp, dp, cp, tp) in C order, tp fastest, then cp, dp, pp, as
-in Nanotron (`rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank`), so a tp group
-is a run of consecutive ranks and tensor parallelism, the chattiest axis, stays inside a node;
-context parallelism (cp, the sequence split) comes next. dp=2, tp=2, pp=2 (cp=1) on 8 ranks:
+Global ranks fill the mesh shape (pp, dp, cp, tp) in C order, tp fastest, as in Nanotron, so a
+tp group is a run of consecutive ranks and stays inside a node. dp=2, tp=2, pp=2 on 8 ranks:
 
                   pp stage 0                        pp stage 1
                 tp 0     tp 1                     tp 0     tp 1
@@ -14,13 +12,8 @@ context parallelism (cp, the sequence split) comes next. dp=2, tp=2, pp=2 (cp=1)
     dp groups (a column):                      [0, 2] [1, 3] [4, 6] [5, 7]
     pp groups (one place in every stage):      [0, 4] [1, 5] [2, 6] [3, 7]
 
-With cp=2, tp=2, pp=2 (dp=1) the cp groups take the place of the dp groups above: [0, 2] [1, 3]
-[4, 6] [5, 7]. The axis is always in the mesh (size 1 when off). Parameters are replicated over
-dp and cp alike: their gradients are reduced over the flattened dp x cp group (`replica_mesh`).
-
-`ParallelDims` computes coordinates and groups arithmetically, without a process group, for
-planning and tests; `build_mesh` makes the live mesh, whose `mesh["tp"]`, `mesh["cp"]`,
-`mesh["dp"]` and `mesh["pp"]` are exactly these groups.
+The cp axis is always in the mesh (size 1 when off). Parameters are replicated over dp and cp
+alike: their gradients are reduced over the flattened dp x cp group (`replica_mesh`).
 """
 
 from __future__ import annotations
@@ -45,9 +38,6 @@ AXES = ("pp", "dp", "cp", "tp")  # mesh dimension names, outermost first; tp var
 @dataclass(frozen=True)
 class ParallelDims:
     """The parallel degrees; `dp * cp * tp * pp` must equal the number of processes.
-
-    `cp` (context parallelism) is optional and 1 by default, so `ParallelDims(dp, tp, pp)`
-    keeps meaning what it always did.
 
     Example:
 
@@ -84,11 +74,10 @@ class ParallelDims:
         if self.world_size != world_size:
             others = self.cp * self.tp * self.pp
             hint = f" (e.g. dp={world_size // others})" if world_size % others == 0 else ""
-            product = f"{self.dp} * {self.tp} * {self.pp}"
-            if self.cp != 1:
-                product = f"{self.dp} * {self.cp} * {self.tp} * {self.pp}"
+            key, value = ("cp * ", f"{self.cp} * ") if self.cp != 1 else ("", "")
+            product = f"{self.dp} * {value}{self.tp} * {self.pp}"
             raise ConfigError(
-                f"`parallelism` dp * {'cp * ' if self.cp != 1 else ''}tp * pp = {product} = "
+                f"`parallelism` dp * {key}tp * pp = {product} = "
                 f"{self.world_size}, but the world size is {world_size}; set the degrees so "
                 f"that their product is {world_size}{hint}, or launch {self.world_size} "
                 f"processes (torchrun --nproc_per_node={self.world_size})"
@@ -106,11 +95,8 @@ class ParallelDims:
         }
 
     def groups(self, axis: str) -> list[list[int]]:
-        """The global ranks of every `axis` group: ranks equal in the other coordinates.
-
-        Groups are ordered by their first rank and each lists its ranks in ascending order, which
-        is also the order of their coordinate along `axis`.
-        """
+        """The global ranks of every `axis` group (ranks equal in the other coordinates), in
+        ascending order of their first rank; each lists its ranks in ascending order."""
         if axis not in AXES:
             raise ValueError(f"axis {axis!r} is not one of {AXES}")
         others = [a for a in AXES if a != axis]
@@ -122,31 +108,24 @@ class ParallelDims:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """The torch device for `device`: "auto" (cuda if available, else cpu), "cpu" or "cuda".
-
-    Asking for "cuda" where torch sees no GPU is a `UserError`, not a silent CPU run.
-    """
+    """The torch device for `device`: "auto" (cuda if available, else cpu), "cpu" or "cuda"."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise UserError(f"device {device!r} is not known; use 'auto', 'cpu' or 'cuda'")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError(
+            f"device 'cuda' was asked for, but torch {torch.__version__} sees no CUDA GPU; "
+            f"set `mesh3d.device` to 'auto' or 'cpu' to run on the CPU"
+        )
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cpu":
-        return torch.device("cpu")
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(
-                f"device 'cuda' was asked for, but torch {torch.__version__} sees no CUDA GPU; "
-                f"set `mesh3d.device` to 'auto' or 'cpu' to run on the CPU"
-            )
-        return torch.device("cuda")
-    raise UserError(f"device {device!r} is not known; use 'auto', 'cpu' or 'cuda'")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
 
 
 def init_distributed(timeout_s: float = 60, device: str = "auto") -> torch.device:
     """Start the default process group (unless started) and return this rank's device.
 
-    Under torchrun (WORLD_SIZE set) the group comes from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT;
-    on CUDA the rank uses GPU LOCAL_RANK. A plain `python train.py` becomes a one-process world,
-    so that every code path is the same. nccl on CUDA, gloo on CPU; collectives time out after
-    `timeout_s` seconds instead of torch's default 30 minutes.
+    Under torchrun (WORLD_SIZE set) the group comes from its environment and a CUDA rank uses
+    GPU LOCAL_RANK; otherwise it is a one-process world. nccl on CUDA, gloo on CPU.
 
     Example:
 
@@ -186,8 +165,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
 @functools.lru_cache(maxsize=8)
 def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh over which parameters are replicated: dp, or dp x cp flattened when
-    context parallelism is on (each cp rank computes gradients from its own tokens of the same
-    samples; they are summed like dp's). Once per mesh (building a sub-mesh costs ~2 ms)."""
+    context parallelism is on. Cached: building a sub-mesh costs ~2 ms."""
     if "cp" not in (mesh.mesh_dim_names or ()) or mesh["cp"].size() == 1:
         return mesh["dp"]
     return flatten_mesh(mesh["dp", "cp"], "dp_cp")
@@ -196,8 +174,7 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
 @functools.lru_cache(maxsize=8)
 def hsdp_mesh(mesh: DeviceMesh, dp_shard: int) -> DeviceMesh:
     """The 2-D ("dp_replicate", "dp_shard") mesh of HSDP (`mesh3d.dp_shard`): the replica mesh
-    cut into dp / dp_shard groups of dp_shard consecutive dp ranks (x cp, whose ranks hold the
-    same parameters); FSDP shards inside a group and all-reduces across groups."""
+    cut into groups of dp_shard consecutive dp ranks (x cp); FSDP shards inside a group."""
     replicas = replica_mesh(mesh)
     shard = dp_shard * replicas.size() // mesh["dp"].size()
     sizes, names = (replicas.size() // shard, shard), ("dp_replicate", "dp_shard")
@@ -207,7 +184,7 @@ def hsdp_mesh(mesh: DeviceMesh, dp_shard: int) -> DeviceMesh:
 @dataclass(frozen=True)
 class Groups:
     """A mesh's process groups and sizes, resolved once (`groups_of`): every `mesh["dp"]`
-    builds a sub-mesh (~2 ms on CPU), which per step once cost half of a toy model's step."""
+    builds a sub-mesh (~2 ms on CPU)."""
 
     dp: dist.ProcessGroup
     tp: dist.ProcessGroup
@@ -229,11 +206,8 @@ def groups_of(mesh: DeviceMesh) -> Groups:
 
 
 def set_collective_timeout(mesh: DeviceMesh | None, seconds: float) -> None:
-    """Every process group of `mesh`, and the default group, times out after `seconds`.
-
-    torch gives the sub-groups it makes for a mesh its own 30-minute default, whatever timeout
-    the default group was started with: a stopped rank would hang its peers for half an hour.
-    """
+    """Every process group of `mesh`, and the default group, times out after `seconds`
+    (torch gives a mesh's sub-groups its 30-minute default, whatever the default group has)."""
     set_timeout = pg_timeout_setter()
     if set_timeout is None:  # older torch: the groups keep their timeouts
         return
@@ -246,8 +220,7 @@ def set_collective_timeout(mesh: DeviceMesh | None, seconds: float) -> None:
 
 @contextlib.contextmanager
 def collective_timeout(mesh: DeviceMesh | None, seconds: float, restore_s: float):
-    """Run a block (a checkpoint save or load) with every group's timeout at `seconds`, then
-    set it back to `restore_s`; a world of one process has nothing to wait for."""
+    """Run a block with every group's timeout at `seconds`, then set it back to `restore_s`."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield
         return
@@ -259,8 +232,8 @@ def collective_timeout(mesh: DeviceMesh | None, seconds: float, restore_s: float
 
 
 def mesh_from_config(cfg, device: str | None = None) -> DeviceMesh:
-    """The mesh of a loaded config's `parallelism` section, starting the process group if needed
-    (`device`: None = `mesh3d.device` of the config).
+    """The mesh of a loaded config's `parallelism`, starting the process group if needed
+    (`device`: None = the config's `mesh3d.device`).
 
     Example:
 
@@ -274,13 +247,10 @@ def mesh_from_config(cfg, device: str | None = None) -> DeviceMesh:
 def shutdown_distributed(wait: bool = True) -> None:
     """End this process's part in the process groups at the end of a command.
 
-    With `wait` (after a success) every rank first waits for the others, so that none tears its
-    connections down while a peer is still receiving; without it (after an error every rank
-    raised) it only tears down. The process groups mesh3d caches are dropped (`groups_of`, `replica_mesh`:
-    a cached group outlives `destroy_process_group` and is then destroyed during interpreter
-    exit, with its gloo threads still alive: `terminate called without an active exception`),
-    then every group is destroyed. Not after a `PeerError`: a group whose peers are gone can
-    hang in teardown."""
+    With `wait` (after a success) ranks first wait for each other, so none tears down while a
+    peer still receives. The cached groups are dropped first: one that outlives
+    `destroy_process_group` dies at interpreter exit with live gloo threads (`terminate called
+    without an active exception`). Not after a `PeerError`: teardown can hang."""
     import gc
     import sys
 
@@ -299,8 +269,7 @@ def shutdown_distributed(wait: bool = True) -> None:
 
 
 def share(value, src: int = 0):
-    """`value` of global rank `src`, on every rank (`value` itself without a process group):
-    how one rank's decision (a problem found, an outcome, a name) becomes every rank's."""
+    """`value` of global rank `src`, on every rank (`value` itself without a process group)."""
     box = [value]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=src)

@@ -1,8 +1,6 @@
 """Nanotron's checkpoint format as data: TP kinds, name prefixes, file names, versions.
 
-A leaf (no mesh3d import): the family specs (`models/`) name their tensors with it and
-`checkpoint/` reads and writes files with it. What a family's layers hold is in its spec
-(`models/<family>_spec.py`); docs/nanotron-layout.md describes the format.
+A leaf (no mesh3d import); docs/nanotron-layout.md describes the format.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ Kind = Literal["vocab", "column", "row", "replicated"]
 #   (docs/nanotron-layout.md#tied-and-replicated-parameters)
 SPLIT_DIM: dict[Kind, int | None] = {"vocab": 0, "column": 0, "row": 1, "replicated": None}
 
-# Where a decoder layer's parameters live, in Nanotron's names and ours; each family's spec
-# (`models/<family>_spec.py`) lists the parameters of a layer under these prefixes.
+# Where a decoder layer's parameters live, in Nanotron's names and ours.
 LAYER_PREFIX_NANOTRON = "model.decoder.{i}.pp_block."
 LAYER_PREFIX_OURS = "layers.{i}."
 # Outside the decoder, the same in every Nanotron family.

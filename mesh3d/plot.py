@@ -1,15 +1,9 @@
 """`mesh3d plot METRICS.jsonl ... [--output PNG]`: a run's curves against the step, in one image.
 
-Reads the files `--metrics-file` writes (one JSON object per logged iteration, see
-`mesh3d/train/metrics.py`) and draws four panels: loss (train `lm_loss`, solid; validation
-`val_loss`, dashed with dots, when a file has it), learning rate, gradient norm and tokens/s,
-and in-run evaluation scores (`eval/<task>/<metric>`) and DoReMi weights (`doremi/weight/<d>`).
-Several files are overlaid, one colour per run, each labelled by its folder's name (by its file
-name when folders share a name). The default image is `metrics.png` next to the first file.
-
-matplotlib is optional (the `dev` and `bench` extras), imported only here, and used through its
-Agg canvas: no display, no pyplot state. `write_plot` is what a training run calls at its end.
-Also `python -m mesh3d.plot`.
+Reads the files `--metrics-file` writes (`mesh3d/train/metrics.py`): loss, learning rate,
+gradient norm and tokens/s, plus in-run evaluation scores and DoReMi weights when present.
+Several files are overlaid, one colour per run. matplotlib is optional and used through its Agg
+canvas: no display, no pyplot state.
 """
 
 from __future__ import annotations
@@ -82,11 +76,6 @@ def run_labels(paths: list[Path]) -> list[str]:
     return [str(p) for p in paths]
 
 
-def default_output(metrics_file: Path) -> Path:
-    """Where `mesh3d plot` writes without `--output`: `metrics.png` next to the metrics file."""
-    return Path(metrics_file).parent / "metrics.png"
-
-
 def _matplotlib():
     """matplotlib's Figure and Agg canvas classes, or a UserError saying how to install it."""
     try:
@@ -134,16 +123,11 @@ def _panel(ax, title: str, ylabel: str, series: list, runs: list, by_key: bool =
 
 def _keys(runs: list[tuple[str, list[dict]]], prefix: str) -> list[str]:
     """The keys starting with `prefix` in these files (scores, DoReMi weights), first seen first."""
-    keys: dict[str, None] = {}
-    for _, records in runs:
-        for r in records:
-            keys.update((k, None) for k in r if k.startswith(prefix))
-    return list(keys)
+    return list(dict.fromkeys(k for _, rs in runs for r in rs for k in r if k.startswith(prefix)))
 
 
 def draw(runs: list[tuple[str, list[dict]]]):
-    """A matplotlib Figure of the four panels for `runs` = [(label, records)], on an Agg canvas;
-    panels of the downstream scores (`lighteval:`) and DoReMi weights, when the files have them."""
+    """A matplotlib Figure of the panels for `runs` = [(label, records)], on an Agg canvas."""
     Figure, FigureCanvasAgg = _matplotlib()
     present = [(*panel, keys) for panel in EXTRA_PANELS if (keys := _keys(runs, panel[2]))]
     fig = Figure(figsize=(12, 12 if present else 8), dpi=100, layout="constrained")
@@ -165,10 +149,7 @@ def draw(runs: list[tuple[str, list[dict]]]):
 
 def write_plot(metrics_files: list[Path], output: Path) -> Path:
     """Draw `metrics_files` (one run each) into `output` (.png, .svg, .pdf, ...); return it.
-
-    Raises UserError for a missing, empty or malformed file, an image type matplotlib cannot
-    write, or matplotlib not installed. The image is written to a temp file and renamed.
-    """
+    The image is written to a temp file and renamed."""
     paths = [Path(p) for p in metrics_files]
     if not paths:
         raise UserError(f"no metrics file given; pass one or more, e.g. mesh3d plot {EXAMPLE}")
@@ -197,21 +178,12 @@ def write_plot(metrics_files: list[Path], output: Path) -> Path:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="mesh3d plot", description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "metrics",
-        nargs="+",
-        type=Path,
-        help="metrics files written by --metrics-file; several are overlaid",
-    )
-    ap.add_argument(
-        "-o",
-        "--output",
-        type=Path,
-        help="image to write (.png, .svg, .pdf; default: metrics.png next to the "
-        "first metrics file)",
-    )
+    ap.add_argument("metrics", nargs="+", type=Path,
+                    help="metrics files written by --metrics-file; several are overlaid")  # fmt: skip
+    ap.add_argument("-o", "--output", type=Path, help="image to write (.png, .svg, .pdf; "
+                    "default: metrics.png next to the first metrics file)")  # fmt: skip
     args = ap.parse_args(argv)
-    print(write_plot(args.metrics, args.output or default_output(args.metrics[0])))
+    print(write_plot(args.metrics, args.output or args.metrics[0].parent / "metrics.png"))
 
 
 if __name__ == "__main__":

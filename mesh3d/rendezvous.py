@@ -1,16 +1,9 @@
 """The start of the process group, bounded and explained: who never arrived.
 
-torch's `env://` rendezvous waits for every rank inside the TCP store and gloo's mesh connect,
-and a rank stopped or dead before it got there ended the job with a raw store or
-`connectFullMesh` traceback that named nobody (182 s after a rank was stopped 5 s into its
-start). Here, before `init_process_group`:
-
-1. each rank reaches the store (rank 0 hosts it, or the launcher's agent under torchrun) within
-   the collective timeout, else `PeerError`: the store's host is not answering;
-2. each rank writes `{host, pid}` under `mesh3d/arrived/<rank>` and waits for every rank's,
-   else `PeerError` naming the ranks that never arrived and the ones that did;
-3. the process group connects over that store, under the same timeout; a failure there names
-   the arrived ranks on this host that are now stopped or gone.
+Before `init_process_group`, each rank reaches the store within the collective timeout, writes
+`{host, pid}` under `mesh3d/arrived/<rank>` and waits for every rank's; else a `PeerError` names
+the ranks that never arrived. A failure to connect after that names the arrived ranks on this
+host that are now stopped or gone (torch alone gave a store traceback that named nobody).
 """
 
 from __future__ import annotations

@@ -4,16 +4,11 @@
     train loss   8.33 -> 4.12 (last step)      validation loss 4.30 (ppl 73.7)
     tokens/s     2,950 (median of logged steps)
     checkpoint   runs/default_20261203_091500/checkpoints/150
-    metrics      runs/default_20261203_091500/metrics.jsonl
-    plot         runs/default_20261203_091500/metrics.png
-    s3_upload    4 uploaded to s3://bucket/run           (with s3_upload)
     sample       'def __init__(self' -> ...
 
-World rank 0 prints it after every rank finished (the losses are the same on every rank). It
-speaks of this run only: after a resume the steps are those it ran (`22 steps ... (resumed from
-step 8)`) and the checkpoint is the one it saved last, not the one it resumed from (none when it
-saved none). The sample is greedy text from that checkpoint, read into one process (any layout
-wrote it), when there is one and a local tokenizer.
+World rank 0 prints it after every rank finished. It speaks of this run only (after a resume,
+the steps it ran and the checkpoint it saved last). The sample is greedy text from that
+checkpoint, when there is one and a local tokenizer.
 """
 
 from __future__ import annotations

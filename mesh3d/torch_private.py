@@ -1,10 +1,9 @@
-"""The one place mesh3d reaches torch's private APIs (issue 43; list in docs/torch-notes.md).
+"""The one place mesh3d reaches torch's private APIs (list in docs/torch-notes.md).
 
-`VERIFIED`: the installed torch is within FLOOR (pyproject's) .. CEILING, where this was run.
-Outside it nothing fails at import; an accessor whose private API is gone raises one
-`UserError` line naming it, this torch and the range. Each comment says which public API is
-missing and since which torch mesh3d uses the private one. Inductor, dynamo, functorch and the
-testing package are imported lazily, by the accessors that need them.
+`VERIFIED`: the installed torch is within FLOOR (pyproject's) .. CEILING. Outside it nothing fails
+at import; an accessor whose private API is gone raises one `UserError` line naming it. Each
+comment says which public API is missing and since which torch mesh3d uses the private one.
+Inductor, dynamo, functorch and the testing package are imported lazily.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The ParallelStyles a family's tensor-parallel plan is written in, and torch's own.
 
-A plan is data, `FQN pattern -> ParallelStyle` (each family's spec writes its own in
-`models/<family>_spec.py`); `parallel/tensor.py` applies it on mesh["tp"]. This module sits
-below the models so that the specs can name these styles; of mesh3d it imports `extensions`
-and `torch_private`.
-
-`LocalColwise` / `LocalRowwise` / `LocalReplicated` keep torch's layouts but compute on local
-tensors inside a block, and `LocalEmbedding` / `LocalHead` do so for the vocab-parallel
-embedding and head; `block_input` hands a block one gathered copy of its input. Every
-parameter ends up a DTensor on the tp mesh (replicated ones as `Replicate()`): mixed plain and
-DTensor parameters would break foreach AdamW and gradient clipping.
+This module sits below the models so that their specs can name these styles. The `Local*`
+styles keep torch's layouts but compute on local tensors inside a block; `block_input` hands a
+block one gathered copy of its input. Every parameter ends up a DTensor on the tp mesh: mixed
+plain and DTensor parameters would break foreach AdamW and gradient clipping.
 """
 
 from __future__ import annotations
@@ -31,11 +25,7 @@ from torch.distributed.tensor import (  # noqa: F401  (Shard re-exported for the
     distribute_module,
     distribute_tensor,
 )
-from torch.distributed.tensor.parallel import (  # noqa: F401  (re-exported for the specs)
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from mesh3d import extensions
 from mesh3d.torch_private import apply_style, dtensor_spec, local_tensor, partition_fn
@@ -48,10 +38,9 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 
 class _LocalOf(torch.autograd.Function):
-    """`p.to_local()` of a contiguous DTensor parameter whose gradient keeps its placements:
-    the same local view forward, and backward the local gradient wrapped in (a copy of) the
-    parameter's own spec, which is what `to_local`'s backward builds through `from_local` (a
-    second autograd function and a new spec, per weight and microbatch)."""
+    """`p.to_local()` of a contiguous DTensor parameter whose gradient keeps its placements;
+    backward wraps the local gradient in a copy of the parameter's spec, skipping `to_local`'s
+    per-call `from_local`."""
 
     @staticmethod
     def forward(ctx, p):
@@ -69,14 +58,8 @@ class _LocalOf(torch.autograd.Function):
 
 
 def local_of(p: torch.Tensor, grad_placement=None) -> torch.Tensor:
-    """The local tensor a tp block computes with: `p.to_local(grad_placements=[grad_placement])`
-    (`None`: the gradient keeps `p`'s placements), the same value and the same gradient.
-
-    In eager mode a contiguous parameter whose gradient keeps its placements (every sharded
-    weight; replicated norms under ALL_REDUCE) takes `_LocalOf`, which skips `to_local`'s
-    per-call `from_local` in backward; compiled code and other placements take `to_local`.
-    A plain tensor is returned as is.
-    """
+    """`p.to_local(grad_placements=[grad_placement])` (`None`: the gradient keeps `p`'s
+    placements), by the faster `_LocalOf` where it can; a plain tensor is returned as is."""
     if not isinstance(p, DTensor):
         return p
     same = grad_placement is None or (len(p.placements) == 1 and p.placements[0] == grad_placement)
@@ -88,15 +71,9 @@ def local_of(p: torch.Tensor, grad_placement=None) -> torch.Tensor:
 class LocalReplicated(ParallelStyle):
     """Keep a module's weights as `Replicate()` DTensors and run it on local tensors.
 
-    For the norms, and for an MoE block (`ExpertsReplicated`). The module reads its weights
-    through `to_local(grad_placements=[module.grad_placement])` (RMSNorm and the MoE block
-    honour `grad_placement`), so its interior is plain tensor code, not one DTensor dispatch per
-    op. The weight gradient is `Replicate()` when every tp rank computes the same thing (ALL_REDUCE
-    activations: the column-parallel consumers all-reduce their input gradient), `Partial()` when
-    each rank holds other rows (sequence parallelism; the Qwen3 q/k norms on each rank's heads),
-    summed once after backward by `reduce_partial_grads`. Inputs arrive local (a DTensor is
-    made local); the output is local.
-    """
+    The module reads its weights with `local_of(w, module.grad_placement)`: `Partial()` with
+    `partial_grads` (each rank holds other rows; `reduce_partial_grads` sums them), else
+    `Replicate()`."""
 
     def __init__(self, partial_grads: bool):
         super().__init__()
@@ -122,13 +99,8 @@ def _local_colwise_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 class LocalColwise(ColwiseParallel):
-    """`ColwiseParallel`'s layout (weight and bias `Shard(0)`), computed on local tensors.
-
-    The input is the block's local copy of the full activations (`block_input`), the output
-    this rank's columns, local. The same math as `ColwiseParallel` fed a `Replicate()` input,
-    with one `to_local` per parameter instead of DTensor's dispatch of each op of the linear
-    and its backward; the weight gradient arrives as a `Shard(0)` DTensor.
-    """
+    """`ColwiseParallel`'s layout (weight and bias `Shard(0)`), computed on local tensors: the
+    input is the block's full activations (`block_input`), the output this rank's columns."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh, partition_fn(self, "linear"))
@@ -138,9 +110,7 @@ class LocalColwise(ColwiseParallel):
 
 class LocalRowwise(RowwiseParallel):
     """`RowwiseParallel`'s layout (weight `Shard(1)`, bias `Replicate()`), computed on local
-    tensors: this rank's partial product of its input columns, then one reduction to
-    `output_layouts` (all-reduce to `Replicate()`, reduce-scatter to `Shard(1)` under sequence
-    parallelism) and the bias; the output is local."""
+    tensors: this rank's partial product, one reduction to `output_layouts`, then the bias."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh, partition_fn(self, "linear"))
@@ -152,11 +122,7 @@ class LocalRowwise(RowwiseParallel):
             term = getattr(mod, "partial_term", None)  # a LoRA adapter's share (models/lora.py)
             if term is not None:
                 y = y + term(x)
-            if torch.compiler.is_compiling():  # traceable: DTensor's functional collectives
-                partial = DTensor.from_local(y, device_mesh, [Partial()], run_check=False)
-                out = partial.redistribute(device_mesh, [layout]).to_local()
-            else:
-                out = reduce_partial(y, device_mesh.get_group(), layout)
+            out = _reduced(y, device_mesh, layout)
             if mod.bias is not None:
                 out = out + local_of(mod.bias, bias_grad)
             return out
@@ -166,11 +132,9 @@ class LocalRowwise(RowwiseParallel):
 
 
 class LocalEmbedding(RowwiseParallel):
-    """`RowwiseParallel`'s vocab-parallel embedding (weight `Shard(0)` over the vocabulary, input
-    ids replicated), computed on local tensors: each rank looks up the ids in its rows (others
-    give zeros), then one reduction to `output_layouts` (all-reduce to `Replicate()`,
-    reduce-scatter to `Shard(1)` under sequence parallelism); the output is local. Shards are
-    `torch.chunk`'s (the last may be shorter), as `Shard(0)` lays them out."""
+    """`RowwiseParallel`'s vocab-parallel embedding (weight `Shard(0)`), computed on local
+    tensors: each rank looks up the ids in its rows (others give zeros), then one reduction to
+    `output_layouts`. Shards are `torch.chunk`'s (the last may be shorter), as `Shard(0)`'s."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh, partition_fn(self, "embedding"))
@@ -183,19 +147,14 @@ class LocalEmbedding(RowwiseParallel):
             outside = (ids < start) | (ids >= start + w.shape[0])
             y = F.embedding((ids - start).masked_fill(outside, 0), w)
             y = y.masked_fill(outside.unsqueeze(-1), 0.0)
-            if torch.compiler.is_compiling():  # traceable: DTensor's functional collectives
-                partial = DTensor.from_local(y, device_mesh, [Partial()], run_check=False)
-                return partial.redistribute(device_mesh, [layout]).to_local()
-            return reduce_partial(y, device_mesh.get_group(), layout)
+            return _reduced(y, device_mesh, layout)
 
         module.forward = types.MethodType(forward, module)
         return module
 
 
-# The activations' collectives, on plain tensors (eager mode): what DTensor's `redistribute` does
-# for `LocalRowwise`'s output and `block_input`'s input, one c10d call per direction, without
-# DTensor's per-call Python. Compiled code keeps DTensor's traceable path; the math is the same.
-# Each TP group's collectives are chosen once, when tp is applied (`choose_collectives`).
+# The activations' collectives on plain tensors (eager mode): what DTensor's `redistribute` does,
+# without its per-call Python. Compiled code keeps DTensor's traceable path; the math is the same.
 
 
 class C10dCollectives:
@@ -228,9 +187,8 @@ _CHOSEN: dict[dist.ProcessGroup, object] = {}  # TP group -> its collectives (de
 
 
 def choose_collectives(group: dist.ProcessGroup, device_type: str) -> None:
-    """Fix the activation collectives of TP group `group` (`apply_tp` calls this): a pair of CPU
-    ranks trades tensors (`parallel/pair_collectives.py`, a capability of that layout only),
-    every other group, and any group never chosen, uses c10d's collectives."""
+    """Fix the activation collectives of TP group `group`: a pair of CPU ranks trades tensors
+    (`parallel/pair_collectives.py`); any other group, or one never chosen, uses c10d's."""
     pair = device_type == "cpu" and dist.get_world_size(group) == 2
     pairs = extensions.load("pair_collectives").PairCollectives if pair else None
     _CHOSEN[group] = pairs(dist.get_rank(group)) if pairs else C10D
@@ -278,12 +236,8 @@ class _GatherFromLayout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        g = ctx.group
-        return (
-            (_summed(grad, g) if ctx.dim is None else _seq_reduce_scatter(grad, ctx.dim, g)),
-            None,
-            None,
-        )
+        g, dim = ctx.group, ctx.dim
+        return (_summed(grad, g) if dim is None else _seq_reduce_scatter(grad, dim, g)), None, None
 
 
 def _shard_dim(layout, ndim: int) -> int | None:
@@ -305,6 +259,14 @@ def gather_full(x: torch.Tensor, group: dist.ProcessGroup, layout) -> torch.Tens
     """The full activations from this rank's `x` in `layout` (as is for `Replicate()`, gathered
     for `Shard(d)`), whose gradient leaves summed over the group in `layout`."""
     return _GatherFromLayout.apply(x, group, _shard_dim(layout, x.dim()))
+
+
+def _reduced(y: torch.Tensor, device_mesh: DeviceMesh, layout) -> torch.Tensor:
+    """`reduce_partial` of `y` on `device_mesh`; in compiled code, DTensor's traceable path."""
+    if torch.compiler.is_compiling():
+        partial = DTensor.from_local(y, device_mesh, [Partial()], run_check=False)
+        return partial.redistribute(device_mesh, [layout]).to_local()
+    return reduce_partial(y, device_mesh.get_group(), layout)
 
 
 class _BlockInput(ParallelStyle):
@@ -329,11 +291,9 @@ class _BlockInput(ParallelStyle):
 
 
 class LocalHead(ColwiseParallel):
-    """`ColwiseParallel`'s vocab-parallel head (weight `Shard(0)` over the vocabulary) on local
-    tensors: its input is gathered once from `input_layout` as a block's is (`block_input`: as
-    is for `Replicate()`, all-gathered on the sequence for `Shard(1)`; the input gradient leaves
-    summed over tp), this rank's vocabulary columns are computed locally and returned as the
-    `Shard(-1)` DTensor the vocab-parallel loss reads (`train/loss.py`)."""
+    """`ColwiseParallel`'s vocab-parallel head (weight `Shard(0)`) on local tensors: its input
+    is gathered from `input_layout` as a block's is (`block_input`), and this rank's vocabulary
+    columns are returned as the `Shard(-1)` DTensor the vocab-parallel loss reads."""
 
     def __init__(self, input_layout):
         super().__init__(input_layouts=input_layout, output_layouts=Shard(-1),
@@ -345,8 +305,7 @@ class LocalHead(ColwiseParallel):
         vocab = module.weight.shape[0]
 
         def forward(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            bias = None if mod.bias is None else local_of(mod.bias)
-            y = F.linear(x, local_of(mod.weight), bias)
+            y = _local_colwise_forward(mod, x)
             shape = torch.Size((*y.shape[:-1], vocab))
             stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # contiguous
             return DTensor.from_local(y, device_mesh, [Shard(-1)], run_check=False, shape=shape,
@@ -357,20 +316,13 @@ class LocalHead(ColwiseParallel):
 
 
 def block_input(layout) -> ParallelStyle:
-    """Hand attention / MLP their input as one local copy of the full activations (gathered
-    from `layout`: all-gathered under sequence parallelism, as is under ALL_REDUCE).
-
-    q/k/v (and gate/up, `LocalColwise`) then share it: their input-gradient contributions add up
-    locally, as plain tensors, and are reduced once per sublayer on the way back (the gradient
-    leaves as `Partial()`: one all-reduce, or one reduce-scatter under sequence parallelism),
-    not once per projection.
-    """
+    """Hand attention / MLP one local copy of the full activations (gathered from `layout`):
+    the projections' input gradients add up locally and are reduced once per sublayer."""
     return _BlockInput(layout)
 
 
 def summed_over(group: dist.ProcessGroup):
-    """`f(t)`: all-reduce `t` (a sum) over `group` in place and return the group's size; what
-    an MoE block calls for the load statistics of a sequence split over `group`."""
+    """`f(t)`: all-reduce `t` (a sum) over `group` in place and return the group's size."""
 
     def f(t: torch.Tensor) -> int:
         dist.all_reduce(t, group=group)

@@ -1,15 +1,9 @@
 """The only code that knows on-disk checkpoint formats (Nanotron's layout).
 
-    full = {name: tensor for name, tensor in model.state_dict().items()}  # full, unsharded
     write_nanotron_weights(step_dir / "model", full, model_shape(cfg), tp=2, pp=2)
     full = read_nanotron_weights(step_dir / "model", model_shape(cfg))  # any tp/pp
 
-Nanotron's names and file patterns are tables in `mesh3d/nanotron_names.py` (a leaf the
-family specs use too). Files: `nanotron_weights.py` (full tensors <->
-Nanotron's per-rank safetensors files), `nanotron_state.py` (optimizer, scheduler, random,
-metadata files), `state.py` (a rank's share of any model), `training.py` (training step
-folders), `folder.py` / `atomic.py` (how a save reaches the disk), `lock.py` / `run_folder.py`
-(who writes a checkpoints folder), `hf.py` (Hugging Face conversion). The names below load on
+Nanotron's names and file patterns are in `mesh3d/nanotron_names.py`. The names below load on
 first use, so `import mesh3d.checkpoint` stays free of torch.
 """
 

@@ -1,18 +1,12 @@
 """The collective protocol of one save, shared by training checkpoints and `save_state`.
 
-    save_atomically(Path("ckpt/10"), write_rank=..., write_rank0=..., needed_bytes=...)
-
-1. rank 0 checks the free space against `needed_bytes` in `needed_files` files and folders,
-   and makes an empty `.tmp-<name>/`;
+1. rank 0 checks the free space and makes an empty `.tmp-<name>/`;
 2. every rank writes its files through a `FolderWriter` (fsynced, checksummed);
-3. every rank reports (its problem or None, its files' checksums) to every other: if any rank
-   failed (disk full, a non-finite tensor, a bug), rank 0 removes `.tmp-<name>/` and every rank
-   raises the same error, naming the rank, so no rank waits on a peer that gave up;
+3. every rank shares (its problem or None, its files' checksums): if any rank failed, rank 0
+   removes `.tmp-<name>/` and every rank raises the same error, so no rank waits on a peer;
 4. rank 0 writes its own files and the manifest, and commits (`folder.commit`).
-A step that fails leaves the checkpoints folder exactly as it was.
-
-`async_save.start_save` is the same protocol with step 2's writing moved to a background thread
-(the state copied aside first) and steps 3-4 run later on the training thread.
+A failed save leaves the checkpoints folder as it was. `async_save.start_save` runs step 2 on a
+background thread and steps 3-4 later on the training thread.
 """
 
 from __future__ import annotations
@@ -79,7 +73,6 @@ def _raise_first(problems: list[Problem], own: BaseException | None) -> None:
 
 def _prepare(final: Path, needed_bytes: int | None, needed_files: int, step: int | None) -> Path:
     """Step 1 on rank 0 (free space, an empty `.tmp-<name>/`); every rank gets the outcome."""
-    rank, _ = _rank_world()
     root, tmp = final.parent, final.parent / f".tmp-{final.name}"
 
     def prepare() -> None:
@@ -89,28 +82,25 @@ def _prepare(final: Path, needed_bytes: int | None, needed_files: int, step: int
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
 
-    problem, own = _attempt(prepare, tmp) if rank == 0 else (None, None)
+    problem, own = _attempt(prepare, tmp) if _rank_world()[0] == 0 else (None, None)
     _raise_first(_everyone(problem), own)
     return tmp
 
 
 def _agree(tmp: Path, problem: Problem, own: BaseException | None, files: dict) -> list:
-    """Step 3: every rank's (problem, files) to every rank; on any problem the folder goes
-    and every rank raises the same error. Returns the reports."""
-    rank, _ = _rank_world()
+    """Step 3: share every rank's (problem, files); on any problem all raise. The reports."""
     reports = _everyone((problem, files))
     problems = [p for p, _ in reports]
-    if any(problems) and rank == 0:
+    if any(problems) and _rank_world()[0] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _raise_first(problems, own)
     return reports
 
 
 def _commit(tmp: Path, final: Path, reports: list, write_rank0, latest: bool) -> None:
-    """Step 4: rank 0 writes its own files and the manifest and commits; all learn the outcome."""
-    rank, _ = _rank_world()
+    """Step 4: rank 0 writes its files and the manifest and commits; all learn the outcome."""
     problem, own = None, None
-    if rank == 0:
+    if _rank_world()[0] == 0:
 
         def finish() -> None:
             files = {rel: v for _, f in reports for rel, v in f.items()}
@@ -127,16 +117,10 @@ def _commit(tmp: Path, final: Path, reports: list, write_rank0, latest: bool) ->
     _raise_first(_everyone(problem), own)
 
 
-def save_atomically(
-    final: Path,
-    write_rank: Callable[[FolderWriter], None],
-    write_rank0: Callable[[FolderWriter], None] | None = None,
-    *,
-    needed_bytes: int | None = None,
-    needed_files: int = 0,
-    step: int | None = None,
-    latest: bool = True,
-) -> Path:
+def save_atomically(final: Path, write_rank: Callable[[FolderWriter], None],
+                    write_rank0: Callable[[FolderWriter], None] | None = None, *,
+                    needed_bytes: int | None = None, needed_files: int = 0,
+                    step: int | None = None, latest: bool = True) -> Path:  # fmt: skip
     """Write folder `final` on every rank as described in the module doc; returns `final`."""
     tmp = _prepare(final, needed_bytes, needed_files, step)
     writer = FolderWriter(tmp)

@@ -1,26 +1,19 @@
 """Atomic, checksummed checkpoint folders: how every checkpoint reaches the disk.
 
-A save writes into `<root>/.tmp-<name>/`. Each file goes through a `FolderWriter`: written,
-flushed, fsynced, its size and CRC-32 recorded; an `OSError` (disk full, I/O error) becomes a
-`CheckpointWriteError` naming the file and the free space. When every rank's files are in,
-rank 0 writes `mesh3d_manifest.json` (every file's bytes and CRC-32) last and `commit`s:
-
-  1. an existing `<root>/<name>/` is renamed to `.old-<name>/` (never deleted first);
-  2. `.tmp-<name>/` is renamed to `<name>/` and the root folder fsynced;
-  3. `latest.txt` is replaced atomically (temporary file, fsync, rename, fsync);
+A save writes into `<root>/.tmp-<name>/` through `FolderWriter`s (each file fsynced, its size
+and CRC-32 recorded). Rank 0 writes `mesh3d_manifest.json` last and `commit`s:
+  1. an existing `<name>/` is renamed to `.old-<name>/` (never deleted first);
+  2. `.tmp-<name>/` is renamed to `<name>/` and the root fsynced;
+  3. `latest.txt` is replaced atomically;
   4. `.old-<name>/` is removed.
-
-`recover(root)` runs when a run takes the folder: a crash between 1 and 2 left `.old-<name>/`
-and no `<name>/`, so the old folder is put back; other `.tmp-*` and `.old-*` folders are removed.
-`verify` recomputes checksums on load: a flipped byte is an error naming the file. Nanotron
-ignores the manifest. `config.yaml` and `checkpoint_metadata.json` are left out of it: people
-edit them by hand, and their content is checked field by field when read.
-
-CRC-32 (zlib, ~1.9 GB/s on one core here) detects corruption, not tampering; it needs no package.
+`recover` puts back an `.old-<name>/` left without `<name>/` by a crash and removes other
+leftovers. `config.yaml` and `checkpoint_metadata.json` stay out of the manifest: people edit
+them, and their fields are checked when read. CRC-32 detects corruption, not tampering.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -48,7 +41,7 @@ def gib(n: float) -> str:
 
 
 def crc32_of(path: Path) -> tuple[int, int]:
-    """(bytes, CRC-32) of the file at `path`, read in 16 MiB chunks."""
+    """(bytes, CRC-32) of the file at `path`."""
     crc, size = 0, 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -63,12 +56,9 @@ def fsync_dir(path: Path) -> None:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def write_error(path: Path, e: OSError, root: Path | None = None) -> CheckpointWriteError:
@@ -86,9 +76,8 @@ def write_error(path: Path, e: OSError, root: Path | None = None) -> CheckpointW
 
 
 class _HashingFile(io.RawIOBase):
-    """A write-only file that keeps the CRC-32 and size of what went through it, and the
-    `OSError` a write raised: torch's zip writer replaces it with a RuntimeError ("unexpected
-    pos"), so a full disk inside `torch.save` would not read as one."""
+    """A write-only file keeping the CRC-32 and size of what it wrote, and a write's `OSError`:
+    torch's zip writer replaces that with a RuntimeError ("unexpected pos")."""
 
     def __init__(self, f):
         self.f, self.crc, self.size = f, 0, 0
@@ -123,17 +112,12 @@ class FolderWriter:
         self.files: dict[str, tuple[int, int]] = {}
         self._dirs: set[Path] = set()
 
-    def _open(self, rel: str):
-        path = self.folder / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._dirs.add(path.parent)
-        return path, open(path, "wb")  # noqa: SIM115 (closed by the caller's with)
-
     def _write(self, rel: str, fill) -> None:
         path, f = self.folder / rel, None
         try:
-            path, raw = self._open(rel)
-            with raw:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._dirs.add(path.parent)
+            with open(path, "wb") as raw:
                 f = _HashingFile(raw)
                 fill(f)
                 raw.flush()
@@ -199,15 +183,10 @@ def read_manifest(step_dir: Path) -> dict[str, dict] | None:
 
 
 def verify(step_dir: Path, rank: int = 0, world: int = 1) -> list[str]:
-    """Problems with the files this rank checks (every `world`-th file of the manifest, from
-    `rank`), one message each; [] when all match or there is no manifest."""
-    files = read_manifest(step_dir)
-    if files is None:
-        return []
+    """Problems with this rank's share of the manifest's files (every `world`-th from `rank`),
+    one message each; [] when all match or there is no manifest."""
     problems = []
-    for i, (rel, want) in enumerate(sorted(files.items())):
-        if i % world != rank:
-            continue
+    for rel, want in sorted((read_manifest(step_dir) or {}).items())[rank::world]:
         path = step_dir / rel
         if not path.is_file():
             problems.append(f"{path} is missing (listed in {MANIFEST})")
@@ -231,8 +210,8 @@ def damaged_error(step_dir: Path, problems: list[str]) -> UserError:
 
 
 def commit(tmp: Path, final: Path, latest: bool = True) -> None:
-    """Put the complete folder `tmp` in place as `final` (see the module doc), then name it in
-    `<root>/latest.txt` when `latest`."""
+    """Put the complete folder `tmp` in place as `final` (module doc); name it in `latest.txt`
+    when `latest`."""
     root = final.parent
     fsync_dir(tmp)
     old = root / f".old-{final.name}"
@@ -274,8 +253,8 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def not_a_checkpoint(path: Path) -> UserError | None:
-    """The one line for an `init_method.path` that is neither a Hugging Face model folder nor a
-    Nanotron/mesh3d step folder (with `model/`), saying what it has; None when it is one."""
+    """The error for an `init_method.path` that is neither a Hugging Face model folder nor a
+    step folder (with `model/`); None when it is one."""
     if (path / "model").is_dir() or is_hf_folder(path):
         return None
     if not path.exists():
@@ -326,32 +305,24 @@ def recover(root: Path) -> list[str]:
     return done
 
 
-def block_size(path: Path) -> int:
-    """The file system's allocation unit at `path` (4 KiB where unknown)."""
-    try:
-        return os.statvfs(path).f_frsize or 4096
-    except (OSError, AttributeError):
-        return 4096
-
-
 def on_disk(root: Path, data: int, files: int) -> int:
     """About what `data` bytes in `files` files and folders take on the disk of `root`: each
-    may use one more block than its bytes, and `HEADER_BYTES` of headers."""
-    return data + files * (block_size(root) + HEADER_BYTES)
+    may use one more block (4 KiB where unknown) and `HEADER_BYTES` of headers."""
+    try:
+        block = os.statvfs(root).f_frsize or 4096
+    except (OSError, AttributeError):
+        block = 4096
+    return data + files * (block + HEADER_BYTES)
 
 
 def check_free_space(root: Path, needed: int, step: int, files: int = 0) -> None:
-    """Refuse a save that cannot fit: `needed` bytes of data in `files` files and folders (an
-    estimate, `on_disk`) against the free space."""
+    """Refuse a save of `needed` bytes in `files` files and folders (`on_disk`) that cannot fit."""
     needed = on_disk(root, needed, files)
     free = shutil.disk_usage(root).free
     if free < needed:
-        last = latest_step(root)
-        kept = (
-            f"the last complete checkpoint is {root / str(last)}"
-            if last
-            else "no checkpoint was written yet"
-        )
+        kept = "no checkpoint was written yet"
+        if last := latest_step(root):
+            kept = f"the last complete checkpoint is {root / str(last)}"
         raise CheckpointWriteError(
             f"not enough space for the checkpoint of step {step} in {root}: it needs about "
             f"{gib(needed)}, {gib(free)} are free; {kept}. Free space or point "

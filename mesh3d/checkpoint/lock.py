@@ -1,20 +1,13 @@
 """One run per checkpoints folder: a lock file taken atomically when a run starts.
 
-`<checkpoints_path>/mesh3d.lock` holds the owner's run id, host, pid, the pid's start time and
-the run's start. It is created complete (written beside, then hard-linked into place, which
-fails if it exists), its modification time is refreshed by the owner's watchdog
-(`train/watchdog.py`, at its check interval), and it is removed when the run ends, however it
-ends short of SIGKILL.
-
-When a lock is stale, and taken over with a warning:
-- owner on this host: only when its process is gone (or the pid now belongs to a process that
-  started later). A live owner is never stale, however long since its last refresh: a run
-  suspended with SIGSTOP (`scontrol suspend`) for minutes keeps its folder;
-- owner on another host: when it was not refreshed for `STALE_S` seconds (a crashed node). This
-  assumes the hosts' clocks agree within seconds (NTP) and that a run suspended for longer than
-  `STALE_S` may lose its folder: it then finds its lock taken at its next save and stops before
-  writing (`FolderLock.taken_by`).
-Nanotron ignores the file.
+`<checkpoints_path>/mesh3d.lock` (owner's run id, host, pid and its start time, run start) is
+created complete (written beside, then hard-linked into place), refreshed by the owner's
+watchdog and removed when the run ends. A stale lock is taken over with a warning:
+- owner on this host: only when its process is gone (or its pid is reused). A live owner is
+  never stale: a run suspended with SIGSTOP keeps its folder;
+- owner on another host: when not refreshed for `STALE_S` seconds (a crashed node). This
+  assumes clocks agree within seconds; a run suspended longer finds its lock taken at its next
+  save and stops before writing (`FolderLock.taken_by`).
 """
 
 from __future__ import annotations
@@ -40,13 +33,18 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
+
+
+def _who(owner: dict, *more: str) -> str:
+    who = ", ".join(f"{k} {owner[k]}" for k in ("run_id", "host", "pid", *more) if k in owner)
+    return who or "unreadable lock"
 
 
 def start_ticks(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot, Linux /proc), None where unknown:
-    with the pid it names one process, even after the pid is reused."""
+    with the pid it names one process even after the pid is reused."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return int(f.read().rsplit(")", 1)[1].split()[19])
@@ -131,11 +129,8 @@ class FolderLock:
                 tmp.unlink()
 
     def _held_message(self, owner: dict, age: float) -> str:
-        who = ", ".join(
-            f"{k} {owner[k]}" for k in ("run_id", "host", "pid", "started") if k in owner
-        )
         return (
-            f"checkpoints folder {self.root} is in use by another run ({who or 'unreadable lock'}; "
+            f"checkpoints folder {self.root} is in use by another run ({_who(owner, 'started')}; "
             f"lock refreshed {age:.0f} s ago). Two runs must not share "
             "checkpoints.checkpoints_path: stop that run or choose another folder. If that run "
             "is dead, its lock is taken over once its process is gone (same host) or "
@@ -150,8 +145,7 @@ class FolderLock:
         owner, _ = found
         if owner.get("run_id") == self.run_id:
             return None
-        who = ", ".join(f"{k} {owner[k]}" for k in ("run_id", "host", "pid") if k in owner)
-        return f"another run ({who or 'unreadable lock'})"
+        return f"another run ({_who(owner)})"
 
     def refresh(self) -> bool:
         """Mark the lock alive; False (and nothing touched) once it is no longer this run's."""

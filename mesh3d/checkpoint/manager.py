@@ -1,20 +1,11 @@
 """One owner for a run's saves, from the step's state to the bucket.
 
-A save can start in several places: the initial save, an interval save, a stop signal, the
-end of the run. A background save (`mesh3d.async_checkpoint`) can be committed by the step
-loop's poll, or by a finish before the next save, before a step is judged, at a stop, at an
-error or at the end. Every one of these routes ends in `_committed`, which announces it and
-runs the run's commit hooks in order on world rank 0 (`commit_hooks`, built from the config):
-the Hugging Face export (`mesh3d.hf_export`) -> the upload (`s3_upload`) -> retention
-(`mesh3d.keep_last_checkpoints`) -> what a capability adds (the sbatch evaluation jobs). A hook
-has `committed(step_dir)` and may have `spared()` (steps retention must not delete), `lock`
-(held while retention deletes), `named_latest(step_dir)` and `close(wait_s)` (the run's end;
-it may return a report for the summary). Only the optional hooks' modules know what they do.
-`name_latest` is the only way, after a commit, to point `latest.txt` at a step; the loss-spike
-guard names a checkpoint through it once the next step is healthy (the hooks follow, as the
-bucket's `latest.txt` does). `close` ends the run's saves: it commits or abandons a save still
-being written, then closes the hooks (the uploads waited for with a time limit of their own,
-outside any collective).
+Every save (initial, interval, stop signal, end of run; a background save committed by `poll`
+or `finish`) ends in `_committed`, which runs the commit hooks in order on world rank 0: the
+Hugging Face export -> the upload -> retention -> what a capability adds. A hook has
+`committed(step_dir)` and may have `spared()` (steps retention must not delete), `lock` (held
+while retention deletes), `named_latest(step_dir)` and `close(wait_s)` (may return a report).
+`name_latest` is the only way to point `latest.txt` at a step after its commit.
 
     ckpt = Checkpointer(cfg, mesh)
     ckpt.save(10, write, background=True)   # write(background) -> step folder | PendingSave
@@ -22,9 +13,8 @@ outside any collective).
     ckpt.finish()                           # before the next save, a judged step, a stop
     ckpt.close(error=None)                  # the end: uploads waited for, report kept
 
-Every method but `name_latest` and `close` is called on every rank at the same point. The hooks run
-on world rank 0; when one fails with a `CheckpointWriteError` (the export), the others still
-run and every rank raises that same error (exit 5).
+Every method but `name_latest` and `close` is called on every rank at the same point. When a
+hook fails with a `CheckpointWriteError`, the others still run and every rank raises it.
 """
 
 from __future__ import annotations
@@ -59,13 +49,11 @@ class Checkpointer:
         self.hooks = commit_hooks(cfg, self.root) if self.root else []  # a capability appends
         self.report = None  # what a hook's `close` reported (`s3_upload`: its `UploadReport`)
 
-    # ------------------------------------------------------------------------------ saving
-
     def save(self, step: int, write: Callable[[bool], object],
              background: bool = False) -> None:  # fmt: skip
         """Save step `step` through `write(background)` (every rank), which returns the
-        committed step folder, or the `PendingSave` of a background one; a save still in
-        flight is committed first, so at most one is."""
+        committed step folder or a background save's `PendingSave`; a save in flight is
+        committed first."""
         self.finish()
         out = write(background)
         if not isinstance(out, Path):  # a background save's `PendingSave`
@@ -77,8 +65,8 @@ class Checkpointer:
             self._committed(Path(out), announce=False)  # `save_checkpoint` announced it
 
     def poll(self) -> None:
-        """At a step boundary: commit the background save if every rank has written it. A
-        failed write raises here (every rank), the previous checkpoint intact."""
+        """At a step boundary: commit the background save if every rank has written it (a
+        failed write raises here on every rank)."""
         if self.pending is not None and self.pending.poll():
             self._done_pending()
 
@@ -96,8 +84,7 @@ class Checkpointer:
         self._committed(final)
 
     def _committed(self, final: Path, announce: bool = True) -> None:
-        """What follows every commit (see the module doc); rank 0 runs the hooks, every rank
-        learns whether they went through."""
+        """Rank 0 runs the hooks; every rank learns whether they went through."""
         if announce:
             logger.info(f"Saved checkpoint {final}")
         problem = None
@@ -112,8 +99,7 @@ class Checkpointer:
             raise CheckpointWriteError(problem)
 
     def name_latest(self, step_dir: Path) -> None:
-        """Point `latest.txt` at the committed `step_dir` (world rank 0), and the bucket's
-        `latest.txt` once its upload is verified."""
+        """Point `latest.txt` at the committed `step_dir` (world rank 0), and tell the hooks."""
         if _rank() != 0:
             return
         write_latest(step_dir.parent, step_dir.name)
@@ -121,13 +107,10 @@ class Checkpointer:
             if hasattr(hook, "named_latest"):
                 hook.named_latest(step_dir)
 
-    # ------------------------------------------------------------------------------ the end
-
     def close(self, error: BaseException | None, wait_s: float) -> None:
         """End the run's saves. A background save is committed when every rank stops at the
-        same point (`error` None, or raised alike on every rank), else abandoned (its
-        temporary folder removed). Then the hooks close (the uploads waited for up to `wait_s`,
-        never inside a collective; what was not uploaded logged and kept in `report`)."""
+        same point (`error` None, or raised alike on every rank), else abandoned. Then the
+        hooks close (uploads waited for up to `wait_s`, outside any collective)."""
         if self.pending is not None:
             if error is None or getattr(error, "same_on_every_rank", False):
                 try:
@@ -169,9 +152,8 @@ def commit_hooks(cfg, root: Path) -> list:
 
 
 class Retention:
-    """`mesh3d.keep_last_checkpoints` as a commit hook: delete the step folders it does not
-    keep (`retention.prune`), never one another hook of `hooks` spares (an upload queued,
-    running or failed; a checkpoint an evaluation job reads), under their `lock`."""
+    """`mesh3d.keep_last_checkpoints` as a commit hook (`retention.prune`): never deletes a
+    step another hook of `hooks` spares, and deletes under their `lock`."""
 
     def __init__(self, keep_last: int, keep_every: int | None, root: Path, hooks: list):
         self.keep_last, self.keep_every, self.root, self.hooks = keep_last, keep_every, root, hooks

@@ -1,5 +1,5 @@
-"""The model config a step folder keeps (`model_config.json`: Nanotron's keys, the padded
-vocabulary), read back as mesh3d's typed config of its family, without the conversion code."""
+"""A step folder's `model_config.json` (Nanotron's keys, padded vocabulary), read back as
+mesh3d's typed config of its family."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _read_json_object(path: Path, missing: str) -> dict:
 
 
 def read_model_config_json(step: Path):
-    """The model config in `<step>/model_config.json` (Nanotron keys, padded vocab), any family."""
+    """The model config in `<step>/model_config.json`, any family."""
     path = step / "model_config.json"
     d = _read_json_object(path, f"{step} has no model_config.json; give a checkpoint step folder")
     try:

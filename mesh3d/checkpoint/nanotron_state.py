@@ -1,15 +1,11 @@
 """Nanotron's training-state files: optimizer, LR scheduler, random states, metadata.
 
-Pure functions and one reader, no process groups. Optimizer states are handled per TP rank in the
-same local layout as the weight shards (`shard_of` / `unshard`): a ZeRO-0 file holds, for each
-parameter of one (pp, tp) rank, its `exp_avg` / `exp_avg_sq` / `step` under an integer index,
-`names` maps index -> Nanotron parameter name, and `gradient_accumulator` holds the fp32 master
-weights. A ZeRO-1 file holds each tensor flattened and cut into this dp rank's `[start, end)`,
-with the offsets in `optimizer_config.json`.
-
-Everything is read with `torch.load(weights_only=True, mmap=True)`: only plain tensors and
-containers are unpickled (a file with anything else gets a clear error), and tensors are paged
-in only when used, so a rank reading the whole optimizer folder touches only its own parameters.
+Optimizer states are per TP rank, in the weight shards' local layout: a ZeRO-0 file holds each
+parameter's `exp_avg` / `exp_avg_sq` / `step` under an integer index, `names` maps index ->
+parameter name, `gradient_accumulator` holds the fp32 masters; a ZeRO-1 file holds each tensor
+flattened and cut to its dp rank's `[start, end)`, the offsets in `optimizer_config.json`.
+Files are read with `torch.load(weights_only=True, mmap=True)`: plain tensors only, paged in
+when used.
 """
 
 from __future__ import annotations
@@ -43,8 +39,7 @@ def optimizer_file(pp_rank: int, pp: int, tp_rank: int, tp: int, dp_rank=None, d
 
 
 def lr_scheduler_file(pp_rank: int, pp: int, tp_rank: int, tp: int) -> str:
-    """Nanotron never writes the dp part for the scheduler
-    (docs/nanotron-layout.md#lr-scheduler-files)."""
+    """No dp part, as Nanotron writes it (docs/nanotron-layout.md#lr-scheduler-files)."""
     return f"lr_scheduler_pp-{pp_rank}-of-{pp}_tp-{tp_rank}-of-{tp}_exp-0-of-1.pt"
 
 
@@ -54,8 +49,7 @@ def random_file(tp_rank: int, tp: int, dp_rank: int, dp: int, pp_rank: int, pp: 
 
 def zero1_ranges(numel: int, dp: int) -> list[tuple[int, int]]:
     """Nanotron's ZeRO-1 split of a flattened tensor: ceil(n/dp) elements per dp rank, the last
-    `dp*ceil(n/dp) - n` ranks one less (docs/nanotron-layout.md#optimizer-files). Empty ranges are
-    (start, start)."""
+    `dp*ceil(n/dp) - n` ranks one less (docs/nanotron-layout.md#optimizer-files)."""
     base = math.ceil(numel / dp)
     short = dp * base - numel
     out, start = [], 0
@@ -77,29 +71,23 @@ def optimizer_config(kind: str, tp: int, dp: int, pp: int, params: list[Param], 
             offsets[p.name] = {str(r): [str(a), str(b)] for r, (a, b) in enumerate(ranges) if b > a}
             shapes[p.name] = [str(d) for d in shape]
         configs = {"param_name_to_dp_rank_offsets": offsets, "orig_param_shapes": shapes}
-    parallelism = {"tp_size": str(tp), "dp_size": str(dp), "pp_size": str(pp)}
-    parallelism["expert_parallel_size"] = "1"
+    parallelism = {"tp_size": str(tp), "dp_size": str(dp), "pp_size": str(pp),
+                   "expert_parallel_size": "1"}  # fmt: skip
     return {"type": kind, "parallelism": parallelism, "configs": configs}
 
 
 def tp_rank_entries(params: list[Param], tp_rank: int) -> list[Param]:
-    """The parameters of `params` that Nanotron's optimizer and LR-scheduler files of tp rank
-    `tp_rank` list, in order: every one on tp rank 0; elsewhere all but the row-parallel
-    linears' biases, which Nanotron's `TensorParallelRowLinear` creates on tp rank 0 only
-    (Starcoder2's `attn.o` / `attn.dense` and `ff.c_proj`)."""
+    """The parameters Nanotron's optimizer and LR-scheduler files of tp rank `tp_rank` list, in
+    order: all but, off tp rank 0, the row-parallel linears' biases (Nanotron's
+    `TensorParallelRowLinear` creates them on tp rank 0 only)."""
     kinds = {p.name: p.kind for p in params}
-
-    def row_bias(p: Param) -> bool:
-        weight = p.name.removesuffix(".bias") + ".weight"
-        return p.name.endswith(".bias") and kinds.get(weight) == "row"
-
-    return [p for p in params if tp_rank == 0 or not row_bias(p)]
+    row_bias = {n for n in kinds if n.endswith(".bias") and kinds.get(n[:-5] + ".weight") == "row"}
+    return [p for p in params if tp_rank == 0 or p.name not in row_bias]
 
 
 def optimizer_payload(entries: list[tuple[str, dict[str, Tensor]]], groups: list[dict]) -> dict:
-    """The dict Nanotron `torch.save`s: state by index, one param group per parameter (entry i
-    in `groups[i]`, its own hyperparameters), names, and `gradient_accumulator` (fp32 masters)
-    when any entry has one."""
+    """The dict Nanotron `torch.save`s: state by index, one param group per parameter
+    (`groups[i]`), names, and `gradient_accumulator` when any entry has a master."""
     state, names, masters = {}, {}, {}
     for i, (name, tensors) in enumerate(entries):
         names[i] = name
@@ -116,11 +104,8 @@ def optimizer_payload(entries: list[tuple[str, dict[str, Tensor]]], groups: list
 
 
 def lr_scheduler_state(peaks: list[float], current: list[float], last_epoch: int) -> dict:
-    """The LambdaLR `state_dict` Nanotron saves for a rank whose optimizer has one param group
-    per parameter: its loader zips the lists with its own lambdas (strict), so every list has
-    one entry per parameter; `base_lrs` holds each parameter's peak lr (the configured one, or
-    its spectral-µP scaling), `_last_lr` its current lr."""
-    n = len(peaks)
+    """The LambdaLR `state_dict` Nanotron saves: one entry per parameter in every list (its
+    loader zips them with its lambdas, strict); `base_lrs` the peak lrs, `_last_lr` the current."""
     return {
         "base_lrs": list(peaks),
         "last_epoch": last_epoch,
@@ -128,7 +113,7 @@ def lr_scheduler_state(peaks: list[float], current: list[float], last_epoch: int
         "_is_initial": False,
         "_get_lr_called_within_step": False,
         "_last_lr": list(current),
-        "lr_lambdas": [{}] * n,  # a functools.partial's empty __dict__ per group
+        "lr_lambdas": [{}] * len(peaks),  # a functools.partial's empty __dict__ per group
     }
 
 
@@ -146,11 +131,8 @@ def safe_load(path: Path, what: str):
 
 
 class OptimizerFiles:
-    """Every optimizer file of a step folder, indexed by Nanotron parameter name.
-
-    `full(p, key)` rebuilds the full (fused) tensor of state `key` of parameter `p` from
-    whatever (pp, dp, tp) layout and ZeRO stage the files were written with.
-    """
+    """Every optimizer file of a step folder, indexed by Nanotron parameter name; `full`
+    rebuilds a full tensor from any (pp, dp, tp) layout and ZeRO stage."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -234,10 +216,9 @@ class OptimizerFiles:
 
 def metadata(tp: int, dp: int, step: int, consumed: int, stages: list[dict], extra: dict,
              cp: int = 1) -> dict:  # fmt: skip
-    """`checkpoint_metadata.json` (docs/nanotron-layout.md#metadata-files) with HEAD's fields too
-    (`cp`, per-stage `sequence_length` from `stages`), still version 1.4 so CLASSIC loads it;
-    mesh3d's own fields go in `custom_metas`. `consumed_tokens_total` is null: HEAD then sums the
-    stages' (empty) per-folder counts, where a number would fail its check that they add up."""
+    """`checkpoint_metadata.json` (docs/nanotron-layout.md#metadata-files), with HEAD's fields
+    but version 1.4 so CLASSIC loads it; mesh3d's own fields in `custom_metas`.
+    `consumed_tokens_total` is null: HEAD would check a number against the stages' counts."""
     return {
         "cp": cp,
         "custom_metas": extra,
@@ -257,8 +238,8 @@ def metadata(tp: int, dp: int, step: int, consumed: int, stages: list[dict], ext
 
 
 def read_metadata(step_dir: Path) -> dict:
-    """The step's `checkpoint_metadata.json`, version- and field-checked (Nanotron 1.2-1.5 and
-    mesh3d): every field mesh3d reads has the right type and range, or a `UserError` names it."""
+    """The step's `checkpoint_metadata.json`, version- and field-checked: a `UserError` names
+    any field mesh3d reads that has the wrong type or range."""
     path = step_dir / "checkpoint_metadata.json"
     try:
         meta = json.loads(path.read_text())
@@ -279,22 +260,17 @@ def read_metadata(step_dir: Path) -> dict:
             f"{path} is checkpoint version {meta['version']}, newer than the "
             f"{'.'.join(map(str, MAX_READ_VERSION))} mesh3d reads"
         )
-    fields = {"tp": (meta, 1), "dp": (meta, 1), "last_train_step": (meta["metas"], 0)}
-    fields["consumed_train_samples"] = (meta["metas"], 0)
-    custom = meta.get("custom_metas")
+    metas, custom = meta["metas"], meta.get("custom_metas")
+    fields = [(meta, "", "tp", 1), (meta, "", "dp", 1), (metas, "metas.", "last_train_step", 0),
+              (metas, "metas.", "consumed_train_samples", 0)]  # fmt: skip
     if isinstance(custom, dict) and "pp" in custom:
-        fields["pp"] = (custom, 1)
-    for key, (where, low) in fields.items():
+        fields.append((custom, "custom_metas.", "pp", 1))
+    for where, prefix, key, low in fields:
         value = where.get(key)
         if type(value) is not int or value < low:
             shown = "missing" if key not in where else f"{value!r}"
-            dotted = (
-                key
-                if where is meta
-                else f"{'metas' if where is meta['metas'] else 'custom_metas'}.{key}"
-            )
             raise UserError(
-                f"{path}: `{dotted}` must be an integer >= {low}, got {shown}; the file was "
+                f"{path}: `{prefix}{key}` must be an integer >= {low}, got {shown}; the file was "
                 "edited or damaged: restore it or fix that field"
             )
     return meta
@@ -322,20 +298,16 @@ def random_states() -> dict:
 def set_random_states(states: dict, path: Path | None = None) -> None:
     """Restore what `random_states` saved (from `path`, named in the error if it is damaged)."""
     try:
-        _set_random_states(states)
+        torch.set_rng_state(states["torch_cpu"])
+        if "torch_cuda" in states and torch.cuda.is_available():
+            torch.cuda.set_rng_state(states["torch_cuda"])
+        py = states["python"]
+        random.setstate((py["version"], tuple(int(x) for x in py["state"]), None))
+        n = states["numpy"]
+        keys = n["keys"].numpy().astype(np.uint32)
+        np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     except (KeyError, TypeError, ValueError, OverflowError, RuntimeError, AttributeError) as e:
         raise UserError(
             f"random-state file {path} is damaged ({type(e).__name__}: {e}); delete it to "
             "resume with fresh random states (the data order does not depend on them)"
         ) from None
-
-
-def _set_random_states(states: dict) -> None:
-    torch.set_rng_state(states["torch_cpu"])
-    if "torch_cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["torch_cuda"])
-    py = states["python"]
-    random.setstate((py["version"], tuple(int(x) for x in py["state"]), None))
-    n = states["numpy"]
-    keys = n["keys"].numpy().astype(np.uint32)
-    np.random.set_state(("MT19937", keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))

@@ -1,15 +1,11 @@
 """Nanotron's model-weight files, written and read as full tensors
 (docs/nanotron-layout.md#checkpoints).
 
-Pure functions over full (unsharded) tensors keyed by our parameter names, so the layout is
-testable without process groups. One safetensors file per parameter and TP rank, tensor key
-`data`, metadata `version` / `unsharded_shape` / `local_global_slices_pairs` (all strings);
-RMSNorm weights once, without rank suffix and with empty metadata; tied embeddings once, under
-the embedding's path. `root` is a step's `model/` directory (`<step>/model`), so paths start
-with `model/` like Nanotron's names.
-
-Reading accepts any TP/PP layout: the shards of one parameter are placed with their slice
-metadata, the fused qkv / gate_up are split back into our q/k/v and gate/up.
+Pure functions over full tensors keyed by our parameter names. One safetensors file per
+parameter and TP rank, tensor key `data`, string metadata `version` / `unsharded_shape` /
+`local_global_slices_pairs`; replicated weights (norms) once, with empty metadata; tied
+embeddings once, under the embedding's path. `root` is a step's `model/` folder. Reading
+accepts any TP/PP layout and splits fused qkv / gate_up back into our tensors.
 """
 
 from __future__ import annotations
@@ -71,21 +67,18 @@ def is_embedding(p: Param) -> bool:
 
 
 def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
-    """Nanotron's parameters in module order; lm_head left out when tied.
-
-    The names, the tensors each one fuses and their TP kinds come from the family's spec: its
-    outer parameters on the first stage (the embedding), the decoder layers, then those on the
-    last stage (the final norm, the head)."""
+    """Nanotron's parameters in module order (from the family's spec); lm_head left out when
+    tied."""
     spec = spec_named(s.family)
     shapes = spec.param_shapes(s)
     layer_costs, head_cost = spec.pipeline_costs(s)
-    stage_layers = split_by_cost(layer_costs, head_cost, pp)
-    stage_of = {i: st for st, owned in enumerate(stage_layers) for i in owned}
+    stages = enumerate(split_by_cost(layer_costs, head_cost, pp))
+    stage_of = {i: st for st, owned in stages for i in owned}
     outer = {"first": [], "last": []}
     for name, (ours, kind, end) in spec.nanotron_outer.items():
         if not (s.tied and ours == HEAD_OURS):
             outer[end].append(_param(name, ours, kind, 0 if end == "first" else pp - 1, shapes))
-    params = list(outer["first"])
+    params = outer["first"]
     for i in range(s.num_layers):
         for key, (ours, kind) in spec.nanotron_layer(s, i).items():
             our_names = tuple(names.LAYER_PREFIX_OURS.format(i=i) + o for o in ours)
@@ -95,7 +88,7 @@ def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
 
 
 def _slice_pairs(p: Param, tp_rank: int, tp: int) -> list[tuple[Slices, Slices]]:
-    """(local slices, global slices) of TP rank `tp_rank`: one pair per chunk
+    """(local, global) slices of TP rank `tp_rank`, one pair per chunk
     (docs/nanotron-layout.md#slice-metadata)."""
     dim, full = names.SPLIT_DIM[p.kind], (slice(None),) * len(p.shape)
     chunks = p.chunks if p.kind == "column" else (p.shape[dim],)
@@ -106,11 +99,8 @@ def _slice_pairs(p: Param, tp_rank: int, tp: int) -> list[tuple[Slices, Slices]]
                 f"{p.name}: size {c} on dim {dim} does not split over tp={tp}; use a tp that divides it"
             )
         n = c // tp
-        glob = (
-            full[:dim]
-            + (slice(offset + tp_rank * n, offset + (tp_rank + 1) * n),)
-            + full[dim + 1 :]
-        )
+        a = offset + tp_rank * n
+        glob = (*full[:dim], slice(a, a + n), *full[dim + 1 :])
         local = full if p.kind != "column" else (slice(offset // tp, offset // tp + n),) + full[1:]
         pairs.append((local, glob))
         offset += c
@@ -127,7 +117,9 @@ def _parse(text: str) -> Slices:
     )
 
 
-def _path(p: Param, tp_rank: int, tp: int, pp: int) -> str:
+def weight_file(p: Param, tp_rank: int, tp: int, pp: int) -> str:
+    """Path of `p`'s file for `tp_rank`, relative to a step's `model/` folder
+    (docs/nanotron-layout.md#weight-files)."""
     *dirs, leaf = p.name.split(".")
     if p.kind == "replicated":
         return "/".join([*dirs, names.UNSHARDED_FILE.format(leaf=leaf)])
@@ -183,27 +175,19 @@ def fuse(p: Param, tensors: dict[str, Tensor]) -> Tensor:
     return fused
 
 
-def weight_file(p: Param, tp_rank: int, tp: int, pp: int) -> str:
-    """Path of `p`'s file for `tp_rank`, relative to a step's `model/` folder
-    (docs/nanotron-layout.md#weight-files)."""
-    return _path(p, tp_rank, tp, pp)
-
-
-def nanotron_shards(
-    full: dict[str, Tensor], s: ModelShape, tp: int, pp: int
-) -> dict[str, tuple[Tensor, dict[str, str]]]:
+def nanotron_shards(full: dict[str, Tensor], s: ModelShape, tp: int,
+                    pp: int) -> dict[str, tuple[Tensor, dict[str, str]]]:  # fmt: skip
     """Relative path (under `<step>/model`) -> (the file's `data` tensor, its metadata)."""
     out = {}
     for p in nanotron_params(s, pp):
         fused = fuse(p, full)
         for t in range(1 if p.kind == "replicated" else tp):
-            out[_path(p, t, tp, pp)] = shard_of(p, fused, t, tp)
+            out[weight_file(p, t, tp, pp)] = shard_of(p, fused, t, tp)
     return out
 
 
-def write_nanotron_weights(
-    root: str | Path, full: dict[str, Tensor], s: ModelShape, tp: int, pp: int
-) -> list[Path]:
+def write_nanotron_weights(root: str | Path, full: dict[str, Tensor], s: ModelShape, tp: int,
+                           pp: int) -> list[Path]:  # fmt: skip
     """Write every file of the (tp, pp) layout under `root` (= `<step>/model`); return the paths.
 
     Example:
@@ -220,8 +204,8 @@ def write_nanotron_weights(
 
 
 def save_readable(tensors: dict[str, Tensor], path: Path, metadata: dict | None) -> None:
-    """`safetensors.torch.save_file`, then the mode a new file gets here (0666 less the umask):
-    safetensors creates its files 0600, unreadable to the other users of a shared model folder."""
+    """`safetensors.torch.save_file`, then mode 0666 less the umask: safetensors creates its
+    files 0600, unreadable to the other users of a shared model folder."""
     save_file(tensors, str(path), metadata=metadata)
     umask = os.umask(0)
     os.umask(umask)
@@ -267,24 +251,14 @@ def _shard_files(directory: Path, p: Param) -> list[Path]:
     """The sharded files of `p`, checking that every TP rank of the saved layout is there."""
     leaf = p.name.rsplit(".", 1)[1]
     regex = re.compile(names.SHARDED_FILE_REGEX.format(leaf=leaf))
-    found = (
-        {f: regex.fullmatch(f.name) for f in directory.glob(f"model_{leaf}*.safetensors")}
-        if directory.is_dir()
-        else {}
-    )
-    found = {f: m for f, m in found.items() if m}
+    files = directory.glob(f"model_{leaf}*.safetensors") if directory.is_dir() else ()
+    found = {f: m for f in files if (m := regex.fullmatch(f.name))}
     if not found:
-        bad = list(directory.glob(names.BAD_NAMING_GLOB)) if directory.is_dir() else []
-        hint = (
-            " (doubled file names of checkpoint 1.3: run Nanotron's scripts/fix_checkpoint_bad_naming.py)"
-            if bad
-            else ""
-        )
-        tied = (
-            " (or the checkpoint has tied embeddings: set tie_word_embeddings: true)"
-            if p.ours == HEAD_OURS
-            else ""
-        )
+        hint = tied = ""
+        if directory.is_dir() and any(directory.glob(names.BAD_NAMING_GLOB)):
+            hint = " (doubled file names of checkpoint 1.3: run Nanotron's scripts/fix_checkpoint_bad_naming.py)"
+        if p.ours == HEAD_OURS:
+            tied = " (or the checkpoint has tied embeddings: set tie_word_embeddings: true)"
         raise UserError(
             f"missing weights of {p.name}: no model_{leaf}_pp-rank-*_tp-rank-*.safetensors in {directory}{hint}{tied}"
         )
@@ -348,7 +322,7 @@ def read_param(root: str | Path, p: Param) -> Tensor:
     root = Path(root)
     if p.kind != "replicated":
         return _read_sharded(root, p)
-    path = root / _path(p, 0, 1, 1)
+    path = root / weight_file(p, 0, 1, 1)
     if not path.is_file() and is_expert_stack(p):  # saved split over ep ranks?
         split = extensions.load("expert_files").read_expert_files(root, p)
         if split is not None:

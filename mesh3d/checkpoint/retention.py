@@ -3,13 +3,10 @@
 
     prune(Path("ckpt"), keep_last=3, keep_every=1000)   # -> the steps deleted, e.g. [200]
 
-Called on rank 0 right after a save committed (complete, checksummed, renamed into place), so
-the newest folder is always a verified one. Never deleted: the step `latest.txt` names, the
-last `keep_last` complete folders, every multiple of `keep_every`. A step's Hugging Face export
-(`hf/<step>/`, `mesh3d.hf_export`) goes with it. A folder is renamed to
-`.del-<step>` before it is removed, so a crash mid-deletion leaves no half folder that looks
-like a checkpoint (`.del-*` leftovers are removed by the next prune). `protect`: steps never
-deleted either (the folders `s3_upload` has not uploaded yet, `upload.Uploader.unsent`).
+Runs on rank 0 right after a save committed. Never deleted: the step `latest.txt` names, the
+last `keep_last` folders, every multiple of `keep_every`, the `protect`ed steps. A step's
+`hf/<step>/` export goes with it. A folder is renamed to `.del-<step>` before it is removed,
+so a crash mid-deletion leaves no half folder that looks like a checkpoint.
 """
 
 from __future__ import annotations

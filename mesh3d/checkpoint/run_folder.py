@@ -1,7 +1,7 @@
 """Where a run starts, and who may write its checkpoints folder.
 
-`claim_folder` runs on world rank 0 before anything is written: it takes the folder's lock (one
-run per folder), repairs what an interrupted save left, and decides where the run starts:
+`claim_folder` (world rank 0, before anything is written) takes the folder's lock, repairs
+what an interrupted save left, and decides where the run starts:
 
 | `resume_checkpoint_path` | folder holds checkpoints | `mesh3d.existing_checkpoints` | start |
 |---|---|---|---|
@@ -15,16 +15,10 @@ run per folder), repairs what an interrupted save left, and decides where the ru
 | another path | yes | error / resume | refused: the folder would mix two runs |
 | another path | yes | overwrite | from it; the folder's old step folders are deleted |
 
-So one launch command serves the first start and every restart: set `resume_checkpoint_path` to
-`checkpoints_path` (or `existing_checkpoints: resume`). `overwrite` deletes nothing here: the
-step folders to delete come back in `Claim.stale_steps`, and the run deletes them (`clear_steps`)
-as the last thing before training starts, once everything that can fail (the checkpoint to
-resume from found, verified and loaded) has not. A mistyped `resume_checkpoint_path` used to
-delete them, then fail.
-
-A `resume_checkpoint_path` of `s3://...` (a step prefix, or an `s3_upload.upload_s3_path` with
-latest.txt) is first downloaded into `checkpoints_path/<step>` and verified (`s3.fetch_step`),
-then resumed from as a path in the folder.
+`overwrite` deletes nothing here: the steps come back in `Claim.stale_steps`, and the run
+deletes them (`clear_steps`) just before training starts, once the checkpoint to resume from
+was found, verified and loaded. An `s3://` `resume_checkpoint_path` is first downloaded into
+`checkpoints_path/<step>` and verified (`s3.fetch_step`).
 """
 
 from __future__ import annotations

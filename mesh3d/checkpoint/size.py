@@ -1,13 +1,10 @@
 """How much one training checkpoint writes, for the free-space check before a save.
 
-Counted from Nanotron's parameter table, as `training.py` writes it: every parameter's weights
-in the model dtype, AdamW's two fp32 moments and the fp32 masters when kept, a tp-replicated
-parameter (the norms) once per tp rank (each tp rank's files hold it whole), a tied embedding's
-optimizer state twice when the head sits on another stage. The files: one per parameter and tp
-rank (and expert-parallel rank), the optimizer, scheduler and random-state files, and a few
-small ones; a folder per parameter. `folder.check_free_space` adds one block and 4 KiB of
-headers per file and folder: what the bytes alone left out (2.41 MiB estimated for a save that
-took 2.62 MiB on disk, so a disk that could not hold it passed the check).
+Counted from Nanotron's parameter table as `training.py` writes it: weights in the model dtype,
+AdamW's two fp32 moments and the fp32 masters when kept, a tp-replicated parameter once per tp
+rank, a tied embedding's optimizer state twice when the head is on another stage. Files: one
+per parameter and tp (and ep) rank, the optimizer, scheduler and random-state files, a few
+small ones, and a folder per parameter.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Weights and optimizer state of any model, in Nanotron's layout, at any layout on load.
 
-The core that `training.py` (training checkpoints) and `any_model.py` (`save_state` /
-`load_state` of any model) share:
-
-- `write_rank_state`: this rank gathers the full tensors of the parameters it holds, one
-  parameter at a time (collectives only among the ranks holding the same parameter), and writes
-  its own (pp, tp) files: weights (`model/...`, dp rank 0), optimizer state (`optimizer/`,
-  ZeRO-0 files from dp rank 0 or ZeRO-1 slices from every rank) and its random states.
-- `load_rank_state`: no collectives; each rank rebuilds the full tensors of its parameters from
-  whatever layout wrote the files and keeps its shard.
-
-A parameter is a `Param` (name in the files, our tensors it fuses, full shape, TP kind); for
-a family they come from `nanotron_params`, for any other model from `any_model.params_of`.
+Shared by `training.py` and `any_model.py`. `write_rank_state` gathers the full tensors of this
+rank's parameters one at a time (collectives only among the ranks holding each) and writes its
+own (pp, tp) files; `load_rank_state` needs no collectives: each rank rebuilds the full tensors
+of its parameters from whatever layout wrote the files and keeps its shard.
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ class Layout:
 
 def held_parameters(modules: Iterable[nn.Module]) -> dict[str, list[nn.Parameter]]:
     """Parameter name -> this rank's parameters holding it (a tied copy under its owner's name,
-    from a module's `tied_parameters`; activation-checkpoint wrappers removed from names)."""
+    from a module's `tied_parameters`)."""
     out: dict[str, list] = {}
     for m in modules:
         aliases = getattr(m, "tied_parameters", {})
@@ -65,8 +57,7 @@ def held_parameters(modules: Iterable[nn.Module]) -> dict[str, list[nn.Parameter
 
 
 def _full(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
-    """The full tensor of `t` (a parameter or an optimizer state of parameter `like`): DTensor
-    shards gathered, and expert-parallel slices gathered over their ep group."""
+    """The full CPU tensor of `t` (a parameter, or an optimizer state of parameter `like`)."""
     shard = getattr(t if like is None else like, "expert_shard", None)
     t = t.detach()
     t = t.full_tensor() if isinstance(t, DTensor) else t
@@ -76,8 +67,8 @@ def _full(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def _state_keys(optimizer, param) -> tuple[str, ...]:
-    """The optimizer states of `param` a checkpoint restores: AdamW's moments, or those the
-    optimizer names (`muon.MuonAdamW.state_keys`); () for none (SGD without momentum)."""
+    """The optimizer states of `param` a checkpoint keeps: AdamW's moments, or those the
+    optimizer names (`state_keys`); () for none."""
     if isinstance(optimizer, torch.optim.AdamW):
         return nanotron_state.ADAM_KEYS
     keys_of = getattr(optimizer, "state_keys", None)
@@ -85,12 +76,9 @@ def _state_keys(optimizer, param) -> tuple[str, ...]:
 
 
 def _group_hparams(group: dict) -> dict:
-    """A parameter's own group hyperparameters, as Nanotron's one-group-per-parameter file has them.
-
-    `lr` (and `initial_lr`) is the peak rate the schedule scales, not the current one: on resume
-    Nanotron replaces its groups by the saved ones and then builds its LambdaLR with
-    `initial_lr=group["lr"]`, so a current (decayed) lr would be decayed a second time.
-    """
+    """A parameter's group hyperparameters for Nanotron's one-group-per-parameter file. `lr` is
+    the peak rate: Nanotron builds its LambdaLR with `initial_lr=group["lr"]` on resume, so a
+    decayed lr would be decayed twice."""
     keys = ("weight_decay", "betas", "eps", "amsgrad", "foreach", "maximize", "capturable")
     keys += ("differentiable", "momentum", "dampening", "nesterov")
     keys += ("kind", "ns_steps", "ns_coefficients", "ns_eps", "ns_dtype", "adjust_lr_fn")  # Muon
@@ -113,53 +101,36 @@ def _finite(t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
-def write_rank_state(
-    writer: FolderWriter,
-    params: list[Param],
-    held: dict[str, list[nn.Parameter]],
-    optimizer: torch.optim.Optimizer | None,
-    layout: Layout,
-    *,
-    zero: bool,
-    model_dtype: torch.dtype | None,
-    masters: bool,
-    writes_weight: Callable[[Param], bool] = lambda p: True,
-    ep: int = 1,
-) -> None:
-    """This rank's weight, optimizer and random-state files, through `writer` (module doc).
-
-    `params` are the parameters this rank holds, in the same order on every rank holding them;
-    `writes_weight(p)` says whether this rank (if dp 0, and tp 0 for replicated ones) writes
-    `p`'s weight file — False for a tied copy another pipeline rank writes.
-    """
+def write_rank_state(writer: FolderWriter, params: list[Param], held: dict[str, list[nn.Parameter]],
+                     optimizer: torch.optim.Optimizer | None, layout: Layout, *, zero: bool,
+                     model_dtype: torch.dtype | None, masters: bool,
+                     writes_weight: Callable[[Param], bool] = lambda p: True,
+                     ep: int = 1) -> None:  # fmt: skip
+    """This rank's weight, optimizer and random-state files. `params`: in the same order on
+    every rank holding them; `writes_weight(p)` False for a tied copy another stage writes."""
     T, P, D = layout.coords["tp"], layout.coords["pp"], layout.coords["dp"]
     tp, pp, dp = layout.tp, layout.pp, layout.dp
-    # cp ranks hold the same parameters and state as their cp-0 rank (it alone writes them);
-    # they still take part in the collectives that gather full tensors below
+    # cp ranks hold their cp-0 rank's state (it alone writes), but join the gathers below
     writes = layout.coords.get("cp", 0) == 0
     entries, groups = [], []
     opt_state = optimizer.state if optimizer is not None else {}
     group_of = {p: g for g in optimizer.param_groups for p in g["params"]} if optimizer else {}
 
-    # Nanotron's loader wants a state entry for every name once there is any (asserts
-    # len(state) == len(names)): a parameter without AdamW state yet gets AdamW's fresh state
-    # (zero moments, step 0), which updates exactly like no state. Before the first step no
-    # parameter has state, and the files hold none (Nanotron refuses those, as its own).
+    # Nanotron's loader wants a state entry for every name once there is any: a parameter
+    # without state yet gets AdamW's fresh state (zeros, step 0), which updates like none.
     def keys_of(q) -> tuple[str, ...]:
         return _state_keys(optimizer, q) or nanotron_state.ADAM_KEYS
 
     any_state = any(k in opt_state.get(held[o][0], {}) for p in params for o in p.ours
                     for k in keys_of(held[o][0]))  # fmt: skip
-    # a writer that checks every tensor itself (an asynchronous save's, in the background)
-    # takes that work off the training thread
+    # a writer that checks every tensor itself (a background save's) spares this thread
     finite = (lambda t, what: t) if getattr(writer, "checks_finite", False) else _finite
     progress = Progress("Saving checkpoint (parameters of this rank)", len(params))
-    # every parameter's state is gathered (collectives), those Nanotron lacks on this tp rank
-    # (row-parallel biases off tp rank 0) are left out of its optimizer file
+    # every state is gathered (collectives); those Nanotron lacks on this tp rank are not listed
     listed = {p.name for p in nanotron_state.tp_rank_entries(params, T)}
     for p in params:
         first = [held[o][0] for o in p.ours]
-        fused = finite(fuse(p, {o: _full(held[o][0]) for o in p.ours}), f"parameter {p.name}")
+        fused = finite(fuse(p, {o: _full(q) for o, q in zip(p.ours, first)}), f"parameter {p.name}")
         if writes and D == 0 and (p.kind != "replicated" or T == 0) and writes_weight(p):
             data, meta = shard_of(p, fused.to(model_dtype or fused.dtype), T, tp)
             if ep > 1 and is_expert_stack(p):  # one file per ep rank, Nanotron's exp-rank names
@@ -179,36 +150,27 @@ def write_rank_state(
             elif any_state:  # no state yet: a fresh state (zeros), in the parameter's dtype
                 tensors[k] = torch.zeros_like(fused)
         local = {k: _own(shard_of(p, v, T, tp)[0]) for k, v in tensors.items()}
-        if zero:
-            a, b = (
-                nanotron_state.zero1_ranges(local[next(iter(local))].numel(), dp)[D]
-                if local
-                else (0, 0)
-            )
+        if zero and local:
+            a, b = nanotron_state.zero1_ranges(next(iter(local.values())).numel(), dp)[D]
             local = {k: v.reshape(-1)[a:b].clone() for k, v in local.items()}
         if "step" in state or any_state:
-            step = state["step"] if "step" in state else torch.zeros(())
-            local["step"] = step.detach().cpu().clone()
+            local["step"] = state.get("step", torch.zeros(())).detach().cpu().clone()
         if p.name in listed:
             entries.append((p.name, local))
             groups.append(_group_hparams(group_of[first[0]]) if first[0] in group_of else {})
         progress.update()
-    if not writes:
-        progress.done()
-        return
-    if optimizer is not None and (zero or D == 0):
+    if writes and optimizer is not None and (zero or D == 0):
         name = nanotron_state.optimizer_file(P, pp, T, tp, *((D, dp) if zero else ()))
         writer.save_torch(f"optimizer/{name}", nanotron_state.optimizer_payload(entries, groups))
-    writer.save_torch(
-        f"random/{nanotron_state.random_file(T, tp, D, dp, P, pp)}", nanotron_state.random_states()
-    )
+    if writes:
+        rel = f"random/{nanotron_state.random_file(T, tp, D, dp, P, pp)}"
+        writer.save_torch(rel, nanotron_state.random_states())
     progress.done()
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
     """`t` in a storage of its own size: `torch.save` writes a view's whole storage, and a
-    vocab-parallel shard is a view of the full tensor (at tp 2 each optimizer file held the
-    embedding's and lm_head's moments whole: 568 KB instead of 431 KB for the test model)."""
+    vocab-parallel shard is a view of the full tensor."""
     if t.untyped_storage().nbytes() > t.numel() * t.element_size():
         return t.clone()
     return t
@@ -225,8 +187,7 @@ def _fit_rows(t: torch.Tensor, p: Param, rows: int | None) -> torch.Tensor:
 
 
 def _place(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `full`, laid out like `like` (a DTensor or a plain tensor; an
-    expert-parallel slice takes its rows)."""
+    """This rank's piece of `full`, laid out like `like` (a DTensor, an expert slice, a tensor)."""
     shard = getattr(like, "expert_shard", None)
     if shard is not None:
         full = extensions.load("expert_parallel").slice_expert_shard(full, shard)
@@ -246,18 +207,11 @@ def _assign(param: nn.Parameter, full: torch.Tensor) -> None:
             param.copy_(local)
 
 
-def load_rank_state(
-    step_dir: Path,
-    params: list[Param],
-    held: dict[str, list[nn.Parameter]],
-    optimizer: torch.optim.Optimizer | None,
-    load_optimizer: bool,
-    rows: int | None = None,
-) -> None:
-    """Fill this rank's parameters (and AdamW state) from `step_dir`, saved at any layout.
-
-    `params` describe the tensors as saved (shapes, kinds); `rows` re-pads vocabulary tensors.
-    """
+def load_rank_state(step_dir: Path, params: list[Param], held: dict[str, list[nn.Parameter]],
+                    optimizer: torch.optim.Optimizer | None, load_optimizer: bool,
+                    rows: int | None = None) -> None:  # fmt: skip
+    """Fill this rank's parameters (and optimizer state) from `step_dir`, saved at any layout.
+    `params` describe the tensors as saved; `rows` re-pads vocabulary tensors."""
     files = nanotron_state.OptimizerFiles(step_dir / "optimizer") if load_optimizer else None
     progress = Progress(f"Loading checkpoint {step_dir}", len(params))
     for p in params:
@@ -268,8 +222,7 @@ def load_rank_state(
         states, step = {}, None
         keys = _state_keys(optimizer, held[p.ours[0]][0]) if files is not None else ()
         if keys:
-            states = {k: files.full(p, k) for k in keys}
-            states = {k: v for k, v in states.items() if v is not None}
+            states = {k: v for k in keys if (v := files.full(p, k)) is not None}
             step = files.step(p)
         for i, o in enumerate(p.ours):
             ours = {k: _fit_rows(torch.split(v, p.chunks)[i], p, rows)

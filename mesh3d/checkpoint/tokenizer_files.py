@@ -1,11 +1,7 @@
 """The tokenizer that goes with a checkpoint: which files to copy, and where to find it again.
 
-A training save copies a **local** tokenizer (`tokenizer.tokenizer_name_or_path` naming a file or
-a folder on this machine) into `<step>/tokenizer/`, so a step folder is enough to generate text
-or to make a Hugging Face folder. From a folder it takes `tokenizer.json`,
-`tokenizer_config.json` and `special_tokens_map.json` (those present); a single file is copied
-as `tokenizer/tokenizer.json`. A hub name (a path that does not exist here) is not downloaded
-and nothing is copied. Nanotron ignores the extra folder.
+A save copies a local tokenizer (a file or a folder) into `<step>/tokenizer/`; a hub name is
+not downloaded and nothing is copied. Nanotron ignores the extra folder.
 
     tokenizer_files("runs/tiny_data/tokenizer")   # [("tokenizer.json", Path(...)), ...]
     step_tokenizer(Path("ckpt/100"))              # Path("ckpt/100/tokenizer") or None
@@ -37,9 +33,8 @@ def tokenizer_files(name_or_path: str | Path | None) -> list[tuple[str, Path]]:
 
 
 def copy_into_checkpoint(writer, name_or_path: str | None) -> None:
-    """Write the local tokenizer's files to `tokenizer/` through `writer` (a `FolderWriter`,
-    so they are fsynced and listed in the manifest). A file that cannot be read any more (moved
-    during the run) is skipped with a warning: the weights matter more than the tokenizer."""
+    """Write the local tokenizer's files to `tokenizer/` through `writer` (a `FolderWriter`).
+    A file that cannot be read any more is skipped with a warning."""
     for name, src in tokenizer_files(name_or_path):
         try:
             data = src.read_bytes()

@@ -1,32 +1,11 @@
 """Save a training checkpoint in Nanotron's layout and resume from it exactly, at any layout.
 
-A step folder `<checkpoints_path>/<step>/` is Nanotron's (docs/nanotron-layout.md#the-step-folder),
-plus what Nanotron ignores (`mesh3d_manifest.json`, every file's size and CRC-32; `tokenizer/`):
-- `model/...`: weights in the model dtype, one safetensors file per parameter and TP rank;
-- `optimizer/`: `optimizer_config.json` and one `optimizer_pp-*_tp-*_exp-0-of-1.pt` per (pp, tp)
-  (ZeRO-0), or per (pp, dp, tp) with `zero_stage: 1`: AdamW state and the fp32 master weights
-  (`gradient_accumulator`) when `accumulate_grad_in_fp32`, one param group per parameter in
-  Nanotron's order (its loader pairs them by position);
-- `lr_scheduler/lr_scheduler_pp-*_tp-*_exp-0-of-1.pt` (one entry per parameter of that rank, as
-  Nanotron's LambdaLR has), `random/tp-*_dp-*_pp-*.pt` (plain tensors, unlike Nanotron's
-  pickled classes), `config.yaml` (what Nanotron's strict parser reads: no `mesh3d:` section),
-  `model_config.json`, `checkpoint_metadata.json` (version 1.4 with HEAD's fields; mesh3d's
-  additions, its non-default `mesh3d:` settings included, under `custom_metas`);
-- `tokenizer/`: a copy of the config's tokenizer when it is a local path (not for a hub name;
-  `tokenizer_files.py`).
-
-Saving: each rank gathers the full tensors of the parameters it holds, one Nanotron parameter at
-a time (collectives only within its pipeline stage), and writes the files of its own (pp, tp)
-rank — dp rank 0 for weights and ZeRO-0 state, every dp rank for ZeRO-1 slices. `atomic.py` does
-the rest: free space checked first, files fsynced and checksummed, a non-finite tensor or a write
-error on any rank stops every rank with the folder untouched, the complete folder renamed into
-place and `latest.txt` replaced last. Collectives run under `mesh3d.checkpoint_timeout_s`.
-
-Loading needs no collectives but one exchange of verification results: the manifest's files are
-checked (spread over the ranks), then each rank rebuilds the full tensors of its own parameters
-from the files of whatever layout wrote them (weights, optimizer state — ZeRO-0 or ZeRO-1 — and
-masters) and keeps its shard. So any (dp, tp, pp, zero_stage) resumes from any other, a different
-vocabulary padding included, and checkpoints written by Nanotron itself load too.
+A step folder is Nanotron's (docs/nanotron-layout.md#the-step-folder) plus what Nanotron
+ignores (`mesh3d_manifest.json`, `tokenizer/`, `data/`). Each rank gathers the full tensors of
+its parameters and writes its own (pp, tp) files; `atomic.py` makes the save all-or-nothing.
+Collectives run under `mesh3d.checkpoint_timeout_s`. Loading verifies the manifest (spread over
+the ranks), then each rank rebuilds its parameters from whatever layout wrote the files, so any
+(dp, tp, pp, zero_stage) and vocabulary padding resumes from any other, Nanotron's included.
 """
 
 from __future__ import annotations
@@ -37,17 +16,11 @@ import json
 import os
 from pathlib import Path
 
-import torch.distributed as dist
-
 from mesh3d import extensions
 from mesh3d.checkpoint import nanotron_state
-from mesh3d.checkpoint.atomic import save_atomically
+from mesh3d.checkpoint.atomic import _everyone, _rank_world, save_atomically
 from mesh3d.checkpoint.folder import MANIFEST, FolderWriter, damaged_error, fsync_dir, verify
-from mesh3d.checkpoint.nanotron_weights import (
-    is_embedding,
-    model_config_json,
-    nanotron_params,
-)
+from mesh3d.checkpoint.nanotron_weights import is_embedding, model_config_json, nanotron_params
 from mesh3d.checkpoint.size import checkpoint_size
 from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, write_rank_state
 from mesh3d.checkpoint.tokenizer_files import copy_into_checkpoint
@@ -60,12 +33,10 @@ from mesh3d.mesh import collective_timeout
 from mesh3d.torch_private import set_scheduler_position
 
 
-def _rank_params(layout: RunLayout, parts, pp_rank: int) -> list:
-    """The Nanotron parameters this rank holds, in the order of Nanotron's optimizer files:
-    module order, where a tied lm_head on another stage than the embedding comes last, under
-    the embedding's name (Nanotron's loader pairs saved and live states by position). A LoRA
-    run's: its adapters (`adapter_params`)."""
-    held = held_parameters(parts.modules)
+def _rank_params(layout: RunLayout, parts, pp_rank: int, held: dict) -> list:
+    """The Nanotron parameters this rank holds, in the order of Nanotron's optimizer files
+    (its loader pairs states by position): a tied lm_head on another stage than the embedding
+    comes last, under the embedding's name. A LoRA run's: its adapters."""
     if parts.params_of is not None:  # a transformers model: its own names
         return parts.params_of(pp_rank)
     if layout.lora is not None:
@@ -94,10 +65,10 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler,
     par, coords = cfg.parallelism, layout.coords
     if data_state is not None:
         writer.save_torch(data_state_file(coords["dp"], par.dp), data_state)
-    P = coords["pp"]
-    params = _rank_params(layout, parts, P)
+    P, held = coords["pp"], held_parameters(parts.modules)
+    params = _rank_params(layout, parts, P, held)
     write_rank_state(
-        writer, params, held_parameters(parts.modules), optimizer,
+        writer, params, held, optimizer,
         Layout(par.dp, par.tp, par.pp, coords), zero=_zero_files(cfg),
         model_dtype=layout.model_dtype, masters=layout.fp32_masters,
         writes_weight=lambda p: not is_embedding(p) or parts.embed_rank == P,
@@ -108,7 +79,6 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler,
         # (every parameter for ZeRO-1, whose files keep empty groups), peak lr as base
         name = nanotron_state.lr_scheduler_file(P, par.pp, coords["tp"], par.tp)
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        held = held_parameters(parts.modules)
         listed = nanotron_state.tp_rank_entries(params, coords["tp"])
         groups = [group_of[id(held[p.ours[0]][0])] for p in listed]
         state = nanotron_state.lr_scheduler_state(
@@ -120,7 +90,6 @@ def _write_rank_files(writer: FolderWriter, cfg, parts, optimizer, scheduler,
 def _write_rank0_files(writer: FolderWriter, cfg, layout: RunLayout, step: int, consumed: int,
                        extra: dict) -> None:  # fmt: skip
     par = cfg.parallelism
-    shape = layout.shape
     writer.write_text("config.yaml", nanotron_config_yaml(cfg, step, consumed))
     writer.write_text("model_config.json", json.dumps(model_config_json(cfg)))
     zero = _zero_files(cfg)
@@ -128,7 +97,7 @@ def _write_rank0_files(writer: FolderWriter, cfg, layout: RunLayout, step: int, 
     if not zero and layout.fp32_masters:
         kind = "OptimizerFromGradientAccumulator"
     lora = extensions.load("lora_files") if layout.lora is not None else None
-    saved = nanotron_params(shape) if lora is None else lora.adapter_params(layout.lora)
+    saved = nanotron_params(layout.shape) if lora is None else lora.adapter_params(layout.lora)
     opt_cfg = nanotron_state.optimizer_config(kind, par.tp, par.dp, par.pp, saved, zero)
     if lora is not None:  # what the adapters are and the base they apply to
         extra = {**extra, "lora": lora.lora_meta(cfg, layout.lora)}
@@ -143,45 +112,22 @@ def _write_rank0_files(writer: FolderWriter, cfg, layout: RunLayout, step: int, 
         for s, c in zip(stages, counts)
     ]  # fmt: skip
     extra = {"writer": "mesh3d", "pp": par.pp, "zero_stage": cfg.optimizer.zero_stage, **extra}
-    if mesh3d_changes(cfg):  # config.yaml leaves `mesh3d:` out (Nanotron refuses it)
-        extra["mesh3d"] = mesh3d_changes(cfg)
+    if changes := mesh3d_changes(cfg):  # config.yaml leaves `mesh3d:` out (Nanotron refuses it)
+        extra["mesh3d"] = changes
     meta = nanotron_state.metadata(par.tp, par.dp, step, consumed, stage_meta, extra,
                                    cp=par.context_parallel_size)  # fmt: skip
     writer.write_text("checkpoint_metadata.json", json.dumps(meta, indent=2, sort_keys=True))
     copy_into_checkpoint(writer, cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None)
 
 
-def save_checkpoint(
-    root: str | Path,
-    step: int,
-    cfg,
-    parts,
-    optimizer,
-    scheduler,
-    mesh,
-    consumed_samples: int,
-    *,
-    layout: RunLayout,
-    extra: dict | None = None,
-    latest: bool = True,
-    background: bool = False,
-    data_state: dict | None = None,
-) -> Path | object:
-    """Write `<root>/<step>/` (all ranks call this); returns the step folder.
-
-    `layout` is the run's (`mesh3d.layout.RunLayout`): this rank's coordinates and the shape.
-    `extra` goes into the metadata's `custom_metas` (e.g. the W&B run id to continue);
-    `latest` False leaves `latest.txt` as it is (a checkpoint no restart should pick). The free
-    space is checked first against what the checkpoint takes (`size.checkpoint_size`).
-    Raises `CheckpointWriteError` or `NonFiniteError` on every rank when the save fails; the
-    checkpoints folder is then as it was. `background` (`mesh3d.async_checkpoint`): the state
-    is copied aside and written on a thread; returns the `async_save.PendingSave` to poll and
-    finish.
-    `data_state`: this rank's streamed-data position (`data/loader.py`), written by one rank
-    per dp rank into `data/` (inside the manifest, so the folder is complete or absent).
-    """
-    root = Path(root)
-    final = root / str(step)
+def save_checkpoint(root: str | Path, step: int, cfg, parts, optimizer, scheduler, mesh,
+                    consumed_samples: int, *, layout: RunLayout, extra: dict | None = None,
+                    latest: bool = True, background: bool = False,
+                    data_state: dict | None = None) -> Path | object:  # fmt: skip
+    """Write `<root>/<step>/` (all ranks call this); returns the step folder, or with
+    `background` the `async_save.PendingSave`. `extra` goes into `custom_metas`; `latest` False
+    leaves `latest.txt` as it is; a failed save raises on every rank, the folder as it was."""
+    final = Path(root) / str(step)
     data_bytes, files = checkpoint_size(cfg, layout)
     logger.info(f"Saving checkpoint at {final}" + (" (in the background)" if background else ""))
     save = save_atomically
@@ -238,7 +184,7 @@ def weights_dir(path: str | Path, key: str) -> Path:
 
 def add_custom_metas(step_dir: Path, extra: dict) -> None:
     """Add `extra` to the `custom_metas` of a saved step folder's metadata, replaced atomically
-    (the file is outside the manifest: its fields are checked when read)."""
+    (the file is outside the manifest)."""
     path = step_dir / "checkpoint_metadata.json"
     meta = json.loads(path.read_text())
     meta["custom_metas"] = {**(meta.get("custom_metas") or {}), **extra}
@@ -250,10 +196,8 @@ def add_custom_metas(step_dir: Path, extra: dict) -> None:
 
 
 def load_data_state(path: str | Path) -> list[dict]:
-    """The streamed-data positions a checkpoint saved, one per dp rank it was saved with (each
-    holds that rank's logical shards); [] without any."""
-    folder = resolve_step_dir(path) / "data"
-    files = sorted(folder.glob("stream_dp-*.pt"))
+    """The streamed-data positions a checkpoint saved, one per dp rank it was saved with."""
+    files = sorted((resolve_step_dir(path) / "data").glob("stream_dp-*.pt"))
     return [nanotron_state.safe_load(f, "streamed-data position") for f in files]
 
 
@@ -282,9 +226,8 @@ def _load_scheduler(step_dir: Path, scheduler, optimizer, layout: RunLayout) -> 
 
 def verify_everywhere(step_dir: Path, meta: dict, unverified_ok: bool = False) -> None:
     """Check the manifest's checksums, the files spread over the ranks; every rank raises the
-    same `UserError` naming the damaged files. A folder without a manifest passes when Nanotron
-    wrote it; when its metadata `meta` says mesh3d did, the manifest was lost and the files
-    cannot be checked: refused unless `unverified_ok` (`mesh3d.load_without_manifest`)."""
+    same `UserError`. Without a manifest: passes when Nanotron wrote the folder, else refused
+    unless `unverified_ok`."""
     if not (step_dir / MANIFEST).is_file():
         if (meta.get("custom_metas") or {}).get("writer") != "mesh3d":
             logger.info(f"{step_dir} has no {MANIFEST} (written by Nanotron?): not verified")
@@ -292,38 +235,29 @@ def verify_everywhere(step_dir: Path, meta: dict, unverified_ok: bool = False) -
             logger.warning(f"{step_dir} has lost its {MANIFEST}: loading it unverified "
                            "(mesh3d.load_without_manifest)")  # fmt: skip
         else:
-            error = UserError(
+            raise on_every_rank(UserError(
                 f"checkpoint {step_dir} was written by mesh3d (checkpoint_metadata.json says "
                 f"so) but its {MANIFEST} is missing, so its files cannot be verified. Restore "
                 "the file from a copy, resume from another step folder, or set "
                 "mesh3d.load_without_manifest=true to load it unverified"
-            )
-            raise on_every_rank(error)
+            ))  # fmt: skip
         return
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        problems = verify(step_dir)
-    else:
-        mine = verify(step_dir, dist.get_rank(), dist.get_world_size())
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        problems = [p for ps in everyone for p in ps]
+    problems = [p for ps in _everyone(verify(step_dir, *_rank_world())) for p in ps]
     if problems:
-        error = damaged_error(step_dir, problems)
-        raise on_every_rank(error)
+        raise on_every_rank(damaged_error(step_dir, problems))
 
 
 def load_weights(folder: Path, parts, layout: RunLayout, optimizer=None) -> None:
-    """Fill this rank's parameters from the weights in `folder` (`model/` and
-    `model_config.json`: a step folder or what `from-hf` writes), saved at any tp/pp and
-    vocabulary padding; with `optimizer`, its AdamW state too (from a step folder)."""
+    """Fill this rank's parameters from the weights in `folder` (a step folder or what
+    `from-hf` writes), saved at any tp/pp and vocabulary padding; with `optimizer`, its state
+    too."""
     saved = json.loads((folder / "model_config.json").read_text())
     shape = layout.shape
     saved_shape = dataclasses.replace(shape, padded_vocab=int(saved["vocab_size"]))
     held = held_parameters(parts.modules)
     if lora_of(folder) is not None:  # a LoRA run's: its adapters (the base is built already)
         params = extensions.load("lora_files").adapter_params(layout.lora, 0, held)
-        load_rank_state(folder, params, held, optimizer, optimizer is not None)
-        return
+        return load_rank_state(folder, params, held, optimizer, optimizer is not None)
     if parts.params_of is not None:  # a transformers model: its own names, split as saved
         return load_rank_state(folder, parts.params_of(0, folder), held, optimizer, bool(optimizer))
     params = [p for p in nanotron_params(saved_shape) if all(o in held for o in p.ours)]
@@ -344,27 +278,25 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layou
                     load_optimizer: bool = True, load_lr_scheduler: bool = True,
                     ) -> tuple[int, int]:  # fmt: skip
     """Load weights (and optimizer/scheduler state) into this rank's parts, at any layout.
-
-    Returns (last_train_step, consumed_train_samples); (0, 0) when `load_lr_scheduler` is
-    false, as in Nanotron (the metadata goes with the scheduler).
-    """
+    (last_train_step, consumed_train_samples); (0, 0) without `load_lr_scheduler`, as Nanotron."""
     step_dir = resolve_step_dir(path)
     meta = nanotron_state.read_metadata(step_dir)
     verify_everywhere(step_dir, meta, cfg.mesh3d.load_without_manifest)
-    saved_lora = (meta.get("custom_metas") or {}).get("lora")
+    custom = meta.get("custom_metas") or {}
+    saved_lora = custom.get("lora")
     if saved_lora is not None or layout.lora is not None:  # the same adapters and base
         extensions.load("lora_files").check_lora_match(step_dir, saved_lora, cfg, layout)
     load_weights(step_dir, parts, layout, optimizer if load_optimizer else None)
-    par, coords = layout.dims, layout.coords
-    custom = meta.get("custom_metas") or {}
+    par, c = layout.dims, layout.coords
     saved = (meta["tp"], meta["dp"], custom.get("pp"), meta.get("cp", 1))
     same_layout = saved == (par.tp, par.dp, par.pp, par.cp)
-    rng = step_dir / "random" / nanotron_state.random_file(coords["tp"], par.tp, coords["dp"], par.dp,
-                                              coords["pp"], par.pp)  # fmt: skip
-    if custom.get("writer") == "mesh3d" and same_layout and rng.is_file():
-        nanotron_state.set_random_states(
-            nanotron_state.safe_load(rng, "random-state"), rng
-        )  # Nanotron's: pickled classes
+    rng = (
+        step_dir
+        / "random"
+        / nanotron_state.random_file(c["tp"], par.tp, c["dp"], par.dp, c["pp"], par.pp)
+    )
+    if custom.get("writer") == "mesh3d" and same_layout and rng.is_file():  # Nanotron's pickle
+        nanotron_state.set_random_states(nanotron_state.safe_load(rng, "random-state"), rng)
     if not load_lr_scheduler:
         return 0, 0
     _load_scheduler(step_dir, scheduler, optimizer, layout)

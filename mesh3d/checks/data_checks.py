@@ -1,42 +1,27 @@
-"""Checks of `data_stages`; part of `validate` (same rules: one message per problem naming the
-key, the values and the fix; no torch import). Data settings mesh3d does not implement yet are
-refused in `unsupported_data`."""
+"""Checks of `data_stages`; part of `validate` (no torch import)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
 
-from mesh3d.config.schema import (
-    Config,
-    NanosetDatasetsArgs,
-    PretrainDatasetsArgs,
-    SFTDatasetsArgs,
-)
+from mesh3d.config.schema import Config, NanosetDatasetsArgs, PretrainDatasetsArgs, SFTDatasetsArgs
 from mesh3d.errors import not_divisible, not_supported_yet
 
 MAX_LOADING_WORKERS = 256  # data-loading worker processes per rank
-
-_DATASET_KINDS = {
-    NanosetDatasetsArgs: "Nanoset",
-    PretrainDatasetsArgs: "Hugging Face datasets",
-    SFTDatasetsArgs: "SFT",
-}
 
 
 def data_stage_errors(cfg: Config) -> Iterator[str]:
     """`data_stages`: one starting at step 1, unique names and start steps, sane values."""
     stages = cfg.data_stages or []
-    if stages and not any(s.start_training_step == 1 for s in stages):
-        starts = [s.start_training_step for s in stages]
+    names, starts = [s.name for s in stages], [s.start_training_step for s in stages]
+    if stages and 1 not in starts:
         yield f"`data_stages` must have a stage with start_training_step: 1; the stages start at {starts}"
-    names = [s.name for s in stages]
     for name in sorted({n for n in names if names.count(n) > 1}):
         yield f"`data_stages` has two stages named {name!r}; stage names must be unique"
-    starts = [s.start_training_step for s in stages]
     for start in sorted({s for s in starts if starts.count(s) > 1}):
         yield f"`data_stages` has two stages with start_training_step {start}; each stage needs its own start step"
-    for s in stages:  # a stage's own sequence_length: stage_length_errors
+    for s in stages:
         where = stage_key(s)
         if s.start_training_step < 1:
             yield (
@@ -78,7 +63,20 @@ def _weight_errors(where: str, dataset) -> Iterator[str]:
         problem = weight_problem(dataset.dataset_weights, len(dataset.dataset_folder))
         if problem:
             yield f"`{where}.data.dataset`: {problem}"
-        yield from _per_folder_errors(where, dataset)
+        n = len(dataset.dataset_folder)
+        for key in ("dataset_read_path", "dataset_max_tokens"):
+            value = getattr(dataset, key)
+            if value is not None and len(value) != n:
+                yield (
+                    f"`{where}.data.dataset.{key}` has {len(value)} entries {value} but "
+                    f"dataset_folder has {n} folders; give one per folder (or drop {key})"
+                )
+        for k, cap in enumerate(dataset.dataset_max_tokens or []):
+            if cap < 1:
+                yield (
+                    f"`{where}.data.dataset.dataset_max_tokens[{k}]` is {cap!r}; give a token "
+                    "count >= 1 (or drop dataset_max_tokens to read the whole folder)"
+                )
     elif isinstance(dataset, PretrainDatasetsArgs) and isinstance(
         dataset.hf_dataset_or_datasets, dict
     ):
@@ -90,45 +88,31 @@ def _weight_errors(where: str, dataset) -> Iterator[str]:
                 )
 
 
-def _per_folder_errors(where: str, d: NanosetDatasetsArgs) -> Iterator[str]:
-    """`dataset_read_path` and `dataset_max_tokens`: one entry per folder; caps > 0."""
-    n = len(d.dataset_folder)
-    for key in ("dataset_read_path", "dataset_max_tokens"):
-        value = getattr(d, key)
-        if value is not None and len(value) != n:
-            yield (
-                f"`{where}.data.dataset.{key}` has {len(value)} entries {value} but "
-                f"dataset_folder has {n} folders; give one per folder (or drop {key})"
-            )
-    for k, cap in enumerate(d.dataset_max_tokens or []):
-        if cap < 1:
-            yield (
-                f"`{where}.data.dataset.dataset_max_tokens[{k}]` is {cap!r}; give a token count "
-                ">= 1 (or drop dataset_max_tokens to read the whole folder)"
-            )
-
-
 def stage_key(stage) -> str:
     """A stage named by its `name`: load sorts data_stages by start step, so the list index
-    here need not be the one written in the YAML (names are checked unique above)."""
+    need not be the one in the YAML."""
     return f"data_stages[name={stage.name!r}]"
 
 
-# HEAD-only Nanoset keys mesh3d does not implement: key -> the value that means "off".
-# (`shuffle_files` is not among them: files are always shuffled with seed 42, as CLASSIC does.
-# `skip_in_stream` and `pad_samples_to_global_batch_size` are accepted and change nothing, as in
-# Nanotron: the first only chooses how a stream skips ahead (same tokens), the second pads a last
-# partial batch that never exists (train_steps x GBS samples, whole batches, drop_last).)
-_NANOSET_OFF = {"use_old_brrr_dataloader": False}
+def sequence_split_errors(key: str, seq: int, p, why: str = "") -> Iterator[str]:
+    """A sequence length `seq` (at `key`) split over cp (2·cp chunks) and, under
+    REDUCE_SCATTER, over tp."""
+    cp = max(p.context_parallel_size, 1)
+    if cp > 1:
+        yield from not_divisible(key, seq, "2 x parallelism.context_parallel_size", 2 * cp,
+                                 "each cp rank holds one head and one tail chunk of every "
+                                 f"sample{why}; change one of them")  # fmt: skip
+    if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1 and seq % (2 * cp if cp > 1 else 1) == 0:
+        yield from not_divisible(f"{key} / context_parallel_size" if cp > 1 else key,
+                                 seq // cp, "parallelism.tp", p.tp,
+                                 "tp_mode REDUCE_SCATTER splits the sequence over tp ranks; "
+                                 "change one or use ALL_REDUCE")  # fmt: skip
 
 
 def stage_length_errors(cfg: Config) -> Iterator[str]:
-    """A stage's own `sequence_length` (one other than tokens.sequence_length): >= 1, split
-    over cp (2·cp chunks) and, under sequence parallelism, tp like tokens.sequence_length; no
-    validation (the held-out set is cut at one length). Under pp > 1 the pipeline gets stages
-    declared at the stage's length (`train/build.py::ModelParts.pipeline_at`)."""
-    p, t = cfg.parallelism, cfg.tokens
-    cp = max(p.context_parallel_size, 1)
+    """A stage's own `sequence_length`: >= 1, split like tokens.sequence_length, and no
+    validation (the held-out set is cut at one length)."""
+    t = cfg.tokens
     for s in cfg.data_stages or []:
         seq = s.sequence_length
         if seq is None or seq == t.sequence_length:
@@ -137,15 +121,7 @@ def stage_length_errors(cfg: Config) -> Iterator[str]:
         if seq < 1:
             yield f"`{key}` must be >= 1 (null: tokens.sequence_length), got {seq}"
             continue
-        if cp > 1:
-            yield from not_divisible(key, seq, "2 x parallelism.context_parallel_size", 2 * cp,
-                                     "each cp rank holds one head and one tail chunk of every "
-                                     "sample; change one of them")  # fmt: skip
-        if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1 and seq % (2 * cp if cp > 1 else 1) == 0:
-            yield from not_divisible(f"{key} / context_parallel_size" if cp > 1 else key,
-                                     seq // cp, "parallelism.tp", p.tp,
-                                     "tp_mode REDUCE_SCATTER splits the sequence over tp ranks; "
-                                     "change one or use ALL_REDUCE")  # fmt: skip
+        yield from sequence_split_errors(key, seq, cfg.parallelism)
         if t.val_check_interval > 0 and t.limit_val_batches > 0:
             yield not_supported_yet(
                 key,
@@ -156,19 +132,15 @@ def stage_length_errors(cfg: Config) -> Iterator[str]:
 
 
 def unsupported_data(stage) -> Iterator[str]:
-    """A data stage's settings mesh3d does not implement yet (HEAD-only Nanoset keys)."""
+    """A data stage's settings mesh3d does not implement yet (HEAD-only Nanoset keys).
+
+    `shuffle_files` is not refused: files are always shuffled with seed 42, as CLASSIC does.
+    `skip_in_stream` and `pad_samples_to_global_batch_size` change nothing, as in Nanotron."""
     where = stage_key(stage)
     kind = stage.data.dataset
     if kind is None or isinstance(kind, (PretrainDatasetsArgs, SFTDatasetsArgs)):
         return
     if not isinstance(kind, NanosetDatasetsArgs):
-        name = _DATASET_KINDS.get(type(kind), type(kind).__name__)
-        yield f"`{where}.data.dataset` ({name}) is not supported by mesh3d yet; use a Nanoset (dataset_folder), an HF dataset (hf_dataset_or_datasets) or `dataset: null`"
-        return
-    for key, off in _NANOSET_OFF.items():
-        value = getattr(kind, key)
-        if value != off:
-            yield not_supported_yet(
-                f"{where}.data.dataset.{key}",
-                f"set it to {off!r}".replace("None", "null").replace("False", "false"),
-            )
+        yield f"`{where}.data.dataset` ({type(kind).__name__}) is not supported by mesh3d yet; use a Nanoset (dataset_folder), an HF dataset (hf_dataset_or_datasets) or `dataset: null`"
+    elif kind.use_old_brrr_dataloader != False:  # noqa: E712 (any value but false)
+        yield not_supported_yet(f"{where}.data.dataset.use_old_brrr_dataloader", "set it to false")

@@ -12,8 +12,7 @@ MAX_WINDOW = 100_000  # steps: the running median is taken over them at every st
 
 
 def loss_spike_errors(cfg: Config) -> Iterator[str]:
-    """`factor` > 1 and finite; `window` in [1, MAX_WINDOW]; `warmup` in [1, window];
-    `max_skipped` >= 0."""
+    """`factor`, `window`, `warmup` and `max_skipped` in their ranges."""
     spike = cfg.mesh3d.loss_spike
     if spike is None:
         return

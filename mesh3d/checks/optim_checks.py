@@ -1,5 +1,4 @@
-"""Checks of the optimizer and its learning-rate schedule; part of `validate` (same rules: one
-message per problem naming the key, the values and the fix; no torch import)."""
+"""Checks of the optimizer and its learning-rate schedule; part of `validate` (no torch import)."""
 
 from __future__ import annotations
 
@@ -60,7 +59,7 @@ def lr_errors(cfg: Config) -> Iterator[str]:
 
 
 def lr_warnings(cfg: Config) -> Iterator[str]:
-    """What the schedule accepts but a user may not mean: a warmup longer than the run."""
+    """A warmup longer than the run: accepted, but probably not meant."""
     s, steps = cfg.optimizer.learning_rate_scheduler, cfg.tokens.train_steps
     if s.lr_warmup_steps > steps > 0:
         reach = ""

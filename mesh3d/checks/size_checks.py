@@ -1,11 +1,7 @@
 """Upper bounds on a config's sizes; part of `validate` (no torch import).
 
-A size of 2**63 is a valid YAML integer: it passed the `>= 1` checks and then crashed (a
-vocabulary padded to 2**63 rows) or hung silently (building 2**63 layers, reading 2**63
-microbatches per step). Each size is bounded by what torch can index (`MAX_SIZE`, int32), and
-the whole run by generous limits no real run comes near: `MAX_PARAMS` parameters (a lower bound
-of the model's count, so MoE models are not undercounted into a refusal) and `MAX_STEP_TOKENS`
-tokens per optimizer step (Llama 3 405B trained on 16M).
+A huge YAML integer (2**63) passes `>= 1` and then crashes or hangs. Each size is bounded by
+what torch indexes (int32); the run by limits no real run nears (Llama 3 405B: 16M tokens/step).
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ def too_large(key: str, value: int) -> str | None:
 
 
 def scale_errors(cfg: Config) -> Iterator[str]:
-    """The padded vocabulary, the parameter count and the tokens per step, against the limits."""
+    """The padded vocabulary, the parameter count (a lower bound) and the tokens per step."""
     mc, tokens = cfg.model.model_config, cfg.tokens
     vocab = padded_vocab_size(cfg)
     if vocab > MAX_SIZE:

@@ -1,9 +1,7 @@
-"""Cross-checks of a typed config, run on every rank before any process-group work.
+"""Cross-checks of a typed config, run on every rank before any process group (no torch import).
 
-`validate` raises one ConfigError listing every problem found; each message names the key(s),
-the numbers involved and what to change. Settings that Nanotron has and mesh3d does not do yet
-are refused in `_unsupported`, one line per feature, so a change that adds a feature deletes
-its line there. No torch import: this runs before anything is set up.
+Each message names the key(s), the values and the fix. Nanotron settings mesh3d does not do yet
+are refused in `_unsupported`, one line per feature.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from mesh3d import extensions
 from mesh3d.checks.checkpoint_checks import checkpoint_errors, s3_errors
 from mesh3d.checks.data_checks import (
     data_stage_errors,
+    sequence_split_errors,
     stage_length_errors,
     unsupported_data,
 )
@@ -26,12 +25,7 @@ from mesh3d.checks.optim_checks import lr_errors, lr_warnings, optimizer_errors
 from mesh3d.checks.size_checks import scale_errors, too_large
 from mesh3d.config.derive import effective_pp_schedule, longest_sequence
 from mesh3d.config.families import MESH3D_FAMILIES
-from mesh3d.config.schema import (
-    Config,
-    Mesh3dArgs,
-    RandomInit,
-    SpectralMupInit,
-)
+from mesh3d.config.schema import Config, Mesh3dArgs, RandomInit, SpectralMupInit
 from mesh3d.errors import ConfigError, not_supported_yet
 from mesh3d.models.activations import TRAIN_DTYPES
 from mesh3d.models.registry import model_shape, spec_of
@@ -61,8 +55,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
 
 def config_warnings(cfg: Config) -> list[str]:
-    """What a valid config asks for that probably differs from what the user meant, one line per
-    cause (the run goes on; the launcher, `mesh3d config` and rank 0 print them once).
+    """What a valid config asks for that the user probably did not mean, one line per cause.
 
     Example:
 
@@ -106,8 +99,7 @@ WARNED_ENV = "MESH3D_CONFIG_WARNED"  # set once the warnings are out: the ranks 
 
 
 def warn_once(cfg: Config) -> None:
-    """Log `config_warnings` once per launch: in the launcher, or on world rank 0 of a run that
-    no mesh3d launcher started (torchrun); the processes started after it inherit the mark."""
+    """Log `config_warnings` once per launch (the launcher, or world rank 0 under torchrun)."""
     from mesh3d.log import logger
 
     if os.environ.get(WARNED_ENV) or int(os.environ.get("RANK", 0)) != 0:
@@ -119,14 +111,11 @@ def warn_once(cfg: Config) -> None:
 
 def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     """Every problem as one message; checks that would divide by a bad size run only if sizes are sane."""
-    errors = list(_sections(cfg))
-    if errors:
-        return errors
-    errors = list(_sizes(cfg))
-    if errors:
-        return errors
+    for first in (_sections, _sizes):
+        if errors := list(first(cfg)):
+            return errors
     checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
-              _unsupported, _experts, _speed, scale_errors,
+              _unsupported, _optional, scale_errors,
               loss_spike_errors, checkpoint_errors, _recompute, s3_errors)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
@@ -176,31 +165,12 @@ def _layout(cfg: Config, world_size: int | None) -> Iterator[str]:
             f"world size is {world_size}; change parallelism.{keys} so the product is "
             f"{world_size}, or launch with --nproc_per_node={product}"
         )
-    seq = cfg.tokens.sequence_length
-    if cp > 1:
-        yield from _divides(
-            "tokens.sequence_length", seq, "2 x parallelism.context_parallel_size", 2 * cp,
-            "each cp rank holds one head and one tail chunk of every sample (a balanced causal "
-            "split); change one of them",
-        )  # fmt: skip
-    if p.tp_mode == "REDUCE_SCATTER" and p.tp > 1 and (cp <= 1 or seq % (2 * cp) == 0):
-        n = max(cp, 1)  # cp < 1 has its own message below
-        per_rank = "tokens.sequence_length" + (" / context_parallel_size" if n > 1 else "")
-        yield from _divides(
-            per_rank,
-            seq // n,
-            "parallelism.tp",
-            p.tp,
-            "tp_mode REDUCE_SCATTER splits the sequence over tp ranks; change one or use ALL_REDUCE",
-        )
+    yield from sequence_split_errors(
+        "tokens.sequence_length", cfg.tokens.sequence_length, p, " (a balanced causal split)"
+    )
     for k in ("expert_parallel_size", "context_parallel_size"):
         if getattr(p, k) < 1:
             yield f"`parallelism.{k}` must be >= 1 (1 means off), got {getattr(p, k)}"
-
-
-def _divides(key: str, value: int, by_key: str, by: int, fix: str) -> Iterator[str]:
-    if value % by:
-        yield f"`{key}` ({value}) must be divisible by `{by_key}` ({by}); {fix}"
 
 
 def _model(cfg: Config) -> Iterator[str]:
@@ -278,7 +248,7 @@ def _pipeline(cfg: Config) -> Iterator[str]:
 
 def _stage_split(cfg: Config, stages: int) -> Iterator[str]:
     """The layer split the trainer will use, so an empty stage fails here, not at build time."""
-    try:  # (a transformers model's is by its own module tree: `train/hf_parts.py`)
+    try:  # (a transformers model's follows its module tree: `train/hf_parts.py`)
         if cfg.mesh3d.hf_model:
             return
         split_by_cost(*spec_of(cfg.model.model_config).pipeline_costs(model_shape(cfg)), stages)
@@ -286,11 +256,13 @@ def _stage_split(cfg: Config, stages: int) -> Iterator[str]:
         yield str(e)
 
 
-def _validation(t) -> Iterator[str]:
-    """The validation pass: every `val_check_interval` steps (-1 or 0: never), over
-    `limit_val_batches` held-out global batches; an interval with no batches is refused (held-out
-    batches with no interval only warned about: Nanotron accepts them, `config_warnings`)."""
-    every, batches = t.val_check_interval, t.limit_val_batches
+def _run(cfg: Config) -> Iterator[str]:
+    """Evaluation limits, the checkpoint interval and mesh3d's fail-safe settings."""
+    for k in ("limit_val_batches", "limit_test_batches"):
+        if getattr(cfg.tokens, k) < 0:
+            yield f"`tokens.{k}` must be >= 0, got {getattr(cfg.tokens, k)}"
+    # held-out batches with no interval are only warned about (`config_warnings`), as Nanotron
+    every, batches = cfg.tokens.val_check_interval, cfg.tokens.limit_val_batches
     if every < -1:
         yield (
             f"`tokens.val_check_interval` must be -1 or 0 (no validation) or a number of steps "
@@ -302,25 +274,15 @@ def _validation(t) -> Iterator[str]:
             "validation would run on no batches: set limit_val_batches to the number of held-out "
             "global batches per evaluation (e.g. 4), or val_check_interval to -1"
         )
-
-
-def _run(cfg: Config) -> Iterator[str]:
-    """Evaluation limits, the checkpoint interval and mesh3d's fail-safe settings."""
-    for k in ("limit_val_batches", "limit_test_batches"):
-        if getattr(cfg.tokens, k) < 0:
-            yield f"`tokens.{k}` must be >= 0, got {getattr(cfg.tokens, k)}"
-    yield from _validation(cfg.tokens)
     ck = cfg.checkpoints
     if ck is not None and ck.checkpoint_interval < 1:
         yield f"`checkpoints.checkpoint_interval` must be >= 1 (save every that many steps), got {ck.checkpoint_interval}"
     m = cfg.mesh3d
     timeouts = {k: getattr(m, k) for k in ("collective_timeout_s", "checkpoint_timeout_s")}
-    for k, seconds in timeouts.items():
-        if not (math.isfinite(seconds) and seconds > 0):
-            yield f"`mesh3d.{k}` must be a finite number of seconds > 0, got {seconds}"
-    if all(math.isfinite(t) and t > 0 for t in timeouts.values()) and (
-        m.checkpoint_timeout_s < m.collective_timeout_s
-    ):
+    bad = {k: s for k, s in timeouts.items() if not (math.isfinite(s) and s > 0)}
+    for k, seconds in bad.items():
+        yield f"`mesh3d.{k}` must be a finite number of seconds > 0, got {seconds}"
+    if not bad and m.checkpoint_timeout_s < m.collective_timeout_s:
         yield (
             f"`mesh3d.checkpoint_timeout_s` ({m.checkpoint_timeout_s}) is less than "
             f"`mesh3d.collective_timeout_s` ({m.collective_timeout_s}); a save must not time out "
@@ -328,12 +290,7 @@ def _run(cfg: Config) -> Iterator[str]:
         )
     if m.skip_nonfinite_steps < 0:
         yield f"`mesh3d.skip_nonfinite_steps` must be >= 0 (0 stops at the first non-finite step), got {m.skip_nonfinite_steps}"
-    yield from _hsdp(cfg)
-
-
-def _hsdp(cfg: Config) -> Iterator[str]:
-    """`mesh3d.dp_shard` k: 1 <= k <= dp, k divides dp; not beside expert parallelism."""
-    k, p = cfg.mesh3d.dp_shard, cfg.parallelism
+    k, p = m.dp_shard, cfg.parallelism  # HSDP
     if k is None:
         return
     if not 1 <= k <= p.dp or p.dp % k:
@@ -349,8 +306,7 @@ def _hsdp(cfg: Config) -> Iterator[str]:
 
 
 def _recompute(cfg: Config) -> Iterator[str]:
-    """`mesh3d.recompute` one of its modes and not against `recompute_layer`; `recompute_every`
-    >= 1 and only with a mode that recomputes."""
+    """`mesh3d.recompute` and `recompute_every` against `parallelism.recompute_layer`."""
     m, layer = cfg.mesh3d, cfg.parallelism.recompute_layer
     if m.recompute is not None and m.recompute not in RECOMPUTE_MODES:
         yield f"`mesh3d.recompute` {m.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}"
@@ -396,8 +352,7 @@ def _choices(cfg: Config) -> Iterator[str]:
 
 
 def _family_keys(cfg: Config) -> Iterator[str]:
-    """`mesh3d.model_family` reads its base family's model_config; a family's own `mesh3d:`
-    keys need that family (config/families.py)."""
+    """`mesh3d.model_family` needs its base family's model_config; a family's keys need it."""
     chosen = MESH3D_FAMILIES.get(cfg.mesh3d.model_family)
     mc = cfg.model.model_config
     if chosen is not None and not isinstance(mc, chosen.base):
@@ -414,12 +369,10 @@ def _family_keys(cfg: Config) -> Iterator[str]:
                        "remove it or set the family")  # fmt: skip
 
 
-def _experts(cfg: Config) -> Iterator[str]:
+def _optional(cfg: Config) -> Iterator[str]:
+    """The checks of optional capabilities, loaded only when configured."""
     if cfg.parallelism.expert_parallel_size > 1:
         yield from extensions.load("moe_checks").expert_parallel_errors(cfg)
-
-
-def _speed(cfg: Config) -> Iterator[str]:
     if cfg.mesh3d.float8 or cfg.mesh3d.async_tp:
         yield from extensions.load("speed_checks").speed_errors(cfg)
 
@@ -438,8 +391,7 @@ def _unsupported(cfg: Config) -> Iterator[str]:
     except ConfigError as e:
         yield f"`model.model_config`: {e}"
     yield from _family_keys(cfg)
-    moe = getattr(m.model_config, "moe_config", None)
-    if moe is not None:
+    if getattr(m.model_config, "moe_config", None) is not None:
         yield from extensions.load("moe_checks").moe_errors(cfg, m.model_config)
     if isinstance(m.init_method, SpectralMupInit):
         try:

@@ -1,11 +1,7 @@
 """The model families Nanotron lacks, as one table read by loading, checking and generation.
 
-Such a family is written in a YAML as Nanotron's model_config of the family it extends plus
-`mesh3d: {model_family: <name>, <its keys>}`, so the file still loads in Nanotron; the
-`model_config.json` of its checkpoints carries `<marker>: true` and those keys instead.
-`config/load.py` turns one form into the family's config class and back, `mesh3d/checks`
-refuses a family key without its family, and `mesh3d generate` rebuilds the model from the
-same keys saved with a checkpoint.
+A YAML writes one as its base family's model_config plus `mesh3d: {model_family: <name>, <its
+keys>}` (so Nanotron still loads it); its checkpoints' `model_config.json` has `<marker>: true`.
 """
 
 from __future__ import annotations
@@ -25,12 +21,9 @@ class Mesh3dFamily:
 
 
 MESH3D_FAMILIES: dict[str, Mesh3dFamily] = {
-    f.name: f
-    for f in (
-        Mesh3dFamily(
-            "qwen3", Qwen3Config, Qwen2Config, ("head_dim", "norm_topk_prob"), "is_qwen3_config"
-        ),
-    )  # fmt: skip
+    "qwen3": Mesh3dFamily(
+        "qwen3", Qwen3Config, Qwen2Config, ("head_dim", "norm_topk_prob"), "is_qwen3_config"
+    ),
 }
 
 
@@ -41,7 +34,4 @@ def family_keys() -> tuple[str, ...]:
 
 def family_of_config(model_config) -> Mesh3dFamily | None:
     """The table row whose config class `model_config` is, if any."""
-    for f in MESH3D_FAMILIES.values():
-        if type(model_config) is f.config_class:
-            return f
-    return None
+    return next((f for f in MESH3D_FAMILIES.values() if type(model_config) is f.config_class), None)

@@ -1,13 +1,8 @@
 """Nanotron YAML <-> `Config`: strict parsing, the forms found in real configs, derived values, saving.
 
-Parsing is strict like Nanotron's dacite mode (see `typecheck.py` for the exact rules). Unions
-are picked by their keys as Nanotron does, but with a clear error where Nanotron guesses wrong
-(`{name: adamW}` without Adam keys). Older forms found in Nanotron's own examples are rewritten
-first: flat Adam keys under `optimizer:` and a top-level `data:` (v0.1-v0.4:
-docs/nanotron-layout.md#older-configs-v01-to-v04), `dataset_folder` as a string or a `{folder:
-weight}` mapping. After typing, the values Nanotron derives in `__post_init__` are filled in, so a
-saved config shows them. `general.run` keeps its `%date`/`%jobid` placeholders; the trainer calls
-`expand_run_name`.
+Unions are picked by their keys as Nanotron does, with a clear error where Nanotron guesses wrong
+(`{name: adamW}` without Adam keys). Older forms (v0.1-v0.4) are rewritten first. The values
+Nanotron derives in `__post_init__` are filled in, so a saved config shows them.
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ from mesh3d.config.schema import (
     SpectralMupInit,
     Starcoder2Config,
 )
-from mesh3d.config.typecheck import Pickers, build, join, show
+from mesh3d.config.typecheck import Pickers, build, join, need_mapping, show
 from mesh3d.errors import ConfigError
 
 _ADAM_KEYS = ("adam_eps", "adam_beta1", "adam_beta2", "torch_adam_is_fused")
@@ -51,27 +46,17 @@ def _names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def _need_mapping(value: Any, path: str) -> dict:
-    if not isinstance(value, dict):
-        raise ConfigError(f"`{path}` must be a mapping of keys, got {show(value)}")
-    return value
-
-
-def _mamba(name: str) -> type:
-    return getattr(importlib.import_module("mesh3d.config.mamba"), name)
-
-
-def _llamoe() -> type:
-    return importlib.import_module("mesh3d.config.llamoe").LlaMoEConfig
+def _lazy(module: str, name: str) -> type:
+    return getattr(importlib.import_module(f"mesh3d.config.{module}"), name)
 
 
 def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
-    d = _need_mapping(value, path)
+    d = need_mapping(value, path)
     llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     if "is_mamba_config" in d or d.keys() & {"d_model", "ssm_cfg"}:
-        return _mamba("MambaConfig"), d  # not in ModelConfig: loaded for a Mamba only
+        return _lazy("mamba", "MambaConfig"), d  # not in ModelConfig: loaded for a Mamba only
     if "is_llamoe_config" in d or d.keys() & {"moe_num_experts", "moe_capacity_factor"}:
-        return _llamoe(), d  # Nanotron's examples/moe, loaded for a LlaMoE only
+        return _lazy("llamoe", "LlaMoEConfig"), d  # Nanotron's examples/moe
     if "is_llama_config" in d:
         return LlamaConfig, d
     for family in MESH3D_FAMILIES.values():  # mesh3d's own model_config.json of its checkpoint
@@ -87,9 +72,9 @@ def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
 
 
 def _pick_init_method(value: Any, path: str) -> tuple[type, dict]:
-    d = _need_mapping(value, path)
+    d = need_mapping(value, path)
     if "initializer_range" in d:  # Nanotron's examples/mamba init (not in InitMethod)
-        return _mamba("MambaInit"), d
+        return _lazy("mamba", "MambaInit"), d
     for key, cls in (
         ("std", RandomInit),
         ("use_mup", SpectralMupInit),
@@ -105,22 +90,18 @@ def _pick_init_method(value: Any, path: str) -> tuple[type, dict]:
 
 
 def _pick_optimizer_factory(value: Any, path: str) -> tuple[type, dict]:
-    d = dict(_need_mapping(value, path))
+    d = dict(need_mapping(value, path))
     name = d.get("name")
     if name is None and d.keys() & set(_ADAM_KEYS):
         name = "adamW"
     if not isinstance(name, str) or name.lower() not in ("adamw", "sgd", "muon"):
         got = "no `name`" if name is None else f"name {show(name)}"
         raise ConfigError(f"`{join(path, 'name')}` must be adamW, sgd or muon; got {got}")
-    if name.lower() == "muon":
-        d["name"] = "muon"
-        return MuonOptimizerArgs, d
-    if name.lower() == "sgd":
-        d["name"] = "sgd"
-        return SGDOptimizerArgs, d
+    if name.lower() in ("muon", "sgd"):
+        d["name"] = name.lower()
+        return (MuonOptimizerArgs if d["name"] == "muon" else SGDOptimizerArgs), d
     d["name"] = "adamW"
-    missing = [k for k in _ADAM_KEYS if k not in d]
-    if missing:
+    if missing := [k for k in _ADAM_KEYS if k not in d]:
         raise ConfigError(
             f"missing required key `{join(path, missing[0])}`: adamW needs all of "
             f"{', '.join(_ADAM_KEYS)} (Nanotron would silently read this as SGD and then crash)"
@@ -129,7 +110,7 @@ def _pick_optimizer_factory(value: Any, path: str) -> tuple[type, dict]:
 
 
 def _pick_dataset(value: Any, path: str) -> tuple[type, dict]:
-    d = _need_mapping(value, path)
+    d = need_mapping(value, path)
     if "dataset_folder" in d:
         return NanosetDatasetsArgs, _nanoset_forms(d, path)
     if "hf_dataset_or_datasets" in d:
@@ -191,9 +172,8 @@ def _upgrade_legacy(raw: dict) -> dict:
 
 
 def _family_in_mesh3d(m: Mesh3dArgs, mc, family: Mesh3dFamily) -> None:
-    """Say a mesh3d family's own model-config fields in `mesh3d:` too, where the saved YAML
-    keeps them (a model_config with its marker, as `convert from-hf` writes, would else be saved
-    as its base family's)."""
+    """Copy a mesh3d family's own model-config fields into `mesh3d:`, where the saved YAML
+    keeps them."""
     m.model_family = family.name
     for key in family.keys:
         ours, default = getattr(m, key), getattr(Mesh3dArgs, key)
@@ -251,8 +231,7 @@ def config_from_dict(d: dict) -> Config:
     return _resolve(build(Config, _upgrade_legacy(copy.deepcopy(d)), "", _PICKERS))
 
 
-# keys mesh3d accepts (they are in Nanotron's examples) that Nanotron HEAD's strict parser
-# refuses: (section path, key, default)
+# keys in Nanotron's examples that its HEAD parser refuses: (section path, key, default)
 _NOT_NANOTRON = ((("parallelism",), "moe_layer_recompute", False),
                  (("model", "model_config"), "interleaved_rotary", None))  # fmt: skip
 # a mesh3d family's config is written as its base family's plus `mesh3d:` (config/families.py)
@@ -275,9 +254,8 @@ def _drop_not_nanotron(d: dict, always: bool) -> None:
 
 
 def config_to_dict(cfg: Config) -> dict:
-    """Plain mapping of every field (Nanotron writes all of them); of `mesh3d:` only the keys
-    that differ from their defaults (no section when none), and keys Nanotron HEAD refuses
-    (`_NOT_NANOTRON`) only if set."""
+    """Plain mapping of every field (as Nanotron writes); of `mesh3d:` and of `_NOT_NANOTRON`
+    only the keys that differ from their defaults."""
     d = dataclasses.asdict(cfg)
     d["mesh3d"] = mesh3d_changes(cfg)
     if not d["mesh3d"]:
@@ -293,9 +271,8 @@ def mesh3d_changes(cfg: Config) -> dict:
 
 
 def nanotron_config_dict(cfg: Config, step: int | None = None, consumed: int | None = None) -> dict:
-    """The config as Nanotron HEAD writes it into a checkpoint, which its strict parser reads:
-    `general.step` / `general.consumed_train_samples` set, every stage's `sequence_length`
-    filled, and no `mesh3d:` section or other key only mesh3d accepts."""
+    """The config as Nanotron HEAD writes it into a checkpoint: step and consumed samples set,
+    every stage's `sequence_length` filled, no key only mesh3d accepts."""
     d = dataclasses.asdict(cfg)
     del d["mesh3d"]
     _drop_not_nanotron(d, always=True)
@@ -371,7 +348,6 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 
 
 def model_config_from_dict(d: dict, path: str = "model.model_config"):
-    """A typed model config (LlamaConfig, Qwen2Config, ...) from a mapping, such as a step
-    folder's `model_config.json`; the family is picked as for a whole config."""
+    """A typed model config from a mapping, such as a step folder's `model_config.json`."""
     cls, d = _pick_model_config(d, path)
     return build(cls, copy.deepcopy(d), path, _PICKERS)

@@ -1,14 +1,13 @@
 """Dotted command-line overrides on the raw config mapping: `parallelism.tp=2`, `data_stages[0].data.seed=3`.
 
-The value after `=` is read with `yaml.safe_load`, so it is typed exactly as it would be in the
-file (`20` int, `3e-4` string-that-is-a-number, `false`, `null`). Overrides edit the mapping
-before it is typed, so an unknown key fails later with the same did-you-mean message as in a file.
-A missing or null section on the way is created (`profiler.profiler_export_path=x`).
+The value is read with `yaml.safe_load`, typed as in the file. Overrides edit the mapping before
+it is typed, so an unknown key fails with the file's message. A missing or null section is created.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -45,8 +44,7 @@ def parse_override(token: str) -> tuple[list[str | int], Any]:
 
 
 def yaml_problem(error: yaml.YAMLError) -> str:
-    """PyYAML's error in one line: what is wrong and where (1-based line and column of the text
-    read), without its copies of the source lines."""
+    """PyYAML's error in one line (what and where, 1-based), without its copies of the source."""
     mark = getattr(error, "problem_mark", None)
     problem = getattr(error, "problem", None) or str(error).splitlines()[0]
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -56,18 +54,11 @@ def yaml_problem(error: yaml.YAMLError) -> str:
     return f"{where}{problem}{after}"
 
 
-def _dotted(parts: Sequence[str | int]) -> str:
-    path = ""
-    for p in parts:
-        path = join(path, p)
-    return path
-
-
 def _set(root: dict, parts: list[str | int], value: Any, token: str) -> None:
     node: Any = root
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
-        where = _dotted(parts[:i]) or "the config"
+        where = functools.reduce(join, parts[:i], "") or "the config"
         if isinstance(part, int):
             if not isinstance(node, list) or part >= len(node):
                 size = f"a list of {len(node)}" if isinstance(node, list) else _kind(node)

@@ -1,13 +1,8 @@
 """Nanotron's config schema (CLASSIC and HEAD keys) as plain dataclasses, plus `mesh3d:`.
 
-Every section and key that Nanotron reads has a field here, so any Nanotron YAML parses with no
-edit; whether mesh3d *uses* a value is decided in `validate.py`. Fields hold plain values only:
-paths and dtypes are strings, enums are validated strings (`tp_mode` upper case, `pp_engine` lower
-case), the LightEval section is an opaque dict. Field order follows Nanotron's classes (it is the
-key order of `model_config.json`). Required fields have no default; `X | None` fields may be
-omitted; `null` for a key that has a default but is not `X | None` means that default (Nanotron
-fills most of those in `__post_init__`). Derived values (`lr_decay_steps`, `num_key_value_heads`,
-`min_decay_lr`) are filled by `load.py`.
+Every key Nanotron reads has a field, so any Nanotron YAML parses; `checks/validate.py` decides
+what mesh3d uses. Fields hold plain values (paths, dtypes and enums are strings). Field order
+follows Nanotron's classes: it is the key order of `model_config.json`.
 """
 
 from __future__ import annotations
@@ -124,11 +119,10 @@ class Qwen2Config:
 
 @dataclass
 class Qwen3Config(Qwen2Config):
-    """Qwen3: a Qwen2 config plus RMSNorm of each q and k head and a free head size; with a
-    `moe_config`, Qwen3-MoE (`norm_topk_prob`: renormalized router weights). Nanotron has no
-    Qwen3: a YAML keeps Nanotron's Qwen2 `model_config` and says `mesh3d: {model_family: qwen3,
-    head_dim: ..., norm_topk_prob: ...}`; this class is what it becomes when loaded.
-    mesh3d-written `model_config.json` files carry `is_qwen3_config` and these fields instead."""
+    """Qwen3 (Qwen2 plus per-head q/k RMSNorm and a free head size; with `moe_config`, Qwen3-MoE).
+
+    Nanotron has none: a YAML keeps a Qwen2 `model_config` plus `mesh3d: {model_family: qwen3,
+    ...}`; mesh3d's `model_config.json` carries `is_qwen3_config` and these fields."""
 
     is_qwen3_config: bool = True
     head_dim: int | None = None  # None: hidden_size / num_attention_heads
@@ -270,20 +264,14 @@ class MuonOptimizerArgs:
     ns_dtype: str = "bfloat16"  # bfloat16 (torch's Muon) | float32 (layout parity within 1e-5)
     eps: float = 1e-7
     adjust_lr_fn: str | None = None  # null / original: sqrt(max(1, A/B)) | match_rms_adamw
-    muon_params: list[str] = field(
-        default_factory=lambda: [r"layers\.\d+\..*weight$"]
-    )  # re.match, 2-D only
+    muon_params: list[str] = field(default_factory=lambda: [r"layers\.\d+\..*weight$"])  # re.match
     name: str = "muon"
 
 
 @dataclass
 class LRSchedulerArgs:
-    """Nanotron's LR schedule keys (docs/nanotron-layout.md#learning-rate-keys).
-
-    Differs from Nanotron on purpose (docs/nanotron-layout.md#how-a-config-is-parsed): an omitted or
-    null `lr_warmup_style` means `linear` instead of an error, and null is accepted for
-    `lr_decay_style` (-> linear) and `min_decay_lr` (-> learning_rate).
-    """
+    """Nanotron's LR schedule keys; unlike Nanotron, an omitted `lr_warmup_style` means linear
+    (docs/nanotron-layout.md#how-a-config-is-parsed)."""
 
     learning_rate: float
     lr_warmup_steps: int = 0
@@ -376,8 +364,7 @@ class ProfilerArgs:
 
 @dataclass
 class S3UploadArgs:
-    """Nanotron's `s3_upload`: each committed step folder is uploaded in the background with
-    s5cmd to `<upload_s3_path>/<step>/` (docs/checkpoints.md)."""
+    """Nanotron's `s3_upload`: s5cmd uploads each step folder to `<upload_s3_path>/<step>/`."""
 
     upload_s3_path: str
     remove_after_upload: bool
@@ -388,9 +375,7 @@ class S3UploadArgs:
 
 @dataclass
 class LossSpikeArgs:
-    """`mesh3d.loss_spike`: a step whose loss, or gradient norm, exceeds `factor` times the
-    median of the last `window` healthy steps is skipped like a non-finite one (docs/faults.md);
-    `max_skipped` such steps in a row stop the run."""
+    """`mesh3d.loss_spike`: skip a step whose loss or grad norm spikes (docs/faults.md)."""
 
     factor: float = 3.0  # a spike: loss (or grad norm) > factor x the running median
     window: int = 100  # healthy steps the running median is taken over
@@ -400,28 +385,22 @@ class LossSpikeArgs:
 
 @dataclass
 class LoraArgs:
-    """`mesh3d.lora`: low-rank adapters on the projections, the base frozen (docs/lora.md).
-    Keys and defaults are peft's `LoraConfig`'s."""
+    """`mesh3d.lora`: low-rank adapters, the base frozen (docs/lora.md); peft's keys and defaults."""
 
     r: int = 8  # the adapters' rank
     lora_alpha: float = 8  # scaling = lora_alpha / r
     lora_dropout: float = 0.0  # only 0 for now (layout-invariant masks are not built yet)
-    # module names (matched as the last dotted parts of a module's name, e.g. q_proj), a regex
-    # string matched against the whole name, or "all-linear"
+    # module names (last dotted parts, e.g. q_proj), a regex of the whole name, or "all-linear"
     target_modules: list[str] | str = field(default_factory=lambda: ["q_proj", "v_proj"])
 
 
 @dataclass
 class FaultToleranceArgs:
-    """`mesh3d.fault_tolerance`: this job is replica group `replica_id` of `replica_groups`
-    jobs that train one model through torchft; a group that dies is dropped from the step's
-    quorum, the others train on, and it heals from a live peer when it comes back
-    (docs/fault-tolerance.md)."""
+    """`mesh3d.fault_tolerance`: this job is one of `replica_groups` jobs that train one model
+    through torchft (docs/fault-tolerance.md)."""
 
     replica_groups: int = 2  # jobs (torchrun launches) that train the model together
-    replica_id: int | None = (
-        None  # this job's index, 0 .. replica_groups-1 (null: $MESH3D_REPLICA_ID)
-    )
+    replica_id: int | None = None  # 0 .. replica_groups-1 (null: $MESH3D_REPLICA_ID)
     lighthouse: str | None = None  # torchft lighthouse address (null: $TORCHFT_LIGHTHOUSE)
     min_replicas: int = 1  # groups a step needs to commit
     quorum_timeout_s: float = 60.0  # the wait for a quorum (a peer's heartbeat, a joiner)
@@ -430,10 +409,8 @@ class FaultToleranceArgs:
 
 @dataclass
 class DoReMiArgs:
-    """The `doremi:` section of Nanotron's examples/doremi (docs/doremi.md): the domains (one
-    per folder of the Nanoset stage, in order), their sampling weights (null: the stage's own,
-    proxy runs uniform) and, for a proxy run, the reference model's step folder. Comma strings
-    (Nanotron's form) and lists both load; `mesh3d/checks/doremi_checks.py` checks them."""
+    """The `doremi:` section of Nanotron's examples/doremi (docs/doremi.md): one domain per
+    Nanoset folder; comma strings (Nanotron's form) and lists both load."""
 
     domain_names: str | list[str]
     domain_weights: str | list[float] | None = None
@@ -466,9 +443,7 @@ class Mesh3dArgs:
     async_tp: bool = False  # torch's async TP: compile + tp > 1 REDUCE_SCATTER on CUDA/NCCL
     wandb: bool | None = None  # null: on when wandb is installed and can log without a prompt
     tensorboard_dir: str | None = None  # TensorBoard scalars of every logged iteration
-    # console progress: nanotron (its iteration line every iteration_step_info_interval steps),
-    # compact (one short line per step), auto (compact on a terminal, nanotron otherwise)
-    console: str = "auto"
+    console: str = "auto"  # nanotron | compact (a line per step) | auto (compact on a terminal)
     # failing safe on long runs (docs/faults.md)
     collective_timeout_s: float = 600.0  # every process group: a stopped rank ends the job
     checkpoint_timeout_s: float = 1800.0  # collectives and barriers while saving or loading
@@ -485,12 +460,8 @@ class Mesh3dArgs:
     async_checkpoint: bool = False  # copy the state at the save, write it while training goes on
     keep_last_checkpoints: int | None = None  # null: keep every step folder (Nanotron)
     keep_checkpoint_every: int | None = None  # with keep_last: also keep every multiple of this
-    hf_export: bool | int = (
-        False  # also write <checkpoints_path>/hf/<step>/ (true: every save; N: every N steps)
-    )
-    # s3_upload at a stop signal or an error: world rank 0 waits this long for the uploads
-    # (after the last step: checkpoint_timeout_s); keep it under the launcher's grace time
-    upload_wait_on_stop_s: float = 20.0
+    hf_export: bool | int = False  # also write <checkpoints_path>/hf/<step>/ (N: every N steps)
+    upload_wait_on_stop_s: float = 20.0  # rank 0's wait for uploads at a stop signal or error
     # model families Nanotron lacks, on top of its Qwen2 model_config
     model_family: str | None = None  # null: from model_config; qwen3
     head_dim: int | None = None  # qwen3: the head size (null: hidden_size / num_attention_heads)

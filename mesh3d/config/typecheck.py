@@ -1,13 +1,9 @@
 """Strict mapping -> dataclass conversion, with the dotted key in every error (dacite strict by hand).
 
-Rules, each a deliberate choice:
-- an unknown key at any level is an error that names the closest valid key (difflib);
-- a missing key without a default is an error unless its type is `X | None` (then null);
-- `null` for a key that has a default but is not `X | None` means that default;
-- bool is not an int; an int is a float; a string that reads as a number is a float (PyYAML
-  reads `3e-4` as a string, which Nanotron rejects: docs/nanotron-layout.md#how-a-config-is-parsed);
-- an empty mapping for a `dict | None` key is null (Nanotron writes `{}` as null);
-- a union of dataclasses is resolved by a caller-given picker that looks at the keys.
+Rules: an unknown key is an error naming the closest valid key; a missing key is an error unless
+it has a default or is `X | None`; `null` for a non-optional key with a default means that
+default; bool is not an int; an int or a number-like string (PyYAML reads `3e-4` as one) is a
+float; `{}` for a `dict | None` key is null; a union of dataclasses is picked by a caller's picker.
 """
 
 from __future__ import annotations
@@ -50,14 +46,11 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def _members(tp: Any) -> tuple | None:
     """The members of a union type, or None if `tp` is not a union."""
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        return typing.get_args(tp)
-    return None
+    return typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else None
 
 
 def is_optional(tp: Any) -> bool:
-    members = _members(tp)
-    return members is not None and _NONE in members
+    return _NONE in (_members(tp) or ())
 
 
 def describe(tp: Any) -> str:
@@ -65,15 +58,9 @@ def describe(tp: Any) -> str:
     members = _members(tp)
     if members is not None:
         return " or ".join(dict.fromkeys(describe(m) for m in members))
-    base = typing.get_origin(tp) or tp
     words = {int: "an int", float: "a number", bool: "true or false", str: "a string"}
-    if tp is _NONE:
-        return "null"
-    if base in words:
-        return words[base]
-    if base is list:
-        return "a list"
-    return "a mapping"  # dict and dataclasses
+    words |= {list: "a list", _NONE: "null"}
+    return words.get(typing.get_origin(tp) or tp, "a mapping")  # dict and dataclasses
 
 
 def _has_default(f: dataclasses.Field) -> bool:
@@ -84,10 +71,15 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
+def need_mapping(value: Any, path: str) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"`{path}` must be a mapping of keys, got {show(value)}")
+    return value
+
+
 def build(cls: type, data: Any, path: str, pickers: Pickers) -> Any:
     """Build dataclass `cls` from mapping `data` found at dotted `path`, strictly."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"`{path}` must be a mapping of keys, got {show(data)}")
+    need_mapping(data, path)
     hints = _hints(cls)
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]

@@ -1,14 +1,8 @@
 """The training data of a config: one dataset per data stage, and the batches of each step.
 
-Every stage's dataset is built (and so checked: folders, files, token ids, tokenizer, size)
-before training starts, on every rank, from the config alone. The batches of step s come from
-the stage active at s (`mesh3d.data.stages`), at the stage-local step s - start + 1: the global
-batch is that stage's samples [(k-1)*GBS, k*GBS), each dp rank taking its contiguous slice. The
-samples of a step depend only on the step, so a resumed run — at any dp — continues with exactly
-the samples the uninterrupted run would have read; no loader state is needed beyond the step.
-Each stage's samples have its own `sequence_length` (`tokens.sequence_length` when null), so a
-later stage can train on longer sequences (long-context annealing).
-`validation` holds the held-out samples of `tokens.limit_val_batches` (`mesh3d.data.validation`).
+Every stage's dataset is built (and so checked) before training starts, on every rank. Step s
+reads the active stage's global batch k = s - start + 1, samples [(k-1)*GBS, k*GBS), each dp rank
+its contiguous slice: the samples depend only on the step, so a resume at any dp is exact.
 """
 
 from __future__ import annotations
@@ -25,23 +19,6 @@ from mesh3d.errors import UserError
 from mesh3d.log import logger
 
 
-def _tokenizer_path(cfg, required: bool) -> str | None:
-    """The local tokenizer path; a hub id fails when the data needs it (HF datasets) and is
-    skipped with a warning when it would only check the vocabulary size (Nanoset)."""
-    tok = cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None
-    if tok and not Path(tok).exists():
-        if not required:
-            logger.warning(
-                f"tokenizer {tok!r} is not a local path: its vocabulary size is not checked"
-            )
-            return None
-        raise UserError(
-            f"`tokenizer.tokenizer_name_or_path` {tok!r} is not a local file or folder; mesh3d "
-            "runs offline: download the tokenizer first and give its path"
-        )
-    return tok
-
-
 def _stage_steps(starts: list[int], index: int, train_steps: int) -> int:
     end = starts[index + 1] - 1 if index + 1 < len(starts) else train_steps
     return max(end - max(starts[index], 1) + 1, 1)
@@ -49,8 +26,7 @@ def _stage_steps(starts: list[int], index: int, train_steps: int) -> int:
 
 @dataclass(frozen=True)
 class StageData:
-    """What the builder of a data stage's dataset gets: the stage's `data.dataset` section, its
-    sequence length, seed, samples (the stage's steps x GBS), the global batch and its name."""
+    """What the builder of a data stage's dataset gets (`num_samples`: the stage's steps x GBS)."""
 
     cfg: object
     index: int
@@ -66,13 +42,24 @@ class StageData:
         return self.cfg.model.model_config.vocab_size
 
     def tokenizer(self, required: bool = True) -> str | None:
-        """The local tokenizer path (`required`: the data is tokenized with it)."""
-        return _tokenizer_path(self.cfg, required)
+        """The local tokenizer path; a hub id fails when `required` (the data is tokenized with
+        it), else is skipped with a warning (it would only check the vocabulary size)."""
+        tok = self.cfg.tokenizer.tokenizer_name_or_path if self.cfg.tokenizer else None
+        if tok and not Path(tok).exists():
+            if not required:
+                logger.warning(
+                    f"tokenizer {tok!r} is not a local path: its vocabulary size is not checked"
+                )
+                return None
+            raise UserError(
+                f"`tokenizer.tokenizer_name_or_path` {tok!r} is not a local file or folder; mesh3d "
+                "runs offline: download the tokenizer first and give its path"
+            )
+        return tok
 
 
 def build_dataset(cfg, index: int):
-    """The dataset of `data_stages[index]` (dummy tokens when there are no stages). A Nanoset
-    is built here; the other kinds by the `build_stage` of their capability (`_builder`)."""
+    """The dataset of `data_stages[index]` (dummy tokens when there are no stages)."""
     mc, tok = cfg.model.model_config, cfg.tokens
     stages = cfg.data_stages or []
     if not stages:
@@ -81,14 +68,12 @@ def build_dataset(cfg, index: int):
         )
     stage, starts = stages[index], [s.start_training_step for s in stages]
     data, gbs, seq = stage.data, global_batch_size(cfg), stage_sequence_length(cfg, stage)
+    seed = data.seed if data.seed is not None else 42
     if data.dataset is None:
-        return DummyTokens(mc.vocab_size, seq, data.seed if data.seed is not None else 42,
-                           cfg.mesh3d.dummy_data)  # fmt: skip
-    request = StageData(
-        cfg, index, data.dataset, seq, data.seed if data.seed is not None else 42,
-        _stage_steps(starts, index, tok.train_steps) * gbs, gbs,
-        f"data_stages[{index}] ({stage.name!r})",
-    )  # fmt: skip
+        return DummyTokens(mc.vocab_size, seq, seed, cfg.mesh3d.dummy_data)
+    request = StageData(cfg, index, data.dataset, seq, seed,
+                        _stage_steps(starts, index, tok.train_steps) * gbs, gbs,
+                        f"data_stages[{index}] ({stage.name!r})")  # fmt: skip
     if isinstance(data.dataset, NanosetDatasetsArgs):
         return _nanoset(request)
     return extensions.load(_builder(cfg, data.dataset, request.where)).build_stage(request)
@@ -138,9 +123,7 @@ class StagedData:
         stages = cfg.data_stages or []
         self.names = [s.name for s in stages] or ["dummy"]
         self.starts = [s.start_training_step for s in stages] or [1]
-        self.lengths = [stage_sequence_length(cfg, s) for s in stages] or [
-            cfg.tokens.sequence_length
-        ]  # each stage's sequence length
+        self.lengths = [stage_sequence_length(cfg, s) for s in stages] or [cfg.tokens.sequence_length]  # fmt: skip
         self.gbs = global_batch_size(cfg)
         self.train_steps = cfg.tokens.train_steps
         self.datasets = [build_dataset(cfg, i) for i in range(len(self.starts))]
@@ -153,10 +136,9 @@ class StagedData:
         self.resumed: tuple[int, int] | None = None  # (step, samples) of the checkpoint
         from mesh3d.data.validation import held_out
 
-        reads = [
-            _stage_steps(self.starts, i, self.train_steps) * self.gbs
-            for i in range(len(self.starts))
-        ]  # samples each stage trains on (a stage that never starts: one batch, to be safe)
+        # samples each stage trains on (a stage that never starts: one batch, to be safe)
+        reads = [_stage_steps(self.starts, i, self.train_steps) * self.gbs
+                 for i in range(len(self.starts))]  # fmt: skip
         self.validation = held_out(cfg, self.datasets, reads)  # None unless the run evaluates
 
     def stage_at(self, step: int) -> int:
@@ -167,8 +149,7 @@ class StagedData:
         return self.lengths[self.stage_at(step)]
 
     def tokens_through(self, step: int, global_batch: int) -> int:
-        """Tokens of steps 1..`step` at `global_batch` samples a step, each stage's samples at
-        its sequence length (a resumed run: the batch size of the checkpoint's run)."""
+        """Tokens of steps 1..`step` at `global_batch` samples a step, each at its stage's length."""
         ends = [*(s - 1 for s in self.starts[1:]), step]
         return sum(
             max(min(step, end) - max(begin, 1) + 1, 0) * global_batch * length

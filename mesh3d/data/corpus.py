@@ -1,15 +1,7 @@
-"""The default run's data, made once on any machine with Python and no download: the standard
-library's own source files as documents, a byte-level BPE tokenizer trained on them, and a
-Nanoset folder (datatrove's `.ds` format) of their tokens.
-
-    folder = prepare_stdlib_corpus()   # ~/.cache/mesh3d/stdlib-<key>/ (or $MESH3D_CACHE)
-    folder / "tokenizer" / "tokenizer.json", folder / "tokenized" / "*.ds"
-
-The files are read in sorted order up to a size budget (tests and the `idlelib`/`site-packages`
-folders left out), so the corpus is the same for the same Python. Made in a temporary folder
-and renamed into place when complete; a second call returns the cached folder at once. Processes
-that ask at the same time (the ranks of `torchrun recipes/train.py` without a config) take turns
-on a lock file beside the folder, so one prepares it and the others read it.
+"""The default run's data, made once with no download: the standard library's source files, a
+byte-level BPE tokenizer trained on them, and a Nanoset folder of their tokens, cached in
+~/.cache/mesh3d/stdlib-<key>/ (or $MESH3D_CACHE). Made in a temporary folder renamed into place;
+concurrent processes (ranks) take turns on a lock file, so one prepares it.
 """
 
 from __future__ import annotations
@@ -53,7 +45,7 @@ def stdlib_files(budget_bytes: int) -> list[Path]:
 
 
 def prepare_stdlib_corpus(megabytes: float = 3.0, vocab_size: int = 4096) -> Path:
-    """The corpus folder (made the first time; see the module doc)."""
+    """The corpus folder, with `tokenizer/tokenizer.json` and `tokenized/*.ds`."""
     root = Path(sysconfig.get_paths()["stdlib"])
     key = hashlib.sha1(f"{FORMAT}|{sys.version}|{root}|{megabytes}|{vocab_size}".encode())
     folder = cache_root() / f"stdlib-{key.hexdigest()[:12]}"
@@ -91,8 +83,7 @@ def _prepare(folder: Path, root: Path, megabytes: float, vocab_size: int) -> Pat
     logger.info(f"preparing the default run's data once: {len(files)} files of {root} -> {folder}")
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
     with open(tmp / "text.jsonl", "w", encoding="utf-8") as f:
-        for text in texts:
-            f.write(json.dumps({"text": text}) + "\n")
+        f.writelines(json.dumps({"text": text}) + "\n" for text in texts)
     from mesh3d.data.synthetic import train_bpe  # the first run's preparation only
 
     tokenizer = train_bpe(texts, tmp / "tokenizer", vocab_size)

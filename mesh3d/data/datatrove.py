@@ -1,14 +1,10 @@
-"""datatrove's tokenized files, the format Nanotron's Nanoset reads: read here.
+"""Reading datatrove's tokenized files, the format Nanotron's Nanoset reads.
 
-A folder of `*.ds` files, each the raw little-endian token ids of many documents (uint16, or
-uint32 when the vocabulary has more than 65,536 entries; no header), with `.ds.index` (the uint64
-end offset, in tokens, of every document) and `.ds.metadata` (`<tokenizer>|<bytes per token>`
-on line 1, the token count, then a readable count) beside it. Reading follows datatrove: the
-folder's `*.ds` files (not recursive) are sorted, then shuffled at file level with
-`numpy.random.default_rng(42).permutation`; file f holds floor(n_tokens_f / (S+1)) samples,
-sample i being the non-overlapping window of tokens [i*(S+1), (i+1)*(S+1)) (the tail is
-dropped); the folder is its files' samples one after the other. Files are memory-mapped, never
-read whole. Writing is `data/token_writer.py`'s (the prepared-data tools'; a run only reads).
+A `*.ds` file is raw little-endian token ids (uint16, or uint32 above 65,536 ids; no header),
+with `.ds.index` (uint64 document ends) and `.ds.metadata` (`<tokenizer>|<bytes per token>` on
+line 1) beside it. As datatrove: a folder's files are sorted, then shuffled with
+`default_rng(42).permutation`; sample i of a file is tokens [i*(S+1), (i+1)*(S+1)), the tail
+dropped. Files are memory-mapped. Writing is `data/token_writer.py`'s.
 """
 
 from __future__ import annotations
@@ -34,10 +30,8 @@ def token_size_for_vocab(vocab_size: int) -> int:
 
 
 def metadata_token_size(ds_path: str | os.PathLike) -> int | None:
-    """Token size from `<file>.ds.metadata` line 1 (`<tokenizer>|<bytes>`), or None if absent.
-
-    Older datatrove versions write only the tokenizer name on line 1; that also gives None.
-    """
+    """Token size from `<file>.ds.metadata` line 1 (`<tokenizer>|<bytes>`), or None if absent
+    (older datatrove versions write only the tokenizer name)."""
     meta = Path(f"{ds_path}.metadata")
     if not meta.is_file():
         return None
@@ -64,8 +58,7 @@ class WindowSource(Protocol):
 class DatatroveFile:
     """One `.ds` file: `len(f)` samples, `f.window(i)` -> the (S+1,) token window i (a memmap view).
 
-    `max_tokens` (a positive count, or None) caps the tokens the samples are cut from: only the
-    first min(max_tokens, tokens of the file) count, as in datatrove's `DatatroveFileDataset`.
+    `max_tokens` caps the tokens the samples are cut from, as datatrove's `DatatroveFileDataset`.
     """
 
     def __init__(
@@ -112,9 +105,8 @@ class DatatroveFile:
         with open(self.path, "rb") as f:
             for start in range(0, self.num_tokens, _SCAN_TOKENS):  # noqa: B007 (used below)
                 block = np.fromfile(f, dtype=self.dtype, count=_SCAN_TOKENS)
-                if int(block.max()) < vocab_size:
-                    continue
-                break
+                if int(block.max()) >= vocab_size:
+                    break
             else:
                 return
         offset = int(np.argmax(block >= vocab_size))
@@ -135,31 +127,16 @@ class DatatroveFile:
 class DatatroveFolder:
     """A folder of `.ds` files read as datatrove does: sorted, shuffled with seed 42, concatenated.
 
-    The token size of each file comes from its `.ds.metadata` line 1 when that says it, else
-    from `token_size_in_bytes`, else from `vocab_size` (4 bytes above 65,536 ids, else 2). With
-    `check_token_ids`, every file is scanned once for ids >= `vocab_size`.
-
-    `read_path` (Nanotron's `dataset_read_path`): a local copy of the folder. Each file is read
-    from the copy when the copy has it, else from `folder`; the files are listed in `folder`,
-    or in the copy when `folder` is not a local folder (an `s3://` address). `max_tokens`
-    (Nanotron's `dataset_max_tokens`): the sorted files are taken in turn, each capped at the
-    tokens still allowed, until the cap is used up (datatrove's arithmetic: a file gives
-    min(left, its tokens) // (S+1) samples and uses that many times S+1 tokens); the kept files
-    are then shuffled.
+    A file's token size comes from its `.ds.metadata`, else `token_size_in_bytes`, else
+    `vocab_size`. `read_path` (`dataset_read_path`): a local copy, read from for the files it has
+    (and listed when `folder` is remote). `max_tokens` (`dataset_max_tokens`): the sorted files
+    are taken in turn, each capped at the tokens still allowed, before the shuffle.
     """
 
-    def __init__(
-        self,
-        folder: str | os.PathLike,
-        seq_len: int,
-        *,
-        vocab_size: int | None = None,
-        token_size_in_bytes: int | None = None,
-        check_token_ids: bool = True,
-        file_seed: int = DATATROVE_FILE_SEED,
-        read_path: str | os.PathLike | None = None,
-        max_tokens: int | None = None,
-    ):
+    def __init__(self, folder: str | os.PathLike, seq_len: int, *, vocab_size: int | None = None,
+                 token_size_in_bytes: int | None = None, check_token_ids: bool = True,
+                 file_seed: int = DATATROVE_FILE_SEED, read_path: str | os.PathLike | None = None,
+                 max_tokens: int | None = None):  # fmt: skip
         self.folder, self.seq_len = str(folder), seq_len
         self.read_path = None if read_path is None else str(read_path)
         listed = self.folder
@@ -242,8 +219,7 @@ class DatatroveFolder:
                 f"{path}.metadata says {size} bytes per token but token_size_in_bytes is "
                 f"{explicit}; remove token_size_in_bytes or set it to {size}"
             )
-        if size is None:
-            size = explicit
+        size = explicit if size is None else size
         if size is None:
             if vocab_size is None:
                 raise UserError(

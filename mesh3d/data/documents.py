@@ -1,13 +1,6 @@
-"""Documents inside packed samples: each token's position in its document, and the labels a
-document-masked run does not train on (Nanotron's `_use_doc_masking` with `return_positions`).
-
-A document starts at the first token of a sample and right after every EOS token (datatrove
-appends one EOS per document when it tokenizes), so positions come from the tokens themselves,
-whatever the data source:
-
-    ids       = [[5, 9, 2, 7, 4, 2, 8]]          (2 = EOS)
-    positions = [[0, 1, 2, 0, 1, 2, 0]]
-    labels    : the one predicting the token after an EOS (the next document's first) is -100
+"""Documents inside packed samples (Nanotron's `_use_doc_masking`): a document starts at a
+sample's first token and after every EOS, e.g. ids [[5, 9, 2, 7]] (2 = EOS) -> positions
+[[0, 1, 2, 0]], and the label after an EOS is ignored (-100).
 """
 
 from __future__ import annotations

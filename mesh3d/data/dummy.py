@@ -1,11 +1,8 @@
 """Dummy data for `dataset: null`, the same samples at every layout.
 
-Nanotron's dummy data draws input ids and, independently, label ids uniformly from the
-vocabulary. mesh3d keeps that distribution ("random") but seeds each *global sample index* on its
-own, so the global batch at step s is the same list of samples whatever dp/tp/pp is (Nanotron
-seeds per dp/pp rank, which ties the data to the layout). The "learnable" variant
-(`mesh3d.dummy_data: learnable`) makes sequences that follow a fixed next-token rule, so the
-loss visibly falls on a CPU smoke run.
+As Nanotron's, inputs and labels are drawn uniformly ("random"), but each *global sample index*
+is seeded on its own (Nanotron seeds per rank). "learnable" sequences follow a fixed next-token
+rule, so the loss visibly falls on a CPU smoke run.
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ class DummyTokens:
         return torch.Generator().manual_seed((self.seed * _MIX + index) % (2**63))
 
     def sample_key(self, index: int) -> int:
-        """What sample `index` is drawn from: the low 32 bits of its generator seed, all that
-        torch's CPU generator (mt19937) uses. Equal keys give equal samples; consecutive indices
-        have consecutive keys (mod 2**32)."""
+        """The low 32 bits of sample `index`'s generator seed, all that torch's CPU generator
+        (mt19937) uses: equal keys give equal samples."""
         return (self.seed * _MIX + index) % (2**32)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,10 +52,8 @@ class DummyTokens:
 def microbatches(
     dataset, step: int, global_batch_size: int, dp_rank: int, dp: int, micro_batch_size: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This dp rank's microbatches for training step `step` (1-based).
-
-    The global batch of step s is samples [(s-1)*GBS, s*GBS); dp rank r takes the contiguous
-    slice [r*GBS/dp, (r+1)*GBS/dp), cut into microbatches of `micro_batch_size` samples.
+    """This dp rank's microbatches for training step `step` (1-based): its contiguous slice of
+    samples [(s-1)*GBS, s*GBS).
 
     Example:
 
@@ -70,7 +64,5 @@ def microbatches(
     out = []
     for m in range(per_rank // micro_batch_size):
         rows = [dataset[first + m * micro_batch_size + j] for j in range(micro_batch_size)]
-        out.append(
-            tuple(torch.stack(column) for column in zip(*rows))
-        )  # (inputs, labels[, positions])
+        out.append(tuple(torch.stack(column) for column in zip(*rows)))  # (inputs, labels[, pos])
     return out

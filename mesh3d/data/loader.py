@@ -1,26 +1,13 @@
 """The loader: each step's microbatches read ahead by `num_loading_workers` worker processes.
 
-One `torchdata.stateful_dataloader.StatefulDataLoader` per data stage. A map-style stage
-(Nanoset, HF map-style, SFT) is a dataset over *steps*: item s is this dp rank's microbatches
-of step s (`StepDataset`), and the sampler is the stage's remaining steps in order, so the
-samples of a step still depend only on the step and the data config: workers change when a
-batch is read, never what it holds, and a resume at any dp needs no loader state (the next step
-is the state). A streamed stage (`mesh3d.hf_streaming`, `data/streaming.py`) is an iterable
-whose workers each yield their logical shards' part of a step, put together in shard order;
-its position is per logical shard, saved in each checkpoint per dp rank (`data_state`) and
-taken up at any dp and worker count (`Feed.resume`).
+One `StatefulDataLoader` per data stage. A map-style stage is a dataset over *steps*
+(`StepDataset`), so workers change when a batch is read, never what it holds, and a resume needs
+no loader state. A streamed stage (`data/streaming.py`) yields each worker's logical shards' part
+of a step; its position is saved per dp rank (`data_state`) and taken up at any dp (`Feed.resume`).
 
-`num_loading_workers: 0` reads in the training process, as does dummy data (`dataset: null`)
-whatever the setting (it is generated, not read). Workers start with the 'forkserver' method:
-a worker forked from a rank that already runs gloo threads and multi-threaded kernels can hang,
-so they are forked from a clean server process instead (its start, once per rank, imports
-torch: ~3 s on 2 busy cores; later stages' workers start in well under a second). Workers send
-batches by value (`worker_failure.by_value`); on CUDA the training process pins them so the
-step's copies can be non-blocking.
-
-A worker that dies (noticed within `_POLL` seconds), hangs past `mesh3d.collective_timeout_s`
-or raises is one `DataWorkerError` line naming the worker, the stage and its files (a
-`UserError` from the data, such as a corrupt row, stays the same one-line `UserError`).
+Workers start from a 'forkserver': one forked from a rank already running gloo threads can hang.
+A worker that dies, hangs past `mesh3d.collective_timeout_s` or raises is one `DataWorkerError`
+line (a `UserError` from the data stays a `UserError`).
 """
 
 from __future__ import annotations
@@ -47,8 +34,7 @@ _POLL = 2.0  # seconds between checks that the workers are alive while waiting f
 
 
 class StepDataset(Dataset):
-    """Map-style over steps: `self[step]` -> (step, this dp rank's microbatches of `step`) from
-    one stage's dataset (only that dataset travels to the workers)."""
+    """Map-style over steps: `self[step]` -> (step, this dp rank's microbatches of `step`)."""
 
     def __init__(self, dataset, start: int, gbs: int, dp_rank: int, dp: int, mbs: int):
         self.dataset, self.start, self.gbs = dataset, max(start, 1), gbs
@@ -71,13 +57,13 @@ def _worker_init(_: int) -> None:
 class StageLoader:
     """The batches of one data stage from step `first` on, through `workers` processes.
 
-    `where`: the stage and its files (for errors); `dataset`: a `StepDataset` (map-style) or an `IterableDataset` yielding one step's
-    microbatches per item, starting at `first`; `state`: a `state_dict()` to resume from.
+    `dataset`: a `StepDataset`, or an `IterableDataset` yielding one step's microbatches per item
+    from `first`; `where`: the stage and its files (for errors).
     """
 
     def __init__(self, dataset, first: int, last: int, workers: int, *, where: str,
                  timeout_s: float, pin: bool = False):  # fmt: skip
-        self.first, self.next_step, self.last = first, first, last
+        self.next_step, self.last = first, last
         self.where, self.workers, self.timeout_s, self.pin = where, workers, timeout_s, pin
         self.streamed = isinstance(dataset, IterableDataset)
         self.dataset, self.parts = dataset, getattr(dataset, "workers", 1)
@@ -111,16 +97,10 @@ class StageLoader:
             ) from None
         except (RuntimeError, OSError, EOFError) as e:  # a dead worker, or none answered
             raise self._dead(step, e) from None
-        got, batches = item if not self.streamed else (step, item)
-        if not isinstance(batches, Failed):
-            batches = [tuple(_tensor(a, self.pin) for a in mb) for mb in batches]
+        got, batches = (step, item) if self.streamed else item
         if isinstance(batches, Failed):
             self.close()
-            who = (
-                "the training process"
-                if batches.worker is None
-                else f"data worker {batches.worker}"
-            )
+            who = "the training process" if batches.worker is None else f"data worker {batches.worker}"  # fmt: skip
             if batches.user:
                 raise UserError(f"{batches.text} (read by {who})")
             raise DataWorkerError(
@@ -128,15 +108,14 @@ class StageLoader:
                 f"{batches.text}; fix or replace the file, or set num_loading_workers: 0 to "
                 "see the traceback in the training process"
             )
+        batches = [tuple(_tensor(a, self.pin) for a in mb) for mb in batches]
         assert got == step, (got, step)
         self.next_step += 1
         return batches
 
     def _next_item(self):
-        """The loader's next item. Workers are the forkserver's children, not ours, so no
-        SIGCHLD tells the DataLoader one died: it notices when a wait for a batch times out.
-        So the wait is cut into `_POLL`-second ones (each checks the workers are alive), up to
-        `timeout_s` in all; starting the workers may take the whole `timeout_s`."""
+        """The loader's next item, waited for in `_POLL`-second waits up to `timeout_s`: workers
+        are the forkserver's children, so no SIGCHLD tells the DataLoader one died."""
         if self._it is None:
             self._it = iter(self.loader)  # starts the workers, reads the first steps ahead
             if self.workers:
@@ -152,8 +131,7 @@ class StageLoader:
 
     def _dead(self, step: int, error: Exception) -> DataWorkerError:
         """The one-line error for a worker that died or did not answer in time."""
-        it = self._it
-        workers = loader_workers(it)
+        workers = loader_workers(self._it)
         if workers:  # a worker killed a moment ago may not be reaped yet
             multiprocessing.connection.wait([w.sentinel for w in workers], timeout=2.0)
         dead = [(i, w.pid, w.exitcode) for i, w in enumerate(workers) if not w.is_alive()]
@@ -179,8 +157,7 @@ class StageLoader:
         )
 
     def state_dict(self) -> dict:
-        """The position after the last step it returned (streamed stages): each of this dp
-        rank's logical shards' (`streaming.RankStream.state`)."""
+        """A streamed stage's position after the last step it returned, per logical shard."""
         return self.dataset.state()
 
     def close(self) -> None:
@@ -209,17 +186,14 @@ def _keep(item):
 
 def worker_pids(loader: StageLoader) -> list[int]:
     """The pids of a loader's running workers (tests kill one)."""
-    it = loader._it
-    return [w.pid for w in loader_workers(it) if w.is_alive()]
+    return [w.pid for w in loader_workers(loader._it) if w.is_alive()]
 
 
 class Feed:
     """This rank's batches of every step, stage after stage (`Run.batches` asks it).
 
-    Steps asked in order come from the active stage's loader; a step out of order (a test or
-    a benchmark driving `Run.step` by hand) opens that stage's loader again at it (a streamed
-    stage reads its stream again from the stage's first step). `resume` hands a streamed
-    stage its saved position; `data_state` is what a checkpoint saves for this dp rank."""
+    A step out of order opens that stage's loader again at it (a stream re-reads from the
+    stage's first step)."""
 
     def __init__(self, data, dp_rank: int, dp: int, micro_batch_size: int, *,
                  timeout_s: float, pin: bool = False):  # fmt: skip
@@ -264,10 +238,8 @@ class Feed:
         return loader
 
     def resume(self, step: int, saved: list[dict], checkpoint: str) -> None:
-        """Continue after checkpoint `checkpoint` of step `step`; `saved`: the stream positions
-        it holds (one file per dp rank it was saved with). A stream in the middle of its stage
-        continues exactly at any dp and worker count: every logical shard's position is there,
-        and this rank takes those of the shards it owns now."""
+        """Continue after checkpoint `checkpoint` of step `step` from `saved`, its stream
+        positions (one per dp rank it was saved with): this rank takes the shards it owns now."""
         data = self.data
         if step >= data.train_steps:
             return
@@ -299,8 +271,7 @@ class Feed:
         self._resume = (i, step + 1, positions)
 
     def data_state(self, step: int) -> dict | None:
-        """This dp rank's logical shards' stream positions after `step`, for the checkpoint
-        (None: the stage active at `step` is not streamed)."""
+        """This dp rank's stream positions after `step` (None: that stage is not streamed)."""
         data = self.data
         i = data.stage_at(step)
         ds = data.datasets[i]

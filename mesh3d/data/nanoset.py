@@ -1,19 +1,9 @@
-"""Nanoset: pretraining samples from datatrove-tokenized folders
-(docs/nanotron-layout.md#nanoset-index).
+"""Nanoset: pretraining samples from datatrove-tokenized folders (`data/datatrove.py`),
+blended as Nanotron's index (docs/nanotron-layout.md#nanoset-index).
 
-On disk: folders of datatrove's tokenized files (datatrove's `DocumentTokenizer` output, or
-`python -m mesh3d.data.tokenize`), read by `data/datatrove.py`, which describes the format.
-
-Blending follows Nanotron's index: one epoch has E = sum of the folders' sample counts, and
-position j of the epoch takes a sample from folder argmax_k(w_k * max(j, 1) - c_k) (c_k: samples
-taken from k so far, ties to the lowest k), namely that folder's sample c_k mod n_k. The one
-difference, on purpose: Nanotron shuffles that epoch once (`RandomState(seed)`) and repeats the
-same order for every epoch; mesh3d shuffles epoch 0 exactly like Nanotron (so a run shorter than
-an epoch reads Nanotron's samples in Nanotron's order) and every later epoch e with its own
-permutation from `default_rng([seed, e])`, so repeated data does not come back in the same order.
-
-`ds[i]` returns (input_ids [S], label_ids [S]) int64 for global sample i, like `DummyTokens`, so
-`mesh3d.data.dummy.microbatches` serves both.
+One difference, on purpose: Nanotron repeats epoch 0's shuffle (`RandomState(seed)`) in every
+epoch; mesh3d shuffles epoch 0 the same and each later epoch e with `default_rng([seed, e])`.
+`ds[i]` returns (input_ids [S], label_ids [S]) int64, like `DummyTokens`.
 """
 
 from __future__ import annotations
@@ -52,12 +42,9 @@ def normalize_weights(weights: Sequence[float] | None, sizes: Sequence[int]) -> 
 
 
 def greedy_blend(weights: Sequence[float], length: int) -> np.ndarray:
-    """Nanotron's blend order: entry j is argmax_k(w_k * max(j, 1) - c_k), ties to the lowest k.
-
-    The float arithmetic is Nanotron's (float64 `w * j - c`), so the result is identical. Each
-    pick depends on all earlier ones, so this is a plain Python loop (Nanotron uses numba): about
-    0.4 s per million entries for two folders, 0.7 s for four, on one CPU core; it runs once
-    per dataset (not per epoch). A single folder needs no loop. Returns uint16 folder indices.
+    """Nanotron's blend order (uint16): entry j is argmax_k(w_k * max(j, 1) - c_k), c_k the
+    picks of k so far, ties to the lowest k. Nanotron's float64 arithmetic, in a plain loop
+    (each pick depends on the earlier ones): about 0.4 s per million entries for two folders.
     """
     if len(weights) == 1:
         return np.zeros(length, dtype=np.uint16)
@@ -80,20 +67,12 @@ def greedy_blend(weights: Sequence[float], length: int) -> np.ndarray:
 class BlendedSamples:
     """`num_samples` samples drawn from several `WindowSource`s, blended and shuffled per epoch.
 
-    `self[i]` -> (input_ids [S], label_ids [S]) int64: window[:-1], window[1:]. The index is
-    built one epoch (E = total samples of the sources) at a time, cut to the positions the run
-    uses, and at most two epochs are kept: a few bytes per sample, O(min(E, num_samples)) plus
-    the unshuffled epoch when the run needs more than one (then E < num_samples). Building an
-    epoch briefly needs O(E) memory (epoch 0 is Nanotron's full `RandomState` permutation).
+    `self[i]` -> (window[:-1], window[1:]) int64. The index is built one epoch at a time, cut to
+    the positions the run uses; at most two epochs are kept.
     """
 
-    def __init__(
-        self,
-        sources: Sequence[WindowSource],
-        weights: Sequence[float] | None,
-        num_samples: int,
-        seed: int,
-    ):
+    def __init__(self, sources: Sequence[WindowSource], weights: Sequence[float] | None,
+                 num_samples: int, seed: int):  # fmt: skip
         if not 0 <= seed < 2**32:
             raise UserError(f"data.seed is {seed}; use an integer in [0, 2**32)")
         if num_samples < 0:
@@ -150,9 +129,8 @@ class BlendedSamples:
         return int(which[pos]), int(sample[pos])
 
     def epoch_sources(self, epoch: int, whole: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(source index, sample index within it) at each position of `epoch`: the positions
-        the dataset serves (cut to `num_samples`), or with `whole` every position of the epoch
-        (built afresh, not cached: held-out validation data reads the epoch's tail)."""
+        """(source, sample within it) at each position of `epoch` the dataset serves, or with
+        `whole` at every position (not cached: validation reads the epoch's tail)."""
         if not whole:
             return self._epoch(epoch)
         which, sample = self._base_order()
@@ -176,10 +154,8 @@ class BlendedSamples:
 class Nanoset(BlendedSamples):
     """Nanotron's Nanoset over datatrove folders: `num_samples` (= train_steps * GBS) samples.
 
-    `weights` None weighs folders by their sample counts (after `max_tokens`, one cap per
-    folder or None; `read_paths`: one local copy per folder or None, see `DatatroveFolder`).
-    Construction validates every folder
-    and file (see `DatatroveFolder`) and raises `UserError` naming what to fix.
+    `weights` None weighs folders by their sample counts. `read_paths` and `max_tokens` hold one
+    entry per folder (see `DatatroveFolder`). Construction validates every folder and file.
 
     Example:
 
@@ -188,33 +164,18 @@ class Nanoset(BlendedSamples):
         input_ids, labels = ds[0]
     """
 
-    def __init__(
-        self,
-        folders: Sequence[str | os.PathLike],
-        weights: Sequence[float] | None,
-        seq_len: int,
-        num_samples: int,
-        seed: int,
-        vocab_size: int,
-        *,
-        token_size_in_bytes: int | None = None,
-        check_token_ids: bool = True,
-        read_paths: Sequence[str | os.PathLike] | None = None,
-        max_tokens: Sequence[int] | None = None,
-    ):
+    def __init__(self, folders: Sequence[str | os.PathLike], weights: Sequence[float] | None,
+                 seq_len: int, num_samples: int, seed: int, vocab_size: int, *,
+                 token_size_in_bytes: int | None = None, check_token_ids: bool = True,
+                 read_paths: Sequence[str | os.PathLike] | None = None,
+                 max_tokens: Sequence[int] | None = None):  # fmt: skip
         check_weights(weights, len(folders))  # before the (slower) folder checks
         self.folders = [
-            DatatroveFolder(
-                f,
-                seq_len,
-                vocab_size=vocab_size,
-                token_size_in_bytes=token_size_in_bytes,
-                check_token_ids=check_token_ids,
-                read_path=read_paths[k] if read_paths else None,
-                max_tokens=max_tokens[k] if max_tokens else None,
-            )
+            DatatroveFolder(f, seq_len, vocab_size=vocab_size, token_size_in_bytes=token_size_in_bytes,
+                            check_token_ids=check_token_ids, read_path=read_paths[k] if read_paths else None,
+                            max_tokens=max_tokens[k] if max_tokens else None)
             for k, f in enumerate(folders)
-        ]
+        ]  # fmt: skip
         self.seq_len = seq_len
         super().__init__(self.folders, weights, num_samples, seed)
 

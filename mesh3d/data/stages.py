@@ -1,9 +1,6 @@
-"""Data stages (Nanotron's `data_stages`): which one is active at a step.
+"""Data stages (Nanotron's `data_stages`): which one is active at a step, and what it consumed.
 
-The stage active at step s is the last one (by `start_training_step`) that starts at or before
-s. Every step consumes one global batch from the active stage; each stage reads its dataset
-from its own beginning, offset by what it has consumed so far. Both counts follow from the step
-alone, so a resumed run (at any layout) continues each stage exactly where it stopped.
+Every step consumes one global batch from the active stage, so both follow from the step alone.
 """
 
 from __future__ import annotations
@@ -11,19 +8,14 @@ from __future__ import annotations
 
 def stage_index_at(starts: list[int], step: int) -> int:
     """Index of the stage active at `step` (1-based), given each stage's start step in order."""
-    active = 0
-    for i, start in enumerate(starts):
-        if start <= step:
-            active = i
-    return active
+    return max((i for i, start in enumerate(starts) if start <= step), default=0)
 
 
 def consumed_in_stage(
     starts: list[int], step: int, global_batch_size: int, resumed: tuple[int, int] | None = None
 ) -> int:
-    """Samples the stage active at `step` consumed in the steps before it. `resumed` = (step,
-    samples) of the checkpoint a run resumed from: steps up to it count at the batch size the
-    checkpoint's run had (samples / step), which differs when dp changed."""
+    """Samples the stage active at `step` consumed in the steps before it. `resumed`: (step,
+    samples) of the checkpoint, whose steps count at its own batch size (dp may have changed)."""
     i = stage_index_at(starts, step)
     begin = max(starts[i], 1)
     before = max(step - begin, 0)

@@ -1,6 +1,4 @@
-"""Loading a tokenizer and the checks every run makes of it (no dataset code): a local
-`tokenizer.json` through the `tokenizers` library, its end-of-document id, its vocabulary
-against the model's embedding rows."""
+"""Loading a local `tokenizer.json` (the `tokenizers` library), its EOS id and vocabulary check."""
 
 from __future__ import annotations
 
@@ -41,11 +39,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
 def find_eos(tokenizer) -> int | None:
     """Id of the first of `EOS_CANDIDATES` in the tokenizer's vocabulary, or None."""
-    for token in EOS_CANDIDATES:
-        eos = tokenizer.token_to_id(token)
-        if eos is not None:
-            return eos
-    return None
+    return next((i for i in map(tokenizer.token_to_id, EOS_CANDIDATES) if i is not None), None)
 
 
 def check_tokenizer_vocab(tokenizer_path: str, model_vocab_size: int) -> None:

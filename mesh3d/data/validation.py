@@ -1,32 +1,13 @@
-"""Held-out validation data: the samples a run evaluates on and never trains on.
+"""Held-out validation data: L = `tokens.limit_val_batches` global batches of the first stage's
+dataset that the run never trains on, fixed by the config and the data alone:
 
-With `tokens.val_check_interval` > 0 and `tokens.limit_val_batches` = L > 0, the validation set
-is L global batches, L * GBS samples (GBS = dp * micro_batch_size *
-batch_accumulation_per_replica, the training global batch), taken from the *first* data stage's
-dataset (the dummy data when there are no stages) and fixed by the config and the data alone:
+- dummy data: sample indices 2**31 + i, whose generator keys (32 bits of the seed, as torch's
+  CPU generator keeps) sit half the key space away from training's;
+- `BlendedSamples`: walking epoch 0's order back from its end, the first L * GBS distinct
+  windows (by folder, or tokens' digest, and index) that no stage trains on;
+- SFT data (`data/sft.py`): the last L * GBS packed sequences, held out when built.
 
-- dummy data (`DummyTokens`): the global sample indices 2**31 + i, i < L * GBS, of the same
-  seeded stream. A dummy sample is drawn from generator seed seed * mix + index, of which torch's
-  CPU generator keeps the low 32 bits (`DummyTokens.sample_key`); training reads indices from 0
-  up, so the validation keys sit half the 2**32 key space away from the training ones. Keys
-  that some dummy stage's training reads would reach (over 2**31 samples, or another stage's
-  seed landing near) are a `UserError` before training starts;
-- Nanoset folders and HF datasets (`BlendedSamples`): walking the dataset's first-epoch order
-  (Nanotron's `data.seed` shuffle) back from its end, the first L * GBS distinct windows that no
-  stage of the run trains on. Training reads that order from its start, so for a run that reads
-  less than an epoch of a dataset whose windows do not repeat within the epoch these are simply
-  the epoch's last L * GBS positions, whatever `train_steps` is. Windows are compared by identity
-  (folder path, or the content of in-memory tokens, and the window index), so a later stage that
-  reads the same folders in another order or blend is excluded too. Too few unread windows (a run
-  of an epoch or more) is a `UserError` before training starts.
-
-- SFT data (`SFTSequences`, `data/sft.py`): the last L * GBS packed sequences, which the
-  dataset holds out of training when it is built; each is (inputs, labels, positions) and only
-  completion (assistant) tokens have labels, so the loss is completion-only.
-
-Validation batch b (0-based) is `microbatches(held, b + 1, GBS, dp_rank, dp, mbs)`: dp rank r
-takes its contiguous slice of the batch, as in training. The set is the same at every layout
-with the same GBS and at every evaluation, so validation curves are comparable.
+Too few unread samples is a `UserError` before training starts.
 """
 
 from __future__ import annotations
@@ -49,12 +30,9 @@ _CHUNK = 1 << 16  # epoch positions examined at a time when walking back from th
 
 
 class HeldOut:
-    """Map-style validation set: `held[i]` -> (input_ids [S], label_ids [S][, positions [S]])
-    of sample i (positions for SFT data).
+    """Map-style validation set: `held[i]` -> (input_ids, label_ids[, positions]) of sample i.
 
-    `ids` name the samples in the first stage's dataset: dummy indices, or (source, window)
-    pairs of a `BlendedSamples`. `batches(b, ...)` gives a dp rank's microbatches of
-    validation batch b.
+    `ids` are dummy indices or `BlendedSamples` (source, window) pairs.
     """
 
     def __init__(self, ids: list, fetch: Callable[..., tuple], global_batch: int, num_batches: int):
@@ -121,8 +99,8 @@ def source_key(source) -> tuple:
 
 
 def _check_dummy_keys(first: DummyTokens, count: int, datasets, reads, names) -> None:
-    """Raise `UserError` if a dummy stage's training samples share keys with the validation
-    samples (arcs of the 2**32 key circle; see the module doc)."""
+    """Raise `UserError` if a dummy stage's training keys meet the validation keys (arcs of the
+    2**32 key circle)."""
     start = first.sample_key(DUMMY_OFFSET)
     for ds, n, name in zip(datasets, reads, names):
         if not isinstance(ds, DummyTokens):
@@ -145,11 +123,9 @@ def _read_windows(datasets: list, reads: list[int], first_order: tuple) -> dict:
         if not isinstance(ds, BlendedSamples):
             continue
         n = min(n, ds.epoch_len)
-        if i == 0:
-            which, sample = first_order[0][:n], first_order[1][:n]
-        else:  # the positions the stage serves (cut to n), cached for its training
-            which, sample = ds.epoch_sources(0)
-            which, sample = which[:n], sample[:n]
+        # stage 0: its whole epoch, already built; others: the positions they serve (cached)
+        which, sample = first_order if i == 0 else ds.epoch_sources(0)
+        which, sample = which[:n], sample[:n]
         for k, src in enumerate(ds.sources):
             mask = masks.setdefault(source_key(src), np.zeros(len(src), dtype=bool))
             mask[sample[which == k]] = True
@@ -157,8 +133,8 @@ def _read_windows(datasets: list, reads: list[int], first_order: tuple) -> dict:
 
 
 def _unread_windows(datasets: list, reads: list[int], count: int) -> list[tuple[int, int]]:
-    """Up to `count` (source, window) pairs of `datasets[0]`, from the end of its epoch-0 order
-    back, each distinct and read by no stage (see the module doc)."""
+    """Up to `count` distinct (source, window) pairs of `datasets[0]` read by no stage, from the
+    end of its epoch-0 order back."""
     ds = datasets[0]
     which, sample = ds.epoch_sources(0, whole=True)
     masks = _read_windows(datasets, reads, (which, sample))

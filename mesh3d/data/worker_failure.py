@@ -1,8 +1,6 @@
-"""What a loader worker sends the training process, by value: an exception it raised (the
-DataLoader's own re-raise prints the worker's whole traceback, mesh3d one line), and batches as
-numpy arrays. A torch tensor would travel as a file descriptor that the training process fetches
-from the worker when it unpickles the batch: a worker stopped or hung at that moment would hang
-the training process there, past any timeout (seen with SIGSTOP); bytes in the queue cannot."""
+"""What a loader worker sends the training process, by value: an exception it raised, and
+batches as numpy arrays. A torch tensor would travel as a file descriptor fetched from the
+worker when unpickled: a worker stopped at that moment would hang the training process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,2 @@
-"""Text from a trained model: token picking (`sampling.py`), the one-process model
-(`single.py`) and the tp/pp model under torchrun (`parallel.py`). The `mesh3d generate`
-command (`mesh3d/generate.py`) sits above both paths; the end-of-run summary uses `single.py`.
-"""
+"""Text from a trained model: token picking (`sampling.py`), one process (`single.py`) and
+tp/pp under torchrun (`parallel.py`), both under `mesh3d generate` (`mesh3d/generate.py`)."""

@@ -1,8 +1,4 @@
-"""The single-device model of a step folder, with its full weights (any layout wrote them).
-
-What `mesh3d generate` on one process (`generation/single.py`), the end-of-run sample of
-`mesh3d train` (`summary.py`) and the recipes load to run a checkpoint.
-"""
+"""The single-device model of a step folder, with its full weights (any layout wrote them)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Picking tokens: greedy or sampled (temperature, top-k, a seeded generator), and the loop
-that extends a batch of sequences until each ends at EOS or the budget is spent.
-
-Shared by the one-process model (`generation/single.py`), the tp/pp model under torchrun
-(`generation/parallel.py`) and the end-of-run sample of `mesh3d train`.
-"""
+"""Picking tokens (greedy, or sampled with temperature, top-k and a seeded generator) and the
+loop that extends a batch until each row ends at EOS or the budget is spent."""
 
 from __future__ import annotations
 
@@ -15,8 +11,8 @@ from torch import Tensor, nn
 
 def next_token(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
                generator: torch.Generator | None = None) -> Tensor:  # fmt: skip
-    """The next token of each row of `logits` [B, V]: the argmax at temperature 0, else a
-    sample from softmax(logits / temperature), restricted to the `top_k` largest when given."""
+    """The next token of each row of `logits` [B, V]: argmax at temperature 0, else sampled
+    from softmax(logits / temperature), among the `top_k` largest when given."""
     if temperature == 0:
         return logits.argmax(dim=-1)  # (B,)
     logits = logits.float() / temperature
@@ -40,10 +36,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -
 
 def extend(ids: Tensor, max_new_tokens: int, pick: Callable[[Tensor], Tensor],
            eos: int | None = None) -> Tensor:  # fmt: skip
-    """`ids` [S] or [B, S] followed by up to `max_new_tokens` tokens, each row's next token
-    `pick(out)` [B] for the sequence so far `out` [B, S']. A row that produced `eos` is
-    finished: it gets `eos` again while others go on (transformers pads with eos when there is
-    no pad token), and generation stops when every row is."""
+    """`ids` [S] or [B, S] followed by up to `max_new_tokens` tokens `pick(out)` [B]; a row
+    that produced `eos` gets `eos` again until every row has (as transformers pads)."""
     out = ids[None] if ids.dim() == 1 else ids  # (B, S)
     done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
     for _ in range(max_new_tokens):
@@ -64,15 +58,9 @@ def generate(model: nn.Module, ids: Tensor, max_new_tokens: int, temperature: fl
              cache: bool = True, pads: Tensor | None = None) -> Tensor:  # fmt: skip
     """`ids` [S] or [B, S] (on the model's device) followed by up to `max_new_tokens` tokens.
 
-    `model(ids)` gives logits [B, S, V] (mesh3d's models; an object with `.logits`, as
-    transformers' models return, works too). Greedy at `temperature` 0, else sampled (see
-    `next_token`) with `generator`; `eos` ends a row (see `extend`). `vocab_size`: never pick
-    ids at or above it (vocabulary padding). With `cache` (mesh3d's models) the prompt runs once
-    and each new token is a forward of that token alone against the keys and values kept so far
-    (`generation/cache.py`); without, each step runs the model over the whole sequence. Both
-    pick the same tokens. `pads` [B] (mesh3d's models): row b of `ids` starts with `pads[b]`
-    padding tokens (`cache.left_pad`), which it never attends to, its real tokens at positions
-    0, 1, ..., so each row continues as its prompt alone would. Under `torch.no_grad`.
+    `model(ids)` gives logits [B, S, V] (or `.logits`). `vocab_size`: never pick ids at or above
+    it. `cache` (mesh3d's models): one forward per new token against a KV cache, same tokens.
+    `pads` [B]: row b starts with `pads[b]` padding tokens (`cache.left_pad`), never attended to.
 
     Example:
 

@@ -1,9 +1,4 @@
-"""The activation functions and training dtypes a model config may name, without torch.
-
-The config checks and Hugging Face conversion read these names before torch is imported; the
-models (`models/llama.py`) and `models/dtypes.py` turn them into functions and dtypes, so each
-list is written once.
-"""
+"""The activation functions and training dtypes a model config may name, without torch."""
 
 from __future__ import annotations
 

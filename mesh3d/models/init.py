@@ -1,16 +1,9 @@
 """Layout-invariant weight initialization: each full parameter comes from its own seed.
 
-The promise: the full weights after init do not depend on the parallel layout. So every
-parameter is generated whole, in fp32 on CPU, from a generator seeded by (seed, its name in the
-unsplit model, e.g. "layers.3.mlp.down_proj.weight"). A pipeline stage that kept layer 3 gets
-the same tensor as the full model, and parallel code (`mesh3d.parallel`) generates the same full
-tensor with `init_full_tensor` and keeps only its own shard. The cost is generating each full
-tensor on every rank that holds a piece of it; the gain is that no layout can change the model.
-
-Tied parameters are seeded by their owner's name (`model.tied_parameters`, alias -> owner), so
-a last pipeline stage holding only the tied `lm_head.weight` gets the embedding's tensor.
-The std rules are Nanotron's (docs/nanotron-layout.md#initialization) and live in each family's spec
-(`init_std`); the rest is model-agnostic.
+Every parameter is generated whole, in fp32 on CPU, seeded by (seed, its name in the unsplit
+model), so no layout changes the weights: parallel code generates the same full tensor with
+`init_full_tensor` and keeps its shard. Tied parameters are seeded by their owner's name.
+The std rules live in each family's spec (`init_std`).
 """
 
 from __future__ import annotations
@@ -31,11 +24,8 @@ def param_seed(seed: int, name: str) -> int:
 def init_full_tensor(
     name: str, shape: Sequence[int], std: float | Callable | None, seed: int, dtype=torch.float32
 ) -> Tensor:
-    """The full initial value of parameter `name`: ones if `std` is None, N(0, std^2) for a
-    number, `std(shape, generator)` for a function (a family's init that is not normal).
-
-    Drawn in fp32 on CPU from its own generator, then cast to `dtype`.
-    """
+    """The full initial value of parameter `name`, cast to `dtype`: ones if `std` is None,
+    N(0, std^2) for a number, `std(shape, generator)` for a function."""
     if std is None:
         return torch.ones(tuple(shape), dtype=dtype, device="cpu")
     gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
@@ -55,11 +45,8 @@ def init_weights(
 ) -> None:
     """Initialize a materialized single-device `model` (plain tensors) in place.
 
-    `init_std_fn(name, std, num_layers, scaling)` gives each parameter's std (None: ones); the
-    default is Llama's rule (`models/llama_spec.py::init_std`).
-
-    `num_layers` is the full model's (a pipeline stage holding fewer layers passes the same).
-    Re-ties tied weights first (`to_empty` unties them), so ties are never initialized apart.
+    `init_std_fn` defaults to Llama's rule; `num_layers` is the full model's. Re-ties tied
+    weights first (`to_empty` unties them).
     """
     if init_std_fn is None:
         from mesh3d.models.llama_spec import init_std as init_std_fn

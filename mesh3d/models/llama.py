@@ -1,16 +1,9 @@
-"""Single-device Llama, the model every layout trains (Nanotron's Llama).
+"""Single-device Llama, the model every layout trains (Nanotron's Llama), batch-first [B, S, h].
 
-Notable choices:
-- Module names follow Hugging Face (`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...), so HF
-  conversion is a key map and the tensor-parallel plan is a table keyed by these names.
-- q/k/v and gate/up are separate linears (Nanotron fuses them; `checkpoint/` fuses on write).
-- `layers` is a ModuleDict keyed "0", "1", ...: a pipeline stage deletes the layers it does not
-  own and the remaining names stay those of the full model. `forward` skips modules set to None.
-- Shapes come from tensors (`view(b, s, -1, head_dim)`), never from head counts in the config,
-  so the same code runs on tensor-parallel shards holding fewer heads.
-- No buffers: the RoPE frequencies are recomputed from the config, so building on the meta
-  device and `to_empty` need no fix-up (apart from re-tying embeddings, `tie_weights`).
-Activations are batch-first [B, S, h]. No parallel code here: tensor and pipeline parallelism are applied from outside.
+Module names are Hugging Face's; q/k/v and gate/up are separate (`checkpoint/` fuses on write).
+`layers` is a ModuleDict keyed "0", "1", ...: a pipeline stage deletes the layers it does not own
+and `forward` skips modules set to None. Shapes come from tensors, not head counts, so tp shards
+run the same code. No buffers, so meta-device builds and `to_empty` need only `tie_weights`.
 """
 
 from __future__ import annotations
@@ -73,19 +66,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> T
 
 
 class Rotary:
-    """Rotary position embedding on [B, S, H, dh] tensors.
+    """Rotary position embedding on [B, S, H, dh] tensors (a plain object: no buffers).
 
-    A plain object, not a Module: it holds no parameters or buffers. `interleaved` pairs
-    (2i, 2i+1) as GPT-J; otherwise (i, i + dh/2) as HF "rotate half"
-    (docs/nanotron-layout.md#rotary-layouts). Positions are 0..S-1, or `positions` [B, S]
-    (restarting at 0 in each document under document masking), divided by `interpolation`
-    (Nanotron's `rope_seq_len_interpolation_factor`).
+    `interleaved` pairs (2i, 2i+1) as GPT-J, else (i, i + dh/2) as HF
+    (docs/nanotron-layout.md#rotary-layouts). Positions are 0..S-1 or `positions` [B, S],
+    divided by `interpolation` (Nanotron's `rope_seq_len_interpolation_factor`).
     """
 
     def __init__(self, inv_freq: Tensor, interleaved: bool, interpolation: float | None = None):
-        self.inv_freq = inv_freq  # (dh/2,) fp32 on CPU
-        self.interleaved = interleaved
-        self.interpolation = interpolation
+        self.inv_freq, self.interleaved, self.interpolation = inv_freq, interleaved, interpolation
         self._on_device: dict[torch.device, Tensor] = {}  # no host-to-device copy per call
 
     def _freqs(self, seq_len: int, device: torch.device, positions: Tensor | None) -> Tensor:
@@ -118,11 +107,10 @@ class Rotary:
 def attention_mask(
     positions: Tensor | None, seq_len: int, window: int | None, device
 ) -> Tensor | None:
-    """The boolean [B|1, 1, S, S] mask (True: attend) for documents and a sliding window.
+    """The causal boolean [B|1, 1, S, S] mask (True: attend), or None when plain causal suffices.
 
-    Causal always; with `positions` [B, S], a query sees keys of its own document only (a
-    document starts where the position is 0); with `window` W, keys at most W-1 positions back
-    (W keys including itself, as Nanotron's and HF's windows). None when plain causal suffices.
+    `positions` [B, S] keeps each query in its document (starting where the position is 0);
+    `window` W keeps W keys including itself, as Nanotron's and HF's windows.
     """
     if positions is None and window is None:
         return None
@@ -139,14 +127,11 @@ def attention_mask(
 
 @torch.compiler.disable  # data-dependent sizes and a cache: always eager
 def document_segments(positions: Tensor) -> tuple[Tensor, int]:
-    """flash-attn's variable-length index of a batch of packed rows, flattened to one sequence:
-    (int32 offsets of every segment's start plus the total, longest segment length).
+    """flash-attn's varlen index of packed rows: (int32 segment offsets plus the total, longest).
 
-    A segment starts at each row's first token and wherever the position is 0 (a document
-    start), so no segment crosses a row. Example: positions [[0, 1, 0, 1, 2], [3, 4, 0, 1, 2]]
-    -> offsets [0, 2, 5, 7, 10] and longest 3. Every layer of a forward passes the same
-    `positions` tensor, so the last result is kept and reused while that tensor is alive and
-    unmodified: one computation (and one host sync, for the longest length) per forward.
+    Segments start at each row's start and wherever the position is 0. Example: positions
+    [[0, 1, 0, 1, 2], [3, 4, 0, 1, 2]] -> offsets [0, 2, 5, 7, 10], longest 3. The last result
+    is reused while the same `positions` tensor is alive and unmodified: one host sync a forward.
     """
     ref, version, cached = _last_segments
     if ref is not None and ref() is positions and version == version_counter(positions):
@@ -169,10 +154,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        # set under tp (tp_styles.LocalReplicated): the weight's gradient placement in local_of
-        self.grad_placement = None
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+        self.grad_placement = None  # set under tp (tp_styles.LocalReplicated), for local_of
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
@@ -186,20 +169,15 @@ class RMSNorm(nn.Module):
 class AttentionCore(nn.Module):
     """Causal attention of projected heads, the part every family's attention shares.
 
-    `attend(q, k, v, positions)` on [B, S, H, dh] tensors (GQA: fewer k/v heads) picks the
-    kernel: flash-attn in half precision on CUDA when installed (variable-length for documents,
-    no mask), else SDPA (causal, or with the boolean mask of `attention_mask`), or the
-    context-parallel attention when the sequence is split over cp (`cp`, set from outside), or
-    the KV cache's attention while generating (`kv`, set from outside).
-    `window`: each query sees its last `window` keys; `rotary`: RoPE, or None (NoPE).
+    `attend` picks the kernel: the KV cache's (`kv`) or context parallel's (`cp`), both set from
+    outside, else flash-attn in half precision on CUDA when installed, else SDPA.
+    `rotary`: RoPE, or None (NoPE).
     """
 
     def __init__(self, rotary: Rotary | None, attention: str, window: int | None, head_dim: int):
         super().__init__()
-        self.head_dim = head_dim
-        self.rotary = rotary
-        self.window = window
-        self.attention = attention
+        self.head_dim, self.rotary = head_dim, rotary
+        self.window, self.attention = window, attention
         self.cp = None  # set when the sequence is split over cp: parallel.context.ContextParallel
         self.kv = None  # set while generating with a KV cache: generation.cache.LayerCache
 
@@ -209,9 +187,7 @@ class AttentionCore(nn.Module):
         return self.attention != "sdpa" and flash_attn_func is not None and q.is_cuda and half
 
     def _flash(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None) -> Tensor:
-        """flash-attn on [B, S, H, dh] tensors (GQA native): causal, the sliding window as its
-        `window_size`, and documents through its variable-length kernel, which attends within
-        each segment of the flattened batch (no [S, S] mask is built)."""
+        """flash-attn on [B, S, H, dh] (GQA native); documents through its varlen kernel."""
         window = (self.window - 1, 0) if self.window is not None else (-1, -1)
         if positions is None:
             return flash_attn_func(q, k, v, causal=True, window_size=window)
@@ -224,33 +200,26 @@ class AttentionCore(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor | None) -> Tensor:
         """q [B, S, nq, dh], k and v [B, S, nkv, dh] (RoPE applied) -> [B, S, nq, dh]."""
-        s = q.shape[1]  # the whole sequence here (this cp rank's part of it under cp)
         if self.kv is not None:  # generation: the new tokens against every cached key
             return self.kv.attend(q, k, v, self.window)
         if self.cp is not None and self.cp.size > 1:
             return self.cp.attend(q, k, v, positions, self.window)  # (B, S/cp, nq, dh)
         if self._use_flash(q):
             return self._flash(q, k, v, positions)
-        mask = attention_mask(positions, s, self.window, q.device)  # None: plain causal
+        mask = attention_mask(positions, q.shape[1], self.window, q.device)  # None: plain causal
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, dh)
-        # GQA inside SDPA: no repeated copies of k and v (saves their memory and the
-        # gradient sums in backward; torch >= 2.5)
-        gqa = q.shape[1] != k.shape[1]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        gqa = q.shape[1] != k.shape[1]  # GQA inside SDPA: no repeated copies of k and v
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+        )
         return out.transpose(1, 2)
 
 
 class Attention(AttentionCore):
     """Causal multi-head attention with grouped kv heads, RoPE, no dropout.
 
-    Options the families switch on: `bias` on q/k/v (Qwen2's attention_bias), `rope` off (NoPE
-    layers), `window` (sliding window), `qk_norm_eps` (Qwen3: RMSNorm of each q and k head
-    before RoPE), `head_dim` other than h / n_q. `forward(x, positions)` takes each token's
-    position in its document (document masking; None: one causal sequence per row); the
-    kernels are `AttentionCore`'s.
+    Family options: `bias` on q/k/v (Qwen2), `rope` off (NoPE), `window` (sliding window),
+    `qk_norm_eps` (Qwen3: RMSNorm of each q and k head before RoPE), `head_dim`.
     """
 
     def __init__(self, h: int, n_q: int, n_kv: int, rotary: Rotary, attention: str, *,
@@ -293,11 +262,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(x)) (pre-norm residual block).
-
-    `options` are the per-layer attention switches (`Attention`'s keyword arguments) a family
-    sets; Llama sets none.
-    """
+    """x + attn(norm(x)), then + mlp(norm(x)); `options` are `Attention`'s keywords."""
 
     def __init__(self, cfg, rotary: Rotary, attention: str, **options):
         super().__init__()
@@ -334,8 +299,7 @@ def _check(cfg, attention: str) -> None:
 class Llama(nn.Module):
     """Llama for causal LM: ids [B, S] -> logits [B, S, V] (V = padded `vocab_size`).
 
-    `cfg` has the attribute names of Nanotron's LlamaConfig. `attention` is "auto" (flash-attn
-    when installed and the tensors are half precision on CUDA, else SDPA), "sdpa" or "flash".
+    `cfg` is Nanotron's LlamaConfig; `attention` is "auto", "sdpa" or "flash".
 
     Example:
 
@@ -356,20 +320,15 @@ class Llama(nn.Module):
         self.attention = attention
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.embed_tokens = nn.Embedding(vocab, h)
-        self.layers = nn.ModuleDict(
-            {
-                str(i): DecoderLayer(cfg, rotary, attention, **self.layer_options(cfg, i))
-                for i in range(cfg.num_hidden_layers)
-            }
-        )
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, rotary, attention, **self.layer_options(cfg, i))
+                                     for i in range(cfg.num_hidden_layers)})  # fmt: skip
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, vocab, bias=False)
         self.tie_weights()
 
     @staticmethod
     def layer_options(cfg, i: int) -> dict:
-        """Layer `i`'s attention options (`Attention`'s keywords): none for Llama; the other
-        families override this."""
+        """Layer `i`'s `Attention` keywords: none for Llama; other families override this."""
         return {}
 
     @property
@@ -383,10 +342,9 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Token ids [B, S] (or hidden states [B, S, h] on a later pipeline stage) -> logits.
+        """Token ids [B, S] (hidden states on a later pipeline stage) -> logits.
 
-        `positions` [B, S]: each token's position in its document (document masking); None:
-        0..S-1 and one causal sequence per row.
+        `positions` [B, S]: each token's position in its document; None: 0..S-1.
         """
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, S, h)
         for layer in self.layers.values():

@@ -1,9 +1,7 @@
-"""The model-config checks of the Llama-like families (Qwen2's own are in `qwen2_spec.py`), torch-free: each
-family's spec names its own (`ModelSpec.config_sizes`, `ModelSpec.config_errors`), so a new
-config class can never pass without the head, key/value head and tp checks.
+"""The torch-free model-config checks of the Llama-like families (Qwen2's are in `qwen2_spec.py`).
 
-`config_errors(cfg)` yields one message per problem, naming the key, the numbers and the fix;
-the sizes (`config_sizes`) are checked >= 1 first, so these never divide by zero.
+Each yields one message per problem; the sizes (`llama_sizes`) are checked >= 1 first, so these
+never divide by zero.
 """
 
 from __future__ import annotations
@@ -35,27 +33,16 @@ def llama_errors(cfg) -> Iterator[str]:
     tp_fix = "choose a parallelism.tp that divides it"
     yield from not_divisible(f"{MC}.num_attention_heads", heads, "parallelism.tp", tp, tp_fix)
     yield from not_divisible(f"{MC}.num_key_value_heads", kv, "parallelism.tp", tp, tp_fix)
-    yield from not_divisible(
-        f"{MC}.intermediate_size", mc.intermediate_size, "parallelism.tp", tp, tp_fix
-    )
+    yield from not_divisible(f"{MC}.intermediate_size", mc.intermediate_size, "parallelism.tp",
+                             tp, tp_fix)  # fmt: skip
     head_dim = getattr(mc, "head_dim", None)  # Qwen3's mesh3d.head_dim
     if head_dim is None:
-        yield from not_divisible(
-            f"{MC}.hidden_size",
-            mc.hidden_size,
-            f"{MC}.num_attention_heads",
-            heads,
-            "the head dimension is hidden_size / num_attention_heads",
-        )
+        yield from not_divisible(f"{MC}.hidden_size", mc.hidden_size, f"{MC}.num_attention_heads",
+                                 heads, "the head dimension is hidden_size / num_attention_heads")  # fmt: skip
     elif head_dim < 2 or head_dim % 2:
         yield f"`mesh3d.head_dim` ({head_dim}) must be an even number >= 2 (rotary embeddings pair its dims)"
-    yield from not_divisible(
-        f"{MC}.num_attention_heads",
-        heads,
-        f"{MC}.num_key_value_heads",
-        kv,
-        "each key/value head serves a whole group of query heads",
-    )
+    yield from not_divisible(f"{MC}.num_attention_heads", heads, f"{MC}.num_key_value_heads", kv,
+                             "each key/value head serves a whole group of query heads")  # fmt: skip
     if head_dim is None and mc.hidden_size % heads == 0 and (mc.hidden_size // heads) % 2:
         yield f"the head dimension {MC}.hidden_size / num_attention_heads = {mc.hidden_size // heads} must be even for rotary embeddings"
     shard = padded_vocab_size(cfg) // tp

@@ -1,10 +1,8 @@
-"""Llama's spec: everything about the family outside its model file (`models/llama.py`).
+"""Llama's spec: everything about the family outside `models/llama.py`.
 
-Nanotron's names (docs/nanotron-layout.md#llamas-parameters): our model keeps q/k/v and gate/up
-separate (HF names); Nanotron fuses them into `qkv_proj` and `gate_up_proj`, each TP rank holding
-its slice of every chunk. A row of `NANOTRON_LAYER` says which of our tensors make one Nanotron
-parameter (concatenated on dim 0 in that order, each one a chunk) and how Nanotron shards it over
-TP. Hugging Face: our names are `LlamaForCausalLM`'s without the `model.` prefix.
+A row of `NANOTRON_LAYER` names our tensors that make one fused Nanotron parameter (concatenated
+on dim 0, each TP rank holding its slice of every chunk) and its TP kind
+(docs/nanotron-layout.md#llamas-parameters). HF names are ours with a `model.` prefix.
 """
 
 from __future__ import annotations
@@ -58,60 +56,47 @@ def build(mc, vocab_size: int | None = None, attention: str = "auto"):
 
 
 def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
-    """The plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False); every layer alike
-    (`shape` is for families whose layers differ).
+    """The plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False); every layer alike.
 
-    ALL_REDUCE: q/k/v and gate/up column-wise, o/down row-wise (one all-reduce after each), norms
-    replicated. REDUCE_SCATTER (sequence parallel): the residual stream and the norms are sharded
-    on the sequence dim; attention/MLP inputs are all-gathered, o/down outputs reduce-scattered.
-    Both: a vocab-parallel embedding, and vocab-sharded logits for `loss_parallel()`.
+    q/k/v and gate/up column-wise, o/down row-wise, a vocab-parallel embedding and vocab-sharded
+    logits. Sequence parallel shards the residual stream and the norms on the sequence dim.
 
     Example:
 
         mesh3d.apply_tp(llama, mesh["tp"], mesh3d.llama_tp_plan(sequence_parallel=True))
     """
-    from mesh3d.tp_styles import (
-        LocalColwise,
-        LocalEmbedding,
-        LocalHead,
-        LocalReplicated,
-        LocalRowwise,
-        Replicate,
-        Shard,
-        block_input,
-    )
+    from mesh3d import tp_styles as ts
 
-    seq = Shard(1)  # activations are [B, S, h]: the sequence is dim 1
-    act = seq if sequence_parallel else Replicate()
+    seq = ts.Shard(1)  # activations are [B, S, h]: the sequence is dim 1
+    act = seq if sequence_parallel else ts.Replicate()
 
     def norm():  # each rank's rows under sequence parallelism: partial weight gradients
-        return LocalReplicated(partial_grads=sequence_parallel)
+        return ts.LocalReplicated(partial_grads=sequence_parallel)
 
-    block_in = block_input(act)
+    block_in = ts.block_input(act)
     layer = {
         "input_layernorm": norm(),
         "self_attn": block_in,
-        "self_attn.q_proj": LocalColwise(),
-        "self_attn.k_proj": LocalColwise(),
-        "self_attn.v_proj": LocalColwise(),
-        "self_attn.o_proj": LocalRowwise(output_layouts=act),
+        "self_attn.q_proj": ts.LocalColwise(),
+        "self_attn.k_proj": ts.LocalColwise(),
+        "self_attn.v_proj": ts.LocalColwise(),
+        "self_attn.o_proj": ts.LocalRowwise(output_layouts=act),
         "post_attention_layernorm": norm(),
         "mlp": block_in,
-        "mlp.gate_proj": LocalColwise(),
-        "mlp.up_proj": LocalColwise(),
-        "mlp.down_proj": LocalRowwise(output_layouts=act),
+        "mlp.gate_proj": ts.LocalColwise(),
+        "mlp.up_proj": ts.LocalColwise(),
+        "mlp.down_proj": ts.LocalRowwise(output_layouts=act),
     }
     return {
-        "embed_tokens": LocalEmbedding(input_layouts=Replicate(), output_layouts=act),
+        "embed_tokens": ts.LocalEmbedding(input_layouts=ts.Replicate(), output_layouts=act),
         **{f"layers.*.{k}": v for k, v in layer.items()},
         "norm": norm(),
-        "lm_head": LocalHead(act),
+        "lm_head": ts.LocalHead(act),
     }
 
 
 def compile_classes(tensor_parallel: bool) -> tuple[type, ...]:
-    """The blocks `mesh3d.compile` compiles in each layer: attention and MLP, and the norms
-    without tp (sequence-parallel DTensor hooks stay eager)."""
+    """The blocks `mesh3d.compile` compiles per layer (norms only without tp: DTensor hooks)."""
     from mesh3d.models.llama import MLP, Attention, RMSNorm
 
     return (Attention, MLP) if tensor_parallel else (Attention, MLP, RMSNorm)
@@ -143,21 +128,16 @@ def param_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (f, h),
         "mlp.down_proj.weight": (h, f),
     }
-    shapes = {"embed_tokens.weight": (s.padded_vocab, h), "norm.weight": (h,)}
-    shapes["lm_head.weight"] = (s.padded_vocab, h)
+    shapes = {"embed_tokens.weight": (s.padded_vocab, h), "norm.weight": (h,),
+              "lm_head.weight": (s.padded_vocab, h)}  # fmt: skip
     for i in range(s.num_layers):
         shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
     return shapes
 
 
 def init_std(name: str, std: float, num_layers: int, scaling_method: str = "NUM_LAYERS"):
-    """Nanotron's RandomInit std for parameter `name` (None means ones;
-    docs/nanotron-layout.md#initialization).
-
-    Norm weights: ones. Biases: zeros. o_proj / down_proj and the experts' down projections
-    (feeding the residual): std / sqrt(2 * num_layers) with scaling NUM_LAYERS, std with NONE.
-    Everything else (q/k/v, gate/up, router, embedding, LM head): std.
-    """
+    """Nanotron's RandomInit std for parameter `name`: None (ones) for norms, 0 for biases
+    (docs/nanotron-layout.md#initialization)."""
     if scaling_method not in SCALING_METHODS:
         raise ConfigError(
             f"`model.init_method.scaling_method` {scaling_method!r} is not supported; "
@@ -174,11 +154,8 @@ def init_std(name: str, std: float, num_layers: int, scaling_method: str = "NUM_
 
 
 def step_flops(s: ModelShape, seq_len: int, batch_size: int) -> float:
-    """Model FLOPs of one training step (forward + backward = 3x forward),
-    docs/nanotron-layout.md#flops-and-mfu.
-
-    `batch_size` is the global batch in samples; the vocabulary is the padded one.
-    """
+    """Model FLOPs of one step (3x forward) at a global batch of `batch_size` samples
+    (docs/nanotron-layout.md#flops-and-mfu)."""
     L, h, nq, nkv, F = s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.intermediate_size
     V, S, B, dh = s.padded_vocab, seq_len, batch_size, s.head_dim
     qkv = 2 * L * B * S * h * nq * dh + 2 * L * B * S * h * 2 * nkv * dh
@@ -194,9 +171,6 @@ def pipeline_costs(s: ModelShape) -> tuple[list[int], int]:
     (docs/nanotron-layout.md#pipeline-stages)."""
     cost = decoder_cost(s.hidden_size, s.intermediate_size, s.num_heads, s.head_dim)
     return [cost] * s.num_layers, s.padded_vocab * s.hidden_size
-
-
-# ------------------------------------------------------------------------- Hugging Face
 
 
 def ours_to_hf(name: str) -> str:
@@ -237,26 +211,11 @@ def config_to_hf(mc, dtype: str) -> dict:
 
 
 LLAMA = ModelSpec(
-    family="llama",
-    config_class=LlamaConfig,
-    shape=shape,
-    build=build,
-    tp_plan=tp_plan,
-    compile_classes=compile_classes,
-    blocks=blocks,
-    config_sizes=llama_sizes,
-    config_errors=llama_errors,
-    mup=True,
-    nanotron_layer=nanotron_layer,
-    nanotron_outer=NANOTRON_OUTER,
-    param_shapes=param_shapes,
-    init_std=init_std,
-    step_flops=step_flops,
-    pipeline_costs=pipeline_costs,
-    hf=(
-        HFSpec(
-            ("LlamaForCausalLM",), "llama", config_from_hf, config_to_hf, ours_to_hf, hf_to_ours
-        ),
-    ),  # fmt: skip
-)
+    family="llama", config_class=LlamaConfig, shape=shape, build=build, tp_plan=tp_plan,
+    compile_classes=compile_classes, blocks=blocks, config_sizes=llama_sizes,
+    config_errors=llama_errors, mup=True, nanotron_layer=nanotron_layer,
+    nanotron_outer=NANOTRON_OUTER, param_shapes=param_shapes, init_std=init_std,
+    step_flops=step_flops, pipeline_costs=pipeline_costs,
+    hf=(HFSpec(("LlamaForCausalLM",), "llama", config_from_hf, config_to_hf, ours_to_hf, hf_to_ours),),
+)  # fmt: skip
 llama_tp_plan = tp_plan  # the public name (mesh3d.llama_tp_plan)

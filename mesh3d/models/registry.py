@@ -1,13 +1,6 @@
-"""The model families mesh3d trains, one line each, and the look-ups every other part uses.
+"""The model families mesh3d trains, one line each (docs/adding-a-family.md), and their look-ups.
 
-Adding a family: its model (`models/<family>.py`), its spec (`models/<family>_spec.py`, a
-`ModelSpec`) and one line in `FAMILIES` below (docs/adding-a-family.md). Nothing else names a
-family: the config checks, `parallel/`, `checkpoint/`, `train/`, `plan/` and generation ask
-this module for the spec, which is imported then: a Llama run loads no other family's code. No
-torch at import (the spec modules import it only when called).
-
-    spec = spec_of(cfg.model.model_config)   # the spec of a typed model config
-    shape = model_shape(cfg)                 # its ModelShape at the config's padded vocabulary
+A spec is imported when first asked for, so a Llama run loads no other family's code. No torch.
 """
 
 from __future__ import annotations
@@ -18,8 +11,7 @@ from mesh3d.config.derive import padded_vocab_size
 from mesh3d.errors import ConfigError
 from mesh3d.models.spec import HFSpec, ModelShape, ModelSpec
 
-# family -> (the spec's module, its name there, the model config class it reads); a spec is
-# imported the first time a run, a check or a converter asks for its family
+# family -> (the spec's module, its name there, the model config class it reads)
 FAMILIES: dict[str, tuple[str, str, str]] = {
     "llama": ("mesh3d.models.llama_spec", "LLAMA", "LlamaConfig"),
     "qwen2": ("mesh3d.models.qwen2_spec", "QWEN2", "Qwen2Config"),
@@ -72,8 +64,7 @@ def model_shape(cfg) -> ModelShape:
 
 
 def spec_for_hf(hf_config: dict) -> tuple[ModelSpec, HFSpec] | None:
-    """The spec and HF architecture whose `model_type` matches a config.json (and its
-    `architectures`, if listed), if any."""
+    """The spec and HF architecture matching a config.json's `model_type` and `architectures`."""
     archs = set(hf_config.get("architectures") or [])
     for spec in map(spec_named, FAMILIES):
         for hf in spec.hf:

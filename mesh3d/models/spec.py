@@ -1,14 +1,7 @@
-"""What mesh3d needs to know of a model family, beside its single-device model: the spec.
+"""What mesh3d needs to know of a model family beside its model (`models/<family>.py`): the spec.
 
-A family is one place: `models/<family>.py` (the model, torch only) and `models/<family>_spec.py`
-(a `ModelSpec`: TP plan, block classes, Nanotron and HF name maps, HF config translation, FLOPs,
-pipeline costs, init rules). `parallel/`, `checkpoint/`, `train/` and `plan/` take the spec and
-import no model. This file and the spec files import no torch at module level, so
-`checks/validate.py` can use them before anything starts.
-
-    spec = spec_of(cfg.model.model_config)        # models/registry.py: LLAMA, QWEN2, ...
-    shape = model_shape(cfg)
-    model = spec.build(cfg.model.model_config, vocab_size=shape.padded_vocab)
+`parallel/`, `checkpoint/`, `train/` and `plan/` take the spec and import no model. The spec
+files import no torch at module level, so `checks/validate.py` can use them before anything starts.
 """
 
 from __future__ import annotations
@@ -19,8 +12,7 @@ from typing import Any, Literal
 
 from mesh3d.nanotron_names import Kind
 
-# Nanotron name suffix inside a decoder layer -> (our tensor names it fuses, TP kind); a
-# family's `nanotron_layer(shape, i)` gives layer i's (MoE layers differ from dense ones)
+# Nanotron name suffix inside a decoder layer -> (our tensor names it fuses, TP kind)
 LayerTable = dict[str, tuple[tuple[str, ...], Kind]]
 
 
@@ -68,10 +60,8 @@ def decoder_cost(hidden_size: int, ffn_size: int, num_heads: int, head_dim: int)
 
 @dataclass(frozen=True)
 class Blocks:
-    """The module classes of a family that parallel and training code find by type, so that
-    they never import a model: attention modules get the cp group; mixture-of-experts blocks
-    get the ep group and the cp sums of their load statistics, weigh their auxiliary loss,
-    report expert loads and stay out of float8."""
+    """The module classes parallel and training code find by type, so they import no model:
+    attention modules get the cp group, mixture-of-experts blocks the ep group."""
 
     attention: tuple[type, ...]
     moe: tuple[type, ...] = ()
@@ -89,8 +79,7 @@ class HFSpec:
     hf_to_ours: Callable[[str], str | None]  # HF's -> ours (None: not a weight, e.g. a cache)
     # (HF-named weights, model config) -> the weights HF expects (e.g. zero biases it always has)
     weights_to_hf: Callable[[dict, Any], dict] | None = None
-    # (the weights of an HF folder, model config) -> the tensors `hf_to_ours` names one by one
-    # (e.g. per-expert tensors stacked into ours); the reverse of `weights_to_hf`
+    # the reverse: an HF folder's weights -> the tensors `hf_to_ours` names one by one
     weights_from_hf: Callable[[dict, Any], dict] | None = None
 
 
@@ -110,25 +99,20 @@ class ModelSpec:
     nanotron_layer: Callable[..., LayerTable]  # (shape, layer index=0) -> that layer's table
     nanotron_outer: dict[str, tuple[tuple[str, ...], Kind, Literal["first", "last"]]]
     param_shapes: Callable[[ModelShape], dict[str, tuple[int, ...]]]  # our name -> full shape
-    # (name, std, layers, scaling) -> std (None: ones), or a function (shape, generator) ->
-    # the full tensor for an init that is not N(0, std) (`models/init.py`)
+    # (name, std, layers, scaling) -> std (None: ones), or a function (shape, generator) -> tensor
     init_std: Callable[[str, float, int, str], Any]
     step_flops: Callable[[ModelShape, int, int], float]  # (shape, seq len, global batch)
     pipeline_costs: Callable[[ModelShape], tuple[list[int], int]]  # (per-layer, lm_head)
     hf: tuple[HFSpec, ...]  # the HF architectures the family converts to and from
     hf_for: Callable[[Any], HFSpec] = lambda mc: None  # which of them a model config becomes
     mup: bool = False  # spectral µP applies (`models/mup.py`: Nanotron defines it for Llama, Qwen2)
-    # (model config) -> whether training drops values: the model's forward then takes
-    # `token_keys` [B, S], each token's dropout key (`models/dropout.py`, `train/step.py`)
+    # (model config) -> whether forward takes `token_keys` [B, S] for dropout (`models/dropout.py`)
     dropout: Callable[[Any], bool] = lambda mc: False
-    # whether `plan/activations.py`'s table (Llama's layer: RMSNorms, gated MLP, SDPA) is this
-    # family's; if not, `mesh3d plan` says its activation bytes are an estimate
+    # whether `plan/activations.py`'s table (Llama's layer) fits; else `mesh3d plan` estimates
     llama_activations: bool = True
-    # whether `mesh3d.lora` adapters apply (`models/lora.py`: its column/row projections run
-    # through `tp_styles.LocalColwise` / `LocalRowwise`, and their rows are the HF export's)
+    # whether `mesh3d.lora` adapters apply (`models/lora.py`)
     lora: bool = True
-    # (model config) -> `init_std` with the config's own init settings (Mamba's ssm_cfg); None:
-    # `init_std` as is
+    # (model config) -> `init_std` with the config's own init settings (Mamba's ssm_cfg)
     init_for: Callable[[Any], Callable[[str, float, int, str], Any]] | None = None
 
     def hf_of(self, model_config) -> HFSpec:

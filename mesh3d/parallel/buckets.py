@@ -1,25 +1,17 @@
 """zero_stage 0's gradient sum over dp x cp, in buckets, overlapped with the last backward.
 
-The flat all-reduce (`data.allreduce_gradients`) waits for the whole backward and copies every
-gradient into one buffer (a second full set of gradients at the peak). Here, as Nanotron and
-DDP do, the parameters are cut into buckets of `model.ddp_bucket_cap_mb` in backward order
-(the reverse of registration); during a step's last microbatch a hook counts each parameter's
-gradient as final (its `n`-th accumulation of the step) and, as soon as a bucket's are all
-final, launches that bucket's all-reduce asynchronously while the backward goes on:
+Parameters are cut into buckets of `model.ddp_bucket_cap_mb` in backward order. During a step's
+last microbatch a hook marks a gradient final at its `n`-th accumulation, and a bucket whose
+gradients are all final is all-reduced asynchronously:
 
     reducer = GradBuckets(params, group, cap_bytes=25 * 2**20)
     reducer.begin(microbatches)      # before the step's first backward
     ...backward of every microbatch (a pipeline schedule's too)...
     reducer.finish()                 # waits; every gradient is now the sum over `group`
 
-Buckets are launched strictly in order (bucket k only after k-1), so every rank issues the same
-collectives in the same order; a bucket whose hooks did not all fire (a zero-bubble schedule
-computes weight gradients outside autograd's accumulation) is reduced in `finish`, still in
-order. At most `in_flight` buckets are out at once: their buffers (`in_flight` x the largest
-bucket; a bucket of one parameter is summed in place, without one) are the only extra memory,
-which `mesh3d plan` counts (`buffer_bytes`). Expert-parallel slices are not replicated over dp
-and are left out (`data.allreduce_param_grads` sums them over their own replicas). The sum is
-exact: the same additions as the flat all-reduce, per element.
+Buckets launch strictly in order, so every rank issues the same collectives; a bucket whose
+hooks did not all fire (zero-bubble weight gradients) is reduced in `finish`. Expert-parallel
+slices are left out. The sum is exact: the flat all-reduce's additions, per element.
 """
 
 from __future__ import annotations
@@ -41,9 +33,9 @@ def _bytes(p: torch.nn.Parameter) -> int:
 
 
 def cut(sizes: list[int], cap: int, kinds: list | None = None) -> list[list[int]]:
-    """Buckets of at most `cap` bytes over items of `sizes` bytes given in registration order:
-    lists of indices, in backward order (the reverse). An item larger than `cap` (or any item
-    when `cap` is 0) is a bucket of its own; `kinds` (e.g. dtypes) never share a bucket."""
+    """Buckets (lists of indices, in backward order) of at most `cap` bytes over items of `sizes`
+    bytes in registration order. A larger item is a bucket of its own; `kinds` (e.g. dtypes)
+    never share a bucket."""
     kinds = kinds or [None] * len(sizes)
     buckets: list[list[int]] = []
     size = 0
@@ -58,8 +50,8 @@ def cut(sizes: list[int], cap: int, kinds: list | None = None) -> list[list[int]
 
 
 def buffer_bytes(sizes: list[int], cap: int, in_flight: int = 2) -> int:
-    """The extra memory of `GradBuckets` over items of `sizes` bytes: `in_flight` buffers of
-    the largest bucket with more than one item (a lone item is summed in place)."""
+    """The extra memory of `GradBuckets`: `in_flight` buffers of the largest bucket with more
+    than one item (a lone item is summed in place)."""
     multi = [sum(sizes[i] for i in b) for b in cut(sizes, cap) if len(b) > 1]
     return in_flight * max(multi, default=0)
 
@@ -79,9 +71,8 @@ class GradBuckets:
         self.buckets = bucket_params(self.params, cap_bytes)
         self.bucket_of = {id(p): b for b, ps in enumerate(self.buckets) for p in ps}
         self.in_flight = max(1, in_flight)
-        self.buffer_bytes = buffer_bytes(
-            [_bytes(p) for p in self.params], cap_bytes, self.in_flight
-        )
+        sizes = [_bytes(p) for p in self.params]
+        self.buffer_bytes = buffer_bytes(sizes, cap_bytes, self.in_flight)
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in self.params]
         self._armed = False
         self.launched_in_backward = 0  # buckets of the last step launched by hooks (tests, bench)
@@ -99,14 +90,12 @@ class GradBuckets:
     def _accumulated(self, p: torch.nn.Parameter) -> None:
         if not self._armed:
             return
-        key = id(p)
-        self._count[key] += 1
-        if self._count[key] != self._n:
+        self._count[id(p)] += 1
+        if self._count[id(p)] != self._n:
             return
-        self._ready[self.bucket_of[key]] += 1
-        while self._next < len(self.buckets) and self._ready[self._next] == len(
-            self.buckets[self._next]
-        ):
+        self._ready[self.bucket_of[id(p)]] += 1
+        b = self.buckets
+        while self._next < len(b) and self._ready[self._next] == len(b[self._next]):
             self._launch(self._next)
             self._next += 1
             self.launched_in_backward += 1
@@ -131,10 +120,8 @@ class GradBuckets:
         work.wait()
         if buf is grads[0]:
             return
-        flat, start = buf.view(-1), 0
-        for g in grads:
-            g.copy_(flat[start : start + g.numel()].view_as(g))
-            start += g.numel()
+        for g, part in zip(grads, buf.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -1,9 +1,7 @@
-"""Data parallelism on the mesh's "dp" axis.
+"""Data parallelism on the mesh's "dp" axis (zero_stage 0): one flat all-reduce of gradients.
 
-zero_stage 0: every dp rank holds the full (tp-local) parameters and optimizer state; after the
-microbatches of a step, gradients are summed over dp with one flat all-reduce. The loss is
-already normalized by the global token count (mesh3d/train/loss.py), so a SUM (not an average)
-gives exactly the one-process gradient.
+The loss is already normalized by the global token count (mesh3d/train/loss.py), so a SUM (not
+an average) gives exactly the one-process gradient.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def allreduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Sum every parameter gradient over `group` in one flat all-reduce; an expert-parallel
-    slice (`expert_shard`) is not replicated over dp and is left out.
+    """Sum every parameter gradient over `group` in one flat all-reduce, except expert slices.
 
     Example:
 
@@ -36,8 +33,7 @@ def allreduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> Non
 
 @torch.no_grad()
 def allreduce_param_grads(params, group: dist.ProcessGroup) -> None:
-    """Sum the gradients of `params` over `group` in one flat all-reduce (expert slices go over
-    their replicas this way; `allreduce_gradients` leaves them out)."""
+    """Sum the gradients of `params` over `group` in one flat all-reduce."""
     grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads or dist.get_world_size(group) == 1:
         return

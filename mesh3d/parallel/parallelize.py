@@ -1,18 +1,8 @@
 """Turn a single-device model into its parallel form on the ("pp", "dp", "cp", "tp") mesh.
 
-Order (each step sees the result of the one before):
-1. tensor parallelism on mesh["tp"] (model on meta; no communication); with cp > 1 every
-   attention module gets the cp group (`parallel/context.py`: attention across sequence shards),
-2. activation checkpointing of each decoder layer (`parallelism.recompute_layer`), then
-   `torch.compile` of each layer's blocks (`mesh3d.compile`),
-3. materialize on the device and fill each *full* parameter — from its own seed, or from a
-   checkpoint — keeping this rank's shard, so the full weights are the same at every layout,
-4. data parallelism on the replica mesh (dp, or dp x cp flattened: cp ranks hold the same
-   parameters): nothing to wrap for `zero_stage: 0` (gradients are summed
-   explicitly after the step's microbatches); FSDP2 `fully_shard` for `zero_stage: 1`
-   (`reshard_after_forward=False`: parameters gathered once per step, gradients
-   reduce-scattered, optimizer state sharded) and for `mesh3d.full_shard` (parameters resharded
-   after forward too).
+Order: 1. tensor (and context) parallelism on meta; 2. activation checkpointing and
+`torch.compile`; 3. materialize, filling each *full* parameter and keeping this rank's shard, so
+the full weights are the same at every layout; 4. data parallelism on the replica mesh.
 """
 
 from __future__ import annotations
@@ -43,9 +33,8 @@ from mesh3d.tp_styles import TPPlan, summed_over
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool, blocks: Blocks) -> None:
-    """Every attention module of `model` (`blocks.attention`) attends across the sequence shards
-    of `cp_mesh` (`documents`: document masking is on); every MoE block sums its per-sequence
-    load statistics over them."""
+    """Attention modules of `model` attend across the sequence shards of `cp_mesh`; MoE blocks
+    sum their per-sequence load statistics over them."""
     context = extensions.load("context_parallel")
     cp = context.ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
                                  documents)  # fmt: skip
@@ -56,22 +45,14 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool, blocks: Blo
             module.sequence_sums.append(summed_over(cp.group))
 
 
-# selective recompute keeps what these ops return (the matmuls' and attention's outputs, the
-# expensive part of a layer) and recomputes everything else (norms, activations, RoPE, adds)
+# selective recompute keeps these ops' outputs (matmuls, attention) and recomputes the rest
 _KEPT_OPS = frozenset(
     getattr(torch.ops.aten, name).default
-    for name in (
-        "mm",
-        "addmm",
-        "bmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_grouped_mm",
-    )  # fmt: skip
+    for name in ("mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
     if hasattr(torch.ops.aten, name)
-)
+)  # fmt: skip
 
 
 def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -79,9 +60,8 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def checkpoint_layers(model: nn.Module, mode: str = "full", every: int = 1) -> None:
-    """Wrap decoder layers in activation checkpointing (recompute in backward): `full` keeps only
-    each wrapped layer's input; `selective` keeps the outputs of its matmuls and attention too
-    and recomputes the rest. `every` k: only the layers whose index is a multiple of k."""
+    """Wrap decoder layers (those whose index is a multiple of `every`) in activation
+    checkpointing: `full` keeps only the layer's input, `selective` keeps `_KEPT_OPS` too."""
     selective = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
     extra = {"context_fn": selective} if mode == "selective" else {}
     for key, layer in list(model.layers.items()):
@@ -91,17 +71,10 @@ def checkpoint_layers(model: nn.Module, mode: str = "full", every: int = 1) -> N
 
 def compile_blocks(model: nn.Module, kinds: tuple[type, ...], mesh: DeviceMesh | None = None,
                    split_backward: bool = False) -> None:  # fmt: skip
-    """`torch.compile` each block of a kind in `kinds` inside each decoder layer (the family's
-    spec names them: attention and MLP, and the norms without tp).
+    """`torch.compile` in place each block of a kind in `kinds` inside each decoder layer.
 
-    In place (`Module.compile`), so parameter names and state dicts do not change. Each block is
-    compiled apart, not the whole layer: a whole tensor-parallel layer fails in backward
-    (docs/torch-notes.md), and FSDP's hooks on the layer stay outside the compiled code. On a mesh,
-    the compile cache is this rank's own first (`private_compile_cache`). `split_backward`: a
-    zero-bubble schedule runs each backward in two passes (input gradients keep the graph for
-    the weight gradients), which compiled backwards allow only without donated buffers, so
-    this process compiles without them (they only let backward reuse saved activations' memory).
-    """
+    Not whole layers: a tensor-parallel layer fails in backward (docs/torch-notes.md). The
+    two-pass backward of zero-bubble schedules (`split_backward`) needs no donated buffers."""
     if mesh is not None:
         private_compile_cache(mesh)
     if split_backward:
@@ -115,13 +88,8 @@ def compile_blocks(model: nn.Module, kinds: tuple[type, ...], mesh: DeviceMesh |
 def private_compile_cache(mesh: DeviceMesh) -> str:
     """Point torch.compile's cache at a folder of this rank and layout; returns the folder.
 
-    torch 2.13's AOTAutograd cache keys a graph with DTensor inputs without the rank, while the
-    graph it stores holds rank-specific code (which shard to slice): with one shared folder, a
-    warm start loads rank 0's graphs on rank 1 (cpu_tiny at tp 2: grad norm 2.06 instead of
-    2.48; pytorch/pytorch#188390). `<cache>/mesh3d-pp1-dp2-cp1-tp2-rank3` keeps the cache warm
-    and correct: the same rank of the same layout compiles the same code. Must run before the
-    first compile (inductor reads the folder then); calling it again changes nothing.
-    """
+    torch 2.13's AOTAutograd cache keys DTensor graphs without the rank but stores rank-specific
+    code (pytorch/pytorch#188390). Must run before the first compile; idempotent."""
     layout = "-".join(f"{n}{k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape, strict=True))
     own = f"mesh3d-{layout}-rank{torch.distributed.get_rank()}"
     base = inductor_cache_dir()
@@ -156,11 +124,8 @@ FullSource = Callable[[str, tuple[int, ...]], torch.Tensor]
 def seeded_init(
     std_of: Callable[[str], float | None], seed: int, valid_rows: dict[str, int] | None = None
 ) -> FullSource:
-    """Full initial tensors: each drawn from its own seed (the parameter's name).
-
-    `valid_rows` maps names to their number of real rows: vocabulary padding rows (which depend
-    on tp) are zeros, so the real rows are the same at every layout.
-    """
+    """Full initial tensors, each drawn from its own seed (the parameter's name); rows past
+    `valid_rows[name]` (vocabulary padding, which depends on tp) are zeros."""
     valid_rows = valid_rows or {}
 
     def full(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -173,19 +138,19 @@ def seeded_init(
 
 
 def materialize(model: nn.Module, device: torch.device, source: FullSource | None) -> None:
-    """Allocate `model` on `device` and fill every parameter from `source(name, full_shape)`.
-
-    Every rank gets the full tensor of a parameter (a tied alias under its owner's name) and
-    keeps its own shard (`src_data_rank=None`: local slicing, no communication). On `meta`
-    (`mesh3d plan --dry-run`: shapes only) there is nothing to fill and `source` is not called.
-    """
+    """Allocate `model` on `device` and fill every parameter from `source(name, full_shape)`,
+    keeping this rank's shard by local slicing. On `meta`, `source` is not called."""
     model.to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     if device.type == "meta":
         return
     tied = getattr(model, "tied_parameters", {})
-    experts = _expert_shards(model)
+    experts = {  # module name -> its ep shard (group, rank, size)
+        canonical_name(n): m.ep_shard
+        for n, m in model.named_modules()
+        if getattr(m, "ep_shard", None) is not None
+    }
     with torch.no_grad():
         for name, p in model.named_parameters():
             name = tied.get(canonical_name(name), canonical_name(name))
@@ -204,20 +169,9 @@ def materialize(model: nn.Module, device: torch.device, source: FullSource | Non
                 p.copy_(full)
 
 
-def _expert_shards(model: nn.Module) -> dict[str, tuple]:
-    """Module name (canonical) -> its ep shard (group, rank, size), for the expert stacks
-    `apply_ep` cut down."""
-    return {
-        canonical_name(n): m.ep_shard
-        for n, m in model.named_modules()
-        if getattr(m, "ep_shard", None) is not None
-    }
-
-
 def apply_ep(model: nn.Module, ep, moe: tuple[type, ...]) -> None:
-    """Every MoE block of `model` (on meta; a class in `moe`) keeps its ep rank's E / ep experts
-    and dispatches tokens over `ep` (`parallel/experts.py`); its expert stacks are marked with
-    `ep_shard` = (group, rank, size)."""
+    """Every MoE block of `model` (on meta) keeps its ep rank's E / ep experts and dispatches
+    tokens over `ep`; its expert stacks get `ep_shard` = (group, rank, size)."""
     for module in model.modules():
         if isinstance(module, moe):
             module.ep = ep
@@ -229,8 +183,7 @@ def apply_ep(model: nn.Module, ep, moe: tuple[type, ...]) -> None:
 
 
 def mark_expert_shards(model: nn.Module) -> None:
-    """Tag the final expert parameters with their shard (`expert_shard`): checkpoints gather
-    them, the gradient norm and the gradient sum treat them apart."""
+    """Tag the final expert parameters with their shard (`expert_shard`)."""
     for module in model.modules():
         if getattr(module, "ep_shard", None) is not None:
             for p in module.parameters(recurse=False):
@@ -243,11 +196,8 @@ def canonical_name(name: str) -> str:
 
 
 def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str, blocks: str = "layers") -> nn.Module:
-    """FSDP2 over the dp mesh for 'zero1' / 'full'; 'replicate' leaves the model as is (sum the
-    gradients with `allreduce_gradients` after backward). Each block of `model.<blocks>` (a
-    ModuleDict or ModuleList, if present) becomes its own FSDP unit, then the root. A 2-D
-    ("dp_replicate", "dp_shard") mesh gives HSDP: sharded over its second dim, replicated over
-    its first.
+    """FSDP2 over the dp mesh for 'zero1' / 'full' ('replicate': as is). Each block of
+    `model.<blocks>` is its own FSDP unit. A 2-D ("dp_replicate", "dp_shard") mesh gives HSDP.
 
     Example:
 
@@ -266,39 +216,24 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str, blocks: str = "la
     # expert-parallel slices are not replicated over dp: FSDP leaves them to their own sum
     ignored = {p for m in model.modules() if getattr(m, "ep_shard", None) is not None
                for p in m.parameters(recurse=False)}  # fmt: skip
-    for layer in units:
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
+    for unit in [*units, model]:  # each block, then the root
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored)
     return model
 
 
-def parallelize(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    device: torch.device,
-    source: FullSource | None,
-    tp_plan: TPPlan,
-    recompute_layer: bool,
-    dp: str,
-    recompute: str = "full",
-    recompute_every: int = 1,
-    dtype: torch.dtype = torch.float32,
-    compile_classes: tuple[type, ...] = (),
-    split_backward: bool = False,
-    documents: bool = False,
-    ep=None,  # `experts.ExpertParallel`, when the run has ep > 1
-    blocks: Blocks | None = None,
-    lora=None,  # `models/lora.py::LoraPlan`, when the run trains adapters (`mesh3d.lora`)
-    dp_shard: int | None = None,  # HSDP (`mesh3d.dp_shard`): FSDP groups of this many dp ranks
-) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, device: torch.device,
+                source: FullSource | None, tp_plan: TPPlan, recompute_layer: bool, dp: str,
+                recompute: str = "full", recompute_every: int = 1,
+                dtype: torch.dtype = torch.float32, compile_classes: tuple[type, ...] = (),
+                split_backward: bool = False, documents: bool = False, ep=None,
+                blocks: Blocks | None = None, lora=None,
+                dp_shard: int | None = None) -> nn.Module:  # fmt: skip
     """Steps 1-4 above on a model built on meta; returns the model ready to train.
 
-    `tp_plan` (used when tp > 1) and `compile_classes` (compiled when not empty) come from the
-    model family's spec, as `blocks` (the classes context and expert parallelism act on; needed
-    with cp or ep > 1); `split_backward`: the pipeline schedule is a zero-bubble one
-    (`compile_blocks`); `documents`: document masking is on (context parallelism needs it);
-    `lora`: adapters added after tp (`source` gives them too) and only they train."""
+    `tp_plan`, `compile_classes` and `blocks` come from the model family's spec; `ep`: an
+    `experts.ExpertParallel` (ep > 1); `lora`: a `models/lora.py::LoraPlan` (adapters added
+    after tp, `source` gives them too, only they train); `dp_shard`: HSDP groups of this many
+    dp ranks."""
     if ep is not None and ep.size > 1:  # before tp: the expert stacks shrink to their slice
         apply_ep(model, ep, blocks.moe)
     if mesh["tp"].size() > 1:

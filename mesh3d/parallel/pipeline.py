@@ -1,18 +1,7 @@
 """Pipeline parallelism on the mesh's "pp" axis, with torch.distributed.pipelining.
 
-The pieces, in the order a run uses them:
-- `split_layers` / `stage_ids_of_rank` (torch-free, in `parallel/pipeline_layout.py`): which decoder
-  layers each stage holds — Nanotron's cost-based walk, so the pp rank of every layer matches the
-  `pp-rank-P` of Nanotron's checkpoint files — and which stages a pp rank runs;
-- `build_stage`: a copy of the (meta) model without what the stage does not own; parameter
-  names stay those of the full model ("layers.5.mlp.down_proj.weight");
-- `pipeline_stage`: a `PipelineStage` with explicit meta input/output shapes (no shape
-  inference, no communication at construction; shapes are fixed for the run);
-- `build_schedule` / `run_schedule`: a schedule by name, always `scale_grads=False` (the loss is
-  normalized over the global batch in mesh3d/train/loss.py, the one place); `1f1b` with fewer
-  microbatches than stages runs as GPipe, as Nanotron's 1F1B does;
-- `sync_tied_embeddings`: with tied embeddings on two stages, sum the embedding and head
-  gradients so both copies get the same update and stay bitwise equal.
+Schedules always run with `scale_grads=False`: the loss is normalized in mesh3d/train/loss.py.
+The layer split and stage placement live torch-free in `parallel/pipeline_layout.py`.
 """
 
 from __future__ import annotations
@@ -40,17 +29,17 @@ from mesh3d.parallel.pipeline_layout import (
 )
 from mesh3d.torch_private import pipeline_schedule_base
 
-__all__ = [  # the arithmetic lives in parallel/pipeline_layout.py (no torch); re-exported for callers
+# the arithmetic lives in parallel/pipeline_layout.py (no torch); re-exported for callers
+__all__ = [
     "SCHEDULES", "build_schedule", "build_stage", "is_multi_stage", "is_v_schedule",
     "pipeline_stage", "rank_of_stage", "run_schedule", "split_by_cost", "split_layers",
-    "stage_ids_of_rank",
-    "sync_tied_embeddings",
+    "stage_ids_of_rank", "sync_tied_embeddings",
 ]  # fmt: skip
 
 # a torch schedule (their common base class is private: `torch_private.pipeline_schedule_base`)
 Schedule = torch_schedules.PipelineScheduleSingle | torch_schedules.PipelineScheduleMulti
 
-# torch's schedule class for each name of the schedule table (`parallel/pipeline_layout.py`)
+# torch's schedule class for each name of the schedule table
 SCHEDULES: dict[str, type[Schedule]] = {
     name: getattr(torch_schedules, traits.torch_class)
     for name, traits in stage_math.SCHEDULES.items()
@@ -67,25 +56,14 @@ def is_v_schedule(name: str) -> bool:
     return stage_math.schedule(name).v_shape
 
 
-def build_stage(
-    model: nn.Module,
-    stage_id: int,
-    num_stages: int,
-    layers: list[int],
-    *,
-    blocks: str = "layers",
-    first: tuple[str, ...] = ("embed_tokens",),
-    last: tuple[str, ...] = ("norm", "lm_head"),
-) -> nn.Module:
+def build_stage(model: nn.Module, stage_id: int, num_stages: int, layers: list[int], *,
+                blocks: str = "layers", first: tuple[str, ...] = ("embed_tokens",),
+                last: tuple[str, ...] = ("norm", "lm_head")) -> nn.Module:  # fmt: skip
     """A deep copy of `model` (meta or real) keeping only what stage `stage_id` owns.
 
-    Any model whose blocks sit in a `ModuleDict` (attribute `blocks`, keys "0", "1", ...) can be
-    cut: blocks not in `layers` are deleted (the kept keys, and so the parameter names, are
-    those of the full model); the modules named in `first` stay on stage 0 only and those in
-    `last` on the last stage only — the others are set to None, which the model's forward must
-    skip. Defaults are mesh3d's Llama. With tied embeddings, a stage holding both keeps them
-    tied; otherwise the lm_head's weight becomes the stage's own parameter
-    (`sync_tied_embeddings` keeps the two copies equal).
+    Blocks (a `ModuleDict` at `blocks`) not in `layers` are deleted; parameter names stay those
+    of the full model. Modules in `first` / `last` stay on the first / last stage only, else are
+    None (the forward must skip them). A tie with one end on the stage becomes its own parameter.
 
     Example:
 
@@ -100,48 +78,28 @@ def build_stage(
     keep = {str(i) for i in layers}
     missing = keep - set(container.keys())
     assert not missing, f"layers {sorted(missing)} are not in the model"
+    gone = [*(first if stage_id != 0 else ()), *(last if stage_id != num_stages - 1 else ())]
     dropped = [m for key, m in container.items() if key not in keep]
-    dropped += [getattr(model, n) for n in first if stage_id != 0]
-    dropped += [getattr(model, n) for n in last if stage_id != num_stages - 1]
-    # what the stage drops is copied as None (a stage of 5 of 80 layers copies 5), and deepcopy
-    # keeps a tie both ends of which stay (one Parameter, two owners)
+    dropped += [getattr(model, n) for n in gone]
+    # dropped modules are copied as None (so only the kept layers are copied)
     stage = copy.deepcopy(model, memo={id(m): None for m in dropped if m is not None})
     container = getattr(stage, blocks)
     for key in list(container.keys()):
         if key not in keep:
             del container[key]
-    for name in first if stage_id != 0 else ():
-        setattr(stage, name, None)
-    for name in last if stage_id != num_stages - 1 else ():
+    for name in gone:
         setattr(stage, name, None)
     return stage
 
 
-def pipeline_stage(
-    module: nn.Module,
-    stage_id: int,
-    num_stages: int,
-    device: torch.device,
-    pp_group: dist.ProcessGroup | None,
-    *,
-    microbatch_size: int,
-    seq_len: int,
-    seq_len_local: int,
-    hidden_size: int,
-    vocab_size: int,
-    dtype: torch.dtype,
-    logits_dtype: torch.dtype | None = None,
-) -> PipelineStage:
+def pipeline_stage(module: nn.Module, stage_id: int, num_stages: int, device: torch.device,
+                   pp_group: dist.ProcessGroup | None, *, microbatch_size: int, seq_len: int,
+                   seq_len_local: int, hidden_size: int, vocab_size: int, dtype: torch.dtype,
+                   logits_dtype: torch.dtype | None = None) -> PipelineStage:  # fmt: skip
     """A `PipelineStage` for `module` with its exact per-microbatch shapes, as meta tensors.
 
-    Inputs: token ids [mbs, S] int64 on stage 0, else hidden states [mbs, S_local, h] in
-    `dtype` (S_local = S/tp under sequence parallelism, S otherwise). Outputs: logits
-    [mbs, S, V] (global shape, V = padded vocab; a vocab-sharded DTensor under TP has this
-    shape) in `logits_dtype` (default `dtype`) on the last stage, else [mbs, S_local, h]. Giving
-    both means no shape inference and no communication at construction (torch >= 2.4), and the
-    static path on torch 2.13. Hidden states carry requires_grad=True: torch 2.13 derives from it
-    whether a stage receives and sends gradients.
-    """
+    Hidden states carry requires_grad=True: torch 2.13 derives from it whether a stage sends
+    gradients."""
 
     def meta(*shape: int, dtype: torch.dtype = dtype, grad: bool = True) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="meta").requires_grad_(grad)
@@ -156,15 +114,11 @@ def pipeline_stage(
 
 
 def build_schedule(
-    name: str,
-    stages: list[PipelineStage],
-    n_microbatches: int,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> Schedule:
+    name: str, stages: list[PipelineStage], n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Schedule:  # fmt: skip
     """The schedule called `name` over this rank's `stages`, with `scale_grads=False`.
 
-    `loss_fn(logits, labels)` gets one microbatch on the last stage and must return that
-    microbatch's share of the normalized step loss (sum of token losses / global tokens).
+    `loss_fn(logits, labels)` must return one microbatch's share of the normalized step loss.
 
     Example:
 
@@ -174,10 +128,8 @@ def build_schedule(
     """
     cls = SCHEDULES[stage_math.schedule(name).name]
     if name == "1f1b" and stages and n_microbatches < stages[0].num_stages:
-        # torch's Schedule1F1B needs n >= pp. Nanotron's (n >= pp - 1) warms up pp - r - 1
-        # forwards on pp rank r: with n = pp - 1, rank 0 runs all forwards then all backwards
-        # and every rank's backwards run in microbatch order, so losses and gradient sums are
-        # GPipe's (the same order on every rank at pp 2); only the memory profile differs
+        # torch's Schedule1F1B needs n >= pp; Nanotron's 1F1B at n = pp - 1 runs in GPipe's
+        # order (same losses and gradient sums), so run GPipe
         logger.info(
             f"1F1B with {n_microbatches} microbatches < pp {stages[0].num_stages} runs as "
             "all-forward-all-backward, which is what Nanotron's 1F1B does"
@@ -198,28 +150,15 @@ _HAS_RETURN_OUTPUTS = (
 )
 
 
-def run_schedule(
-    schedule: Schedule,
-    stages: list[PipelineStage],
-    inputs: torch.Tensor | None,
-    labels: torch.Tensor | None,
-    positions: torch.Tensor | None = None,
-    forward_only: bool = False,
-    token_keys: torch.Tensor | None = None,
-) -> list[torch.Tensor]:
+def run_schedule(schedule: Schedule, stages: list[PipelineStage], inputs: torch.Tensor | None,
+                 labels: torch.Tensor | None, positions: torch.Tensor | None = None,
+                 forward_only: bool = False,
+                 token_keys: torch.Tensor | None = None) -> list[torch.Tensor]:  # fmt: skip
     """One step of forward/backward over all microbatches; the per-microbatch losses.
 
-    `inputs` [n·mbs, S] (needed where this rank runs stage 0) and `labels` [n·mbs, S] (where it
-    runs the last stage) are split along dim 0 into the schedule's n microbatches, and so are
-    `positions` (document masking) and `token_keys` (dropout), which every stage's forward
-    gets as keywords. Returns
-    the n losses from `loss_fn` where this rank runs the last stage, [] elsewhere, detached
-    (their backward has run; `float(loss)` on one still holding its graph made torch warn on
-    every last-stage rank). Logits are
-    not kept (`return_outputs=False` where torch has it). With `forward_only` the schedule runs
-    its `eval()` (torch's forward-only mode: the same schedule, backward actions skipped; the
-    stages switch their buffers to no-grad and back at the next training step); call it
-    under `torch.no_grad()`.
+    `inputs`, `labels`, `positions` and `token_keys` [n·mbs, S] are split into n microbatches.
+    Returns the detached losses where this rank runs the last stage, else []. `forward_only`
+    runs the schedule's `eval()`; call it under `torch.no_grad()`.
 
     Example:
 
@@ -233,7 +172,7 @@ def run_schedule(
     kwargs = {"return_outputs": False} if _HAS_RETURN_OUTPUTS else {}
     args = (inputs,) if first else ()
     for key, value in (("positions", positions), ("token_keys", token_keys)):
-        if value is not None:  # [n·mbs, S]: split like the inputs, handed to every stage
+        if value is not None:
             kwargs[key] = value
     run = schedule.eval if forward_only else schedule.step
     run(*args, target=labels if last else None, losses=losses, **kwargs)
@@ -241,29 +180,14 @@ def run_schedule(
 
 
 @torch.no_grad()
-def sync_tied_embeddings(
-    stage_modules: list[nn.Module],
-    pp_group: dist.ProcessGroup | None,
-    embed_rank: int,
-    head_rank: int,
-) -> None:
+def sync_tied_embeddings(stage_modules: list[nn.Module], pp_group: dist.ProcessGroup | None,
+                         embed_rank: int, head_rank: int) -> None:  # fmt: skip
     """Sum the embedding and lm_head gradients of a tied model split over stages.
 
-    Call on every pp rank after backward (after any dp gradient reduction, before clipping);
-    `embed_rank` / `head_rank` are the ranks in `pp_group` (None: the default group) running
-    the first / last stage (`rank_of_stage`). Both copies end with ge + gh: on one rank
-    (V placement) by a local sum, across two ranks by a point-to-point exchange of the local
-    gradient shards (IEEE addition is commutative: a + b on one side equals b + a on the
-    other, bitwise). Ranks holding neither do nothing, so no extra process group is needed
-    and middle stages pay nothing; each end sends and receives its (tp/dp-sharded) [V, h]
-    gradient once. DTensor gradients are first laid out like their parameters
-    (`_grad_shard`), then exchanged as local shards, which line up because both parameters
-    have the same shape and placements (tp Shard(0) on the vocab, FSDP shards on dp).
-    No-op for untied models or when one module holds both (the same Parameter).
+    Call on every pp rank after dp reduction, before clipping. Across two ranks (`embed_rank`,
+    `head_rank` in `pp_group`) the shards are exchanged; addition commutes, so both agree bitwise.
     """
     ends = [e for e in map(tied_ends, stage_modules) if e is not None]
-    if not ends:
-        return
     embed = next((e for e, _ in ends if e is not None), None)
     head = next((h for _, h in ends if h is not None), None)
     if embed is not None and head is not None:
@@ -288,21 +212,16 @@ def sync_tied_embeddings(
 
 
 def tied_ends(m: nn.Module) -> tuple[nn.Module | None, nn.Module | None] | None:
-    """A tied model's stage: (its embedding, its head), None where it holds one not; None for an
-    untied model. A transformers stage says its own (`hf_stages.py`)."""
+    """A tied model's stage: (its embedding, its head), None where it lacks one; None for an
+    untied model."""
     if hasattr(m, "mesh3d_tied_ends"):
         return m.mesh3d_tied_ends()
     return (m.embed_tokens, m.lm_head) if getattr(m, "tie_word_embeddings", False) else None
 
 
 def _grad_shard(param: nn.Parameter) -> torch.Tensor:
-    """`param.grad` as a local tensor laid out like `param` (in place of the gradient).
-
-    A DTensor gradient can come back with other placements than its parameter: the
-    vocab-parallel embedding's is `Replicate()` (the full [V, h] on every tp rank) while the
-    weight is `Shard(0)`. Re-sharding it (no communication from Replicate; a reduce-scatter
-    over tp from Partial) makes the embedding's and the head's local shards line up.
-    """
+    """`param.grad`, re-laid out like `param` in place, as a local tensor (the vocab-parallel
+    embedding's gradient comes back `Replicate()` while its weight is `Shard(0)`)."""
     assert param.grad is not None, "sync_tied_embeddings runs after backward"
     if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
         param.grad = param.grad.redistribute(param.device_mesh, param.placements)

@@ -1,18 +1,8 @@
 """A forward-only pass over a rank's pipeline stages without their schedule (V placements).
 
-Evaluation normally runs the training schedule in torch's forward-only mode
-(`_PipelineSchedule.eval()`, `run_schedule(..., forward_only=True)`): the schedule's own action
-list with the backward actions skipped. On torch 2.13 that fails for the V schedules
-(`zbv_zero_bubble`, `dualpipev`): their list hands a backward from one of a rank's stages to the
-other locally, which asserts outside training ("can't steal_bwd_input if this stage doesn't have
-backward"). `forward_walk` is the way around it: every rank visits (microbatch, stage) in the
-order microbatch-major, stage-minor, which every dependency respects (stage s of microbatch m
-needs only stage s - 1 of m), so blocking receives and non-blocking sends cannot deadlock and
-ranks still overlap on different microbatches. A stage's input comes from the previous stage:
-locally when this rank runs it too, else received on the stages' pp group from the rank the
-schedule placed it on (`stage.stage_index_to_group_rank`), into a buffer of the known
-activation shape. The stages' modules are called directly, so the schedule's state (its
-buffers for training) is untouched.
+On torch 2.13 a V schedule's `eval()` fails ("can't steal_bwd_input if this stage doesn't have
+backward"). `forward_walk` visits (microbatch, stage) microbatch-major, an order every dependency
+respects, so blocking receives and non-blocking sends cannot deadlock.
 """
 
 from __future__ import annotations
@@ -24,22 +14,13 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 
-def forward_walk(
-    stages: list[PipelineStage],
-    n_microbatches: int,
-    inputs: torch.Tensor | None,
-    labels: torch.Tensor | None,
-    positions: torch.Tensor | None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    activation: torch.Tensor,
-) -> list[torch.Tensor]:
+def forward_walk(stages: list[PipelineStage], n_microbatches: int, inputs: torch.Tensor | None,
+                 labels: torch.Tensor | None, positions: torch.Tensor | None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 activation: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
     """`loss_fn(logits, labels)` of each microbatch where this rank runs the last stage, else [].
 
-    `inputs` / `labels` / `positions` [n·mbs, S] as for `run_schedule` (inputs where this rank
-    runs stage 0, labels where it runs the last stage, positions, if any, everywhere);
-    `activation` (e.g. on `meta`) gives the shape and dtype of what one stage hands the next
-    for one microbatch. Call under `torch.no_grad()`.
-    """
+    `activation` (e.g. on `meta`) gives the shape and dtype one stage hands the next."""
     mine = {s.stage_index: s for s in stages}
     split = lambda t: t.tensor_split(n_microbatches) if t is not None else None  # noqa: E731
     ids, targets, pos = split(inputs), split(labels), split(positions)

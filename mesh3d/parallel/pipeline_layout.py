@@ -1,6 +1,5 @@
 """Pipeline arithmetic, without torch: the table of schedules, which layers each stage holds,
-which stages each pp rank runs. `checks/validate.py`, `checkpoint/` and `plan/` use it before
-any process exists; `parallel/pipeline.py` maps the same names to torch's schedule classes.
+which stages each pp rank runs (usable before any process exists).
 
     split_by_cost([4096, 4096], head_cost=4096, num_stages=2)   # [[0, 1], []]
     stage_ids_of_rank(0, pp=2, virtual=2, schedule="zbv_zero_bubble")   # [0, 3]
@@ -25,17 +24,14 @@ def _interleaved(pp: int, v: int, m: int) -> tuple[float, str, bool]:
 
 
 def _zb1p(pp: int, v: int, m: int) -> tuple[float, str, bool]:
-    # ZB1P idles (pp-1)(F+B-2W); with F = I = W and chunks 1/v long, torch's order gives exactly
-    # this for m >= pp (benchmarks/schedules's replay, pp 2 to 8)
+    # exact for m >= pp (benchmarks/schedules's replay, pp 2 to 8)
     why = "(pp-1)/(3*v*m+pp-1): ZB1P idles (pp-1)(F+B-2W), F = I = W, chunks 1/v long"
     return (pp - 1) / (3 * v * m + pp - 1), why, m >= pp
 
 
 def _zbv(pp: int, v: int, m: int) -> tuple[float, str, bool]:
-    # Not the ideal ZB-V's 0 (Qi et al. 2024): torch's ScheduleZBVZeroBubble order (v = 2),
-    # replayed with F = I = W = 1 by benchmarks/schedules, idles each rank pp-1 chunk times
-    # once m >= 3pp/2 (validation asks m >= 2pp), and 2(2pp-1-m) with fewer microbatches;
-    # every m from 1 to 4pp matched this for pp 2 to 8.
+    # not the ideal ZB-V's 0: torch's order, replayed by benchmarks/schedules (m 1 to 4pp, pp 2
+    # to 8), idles pp-1 chunk times once m >= 3pp/2, else 2(2pp-1-m)
     idle = max(pp - 1, 2 * (2 * pp - 1 - m))
     d = "pp-1" if idle == pp - 1 else "2(2pp-1-m)"
     why = f"({d})/(3*v*m+{d}): torch's ZBV order idles {d} chunk times, F = I = W"
@@ -43,17 +39,13 @@ def _zbv(pp: int, v: int, m: int) -> tuple[float, str, bool]:
 
 
 def _dualpipev(pp: int, v: int, m: int) -> tuple[float, str, bool]:
-    # torch's DualPipeV order (m >= 2pp, v = 2) with its overlapped F&B run one after the other,
-    # as on one device without communication to hide, idles pp-1 chunk times too
     why = "(pp-1)/(3*v*m+pp-1): torch's DualPipeV order, F&B not overlapped, F = I = W"
     return (pp - 1) / (3 * v * m + pp - 1), why, True
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """What mesh3d needs to know of a pipeline schedule before building it: the one place a
-    schedule's name is written (`parallel/pipeline.py` maps `torch_class` to torch's class,
-    `mesh3d plan` reads `bubble`, the checks `min_microbatches` and `rounds`)."""
+    """What mesh3d needs to know of a pipeline schedule before building it."""
 
     name: str
     torch_class: str  # its class in torch.distributed.pipelining.schedules
@@ -62,8 +54,7 @@ class Schedule:
     zero_bubble: bool  # splits backward into input- and weight-gradient passes
     min_microbatches: str  # "1", "pp", "pp-1" (Nanotron's 1F1B) or "stages" (pp x virtual)
     rounds: bool  # runs microbatches in rounds of pp: their number a multiple of n // pp
-    # (pp, virtual stages, microbatches) -> (idle share with equal stage times and F = I = W,
-    # the formula, whether it is exact there)
+    # (pp, virtual, microbatches) -> (idle share at F = I = W, the formula, whether it is exact)
     bubble: Callable[[int, int, int], tuple[float, str, bool]]
 
 
@@ -105,26 +96,18 @@ def split_by_cost(layer_costs: list[int], head_cost: int, num_stages: int) -> li
     """The decoder-layer indices of each stage: Nanotron's cost-based walk
     (docs/nanotron-layout.md#pipeline-stages).
 
-    Blocks in order: embedding (cost 0), decoders 0..L-1 (`layer_costs`), final norm (0),
-    lm_head (`head_cost`). With cumulative costs c_j and thresholds t_s = total·(s+1)/stages,
-    walk the blocks from stage s = 0: the block goes to stage s, then if c_j > t_s, s += 1 — a
-    block that crosses a threshold stays on the current stage. The embedding is always on
-    stage 0, the final norm and lm_head on the last. Raises ConfigError if a stage would hold
-    nothing (no decoder layer, no embedding, no lm_head).
-    """
+    Blocks: embedding (cost 0), decoders, final norm (0), lm_head. Each goes to stage s, then
+    s += 1 if its cumulative cost exceeds total·(s+1)/stages."""
     num_layers = len(layer_costs)
     assert num_stages >= 1, num_stages
-    costs = [0, *layer_costs, 0, head_cost]
-    cumulative = list(itertools.accumulate(costs))
+    cumulative = list(itertools.accumulate([0, *layer_costs, 0, head_cost]))
     thresholds = [cumulative[-1] * ((s + 1) / num_stages) for s in range(num_stages)]
     stage_of, s = [], 0
     for c in cumulative:  # float thresholds, as Nanotron computes them
         stage_of.append(s)
         if c > thresholds[s]:
             s += 1
-    layers: list[list[int]] = [[] for _ in range(num_stages)]
-    for i in range(num_layers):
-        layers[stage_of[1 + i]].append(i)
+    layers = [[i for i in range(num_layers) if stage_of[1 + i] == s] for s in range(num_stages)]
     head_stage = stage_of[-1]
     for s, owned in enumerate(layers):
         if not owned and s != 0 and s != head_stage:
@@ -139,21 +122,9 @@ def split_by_cost(layer_costs: list[int], head_cost: int, num_stages: int) -> li
     return layers
 
 
-def split_layers(
-    num_layers: int,
-    num_stages: int,
-    hidden_size: int,
-    ffn_size: int,
-    num_heads: int,
-    head_dim: int,
-    padded_vocab: int,
-) -> list[list[int]]:
+def split_layers(num_layers: int, num_stages: int, hidden_size: int, ffn_size: int,
+                 num_heads: int, head_dim: int, padded_vocab: int) -> list[list[int]]:  # fmt: skip
     """`split_by_cost` with Nanotron's costs: each decoder `decoder_cost`, the lm_head V·h.
-
-    Tiny config (hidden 16, ffn 64, 4 heads, 2 layers, vocab 256, pp 2): decoder cost
-    4·4·4·16 + 3·64·16 = 4096, lm_head 4096, total 12288, thresholds [6144, 12288]:
-    decoder 0 (c=4096) stays on stage 0, decoder 1 (c=8192 > 6144) stays on stage 0 and moves
-    the walk on, so stage 0 = {embedding, 0, 1} and stage 1 = {norm, lm_head}: `[[0, 1], []]`.
 
     Example:
 
@@ -164,12 +135,8 @@ def split_layers(
 
 
 def stage_ids_of_rank(pp_rank: int, pp: int, virtual: int, name: str) -> list[int]:
-    """The stages pp rank `pp_rank` runs, in increasing order.
-
-    Looped placement (every schedule but the V ones): stage s on rank s % pp, so rank r holds
-    r, r+pp, ... (virtual stages each). V placement (zbv_zero_bubble, dualpipev; virtual = 2):
-    rank r holds r and 2·pp-1-r, so rank 0 holds the first and the last stage.
-    """
+    """The stages pp rank `pp_rank` runs, in increasing order: r, r+pp, ... (looped), or r and
+    2·pp-1-r (V schedules, virtual = 2)."""
     sched = schedule(name)
     if sched.v_shape:
         if virtual != 2:

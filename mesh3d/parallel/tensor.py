@@ -1,8 +1,5 @@
 """Tensor parallelism: apply a plan `FQN pattern -> ParallelStyle` on mesh["tp"], and the
-gradient fix-ups after backward.
-
-The model file stays single-device; a family's spec (`models/<family>_spec.py`) holds its plan,
-Megatron-style as Nanotron's TP modes, written in the styles of `mesh3d/tp_styles.py`.
+gradient fix-ups after backward. Plans live in each family's spec (`models/<family>_spec.py`).
 """
 
 from __future__ import annotations
@@ -23,13 +20,8 @@ from mesh3d.tp_styles import TPPlan
 def shard_grads_like_params(model: nn.Module) -> None:
     """Give every tp-sharded parameter its gradient in the parameter's own layout.
 
-    DTensor's embedding backward returns the vocab-parallel embedding's gradient as
-    `Replicate()`, the full padded [V, h] on every tp rank, while the weight is `Shard(0)`.
-    Accumulated like that it holds tp times the memory, and zero 0's dp all-reduce sends tp
-    times the bytes. A hook lays each incoming gradient out like its parameter before it is
-    accumulated (Replicate -> Shard is a local slice: no communication). FSDP replaces the
-    parameters, so these hooks then never fire; it lays gradients out itself.
-    """
+    DTensor returns the vocab-parallel embedding's gradient as `Replicate()` (tp times the
+    memory) while the weight is `Shard(0)`. Under FSDP these hooks never fire."""
     for p in model.parameters():
         if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
             p.register_hook(functools.partial(_laid_out_as, tuple(p.placements)))
@@ -48,9 +40,8 @@ def _laid_out_as(placements: tuple, grad: torch.Tensor) -> torch.Tensor:
 def reduce_partial_grads(params) -> None:
     """Turn `Partial` gradients (norm weights under sequence parallelism) into `Replicate` ones.
 
-    DTensor leaves them partial after backward and would reduce them again each time they are
-    read (clipping once, AdamW three times). One flat all-reduce per (mesh, placements) group
-    right after backward does it once.
+    Left partial, DTensor would reduce them on every read (clipping, AdamW); one flat all-reduce
+    per (mesh, placements) group right after backward does it once.
     """
     groups: dict[tuple, list[nn.Parameter]] = {}
     for p in params:
@@ -64,30 +55,22 @@ def reduce_partial_grads(params) -> None:
             if isinstance(pl, Partial):
                 torch.distributed.all_reduce(flat, group=mesh.get_group(dim))
         done = [Replicate() if isinstance(pl, Partial) else pl for pl in placements]
-        offset = 0
-        for p, t in zip(ps, locals_):
-            local = flat[offset : offset + t.numel()].view_as(t)
-            offset += t.numel()
+        for p, t, local in zip(ps, locals_, flat.split([t.numel() for t in locals_])):
+            local = local.view_as(t)
             p.grad = DTensor.from_local(
                 local, mesh, done, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
             )
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, strict: bool = True) -> nn.Module:
-    """Apply `plan` (`FQN pattern -> ParallelStyle`, `*` matching one name) to any `model` in
-    place, on meta or real tensors, without communication: every rank keeps its slice of the
-    full tensors it holds (`src_data_rank=None`), so build the full model from the same seed on
-    every rank first.
+    """Apply `plan` (`FQN pattern -> ParallelStyle`) to `model` in place, without communication:
+    every rank keeps its slice, so build the full model from the same seed on every rank first.
 
     Example:
 
         apply_tp(model, mesh["tp"], {"h.*.mlp.fc": ColwiseParallel(), "h.*.mlp.proj": RowwiseParallel()})
 
-    Plan entries whose module a pipeline stage deleted (None) are skipped; a key that names no
-    submodule is refused (`strict`; mesh3d's own family plans, written for every variant of a
-    family, pass `strict=False` and skip it). Tied embeddings are
-    re-tied afterwards: parallelizing the embedding and the head separately would otherwise
-    give them two different parameters.
+    Entries whose module is None are skipped; with `strict`, a key naming no module is refused.
     """
     tied = getattr(model, "lm_head", None) is not None and (
         getattr(model, "embed_tokens", None) is not None
@@ -100,7 +83,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, strict: bool =
     present = {k: v for k, v in plan.items() if _resolves(model, k)}
     parallelize_module(model, tp_mesh, present, src_data_rank=None)
     tp_styles.choose_collectives(tp_mesh.get_group(), tp_mesh.device_type)
-    if tied:
+    if tied:  # parallelizing the embedding and the head apart untied them
         model.lm_head.weight = model.embed_tokens.weight
     return model
 

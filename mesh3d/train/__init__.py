@@ -1,7 +1,7 @@
 """Training: optimizer, LR schedule, loss, metrics and the step loop; called, the whole run.
 
-`mesh3d.train(...)` is `train/loop.py`'s `train`: Python binds `mesh3d.train` to this package
-once any `mesh3d.train.*` module is imported, so the package is callable as that function.
+Callable as `train/loop.py`'s `train`, since Python binds `mesh3d.train` to this package once
+any `mesh3d.train.*` module is imported.
 
 Example:
 

@@ -1,12 +1,9 @@
 """Build what one rank trains: its model parts (one module, or its pipeline stages) and schedule.
 
-Every part is built on `meta` (its decoder linears made float8 first with `mesh3d.float8`),
-then goes through `parallelize` (TP -> recompute -> compile -> materialize + init -> DP). With
-pp > 1 the meta model is first cut into stages (`build_stage`, Nanotron's cost-based layer
-split) and each stage this rank runs is parallelized the same way, wrapped in a
-`PipelineStage` with explicit shapes (no communication at construction), and handed to the
-schedule named by `mesh3d.pp_schedule` or `parallelism.pp_engine`.
-"""
+Every part is built on `meta` (float8 linears first), then `parallelize`d (TP -> recompute ->
+compile -> materialize + init -> DP). With pp > 1 the meta model is first cut into stages
+(Nanotron's cost-based split); each of this rank's is parallelized, wrapped in a `PipelineStage`
+with explicit shapes (no communication at construction) and handed to the schedule."""
 
 from __future__ import annotations
 
@@ -60,9 +57,8 @@ class ModelParts:
     _shaped: dict = field(default_factory=dict)
 
     def pipeline_at(self, seq_len: int) -> tuple[list, object]:
-        """(stages, schedule) for samples of `seq_len` tokens: the run's own, or (a data stage
-        with its own sequence_length) stages of the same modules declared at that length, made
-        once. Every rank switches at the same step, so the stages' messages stay paired."""
+        """(stages, schedule) for samples of `seq_len` tokens, made once per length; every rank
+        switches at the same step, so the stages' messages stay paired."""
         if seq_len == self.seq_len or self.reshape is None:
             return self.stages, self.schedule
         if seq_len not in self._shaped:
@@ -79,30 +75,25 @@ class ModelParts:
 
 
 def initial_weights(cfg, layout: RunLayout) -> FullSource:
-    """Where the first weights come from: `init_method: {std: ...}` (or `{use_mup: true}`,
-    `models/mup.py`'s rules) draws each full tensor from its own seed; `init_method: {path: ...}`
-    reads them from a checkpoint in Nanotron's layout (written by Nanotron, `mesh3d.convert
-    from-hf`, or mesh3d), saved at any tp/pp. The shape, spec and seed come from `layout`."""
+    """Where the first weights come from: `init_method: {std: ...}` (or µP's rules) draws each
+    full tensor from its own seed; `init_method: {path: ...}` reads a Hugging Face folder or a
+    checkpoint in Nanotron's layout saved at any tp/pp."""
     mc, init = cfg.model.model_config, cfg.model.init_method
     shape, spec, seed = layout.shape, layout.spec, layout.seed
     if isinstance(init, ExistingCheckpointInit):
         path = Path(init.path)
         if is_hf_folder(path):  # a Hugging Face model folder, read as `from-hf` would
             full = extensions.load("hf_init").read_hf_for_run(path, mc, layout.padded_vocab)
-            n = sum(t.numel() for t in full.values())
-            logger.info(f"Initial weights from {path} (Hugging Face): {len(full)} tensors, "
-                        f"{n:,} parameters")  # fmt: skip
-            tied = {"lm_head.weight": "embed_tokens.weight"} if shape.tied else {}
-            return lambda name, shape: full[tied.get(name, name)]
-        error = not_a_checkpoint(path)
-        if error is not None:
-            raise error
-        if lora_of(path) is not None:  # adapters only: not a model to start from
-            raise extensions.load("lora_files").not_a_base(path)
-        root = path / "model"
-        full = read_nanotron_weights(root, shape)
+            where = f"{path} (Hugging Face)"
+        else:
+            error = not_a_checkpoint(path)
+            if error is not None:
+                raise error
+            if lora_of(path) is not None:  # adapters only: not a model to start from
+                raise extensions.load("lora_files").not_a_base(path)
+            full, where = read_nanotron_weights(path / "model", shape), path / "model"
         n = sum(t.numel() for t in full.values())
-        logger.info(f"Initial weights from {root}: {len(full)} tensors, {n:,} parameters")
+        logger.info(f"Initial weights from {where}: {len(full)} tensors, {n:,} parameters")
         tied = {"lm_head.weight": "embed_tokens.weight"} if shape.tied else {}
         return lambda name, shape: full[tied.get(name, name)]
     rows = {"embed_tokens.weight": mc.vocab_size, "lm_head.weight": mc.vocab_size}
@@ -141,24 +132,15 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
 
     def finish(module: nn.Module) -> nn.Module:
         return parallelize(
-            module,
-            mesh,
-            device=device,
-            source=source,
+            module, mesh, device=device, source=source,
             tp_plan=spec.tp_plan(layout.sequence_parallel, layout.shape) if p.tp > 1 else {},
-            recompute_layer=layout.recompute != "none",
-            recompute=layout.recompute,
-            recompute_every=layout.recompute_every,
-            dp=layout.dp_mode,
-            dtype=layout.param_dtype,
+            recompute_layer=layout.recompute != "none", recompute=layout.recompute,
+            recompute_every=layout.recompute_every, dp=layout.dp_mode, dtype=layout.param_dtype,
             compile_classes=spec.compile_classes(p.tp > 1) if cfg.mesh3d.compile else (),
             split_backward=p.pp > 1 and SCHEDULES[layout.schedule].zero_bubble,
-            documents=layout.documents,
-            ep=ep,
-            blocks=spec.blocks(),
-            lora=layout.lora,
+            documents=layout.documents, ep=ep, blocks=spec.blocks(), lora=layout.lora,
             dp_shard=layout.dp_shard,
-        )
+        )  # fmt: skip
 
     if p.pp == 1:
         parts = ModelParts(modules=[finish(full)], loss_fn=loss_fn, expert_replicas=expert_replicas)
@@ -173,50 +155,34 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
     modules = [finish(build_stage(full, i, n, split[i])) for i in ids]
 
     def shaped(seq_len: int) -> tuple[list, object]:
-        """Pipeline stages of `modules` declared for samples of `seq_len` tokens, and their
-        schedule (no communication: every shape is given)."""
+        """Pipeline stages of `modules` for `seq_len` tokens, and their schedule."""
         at = replace(layout, sequence_length=seq_len)
         stages = [
             pipeline_stage(
-                m,
-                i,
-                n,
-                device,
-                mesh["pp"].get_group(),
-                microbatch_size=at.microbatch_size,
-                seq_len=at.cp_sequence,
-                seq_len_local=at.local_sequence,
-                hidden_size=mc.hidden_size,
-                vocab_size=vocab,
-                dtype=at.param_dtype,
+                m, i, n, device, mesh["pp"].get_group(), microbatch_size=at.microbatch_size,
+                seq_len=at.cp_sequence, seq_len_local=at.local_sequence,
+                hidden_size=mc.hidden_size, vocab_size=vocab, dtype=at.param_dtype,
                 logits_dtype=at.logits_dtype,
             )
             for m, i in zip(modules, ids)
-        ]
+        ]  # fmt: skip
         return stages, build_schedule(name, stages, at.microbatches, loss_fn)
 
     stages, schedule = shaped(layout.sequence_length)
     _set_aux_weights(modules, layout)
     return ModelParts(
-        seq_len=layout.sequence_length,
-        reshape=shaped,
+        seq_len=layout.sequence_length, reshape=shaped,
         reducers=_reducers(modules, layout, mesh, cfg.model.ddp_bucket_cap_mb),
-        modules=modules,
-        schedule=schedule,
-        stages=stages,
-        has_first=0 in ids,
-        has_last=n - 1 in ids,
-        embed_rank=rank_of_stage(0, p.pp, name),
-        head_rank=rank_of_stage(n - 1, p.pp, name),
-        loss_fn=loss_fn,
+        modules=modules, schedule=schedule, stages=stages, has_first=0 in ids,
+        has_last=n - 1 in ids, embed_rank=rank_of_stage(0, p.pp, name),
+        head_rank=rank_of_stage(n - 1, p.pp, name), loss_fn=loss_fn,
         expert_replicas=expert_replicas,
-    )
+    )  # fmt: skip
 
 
 def _reducers(modules: list[nn.Module], layout: RunLayout, mesh: DeviceMesh,
               cap_mb: int) -> list[GradBuckets]:  # fmt: skip
-    """zero_stage 0 with dp x cp > 1: each module's gradients summed in buckets of `cap_mb`
-    (`model.ddp_bucket_cap_mb`), overlapped with the last backward (`parallel/buckets.py`)."""
+    """zero_stage 0, dp x cp > 1: gradient buckets reduced as the last backward goes."""
     if layout.dp_mode != "replicate" or layout.dims.dp * layout.dims.cp == 1:
         return []
     group = groups_of(mesh).replicas

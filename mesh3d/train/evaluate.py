@@ -1,35 +1,8 @@
 """Validation loss: a forward-only pass over the held-out batches, at any layout.
 
-Every `tokens.val_check_interval` steps (step % interval == 0; -1 or 0: never; an interval longer
-than the run: its last step only, with a warning at the start), after that step's
-optimizer update, the run evaluates the `tokens.limit_val_batches` held-out global batches of
-`mesh3d.data.validation` and reports
-
-    val_loss = sum of token cross-entropies / counted tokens, over the whole validation set
-    val_ppl  = exp(val_loss)
-
-Token counting is training's (`train/loss.py`): every label of a dense sample counts; under
-document masking the target after each EOS is masked and positions restart per document
-(`with_documents`); on SFT data only the completion (assistant) tokens have labels and count
-(`with_sft`), so `val_loss` is the completion-only loss of the held-out examples. The loss is
-the cross-entropy alone — a z-loss term is not added — so `val_ppl` is a perplexity. The parts
-run in eval mode under `torch.no_grad()`, in the run's autocast, with the cross-entropy on
-vocab-sharded logits under `loss_parallel()` with tp.
-
-Layouts: each dp rank evaluates its slice of every validation batch (a validation batch has
-the training batch's microbatch count and size); the sums are added over dp (and over pp, where
-only the last stage has them) in float64, then divided once. Without a pipeline each
-microbatch runs forward in turn. With one, the training schedule runs in torch's forward-only
-mode (`_PipelineSchedule.eval`): the same stages, shapes and communication as training with
-the backward actions skipped, so there is no second set of stages and no hand-written
-send/recv for afab, 1f1b, interleaved 1F1B, looped BFS and interleaved zero-bubble. torch 2.13's
-eval() fails for the V schedules (zbv_zero_bubble, dualpipev: a local backward handoff
-between a rank's two stages asserts), so those walk their stages with explicit send/recv on the
-pp group (`parallel/pipeline_forward.py`). Either way the loss function is the run's
-`StepLoss`, switched to plain token sums while evaluating. Under `zero_stage: 1` (parameters
-kept gathered after forward until backward) the FSDP modules are resharded afterwards, so the
-parameters are at rest again for a checkpoint or the next step.
-"""
+`val_loss` is the token cross-entropy sum (float64, over dp and pp; no z-loss) / counted tokens
+(as in training), `val_ppl` its exp. A pipeline runs its schedule forward-only, except the V
+schedules (torch 2.13's eval() asserts on them), which walk their stages."""
 
 from __future__ import annotations
 
@@ -65,9 +38,8 @@ def perplexity(loss: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(
-    parts: ModelParts, held: HeldOut, layout: RunLayout, mesh, device: torch.device
-) -> dict[str, float]:
+def evaluate(parts: ModelParts, held: HeldOut, layout: RunLayout, mesh,
+             device: torch.device) -> dict[str, float]:  # fmt: skip
     """{"val_loss", "val_ppl"} over `held`, the same on every rank (call on every rank)."""
     dp, pp, cp = layout.dims.dp, layout.dims.pp, layout.dims.cp
     groups = groups_of(mesh)
@@ -104,9 +76,8 @@ def evaluate(
     return {"val_loss": loss, "val_ppl": perplexity(loss)}
 
 
-def _token_loss_sum(
-    parts: ModelParts, batches: list[list[tuple]], layout: RunLayout, device: torch.device
-) -> torch.Tensor:
+def _token_loss_sum(parts: ModelParts, batches: list[list[tuple]], layout: RunLayout,
+                    device: torch.device) -> torch.Tensor:  # fmt: skip
     """This rank's sum of token cross-entropies over its microbatches of every batch (float64)."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     autocast, tp = layout.autocast_dtype, layout.dims.tp
@@ -131,9 +102,8 @@ def _token_loss_sum(
                         parts.loss_fn, layout.activation(),
                     )  # fmt: skip
                 else:
-                    losses = run_schedule(
-                        parts.schedule, parts.stages, inputs, labels, positions, forward_only=True
-                    )
+                    losses = run_schedule(parts.schedule, parts.stages, inputs, labels, positions,
+                                          forward_only=True)  # fmt: skip
             for loss in losses:
                 total += _scalar(loss)
     return total
@@ -146,8 +116,7 @@ def _cat(batch: list[tuple], i: int, device: torch.device) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _token_sums(loss_fn: StepLoss):
-    """The schedule's loss function (the run's `StepLoss`) returning a microbatch's plain sum
-    of token cross-entropies: no division, no FSDP scale, no z-loss; restored afterwards."""
+    """The run's `StepLoss` returning plain sums of token cross-entropies while inside."""
     saved = loss_fn.tokens, loss_fn.backward_scale, loss_fn.z_loss
     loss_fn.tokens, loss_fn.backward_scale, loss_fn.z_loss = 1, 1, 0.0
     try:

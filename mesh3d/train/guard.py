@@ -1,17 +1,10 @@
 """What makes a training run fail safe, around its step loop (docs/faults.md).
 
-`RunGuard` is entered once the process group and the model exist:
-- world rank 0 takes the checkpoints folder (`checkpoint/run_folder.py`: lock, repair, where to
-  start) and every rank gets the same answer or the same error;
-- every rank starts its `Watchdog` (heartbeat, launcher check, lock refresh);
-- SIGTERM, SIGUSR1 (Slurm's `--signal`) and SIGINT (Ctrl-C) only set a flag (`signals.py`; a
-  second one exits at once): `stop_requested()`, called once at the end of every step, agrees
-  on it across ranks with one tiny all-reduce, so every rank stops after the same step, saves,
-  and raises `Preempted` (exit code 75);
-- on the way out, a failed collective becomes a `PeerError` naming the ranks that did not come,
-  and the lock is released.
-`check_finite` is the non-finite guard's decision after each step.
-"""
+`RunGuard`, entered once the process group and the model exist: world rank 0 takes the
+checkpoints folder and every rank gets its answer; every rank runs a `Watchdog`; stop signals
+only set a flag that `stop_requested()` agrees on across ranks at the end of every step, so every
+rank stops after the same step, saves and raises `Preempted` (exit 75); on the way out a failed
+collective becomes a `PeerError` naming the missing ranks, and the lock is released."""
 
 from __future__ import annotations
 
@@ -29,26 +22,17 @@ from mesh3d import extensions
 from mesh3d.checkpoint.folder import latest_step
 from mesh3d.checkpoint.lock import STALE_S
 from mesh3d.checkpoint.run_folder import claim_folder, clear_steps
-from mesh3d.errors import (
-    Interrupted,
-    NonFiniteError,
-    RunStopped,
-    UserError,
-    on_every_rank,
-    report,
-)
+from mesh3d.errors import Interrupted, NonFiniteError, RunStopped, UserError, on_every_rank, report
 from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout, share
 from mesh3d.train.signals import StopSignals
 from mesh3d.train.watchdog import Watchdog, heartbeat_interval, is_collective_failure
 
-NONFINITE = (
-    "non-finite"  # a step's verdict (`RunGuard.verdict`) when its loss or norm is not finite
-)
+NONFINITE = "non-finite"  # a step's verdict when its loss or gradient norm is not finite
 
 
 class RunGuard:
-    """The lock, watchdog and signal handling of one run (see the module doc).
+    """The lock, watchdog and signal handling of one run.
 
     Example:
 
@@ -72,11 +56,8 @@ class RunGuard:
         self.fail_at = _injected_failure(self.rank)
         self.leave_wait_s = 0.0  # how long world rank 0 may still upload as the run ends
 
-    # -------------------------------------------------------------------------- enter / exit
-
     def __enter__(self) -> RunGuard:
-        run_id = share(uuid.uuid4().hex[:12] if self.rank == 0 else None)
-        self.run_id = run_id
+        self.run_id = run_id = share(uuid.uuid4().hex[:12] if self.rank == 0 else None)
         if self.cfg.checkpoints is not None:
             outcome = None
             if self.rank == 0:
@@ -125,10 +106,9 @@ class RunGuard:
             self._leave_together(exc)
 
     def _leave_together(self, exc: BaseException | None) -> None:
-        """When every rank ends at the same point (the last step, a stop, an error raised alike),
-        no rank leaves before the others: a launcher ends the ranks still running as soon as
-        one exits with an error code, and world rank 0 may still be finishing its uploads
-        (`leave_wait_s`, set by the caller), its line printed and the lock released."""
+        """When every rank ends at the same point, no rank leaves before the others: a launcher
+        ends the ranks still running once one exits with an error, and world rank 0 may still
+        be uploading (`leave_wait_s`)."""
         if self.world == 1 or not (exc is None or getattr(exc, "same_on_every_rank", False)):
             return
         m = self.cfg.mesh3d
@@ -139,13 +119,10 @@ class RunGuard:
         except Exception as e:  # noqa: BLE001 - the run is over; say so and go
             logger.warning(f"a rank did not reach the end of the run: {str(e).splitlines()[0]}")
 
-    # ------------------------------------------------------------------------------- signals
-
     def _first_signal(self, signum: int) -> None:
+        ck = self.cfg.checkpoints
         then = (
-            "saving a checkpoint"
-            if self.cfg.checkpoints is not None
-            else "(no checkpoints section) saving nothing"
+            "saving a checkpoint" if ck is not None else "(no checkpoints section) saving nothing"
         )
         logger.warning(
             f"received {signal.Signals(signum).name}: finishing step {self.watchdog.step}, then "
@@ -164,8 +141,7 @@ class RunGuard:
             self.lock.release()
 
     def stop_requested(self) -> str | None:
-        """The stop signal any rank received by now (same answer on every rank), or None.
-        One all-reduce of one integer: it also ends each step in step with every rank."""
+        """The stop signal any rank received by now (same answer on every rank), or None."""
         flag = torch.tensor([self.signals.received or 0], dtype=torch.int64, device=self.device)
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -173,9 +149,8 @@ class RunGuard:
         return signal.Signals(value).name if value else None
 
     def clear_stale_steps(self) -> None:
-        """Delete the old step folders `mesh3d.existing_checkpoints: overwrite` replaces: the
-        last thing before training starts, once loading the checkpoint to resume from (if any)
-        went through. Rank 0 deletes; every rank gets the outcome."""
+        """Delete the old step folders `mesh3d.existing_checkpoints: overwrite` replaces, once
+        the resume (if any) loaded. Rank 0 deletes; every rank gets the outcome."""
         if not self.stale_steps:
             return
         problem = None
@@ -194,10 +169,8 @@ class RunGuard:
         return self.verdict(loss, grad_norm) is None
 
     def verdict(self, loss: float, grad_norm: float) -> str | None:
-        """The step's one decision: None when it is healthy and its update applied, else why
-        not (`NONFINITE`, or the loss spike's reason, `spike.py`). Taken once per step (when
-        `train_step` asks, or by the loop for a non-finite step it never asked about) and kept:
-        `after_step` acts on the same verdict."""
+        """The step's one decision, taken once and kept for `after_step`: None when healthy,
+        else why not (`NONFINITE`, or the loss spike's reason)."""
         values, kept = self._verdict
         if values == (loss, grad_norm):
             return kept
@@ -210,10 +183,9 @@ class RunGuard:
 
     def after_step(self, step: int, loss: float, grad_norm: float,
                    name_latest: Callable[[Path], None]) -> None:  # fmt: skip
-        """Act on step `step`'s verdict: a non-finite step is skipped (counted) or stops the
-        run (`check_finite`); with the loss-spike guard, a spike is skipped with a warning or
-        stops the run, a healthy step joins its history, and the checkpoint waiting for this
-        step is named (through `name_latest`, the checkpointer's) or marked."""
+        """Act on step `step`'s verdict: a non-finite step or a spike is skipped or stops the
+        run; with the loss-spike guard the checkpoint waiting for this step is named (through
+        `name_latest`) or marked."""
         why = self.verdict(loss, grad_norm)
         self.check_finite(step, loss, grad_norm)
         if self.spikes is None:
@@ -237,8 +209,7 @@ class RunGuard:
         return out | (self.spikes.metas() if self.spikes is not None else {})
 
     def names_latest(self, step_dir: Path, last_step: bool) -> bool:
-        """Whether the checkpoint about to be saved goes into `latest.txt` at once (`spike.py`:
-        with the loss-spike guard on, only once the next step's loss was healthy)."""
+        """Whether the checkpoint about to be saved goes into `latest.txt` at once."""
         return self.spikes is None or self.spikes.names_at_once(step_dir, last_step)
 
     def resumed(self, custom: dict) -> None:
@@ -248,9 +219,8 @@ class RunGuard:
             self.spikes.load(custom["loss_spike_guard"])
 
     def check_folder_owner(self, step: int) -> None:
-        """Before writing step `step`: stop every rank, with one line, if another run took this
-        run's checkpoints folder (possible across hosts after `STALE_S` without a refresh: a
-        suspended run), so that the two never write into one folder."""
+        """Before writing step `step`: stop every rank if another run took this run's folder
+        (across hosts after `STALE_S` without a refresh), so two runs never write into one."""
         if self.cfg.checkpoints is None:
             return
         taken = share(self.lock.taken_by() if self.lock is not None else None)
@@ -266,14 +236,11 @@ class RunGuard:
             "their checkpoints; stop one of them or give them different checkpoints_path"
         ))  # fmt: skip
 
-    # ------------------------------------------------------------------------------ progress
-
     def at(self, step: int, phase: str) -> None:
-        """Tell the watchdog where this rank is (read by peers after a failure); the step a
-        fault was injected at (`MESH3D_FAIL_AT`) fails here. A new step has no verdict yet."""
+        """Tell the watchdog where this rank is; the step of `MESH3D_FAIL_AT` fails here."""
         self.watchdog.at(step, phase)
         if phase == "step":
-            self._verdict = ((), None)
+            self._verdict = ((), None)  # a new step has no verdict yet
         if phase == "step" and step == self.fail_at:
             raise RuntimeError(
                 f"MESH3D_FAIL_AT: injected failure on rank {self.rank} at step {step}"
@@ -290,9 +257,7 @@ class RunGuard:
         return f"The last {kind} checkpoint is {Path(ck.checkpoints_path) / str(step)}."
 
     def check_finite(self, step: int, loss: float, grad_norm: float) -> bool:
-        """True when the step's update was applied. A non-finite loss or gradient norm (whose
-        update `train_step` did not apply) is skipped while `mesh3d.skip_nonfinite_steps` allows,
-        else a `NonFiniteError` stops the run."""
+        """True when the update was applied; a non-finite step is skipped or stops the run."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
             return True
         allowed = self.cfg.mesh3d.skip_nonfinite_steps
@@ -314,8 +279,7 @@ class RunGuard:
 
 
 def _injected_failure(rank: int) -> int | None:
-    """`MESH3D_FAIL_AT=RANK:STEP` makes that rank raise at that step: how the fault tests check
-    that a failing rank ends the job with its peers named, never a hang."""
+    """`MESH3D_FAIL_AT=RANK:STEP` makes that rank raise at that step (the fault tests)."""
     spec = os.environ.get("MESH3D_FAIL_AT")
     if not spec:
         return None

@@ -1,11 +1,6 @@
 """The training run: each step, then its metrics, evaluation, finite and spike checks, save,
-and the stop check.
-
-`train(cfg)` is what `recipes/train.py` and `mesh3d train` call on every rank, and what tests
-call inside forked ranks. `Run` (`train/run.py`) prepares what a step needs (every check the
-config and the world size allow runs before the first collective); `RunGuard` (`train/guard.py`)
-holds the folder lock, watchdog and stop signals around the loop.
-"""
+and the stop check. `train(cfg)` is what `mesh3d train` and `recipes/train.py` call on every
+rank; `Run` (`train/run.py`) prepares each step, `RunGuard` (`train/guard.py`) surrounds the loop."""
 
 from __future__ import annotations
 
@@ -26,12 +21,7 @@ from mesh3d.mesh import share
 from mesh3d.parallel.parallelize import compile_cache_text, compile_notice
 from mesh3d.train.evaluate import evaluate, is_evaluation_step
 from mesh3d.train.guard import RunGuard
-from mesh3d.train.metrics import (
-    iteration_metrics,
-    memory_metrics,
-    peak_memory,
-    peak_tflops,
-)
+from mesh3d.train.metrics import iteration_metrics, memory_metrics, peak_memory, peak_tflops
 from mesh3d.train.profiling import step_profiler
 from mesh3d.train.run import Run
 from mesh3d.train.sinks import MetricSinks
@@ -39,8 +29,7 @@ from mesh3d.train.sinks import MetricSinks
 
 @dataclass
 class RunResult:
-    """What a run returns to its caller: one metrics dict per step (and, with the `KeepModel`
-    hook, the model, optimizer and mesh)."""
+    """What a run returns: one metrics dict per step (and, with `KeepModel`, the model)."""
 
     metrics: list[dict] = field(default_factory=list)
     model: torch.nn.Module | None = None  # the model, or a ModuleList of this rank's stages
@@ -75,30 +64,26 @@ def _resume(run: Run, guard: RunGuard) -> tuple[int, int, str | None]:
         f"Resumed from {guard.resume_path} at step {start}" + (f": {change}" if change else "")
     )
     guard.resumed(custom)
-    wandb_id = custom.get("wandb_id")
-    return start, consumed, wandb_id if ck.load_lr_scheduler else None
+    return start, consumed, custom.get("wandb_id") if ck.load_lr_scheduler else None
 
 
 def _save(run: Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | None,
           last_step: bool = False) -> None:  # fmt: skip
     """Save step `step`; `last_step`: no step follows (the end, or a stop signal)."""
     ck = run.cfg.checkpoints
-    extra = {"wandb_id": wandb_id} if wandb_id else {}
-    extra.update(guard.checkpoint_metas())
+    extra = ({"wandb_id": wandb_id} if wandb_id else {}) | guard.checkpoint_metas()
     guard.check_folder_owner(step)
     guard.at(step, "save")
     latest = guard.names_latest(Path(ck.checkpoints_path) / str(step), last_step)
     # the last save (the end, a stop signal) is written before the run ends, never in the back
-    run.save(
-        step, consumed, extra, latest, background=run.cfg.mesh3d.async_checkpoint and not last_step
-    )
+    background = run.cfg.mesh3d.async_checkpoint and not last_step
+    run.save(step, consumed, extra, latest, background=background)
 
 
 def _stopped(signal_name: str, step: int, ck, saved: int, spiked: str) -> Preempted | Interrupted:
     """What a stop signal ends the run with: `Preempted` (exit 75) when step `saved` was saved,
-    else `Interrupted` (exit 128 + the signal): no exit code claims a save that did not happen.
-    `spiked`: the sentence naming the checkpoint a restart resumes from, when the loss spiked
-    (`saved` is then marked and not in latest.txt)."""
+    else `Interrupted` (exit 128 + the signal). `spiked`: the sentence naming the checkpoint a
+    restart resumes from, when the loss spiked (`saved` is then marked, not in latest.txt)."""
     if ck is None:
         return Interrupted(
             f"{signal_name} received: stopped after step {step}; no checkpoints section, so "
@@ -157,9 +142,9 @@ def train(cfg, metrics_file: str | None = None, hooks: Sequence = ()) -> RunResu
 
 
 def upload_wait_s(cfg, error: BaseException | None) -> float:
-    """How long world rank 0 waits for the uploads when the run ends: the checkpoint timeout
-    after the last step, `mesh3d.upload_wait_on_stop_s` after a stop signal or an error (a
-    launcher or a scheduler kills the ranks after its own grace time)."""
+    """How long world rank 0 waits for the uploads at the end: the checkpoint timeout after the
+    last step, `mesh3d.upload_wait_on_stop_s` after a stop or an error (a launcher kills the
+    ranks after its own grace time)."""
     if cfg.s3_upload is None:
         return 0.0
     m = cfg.mesh3d
@@ -167,8 +152,7 @@ def upload_wait_s(cfg, error: BaseException | None) -> float:
 
 
 def start_notes(cfg, device: torch.device, start: int) -> list[str]:
-    """The lines before the first step: how to read the iteration line, and, with
-    `mesh3d.compile`, that the first step compiles (it is silent meanwhile)."""
+    """The lines before the first step (how to read the iteration line, compiling)."""
     notes = ["grad_norm in the iteration line is the global gradient norm before clipping"]
     if device.type == "cpu":
         notes.append(

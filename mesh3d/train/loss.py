@@ -1,20 +1,10 @@
 """The one place the training loss is normalized.
 
-Every microbatch returns sum(token losses) / (valid tokens in the *global* batch: all
-microbatches, all dp ranks). Summing these over microbatches and dp ranks gives the global mean
-token loss, and backpropagating them gives the gradient of that mean, whatever the layout.
-`StepLoss` is the one function both training paths (pipeline schedule and plain loop)
-backpropagate: that share, times the run's `backward_scale`, which undoes FSDP's averaging over
-dp. Nothing else in mesh3d rescales the loss or the gradients (pipeline schedules get
-`scale_grads=False`); the reported loss is the sum divided by the same scale.
-
-Under tensor parallelism the logits arrive as a vocab-sharded DTensor; the caller runs the loss
-*and its backward* under `loss_parallel()` (max and sum-exp reduced over tp; no full-vocab
-gather). In eager mode without z-loss the cross-entropy itself runs on this rank's columns as
-plain tensors (`_VocabParallelCrossEntropy`: Megatron's vocab-parallel cross-entropy, two
-all-reduces, none in backward); compiled code and the z-loss take `loss_parallel`'s DTensor
-ops. Vocabulary padding columns are pushed to -inf so they never change the loss.
-"""
+Every microbatch returns sum(token losses) / (valid tokens of the *global* batch), times
+`backward_scale` (undoing FSDP's averaging over dp), so the sum over microbatches and dp ranks
+is the global mean at any layout; nothing else rescales (pipeline schedules get
+`scale_grads=False`). Under tp, eager and without z-loss, the cross-entropy runs on this rank's
+vocabulary columns as plain tensors (Megatron's); else under `loss_parallel()`."""
 
 from __future__ import annotations
 
@@ -30,8 +20,7 @@ from mesh3d.data.documents import IGNORE
 
 @functools.lru_cache(maxsize=8)
 def _local_padding(start: int, width: int, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[width] for vocabulary columns start..start+width-1: 0 for real tokens, -inf for padding.
-    Built once per (sizes, device), not per microbatch."""
+    """[width] for vocabulary columns start..start+width-1: 0 for real tokens, -inf for padding."""
     mask = torch.zeros(width, device=device)
     mask[max(vocab_size - start, 0) :] = float("-inf")
     return mask
@@ -39,24 +28,14 @@ def _local_padding(start: int, width: int, vocab_size: int, device: torch.device
 
 @functools.lru_cache(maxsize=8)
 def _padding_mask(mesh, padded: int, vocab_size: int, device: torch.device) -> DTensor:
-    """`_local_padding` of the whole [Vp] vocabulary as a DTensor sharded like the logits'
-    vocab dim."""
+    """`_local_padding` of the whole [Vp] vocabulary, sharded like the logits' vocab dim."""
     mask = _local_padding(0, padded, vocab_size, device)
     return distribute_tensor(mask, mesh, [Shard(0)], src_data_rank=None)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Sum over tokens of the cross-entropy of vocab-sharded logits, on plain tensors.
-
-    `logits` [N, W] fp32: this rank's columns start..start+W-1 of the vocabulary; `labels` [N]
-    (IGNORE: no token). Forward: the row max all-reduced (MAX), then the sum of exponentials and
-    the target's shifted logit (0 on the ranks not holding it) all-reduced together (SUM); the
-    loss of a row is log(sum exp) - target. It saves the softmax of its columns (zero on ignored
-    rows) and the labels, as `F.cross_entropy` saves its log-softmax and targets. Backward,
-    locally: softmax minus the one-hot target, times the incoming gradient. What
-    `loss_parallel`'s DTensor ops compute (three all-reduces there), without DTensor's dispatch
-    per op and microbatch.
-    """
+    """Sum over tokens of the cross-entropy of vocab-sharded logits [N, W] (fp32, columns
+    start..start+W-1), on plain tensors: `loss_parallel`'s result without DTensor dispatch."""
 
     @staticmethod
     def forward(ctx, logits, labels, group, start):
@@ -79,9 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def sharded_softmax(logits, labels, group, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(softmax of each row [N, W] over the whole vocabulary, each row's cross-entropy [N]) of
-    vocab-sharded logits (this rank's columns start.., fp32 [N, W]): one max and one sum
-    all-reduce over the tp `group`. Labels outside this rank's columns (or IGNORE) count 0 here."""
+    """(softmax [N, W] over the whole vocabulary, cross-entropy [N]) of vocab-sharded logits."""
     width = logits.shape[-1]
     top = logits.amax(-1)
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
@@ -95,8 +72,7 @@ def sharded_softmax(logits, labels, group, start: int) -> tuple[torch.Tensor, to
 
 
 def _vocab_parallel(logits: DTensor) -> tuple[dist.ProcessGroup, int] | None:
-    """(tp group, first vocabulary column of this rank) when `logits` is vocab-sharded over one
-    mesh axis and the plain-tensor cross-entropy applies (eager mode); else None."""
+    """(tp group, first vocabulary column) when the plain-tensor cross-entropy applies."""
     if torch.compiler.is_compiling() or logits.device_mesh.ndim != 1:
         return None
     if logits.placements[0] != Shard(logits.ndim - 1):
@@ -106,16 +82,11 @@ def _vocab_parallel(logits: DTensor) -> tuple[dist.ProcessGroup, int] | None:
     return logits.device_mesh.get_group(), min(logits.device_mesh.get_local_rank() * chunk, width)
 
 
-def token_loss_sum(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, z_loss: float = 0.0
-) -> torch.Tensor:
-    """Sum of cross-entropy over tokens. logits [B, S, Vp] (Vp >= vocab_size), labels [B, S].
-
-    Columns at and beyond `vocab_size` (vocabulary padding) are excluded. Computed in fp32.
-    Labels equal to -100 are ignored (no token in the sum). With `z_loss` > 0 each counted
-    token adds z_loss * (logsumexp(logits) - max(logits))^2, Nanotron's z-loss (the max taken
-    as a constant, the difference clamped to [-20, 20]).
-    """
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                   z_loss: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """Sum of fp32 cross-entropy over tokens, logits [B, S, Vp], labels [B, S] (-100: ignored),
+    columns from `vocab_size` on excluded. With `z_loss` each counted token adds Nanotron's
+    z_loss * (logsumexp - max)^2 (the max a constant, the difference clamped to [-20, 20])."""
     sharded = _vocab_parallel(logits) if isinstance(logits, DTensor) and not z_loss else None
     if sharded is not None:
         group, start = sharded
@@ -150,9 +121,8 @@ def token_loss_sum(
     return total
 
 
-def normalized_loss(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, global_tokens: int
-) -> torch.Tensor:
+def normalized_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                    global_tokens: int) -> torch.Tensor:  # fmt: skip
     """This microbatch's share of the global mean token loss.
 
     Example:
@@ -164,10 +134,8 @@ def normalized_loss(
 
 class StepLoss:
     """`loss_fn(logits, labels)`: a microbatch's share of the step's mean token loss (z-loss
-    included when set) times `backward_scale` — the run layout's dp under FSDP, whose gradient
-    reduce-scatter averages over dp, else 1. `tokens`, the valid tokens of the global batch, is
-    fixed for dense data and set each step under document masking (labels masked at document
-    starts)."""
+    included) times `backward_scale` (dp under FSDP, whose reduce-scatter averages, else 1).
+    `tokens`, the global batch's valid tokens, is set each step under document masking."""
 
     def __init__(self, vocab_size: int, tokens: int, backward_scale: int, z_loss: float = 0.0):
         self.vocab_size, self.tokens = vocab_size, tokens

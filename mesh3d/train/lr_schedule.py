@@ -1,11 +1,6 @@
-"""Nanotron's learning-rate schedule (docs/nanotron-layout.md#learning-rate-schedule), as a pure
-function and a torch LambdaLR.
-
-Kept exactly as Nanotron runs it so loss curves line up for users who switch: the scheduler is
-at k=0 after construction and steps after every optimizer step, so optimizer step s (1-based)
-uses lr(s-1). With linear warmup the first update therefore uses lr 0. The value Nanotron logs as
-`lr` at step s is lr(s), the rate the *next* step will use; mesh3d logs the same.
-"""
+"""Nanotron's learning-rate schedule (docs/nanotron-layout.md#learning-rate-schedule), exactly:
+optimizer step s (1-based) uses lr(s-1), so linear warmup's first update uses lr 0, and the `lr`
+logged at step s is lr(s), the next step's."""
 
 from __future__ import annotations
 
@@ -14,26 +9,16 @@ import math
 import torch
 
 
-def lr_at(
-    k: int,
-    learning_rate: float,
-    warmup_steps: int,
-    warmup_style: str,
-    decay_style: str,
-    decay_steps: int,
-    decay_start: int | None,
-    min_lr: float,
-) -> float:
+def lr_at(k: int, learning_rate: float, warmup_steps: int, warmup_style: str, decay_style: str,
+          decay_steps: int, decay_start: int | None, min_lr: float) -> float:  # fmt: skip
     """Learning rate at scheduler step `k` (0-based; optimizer step k+1 uses it)."""
     w, d = warmup_steps, decay_steps
     a = w if decay_start is None else decay_start
     if w == 0 and d == 0:
         return learning_rate
-    if k <= w:
-        if warmup_style == "linear":
-            return learning_rate * k / max(w, 1)
-        return learning_rate  # constant warmup
-    if k < a:
+    if k <= w and warmup_style == "linear":
+        return learning_rate * k / max(w, 1)
+    if k <= w or k < a:  # constant warmup, or before the decay starts
         return learning_rate
     if k < a + d:
         t = (k - a) / d
@@ -62,9 +47,8 @@ def schedule_kwargs(cfg) -> dict:
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR giving each param group `lr_at(k)` with the group's own peak (its `lr`, the
-    configured one unless spectral µP scales it), decaying to the same `min_decay_lr`, as
-    Nanotron's per-group lambdas do."""
+    """A LambdaLR giving each param group `lr_at(k)` with the group's own peak (its `lr`; µP
+    scales it), all decaying to the same `min_decay_lr`, as Nanotron's per-group lambdas do."""
     kw = schedule_kwargs(cfg)
 
     def factor(peak: float):

@@ -1,10 +1,5 @@
-"""Per-iteration metrics: Nanotron's FLOPs formula, its number format and its log line.
-
-One `dict` per logged iteration is built once (`iteration_metrics`) and handed to every sink:
-the console line (`format_iteration_line`, Nanotron CLASSIC item order,
-docs/nanotron-layout.md#the-iteration-log-line) and the `--metrics-file` JSON lines (`JsonlWriter`:
-one file per run, a resumed run continues it).
-"""
+"""Per-iteration metrics: Nanotron's FLOPs formula, its number format, its log line
+(docs/nanotron-layout.md#the-iteration-log-line) and the `--metrics-file` writer."""
 
 from __future__ import annotations
 
@@ -32,19 +27,10 @@ def human_format(x: float) -> str:
     return f"{x:f}".rstrip("0").rstrip(".") + _SUFFIXES[i]
 
 
-def llama_flops(
-    num_layers: int,
-    hidden_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    ffn_size: int,
-    vocab_size: int,
-    seq_len: int,
-    batch_size: int,
-) -> float:
-    """Model FLOPs of one Llama training step (docs/nanotron-layout.md#flops-and-mfu): the Llama
-    spec's `step_flops` from plain sizes. `vocab_size` is the padded vocabulary; `batch_size` the
-    global batch."""
+def llama_flops(num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                ffn_size: int, vocab_size: int, seq_len: int, batch_size: int) -> float:  # fmt: skip
+    """Model FLOPs of one Llama training step (docs/nanotron-layout.md#flops-and-mfu), from
+    plain sizes: `vocab_size` padded, `batch_size` the global batch."""
     from mesh3d.models.registry import spec_named
     from mesh3d.models.spec import ModelShape
 
@@ -57,51 +43,24 @@ def llama_flops(
 # Dense bf16 tensor-core peak, TFLOPs per device (vendor data sheets; no sparsity). Matched in
 # order against `torch.cuda.get_device_name()`; anything else (and the CPU) gets no MFU.
 PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
-    (r"H100.*PCIe", 756.0),
-    (r"H100.*NVL", 835.0),
-    (r"GH200", 989.4),
-    (r"H100|H800", 989.4),
-    (r"H200", 989.4),
-    (r"B200", 2250.0),
-    (r"A100|A800", 312.0),
-    (r"L40S", 362.1),
-    (r"\bL4\b", 121.0),
-    (r"MI300X", 1307.4),
-    (r"MI250X", 383.0),
-]
+    (r"H100.*PCIe", 756.0), (r"H100.*NVL", 835.0), (r"GH200", 989.4), (r"H100|H800", 989.4),
+    (r"H200", 989.4), (r"B200", 2250.0), (r"A100|A800", 312.0), (r"L40S", 362.1),
+    (r"\bL4\b", 121.0), (r"MI300X", 1307.4), (r"MI250X", 383.0),
+]  # fmt: skip
 
 
 def peak_tflops(device_name: str | None) -> float | None:
     """The dense bf16 peak of a known accelerator, or None (unknown device, CPU)."""
-    if not device_name:
-        return None
-    for pattern, peak in PEAK_BF16_TFLOPS:
-        if re.search(pattern, device_name):
-            return peak
-    return None
+    hits = (peak for pattern, peak in PEAK_BF16_TFLOPS if re.search(pattern, device_name or ""))
+    return next(hits, None) if device_name else None
 
 
-def iteration_metrics(
-    *,
-    iteration: int,
-    consumed_samples: int,
-    seq_len: int,
-    elapsed_s: float,
-    global_batch_size: int,
-    world_size: int,
-    lm_loss: float,
-    lr: float,
-    step_flops: float,
-    grad_norm: float | None,
-    peak: float | None = None,
-    consumed_tokens: int | None = None,
-) -> dict:
+def iteration_metrics(*, iteration: int, consumed_samples: int, seq_len: int, elapsed_s: float,
+                      global_batch_size: int, world_size: int, lm_loss: float, lr: float,
+                      step_flops: float, grad_norm: float | None, peak: float | None = None,
+                      consumed_tokens: int | None = None) -> dict:  # fmt: skip
     """The metrics record of one iteration, keys and order as Nanotron's CLASSIC log line.
-    `consumed_tokens` defaults to consumed_samples x seq_len (one sequence length all along).
-
-    `mfu` (percent of `peak` TFLOPs per device, model FLOPs) is added only when `peak` is known.
-    `grad_norm` is the global norm before clipping.
-    """
+    `consumed_tokens` defaults to consumed_samples x seq_len; `mfu` only when `peak` is known."""
     tokens_per_sec = global_batch_size * seq_len / elapsed_s
     tflops = step_flops / (elapsed_s * world_size * 1e12)
     m = {
@@ -140,9 +99,8 @@ def peak_memory() -> dict:
 
 
 def memory_metrics() -> dict:
-    """Nanotron's extra items for the first steps: CUDA memory (when on CUDA) and disk usage of
-    `/`. Nanotron's `hd_*_memory_tb` keys hold bytes (its line read `hd_total_memory_tb: 271G`);
-    here they hold what their names say, terabytes (10**12 bytes)."""
+    """Nanotron's extra items for the first steps: CUDA memory and disk usage of `/`. The
+    `hd_*_memory_tb` keys hold terabytes (10**12 bytes), as named; Nanotron's held bytes."""
     import torch
 
     m = {}
@@ -158,22 +116,15 @@ def memory_metrics() -> dict:
 def format_iteration_line(m: dict, train_steps: int) -> str:
     """`iteration: 3 / 15 | consumed_tokens: 3.07K | ...` (every value through human_format)."""
     items = [f"iteration: {m['iteration']} / {train_steps}"]
-    for key, value in m.items():
-        if key == "iteration":
-            continue
-        items.append(f"{key}: {human_format(value) if math.isfinite(value) else value}")
+    items += [f"{k}: {human_format(v) if math.isfinite(v) else v}" for k, v in m.items()
+              if k != "iteration"]  # fmt: skip
     return " | ".join(items)
 
 
 class JsonlWriter:
     """The `--metrics-file`: one JSON object per iteration, flushed each line; one file per run.
-
-    A fresh run (`start_step` 0) replaces the file. A resumed run keeps the records with
-    `iteration <= start_step` (the history it resumes from) and appends after them, so a run
-    resumed at step 10 of a file that reached step 15 writes 1..10, then 11, 12, ... The kept part
-    is written to `<path>.<pid>.tmp` and renamed over `path` before the first record: a crash at start
-    leaves the old file or the new one, never a mix.
-    """
+    A resumed run keeps the records with `iteration <= start_step`, written to
+    `<path>.<pid>.tmp` and renamed over `path` (a crash at start never leaves a mix)."""
 
     def __init__(self, path: str | os.PathLike, start_step: int = 0):
         path = Path(path)
@@ -194,8 +145,8 @@ class JsonlWriter:
 
 
 def _lines_up_to(path: Path, start_step: int) -> list[str]:
-    """The lines of `path` whose record has `iteration <= start_step`, newline-terminated. Lines
-    that are not JSON records (a last line cut off when the earlier run was killed) are dropped."""
+    """The lines of `path` whose record has `iteration <= start_step`, newline-terminated; lines
+    that are not JSON records (cut off when the earlier run was killed) are dropped."""
     kept, later, broken = [], 0, 0
     for line in path.read_text(encoding="utf-8").splitlines():
         try:

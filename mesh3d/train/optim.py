@@ -1,13 +1,9 @@
 """AdamW / SGD with Nanotron's settings, plus its LR schedule.
 
-Weight decay applies to every parameter (Nanotron's default) except those matching
-`optimizer.weight_decay_exclude_named_params` (HEAD key, `re.match` like Nanotron). A pattern is
-tried on our name (`layers.0.input_layernorm.weight`) and on Nanotron's
-(`model.decoder.0.pp_block.input_layernorm.weight`), so patterns written for Nanotron work; a
-tied lm_head is matched under the embedding's names, so both copies decay alike. Nanotron's
-leaked `tied_name` (its `.*layernorm.*` also excludes the projections after a layernorm) is a
-bug not copied.
-"""
+Weight decay applies to every parameter except those matching
+`optimizer.weight_decay_exclude_named_params` (`re.match`, tried on our name and on Nanotron's,
+so Nanotron's patterns work; a tied lm_head under the embedding's names). Nanotron's leaked
+`tied_name` bug (`.*layernorm.*` also excluding the projections after it) is not copied."""
 
 from __future__ import annotations
 
@@ -25,14 +21,11 @@ from mesh3d.models.spec import ModelShape
 from mesh3d.parallel.parallelize import canonical_name
 from mesh3d.train.lr_schedule import build_lr_scheduler
 
-# devices with torch's fused AdamW kernel (CPU since torch 2.4)
-FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 def match_names(name: str, shape: ModelShape) -> list[str]:
-    """Our name of a parameter and its Nanotron name (from the family's spec), as matched by
-    the exclusion patterns."""
+    """Our name of a parameter and its Nanotron names, as the exclusion patterns match them."""
     spec = spec_named(shape.family)
     name = canonical_name(name)
     if shape.tied and name == "lm_head.weight":
@@ -50,9 +43,8 @@ def param_groups(
     named_params, weight_decay: float, exclude: list[str], shape: ModelShape,
     lr_scale: dict[str, float] | None = None,
 ) -> list[dict]:  # fmt: skip
-    """One group with weight decay and, if any parameter's names (`match_names`) match
-    `exclude`, one group without; with `lr_scale` (our name -> lr / configured lr, spectral
-    µP), one group per scale too, the groups at scale 1 first. Each group says its `lr_scale`."""
+    """Param groups by (decayed or `exclude`d, `lr_scale` of µP: our name -> lr / configured lr),
+    the groups at scale 1 first; each says its `lr_scale`."""
     by_group: dict[tuple, list] = {}
     for name, p in named_params:
         if not p.requires_grad:
@@ -60,10 +52,10 @@ def param_groups(
         candidates = match_names(name, shape)
         excluded = any(re.match(pat, n) for pat in exclude for n in candidates)
         scale = lr_scale[candidates[0]] if lr_scale else 1.0
-        # expert-parallel slices in groups of their own: under zero 1 they stay plain tensors
-        # beside FSDP's DTensors, and one fused/foreach AdamW call cannot mix the two
-        sliced = getattr(p, "expert_shard", None) is not None  # and plain apart from DTensors
-        sliced = (sliced, str(getattr(getattr(p, "device_mesh", None), "mesh_dim_names", "")))
+        # expert-parallel slices and each mesh's DTensors apart: one fused/foreach AdamW call
+        # cannot mix plain tensors (expert slices under zero 1) with FSDP's DTensors
+        mesh = str(getattr(getattr(p, "device_mesh", None), "mesh_dim_names", ""))
+        sliced = (getattr(p, "expert_shard", None) is not None, mesh)
         by_group.setdefault((scale != 1.0, scale, excluded, sliced), []).append(p)
     if not by_group:
         by_group[(False, 1.0, False, (False, ""))] = []
@@ -74,13 +66,10 @@ def param_groups(
 
 
 def build_optimizer(named_params, cfg, layout: RunLayout, device: torch.device):
-    """(optimizer, lr_scheduler) for the (name, parameter) pairs from `cfg.optimizer`; the
-    model's shape and family (µP's per-parameter rates, the no-decay names) from `layout`."""
+    """(optimizer, lr_scheduler) for the (name, parameter) pairs from `cfg.optimizer`."""
     o = cfg.optimizer
-    f = o.optimizer_factory
-    lr = o.learning_rate_scheduler.learning_rate
-    exclude = list(o.weight_decay_exclude_named_params or [])
-    shape = layout.shape
+    f, lr = o.optimizer_factory, o.learning_rate_scheduler.learning_rate
+    exclude, shape = list(o.weight_decay_exclude_named_params or []), layout.shape
     named_params = list(named_params)
     scales = None
     if isinstance(cfg.model.init_method, SpectralMupInit):
@@ -101,14 +90,8 @@ def build_optimizer(named_params, cfg, layout: RunLayout, device: torch.device):
     elif f.name == "sgd":
         opt = torch.optim.SGD(groups, lr=lr)
     else:
-        # Nanotron's `torch_adam_is_fused` (true in its configs): torch's fused AdamW kernel,
-        # one pass over each tensor instead of ~10 (CPU too: 3x faster than the per-tensor loop)
-        fused = bool(f.torch_adam_is_fused) and device.type in FUSED_ADAMW_DEVICES
-        opt = torch.optim.AdamW(
-            groups,
-            lr=lr,
-            betas=(f.adam_beta1, f.adam_beta2),
-            eps=f.adam_eps,
-            fused=fused or None,
-        )
+        # Nanotron's `torch_adam_is_fused`: torch's fused AdamW kernel (CUDA, and CPU since 2.4)
+        fused = bool(f.torch_adam_is_fused) and device.type in ("cuda", "cpu")
+        betas = (f.adam_beta1, f.adam_beta2)
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=f.adam_eps, fused=fused or None)
     return opt, build_lr_scheduler(opt, cfg)

@@ -1,11 +1,5 @@
-"""Nanotron's `profiler` section: a torch profiler trace of a few training steps.
-
-With `profiler.profiler_export_path` set, global rank 0 records steps with torch's schedule
-(`skip_first`, then `repeat` cycles of `wait` + `warmup` + `active` steps) and writes each
-cycle's trace with `tensorboard_trace_handler` into that folder: `<host>_<pid>.<time>.pt.trace.json`,
-which TensorBoard's profiler plugin and Perfetto (ui.perfetto.dev) open. CUDA kernels are
-recorded when running on CUDA.
-"""
+"""Nanotron's `profiler` section: global rank 0 writes a torch profiler trace of a few steps
+into `profiler.profiler_export_path` as `<host>_<pid>.<time>.pt.trace.json`."""
 
 from __future__ import annotations
 
@@ -29,16 +23,12 @@ def step_profiler(args, rank: int) -> Iterator:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    schedule = torch.profiler.schedule(
-        wait=args.wait, warmup=args.warmup, active=args.active, repeat=args.repeat,
-        skip_first=args.skip_first,
-    )  # fmt: skip
+    schedule = torch.profiler.schedule(wait=args.wait, warmup=args.warmup, active=args.active,
+                                       repeat=args.repeat, skip_first=args.skip_first)  # fmt: skip
     with torch.profiler.profile(
-        activities=activities,
-        schedule=schedule,
+        activities=activities, schedule=schedule,
         on_trace_ready=torch.profiler.tensorboard_trace_handler(args.profiler_export_path),
-        record_shapes=args.record_shapes,
-        profile_memory=args.profile_memory,
+        record_shapes=args.record_shapes, profile_memory=args.profile_memory,
         with_stack=args.with_stack,
-    ) as prof:
+    ) as prof:  # fmt: skip
         yield prof

@@ -1,18 +1,8 @@
 """A prepared training run on this rank: what every step needs, built once, and the step.
 
-`train()` (`train/loop.py`) drives it with metrics, evaluation, the guards and saves around
-each step; benchmarks and tests drive it directly:
-
-    run = Run.prepare(cfg)                 # validate, data, process group, mesh, model, optimizer
-    for step in range(1, 11):
-        out = run.step(step)               # read the step's batches, forward, backward, update
-        out.loss, out.grad_norm
-
-Preparing is two phases so that `train()` can take the checkpoints folder between them (a
-refused folder builds no model): `Run.start(cfg)` validates the config, checks every dataset
-and starts the process group and logging, before any collective; `run.build()` makes the mesh,
-the model parts, the optimizer and the LR schedule.
-"""
+`Run.prepare(cfg)` is `Run.start(cfg)` (checks, before any collective) then `run.build()`; two
+phases so that `train()` takes the checkpoints folder between them (a refused one builds no
+model). Then `out = run.step(step)` reads the step's batches, runs forward, backward, update."""
 
 from __future__ import annotations
 
@@ -53,8 +43,7 @@ from mesh3d.train.step import total_params, train_step
 
 @dataclass
 class StepOutput:
-    """One step's result: this rank's microbatches (inputs, labels), the loss and the grad norm
-    (the same on every rank)."""
+    """One step's result: this rank's microbatches, the loss and the grad norm."""
 
     batches: list[tuple[torch.Tensor, torch.Tensor]]
     loss: float
@@ -77,7 +66,6 @@ class Run:
     scheduler: object = None
     logger_rank: int = 0  # the global rank that owns the metrics (last stage, dp 0, tp 0)
     n_params: int = 0
-    extra: dict = field(default_factory=dict)  # room for callers' own state
     checkpoints: Checkpointer | None = None  # every save's lifecycle (`build`)
     feed: Feed | None = None  # this rank's loader of each step's batches (`build`)
     share: object | None = None  # `stream_share.ReplicaShare` for streamed data (`build`)
@@ -91,8 +79,7 @@ class Run:
 
     @classmethod
     def start(cls, cfg) -> Run:
-        """Validate, read the data, start the process group and the logging. A mistake found
-        here is the same on every rank (printed once, by rank 0)."""
+        """Validate, read the data, start the process group and the logging."""
         env_world = int(os.environ.get("WORLD_SIZE", 1))
         world = dist.get_world_size() if dist.is_initialized() else env_world
         with decided_alike():
@@ -117,8 +104,7 @@ class Run:
 
     def build(self) -> Run:
         """The mesh, model parts, optimizer and LR schedule of a started run; returns it."""
-        cfg, layout = self.cfg, self.layout
-        dims = layout.dims
+        cfg, layout, dims = self.cfg, self.layout, self.layout.dims
         self.mesh = build_mesh(dims, self.device.type)
         set_collective_timeout(self.mesh, cfg.mesh3d.collective_timeout_s)  # sub-groups too
         torch.manual_seed(cfg.general.seed)
@@ -156,9 +142,8 @@ class Run:
         return self
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's microbatches of step `step`. Middle pipeline stages take activations,
-        not tokens, and read nothing, unless their attention needs the positions (document
-        masking, context parallelism)."""
+        """This rank's microbatches of step `step`. Middle pipeline stages read nothing unless
+        their attention needs the positions (document masking, context parallelism)."""
         parts, layout = self.parts, self.layout
         reads = parts.has_first or parts.has_last or layout.positions_everywhere
         if not self.feed.streams(step):
@@ -174,15 +159,13 @@ class Run:
             error = e
         agree_on_data_error(error, self.device)
         if share is not None:  # the replica's reader tokenized it; the others receive it
-            at = self.layout_at(step)
-            batches = share.share(batches, self.data.gbs // layout.dims.dp, at.sequence_length,
+            seq = self.layout_at(step).sequence_length
+            batches = share.share(batches, self.data.gbs // layout.dims.dp, seq,
                                   layout.microbatch_size)  # fmt: skip
         return batches if reads else []
 
     def layout_at(self, step: int) -> RunLayout:
-        """The layout of step `step`: the run's, at the sequence length of the data stage
-        active then (a stage may train on longer sequences: the model takes any length, a
-        pipeline switches to stages declared for it, `ModelParts.pipeline_at`)."""
+        """The run's layout at the sequence length of the data stage active at step `step`."""
         seq = self.data.sequence_length_at(step)
         if seq == self.layout.sequence_length:
             return self.layout
@@ -194,8 +177,7 @@ class Run:
         return layout.spec.step_flops(layout.shape, layout.sequence_length, layout.global_batch)
 
     def step_metric_sources(self) -> list[Callable[[], dict]]:
-        """What the configured optional parts add to every step's metrics (MoE routing, the
-        fault-tolerant groups), one call each after the step, on every rank alike."""
+        """What optional parts add to every step's metrics, one call each, on every rank."""
         sources = []
         if self.layout.shape.moe_layers:
             sources.append(extensions.load("moe").step_metrics_of(self))
@@ -204,16 +186,13 @@ class Run:
         return sources
 
     def step(self, step: int, accepts=None) -> StepOutput:
-        """Read step `step`'s batches and train on them. `accepts(loss, grad_norm)`: whether
-        the update may be applied (the loss-spike guard); a non-finite step never is."""
+        """Read step `step`'s batches and train on them (`accepts`: the loss-spike guard)."""
         if self.doremi is not None:  # domain losses; a proxy's weighted excess loss
             batches, loss, grad_norm, metrics = self.doremi.step(self, step, accepts)
             return StepOutput(batches, loss, grad_norm, metrics=metrics)
         batches = self.batches(step)
-        if self.layout.shape.moe_layers:
-            extensions.load("moe").clear_stats(
-                self.parts.modules, self.layout
-            )  # what validation forwards left
+        if self.layout.shape.moe_layers:  # what validation forwards left
+            extensions.load("moe").clear_stats(self.parts.modules, self.layout)
         loss, grad_norm = train_step(
             self.parts, self.optimizer, self.scheduler, batches, layout=self.layout_at(step),
             clip_grad=self.cfg.optimizer.clip_grad, mesh=self.mesh, device=self.device,
@@ -224,10 +203,9 @@ class Run:
 
     def save(self, step: int, consumed: int, extra: dict | None = None,
              latest: bool = True, background: bool = False) -> None:  # fmt: skip
-        """Save step `step` to `checkpoints.checkpoints_path` (`consumed`: samples so far;
-        `latest`: whether latest.txt may name it). `background`: copy the state now and write
-        it while training goes on; `checkpoints` (`checkpoint/manager.py`) commits it and does
-        what follows every commit, whichever route the save takes."""
+        """Save step `step` (`consumed`: samples so far; `latest`: whether latest.txt may name
+        it). `background`: copy the state now and write it while training goes on;
+        `checkpoints` (`checkpoint/manager.py`) commits it either way."""
         c = self.layout.coords  # one rank per dp rank writes its stream position
         writes = c["pp"] == 0 and c["tp"] == 0 and c.get("cp", 0) == 0
 
@@ -251,9 +229,7 @@ class Run:
                 path, self.parts, self.optimizer, self.scheduler, cfg, layout=self.layout,
                 load_optimizer=ck.load_optimizer, load_lr_scheduler=ck.load_lr_scheduler,
             )  # fmt: skip
-        self.feed.resume(
-            start, load_data_state(path), str(path)
-        )  # a stream continues, or is refused
+        self.feed.resume(start, load_data_state(path), str(path))  # a stream goes on, or refused
         custom = checkpoint_custom_metas(path) or {}
         if self.doremi is not None:
             self.doremi.resumed(custom)
@@ -266,8 +242,7 @@ class Run:
 
 
 def _check_sft_tokenizer(cfg) -> None:
-    """SFT from `init_method.path`: the tokenizer's ids and EOS within the checkpoint's
-    vocabulary (`checkpoint/hf_run.py::check_init_tokenizer`)."""
+    """SFT from `init_method.path`: the tokenizer's ids within the checkpoint's vocabulary."""
     from mesh3d.config import ExistingCheckpointInit, SFTDatasetsArgs
 
     init = cfg.model.init_method

@@ -1,20 +1,10 @@
-"""The stop signals of a run: SIGTERM and SIGUSR1 (a scheduler's preemption notice) and SIGINT
-(Ctrl-C) all mean "finish the step, save, exit 75"; a second Ctrl-C means "stop now".
+"""The stop signals of a run: SIGTERM, SIGUSR1 (a scheduler's preemption notice) and SIGINT
+mean "finish the step, save, exit 75"; a second Ctrl-C means "stop now".
 
-The first signal is only recorded (`received`); the step loop looks at it at the end of each
-step. A second SIGINT, `REPEAT_S` or more after the first, ends the process at once, after
-`on_second` printed its one line and let go of what others wait on (the folder lock): exit code
-128 + its number, as a shell reports a process the signal ended. Repeats that do not stop:
-- a signal within `REPEAT_S` of the first: the same signal delivered twice. Slurm's srun and
-  scancel signal every process of a job step, the ranks and torchrun, and torchrun forwards it
-  to the ranks again, milliseconds later (measured under slurm-wlm 22.05: the save was lost);
-- SIGTERM and SIGUSR1 again: a scheduler that wants the job gone follows them with SIGKILL
-  after its own grace time; until then the save goes on.
-Python runs its signal handlers in the main thread between bytecodes, so a main thread waiting
-inside a collective or a long write would not see a second Ctrl-C for minutes; here a thread
-reads the signal numbers from the wakeup file descriptor, which the interpreter writes the
-moment a signal arrives.
-"""
+The first signal is only recorded (`received`); a second SIGINT, `REPEAT_S` or more later,
+exits 128 + its number (within `REPEAT_S` it is the same signal forwarded again by torchrun).
+Python runs handlers in the main thread, which a collective can block for minutes, so a thread
+reads the signals from the wakeup fd instead."""
 
 from __future__ import annotations
 
@@ -56,11 +46,8 @@ class StopSignals:
             return self  # signal handlers live in the main thread; a library caller keeps its own
         reader, writer = socket.socketpair()
         writer.setblocking(False)
-        self._wakeup = (
-            reader,
-            writer,
-            signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False),
-        )
+        previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        self._wakeup = (reader, writer, previous_fd)
         for sig in STOP_SIGNALS:  # a Python-level handler makes the interpreter write the fd
             self._previous[sig] = signal.signal(sig, _ignore)
         self._thread = threading.Thread(target=self._watch, name="mesh3d-signals", daemon=True)
@@ -87,7 +74,7 @@ class StopSignals:
                 data = reader.recv(64)
             except OSError:
                 return
-            if not data:
+            if not data:  # the writer closed
                 return
             for signum in data:
                 if signum in numbers:

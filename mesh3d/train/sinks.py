@@ -1,18 +1,9 @@
 """Where the per-iteration metrics go: one record, every sink, the same values.
 
-The metrics-owning rank (pp = last stage, dp 0, tp 0 — Nanotron's logger rank) builds one dict
-per logged iteration and hands it to `MetricSinks.write`, which sends it to
-- the console: Nanotron's CLASSIC line (`format_iteration_line`), plus an `eta` item;
-- `--metrics-file`: one JSON object per line, one file per run: a fresh run replaces the file, a
-  run resumed at step N keeps its records up to N and appends after them (`JsonlWriter`);
-- Weights & Biases (`mesh3d.wandb`: null = Nanotron's rule, on when `wandb` imports — here also
-  only when it can log without asking: `WANDB_MODE` or `WANDB_API_KEY` set, or a saved login;
-  true = on; false = off). Project `general.project`, run name Nanotron's
-  `<dd/mm/YYYY_HH:MM:SS>_<general.run>` with `%date` / `%jobid` expanded; the run id is kept in
-  the checkpoint so a resumed run continues the same W&B run;
-- TensorBoard (`mesh3d.tensorboard_dir`): one scalar per key, step = iteration.
-Only the metrics-owning rank opens any sink, so each is written once.
-"""
+Only the metrics-owning rank (last pp stage, dp 0, tp 0: Nanotron's logger rank) opens sinks:
+the console (Nanotron's CLASSIC line plus `eta`), `--metrics-file` (`JsonlWriter`), TensorBoard
+(`mesh3d.tensorboard_dir`) and Weights & Biases (`mesh3d.wandb`; run name Nanotron's
+`<dd/mm/YYYY_HH:MM:SS>_<general.run>`, run id kept in the checkpoint so a resume continues it)."""
 
 from __future__ import annotations
 
@@ -50,21 +41,10 @@ def eta_text(seconds: float) -> str:
 
 class MetricSinks:
     """The sinks of the metrics-owning rank (`active`); on other ranks every call is a no-op.
+    `start_step`: the step the run resumes from (0: fresh), for the metrics file."""
 
-    `start_step` is the step the run resumes from (0 for a fresh run). The metrics file holds one
-    run: a fresh run replaces it; a resumed run keeps the records with `iteration <= start_step`
-    and appends after them, so resuming from step 10 a file that reached step 15 gives 1..10, 11...
-    """
-
-    def __init__(
-        self,
-        cfg,
-        active: bool,
-        metrics_file: str | None,
-        wandb_id: str | None = None,
-        *,
-        start_step: int = 0,
-    ):
+    def __init__(self, cfg, active: bool, metrics_file: str | None, wandb_id: str | None = None,
+                 *, start_step: int = 0):  # fmt: skip
         self.active, self.train_steps = active, cfg.tokens.train_steps
         console = cfg.mesh3d.console
         self.compact = console == "compact" or (console == "auto" and sys.stdout.isatty())
@@ -92,14 +72,12 @@ class MetricSinks:
             logger.info(f"Weights & Biases run {self.wandb.id} ({self.wandb.name})")
 
     def eta(self, iteration: int, step_seconds: list[float]) -> float:
-        """Seconds left: the steps left times the median step of this run (the first, which
-        warms up, left out once there are others), steady where a loaded host's steps vary."""
+        """Seconds left: steps left times the median step (without the first, once possible)."""
         timed = step_seconds[1:] or step_seconds
         return (self.train_steps - iteration) * (statistics.median(timed) if timed else 0.0)
 
     def progress(self, record: dict, step_seconds: list[float]) -> None:
-        """The compact console line of every step (`mesh3d.console: compact`, or `auto` on a
-        terminal): `step 12/200 | loss 5.1234 | lr 3.00e-03 | 2,950 tokens/s | eta 0:01:05`."""
+        """The compact console line of every step (`mesh3d.console: compact`, or on a tty)."""
         if not (self.active and self.compact):
             return
         val = f" | val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
@@ -110,46 +88,40 @@ class MetricSinks:
         )
 
     def write(self, record: dict, step_seconds: list[float]) -> None:
-        """Send one iteration's record everywhere; `step_seconds` (this run's steps) gives the
-        ETA. In the compact console form the Nanotron line is left out (`progress` shows it)."""
+        """Send one iteration's record everywhere; `step_seconds` gives the ETA. The compact
+        console form leaves the Nanotron line out (`progress` shows it)."""
         if not self.active:
             return
         if not self.compact:
             eta = eta_text(self.eta(record["iteration"], step_seconds))
             logger.info(format_iteration_line(record, self.train_steps) + f" | eta: {eta}")
-        if self.jsonl:
-            self.jsonl.write(record)
         numbers = {
             k: v for k, v in record.items() if isinstance(v, int | float) and math.isfinite(v)
         }
-        if self.tb:
-            for key, value in numbers.items():
-                if key != "iteration":
-                    self.tb.add_scalar(key, value, global_step=record["iteration"])
-            self.tb.flush()
-        if self.wandb:
-            self.wandb.log(
-                {**numbers, "iteration_step": record["iteration"]}, step=record["iteration"]
-            )
+        self._send(record, numbers, {**numbers, "iteration_step": record["iteration"]})
 
     def scores(self, record: dict) -> None:
         """An in-run evaluation's scores ({"iteration": step, "eval/<task>/<metric>": value}) to
         the metrics file, TensorBoard and W&B (the console line is the evaluation's own)."""
-        if not self.active:
-            return
+        if self.active:
+            numbers = {k: v for k, v in record.items() if k != "iteration"}
+            self._send(record, numbers, numbers)
+
+    def _send(self, record: dict, numbers: dict, logged: dict) -> None:
+        """`record` to the metrics file, `numbers` to TensorBoard, `logged` to W&B."""
+        step = record["iteration"]
         if self.jsonl:
             self.jsonl.write(record)
-        numbers = {k: v for k, v in record.items() if k != "iteration"}
         if self.tb:
             for key, value in numbers.items():
-                self.tb.add_scalar(key, value, global_step=record["iteration"])
+                if key != "iteration":
+                    self.tb.add_scalar(key, value, global_step=step)
             self.tb.flush()
         if self.wandb:
-            self.wandb.log(numbers, step=record["iteration"])
+            self.wandb.log(logged, step=step)
 
     def close(self) -> None:
-        """Close every sink; name where TensorBoard and W&B wrote (printed just before the
-        run's summary)."""
+        """Close every sink; say where TensorBoard and W&B wrote."""
         if self.jsonl:
             self.jsonl.close()
         if self.tb:

@@ -1,12 +1,8 @@
 """One optimizer step: forward/backward over the microbatches, gradient sync, clipping, update.
 
-Before forward: document positions and masked labels (document masking), then each cp rank
-takes its tokens of the same samples (context parallelism).
-Order after backward: dp x cp gradient sum (zero_stage 0; FSDP reduced already), tied-embedding sum
-across pipeline stages, one reduction of `Partial` gradients (sequence-parallel norms), global
-norm and clipping, optimizer step (skipped when the loss or norm is not finite) and LR-scheduler
-step.
-"""
+Order after backward: dp x cp gradient sum (zero_stage 0; FSDP reduced already), tied-embedding
+sum across pipeline stages, one reduction of `Partial` gradients (sequence-parallel norms),
+global norm and clipping, optimizer step (skipped when not finite) and LR-scheduler step."""
 
 from __future__ import annotations
 
@@ -29,17 +25,13 @@ from mesh3d.parallel.tensor import reduce_partial_grads
 from mesh3d.train.build import ModelParts
 
 
-def clip_grad_norm(
-    params: list[torch.nn.Parameter],
-    max_norm: float | None,
-    norm_params: list[torch.nn.Parameter] | None = None,
-    pp_group: dist.ProcessGroup | None = None,
-) -> float:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None,
+                   norm_params: list[torch.nn.Parameter] | None = None,
+                   pp_group: dist.ProcessGroup | None = None) -> float:  # fmt: skip
     """Pre-clip global L2 norm of the gradients; scale all of `params` down to `max_norm`.
 
-    The norm is over `norm_params` (default `params`; a tied copy is left out so it counts once)
-    and, with `pp_group`, summed over the pipeline stages. With DTensor gradients (tp shards,
-    FSDP shards) it is the norm of the full tensors: shards count once, replicas once.
+    The norm is over `norm_params` (default `params`; leave a tied copy out), summed over
+    `pp_group`'s stages; DTensor gradients count as full tensors (shards once, replicas once).
 
     Example:
 
@@ -63,8 +55,8 @@ def clip_grad_norm(
 
 
 def _alike(items: list, of=lambda t: t) -> list[list]:
-    """`items` grouped by their tensor's kind (plain, DTensor of each mesh; expert slices apart),
-    in order: foreach kernels refuse a mix, which a `transformers` model under its TP plan has."""
+    """`items` grouped by their tensor's kind (plain, DTensor of each mesh, expert slices), in
+    order: foreach kernels refuse a mix."""
     groups: dict = {}
     for item in (i for i in items if of(i) is not None):
         kind = (getattr(item, "expert_shard", None) is None, getattr(of(item), "device_mesh", 0))
@@ -97,23 +89,13 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def forward_backward(
-    parts: ModelParts,
-    batches: list[tuple[torch.Tensor, ...]],
-    layout: RunLayout,
-    device: torch.device,
-    keys: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Backward of this rank's microbatches; returns its part of the step loss.
-
-    `batches` hold (inputs, labels) or, under document masking, (inputs, labels, positions).
-    `keys` [n·mbs, S/cp]: each token's dropout key (`step_token_keys`), handed to the model as
-    `token_keys` beside the positions. Both paths backpropagate `parts.loss_fn`
-    (`train/loss.py::StepLoss`). Without a pipeline, each microbatch runs forward and backward
-    in turn. With one, the schedule runs them all (it was given the same loss function at
-    build time) and only the rank holding the last stage gets losses. The sum is divided by the
-    layout's `backward_scale` once, here.
-    """
+def forward_backward(parts: ModelParts, batches: list[tuple[torch.Tensor, ...]],
+                     layout: RunLayout, device: torch.device,
+                     keys: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Backward of this rank's microbatches (inputs, labels[, positions]) with `parts.loss_fn`;
+    returns its part of the step loss, divided by `backward_scale` once, here. `keys`
+    [n·mbs, S/cp]: each token's dropout key, given to the model as `token_keys`. With a
+    pipeline only the last stage's ranks get losses."""
     total = torch.zeros((), device=device)
     autocast, tp = layout.autocast_dtype, layout.dims.tp
     for reducer in parts.reducers:  # zero_stage 0: buckets reduced as the last backward goes
@@ -138,9 +120,7 @@ def forward_backward(
         inputs = torch.cat([b[0] for b in batches]).to(device) if parts.has_first else None
         labels = torch.cat([b[1] for b in batches]).to(device) if parts.has_last else None
         positions = None
-        if (
-            batches and len(batches[0]) > 2
-        ):  # every stage's attention needs them: every rank read the data
+        if batches and len(batches[0]) > 2:  # every stage's attention needs them: all read
             positions = torch.cat([b[2] for b in batches]).to(device)
         stages, schedule = parts.pipeline_at(layout.sequence_length)
         with _autocast(device, autocast), _loss_ctx(tp):
@@ -152,15 +132,10 @@ def forward_backward(
 
 
 def step_token_keys(layout: RunLayout, step: int, device) -> torch.Tensor | None:
-    """Each token's dropout key for this rank's microbatches of `step`, [n·mbs, S/cp] in the
-    order of the rank's concatenated microbatches (None: the model has no dropout).
-
-    A token's key is a hash of (seed, step, its sample's index in the step's global batch, its
-    position in the sample), `models/dropout.py::token_keys`: dp rank r holds samples
-    r·n·mbs .. (r+1)·n·mbs - 1 (`data/dummy.py::microbatches`), a cp rank the positions of its
-    head and tail chunks. So every layout draws the one-process masks, without any data read
-    (middle pipeline stages have none).
-    """
+    """Each token's dropout key for this rank's microbatches of `step`, [n·mbs, S/cp] (None:
+    no dropout): a hash of (seed, step, sample index in the global batch, position), so every
+    layout draws the one-process masks without reading data (dp rank r holds samples
+    r·n·mbs .. (r+1)·n·mbs - 1)."""
     if not layout.dropout:
         return None
     rows = layout.microbatches * layout.microbatch_size
@@ -175,26 +150,28 @@ def step_token_keys(layout: RunLayout, step: int, device) -> torch.Tensor | None
 
 
 def with_documents(batches: list[tuple], layout: RunLayout, dp_group, device) -> tuple[list, int]:
-    """Document masking: (inputs, labels masked at document starts, positions) per microbatch,
-    and the number of valid tokens of the global batch (summed over dp): the loss's denominator."""
-    eos, out, valid = layout.eos_token_id, [], 0
+    """Document masking: (inputs, masked labels, positions) per microbatch; global valid tokens."""
+    eos, out = layout.eos_token_id, []
     for inputs, labels in batches:
         labels = mask_document_starts(labels, inputs, eos)
         out.append((inputs, labels, document_positions(inputs, eos)))
-        valid += int((labels != IGNORE).sum())
+    return out, _labelled(out, layout, dp_group, device)
+
+
+def _labelled(batches: list[tuple], layout: RunLayout, dp_group, device) -> int:
+    """The tokens with a label in `batches`, summed over dp."""
+    valid = sum(int((labels != IGNORE).sum()) for _, labels, *_ in batches)
     count = torch.tensor([valid], dtype=torch.int64, device=device)
     if layout.dims.dp > 1:
         dist.all_reduce(count, group=dp_group)
-    return out, int(count.item())
+    return int(count.item())
 
 
-def prepare_batches(
-    batches: list[tuple], layout: RunLayout, dp_group, device
-) -> tuple[list[tuple], int | None]:
-    """The microbatches as this rank runs them, and the valid-token count of the global batch
-    under document masking (None otherwise): labels masked at document starts and positions
-    added (document masking, counted over dp), then this cp rank's tokens (context parallelism;
-    the count is over the full samples, which every cp rank of a dp rank shares)."""
+def prepare_batches(batches: list[tuple], layout: RunLayout, dp_group,
+                    device) -> tuple[list[tuple], int | None]:  # fmt: skip
+    """The microbatches as this rank runs them (labels masked and positions added for
+    documents, then this cp rank's tokens), and the global batch's valid-token count (None:
+    dense data; over full samples, shared by a dp rank's cp ranks)."""
     tokens = None
     if layout.sft:
         batches, tokens = with_sft(batches, layout, dp_group, device)
@@ -208,12 +185,10 @@ def prepare_batches(
 
 
 def with_sft(batches: list[tuple], layout: RunLayout, dp_group, device) -> tuple[list, int]:
-    """SFT data (`data/sft.py`): microbatches (inputs, labels, positions) as they come, and
-    the number of trained (completion) tokens of the global batch, summed over dp: the loss's
-    denominator, the same at every layout. A pretraining stage's microbatch in an SFT run gets
-    its document positions (document masking) or 0..S-1. Never 0: a global batch without a
-    trained token (impossible from `data/sft.py`, which drops such examples) divides by 1."""
-    out, valid = [], 0
+    """SFT data: microbatches (inputs, labels, positions), and the global batch's trained
+    (completion) tokens, summed over dp, at least 1. A pretraining stage's microbatch gets its
+    document positions (document masking) or 0..S-1."""
+    out = []
     for inputs, labels, *rest in batches:
         if rest:
             positions = rest[0]
@@ -224,40 +199,20 @@ def with_sft(batches: list[tuple], layout: RunLayout, dp_group, device) -> tuple
             b, s = inputs.shape
             positions = torch.arange(s).expand(b, s)
         out.append((inputs, labels, positions))
-        valid += int((labels != IGNORE).sum())
-    count = torch.tensor([valid], dtype=torch.int64, device=device)
-    if layout.dims.dp > 1:
-        dist.all_reduce(count, group=dp_group)
-    return out, max(int(count.item()), 1)
+    return out, max(_labelled(out, layout, dp_group, device), 1)
 
 
-def train_step(
-    parts: ModelParts,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    layout: RunLayout,
-    clip_grad: float | None,
-    mesh,
-    device: torch.device,
-    accepts: Callable[[float, float], bool] | None = None,
-    step: int = 0,
-    across=None,
-) -> tuple[float, float]:
-    """Run one step (number `step`, which keys the dropout masks); return (global mean token
-    loss, pre-clip global gradient norm).
+def train_step(parts: ModelParts, optimizer: torch.optim.Optimizer, scheduler,
+               batches: list[tuple[torch.Tensor, torch.Tensor]], *, layout: RunLayout,
+               clip_grad: float | None, mesh, device: torch.device,
+               accepts: Callable[[float, float], bool] | None = None, step: int = 0,
+               across=None) -> tuple[float, float]:  # fmt: skip
+    """Run step `step`; return (global mean token loss, pre-clip global gradient norm).
 
-    A non-finite loss or gradient norm (the same value on every rank) skips the optimizer
-    update, and so does a step `accepts(loss, grad_norm)` refuses (the loss-spike guard); the
-    caller decides whether the run goes on (`RunGuard.after_step`). With
-    `dp_mode` 'replicate' gradients are summed over dp x cp after the last microbatch; with FSDP
-    ('zero1', 'full') they were reduce-scattered in backward.
-
-    `across`: the link to the other replica groups of a fault-tolerant run
-    (`train/fault_tolerance.py::Replicas`): the loss and gradients become the mean over the
-    groups alive this step, and the update is applied only if the step commits
-    (`across.committed` says whether it did; the LR schedule advances only then).
+    A non-finite loss or norm (the same on every rank) skips the update, and so does a step
+    `accepts(loss, grad_norm)` refuses; the caller decides whether the run goes on. `across`
+    (a fault-tolerant run's `Replicas`): loss and gradients become the mean over the groups
+    alive this step; the update and the LR schedule advance only if the step commits.
     """
     g = groups_of(mesh)
     dp, pp, dp_group, pp_group, replica_group = g.dp_size, g.pp_size, g.dp, g.pp, g.replicas
@@ -312,8 +267,7 @@ def total_params(parts: ModelParts, mesh) -> int:
 
 
 def _counted_once(parts: ModelParts, with_grad: bool = True) -> list[torch.nn.Parameter]:
-    """Parameters for the norm: a tied head that is a separate copy of the embedding is left
-    out (after the tie sync its gradient equals the embedding's)."""
+    """Parameters for the norm, without a tied head that is a separate copy of the embedding."""
     ends = [e for e in map(tied_ends, parts.modules) if e is not None]
     skip = {
         id(h.weight) for e, h in ends if h is not None and (e is None or h.weight is not e.weight)

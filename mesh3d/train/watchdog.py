@@ -1,16 +1,10 @@
 """Each rank's watchdog: a heartbeat other ranks can read, and a launcher that must stay alive.
 
-A daemon thread per rank writes `{step, phase, host, pid, time}` into the rendezvous store every
-`interval` seconds (a fifth of the collective timeout, at most 10 s). When a collective fails
-(timeout, connection reset), `diagnose` reads every rank's heartbeat and names the ranks that did
-not arrive: the ones whose heartbeat stopped (stopped with SIGSTOP, dead, or hung in native code)
-or that are behind. A peer on this host that is *stopped* is sent SIGKILL, because a stopped
-process ignores the launcher's SIGTERM and torchrun would wait out its shutdown timeout.
-
-The thread also ends this rank (exit code 4) when its parent, the launcher, is gone: ranks whose
-torchrun was killed with SIGKILL would otherwise train and save on their own. And it refreshes the
-checkpoints-folder lock of world rank 0.
-"""
+A daemon thread writes `{step, phase, host, pid, time}` into the rendezvous store every
+`interval` s. After a failed collective, `diagnose` names the ranks that did not arrive (heartbeat
+stopped, or behind); a *stopped* peer on this host gets SIGKILL, since it ignores the launcher's
+SIGTERM and torchrun would wait out its shutdown timeout. The thread also ends this rank (exit 4)
+when its launcher is gone (else it would train on alone), and refreshes rank 0's folder lock."""
 
 from __future__ import annotations
 
@@ -47,7 +41,8 @@ def heartbeat_interval(collective_timeout_s: float) -> float:
 
 
 class Watchdog:
-    """The heartbeat thread of one rank; the main thread sets `step` and `phase`.
+    """The heartbeat thread of one rank; the main thread sets `step` and `phase`. `lock`: the
+    folder lock to refresh; `last_checkpoint()`: the sentence naming the checkpoint to resume.
 
     Example:
 
@@ -59,8 +54,6 @@ class Watchdog:
 
     def __init__(self, rank: int, world: int, interval: float, key: str, lock=None,
                  last_checkpoint: Callable[[], str] = str):  # fmt: skip
-        """`lock`: the checkpoints-folder lock this rank holds (refreshed here); `last_checkpoint`
-        says which checkpoint a restart would resume from, for the messages."""
         self.rank, self.world, self.interval = rank, world, interval
         self.step, self.phase, self.why = 0, "start", None
         self.lock, self.last_checkpoint = lock, last_checkpoint
@@ -85,8 +78,7 @@ class Watchdog:
         self._wake.set()
 
     def exited(self, why: str) -> None:
-        """This rank's last heartbeat: it ends its run on purpose, and why (read by `diagnose`,
-        so that peers do not report it as gone)."""
+        """This rank's last heartbeat: it ends its run on purpose, and why."""
         self.phase, self.why = "exited", why[:200]
         with contextlib.suppress(Exception):  # the store may be gone as a job ends
             self._publish()
@@ -126,11 +118,10 @@ class Watchdog:
     # ----------------------------------------------------------------------- after a failure
 
     def _beats(self) -> dict[int, dict]:
-        out = {}
-        for r in range(self.world):
-            if self._store.check([str(r)]):
-                out[r] = json.loads(self._store.get(str(r)))
-        return out
+        store = self._store
+        return {
+            r: json.loads(store.get(str(r))) for r in range(self.world) if store.check([str(r)])
+        }
 
     def _read_beats(self, deadline_s: float) -> dict[int, dict] | None:
         """Every rank's heartbeat, None when the store does not answer within `deadline_s`."""
@@ -142,9 +133,8 @@ class Watchdog:
 
     def diagnose(self, error: BaseException) -> PeerError:
         """A `PeerError` for the failed collective `error`, naming the ranks that did not come."""
-        first = (
-            str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
-        )
+        text = str(error).strip()
+        first = text.splitlines()[0][:200] if text else type(error).__name__
         head = f"a collective failed at step {self.step} ({self.phase}): {first}."
         stale_after = 3 * self.interval
         beats = self._read_beats(2 * self.interval + 2)
@@ -162,8 +152,7 @@ class Watchdog:
         return PeerError(f"{head} {body} {self.last_checkpoint()}".strip())
 
     def _silent(self, beat: dict, now: float, stale_after: float) -> str | None:
-        """Why a peer cannot be answering (it ended its run, its process is gone, or its
-        heartbeat stopped)."""
+        """Why a peer cannot be answering, or None."""
         if beat["phase"] == "exited":
             return f"it ended its run: {beat.get('why') or 'no reason given'}"
         if beat["host"] == self.host and process_state(beat["pid"]) in (None, "Z", "X"):
@@ -190,11 +179,9 @@ class Watchdog:
                 f"{now - b['time']:.0f} s ago: {why}"
             )
             if b["host"] == self.host and process_state(b["pid"]) in ("T", "t"):
-                try:
+                with contextlib.suppress(OSError):
                     os.kill(b["pid"], signal.SIGKILL)
                     killed.append(f"rank {r} (pid {b['pid']})")
-                except OSError:
-                    pass
         for r, b in sorted(behind.items()):
             parts.append(f"rank {r} is alive but still at step {b['step']} ({b['phase']})")
         if missing:

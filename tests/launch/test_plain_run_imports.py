@@ -17,12 +17,13 @@ private APIs (issue 43 asks for it); 14,127 in 90 (9,373 of code) with writing d
 files, the one-process generate command, the MoE and dropout tp styles, Qwen2's checks and the
 transformers Llama plan moved to their users (2x2x2: 13,467-13,685, 8,915-9,079 of code);
 14,169 (9,402 of code) with one-line YAML errors and rank 0's grace for printing (the resume
-notes loaded only on a resume; 2x2x2: 13,509-13,727).
+notes loaded only on a resume; 2x2x2: 13,509-13,727); 12,596 (8,839 of code) with the core
+written shorter, module by module, behaviour unchanged (2x2x2: 12,019-12,209, 8,556 of code).
 Issue 43 asks for 10,000 lines; of the rest, every top-level function and class is reached
 from the run (an AST walk from `mesh3d.launch` found 451 lines that were not, moved above where
 they belonged to optional code): the core itself, config, checks, checkpoint formats, the
 parallel plan, the loop, the fail-safe guards and the end-of-run summary with its sample and
-plot, 2,636 of its lines docstrings.
+plot; 3,757 of its 12,596 lines are docstrings, comments and blank lines.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from launch import quiet_env
 from mesh3d.extensions import CAPABILITIES
 from mesh3d.models.registry import FAMILIES
 
-CEILING = 14_200
-CEILING_3D = 13_800
-CODE_CEILING = 9_450  # `code_lines`: the lines that are not docstrings, comments or blank
+CEILING = 12_600
+CEILING_3D = 12_250
+CODE_CEILING = 8_850  # `code_lines`: the lines that are not docstrings, comments or blank
 
 _REPORT = """
 import atexit, json, os, sys
