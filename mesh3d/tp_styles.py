@@ -8,7 +8,6 @@ plain and DTensor parameters would break foreach AdamW and gradient clipping.
 
 from __future__ import annotations
 
-import copy
 import math
 import types
 
@@ -28,44 +27,14 @@ from torch.distributed.tensor import (  # noqa: F401  (Shard re-exported for the
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from mesh3d import extensions
-from mesh3d.torch_private import apply_style, dtensor_spec, local_tensor, partition_fn
+from mesh3d.torch_private import apply_style, partition_fn
+from mesh3d.tp_local import local_of
 
 TPPlan = dict[str, ParallelStyle]
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); torch 2.11 has only those
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _LocalOf(torch.autograd.Function):
-    """`p.to_local()` of a contiguous DTensor parameter whose gradient keeps its placements;
-    backward wraps the local gradient in a copy of the parameter's spec, skipping `to_local`'s
-    per-call `from_local`."""
-
-    @staticmethod
-    def forward(ctx, p):
-        ctx.spec = dtensor_spec(p)
-        ctx.set_materialize_grads(False)
-        local = local_tensor(p)
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None
-        grad = grad.contiguous()  # the spec's strides are the contiguous ones (`local_of`)
-        return DTensor(grad, copy.copy(ctx.spec), requires_grad=grad.requires_grad)
-
-
-def local_of(p: torch.Tensor, grad_placement=None) -> torch.Tensor:
-    """`p.to_local(grad_placements=[grad_placement])` (`None`: the gradient keeps `p`'s
-    placements), by the faster `_LocalOf` where it can; a plain tensor is returned as is."""
-    if not isinstance(p, DTensor):
-        return p
-    same = grad_placement is None or (len(p.placements) == 1 and p.placements[0] == grad_placement)
-    if same and p.is_contiguous() and not torch.compiler.is_compiling():
-        return _LocalOf.apply(p)
-    return p.to_local(grad_placements=None if grad_placement is None else [grad_placement])
 
 
 class LocalReplicated(ParallelStyle):

@@ -20,7 +20,7 @@ from mesh3d.errors import ConfigError
 from mesh3d.models.activations import ACTIVATIONS, HIDDEN_ACTS
 from mesh3d.models.dtypes import DTYPES  # noqa: F401  (re-exported for library code)
 from mesh3d.torch_private import version_counter
-from mesh3d.tp_styles import local_of
+from mesh3d.tp_local import local_of
 
 try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func

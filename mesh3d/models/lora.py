@@ -237,7 +237,7 @@ def inject(model: nn.Module, plan: LoraPlan, tp_mesh=None) -> list[str]:
 
 
 def _lora_term(a_grad, b_grad):
-    from mesh3d.tp_styles import local_of
+    from mesh3d.tp_local import local_of
 
     def term(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         a = local_of(self.lora_A.weight, a_grad)

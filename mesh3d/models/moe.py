@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from mesh3d.models.kernels import grouped_gemm_ok
 from mesh3d.models.llama import MLP
 from mesh3d.torch_private import grouped_mm, in_backward_recompute
-from mesh3d.tp_styles import local_of
+from mesh3d.tp_local import local_of
 
 
 class _AttachAux(torch.autograd.Function):

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mesh3d.nanotron_names import Kind
+
+if TYPE_CHECKING:
+    from torch import nn
 
 # Nanotron name suffix inside a decoder layer -> (our tensor names it fuses, TP kind)
 LayerTable = dict[str, tuple[tuple[str, ...], Kind]]
@@ -118,3 +121,11 @@ class ModelSpec:
     def hf_of(self, model_config) -> HFSpec:
         """The HF architecture `model_config` converts to (the first, unless `hf_for` says)."""
         return self.hf_for(model_config) or self.hf[0]
+
+
+def tied_ends(m: nn.Module) -> tuple[nn.Module | None, nn.Module | None] | None:
+    """A tied model's stage: (its embedding, its head), None where it lacks one; None for an
+    untied model."""
+    if hasattr(m, "mesh3d_tied_ends"):
+        return m.mesh3d_tied_ends()
+    return (m.embed_tokens, m.lm_head) if getattr(m, "tie_word_embeddings", False) else None

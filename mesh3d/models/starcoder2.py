@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from mesh3d.errors import ConfigError
 from mesh3d.models.dropout import KeyedDropout, random_keys
 from mesh3d.models.llama import AttentionCore, Rotary, _check, activation, rope_inv_freq
-from mesh3d.tp_styles import local_of
+from mesh3d.tp_local import local_of
 
 
 def dropout_sites(layer: int) -> tuple[int, int, int]:

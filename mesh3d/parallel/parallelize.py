@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,19 +23,22 @@ from mesh3d import extensions
 from mesh3d.mesh import hsdp_mesh, replica_mesh
 from mesh3d.models.init import init_full_tensor
 from mesh3d.models.spec import Blocks
-from mesh3d.parallel.tensor import apply_tp, shard_grads_like_params
 from mesh3d.torch_private import (
     checkpoint_wrapper,
     compile_counters,
     disable_donated_buffer,
     inductor_cache_dir,
 )
-from mesh3d.tp_styles import TPPlan, summed_over
+
+if TYPE_CHECKING:
+    from mesh3d.tp_styles import TPPlan
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool, blocks: Blocks) -> None:
     """Attention modules of `model` attend across the sequence shards of `cp_mesh`; MoE blocks
     sum their per-sequence load statistics over them."""
+    from mesh3d.tp_styles import summed_over
+
     context = extensions.load("context_parallel")
     cp = context.ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
                                  documents)  # fmt: skip
@@ -236,7 +240,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, device: torch.device,
     dp ranks."""
     if ep is not None and ep.size > 1:  # before tp: the expert stacks shrink to their slice
         apply_ep(model, ep, blocks.moe)
-    if mesh["tp"].size() > 1:
+    if mesh["tp"].size() > 1:  # tensor parallelism's code is loaded only here
+        from mesh3d.parallel.tensor import apply_tp
+
         apply_tp(model, mesh["tp"], tp_plan, strict=False)  # a family's plan, every variant
     if lora is not None:  # split like the projections tp split just now
         extensions.load("lora").inject(model, lora, mesh["tp"])
@@ -249,6 +255,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, device: torch.device,
     materialize(model, device, source)
     model.to(dtype)
     if mesh["tp"].size() > 1:
+        from mesh3d.parallel.tensor import shard_grads_like_params
+
         shard_grads_like_params(model)  # after materialize / to(): they may swap parameters
     if lora is not None:  # before DP: FSDP and the optimizer see what trains
         extensions.load("lora").freeze_base(model)

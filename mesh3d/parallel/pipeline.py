@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from mesh3d.errors import ConfigError
 from mesh3d.log import logger
+from mesh3d.models.spec import tied_ends
 from mesh3d.parallel import pipeline_layout as stage_math
 from mesh3d.parallel.data import _local
 from mesh3d.parallel.pipeline_layout import (
@@ -209,14 +210,6 @@ def sync_tied_embeddings(stage_modules: list[nn.Module], pp_group: dist.ProcessG
     for work in dist.batch_isend_irecv(ops):
         work.wait()
     mine.add_(theirs)
-
-
-def tied_ends(m: nn.Module) -> tuple[nn.Module | None, nn.Module | None] | None:
-    """A tied model's stage: (its embedding, its head), None where it lacks one; None for an
-    untied model."""
-    if hasattr(m, "mesh3d_tied_ends"):
-        return m.mesh3d_tied_ends()
-    return (m.embed_tokens, m.lm_head) if getattr(m, "tie_word_embeddings", False) else None
 
 
 def _grad_shard(param: nn.Parameter) -> torch.Tensor:

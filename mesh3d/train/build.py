@@ -23,17 +23,13 @@ from mesh3d.config import ExistingCheckpointInit, SpectralMupInit
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.mesh import groups_of
-from mesh3d.parallel.buckets import GradBuckets
 from mesh3d.parallel.parallelize import FullSource, parallelize, seeded_init
-from mesh3d.parallel.pipeline import (
-    build_schedule,
-    build_stage,
-    pipeline_stage,
+from mesh3d.parallel.pipeline_layout import (
+    SCHEDULES,
     rank_of_stage,
     split_by_cost,
     stage_ids_of_rank,
 )
-from mesh3d.parallel.pipeline_layout import SCHEDULES
 from mesh3d.train.loss import step_loss
 
 
@@ -148,6 +144,8 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
         parts.reducers = _reducers(parts.modules, layout, mesh, cfg.model.ddp_bucket_cap_mb)
         return parts
 
+    from mesh3d.parallel.pipeline import build_schedule, build_stage, pipeline_stage  # pp > 1 only
+
     name, virtual = layout.schedule, layout.virtual_stages
     n = p.pp * virtual
     split = split_by_cost(*spec.pipeline_costs(layout.shape), n)
@@ -181,10 +179,12 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
 
 
 def _reducers(modules: list[nn.Module], layout: RunLayout, mesh: DeviceMesh,
-              cap_mb: int) -> list[GradBuckets]:  # fmt: skip
+              cap_mb: int) -> list:  # fmt: skip
     """zero_stage 0, dp x cp > 1: gradient buckets reduced as the last backward goes."""
     if layout.dp_mode != "replicate" or layout.dims.dp * layout.dims.cp == 1:
         return []
+    from mesh3d.parallel.buckets import GradBuckets  # loaded only when there is a replica
+
     group = groups_of(mesh).replicas
     return [GradBuckets([p for p in m.parameters() if p.requires_grad], group, cap_mb * 2**20)
             for m in modules]  # fmt: skip

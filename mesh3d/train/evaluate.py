@@ -17,8 +17,6 @@ from mesh3d import extensions
 from mesh3d.data.validation import HeldOut
 from mesh3d.layout import RunLayout
 from mesh3d.mesh import groups_of
-from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
-from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts
 from mesh3d.train.loss import StepLoss, token_loss_sum
 from mesh3d.train.step import _autocast, _loss_ctx, _scalar, with_documents, with_sft
@@ -90,6 +88,9 @@ def _token_loss_sum(parts: ModelParts, batches: list[list[tuple]], layout: RunLa
             with _loss_ctx(tp):
                 total += _scalar(token_loss_sum(logits, labels.to(device), layout.vocab_size))
         return total
+    from mesh3d.parallel.pipeline import is_v_schedule, run_schedule  # pp > 1 only
+    from mesh3d.parallel.pipeline_forward import forward_walk
+
     with _token_sums(parts.loss_fn):
         for batch in batches:
             inputs = _cat(batch, 0, device) if parts.has_first else None

@@ -152,13 +152,16 @@ def upload_wait_s(cfg, error: BaseException | None) -> float:
 
 
 def start_notes(cfg, device: torch.device, start: int) -> list[str]:
-    """The lines before the first step (how to read the iteration line, compiling)."""
+    """The lines before the first step (how to read the iteration line, compiling); none when
+    no step is left to run."""
+    if start >= cfg.tokens.train_steps:
+        return []
     notes = ["grad_norm in the iteration line is the global gradient norm before clipping"]
     if device.type == "cpu":
         notes.append(
             "on CPU: the iteration line's *_per_gpu items (Nanotron's names) are per process"
         )
-    if cfg.mesh3d.compile and start < cfg.tokens.train_steps:
+    if cfg.mesh3d.compile:
         notes.append(compile_notice())
     return notes
 

@@ -19,9 +19,8 @@ from mesh3d import extensions
 from mesh3d.data.documents import IGNORE, document_positions, mask_document_starts
 from mesh3d.layout import RunLayout
 from mesh3d.mesh import groups_of
+from mesh3d.models.spec import tied_ends
 from mesh3d.parallel.data import allreduce_gradients, allreduce_param_grads
-from mesh3d.parallel.pipeline import run_schedule, sync_tied_embeddings, tied_ends
-from mesh3d.parallel.tensor import reduce_partial_grads
 from mesh3d.train.build import ModelParts
 
 
@@ -122,6 +121,8 @@ def forward_backward(parts: ModelParts, batches: list[tuple[torch.Tensor, ...]],
         positions = None
         if batches and len(batches[0]) > 2:  # every stage's attention needs them: all read
             positions = torch.cat([b[2] for b in batches]).to(device)
+        from mesh3d.parallel.pipeline import run_schedule  # pp > 1 only
+
         stages, schedule = parts.pipeline_at(layout.sequence_length)
         with _autocast(device, autocast), _loss_ctx(tp):
             losses = run_schedule(schedule, stages, inputs, labels, positions,
@@ -240,9 +241,14 @@ def train_step(parts: ModelParts, optimizer: torch.optim.Optimizer, scheduler,
         with_grads = [p for p in parts.parameters() if p.grad is not None]
         total = across.reduce(with_grads, total, layout.global_tokens if tokens is None else tokens)
     if pp > 1:
+        from mesh3d.parallel.pipeline import sync_tied_embeddings
+
         sync_tied_embeddings(parts.modules, pp_group, parts.embed_rank, parts.head_rank)
     params = [p for p in parts.parameters() if p.grad is not None]
-    reduce_partial_grads(params)
+    if any(isinstance(p.grad, DTensor) for p in params):  # tensor parallel
+        from mesh3d.parallel.tensor import reduce_partial_grads
+
+        reduce_partial_grads(params)
     grad_norm = clip_grad_norm(
         params, clip_grad, _counted_once(parts), pp_group if pp > 1 else None
     )

@@ -281,6 +281,7 @@ def test_first_lines_say_cpu_and_compile_before_the_first_step():
         n.startswith("torch.compile (mesh3d.compile): the first step compiles") for n in notes
     )
     assert not any("torch.compile" in n for n in start_notes(compiled, cpu, 200))  # nothing to run
+    assert start_notes(cfg, cpu, cfg.tokens.train_steps) == []  # no iteration line to explain
 
 
 def test_launcher_names_where_the_run_writes_and_the_cache(tmp_path, monkeypatch):
