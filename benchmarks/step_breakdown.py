@@ -108,6 +108,8 @@ def rank_main(shape: str, tp_mode: str, dims: tuple[int, int, int], steps: int, 
     """One torchrun rank: build the run, step it with the timers."""
     import torch.distributed as dist
 
+    import mesh3d.parallel.pipeline as pipeline_mod
+    import mesh3d.parallel.tensor as tensor_mod
     import mesh3d.train.step as step_mod
     from mesh3d.config import load_config
     from mesh3d.mesh import shutdown_distributed
@@ -118,12 +120,15 @@ def rank_main(shape: str, tp_mode: str, dims: tuple[int, int, int], steps: int, 
     run = Run.prepare(cfg)
     timers = Timers()
     timers.wrap(Run, "batches", "read batch")
-    for name, phase in (("prepare_batches", "prepare batch"), ("forward_backward", "forward+backward"),
-                        ("allreduce_gradients", "dp grad sum"),
-                        ("sync_tied_embeddings", "tied-embedding sync"),
-                        ("reduce_partial_grads", "partial-grad reduce"),
-                        ("clip_grad_norm", "norm + clip")):  # fmt: skip
-        timers.wrap(step_mod, name, phase)
+    # step.py imports the pp and tp helpers where it calls them (a one-process run loads
+    # neither module), so those two are wrapped in their own modules
+    for owner, name, phase in ((step_mod, "prepare_batches", "prepare batch"),
+                               (step_mod, "forward_backward", "forward+backward"),
+                               (step_mod, "allreduce_gradients", "dp grad sum"),
+                               (pipeline_mod, "sync_tied_embeddings", "tied-embedding sync"),
+                               (tensor_mod, "reduce_partial_grads", "partial-grad reduce"),
+                               (step_mod, "clip_grad_norm", "norm + clip")):  # fmt: skip
+        timers.wrap(owner, name, phase)
     for reducer in run.parts.reducers:  # zero_stage 0 buckets: what the backward left, then wait
         timers.wrap(reducer, "finish", "dp grad sum")
     timers.wrap(run.optimizer, "step", "optimizer")
