@@ -18,12 +18,14 @@ files, the one-process generate command, the MoE and dropout tp styles, Qwen2's 
 transformers Llama plan moved to their users (2x2x2: 13,467-13,685, 8,915-9,079 of code);
 14,169 (9,402 of code) with one-line YAML errors and rank 0's grace for printing (the resume
 notes loaded only on a resume; 2x2x2: 13,509-13,727); 12,596 (8,839 of code) with the core
-written shorter, module by module, behaviour unchanged (2x2x2: 12,019-12,209, 8,556 of code).
+written shorter, module by module, behaviour unchanged (2x2x2: 12,019-12,209, 8,556 of code);
+11,817 in 86 (8,344 of code) with the pipeline, tensor-parallel and bucket modules imported
+only at pp, tp or dp x cp > 1 (2x2x2: 12,001-12,191, 8,383-8,532 of code).
 Issue 43 asks for 10,000 lines; of the rest, every top-level function and class is reached
 from the run (an AST walk from `mesh3d.launch` found 451 lines that were not, moved above where
 they belonged to optional code): the core itself, config, checks, checkpoint formats, the
 parallel plan, the loop, the fail-safe guards and the end-of-run summary with its sample and
-plot; 3,757 of its 12,596 lines are docstrings, comments and blank lines.
+plot; 3,473 of its 11,817 lines are docstrings, comments and blank lines.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ from launch import quiet_env
 from mesh3d.extensions import CAPABILITIES
 from mesh3d.models.registry import FAMILIES
 
-CEILING = 12_600
-CEILING_3D = 12_250
-CODE_CEILING = 8_850  # `code_lines`: the lines that are not docstrings, comments or blank
+CEILING = 11_850
+CEILING_3D = 12_200
+CODE_CEILING = 8_550  # `code_lines`: the lines that are not docstrings, comments or blank
 
 _REPORT = """
 import atexit, json, os, sys
