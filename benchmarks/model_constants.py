@@ -48,7 +48,7 @@ from kernel_bytes import llama_layer  # noqa: E402
 from mesh3d.config import load_config  # noqa: E402
 from mesh3d.models.llama_spec import compile_classes  # noqa: E402
 from mesh3d.models.registry import model_shape, spec_of  # noqa: E402
-from mesh3d.parallel.parallelize import compile_blocks  # noqa: E402
+from mesh3d.parallel.compile import compile_blocks  # noqa: E402
 from mesh3d.plan.hardware import PROFILES, Hardware, hardware_named  # noqa: E402
 from mesh3d.plan.kernels import compute_seconds, work_of  # noqa: E402
 

@@ -37,7 +37,7 @@ they are indicative.
 Expert parallelism: 2 forked ranks (gloo, one thread each), each with its own batches of the
 same shape, train the MoE model (a) at dp 2 three ways: ep 1 (every rank holds the 8 experts; all
 grads summed over dp), ep 2 with all-to-all dispatch and ep 2 with all-gather dispatch
-(`mesh3d.parallel.parallelize.apply_ep`: 4 experts per rank, the tokens dispatched by
+(`mesh3d.parallel.experts.apply_ep`: 4 experts per rank, the tokens dispatched by
 `mesh3d.parallel.experts`, `token_dispatcher_type` alltoall or allgather; the non-expert grads
 summed over dp, the experts' have no replica at dp 2), interleaved as above, from the same
 seed (the two ep2 ways train the same weights on the same batches: the same losses). Reported:
@@ -254,8 +254,8 @@ def _ep_rank(rank: int, world: int, port: int, rounds: int, queue) -> None:
 
     from mesh3d.models.moe import MoE
     from mesh3d.parallel.data import allreduce_gradients
-    from mesh3d.parallel.experts import ExpertParallel
-    from mesh3d.parallel.parallelize import apply_ep, mark_expert_shards
+    from mesh3d.parallel.experts import ExpertParallel, apply_ep
+    from mesh3d.parallel.parallelize import mark_expert_shards
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # at run time these load on first use
     from mesh3d.models.registry import model_shape
     from mesh3d.models.spec import ModelShape
     from mesh3d.parallel.data import allreduce_gradients
-    from mesh3d.parallel.parallelize import apply_dp
+    from mesh3d.parallel.fsdp import apply_dp
     from mesh3d.parallel.pipeline import (
         SCHEDULES,
         build_schedule,
@@ -66,7 +66,7 @@ _PUBLIC = {
     "mesh3d.models.llama_spec": ("llama_tp_plan",),
     "mesh3d.hf_models": ("hf_llama_tp_plan", "parallelize_hf"),
     "mesh3d.hf_stages": ("build_hf_stage",),
-    "mesh3d.parallel.parallelize": ("apply_dp",),  # data parallelism
+    "mesh3d.parallel.fsdp": ("apply_dp",),  # data parallelism
     "mesh3d.parallel.data": ("allreduce_gradients",),
     "mesh3d.parallel.pipeline": (  # pipeline parallelism
         "SCHEDULES", "split_layers", "build_stage", "build_schedule", "run_schedule",

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from mesh3d.errors import UserError
 from mesh3d.mesh import replica_mesh
-from mesh3d.parallel.parallelize import apply_dp
+from mesh3d.parallel.fsdp import apply_dp
 from mesh3d.parallel.tensor import apply_tp
 
 # transformers' style name -> the torch style that does the same on mesh3d's mesh

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh3d.errors import ConfigError, UserError
-from mesh3d.rendezvous import start_process_group
 from mesh3d.torch_private import flatten_mesh, pg_timeout_setter, unflatten_mesh
 
 AXES = ("pp", "dp", "cp", "tp")  # mesh dimension names, outermost first; tp varies fastest
@@ -140,6 +139,8 @@ def init_distributed(timeout_s: float = 60, device: str = "auto") -> torch.devic
     backend = "nccl" if dev.type == "cuda" else "gloo"
     options = {"device_id": dev} if dev.type == "cuda" else {}
     if "WORLD_SIZE" in os.environ:  # bounded, and naming who never arrived
+        from mesh3d.rendezvous import start_process_group
+
         start_process_group(backend, timeout_s, **options)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,

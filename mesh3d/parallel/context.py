@@ -39,10 +39,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
-from mesh3d.tp_styles import all_gather_flat, reduce_scatter_flat
+from mesh3d.tp_styles import all_gather_flat, reduce_scatter_flat, summed_over
 
 
 @dataclass(frozen=True)
@@ -214,3 +215,15 @@ def cp_attention(
             out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=gqa)
         outs.append(out.transpose(1, 2))
     return torch.cat(outs, dim=1)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, documents: bool, blocks) -> None:
+    """Attention modules of `model` attend across the sequence shards of `cp_mesh`; MoE blocks
+    sum their per-sequence load statistics over them."""
+    cp = ContextParallel(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank(),
+                                 documents)  # fmt: skip
+    for module in model.modules():
+        if isinstance(module, blocks.attention):
+            module.cp = cp
+        if isinstance(module, blocks.moe):  # its load statistics span the whole sequence
+            module.sequence_sums.append(summed_over(cp.group))

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from mesh3d.parallel.context import all_gather_flat, reduce_scatter_flat
 
@@ -218,3 +218,16 @@ def slice_expert_shard(full: Tensor, shard: tuple) -> Tensor:
     _, rank, size = shard
     n = full.shape[0] // size
     return full[rank * n : (rank + 1) * n]
+
+
+def apply_ep(model: nn.Module, ep, moe: tuple[type, ...]) -> None:
+    """Every MoE block of `model` (on meta) keeps its ep rank's E / ep experts and dispatches
+    tokens over `ep`; its expert stacks get `ep_shard` = (group, rank, size)."""
+    for module in model.modules():
+        if isinstance(module, moe):
+            module.ep = ep
+            ex = module.experts
+            ex.ep_shard = (ep.group, ep.rank, ep.size)
+            for pname, p in list(ex.named_parameters(recurse=False)):
+                local = (p.shape[0] // ep.size, *p.shape[1:])
+                ex.register_parameter(pname, nn.Parameter(torch.empty(local, device=p.device)))

@@ -192,7 +192,7 @@ def loss_saved_bytes(cfg) -> int:
     """The part of the last stage's saved bytes that the loss saves, per microbatch: the fp32
     log-softmax 4·T·V' and the labels 8·T + 4 (int64 targets, fp32 total weight); under tp
     without z-loss the softmax of the rank's columns 4·T·V' and the labels 8·T
-    (`train/loss.py::_VocabParallelCrossEntropy`).
+    (`train/vocab_parallel.py::_VocabParallelCrossEntropy`).
 
     A split backward frees them at I, not W: torch's `stage_backward_input` detaches the loss
     once the input gradient is computed, which drops the graph nodes past the lm_head matmul,

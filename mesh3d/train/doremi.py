@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from mesh3d.checkpoint.training import checkpoint_custom_metas, resolve_step_dir
+from mesh3d.checkpoint.training import resolve_step_dir
 from mesh3d.checks.doremi_checks import domain_names, domain_weights, sampling_weights
 from mesh3d.config.schema import ExistingCheckpointInit, NanosetDatasetsArgs
 from mesh3d.data.documents import IGNORE
@@ -59,8 +59,9 @@ from mesh3d.parallel.pipeline import is_v_schedule, run_schedule
 from mesh3d.parallel.pipeline_forward import forward_walk
 from mesh3d.train.build import ModelParts, build_model_parts
 from mesh3d.train.evaluate import _reshard
-from mesh3d.train.loss import StepLoss, _local_padding, _vocab_parallel, sharded_softmax
+from mesh3d.train.loss import StepLoss
 from mesh3d.train.step import _autocast, _loss_ctx, train_step
+from mesh3d.train.vocab_parallel import _local_padding, _vocab_parallel, sharded_softmax
 
 REF_KEY = "`doremi.ref_model_resume_checkpoint_path`"
 
@@ -92,7 +93,7 @@ def update_weights(weights: torch.Tensor, excess: torch.Tensor, step_size: float
 
 class _TokenCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy [N] of vocab-sharded logits (this rank's columns start..,
-    fp32 [N, W]): `train/loss.py::_VocabParallelCrossEntropy` with one loss per row instead of
+    fp32 [N, W]): `train/vocab_parallel.py::_VocabParallelCrossEntropy` with one loss per row instead of
     their sum, so that each row's gradient can have its own weight."""
 
     @staticmethod
@@ -362,6 +363,8 @@ class DoReMi:
 def average_weights(path: str) -> tuple[list[str], list[float]]:
     """(domain names, the proxy's weights averaged over its steps) from a proxy step folder (or
     a checkpoints folder with latest.txt)."""
+    from mesh3d.checkpoint.load import checkpoint_custom_metas
+
     custom = checkpoint_custom_metas(resolve_step_dir(path, "the proxy checkpoint")) or {}
     saved = custom.get("doremi")
     if not saved or not saved.get("steps"):

@@ -18,7 +18,6 @@ from mesh3d import extensions
 from mesh3d.errors import Interrupted, Preempted, RunStopped, UserError, decided_alike
 from mesh3d.log import logger
 from mesh3d.mesh import share
-from mesh3d.parallel.parallelize import compile_cache_text, compile_notice
 from mesh3d.train.evaluate import evaluate, is_evaluation_step
 from mesh3d.train.guard import RunGuard
 from mesh3d.train.metrics import iteration_metrics, memory_metrics, peak_memory, peak_tflops
@@ -162,6 +161,8 @@ def start_notes(cfg, device: torch.device, start: int) -> list[str]:
             "on CPU: the iteration line's *_per_gpu items (Nanotron's names) are per process"
         )
     if cfg.mesh3d.compile:
+        from mesh3d.parallel.compile import compile_notice
+
         notes.append(compile_notice())
     return notes
 
@@ -233,6 +234,8 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                 continue
             loss, grad_norm = out.loss, out.grad_norm
             if cfg.mesh3d.compile and step == start + 1:
+                from mesh3d.parallel.compile import compile_cache_text
+
                 logger.info(compile_cache_text())
             if run.device.type == "cuda":
                 torch.cuda.synchronize()

@@ -11,7 +11,7 @@ The node count is the config's world size (dp x cp x tp x pp) / --gpus-per-node 
 where HOST is --rdzv-host, else the first host of $SLURM_JOB_NODELIST (via scontrol), else
 this machine; ID is $SLURM_JOB_ID when set. A config or layout mistake exits with code 2 before
 anything starts. It prints that command, then runs it in this process through torch's elastic
-agent (`mesh3d.launch.run_agent`, what torchrun does): SIGUSR1, SIGTERM and SIGINT are forwarded
+agent (`mesh3d.agent.run_agent`, what torchrun does): SIGUSR1, SIGTERM and SIGINT are forwarded
 to the ranks, so a preemption notice makes every rank save and exit 75, and this process exits
 with the ranks' code (2 for a mistake only a rank sees, such as a missing data folder: its one
 `error:` line, without torchrun's ChildFailedError traceback and exit 1).
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         # process forwards Slurm's SIGTERM/SIGINT/SIGUSR1 to every rank, which finish the step,
         # save and exit 75; a rank's mistake is its one `error:` line and exit code 2, with no
         # torchrun traceback
-        from mesh3d.launch import run_agent
+        from mesh3d.agent import run_agent
 
         at = cmd.index(str(TRAIN))
         opts = dict(o[2:].split("=", 1) for o in cmd[3:at] if o.startswith("--") and "=" in o)
