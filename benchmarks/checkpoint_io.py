@@ -36,8 +36,9 @@ import torch.distributed as dist
 from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
 
 import mesh3d.checkpoint.folder as folder
-import mesh3d.checkpoint.training as training
-from mesh3d.checkpoint.training import load_checkpoint, save_checkpoint
+import mesh3d.checkpoint.load as checkpoint_load
+from mesh3d.checkpoint.load import load_checkpoint
+from mesh3d.checkpoint.training import save_checkpoint
 from mesh3d.checks import validate
 from mesh3d.config import load_config
 from mesh3d.layout import RunLayout
@@ -90,13 +91,13 @@ def checksums(on: bool):
     if on:
         yield
         return
-    real_zlib, real_verify = folder.zlib, training.verify_everywhere
+    real_zlib, real_verify = folder.zlib, checkpoint_load.verify_everywhere
     folder.zlib = types.SimpleNamespace(crc32=lambda data, crc=0: crc)
-    training.verify_everywhere = lambda step_dir: None
+    checkpoint_load.verify_everywhere = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        folder.zlib, training.verify_everywhere = real_zlib, real_verify
+        folder.zlib, checkpoint_load.verify_everywhere = real_zlib, real_verify
 
 
 def save_and_load(work: Path, on: bool, cfg, parts, optimizer, scheduler, mesh, before) -> dict:

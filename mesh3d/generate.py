@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 from mesh3d.checkpoint.hf import hf_model_of, read_model_config_json
-from mesh3d.checkpoint.training import weights_dir
+from mesh3d.checkpoint.load import weights_dir
 from mesh3d.data.tokenizer import load_tokenizer
 from mesh3d.errors import UserError, exit_on_user_error
 from mesh3d.generation.single import find_tokenizer, generate_here

@@ -23,7 +23,7 @@ from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.atomic import save_atomically
 from mesh3d.checkpoint.folder import FolderWriter, damaged_error, verify
 from mesh3d.checkpoint.nanotron_weights import Param
-from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, write_rank_state
+from mesh3d.checkpoint.state import Layout, held_parameters, write_rank_state
 from mesh3d.errors import UserError
 
 
@@ -130,9 +130,11 @@ def load_state(
 
         mesh3d.load_state("ckpt/100", model, optimizer)
     """
+    from mesh3d.checkpoint.load import load_rank_state, read_metadata
+
     path = Path(path)
     modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-    nanotron_state.read_metadata(path)
+    read_metadata(path)
     problems = verify(path)
     if problems:
         raise damaged_error(path, problems)

@@ -252,26 +252,6 @@ def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and not (path / "model").is_dir()
 
 
-def not_a_checkpoint(path: Path) -> UserError | None:
-    """The error for an `init_method.path` that is neither a Hugging Face model folder nor a
-    step folder (with `model/`); None when it is one."""
-    if (path / "model").is_dir() or is_hf_folder(path):
-        return None
-    if not path.exists():
-        has = "does not exist"
-    elif not path.is_dir():
-        has = "is a file, not a folder"
-    elif any(path.glob("*.safetensors")):
-        has = "has *.safetensors but no config.json"
-    else:
-        has = "has neither config.json (a Hugging Face model) nor model/ (a checkpoint)"
-    return UserError(
-        f"`model.init_method.path` {path} {has}: give a Hugging Face model folder (config.json "
-        "and *.safetensors, as `huggingface-cli download` writes it) or a Nanotron/mesh3d step "
-        "folder (with model/)"
-    )
-
-
 def latest_step(root: Path) -> int | None:
     """The step `latest.txt` names, if it names a complete folder."""
     path = root / LATEST

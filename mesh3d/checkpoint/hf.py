@@ -36,9 +36,10 @@ from torch import Tensor
 
 from mesh3d import extensions
 from mesh3d.checkpoint.from_hf_config import training_config
+from mesh3d.checkpoint.load import weights_dir
 from mesh3d.checkpoint.model_config import _read_json_object, read_model_config_json, shape_of  # noqa: F401
 from mesh3d.checkpoint.tokenizer_files import copy_into_folder, step_tokenizer
-from mesh3d.checkpoint.training import lora_of, resolve_step_dir, weights_dir
+from mesh3d.checkpoint.training import lora_of, resolve_step_dir
 from mesh3d.checks import validate
 from mesh3d.config import save_config
 from mesh3d.errors import ConfigError, UserError, exit_on_user_error

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from mesh3d.checkpoint import nanotron_state
+from mesh3d.checkpoint.load import read_metadata
 from mesh3d.checkpoint.training import resolve_step_dir
 from mesh3d.config.derive import global_batch_size
 
@@ -19,7 +19,7 @@ def resume_change(path: str | Path, cfg, dims) -> str:
     resume line: its layout (the random states are then not restored), its global batch and
     its learning-rate schedule's steps (from the config.yaml saved with it); "" when none."""
     step_dir = resolve_step_dir(path)
-    meta = nanotron_state.read_metadata(step_dir)
+    meta = read_metadata(step_dir)
     saved = {"dp": meta["dp"], "tp": meta["tp"], "pp": (meta.get("custom_metas") or {}).get("pp"),
              "cp": meta.get("cp", 1)}  # fmt: skip
     now = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp}

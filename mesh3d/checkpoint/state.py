@@ -2,19 +2,18 @@
 
 Shared by `training.py` and `any_model.py`. `write_rank_state` gathers the full tensors of this
 rank's parameters one at a time (collectives only among the ranks holding each) and writes its
-own (pp, tp) files; `load_rank_state` needs no collectives: each rank rebuilds the full tensors
-of its parameters from whatever layout wrote the files and keeps its shard.
+own (pp, tp) files; `load.py`'s `load_rank_state` needs no collectives: each rank rebuilds the
+full tensors of its parameters from whatever layout wrote the files and keeps its shard.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from mesh3d import extensions
 from mesh3d import nanotron_names as names
@@ -25,7 +24,6 @@ from mesh3d.checkpoint.nanotron_weights import (
     Param,
     fuse,
     is_expert_stack,
-    read_param,
     shard_of,
     weight_file,
 )
@@ -174,66 +172,3 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     if t.untyped_storage().nbytes() > t.numel() * t.element_size():
         return t.clone()
     return t
-
-
-def _fit_rows(t: torch.Tensor, p: Param, rows: int | None) -> torch.Tensor:
-    """Vocabulary tensors re-padded to `rows` (padding rows are zero and never trained)."""
-    if rows is None or p.kind != "vocab" or t.shape[0] == rows:
-        return t
-    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
-    n = min(rows, t.shape[0])
-    out[:n] = t[:n]
-    return out
-
-
-def _place(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `full`, laid out like `like` (a DTensor, an expert slice, a tensor)."""
-    shard = getattr(like, "expert_shard", None)
-    if shard is not None:
-        full = extensions.load("expert_parallel").slice_expert_shard(full, shard)
-    full = full.to(device=like.device, dtype=like.dtype)
-    if isinstance(like, DTensor):
-        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-    return full.clone()
-
-
-def _assign(param: nn.Parameter, full: torch.Tensor) -> None:
-    """Copy this rank's piece of `full` into `param` in place."""
-    local = _place(full, param)
-    with torch.no_grad():
-        if isinstance(param, DTensor):
-            param.to_local().copy_(local.to_local())
-        else:
-            param.copy_(local)
-
-
-def load_rank_state(step_dir: Path, params: list[Param], held: dict[str, list[nn.Parameter]],
-                    optimizer: torch.optim.Optimizer | None, load_optimizer: bool,
-                    rows: int | None = None) -> None:  # fmt: skip
-    """Fill this rank's parameters (and optimizer state) from `step_dir`, saved at any layout.
-    `params` describe the tensors as saved; `rows` re-pads vocabulary tensors."""
-    files = nanotron_state.OptimizerFiles(step_dir / "optimizer") if load_optimizer else None
-    progress = Progress(f"Loading checkpoint {step_dir}", len(params))
-    for p in params:
-        master = (
-            files.full(p, nanotron_state.MASTER) if files is not None and files.has_master else None
-        )
-        weights = master if master is not None else read_param(step_dir / "model", p)
-        states, step = {}, None
-        keys = _state_keys(optimizer, held[p.ours[0]][0]) if files is not None else ()
-        if keys:
-            states = {k: v for k in keys if (v := files.full(p, k)) is not None}
-            step = files.step(p)
-        for i, o in enumerate(p.ours):
-            ours = {k: _fit_rows(torch.split(v, p.chunks)[i], p, rows)
-                    for k, v in {"weight": weights, **states}.items()}  # fmt: skip
-            for q in held[o]:
-                _assign(q, ours["weight"])
-                if states:
-                    optimizer.state[q] = {k: _place(ours[k], q) for k in states}
-                    if "exp_avg" in states:  # AdamW's step counter
-                        optimizer.state[q]["step"] = (
-                            torch.zeros(()) if step is None else step.float().clone()
-                        )
-        progress.update()
-    progress.done()

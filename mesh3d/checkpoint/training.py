@@ -3,14 +3,14 @@
 A step folder is Nanotron's (docs/nanotron-layout.md#the-step-folder) plus what Nanotron
 ignores (`mesh3d_manifest.json`, `tokenizer/`, `data/`). Each rank gathers the full tensors of
 its parameters and writes its own (pp, tp) files; `atomic.py` makes the save all-or-nothing.
-Collectives run under `mesh3d.checkpoint_timeout_s`. Loading verifies the manifest (spread over
-the ranks), then each rank rebuilds its parameters from whatever layout wrote the files, so any
-(dp, tp, pp, zero_stage) and vocabulary padding resumes from any other, Nanotron's included.
+Collectives run under `mesh3d.checkpoint_timeout_s`. Loading (`load.py`) verifies the manifest
+(spread over the ranks), then each rank rebuilds its parameters from whatever layout wrote the
+files, so any (dp, tp, pp, zero_stage) and vocabulary padding resumes from any other, Nanotron's
+included.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -18,19 +18,18 @@ from pathlib import Path
 
 from mesh3d import extensions
 from mesh3d.checkpoint import nanotron_state
-from mesh3d.checkpoint.atomic import _everyone, _rank_world, save_atomically
-from mesh3d.checkpoint.folder import MANIFEST, FolderWriter, damaged_error, fsync_dir, verify
+from mesh3d.checkpoint.atomic import save_atomically
+from mesh3d.checkpoint.folder import FolderWriter, fsync_dir
 from mesh3d.checkpoint.nanotron_weights import is_embedding, model_config_json, nanotron_params
 from mesh3d.checkpoint.size import checkpoint_size
-from mesh3d.checkpoint.state import Layout, held_parameters, load_rank_state, write_rank_state
+from mesh3d.checkpoint.state import Layout, held_parameters, write_rank_state
 from mesh3d.checkpoint.tokenizer_files import copy_into_checkpoint
 from mesh3d.config.load import mesh3d_changes, nanotron_config_yaml
 from mesh3d.data.stages import stage_consumption
-from mesh3d.errors import UserError, on_every_rank
+from mesh3d.errors import UserError
 from mesh3d.layout import RunLayout
 from mesh3d.log import logger
 from mesh3d.mesh import collective_timeout
-from mesh3d.torch_private import set_scheduler_position
 
 
 def _rank_params(layout: RunLayout, parts, pp_rank: int, held: dict) -> list:
@@ -173,15 +172,6 @@ def resolve_step_dir(path: str | Path, key: str = "`checkpoints.resume_checkpoin
     )  # fmt: skip
 
 
-def weights_dir(path: str | Path, key: str) -> Path:
-    """A folder of weights to read (not resume): one with `model_config.json` (a step folder,
-    or what `from-hf` writes), else the step folder `resolve_step_dir` finds."""
-    path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"{key} {path} does not exist; give a step folder or a checkpoints folder")
-    return path if (path / "model_config.json").is_file() else resolve_step_dir(path, key)
-
-
 def add_custom_metas(step_dir: Path, extra: dict) -> None:
     """Add `extra` to the `custom_metas` of a saved step folder's metadata, replaced atomically
     (the file is outside the manifest)."""
@@ -195,76 +185,6 @@ def add_custom_metas(step_dir: Path, extra: dict) -> None:
     fsync_dir(step_dir)
 
 
-def load_data_state(path: str | Path) -> list[dict]:
-    """The streamed-data positions a checkpoint saved, one per dp rank it was saved with."""
-    files = sorted((resolve_step_dir(path) / "data").glob("stream_dp-*.pt"))
-    return [nanotron_state.safe_load(f, "streamed-data position") for f in files]
-
-
-def checkpoint_custom_metas(path: str | Path) -> dict | None:
-    """The `custom_metas` of the step folder `path` resolves to (None for Nanotron's)."""
-    return nanotron_state.read_metadata(resolve_step_dir(path)).get("custom_metas")
-
-
-def _load_scheduler(step_dir: Path, scheduler, optimizer, layout: RunLayout) -> None:
-    folder = step_dir / "lr_scheduler"
-    par, coords = layout.dims, layout.coords
-    mine = folder / nanotron_state.lr_scheduler_file(coords["pp"], par.pp, coords["tp"], par.tp)
-    files = [mine] if mine.is_file() else sorted(folder.glob("lr_scheduler*.pt"))
-    if not files:
-        raise UserError(
-            f"{folder} has no lr_scheduler_*.pt file; resume with "
-            "checkpoints.load_lr_scheduler: false to restart the schedule"
-        )
-    k = int(nanotron_state.safe_load(files[0], "LR scheduler")["last_epoch"])
-    scheduler.last_epoch = k
-    lrs = [base * f(k) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    set_scheduler_position(scheduler, k + 1, lrs)
-
-
-def verify_everywhere(step_dir: Path, meta: dict, unverified_ok: bool = False) -> None:
-    """Check the manifest's checksums, the files spread over the ranks; every rank raises the
-    same `UserError`. Without a manifest: passes when Nanotron wrote the folder, else refused
-    unless `unverified_ok`."""
-    if not (step_dir / MANIFEST).is_file():
-        if (meta.get("custom_metas") or {}).get("writer") != "mesh3d":
-            logger.info(f"{step_dir} has no {MANIFEST} (written by Nanotron?): not verified")
-        elif unverified_ok:
-            logger.warning(f"{step_dir} has lost its {MANIFEST}: loading it unverified "
-                           "(mesh3d.load_without_manifest)")  # fmt: skip
-        else:
-            raise on_every_rank(UserError(
-                f"checkpoint {step_dir} was written by mesh3d (checkpoint_metadata.json says "
-                f"so) but its {MANIFEST} is missing, so its files cannot be verified. Restore "
-                "the file from a copy, resume from another step folder, or set "
-                "mesh3d.load_without_manifest=true to load it unverified"
-            ))  # fmt: skip
-        return
-    problems = [p for ps in _everyone(verify(step_dir, *_rank_world())) for p in ps]
-    if problems:
-        raise on_every_rank(damaged_error(step_dir, problems))
-
-
-def load_weights(folder: Path, parts, layout: RunLayout, optimizer=None) -> None:
-    """Fill this rank's parameters from the weights in `folder` (a step folder or what
-    `from-hf` writes), saved at any tp/pp and vocabulary padding; with `optimizer`, its state
-    too."""
-    saved = json.loads((folder / "model_config.json").read_text())
-    shape = layout.shape
-    saved_shape = dataclasses.replace(shape, padded_vocab=int(saved["vocab_size"]))
-    held = held_parameters(parts.modules)
-    if lora_of(folder) is not None:  # a LoRA run's: its adapters (the base is built already)
-        params = extensions.load("lora_files").adapter_params(layout.lora, 0, held)
-        return load_rank_state(folder, params, held, optimizer, optimizer is not None)
-    if parts.params_of is not None:  # a transformers model: its own names, split as saved
-        return load_rank_state(folder, parts.params_of(0, folder), held, optimizer, bool(optimizer))
-    params = [p for p in nanotron_params(saved_shape) if all(o in held for o in p.ours)]
-    load_rank_state(folder, params, held, optimizer, optimizer is not None,
-                    rows=shape.padded_vocab)  # fmt: skip
-
-
 def lora_of(folder: Path) -> dict | None:
     """The `lora` entry of a step folder's metadata (a LoRA run's checkpoint), else None."""
     try:
@@ -272,33 +192,3 @@ def lora_of(folder: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return (meta.get("custom_metas") or {}).get("lora") if isinstance(meta, dict) else None
-
-
-def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layout: RunLayout,
-                    load_optimizer: bool = True, load_lr_scheduler: bool = True,
-                    ) -> tuple[int, int]:  # fmt: skip
-    """Load weights (and optimizer/scheduler state) into this rank's parts, at any layout.
-    (last_train_step, consumed_train_samples); (0, 0) without `load_lr_scheduler`, as Nanotron."""
-    step_dir = resolve_step_dir(path)
-    meta = nanotron_state.read_metadata(step_dir)
-    verify_everywhere(step_dir, meta, cfg.mesh3d.load_without_manifest)
-    custom = meta.get("custom_metas") or {}
-    saved_lora = custom.get("lora")
-    if saved_lora is not None or layout.lora is not None:  # the same adapters and base
-        extensions.load("lora_files").check_lora_match(step_dir, saved_lora, cfg, layout)
-    load_weights(step_dir, parts, layout, optimizer if load_optimizer else None)
-    par, c = layout.dims, layout.coords
-    saved = (meta["tp"], meta["dp"], custom.get("pp"), meta.get("cp", 1))
-    same_layout = saved == (par.tp, par.dp, par.pp, par.cp)
-    rng = (
-        step_dir
-        / "random"
-        / nanotron_state.random_file(c["tp"], par.tp, c["dp"], par.dp, c["pp"], par.pp)
-    )
-    if custom.get("writer") == "mesh3d" and same_layout and rng.is_file():  # Nanotron's pickle
-        nanotron_state.set_random_states(nanotron_state.safe_load(rng, "random-state"), rng)
-    if not load_lr_scheduler:
-        return 0, 0
-    _load_scheduler(step_dir, scheduler, optimizer, layout)
-    metas = meta["metas"]
-    return int(metas["last_train_step"]), int(metas["consumed_train_samples"])

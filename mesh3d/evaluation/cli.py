@@ -221,7 +221,7 @@ def evaluate_lighteval(step: Path, args, tp: int, pp: int, dp: int = 1, output: 
 def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
-    from mesh3d.checkpoint.training import weights_dir
+    from mesh3d.checkpoint.load import weights_dir
     from mesh3d.mesh import shutdown_distributed
 
     args = _parser().parse_args(argv)

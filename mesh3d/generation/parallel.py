@@ -36,8 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from mesh3d.checkpoint.nanotron_state import read_metadata
-from mesh3d.checkpoint.training import load_checkpoint, load_weights
+from mesh3d.checkpoint.load import load_checkpoint, load_weights, read_metadata
 from mesh3d.checks import validate
 from mesh3d.config import RandomInit, load_config
 from mesh3d.config.families import family_keys

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d import extensions
-from mesh3d.checkpoint.folder import is_hf_folder, not_a_checkpoint
+from mesh3d.checkpoint.folder import is_hf_folder
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.checkpoint.training import lora_of
 from mesh3d.config import ExistingCheckpointInit, SpectralMupInit
@@ -82,6 +82,8 @@ def initial_weights(cfg, layout: RunLayout) -> FullSource:
             full = extensions.load("hf_init").read_hf_for_run(path, mc, layout.padded_vocab)
             where = f"{path} (Hugging Face)"
         else:
+            from mesh3d.checkpoint.load import not_a_checkpoint
+
             error = not_a_checkpoint(path)
             if error is not None:
                 raise error

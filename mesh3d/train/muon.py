@@ -84,7 +84,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(groups, defaults)
 
     def state_keys(self, p: Tensor) -> tuple[str, ...]:
-        """The states of `p` a checkpoint holds (`checkpoint/state.py` restores them)."""
+        """The states of `p` a checkpoint holds (`checkpoint/load.py` restores them)."""
         kind = next(g["kind"] for g in self.param_groups if any(q is p for q in g["params"]))
         return ("momentum_buffer",) if kind == "muon" else ("exp_avg", "exp_avg_sq")
 

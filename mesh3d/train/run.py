@@ -17,12 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mesh3d import extensions
 from mesh3d.checkpoint.manager import Checkpointer
-from mesh3d.checkpoint.training import (
-    checkpoint_custom_metas,
-    load_checkpoint,
-    load_data_state,
-    save_checkpoint,
-)
+from mesh3d.checkpoint.training import save_checkpoint
 from mesh3d.checks import validate, warn_once
 from mesh3d.data.build import StagedData
 from mesh3d.data.loader import Feed
@@ -222,6 +217,8 @@ class Run:
 
     def load(self, path: Path) -> tuple[int, int, dict]:
         """Resume from the step folder `path`: (its step, consumed samples, its custom metas)."""
+        from mesh3d.checkpoint.load import checkpoint_custom_metas, load_checkpoint, load_data_state
+
         cfg, ck = self.cfg, self.cfg.checkpoints
         m = cfg.mesh3d
         with collective_timeout(self.mesh, m.checkpoint_timeout_s, m.collective_timeout_s):

@@ -41,7 +41,7 @@ def test_a_tp2_x_pp2_run_equals_one_process_and_resumes_exactly(runs):
 
 
 def test_the_scheduler_file_holds_each_parameters_rate(runs):
-    from mesh3d.checkpoint.nanotron_state import safe_load
+    from mesh3d.checkpoint.load import safe_load
 
     root, _, _ = runs
     state = safe_load(

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from mesh3d.checkpoint import nanotron_state
+from mesh3d.checkpoint import load, nanotron_state
 from mesh3d.errors import UserError
 
 
@@ -19,19 +19,19 @@ def test_optimizer_file_errors(tmp_path):
     folder = tmp_path / "optimizer"
     folder.mkdir()
     with pytest.raises(UserError, match="load_optimizer: false"):
-        nanotron_state.OptimizerFiles(folder)
+        load.OptimizerFiles(folder)
     (folder / "optimizer_config.json").write_text(
         json.dumps(nanotron_state.optimizer_config("x", 1, 1, 1, [], False))
     )
     with pytest.raises(UserError, match="no optimizer_\\*.pt files"):
-        nanotron_state.OptimizerFiles(folder)
+        load.OptimizerFiles(folder)
     bad = folder / nanotron_state.optimizer_file(0, 1, 0, 1)
     bad.write_bytes(b"PK\x03\x04 not a whole zip file")
     with pytest.raises(UserError, match=f"cannot read optimizer file {bad}"):
-        nanotron_state.OptimizerFiles(folder)
+        load.OptimizerFiles(folder)
     torch.save({"state": {}, "names": {0: "x"}, "evil": _NotPlain()}, bad)
     with pytest.raises(UserError, match="more than plain tensors"):
-        nanotron_state.OptimizerFiles(folder)
+        load.OptimizerFiles(folder)
 
 
 class _NotPlain:
@@ -40,14 +40,14 @@ class _NotPlain:
 
 def test_metadata_errors(tmp_path):
     with pytest.raises(UserError, match="missing .*checkpoint_metadata.json"):
-        nanotron_state.read_metadata(tmp_path)
+        load.read_metadata(tmp_path)
     meta = nanotron_state.metadata(1, 1, 4, 32, [], {})
     (tmp_path / "checkpoint_metadata.json").write_text(json.dumps({**meta, "version": "1.6"}))
     with pytest.raises(UserError, match="version 1.6, newer than the 1.5"):
-        nanotron_state.read_metadata(tmp_path)
+        load.read_metadata(tmp_path)
     (tmp_path / "checkpoint_metadata.json").write_text(json.dumps({"version": "1.4"}))
     with pytest.raises(UserError, match="not a checkpoint_metadata.json"):
-        nanotron_state.read_metadata(tmp_path)
+        load.read_metadata(tmp_path)
 
 
 def test_zero1_ranges_follow_nanotron():

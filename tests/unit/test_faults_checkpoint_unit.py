@@ -16,9 +16,9 @@ from mesh3d.errors import UserError
 
 
 def test_damaged_random_state_file_is_named():
-    from mesh3d.checkpoint import nanotron_state
+    from mesh3d.checkpoint import load, nanotron_state
 
     states = nanotron_state.random_states()
     states["python"]["state"] = torch.tensor([2**70 // 2**10] * 3, dtype=torch.float64)
     with pytest.raises(UserError, match="random-state file r.pt is damaged .*delete it"):
-        nanotron_state.set_random_states(states, Path("r.pt"))
+        load.set_random_states(states, Path("r.pt"))

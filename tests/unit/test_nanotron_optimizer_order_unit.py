@@ -16,6 +16,7 @@ from test_moe import MOE
 from test_nanotron_optimizer_order import FAMILIES, family_config, nanotron_order
 
 from mesh3d.checkpoint import nanotron_state
+from mesh3d.checkpoint.load import OptimizerFiles
 from mesh3d.checkpoint.nanotron_weights import nanotron_params
 from mesh3d.config import config_from_dict
 from mesh3d.models.registry import model_shape
@@ -48,7 +49,7 @@ def test_optimizer_files_read_in_nanotron_and_in_llama_order(tmp_path):
         entries = [(p.name, states[p.name]) for p in order]
         payload = nanotron_state.optimizer_payload(entries, [{"lr": 1.0}] * len(order))
         torch.save(payload, folder / nanotron_state.optimizer_file(0, 1, 0, 1))
-        files = nanotron_state.OptimizerFiles(folder)
+        files = OptimizerFiles(folder)
         got.append({p.name: files.full(p, "exp_avg_sq") for p in params})
     assert [p.name for p in llama_order] != [p.name for p in params]
     for p in params:

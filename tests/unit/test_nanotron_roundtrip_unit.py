@@ -14,7 +14,7 @@ from nanotron_keys import config_key_problems
 from test_nanotron_roundtrip import DATA, ONE, PEAK, _base
 
 from mesh3d.checkpoint import nanotron_state
-from mesh3d.checkpoint.training import _load_scheduler
+from mesh3d.checkpoint.load import _load_scheduler, read_metadata
 from mesh3d.config import (
     Qwen2Config,
     apply_overrides,
@@ -72,7 +72,7 @@ def test_mesh3d_reads_old_and_new_metadata_and_scheduler_files(tmp_path):
         (old, one_group),
     ):
         (tmp_path / "checkpoint_metadata.json").write_text(json.dumps(meta))
-        assert nanotron_state.read_metadata(tmp_path)["metas"]["last_train_step"] == 3
+        assert read_metadata(tmp_path)["metas"]["last_train_step"] == 3
         torch.save(sched, folder / "lr_scheduler_pp-0-of-1_tp-0-of-1_exp-0-of-1.pt")
         p = torch.nn.Parameter(torch.zeros(2))
         optimizer, scheduler = build_optimizer(
