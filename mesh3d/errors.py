@@ -168,8 +168,7 @@ def report(error: Exception) -> None:
 
 
 def _report(error: Exception, code: int, rank0_first: bool = False) -> None:
-    """Print `error` (`report`) and exit `code`; `rank0_first`: a rank but 0 waits, under an
-    elastic agent, before exiting with an error every rank raised (see `RANK0_GRACE_S`)."""
+    """Print `error` (`report`) and exit `code`; `rank0_first`: see `RANK0_GRACE_S`."""
     report(error)
     if rank0_first:
         (rank, world), same = _rank_world(), getattr(error, "same_on_every_rank", False)

@@ -176,8 +176,6 @@ def param_and_compute_dtypes(cfg) -> tuple[torch.dtype, torch.dtype | None]:
     """(parameter dtype, autocast dtype or None): bf16/fp16 with `accumulate_grad_in_fp32`
     keeps fp32 parameters and runs the math under autocast."""
     dtype = DTYPES[cfg.model.dtype]
-    if dtype == torch.float32:
-        return torch.float32, None
-    if cfg.optimizer.accumulate_grad_in_fp32:
+    if dtype != torch.float32 and cfg.optimizer.accumulate_grad_in_fp32:
         return torch.float32, dtype
     return dtype, None

@@ -41,14 +41,9 @@ def quiet_known_import_noise() -> None:
 
 quiet_known_import_noise()
 
-_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-    "critical": logging.CRITICAL,
-    "passive": logging.CRITICAL + 10,  # Nanotron accepts it and then crashes; we log nothing
-}
+_LEVELS = {name: getattr(logging, name.upper()) for name in ("debug", "info", "warning", "error")}
+_LEVELS["critical"] = logging.CRITICAL
+_LEVELS["passive"] = logging.CRITICAL + 10  # Nanotron accepts it and then crashes; we log nothing
 
 
 def setup_logging(coords: dict, level: str, cp: int = 1) -> None:
@@ -112,8 +107,7 @@ def is_primary(coords: dict, rank: int, world_size: int) -> bool:
         return True
     if coords["dp"] or coords.get("cp", 0) or coords["tp"] or not coords["pp"]:
         return False
-    per_pipeline_rank = rank // coords["pp"]
-    return rank + per_pipeline_rank == world_size
+    return rank + rank // coords["pp"] == world_size
 
 
 def _world() -> tuple[int, int]:

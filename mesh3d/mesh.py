@@ -98,11 +98,10 @@ class ParallelDims:
         ascending order of their first rank; each lists its ranks in ascending order."""
         if axis not in AXES:
             raise ValueError(f"axis {axis!r} is not one of {AXES}")
-        others = [a for a in AXES if a != axis]
         by_others: dict[tuple[int, ...], list[int]] = {}
         for rank in range(self.world_size):
-            c = self.coords(rank)
-            by_others.setdefault(tuple(c[a] for a in others), []).append(rank)
+            others = tuple(v for a, v in self.coords(rank).items() if a != axis)
+            by_others.setdefault(others, []).append(rank)
         return list(by_others.values())
 
 

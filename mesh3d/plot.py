@@ -1,9 +1,7 @@
 """`mesh3d plot METRICS.jsonl ... [--output PNG]`: a run's curves against the step, in one image.
 
-Reads the files `--metrics-file` writes (`mesh3d/train/metrics.py`): loss, learning rate,
-gradient norm and tokens/s, plus in-run evaluation scores and DoReMi weights when present.
-Several files are overlaid, one colour per run. matplotlib is optional and used through its Agg
-canvas: no display, no pyplot state.
+Several `--metrics-file` files (`mesh3d/train/metrics.py`) are overlaid, one colour per run.
+matplotlib is optional and used through its Agg canvas: no display, no pyplot state.
 """
 
 from __future__ import annotations
@@ -79,7 +77,6 @@ def run_labels(paths: list[Path]) -> list[str]:
 def _matplotlib():
     """matplotlib's Figure and Agg canvas classes, or a UserError saying how to install it."""
     try:
-        import matplotlib  # noqa: F401 - first, so a missing package fails here
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
@@ -92,13 +89,9 @@ def _matplotlib():
 
 def _points(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the records that have a finite number under `key`."""
-    pairs = [
-        (r["iteration"], r[key])
-        for r in records
-        if isinstance(r.get(key), int | float) and not isinstance(r[key], bool)
-        if math.isfinite(r[key])
-    ]
-    return [s for s, _ in pairs], [v for _, v in pairs]
+    kept = [r for r in records if isinstance(r.get(key), int | float)]
+    kept = [r for r in kept if not isinstance(r[key], bool) and math.isfinite(r[key])]
+    return [r["iteration"] for r in kept], [r[key] for r in kept]
 
 
 def _panel(ax, title: str, ylabel: str, series: list, runs: list, by_key: bool = False) -> None:

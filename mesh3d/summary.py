@@ -6,9 +6,7 @@
     checkpoint   runs/default_20261203_091500/checkpoints/150
     sample       'def __init__(self' -> ...
 
-World rank 0 prints it after every rank finished. It speaks of this run only (after a resume,
-the steps it ran and the checkpoint it saved last). The sample is greedy text from that
-checkpoint, when there is one and a local tokenizer.
+It speaks of this run only: after a resume, the steps it ran and the checkpoint it saved last.
 """
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ def finish(cfg, result, metrics_file: str | None) -> None:
         lines.append(f"evals        step {last['iteration']}: {shown}")
     if getattr(result, "uploads", None) is not None:
         lines.append(f"s3_upload    {result.uploads.line()}")
-    sample = _sample(cfg, step_dir)
-    if sample:
+    if sample := _sample(cfg, step_dir):
         lines.append(f"sample       {sample}")
     print("\n".join(lines), flush=True)
 
@@ -59,8 +56,7 @@ def summary_lines(cfg, metrics: list[dict], metrics_file, plot, step_dir,
     loss = (
         f"train loss   {first['lm_loss']:.3f} (step {first['iteration']}) -> {last['lm_loss']:.3f}"
     )
-    val = [m for m in metrics if "val_loss" in m]
-    if val:
+    if val := [m for m in metrics if "val_loss" in m]:
         loss += f"      validation loss {val[-1]['val_loss']:.3f} (ppl {val[-1]['val_ppl']:.1f})"
     lines.append(loss)
     rates = [m["tokens_per_sec"] for m in metrics[1:] if "tokens_per_sec" in m] or [

@@ -31,9 +31,7 @@ Problem = tuple[str, str] | None  # (exception class name, message)
 
 
 def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def _attempt(fn: Callable[[], None], where: Path) -> tuple[Problem, BaseException | None]:

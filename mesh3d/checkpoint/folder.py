@@ -200,9 +200,8 @@ def verify(step_dir: Path, rank: int = 0, world: int = 1) -> list[str]:
 
 
 def damaged_error(step_dir: Path, problems: list[str]) -> UserError:
-    shown = "; ".join(problems[:5]) + (
-        f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
-    )
+    more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+    shown = "; ".join(problems[:5]) + more
     return UserError(
         f"checkpoint {step_dir} failed verification: {shown}. Restore the file(s) from a copy, "
         f"or resume from another step folder of {step_dir.parent}"
@@ -210,8 +209,7 @@ def damaged_error(step_dir: Path, problems: list[str]) -> UserError:
 
 
 def commit(tmp: Path, final: Path, latest: bool = True) -> None:
-    """Put the complete folder `tmp` in place as `final` (module doc); name it in `latest.txt`
-    when `latest`."""
+    """Put `tmp` in place as `final` (module doc); name it in `latest.txt` when `latest`."""
     root = final.parent
     fsync_dir(tmp)
     old = root / f".old-{final.name}"
@@ -264,9 +262,7 @@ def latest_step(root: Path) -> int | None:
 
 def recover(root: Path) -> list[str]:
     """Finish or undo what an interrupted save left in `root`; what was done, one line each."""
-    done = []
-    if not root.is_dir():
-        return done
+    done = []  # (globbing a missing folder finds nothing)
     for old in sorted(root.glob(".old-*")):
         final = root / old.name.removeprefix(".old-")
         if not final.exists() and (old / "checkpoint_metadata.json").is_file():

@@ -1,13 +1,11 @@
 """One run per checkpoints folder: a lock file taken atomically when a run starts.
 
-`<checkpoints_path>/mesh3d.lock` (owner's run id, host, pid and its start time, run start) is
-created complete (written beside, then hard-linked into place), refreshed by the owner's
-watchdog and removed when the run ends. A stale lock is taken over with a warning:
-- owner on this host: only when its process is gone (or its pid is reused). A live owner is
-  never stale: a run suspended with SIGSTOP keeps its folder;
-- owner on another host: when not refreshed for `STALE_S` seconds (a crashed node). This
-  assumes clocks agree within seconds; a run suspended longer finds its lock taken at its next
-  save and stops before writing (`FolderLock.taken_by`).
+`<checkpoints_path>/mesh3d.lock` (run id, host, pid and its start time, run start) is created
+complete (written beside, then hard-linked into place), refreshed by the owner's watchdog and
+removed at the end. A stale lock is taken over with a warning: on this host only once its
+process is gone (a live owner, even one stopped with SIGSTOP, is never stale); from another host
+once not refreshed for `STALE_S` seconds (clocks must agree within seconds; a run suspended
+longer finds its lock taken at its next save: `FolderLock.taken_by`).
 """
 
 from __future__ import annotations
@@ -106,12 +104,10 @@ class FolderLock:
         tmp.write_text(json.dumps(info))
         try:
             for _ in range(3):
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.link(tmp, self.path)  # atomic: fails if the lock exists
                     self.held = True
                     return
-                except FileExistsError:
-                    pass
                 found = self._read()
                 if found is None:
                     continue  # released in between: try again
@@ -142,10 +138,8 @@ class FolderLock:
         found = self._read()
         if found is None:
             return f"nobody: {self.path} was deleted"
-        owner, _ = found
-        if owner.get("run_id") == self.run_id:
-            return None
-        return f"another run ({_who(owner)})"
+        owner = found[0]
+        return None if owner.get("run_id") == self.run_id else f"another run ({_who(owner)})"
 
     def refresh(self) -> bool:
         """Mark the lock alive; False (and nothing touched) once it is no longer this run's."""

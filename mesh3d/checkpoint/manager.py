@@ -1,7 +1,6 @@
 """One owner for a run's saves, from the step's state to the bucket.
 
-Every save (initial, interval, stop signal, end of run; a background save committed by `poll`
-or `finish`) ends in `_committed`, which runs the commit hooks in order on world rank 0: the
+Every save ends in `_committed`, which runs the commit hooks in order on world rank 0: the
 Hugging Face export -> the upload -> retention -> what a capability adds. A hook has
 `committed(step_dir)` and may have `spared()` (steps retention must not delete), `lock` (held
 while retention deletes), `named_latest(step_dir)` and `close(wait_s)` (may return a report).
@@ -51,9 +50,8 @@ class Checkpointer:
 
     def save(self, step: int, write: Callable[[bool], object],
              background: bool = False) -> None:  # fmt: skip
-        """Save step `step` through `write(background)` (every rank), which returns the
-        committed step folder or a background save's `PendingSave`; a save in flight is
-        committed first."""
+        """Save step `step` through `write(background)` (every rank; see the module doc); a
+        save in flight is committed first."""
         self.finish()
         out = write(background)
         if not isinstance(out, Path):  # a background save's `PendingSave`
@@ -94,8 +92,7 @@ class Checkpointer:
                     hook.committed(final)
                 except CheckpointWriteError as e:  # reported alike on every rank below
                     problem = problem or str(e)
-        problem = share(problem)  # world rank 0's
-        if problem:
+        if problem := share(problem):  # world rank 0's
             raise CheckpointWriteError(problem)
 
     def name_latest(self, step_dir: Path) -> None:

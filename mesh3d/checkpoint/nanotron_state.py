@@ -43,13 +43,9 @@ def zero1_ranges(numel: int, dp: int) -> list[tuple[int, int]]:
     """Nanotron's ZeRO-1 split of a flattened tensor: ceil(n/dp) elements per dp rank, the last
     `dp*ceil(n/dp) - n` ranks one less (docs/nanotron-layout.md#optimizer-files)."""
     base = math.ceil(numel / dp)
-    short = dp * base - numel
-    out, start = [], 0
-    for r in range(dp):
-        size = base - 1 if r >= dp - short else base
-        out.append((start, start + size))
-        start += size
-    return out
+    full = numel - dp * (base - 1)  # ranks below `full` hold `base` elements, the rest one less
+    starts = [r * base - max(0, r - full) for r in range(dp + 1)]
+    return list(zip(starts, starts[1:]))
 
 
 def optimizer_config(kind: str, tp: int, dp: int, pp: int, params: list[Param], zero: bool):
@@ -80,17 +76,13 @@ def tp_rank_entries(params: list[Param], tp_rank: int) -> list[Param]:
 def optimizer_payload(entries: list[tuple[str, dict[str, Tensor]]], groups: list[dict]) -> dict:
     """The dict Nanotron `torch.save`s: state by index, one param group per parameter
     (`groups[i]`), names, and `gradient_accumulator` when any entry has a master."""
-    state, names, masters = {}, {}, {}
-    for i, (name, tensors) in enumerate(entries):
-        names[i] = name
-        adam = {k: v for k, v in tensors.items() if k != MASTER}
-        if adam:
-            state[i] = adam
-        if MASTER in tensors:
-            masters[name] = tensors[MASTER]
-    param_groups = [{**g, "params": [i]} for i, g in enumerate(groups)]
-    out = {"state": state, "param_groups": param_groups, "names": names}
-    if masters:
+    adam = {i: {k: v for k, v in t.items() if k != MASTER} for i, (_, t) in enumerate(entries)}
+    out = {
+        "state": {i: s for i, s in adam.items() if s},
+        "param_groups": [{**g, "params": [i]} for i, g in enumerate(groups)],
+        "names": {i: name for i, (name, _) in enumerate(entries)},
+    }
+    if masters := {name: t[MASTER] for name, t in entries if MASTER in t}:
         out["gradient_accumulator"] = masters
     return out
 

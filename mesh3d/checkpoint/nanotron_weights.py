@@ -67,12 +67,10 @@ def is_embedding(p: Param) -> bool:
 
 
 def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
-    """Nanotron's parameters in module order (from the family's spec); lm_head left out when
-    tied."""
+    """Nanotron's parameters in module order (from the family's spec); no lm_head when tied."""
     spec = spec_named(s.family)
     shapes = spec.param_shapes(s)
-    layer_costs, head_cost = spec.pipeline_costs(s)
-    stages = enumerate(split_by_cost(layer_costs, head_cost, pp))
+    stages = enumerate(split_by_cost(*spec.pipeline_costs(s), pp))
     stage_of = {i: st for st, owned in stages for i in owned}
     outer = {"first": [], "last": []}
     for name, (ours, kind, end) in spec.nanotron_outer.items():
@@ -88,8 +86,7 @@ def nanotron_params(s: ModelShape, pp: int = 1) -> list[Param]:
 
 
 def _slice_pairs(p: Param, tp_rank: int, tp: int) -> list[tuple[Slices, Slices]]:
-    """(local, global) slices of TP rank `tp_rank`, one pair per chunk
-    (docs/nanotron-layout.md#slice-metadata)."""
+    """(local, global) slices, one pair per chunk (docs/nanotron-layout.md#slice-metadata)."""
     dim, full = names.SPLIT_DIM[p.kind], (slice(None),) * len(p.shape)
     chunks = p.chunks if p.kind == "column" else (p.shape[dim],)
     pairs, offset = [], 0
@@ -118,20 +115,16 @@ def _parse(text: str) -> Slices:
 
 
 def weight_file(p: Param, tp_rank: int, tp: int, pp: int) -> str:
-    """Path of `p`'s file for `tp_rank`, relative to a step's `model/` folder
-    (docs/nanotron-layout.md#weight-files)."""
+    """`p`'s file for `tp_rank`, under `<step>/model` (docs/nanotron-layout.md#weight-files)."""
     *dirs, leaf = p.name.split(".")
-    if p.kind == "replicated":
-        return "/".join([*dirs, names.UNSHARDED_FILE.format(leaf=leaf)])
-    file = names.SHARDED_FILE.format(leaf=leaf, pp_rank=p.pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
+    fmt = names.UNSHARDED_FILE if p.kind == "replicated" else names.SHARDED_FILE
+    file = fmt.format(leaf=leaf, pp_rank=p.pp_rank, pp=pp, tp_rank=tp_rank, tp=tp)
     return "/".join([*dirs, file])
 
 
 def local_shape(p: Param, tp: int) -> tuple[int, ...]:
     """The shape of one TP rank's tensor of `p` (every rank's is the same for Llama)."""
-    dim = names.SPLIT_DIM[p.kind]
-    if dim is None:
-        return p.shape
+    dim = names.SPLIT_DIM[p.kind]  # None: not split
     return tuple(d // tp if i == dim else d for i, d in enumerate(p.shape))
 
 
@@ -154,8 +147,7 @@ def unshard(p: Param, shards: dict[int, Tensor], tp: int) -> Tensor:
     """The full (fused) tensor of `p` from every TP rank's tensor {tp_rank: local tensor}."""
     if p.kind == "replicated":
         return shards[min(shards)]
-    first = next(iter(shards.values()))
-    full = torch.empty(p.shape, dtype=first.dtype)
+    full = torch.empty(p.shape, dtype=next(iter(shards.values())).dtype)
     for t in range(tp):
         for lo, g in _slice_pairs(p, t, tp):
             full[g] = shards[t][lo]
@@ -164,8 +156,7 @@ def unshard(p: Param, shards: dict[int, Tensor], tp: int) -> Tensor:
 
 def fuse(p: Param, tensors: dict[str, Tensor]) -> Tensor:
     """Our tensors of `p` concatenated into Nanotron's full (fused) tensor, shape-checked."""
-    missing = [o for o in p.ours if o not in tensors]
-    if missing:
+    if missing := [o for o in p.ours if o not in tensors]:
         raise UserError(f"no weights for {missing} (needed for {p.name})")
     fused = torch.cat([tensors[o] for o in p.ours]) if len(p.ours) > 1 else tensors[p.ours[0]]
     if tuple(fused.shape) != p.shape:
@@ -317,8 +308,7 @@ def is_expert_stack(p: Param) -> bool:
 
 
 def read_param(root: str | Path, p: Param) -> Tensor:
-    """The full (fused) tensor of `p` from `root` (= `<step>/model`), saved at any TP/PP (and
-    any ep for expert stacks)."""
+    """The full (fused) tensor of `p` from `root` (= `<step>/model`), saved at any TP/PP/ep."""
     root = Path(root)
     if p.kind != "replicated":
         return _read_sharded(root, p)
@@ -353,8 +343,7 @@ def read_nanotron_weights(root: str | Path, s: ModelShape) -> dict[str, Tensor]:
 
 
 def model_config_json(cfg) -> dict:
-    """`model_config.json` (docs/nanotron-layout.md#metadata-files): the model config's fields in
-    order, vocab padded."""
+    """`model_config.json` (docs/nanotron-layout.md#metadata-files), vocab padded."""
     from mesh3d.config import padded_vocab_size
 
     d = dataclasses.asdict(cfg.model.model_config)

@@ -15,10 +15,8 @@ what an interrupted save left, and decides where the run starts:
 | another path | yes | error / resume | refused: the folder would mix two runs |
 | another path | yes | overwrite | from it; the folder's old step folders are deleted |
 
-`overwrite` deletes nothing here: the steps come back in `Claim.stale_steps`, and the run
-deletes them (`clear_steps`) just before training starts, once the checkpoint to resume from
-was found, verified and loaded. An `s3://` `resume_checkpoint_path` is first downloaded into
-`checkpoints_path/<step>` and verified (`s3.fetch_step`).
+`overwrite` deletes nothing here: the run deletes `Claim.stale_steps` (`clear_steps`) once the
+checkpoint to resume from is loaded. An `s3://` path is first fetched (`s3.fetch_step`).
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ from mesh3d.log import logger
 
 
 def _inside(path: Path, root: Path) -> bool:
-    path, root = path.resolve(), root.resolve()
-    return path == root or root in path.parents
+    return path.resolve().is_relative_to(root.resolve())
 
 
 @dataclass

@@ -1,9 +1,7 @@
-"""Weights and optimizer state of any model, in Nanotron's layout, at any layout on load.
+"""Weights and optimizer state of any model, in Nanotron's layout (`training.py`, `any_model.py`).
 
-Shared by `training.py` and `any_model.py`. `write_rank_state` gathers the full tensors of this
-rank's parameters one at a time (collectives only among the ranks holding each) and writes its
-own (pp, tp) files; `load.py`'s `load_rank_state` needs no collectives: each rank rebuilds the
-full tensors of its parameters from whatever layout wrote the files and keeps its shard.
+`write_rank_state` gathers the full tensors of this rank's parameters one at a time
+(collectives only among the ranks holding each) and writes its own (pp, tp) files.
 """
 
 from __future__ import annotations
@@ -20,13 +18,7 @@ from mesh3d import nanotron_names as names
 from mesh3d.checkpoint import nanotron_state
 from mesh3d.checkpoint.finite import non_finite
 from mesh3d.checkpoint.folder import FolderWriter
-from mesh3d.checkpoint.nanotron_weights import (
-    Param,
-    fuse,
-    is_expert_stack,
-    shard_of,
-    weight_file,
-)
+from mesh3d.checkpoint.nanotron_weights import Param, fuse, is_expert_stack, shard_of, weight_file
 from mesh3d.errors import NonFiniteError
 from mesh3d.log import Progress
 from mesh3d.parallel.parallelize import canonical_name
@@ -65,8 +57,7 @@ def _full(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def _state_keys(optimizer, param) -> tuple[str, ...]:
-    """The optimizer states of `param` a checkpoint keeps: AdamW's moments, or those the
-    optimizer names (`state_keys`); () for none."""
+    """The optimizer states of `param` a checkpoint keeps (AdamW's, or `state_keys`'s; maybe ())."""
     if isinstance(optimizer, torch.optim.AdamW):
         return nanotron_state.ADAM_KEYS
     keys_of = getattr(optimizer, "state_keys", None)
@@ -90,8 +81,7 @@ def _group_hparams(group: dict) -> dict:
 
 def _finite(t: torch.Tensor, what: str) -> torch.Tensor:
     """`t`, or a `NonFiniteError`: a checkpoint never holds NaN or inf."""
-    bad = non_finite(t)
-    if bad:
+    if bad := non_finite(t):
         raise NonFiniteError(
             f"refusing to save: {what} holds {bad} NaN/inf value(s) of {t.numel()}; the "
             "checkpoint was not written and latest.txt still names the last finite one"
@@ -131,14 +121,12 @@ def write_rank_state(writer: FolderWriter, params: list[Param], held: dict[str, 
         fused = finite(fuse(p, {o: _full(q) for o, q in zip(p.ours, first)}), f"parameter {p.name}")
         if writes and D == 0 and (p.kind != "replicated" or T == 0) and writes_weight(p):
             data, meta = shard_of(p, fused.to(model_dtype or fused.dtype), T, tp)
+            files = [(weight_file(p, T, tp, pp), slice(None))]
             if ep > 1 and is_expert_stack(p):  # one file per ep rank, Nanotron's exp-rank names
-                for rel, rows in extensions.load("expert_files").expert_files(p, ep, pp, tp):
-                    writer.save_tensors(
-                        f"model/{rel}", {names.TENSOR_KEY: data[rows].contiguous()}, meta
-                    )
-            else:
-                rel = f"model/{weight_file(p, T, tp, pp)}"
-                writer.save_tensors(rel, {names.TENSOR_KEY: data.contiguous()}, meta)
+                files = extensions.load("expert_files").expert_files(p, ep, pp, tp)
+            for rel, rows in files:
+                body = {names.TENSOR_KEY: data[rows].contiguous()}
+                writer.save_tensors(f"model/{rel}", body, meta)
         tensors = {nanotron_state.MASTER: fused.float()} if masters else {}
         state = opt_state.get(first[0], {})
         for k in keys_of(first[0]):
@@ -169,6 +157,4 @@ def write_rank_state(writer: FolderWriter, params: list[Param], held: dict[str, 
 def _own(t: torch.Tensor) -> torch.Tensor:
     """`t` in a storage of its own size: `torch.save` writes a view's whole storage, and a
     vocab-parallel shard is a view of the full tensor."""
-    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-        return t.clone()
-    return t
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t

@@ -2,9 +2,6 @@
 
 A save copies a local tokenizer (a file or a folder) into `<step>/tokenizer/`; a hub name is
 not downloaded and nothing is copied. Nanotron ignores the extra folder.
-
-    tokenizer_files("runs/tiny_data/tokenizer")   # [("tokenizer.json", Path(...)), ...]
-    step_tokenizer(Path("ckpt/100"))              # Path("ckpt/100/tokenizer") or None
 """
 
 from __future__ import annotations

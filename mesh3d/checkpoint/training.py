@@ -3,10 +3,8 @@
 A step folder is Nanotron's (docs/nanotron-layout.md#the-step-folder) plus what Nanotron
 ignores (`mesh3d_manifest.json`, `tokenizer/`, `data/`). Each rank gathers the full tensors of
 its parameters and writes its own (pp, tp) files; `atomic.py` makes the save all-or-nothing.
-Collectives run under `mesh3d.checkpoint_timeout_s`. Loading (`load.py`) verifies the manifest
-(spread over the ranks), then each rank rebuilds its parameters from whatever layout wrote the
-files, so any (dp, tp, pp, zero_stage) and vocabulary padding resumes from any other, Nanotron's
-included.
+Loading (`load.py`) rebuilds each rank's parameters from whatever layout wrote the files, so any
+(dp, tp, pp, zero_stage) and vocabulary padding resumes from any other, Nanotron's included.
 """
 
 from __future__ import annotations
@@ -92,9 +90,8 @@ def _write_rank0_files(writer: FolderWriter, cfg, layout: RunLayout, step: int, 
     writer.write_text("config.yaml", nanotron_config_yaml(cfg, step, consumed))
     writer.write_text("model_config.json", json.dumps(model_config_json(cfg)))
     zero = _zero_files(cfg)
-    kind = "ZeroDistributedOptimizer" if zero else "NamedOptimizer"
-    if not zero and layout.fp32_masters:
-        kind = "OptimizerFromGradientAccumulator"
+    plain = "OptimizerFromGradientAccumulator" if layout.fp32_masters else "NamedOptimizer"
+    kind = "ZeroDistributedOptimizer" if zero else plain
     lora = extensions.load("lora_files") if layout.lora is not None else None
     saved = nanotron_params(layout.shape) if lora is None else lora.adapter_params(layout.lora)
     opt_cfg = nanotron_state.optimizer_config(kind, par.tp, par.dp, par.pp, saved, zero)
@@ -173,15 +170,13 @@ def resolve_step_dir(path: str | Path, key: str = "`checkpoints.resume_checkpoin
 
 
 def add_custom_metas(step_dir: Path, extra: dict) -> None:
-    """Add `extra` to the `custom_metas` of a saved step folder's metadata, replaced atomically
-    (the file is outside the manifest)."""
+    """Add `extra` to a saved step folder's `custom_metas`, atomically (outside the manifest)."""
     path = step_dir / "checkpoint_metadata.json"
     meta = json.loads(path.read_text())
     meta["custom_metas"] = {**(meta.get("custom_metas") or {}), **extra}
-    FolderWriter(step_dir).write_text(
-        f".{path.name}.tmp", json.dumps(meta, indent=2, sort_keys=True)
-    )
-    os.replace(step_dir / f".{path.name}.tmp", path)
+    tmp = f".{path.name}.tmp"
+    FolderWriter(step_dir).write_text(tmp, json.dumps(meta, indent=2, sort_keys=True))
+    os.replace(step_dir / tmp, path)
     fsync_dir(step_dir)
 
 

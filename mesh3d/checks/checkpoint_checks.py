@@ -48,7 +48,6 @@ def s3_errors(cfg: Config) -> Iterator[str]:
     """`s3_upload`, and the s5cmd binary it and an `s3://` resume path need."""
     s3, ck = cfg.s3_upload, cfg.checkpoints
     resume = ck.resume_checkpoint_path if ck is not None else None
-    from_s3 = str(resume or "").startswith("s3://")
     if s3 is not None:
         if ck is None:
             yield "`s3_upload` uploads checkpoints: it needs a `checkpoints` section"
@@ -63,7 +62,7 @@ def s3_errors(cfg: Config) -> Iterator[str]:
     if not 0 <= wait <= 86400:
         yield (f"`mesh3d.upload_wait_on_stop_s` must be between 0 and 86400 seconds (how long "
                f"rank 0 waits for uploads after a stop signal), got {wait}")  # fmt: skip
-    if s3 is None and not from_s3:
+    if s3 is None and not str(resume or "").startswith("s3://"):
         return
     binary = (s3.s5cmd_path if s3 is not None else None) or "s5cmd"
     # a named binary that is missing: the one on PATH is used, with a warning

@@ -40,8 +40,7 @@ def data_stage_errors(cfg: Config) -> Iterator[str]:
 
 
 def weight_problem(weights: list[float] | None, num_folders: int) -> str | None:
-    """What is wrong with Nanoset `dataset_weights` for `num_folders` folders, or None: one
-    finite weight >= 0 per folder, with a positive sum (None weighs folders by size)."""
+    """What is wrong with Nanoset `dataset_weights` for `num_folders` folders, or None."""
     if weights is None:
         return None
     if len(weights) != num_folders:
@@ -60,10 +59,9 @@ def weight_problem(weights: list[float] | None, num_folders: int) -> str | None:
 
 def _weight_errors(where: str, dataset) -> Iterator[str]:
     if isinstance(dataset, NanosetDatasetsArgs):
-        problem = weight_problem(dataset.dataset_weights, len(dataset.dataset_folder))
-        if problem:
-            yield f"`{where}.data.dataset`: {problem}"
         n = len(dataset.dataset_folder)
+        if problem := weight_problem(dataset.dataset_weights, n):
+            yield f"`{where}.data.dataset`: {problem}"
         for key in ("dataset_read_path", "dataset_max_tokens"):
             value = getattr(dataset, key)
             if value is not None and len(value) != n:
@@ -89,14 +87,12 @@ def _weight_errors(where: str, dataset) -> Iterator[str]:
 
 
 def stage_key(stage) -> str:
-    """A stage named by its `name`: load sorts data_stages by start step, so the list index
-    need not be the one in the YAML."""
+    """A stage by `name`: load sorts data_stages by start step, so YAML indices may differ."""
     return f"data_stages[name={stage.name!r}]"
 
 
 def sequence_split_errors(key: str, seq: int, p, why: str = "") -> Iterator[str]:
-    """A sequence length `seq` (at `key`) split over cp (2·cp chunks) and, under
-    REDUCE_SCATTER, over tp."""
+    """`seq` (at `key`) split over cp (2·cp chunks) and, under REDUCE_SCATTER, over tp."""
     cp = max(p.context_parallel_size, 1)
     if cp > 1:
         yield from not_divisible(key, seq, "2 x parallelism.context_parallel_size", 2 * cp,
@@ -110,8 +106,7 @@ def sequence_split_errors(key: str, seq: int, p, why: str = "") -> Iterator[str]
 
 
 def stage_length_errors(cfg: Config) -> Iterator[str]:
-    """A stage's own `sequence_length`: >= 1, split like tokens.sequence_length, and no
-    validation (the held-out set is cut at one length)."""
+    """A stage's own `sequence_length`: >= 1, split like tokens.sequence_length, no validation."""
     t = cfg.tokens
     for s in cfg.data_stages or []:
         seq = s.sequence_length

@@ -50,9 +50,8 @@ def lr_errors(cfg: Config) -> Iterator[str]:
             "tokens.train_steps - lr_warmup_steps)"
         )
     start = s.lr_warmup_steps if s.lr_decay_starting_step is None else s.lr_decay_starting_step
-    if s.lr_decay_starting_step is None and s.lr_warmup_steps > steps:
-        pass  # warmup longer than the run: a warning (`lr_warnings`), no decay
-    elif not 0 <= start <= steps:
+    # a warmup longer than the run, with no decay start, is a warning (`lr_warnings`)
+    if (s.lr_decay_starting_step is not None or start <= steps) and not 0 <= start <= steps:
         yield f"`{LR}.lr_decay_starting_step` ({start}) must be in [0, tokens.train_steps ({steps})]"
     if not 0 <= s.min_decay_lr <= s.learning_rate:
         yield f"`{LR}.min_decay_lr` ({s.min_decay_lr}) must be in [0, learning_rate ({s.learning_rate})]"

@@ -1,8 +1,6 @@
 """Cross-checks of a typed config, run on every rank before any process group (no torch import).
 
-Each message names the key(s), the values and the fix. Nanotron settings mesh3d does not do yet
-are refused in `_unsupported`, one line per feature.
-"""
+Each message names the key(s), the values and the fix."""
 
 from __future__ import annotations
 
@@ -11,6 +9,7 @@ import math
 import os
 import shutil
 from collections.abc import Iterator
+from operator import attrgetter
 
 from mesh3d import extensions
 from mesh3d.checks.checkpoint_checks import checkpoint_errors, s3_errors
@@ -38,6 +37,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 SCALING_METHODS = ("NONE", "NUM_LAYERS", "LAYER_INDEX", "MODEL_SCALE")
 EXISTING_CHECKPOINTS = ("error", "resume", "overwrite")
 MC = "model.model_config"
+SIZES = ("parallelism.dp", "parallelism.tp", "parallelism.pp", "mesh3d.pp_virtual_stages",
+         "model.make_vocab_size_divisible_by", "tokens.sequence_length", "tokens.train_steps",
+         "tokens.micro_batch_size", "tokens.batch_accumulation_per_replica")  # fmt: skip
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -137,13 +139,8 @@ def _sections(cfg: Config) -> Iterator[str]:
 
 
 def _sizes(cfg: Config) -> Iterator[str]:
-    p, t, mc = cfg.parallelism, cfg.tokens, cfg.model.model_config
-    sizes = {f"parallelism.{k}": getattr(p, k) for k in ("dp", "tp", "pp")}
-    sizes["mesh3d.pp_virtual_stages"] = cfg.mesh3d.pp_virtual_stages
-    sizes["model.make_vocab_size_divisible_by"] = cfg.model.make_vocab_size_divisible_by
-    for k in ("sequence_length", "train_steps", "micro_batch_size"):
-        sizes[f"tokens.{k}"] = getattr(t, k)
-    sizes["tokens.batch_accumulation_per_replica"] = t.batch_accumulation_per_replica
+    mc = cfg.model.model_config
+    sizes = {key: attrgetter(key)(cfg) for key in SIZES}
     with contextlib.suppress(ConfigError):  # an unsupported family: `_unsupported` names it
         sizes.update(spec_of(mc).config_sizes(mc))
     for key, value in sizes.items():
@@ -228,8 +225,12 @@ def _pipeline(cfg: Config) -> Iterator[str]:
             "(parameters resharded between the input- and weight-gradient passes); use "
             "optimizer.zero_stage: 1 with mesh3d.full_shard: false, or another schedule"
         )
-    if layers >= stages:
-        yield from _stage_split(cfg, stages)
+    # the trainer's layer split, so an empty stage fails here (hf_model's: `train/hf_parts.py`)
+    if layers >= stages and not cfg.mesh3d.hf_model:
+        try:
+            split_by_cost(*spec_of(cfg.model.model_config).pipeline_costs(model_shape(cfg)), stages)
+        except ConfigError as e:
+            yield str(e)
     need = microbatches_needed(sched, p.pp, v)
     # "pp-1": Nanotron's 1F1B rule; with n < pp it runs all forwards then all backwards
     what = {"stages": "stages (pp x pp_virtual_stages)", "pp-1": "pp - 1", "pp": "pp"}
@@ -244,16 +245,6 @@ def _pipeline(cfg: Config) -> Iterator[str]:
             f"`{key}` ({n}) must be a multiple of the number of rounds {n} // pp ({p.pp}) = "
             f"{n // p.pp} for {sched}, which runs microbatches in rounds; use a multiple of pp"
         )
-
-
-def _stage_split(cfg: Config, stages: int) -> Iterator[str]:
-    """The layer split the trainer will use, so an empty stage fails here, not at build time."""
-    try:  # (a transformers model's follows its module tree: `train/hf_parts.py`)
-        if cfg.mesh3d.hf_model:
-            return
-        split_by_cost(*spec_of(cfg.model.model_config).pipeline_costs(model_shape(cfg)), stages)
-    except ConfigError as e:
-        yield str(e)
 
 
 def _run(cfg: Config) -> Iterator[str]:
@@ -363,8 +354,7 @@ def _family_keys(cfg: Config) -> Iterator[str]:
         )
     for family in MESH3D_FAMILIES.values():
         for key in family.keys:
-            default = getattr(Mesh3dArgs, key)
-            if family is not chosen and getattr(cfg.mesh3d, key) != default:
+            if family is not chosen and getattr(cfg.mesh3d, key) != getattr(Mesh3dArgs, key):
                 yield (f"`mesh3d.{key}` is only for `mesh3d.model_family: {family.name}`; "
                        "remove it or set the family")  # fmt: skip
 

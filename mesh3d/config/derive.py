@@ -12,8 +12,7 @@ def padded_vocab_size(cfg: Config) -> int:
     """Vocab rounded up to a multiple of tp * make_vocab_size_divisible_by
     (docs/nanotron-layout.md#parameter-names)."""
     multiple = cfg.parallelism.tp * cfg.model.make_vocab_size_divisible_by
-    vocab = cfg.model.model_config.vocab_size
-    return -(-vocab // multiple) * multiple
+    return -(-cfg.model.model_config.vocab_size // multiple) * multiple
 
 
 def world_size(cfg: Config) -> int:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
+import operator
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
@@ -17,7 +19,7 @@ from typing import Any, get_args
 import yaml
 
 from mesh3d import extensions
-from mesh3d.config.families import MESH3D_FAMILIES, Mesh3dFamily, family_of_config
+from mesh3d.config.families import MESH3D_FAMILIES, family_of_config
 from mesh3d.config.overrides import apply_to_dict, yaml_problem
 from mesh3d.config.schema import (
     AdamWOptimizerArgs,
@@ -40,6 +42,8 @@ from mesh3d.config.typecheck import Pickers, build, join, need_mapping, show
 from mesh3d.errors import ConfigError
 
 _ADAM_KEYS = ("adam_eps", "adam_beta1", "adam_beta2", "torch_adam_is_fused")
+_INITS = {"std": RandomInit, "use_mup": SpectralMupInit, "path": ExistingCheckpointInit}
+_OPTIMIZERS = {"adamw": AdamWOptimizerArgs, "sgd": SGDOptimizerArgs, "muon": MuonOptimizerArgs}
 
 
 def _names(cls: type) -> set[str]:
@@ -75,11 +79,7 @@ def _pick_init_method(value: Any, path: str) -> tuple[type, dict]:
     d = need_mapping(value, path)
     if "initializer_range" in d:  # Nanotron's examples/mamba init (not in InitMethod)
         return _lazy("mamba", "MambaInit"), d
-    for key, cls in (
-        ("std", RandomInit),
-        ("use_mup", SpectralMupInit),
-        ("path", ExistingCheckpointInit),
-    ):
+    for key, cls in _INITS.items():
         if key in d:
             return cls, d
     raise ConfigError(
@@ -94,19 +94,17 @@ def _pick_optimizer_factory(value: Any, path: str) -> tuple[type, dict]:
     name = d.get("name")
     if name is None and d.keys() & set(_ADAM_KEYS):
         name = "adamW"
-    if not isinstance(name, str) or name.lower() not in ("adamw", "sgd", "muon"):
+    if not isinstance(name, str) or name.lower() not in _OPTIMIZERS:
         got = "no `name`" if name is None else f"name {show(name)}"
         raise ConfigError(f"`{join(path, 'name')}` must be adamW, sgd or muon; got {got}")
-    if name.lower() in ("muon", "sgd"):
-        d["name"] = name.lower()
-        return (MuonOptimizerArgs if d["name"] == "muon" else SGDOptimizerArgs), d
-    d["name"] = "adamW"
-    if missing := [k for k in _ADAM_KEYS if k not in d]:
+    cls = _OPTIMIZERS[name.lower()]
+    d["name"] = cls.name  # the field's default: adamW, sgd or muon
+    if cls is AdamWOptimizerArgs and (missing := [k for k in _ADAM_KEYS if k not in d]):
         raise ConfigError(
             f"missing required key `{join(path, missing[0])}`: adamW needs all of "
             f"{', '.join(_ADAM_KEYS)} (Nanotron would silently read this as SGD and then crash)"
         )
-    return AdamWOptimizerArgs, d
+    return cls, d
 
 
 def _pick_dataset(value: Any, path: str) -> tuple[type, dict]:
@@ -144,8 +142,8 @@ def _nanoset_forms(d: dict, path: str) -> dict:
 
 _PICKERS: Pickers = {
     frozenset(get_args(ModelConfig)): _pick_model_config,
-    frozenset({RandomInit, SpectralMupInit, ExistingCheckpointInit}): _pick_init_method,
-    frozenset({AdamWOptimizerArgs, SGDOptimizerArgs, MuonOptimizerArgs}): _pick_optimizer_factory,
+    frozenset(_INITS.values()): _pick_init_method,
+    frozenset(_OPTIMIZERS.values()): _pick_optimizer_factory,
     frozenset({PretrainDatasetsArgs, NanosetDatasetsArgs, SFTDatasetsArgs}): _pick_dataset,
 }
 
@@ -156,8 +154,7 @@ def _upgrade_legacy(raw: dict) -> dict:
     opt = raw.get("optimizer")
     if isinstance(opt, dict) and "optimizer_factory" not in opt and opt.keys() & set(_ADAM_KEYS):
         opt = dict(opt)
-        factory = {"name": "adamW"}
-        factory.update({k: opt.pop(k) for k in _ADAM_KEYS if k in opt})
+        factory = {"name": "adamW", **{k: opt.pop(k) for k in _ADAM_KEYS if k in opt}}
         raw["optimizer"] = dict(opt, optimizer_factory=factory)
     if "data" in raw:
         if raw.get("data_stages") is not None:
@@ -169,20 +166,6 @@ def _upgrade_legacy(raw: dict) -> dict:
     if raw.get("mesh3d", {}) is None:
         del raw["mesh3d"]
     return raw
-
-
-def _family_in_mesh3d(m: Mesh3dArgs, mc, family: Mesh3dFamily) -> None:
-    """Copy a mesh3d family's own model-config fields into `mesh3d:`, where the saved YAML
-    keeps them."""
-    m.model_family = family.name
-    for key in family.keys:
-        ours, default = getattr(m, key), getattr(Mesh3dArgs, key)
-        if ours not in (default, getattr(mc, key)):
-            raise ConfigError(
-                f"`mesh3d.{key}` ({ours}) differs from `model.model_config.{key}` "
-                f"({getattr(mc, key)}); give it in one place"
-            )
-        setattr(m, key, getattr(mc, key))
 
 
 def _resolve(cfg: Config) -> Config:
@@ -202,8 +185,16 @@ def _resolve(cfg: Config) -> Config:
         own = {k: getattr(cfg.mesh3d, k) for k in family.keys}
         mc = cfg.model.model_config = family.config_class(**fields, **own)
     family = family_of_config(mc)
-    if family is not None:  # also from mesh3d's model_config.json form (its marker)
-        _family_in_mesh3d(cfg.mesh3d, mc, family)
+    if family is not None:  # also from model_config.json's form; `mesh3d:` keeps its own fields
+        cfg.mesh3d.model_family = family.name
+        for key in family.keys:
+            ours = getattr(cfg.mesh3d, key)
+            if ours not in (getattr(Mesh3dArgs, key), getattr(mc, key)):
+                raise ConfigError(
+                    f"`mesh3d.{key}` ({ours}) differs from `model.model_config.{key}` "
+                    f"({getattr(mc, key)}); give it in one place"
+                )
+            setattr(cfg.mesh3d, key, getattr(mc, key))
     if isinstance(cfg.model.init_method, RandomInit):
         cfg.model.init_method.scaling_method = cfg.model.init_method.scaling_method.upper()
     if cfg.optimizer is not None:
@@ -241,9 +232,7 @@ _FAMILY_ONLY = tuple(dict.fromkeys(
 
 def _drop_not_nanotron(d: dict, always: bool) -> None:
     for path, key, default in _NOT_NANOTRON:
-        section = d
-        for part in path:
-            section = section[part]
+        section = functools.reduce(operator.getitem, path, d)
         if key in section and (always or section[key] == default):
             del section[key]
     if d.get("doremi", 0) is None:  # only Nanotron's examples/doremi config class has it

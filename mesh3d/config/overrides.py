@@ -57,7 +57,6 @@ def yaml_problem(error: yaml.YAMLError) -> str:
 def _set(root: dict, parts: list[str | int], value: Any, token: str) -> None:
     node: Any = root
     for i, part in enumerate(parts):
-        last = i == len(parts) - 1
         where = functools.reduce(join, parts[:i], "") or "the config"
         if isinstance(part, int):
             if not isinstance(node, list) or part >= len(node):
@@ -69,7 +68,7 @@ def _set(root: dict, parts: list[str | int], value: Any, token: str) -> None:
             raise ConfigError(
                 f"override `{token}`: `{where}` is {_kind(node)}, so it has no key `{part}`"
             )
-        if last:
+        if i == len(parts) - 1:
             node[part] = value
         elif isinstance(part, str) and node.get(part) is None and isinstance(parts[i + 1], str):
             node[part] = {}
@@ -84,6 +83,5 @@ def apply_to_dict(raw: dict, overrides: Sequence[str]) -> dict:
     """A copy of `raw` with each `key=value` in `overrides` set, in order."""
     out = copy.deepcopy(raw)
     for token in overrides:
-        parts, value = parse_override(token)
-        _set(out, parts, value, token)
+        _set(out, *parse_override(token), token)
     return out

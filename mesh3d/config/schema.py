@@ -121,8 +121,7 @@ class Qwen2Config:
 class Qwen3Config(Qwen2Config):
     """Qwen3 (Qwen2 plus per-head q/k RMSNorm and a free head size; with `moe_config`, Qwen3-MoE).
 
-    Nanotron has none: a YAML keeps a Qwen2 `model_config` plus `mesh3d: {model_family: qwen3,
-    ...}`; mesh3d's `model_config.json` carries `is_qwen3_config` and these fields."""
+    Nanotron has none: how a YAML and a checkpoint write it is in config/families.py."""
 
     is_qwen3_config: bool = True
     head_dim: int | None = None  # None: hidden_size / num_attention_heads
@@ -270,12 +269,11 @@ class MuonOptimizerArgs:
 
 @dataclass
 class LRSchedulerArgs:
-    """Nanotron's LR schedule keys; unlike Nanotron, an omitted `lr_warmup_style` means linear
-    (docs/nanotron-layout.md#how-a-config-is-parsed)."""
+    """Nanotron's LR schedule keys (docs/nanotron-layout.md#how-a-config-is-parsed)."""
 
     learning_rate: float
     lr_warmup_steps: int = 0
-    lr_warmup_style: str = "linear"  # linear | constant (Nanotron requires it)
+    lr_warmup_style: str = "linear"  # linear | constant (omitted: linear; Nanotron requires it)
     lr_decay_style: str = "linear"  # linear | cosine | 1-sqrt
     lr_decay_steps: int | None = None  # null -> train_steps - lr_warmup_steps at load
     lr_decay_starting_step: int | None = None  # null -> lr_warmup_steps (in the schedule)

@@ -19,9 +19,8 @@ from typing import Any, Union
 
 from mesh3d.errors import ConfigError
 
-# picker(value, dotted_path) -> (dataclass to build, mapping to build it from)
-Picker = Callable[[Any, str], tuple[type, dict]]
-Pickers = dict[frozenset, Picker]
+# a union's classes -> picker(value, dotted_path) -> (dataclass to build, mapping to build it from)
+Pickers = dict[frozenset, Callable[[Any, str], tuple[type, dict]]]
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _NONE = type(None)
@@ -67,10 +66,6 @@ def _has_default(f: dataclasses.Field) -> bool:
     return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
-def _default(f: dataclasses.Field) -> Any:
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
-
-
 def need_mapping(value: Any, path: str) -> dict:
     if not isinstance(value, dict):
         raise ConfigError(f"`{path}` must be a mapping of keys, got {show(value)}")
@@ -83,20 +78,17 @@ def build(cls: type, data: Any, path: str, pickers: Pickers) -> Any:
     hints = _hints(cls)
     fields = dataclasses.fields(cls)
     names = [f.name for f in fields]
-    for key in data:
-        if key not in names:
-            raise ConfigError(unknown_key_message(path, key, names))
+    if unknown := [key for key in data if key not in names]:
+        raise ConfigError(unknown_key_message(path, unknown[0], names))
     kwargs = {}
     for f in fields:
-        key_path = join(path, f.name)
-        if f.name not in data:
+        key_path, optional = join(path, f.name), is_optional(hints[f.name])
+        if f.name not in data or (data[f.name] is None and _has_default(f) and not optional):
             if _has_default(f):
-                continue
-            if not is_optional(hints[f.name]):
+                continue  # the dataclass fills in its default
+            if not optional:
                 raise ConfigError(f"missing required key `{key_path}`")
             kwargs[f.name] = None
-        elif data[f.name] is None and _has_default(f) and not is_optional(hints[f.name]):
-            kwargs[f.name] = _default(f)
         else:
             kwargs[f.name] = convert(hints[f.name], data[f.name], key_path, pickers)
     return cls(**kwargs)
@@ -108,11 +100,9 @@ def closest_key(key: str, valid: list[str]) -> str | None:
     for name in valid:
         if name.lower() == key.lower():
             return name
-    prefixes = [name for name in valid if key.startswith(name + "_")]
-    if prefixes:
+    if prefixes := [name for name in valid if key.startswith(name + "_")]:
         return max(prefixes, key=len)
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    return close[0] if close else None
+    return next(iter(difflib.get_close_matches(key, valid, n=1, cutoff=0.6)), None)
 
 
 def unknown_key_message(path: str, key: object, valid: list[str]) -> str:
@@ -131,17 +121,12 @@ def convert(tp: Any, value: Any, path: str, pickers: Pickers) -> Any:
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path, pickers)
     base = typing.get_origin(tp) or tp
-    if base is bool and isinstance(value, bool):
+    if base in (bool, int, str) and _fits(base, value):
         return value
-    if base is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if base is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-            return float(value)
-    if base is str and isinstance(value, str):
-        return value
+    if base is float and (_fits(int, value) or isinstance(value, float)):
+        return float(value)
+    if base is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value)
     if base is list and isinstance(value, list):
         (item,) = typing.get_args(tp) or (Any,)
         return [convert(item, v, join(path, i), pickers) for i, v in enumerate(value)]
@@ -166,7 +151,11 @@ def _convert_union(tp: Any, members: tuple, value: Any, path: str, pickers: Pick
     if len(others) == 1:
         return convert(others[0], value, path, pickers)
     for m in others:  # e.g. str | list[str]: the first member whose container type fits
-        base = typing.get_origin(m) or m
-        if isinstance(value, base) and (base is bool or not isinstance(value, bool)):
+        if _fits(typing.get_origin(m) or m, value):
             return convert(m, value, path, pickers)
     raise ConfigError(f"`{path}` must be {describe(tp)}, got {show(value)}")
+
+
+def _fits(base: type, value: Any) -> bool:
+    """`value` is a `base`; a bool is no int."""
+    return isinstance(value, base) and (base is bool or not isinstance(value, bool))

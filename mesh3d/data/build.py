@@ -127,7 +127,6 @@ class StagedData:
         self.gbs = global_batch_size(cfg)
         self.train_steps = cfg.tokens.train_steps
         self.datasets = [build_dataset(cfg, i) for i in range(len(self.starts))]
-        # loader worker processes per stage: none for generated (dummy) data
         self.workers = [0 if s.data.dataset is None else s.data.num_loading_workers
                         for s in stages] or [0]  # fmt: skip
         self.sources = [f"data_stages[{i}] ({s.name!r}): {_files(s.data.dataset)}"

@@ -32,11 +32,8 @@ def stdlib_files(budget_bytes: int) -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files, total = [], 0
     for path in sorted(root.rglob("*.py")):
-        if SKIP & set(path.relative_to(root).parts):
-            continue
-        size = path.stat().st_size
-        if size < 200:  # empty __init__ files and stubs
-            continue
+        if SKIP & set(path.relative_to(root).parts) or (size := path.stat().st_size) < 200:
+            continue  # skipped folders; empty __init__ files and stubs
         files.append(path)
         total += size
         if total >= budget_bytes:

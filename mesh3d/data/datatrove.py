@@ -1,10 +1,6 @@
-"""Reading datatrove's tokenized files, the format Nanotron's Nanoset reads.
-
-A `*.ds` file is raw little-endian token ids (uint16, or uint32 above 65,536 ids; no header),
-with `.ds.index` (uint64 document ends) and `.ds.metadata` (`<tokenizer>|<bytes per token>` on
-line 1) beside it. As datatrove: a folder's files are sorted, then shuffled with
-`default_rng(42).permutation`; sample i of a file is tokens [i*(S+1), (i+1)*(S+1)), the tail
-dropped. Files are memory-mapped. Writing is `data/token_writer.py`'s.
+"""Reading datatrove's tokenized files (docs/nanotron-layout.md#datatrove-token-files), the format
+Nanotron's Nanoset reads: raw token ids with `.ds.index` and `.ds.metadata` beside them. Files are
+memory-mapped. Writing is `data/token_writer.py`'s.
 """
 
 from __future__ import annotations
@@ -93,7 +89,6 @@ class DatatroveFile:
         return self.used_tokens // (self.seq_len + 1)
 
     def window(self, index: int) -> np.ndarray:
-        """Tokens [index*(S+1), (index+1)*(S+1)) of the file."""
         w = self.seq_len + 1
         return self.tokens[index * w : (index + 1) * w]
 
@@ -143,14 +138,11 @@ class DatatroveFolder:
         if not os.path.isdir(self.folder) and self.read_path and os.path.isdir(self.read_path):
             listed = self.read_path  # a remote folder: its local copy lists the files
         if not os.path.exists(listed):
-            hint = (
-                " (`python recipes/tiny_data.py` writes it)"
-                if "tiny_data" in str(self.folder)
-                else " (`mesh3d.data.tokenize` writes one from text)"
-            )
+            hint = ("`python recipes/tiny_data.py` writes it" if "tiny_data" in self.folder
+                    else "`mesh3d.data.tokenize` writes one from text")  # fmt: skip
             copy = f" and dataset_read_path {self.read_path!r}" if self.read_path else ""
             raise UserError(
-                f"dataset_folder {self.folder!r}{copy} does not exist; fix the path{hint}"
+                f"dataset_folder {self.folder!r}{copy} does not exist; fix the path ({hint})"
             )
         if not os.path.isdir(listed):
             raise UserError(
@@ -174,8 +166,7 @@ class DatatroveFolder:
                     break
         order = np.random.default_rng(file_seed).permutation(len(kept))
         self.files = [kept[i] for i in order]
-        lengths = [len(f) for f in self.files]
-        self.starts = [0, *np.cumsum(lengths).tolist()]  # starts[f] = first sample of file f
+        self.starts = [0, *np.cumsum([len(f) for f in self.files]).tolist()]  # file f starts at [f]
         if len(self) == 0 and max_tokens is not None:
             raise UserError(
                 f"dataset_max_tokens {max_tokens} of dataset_folder {self.folder!r} is less than "

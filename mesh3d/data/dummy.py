@@ -25,24 +25,18 @@ class DummyTokens:
             raise ValueError(f"unknown dummy data kind {kind!r}; use 'random' or 'learnable'")
         self.vocab_size, self.seq_len, self.seed, self.kind = vocab_size, seq_len, seed, kind
 
-    def _generator(self, index: int) -> torch.Generator:
-        return torch.Generator().manual_seed((self.seed * _MIX + index) % (2**63))
-
     def sample_key(self, index: int) -> int:
         """The low 32 bits of sample `index`'s generator seed, all that torch's CPU generator
         (mt19937) uses: equal keys give equal samples."""
         return (self.seed * _MIX + index) % (2**32)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = self._generator(index)
+        g = torch.Generator().manual_seed((self.seed * _MIX + index) % (2**63))
         V, S = self.vocab_size, self.seq_len
-        if self.kind == "random":
-            inputs = torch.randint(0, V, (S,), generator=g)
-            labels = torch.randint(0, V, (S,), generator=g)
-            return inputs, labels
+        if self.kind == "random":  # inputs, then labels
+            return torch.randint(0, V, (S,), generator=g), torch.randint(0, V, (S,), generator=g)
         # learnable: x[t+1] = (5 * x[t] + 3) mod V from a random start; labels = next tokens
-        start = int(torch.randint(0, V, (1,), generator=g))
-        seq = [start]
+        seq = [int(torch.randint(0, V, (1,), generator=g))]
         for _ in range(S):
             seq.append((5 * seq[-1] + 3) % V)
         t = torch.tensor(seq, dtype=torch.long)

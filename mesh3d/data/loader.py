@@ -1,13 +1,9 @@
 """The loader: each step's microbatches read ahead by `num_loading_workers` worker processes.
 
-One `StatefulDataLoader` per data stage. A map-style stage is a dataset over *steps*
-(`StepDataset`), so workers change when a batch is read, never what it holds, and a resume needs
-no loader state. A streamed stage (`data/streaming.py`) yields each worker's logical shards' part
-of a step; its position is saved per dp rank (`data_state`) and taken up at any dp (`Feed.resume`).
-
-Workers start from a 'forkserver': one forked from a rank already running gloo threads can hang.
-A worker that dies, hangs past `mesh3d.collective_timeout_s` or raises is one `DataWorkerError`
-line (a `UserError` from the data stays a `UserError`).
+One `StatefulDataLoader` per data stage (docs/data.md). A map-style stage is a dataset over steps
+(`StepDataset`): workers change when a batch is read, never what it holds, so a resume needs no
+loader state. A streamed stage's position is saved per dp rank (`data_state`) and taken up at any
+dp (`Feed.resume`). Workers start from a 'forkserver': a fork of a rank running gloo can hang.
 """
 
 from __future__ import annotations
@@ -42,9 +38,8 @@ class StepDataset(Dataset):
 
     def __getitem__(self, step: int):
         try:
-            local = step - self.start + 1
-            return step, by_value(microbatches(self.dataset, local, self.gbs, self.dp_rank,
-                                               self.dp, self.mbs))  # fmt: skip
+            return step, by_value(microbatches(self.dataset, step - self.start + 1, self.gbs,
+                                               self.dp_rank, self.dp, self.mbs))  # fmt: skip
         except Exception as e:  # noqa: BLE001 - carried to the training process, raised there
             return step, Failed(e)
 
@@ -67,11 +62,9 @@ class StageLoader:
         self.where, self.workers, self.timeout_s, self.pin = where, workers, timeout_s, pin
         self.streamed = isinstance(dataset, IterableDataset)
         self.dataset, self.parts = dataset, getattr(dataset, "workers", 1)
-        kwargs = {}
-        if workers > 0:
-            kwargs = dict(multiprocessing_context=_context(),
-                          prefetch_factor=_PREFETCH, timeout=timeout_s, persistent_workers=False,
-                          worker_init_fn=_worker_init)  # fmt: skip
+        kwargs = dict(multiprocessing_context=_context(), prefetch_factor=_PREFETCH,
+                      timeout=timeout_s, persistent_workers=False,
+                      worker_init_fn=_worker_init) if workers > 0 else {}  # fmt: skip
         with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self.loader = StatefulDataLoader(
@@ -156,10 +149,6 @@ class StageLoader:
             "checkpoint"
         )
 
-    def state_dict(self) -> dict:
-        """A streamed stage's position after the last step it returned, per logical shard."""
-        return self.dataset.state()
-
     def close(self) -> None:
         """Stop the workers, if any."""
         it, self._it = self._it, None
@@ -190,10 +179,8 @@ def worker_pids(loader: StageLoader) -> list[int]:
 
 
 class Feed:
-    """This rank's batches of every step, stage after stage (`Run.batches` asks it).
-
-    A step out of order opens that stage's loader again at it (a stream re-reads from the
-    stage's first step)."""
+    """This rank's batches of every step, stage after stage (`Run.batches` asks it). A step out
+    of order reopens its stage's loader at it (a stream re-reads from the stage's first step)."""
 
     def __init__(self, data, dp_rank: int, dp: int, micro_batch_size: int, *,
                  timeout_s: float, pin: bool = False):  # fmt: skip
@@ -272,13 +259,12 @@ class Feed:
 
     def data_state(self, step: int) -> dict | None:
         """This dp rank's stream positions after `step` (None: that stage is not streamed)."""
-        data = self.data
-        i = data.stage_at(step)
-        ds = data.datasets[i]
+        i = self.data.stage_at(step)
+        ds = self.data.datasets[i]
         if not _streamed(ds):
             return None
         if self.loader is not None and self.stage == i and self.loader.next_step == step + 1:
-            positions = self.loader.state_dict()
+            positions = self.loader.dataset.state()  # per logical shard, after the last step
         elif self._resume is not None and self._resume[:2] == (i, step + 1):
             per = ds.shards // self.dp  # saved again before any step read
             owned = range(self.dp_rank * per, (self.dp_rank + 1) * per)

@@ -1,9 +1,7 @@
-"""Nanoset: pretraining samples from datatrove-tokenized folders (`data/datatrove.py`),
-blended as Nanotron's index (docs/nanotron-layout.md#nanoset-index).
-
-One difference, on purpose: Nanotron repeats epoch 0's shuffle (`RandomState(seed)`) in every
-epoch; mesh3d shuffles epoch 0 the same and each later epoch e with `default_rng([seed, e])`.
-`ds[i]` returns (input_ids [S], label_ids [S]) int64, like `DummyTokens`.
+"""Nanoset: pretraining samples from datatrove-tokenized folders (`data/datatrove.py`), blended
+as Nanotron's index (docs/nanotron-layout.md#nanoset-index). On purpose, unlike Nanotron (which
+repeats epoch 0's `RandomState(seed)` shuffle), each later epoch e is shuffled with
+`default_rng([seed, e])`. `ds[i]` is (input_ids [S], label_ids [S]) int64, like `DummyTokens`.
 """
 
 from __future__ import annotations
@@ -29,16 +27,6 @@ def check_weights(weights: Sequence[float] | None, num_folders: int) -> None:
     problem = weight_problem(None if weights is None else list(weights), num_folders)
     if problem:
         raise UserError(problem)
-
-
-def normalize_weights(weights: Sequence[float] | None, sizes: Sequence[int]) -> list[float]:
-    """Blend weights summing to 1: the given ones normalized, or proportional to `sizes`."""
-    check_weights(weights, len(sizes))
-    if weights is None:
-        total = sum(sizes)
-        return [n / total for n in sizes]
-    w = np.asarray(weights, dtype=np.float64)
-    return (w / w.sum()).tolist()
 
 
 def greedy_blend(weights: Sequence[float], length: int) -> np.ndarray:
@@ -79,7 +67,9 @@ class BlendedSamples:
             raise UserError(f"the run needs {num_samples} samples; expected a count >= 0")
         self.sources = list(sources)
         self.sizes = [len(s) for s in self.sources]
-        self.weights = normalize_weights(weights, self.sizes)
+        check_weights(weights, len(self.sizes))  # weights None: proportional to the sizes
+        w = np.asarray(self.sizes if weights is None else weights, dtype=np.float64)
+        self.weights = (w / w.sum()).tolist()  # summing to 1
         self.num_samples, self.seed = num_samples, seed
         self.epoch_len = sum(self.sizes)
         self._base: tuple[np.ndarray, np.ndarray] | None = None
@@ -99,8 +89,7 @@ class BlendedSamples:
             self._base = (which, sample)
         return self._base
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        """Epoch 0: Nanotron's `RandomState(seed)` shuffle; epoch e > 0: `default_rng([seed, e])`."""
+    def _permutation(self, epoch: int) -> np.ndarray:  # see the module doc
         if epoch == 0:
             return np.random.RandomState(self.seed).permutation(self.epoch_len)
         return np.random.default_rng([self.seed, epoch]).permutation(self.epoch_len)

@@ -1,14 +1,6 @@
-"""Held-out validation data: L = `tokens.limit_val_batches` global batches of the first stage's
-dataset that the run never trains on, fixed by the config and the data alone:
-
-- dummy data: sample indices 2**31 + i, whose generator keys (32 bits of the seed, as torch's
-  CPU generator keeps) sit half the key space away from training's;
-- `BlendedSamples`: walking epoch 0's order back from its end, the first L * GBS distinct
-  windows (by folder, or tokens' digest, and index) that no stage trains on;
-- SFT data (`data/sft.py`): the last L * GBS packed sequences, held out when built.
-
-Too few unread samples is a `UserError` before training starts.
-"""
+"""Held-out validation data: `tokens.limit_val_batches` global batches of the first stage's
+dataset that the run never trains on, fixed by the config and the data alone (how each kind of
+data is held out: `docs/data.md`)."""
 
 from __future__ import annotations
 
@@ -30,10 +22,8 @@ _CHUNK = 1 << 16  # epoch positions examined at a time when walking back from th
 
 
 class HeldOut:
-    """Map-style validation set: `held[i]` -> (input_ids, label_ids[, positions]) of sample i.
-
-    `ids` are dummy indices or `BlendedSamples` (source, window) pairs.
-    """
+    """Map-style validation set: `held[i]` -> (input_ids, label_ids[, positions]) of sample i;
+    `ids` are dummy indices or `BlendedSamples` (source, window) pairs."""
 
     def __init__(self, ids: list, fetch: Callable[..., tuple], global_batch: int, num_batches: int):
         self.ids, self._fetch = ids, fetch
@@ -94,8 +84,7 @@ def source_key(source) -> tuple:
     folder = getattr(source, "folder", None)
     if folder is not None:
         return ("folder", os.path.realpath(folder))
-    digest = hashlib.sha1(np.ascontiguousarray(source.tokens).view(np.uint8)).hexdigest()
-    return ("tokens", digest)
+    return ("tokens", hashlib.sha1(np.ascontiguousarray(source.tokens).view(np.uint8)).hexdigest())
 
 
 def _check_dummy_keys(first: DummyTokens, count: int, datasets, reads, names) -> None:

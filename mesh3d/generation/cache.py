@@ -39,8 +39,7 @@ class LayerCache:
             allowed &= kpos > qpos - window
         if self.pads is not None:  # (B, 1, S, end): a row's padding keys hidden, but from itself
             real = kpos[None] >= self.pads.to(q.device)[:, None, None]  # (B, 1, end)
-            allowed = (allowed[None] & real) | (kpos == qpos)[None]
-            allowed = allowed[:, None]
+            allowed = ((allowed[None] & real) | (kpos == qpos)[None])[:, None]
         q, keys, values = (t.transpose(1, 2) for t in (q, keys, values))  # (B, H, S, dh)
         mask = None if s == 1 and window is None and self.pads is None else allowed  # sees all
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,

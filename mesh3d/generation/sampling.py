@@ -89,14 +89,12 @@ def _generate_cached(model, ids, max_new_tokens, temperature, top_k, eos, genera
     """`generate` with a KV cache: the prompt once, then one token per forward."""
     from mesh3d.generation.cache import KVCache, pad_positions
 
-    rows = ids[None] if ids.dim() == 1 else ids  # (B, S)
-    b, s = rows.shape
     state = {"fed": 0}
 
-    def pick(out: Tensor) -> Tensor:
+    def pick(out: Tensor) -> Tensor:  # out: (B, S)
         new = out[:, state["fed"] :]  # what the cache has not seen: the prompt, then 1 token
         if pads is None:
-            at = torch.arange(state["fed"], out.shape[1], device=out.device).expand(b, -1)
+            at = torch.arange(state["fed"], out.shape[1], device=out.device).expand(len(out), -1)
         else:
             at = pad_positions(pads.to(out.device), state["fed"], out.shape[1])
         logits = model(new, positions=at)[:, -1, :vocab_size]  # (B, V)
@@ -104,7 +102,6 @@ def _generate_cached(model, ids, max_new_tokens, temperature, top_k, eos, genera
         return next_token(logits, temperature, top_k, generator)
 
     if pads is not None:
-        pads = pads.to(rows.device)
-    with KVCache(model, s + max_new_tokens, pads):
-        out = extend(rows, max_new_tokens, pick, eos)
-    return out[0] if ids.dim() == 1 else out
+        pads = pads.to(ids.device)
+    with KVCache(model, ids.shape[-1] + max_new_tokens, pads):
+        return extend(ids, max_new_tokens, pick, eos)

@@ -349,8 +349,7 @@ class Llama(nn.Module):
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, S, h)
         for layer in self.layers.values():
             h = layer(h, positions=positions)
-        if self.norm is not None:
-            h = self.norm(h)
+        h = self.norm(h) if self.norm is not None else h
         return self.lm_head(h) if self.lm_head is not None else h  # (B, S, V) or (B, S, h)
 
 

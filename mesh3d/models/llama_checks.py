@@ -1,8 +1,6 @@
 """The torch-free model-config checks of the Llama-like families (Qwen2's are in `qwen2_spec.py`).
 
-Each yields one message per problem; the sizes (`llama_sizes`) are checked >= 1 first, so these
-never divide by zero.
-"""
+The sizes (`llama_sizes`) are checked >= 1 first, so these never divide by zero."""
 
 from __future__ import annotations
 
@@ -27,14 +25,12 @@ def llama_sizes(mc) -> dict[str, int]:
 
 
 def llama_errors(cfg) -> Iterator[str]:
-    """Heads, key/value heads and the MLP against tp, the head size, token ids, positions."""
+    """Heads, kv heads, MLP against tp; head size, rotary base, activation, positions, token ids."""
     mc, tp = cfg.model.model_config, cfg.parallelism.tp
     heads, kv = mc.num_attention_heads, mc.num_key_value_heads
-    tp_fix = "choose a parallelism.tp that divides it"
-    yield from not_divisible(f"{MC}.num_attention_heads", heads, "parallelism.tp", tp, tp_fix)
-    yield from not_divisible(f"{MC}.num_key_value_heads", kv, "parallelism.tp", tp, tp_fix)
-    yield from not_divisible(f"{MC}.intermediate_size", mc.intermediate_size, "parallelism.tp",
-                             tp, tp_fix)  # fmt: skip
+    for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        yield from not_divisible(f"{MC}.{k}", getattr(mc, k), "parallelism.tp", tp,
+                                 "choose a parallelism.tp that divides it")  # fmt: skip
     head_dim = getattr(mc, "head_dim", None)  # Qwen3's mesh3d.head_dim
     if head_dim is None:
         yield from not_divisible(f"{MC}.hidden_size", mc.hidden_size, f"{MC}.num_attention_heads",
@@ -58,11 +54,6 @@ def llama_errors(cfg) -> Iterator[str]:
         yield f"`{MC}.rms_norm_eps` must be > 0, got {mc.rms_norm_eps}"
     if mc.z_loss_enabled and not mc.z_loss_coefficient > 0:
         yield f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got {mc.z_loss_coefficient}"
-    yield from _positions_and_tokens(cfg, mc)
-
-
-def _positions_and_tokens(cfg, mc) -> Iterator[str]:
-    """Rotary base, activation, positions and special token ids of a Llama or Qwen2 config."""
     if not (math.isfinite(mc.rope_theta) and mc.rope_theta > 0):
         yield f"`{MC}.rope_theta` must be a finite number > 0 (the rotary base, e.g. 10000.0), got {mc.rope_theta}"
     if mc.hidden_act not in HIDDEN_ACTS:

@@ -58,8 +58,7 @@ def build(mc, vocab_size: int | None = None, attention: str = "auto"):
 def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     """The plan for `tp_mode` REDUCE_SCATTER (True) or ALL_REDUCE (False); every layer alike.
 
-    q/k/v and gate/up column-wise, o/down row-wise, a vocab-parallel embedding and vocab-sharded
-    logits. Sequence parallel shards the residual stream and the norms on the sequence dim.
+    Sequence parallel shards the residual stream and the norms on the sequence dim.
 
     Example:
 
@@ -67,8 +66,7 @@ def tp_plan(sequence_parallel: bool, shape: ModelShape | None = None) -> dict:
     """
     from mesh3d import tp_styles as ts
 
-    seq = ts.Shard(1)  # activations are [B, S, h]: the sequence is dim 1
-    act = seq if sequence_parallel else ts.Replicate()
+    act = ts.Shard(1) if sequence_parallel else ts.Replicate()  # [B, S, h]: the sequence is dim 1
 
     def norm():  # each rank's rows under sequence parallelism: partial weight gradients
         return ts.LocalReplicated(partial_grads=sequence_parallel)
@@ -178,9 +176,8 @@ def ours_to_hf(name: str) -> str:
 
 
 def hf_to_ours(name: str) -> str | None:
-    if name.endswith("rotary_emb.inv_freq"):
-        return None  # a cache some older checkpoints carry
-    return name.removeprefix("model.")
+    # None: rotary_emb.inv_freq, a cache some older checkpoints carry
+    return None if name.endswith("rotary_emb.inv_freq") else name.removeprefix("model.")
 
 
 def config_from_hf(hf: dict, where) -> LlamaConfig:

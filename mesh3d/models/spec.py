@@ -111,10 +111,8 @@ class ModelSpec:
     mup: bool = False  # spectral µP applies (`models/mup.py`: Nanotron defines it for Llama, Qwen2)
     # (model config) -> whether forward takes `token_keys` [B, S] for dropout (`models/dropout.py`)
     dropout: Callable[[Any], bool] = lambda mc: False
-    # whether `plan/activations.py`'s table (Llama's layer) fits; else `mesh3d plan` estimates
-    llama_activations: bool = True
-    # whether `mesh3d.lora` adapters apply (`models/lora.py`)
-    lora: bool = True
+    llama_activations: bool = True  # plan/activations.py's table fits; else `mesh3d plan` estimates
+    lora: bool = True  # `mesh3d.lora` adapters apply (`models/lora.py`)
     # (model config) -> `init_std` with the config's own init settings (Mamba's ssm_cfg)
     init_for: Callable[[Any], Callable[[str, float, int, str], Any]] | None = None
 

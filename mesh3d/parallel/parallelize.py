@@ -21,9 +21,7 @@ from mesh3d import extensions
 from mesh3d.mesh import hsdp_mesh, replica_mesh
 from mesh3d.models.init import init_full_tensor
 from mesh3d.models.spec import Blocks
-from mesh3d.torch_private import (
-    checkpoint_wrapper,
-)
+from mesh3d.torch_private import checkpoint_wrapper
 
 if TYPE_CHECKING:
     from mesh3d.tp_styles import TPPlan

@@ -1,9 +1,7 @@
 """Build what one rank trains: its model parts (one module, or its pipeline stages) and schedule.
 
-Every part is built on `meta` (float8 linears first), then `parallelize`d (TP -> recompute ->
-compile -> materialize + init -> DP). With pp > 1 the meta model is first cut into stages
-(Nanotron's cost-based split); each of this rank's is parallelized, wrapped in a `PipelineStage`
-with explicit shapes (no communication at construction) and handed to the schedule."""
+Every part is built on `meta`, then `parallelize`d (TP -> recompute -> compile -> materialize +
+init -> DP). Pipeline stages get explicit shapes: no communication at construction."""
 
 from __future__ import annotations
 
@@ -142,9 +140,7 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
 
     if p.pp == 1:
         parts = ModelParts(modules=[finish(full)], loss_fn=loss_fn, expert_replicas=expert_replicas)
-        _set_aux_weights(parts.modules, layout)
-        parts.reducers = _reducers(parts.modules, layout, mesh, cfg.model.ddp_bucket_cap_mb)
-        return parts
+        return _finished(parts, layout, mesh, cfg.model.ddp_bucket_cap_mb)
 
     from mesh3d.parallel.pipeline import build_schedule, build_stage, pipeline_stage  # pp > 1 only
 
@@ -169,30 +165,27 @@ def build_model_parts(cfg, layout: RunLayout, mesh: DeviceMesh, device: torch.de
         return stages, build_schedule(name, stages, at.microbatches, loss_fn)
 
     stages, schedule = shaped(layout.sequence_length)
-    _set_aux_weights(modules, layout)
-    return ModelParts(
+    parts = ModelParts(
         seq_len=layout.sequence_length, reshape=shaped,
-        reducers=_reducers(modules, layout, mesh, cfg.model.ddp_bucket_cap_mb),
         modules=modules, schedule=schedule, stages=stages, has_first=0 in ids,
         has_last=n - 1 in ids, embed_rank=rank_of_stage(0, p.pp, name),
         head_rank=rank_of_stage(n - 1, p.pp, name), loss_fn=loss_fn,
         expert_replicas=expert_replicas,
     )  # fmt: skip
+    return _finished(parts, layout, mesh, cfg.model.ddp_bucket_cap_mb)
 
 
-def _reducers(modules: list[nn.Module], layout: RunLayout, mesh: DeviceMesh,
-              cap_mb: int) -> list:  # fmt: skip
-    """zero_stage 0, dp x cp > 1: gradient buckets reduced as the last backward goes."""
-    if layout.dp_mode != "replicate" or layout.dims.dp * layout.dims.cp == 1:
-        return []
-    from mesh3d.parallel.buckets import GradBuckets  # loaded only when there is a replica
-
-    group = groups_of(mesh).replicas
-    return [GradBuckets([p for p in m.parameters() if p.requires_grad], group, cap_mb * 2**20)
-            for m in modules]  # fmt: skip
-
-
-def _set_aux_weights(modules, layout) -> None:
-    """The MoE auxiliary loss's weight in every MoE block (a model with a `moe_config`)."""
+def _finished(parts: ModelParts, layout: RunLayout, mesh: DeviceMesh, cap_mb: int) -> ModelParts:
+    """`parts` with the MoE auxiliary loss's weight in every MoE block and, for zero_stage 0
+    over dp x cp > 1, gradient buckets reduced as the last backward goes."""
     if layout.shape.moe_layers:
-        extensions.load("moe").set_aux_weights(modules, layout)
+        extensions.load("moe").set_aux_weights(parts.modules, layout)
+    if layout.dp_mode == "replicate" and layout.dims.dp * layout.dims.cp > 1:
+        from mesh3d.parallel.buckets import GradBuckets  # loaded only when there is a replica
+
+        group, cap = groups_of(mesh).replicas, cap_mb * 2**20
+        parts.reducers = [
+            GradBuckets([p for p in m.parameters() if p.requires_grad], group, cap)
+            for m in parts.modules
+        ]
+    return parts

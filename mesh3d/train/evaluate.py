@@ -1,8 +1,5 @@
-"""Validation loss: a forward-only pass over the held-out batches, at any layout.
-
-`val_loss` is the token cross-entropy sum (float64, over dp and pp; no z-loss) / counted tokens
-(as in training), `val_ppl` its exp. A pipeline runs its schedule forward-only, except the V
-schedules (torch 2.13's eval() asserts on them), which walk their stages."""
+"""Validation loss: a forward-only pass over the held-out batches, at any layout. `val_loss`
+is the token cross-entropy sum (float64, over dp and pp; no z-loss) / counted tokens."""
 
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ from mesh3d.layout import RunLayout
 from mesh3d.mesh import groups_of
 from mesh3d.train.build import ModelParts
 from mesh3d.train.loss import StepLoss, token_loss_sum
-from mesh3d.train.step import _autocast, _loss_ctx, _scalar, with_documents, with_sft
+from mesh3d.train.step import _autocast, _cat, _loss_ctx, _scalar, with_documents, with_sft
 
 
 def is_evaluation_step(tokens, step: int) -> bool:
@@ -41,22 +38,20 @@ def evaluate(parts: ModelParts, held: HeldOut, layout: RunLayout, mesh,
     """{"val_loss", "val_ppl"} over `held`, the same on every rank (call on every rank)."""
     dp, pp, cp = layout.dims.dp, layout.dims.pp, layout.dims.cp
     groups = groups_of(mesh)
-    dp_group = groups.dp if dp > 1 else None
     # middle pipeline stages take activations, not tokens, unless attention needs the positions
     reads = parts.has_first or parts.has_last or layout.positions_everywhere
     mbs, dp_rank = layout.microbatch_size, layout.coords["dp"]
     batches = [held.batches(b, dp_rank, dp, mbs) if reads else [] for b in range(held.num_batches)]
     if layout.sft or layout.doc_masking:  # the tokens that have labels, summed over dp
         documents = with_sft if layout.sft else with_documents
-        flat, tokens = documents([mb for b in batches for mb in b], layout, dp_group, device)
+        flat, tokens = documents([mb for b in batches for mb in b], layout, groups.dp, device)
         n = len(batches[0])
         batches = [flat[i * n : (i + 1) * n] for i in range(held.num_batches)]
     else:
         tokens = held.num_batches * held.global_batch * layout.sequence_length
     if cp > 1:  # this cp rank's tokens of the same samples (and their positions)
-        cp_rank, docs = layout.coords["cp"], layout.doc_masking
-        context = extensions.load("context_parallel")
-        batches = [context.shard_batches(b, cp, cp_rank, docs) for b in batches]
+        shard = extensions.load("context_parallel").shard_batches
+        batches = [shard(b, cp, layout.coords["cp"], layout.doc_masking) for b in batches]
     modes = [m.training for m in parts.modules]
     for m in parts.modules:
         m.eval()
@@ -97,7 +92,7 @@ def _token_loss_sum(parts: ModelParts, batches: list[list[tuple]], layout: RunLa
             labels = _cat(batch, 1, device) if parts.has_last else None
             positions = _cat(batch, 2, device) if batch and len(batch[0]) > 2 else None
             with _autocast(device, autocast), _loss_ctx(tp):
-                if is_v_schedule(layout.schedule):  # torch 2.13's eval() fails for V schedules
+                if is_v_schedule(layout.schedule):  # torch 2.13's eval() asserts on V schedules
                     losses = forward_walk(
                         parts.stages, layout.microbatches, inputs, labels, positions,
                         parts.loss_fn, layout.activation(),
@@ -108,11 +103,6 @@ def _token_loss_sum(parts: ModelParts, batches: list[list[tuple]], layout: RunLa
             for loss in losses:
                 total += _scalar(loss)
     return total
-
-
-def _cat(batch: list[tuple], i: int, device: torch.device) -> torch.Tensor:
-    """Item `i` (inputs, labels, positions) of a batch's microbatches, stacked: [n * mbs, S]."""
-    return torch.cat([mb[i] for mb in batch]).to(device)
 
 
 @contextlib.contextmanager

@@ -1,10 +1,6 @@
-"""What makes a training run fail safe, around its step loop (docs/faults.md).
-
-`RunGuard`, entered once the process group and the model exist: world rank 0 takes the
-checkpoints folder and every rank gets its answer; every rank runs a `Watchdog`; stop signals
-only set a flag that `stop_requested()` agrees on across ranks at the end of every step, so every
-rank stops after the same step, saves and raises `Preempted` (exit 75); on the way out a failed
-collective becomes a `PeerError` naming the missing ranks, and the lock is released."""
+"""What makes a training run fail safe, around its step loop (docs/faults.md): the folder
+lock, a `Watchdog` per rank, and stop signals that only set a flag `stop_requested()` agrees on
+across ranks at the end of every step, so every rank stops after the same step."""
 
 from __future__ import annotations
 
@@ -83,12 +79,8 @@ class RunGuard:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            if (
-                exc is not None
-                and not isinstance(exc, (RunStopped, UserError, KeyboardInterrupt))
-                and self.world > 1
-                and is_collective_failure(exc)
-            ):
+            expected = isinstance(exc, (RunStopped, UserError, KeyboardInterrupt))
+            if exc is not None and not expected and self.world > 1 and is_collective_failure(exc):
                 peer_error = self.watchdog.diagnose(exc)
                 report(peer_error)
                 raise peer_error from exc
@@ -174,9 +166,8 @@ class RunGuard:
         values, kept = self._verdict
         if values == (loss, grad_norm):
             return kept
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            why = NONFINITE
-        else:
+        why = NONFINITE
+        if math.isfinite(loss) and math.isfinite(grad_norm):
             why = None if self.spikes is None else self.spikes.reason(loss, grad_norm)
         self._verdict = ((loss, grad_norm), why)
         return why
@@ -241,10 +232,10 @@ class RunGuard:
         self.watchdog.at(step, phase)
         if phase == "step":
             self._verdict = ((), None)  # a new step has no verdict yet
-        if phase == "step" and step == self.fail_at:
-            raise RuntimeError(
-                f"MESH3D_FAIL_AT: injected failure on rank {self.rank} at step {step}"
-            )
+            if step == self.fail_at:
+                raise RuntimeError(
+                    f"MESH3D_FAIL_AT: injected failure on rank {self.rank} at step {step}"
+                )
 
     def last_checkpoint(self, kind: str = "complete") -> str:
         """One sentence: the checkpoint a restart would resume from (the last `kind` one)."""
@@ -291,5 +282,5 @@ def _exit_reason(exc: BaseException | None) -> str:
     """Why this rank ends its run, for its last heartbeat."""
     if exc is None:
         return "it finished"
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    first = (str(exc).strip().splitlines() or [""])[0]
     return f"{type(exc).__name__}: {first}"[:200]

@@ -1,6 +1,5 @@
 """The training run: each step, then its metrics, evaluation, finite and spike checks, save,
-and the stop check. `train(cfg)` is what `mesh3d train` and `recipes/train.py` call on every
-rank; `Run` (`train/run.py`) prepares each step, `RunGuard` (`train/guard.py`) surrounds the loop."""
+and the stop check. `train(cfg)` is what `mesh3d train` calls on every rank."""
 
 from __future__ import annotations
 
@@ -67,16 +66,16 @@ def _resume(run: Run, guard: RunGuard) -> tuple[int, int, str | None]:
 
 
 def _save(run: Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | None,
-          last_step: bool = False) -> None:  # fmt: skip
-    """Save step `step`; `last_step`: no step follows (the end, or a stop signal)."""
-    ck = run.cfg.checkpoints
+          last_step: bool = False) -> Path:  # fmt: skip
+    """Save step `step`, return its folder; `last_step`: no step follows (the end, or a stop
+    signal), so it is written before the run ends, never in the background."""
     extra = ({"wandb_id": wandb_id} if wandb_id else {}) | guard.checkpoint_metas()
     guard.check_folder_owner(step)
     guard.at(step, "save")
-    latest = guard.names_latest(Path(ck.checkpoints_path) / str(step), last_step)
-    # the last save (the end, a stop signal) is written before the run ends, never in the back
+    step_dir = Path(run.cfg.checkpoints.checkpoints_path) / str(step)
     background = run.cfg.mesh3d.async_checkpoint and not last_step
-    run.save(step, consumed, extra, latest, background=background)
+    run.save(step, consumed, extra, guard.names_latest(step_dir, last_step), background=background)
+    return step_dir
 
 
 def _stopped(signal_name: str, step: int, ck, saved: int, spiked: str) -> Preempted | Interrupted:
@@ -279,8 +278,8 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                     hook(run, step, out, m)
             if ck is not None and (step % ck.checkpoint_interval == 0 or stop):
                 last = bool(stop) or step == tok.train_steps
-                _save(run, guard, step, consumed, wandb_id, last_step=last)
-                saved, result.saved_dir = step, Path(ck.checkpoints_path) / str(step)
+                result.saved_dir = _save(run, guard, step, consumed, wandb_id, last_step=last)
+                saved = step
                 if evals is not None and not stop and step % evals.interval == 0:
                     guard.at(step, "evaluation")  # scores the checkpoint just saved
                     scores = evals.after_save(run, step)
@@ -291,14 +290,9 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
                 sinks.close()
                 spiking = guard.spikes is not None and guard.spikes.spiking
                 raise _stopped(stop, step, ck, saved, guard.last_checkpoint() if spiking else "")
-    if (
-        ck is not None
-        and ck.save_final_state
-        and saved != tok.train_steps
-        and start < tok.train_steps
-    ):
-        _save(run, guard, tok.train_steps, consumed, wandb_id, last_step=True)
-        result.saved_dir = Path(ck.checkpoints_path) / str(tok.train_steps)
+    final = ck is not None and ck.save_final_state and start < tok.train_steps
+    if final and saved != tok.train_steps:
+        result.saved_dir = _save(run, guard, tok.train_steps, consumed, wandb_id, last_step=True)
     run.checkpoints.finish()
     sinks.close()
     for hook in hooks:

@@ -63,11 +63,10 @@ def iteration_metrics(*, iteration: int, consumed_samples: int, seq_len: int, el
     `consumed_tokens` defaults to consumed_samples x seq_len; `mfu` only when `peak` is known."""
     tokens_per_sec = global_batch_size * seq_len / elapsed_s
     tflops = step_flops / (elapsed_s * world_size * 1e12)
+    tokens = consumed_samples * seq_len if consumed_tokens is None else consumed_tokens
     m = {
         "iteration": iteration,
-        "consumed_tokens": consumed_samples * seq_len
-        if consumed_tokens is None
-        else consumed_tokens,
+        "consumed_tokens": tokens,
         "elapsed_time_per_iteration_ms": elapsed_s * 1000.0,
         "tokens_per_sec": tokens_per_sec,
         "tokens_per_sec_per_gpu": tokens_per_sec / world_size,
@@ -108,9 +107,8 @@ def memory_metrics() -> dict:
         m["cuda_memory_allocated"] = torch.cuda.memory_allocated()
         m["cuda_max_memory_reserved"] = torch.cuda.max_memory_reserved()
     du = shutil.disk_usage("/")
-    m.update(hd_total_memory_tb=du.total / 1e12, hd_used_memory_tb=du.used / 1e12,
-             hd_free_memory_tb=du.free / 1e12)  # fmt: skip
-    return m
+    return m | {"hd_total_memory_tb": du.total / 1e12, "hd_used_memory_tb": du.used / 1e12,
+                "hd_free_memory_tb": du.free / 1e12}  # fmt: skip
 
 
 def format_iteration_line(m: dict, train_steps: int) -> str:

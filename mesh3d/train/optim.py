@@ -1,9 +1,7 @@
-"""AdamW / SGD with Nanotron's settings, plus its LR schedule.
-
-Weight decay applies to every parameter except those matching
-`optimizer.weight_decay_exclude_named_params` (`re.match`, tried on our name and on Nanotron's,
-so Nanotron's patterns work; a tied lm_head under the embedding's names). Nanotron's leaked
-`tied_name` bug (`.*layernorm.*` also excluding the projections after it) is not copied."""
+"""AdamW / SGD with Nanotron's settings, plus its LR schedule. Weight decay skips the
+parameters matching `optimizer.weight_decay_exclude_named_params` (`re.match` on our name and
+on Nanotron's; a tied lm_head under the embedding's names). Nanotron's leaked `tied_name` bug
+(`.*layernorm.*` also excluding the projections after it) is not copied."""
 
 from __future__ import annotations
 

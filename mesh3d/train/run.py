@@ -1,8 +1,6 @@
 """A prepared training run on this rank: what every step needs, built once, and the step.
-
-`Run.prepare(cfg)` is `Run.start(cfg)` (checks, before any collective) then `run.build()`; two
-phases so that `train()` takes the checkpoints folder between them (a refused one builds no
-model). Then `out = run.step(step)` reads the step's batches, runs forward, backward, update."""
+`start` and `build` are two phases so that `train()` takes the checkpoints folder between
+them (a refused one builds no model)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""The stop signals of a run: SIGTERM, SIGUSR1 (a scheduler's preemption notice) and SIGINT
-mean "finish the step, save, exit 75"; a second Ctrl-C means "stop now".
-
-The first signal is only recorded (`received`); a second SIGINT, `REPEAT_S` or more later,
-exits 128 + its number (within `REPEAT_S` it is the same signal forwarded again by torchrun).
-Python runs handlers in the main thread, which a collective can block for minutes, so a thread
-reads the signals from the wakeup fd instead."""
+"""The stop signals of a run: the first means "finish the step, save, exit 75"; a second
+SIGINT, `REPEAT_S` or more later, exits at once (sooner, it is torchrun forwarding the first
+again). Python runs handlers in the main thread, which a collective can block for minutes, so
+a thread reads the signals from the wakeup fd instead."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Where the per-iteration metrics go: one record, every sink, the same values.
-
-Only the metrics-owning rank (last pp stage, dp 0, tp 0: Nanotron's logger rank) opens sinks:
-the console (Nanotron's CLASSIC line plus `eta`), `--metrics-file` (`JsonlWriter`), TensorBoard
-(`mesh3d.tensorboard_dir`) and Weights & Biases (`mesh3d.wandb`; run name Nanotron's
-`<dd/mm/YYYY_HH:MM:SS>_<general.run>`, run id kept in the checkpoint so a resume continues it)."""
+"""Where the per-iteration metrics go: one record, every sink, the same values. Only the
+metrics-owning rank (last pp stage, dp 0, tp 0: Nanotron's logger rank) opens sinks. The W&B
+run id is kept in the checkpoint so that a resume continues the run."""
 
 from __future__ import annotations
 

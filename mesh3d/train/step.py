@@ -83,6 +83,11 @@ def _loss_ctx(tp_size: int):
     return loss_parallel() if tp_size > 1 else contextlib.nullcontext()
 
 
+def _cat(batch: list[tuple], i: int, device: torch.device) -> torch.Tensor:
+    """Item `i` (inputs, labels, positions) of a batch's microbatches, stacked: [n * mbs, S]."""
+    return torch.cat([mb[i] for mb in batch]).to(device)
+
+
 def _scalar(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -116,11 +121,10 @@ def forward_backward(parts: ModelParts, batches: list[tuple[torch.Tensor, ...]],
                 loss.backward()
             total += _scalar(loss)
     else:
-        inputs = torch.cat([b[0] for b in batches]).to(device) if parts.has_first else None
-        labels = torch.cat([b[1] for b in batches]).to(device) if parts.has_last else None
-        positions = None
-        if batches and len(batches[0]) > 2:  # every stage's attention needs them: all read
-            positions = torch.cat([b[2] for b in batches]).to(device)
+        inputs = _cat(batches, 0, device) if parts.has_first else None
+        labels = _cat(batches, 1, device) if parts.has_last else None
+        # every stage's attention needs the positions: all read
+        positions = _cat(batches, 2, device) if batches and len(batches[0]) > 2 else None
         from mesh3d.parallel.pipeline import run_schedule  # pp > 1 only
 
         stages, schedule = parts.pipeline_at(layout.sequence_length)
@@ -146,26 +150,29 @@ def step_token_keys(layout: RunLayout, step: int, device) -> torch.Tensor | None
         positions = extensions.load("context_parallel").local_indices(s, cp, layout.coords["cp"])
     else:
         positions = torch.arange(s)
-    keys = extensions.load("dropout").token_keys(layout.seed, step, samples, positions)
-    return keys.to(device)
+    return extensions.load("dropout").token_keys(layout.seed, step, samples, positions).to(device)
 
 
 def with_documents(batches: list[tuple], layout: RunLayout, dp_group, device) -> tuple[list, int]:
-    """Document masking: (inputs, masked labels, positions) per microbatch; global valid tokens."""
+    """(inputs, labels, positions) per microbatch, and the tokens with a label, summed over dp.
+    Positions: an SFT row's own, else with document masking the documents' (their first
+    labels masked), else 0..S-1."""
     eos, out = layout.eos_token_id, []
-    for inputs, labels in batches:
-        labels = mask_document_starts(labels, inputs, eos)
-        out.append((inputs, labels, document_positions(inputs, eos)))
-    return out, _labelled(out, layout, dp_group, device)
-
-
-def _labelled(batches: list[tuple], layout: RunLayout, dp_group, device) -> int:
-    """The tokens with a label in `batches`, summed over dp."""
-    valid = sum(int((labels != IGNORE).sum()) for _, labels, *_ in batches)
+    for inputs, labels, *rest in batches:
+        if rest:
+            positions = rest[0]
+        elif layout.doc_masking:
+            labels = mask_document_starts(labels, inputs, eos)
+            positions = document_positions(inputs, eos)
+        else:
+            b, s = inputs.shape
+            positions = torch.arange(s).expand(b, s)
+        out.append((inputs, labels, positions))
+    valid = sum(int((labels != IGNORE).sum()) for _, labels, *_ in out)
     count = torch.tensor([valid], dtype=torch.int64, device=device)
     if layout.dims.dp > 1:
         dist.all_reduce(count, group=dp_group)
-    return int(count.item())
+    return out, int(count.item())
 
 
 def prepare_batches(batches: list[tuple], layout: RunLayout, dp_group,
@@ -186,21 +193,9 @@ def prepare_batches(batches: list[tuple], layout: RunLayout, dp_group,
 
 
 def with_sft(batches: list[tuple], layout: RunLayout, dp_group, device) -> tuple[list, int]:
-    """SFT data: microbatches (inputs, labels, positions), and the global batch's trained
-    (completion) tokens, summed over dp, at least 1. A pretraining stage's microbatch gets its
-    document positions (document masking) or 0..S-1."""
-    out = []
-    for inputs, labels, *rest in batches:
-        if rest:
-            positions = rest[0]
-        elif layout.doc_masking:
-            labels = mask_document_starts(labels, inputs, layout.eos_token_id)
-            positions = document_positions(inputs, layout.eos_token_id)
-        else:
-            b, s = inputs.shape
-            positions = torch.arange(s).expand(b, s)
-        out.append((inputs, labels, positions))
-    return out, max(_labelled(out, layout, dp_group, device), 1)
+    """SFT data (a pretraining stage's rows too): as `with_documents`, at least 1 token."""
+    out, tokens = with_documents(batches, layout, dp_group, device)
+    return out, max(tokens, 1)
 
 
 def train_step(parts: ModelParts, optimizer: torch.optim.Optimizer, scheduler,
@@ -209,26 +204,24 @@ def train_step(parts: ModelParts, optimizer: torch.optim.Optimizer, scheduler,
                accepts: Callable[[float, float], bool] | None = None, step: int = 0,
                across=None) -> tuple[float, float]:  # fmt: skip
     """Run step `step`; return (global mean token loss, pre-clip global gradient norm).
-
     A non-finite loss or norm (the same on every rank) skips the update, and so does a step
     `accepts(loss, grad_norm)` refuses; the caller decides whether the run goes on. `across`
     (a fault-tolerant run's `Replicas`): loss and gradients become the mean over the groups
-    alive this step; the update and the LR schedule advance only if the step commits.
-    """
+    alive this step; the update and the LR schedule advance only if the step commits."""
     g = groups_of(mesh)
-    dp, pp, dp_group, pp_group, replica_group = g.dp_size, g.pp_size, g.dp, g.pp, g.replicas
-    batches, tokens = prepare_batches(batches, layout, dp_group, device)
+    pp, pp_group = g.pp_size, g.pp
+    batches, tokens = prepare_batches(batches, layout, g.dp, device)
     parts.loss_fn.tokens = layout.global_tokens if tokens is None else tokens  # S: the stage's
     total = forward_backward(parts, batches, layout, device, step_token_keys(layout, step, device))
     if pp > 1:
         dist.all_reduce(total, group=pp_group)  # only the last stage's ranks hold the loss
-    if dp * layout.dims.cp > 1:
+    if g.dp_size * layout.dims.cp > 1:
         if layout.dp_mode == "replicate":
             for reducer in parts.reducers:  # what the backward has not reduced yet, then wait
                 reducer.finish()
             if not parts.reducers:
                 for m in parts.modules:
-                    allreduce_gradients(m, replica_group)  # expert-parallel slices left out
+                    allreduce_gradients(m, g.replicas)  # expert-parallel slices left out
         if parts.expert_replicas is not None:  # they sum over the ranks holding them
             sliced = [p for p in parts.parameters() if getattr(p, "expert_shard", None)]
             allreduce_param_grads(sliced, parts.expert_replicas)
@@ -236,7 +229,7 @@ def train_step(parts: ModelParts, optimizer: torch.optim.Optimizer, scheduler,
                 for p in sliced:
                     if p.grad is not None:
                         p.grad.div_(layout.backward_scale)
-        dist.all_reduce(total, group=replica_group)
+        dist.all_reduce(total, group=g.replicas)
     if across is not None:
         with_grads = [p for p in parts.parameters() if p.grad is not None]
         total = across.reduce(with_grads, total, layout.global_tokens if tokens is None else tokens)

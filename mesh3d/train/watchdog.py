@@ -1,9 +1,6 @@
-"""Each rank's watchdog: a heartbeat other ranks can read, and a launcher that must stay alive.
-
-A daemon thread writes `{step, phase, host, pid, time}` into the rendezvous store every
-`interval` s; after a failed collective, `diagnose` names the ranks that did not arrive
-(`train/peers.py`). The thread also ends this rank (exit 4) when its launcher is gone (else it
-would train on alone), and refreshes rank 0's folder lock."""
+"""Each rank's watchdog: a daemon thread writes a heartbeat into the rendezvous store (read
+after a failed collective to name the ranks that did not arrive), refreshes rank 0's folder
+lock, and ends this rank when its launcher is gone (else it would train on alone)."""
 
 from __future__ import annotations
 
