@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import add_publish_flag, results_dir  # noqa: E402
 from throughput import bootstrap_median  # noqa: E402
 
-from mesh3d.config.schema import Qwen2Config  # noqa: E402
+from mesh3d.config.other_families import Qwen2Config  # noqa: E402
 from mesh3d.data.documents import document_positions  # noqa: E402
 from mesh3d.models.qwen2 import Qwen2  # noqa: E402
 

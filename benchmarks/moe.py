@@ -69,7 +69,7 @@ import torch.nn.functional as F
 from _results import add_publish_flag, results_dir  # benchmarks/ is on sys.path when a script runs
 from throughput import bootstrap_median
 
-from mesh3d.config.schema import MoEConfig, Qwen2Config
+from mesh3d.config.other_families import MoEConfig, Qwen2Config
 from mesh3d.models.moe import Experts
 from mesh3d.models.qwen2 import Qwen2
 

@@ -11,7 +11,12 @@ from __future__ import annotations
 import importlib
 
 # where the public names live, each module loaded on first use
-_MODULES = ("mesh3d.config.load", "mesh3d.config.derive", "mesh3d.config.schema")
+_MODULES = (
+    "mesh3d.config.load",
+    "mesh3d.config.derive",
+    "mesh3d.config.schema",
+    "mesh3d.config.other_families",
+)
 
 
 def __getattr__(name: str):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh3d.config.schema import MoEConfig
+from mesh3d.config.other_families import MoEConfig
 
 MC = "model.model_config"
 

@@ -14,7 +14,7 @@ import importlib
 import operator
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import yaml
 
@@ -31,12 +31,10 @@ from mesh3d.config.schema import (
     MuonOptimizerArgs,
     NanosetDatasetsArgs,
     PretrainDatasetsArgs,
-    Qwen2Config,
     RandomInit,
     SFTDatasetsArgs,
     SGDOptimizerArgs,
     SpectralMupInit,
-    Starcoder2Config,
 )
 from mesh3d.config.typecheck import Pickers, build, join, need_mapping, show
 from mesh3d.errors import ConfigError
@@ -56,13 +54,15 @@ def _lazy(module: str, name: str) -> type:
 
 def _pick_model_config(value: Any, path: str) -> tuple[type, dict]:
     d = need_mapping(value, path)
-    llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     if "is_mamba_config" in d or d.keys() & {"d_model", "ssm_cfg"}:
         return _lazy("mamba", "MambaConfig"), d  # not in ModelConfig: loaded for a Mamba only
     if "is_llamoe_config" in d or d.keys() & {"moe_num_experts", "moe_capacity_factor"}:
         return _lazy("llamoe", "LlaMoEConfig"), d  # Nanotron's examples/moe
     if "is_llama_config" in d:
         return LlamaConfig, d
+    from mesh3d.config.other_families import Qwen2Config, Starcoder2Config
+
+    llama, qwen, star = _names(LlamaConfig), _names(Qwen2Config), _names(Starcoder2Config)
     for family in MESH3D_FAMILIES.values():  # mesh3d's own model_config.json of its checkpoint
         if family.marker in d:
             return family.config_class, d
@@ -141,7 +141,7 @@ def _nanoset_forms(d: dict, path: str) -> dict:
 
 
 _PICKERS: Pickers = {
-    frozenset(get_args(ModelConfig)): _pick_model_config,
+    frozenset({ModelConfig}): _pick_model_config,
     frozenset(_INITS.values()): _pick_init_method,
     frozenset(_OPTIMIZERS.values()): _pick_optimizer_factory,
     frozenset({PretrainDatasetsArgs, NanosetDatasetsArgs, SFTDatasetsArgs}): _pick_dataset,

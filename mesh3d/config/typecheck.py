@@ -118,6 +118,9 @@ def convert(tp: Any, value: Any, path: str, pickers: Pickers) -> Any:
     members = _members(tp)
     if members is not None:
         return _convert_union(tp, members, value, path, pickers)
+    if (pick := pickers.get(frozenset({tp}))) is not None:  # one of classes loaded on demand
+        cls, data = pick(value, path)
+        return build(cls, data, path, pickers)
     if dataclasses.is_dataclass(tp):
         return build(tp, value, path, pickers)
     base = typing.get_origin(tp) or tp

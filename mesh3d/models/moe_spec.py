@@ -11,7 +11,7 @@ go to the in-memory names; `experts_to_hf` writes the per-expert form, and
 
 from __future__ import annotations
 
-from mesh3d.config.schema import MoEConfig
+from mesh3d.config.other_families import MoEConfig
 from mesh3d.errors import UserError
 from mesh3d.models import llama_spec
 from mesh3d.models.spec import Blocks, LayerTable

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from mesh3d.config.schema import Qwen2Config
+from mesh3d.config.other_families import Qwen2Config
 from mesh3d.models import llama_spec, moe_spec
 from mesh3d.models.llama_checks import MC, llama_errors
 from mesh3d.models.spec import HFSpec, LayerTable, ModelShape

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from mesh3d.config.schema import Qwen3Config
+from mesh3d.config.other_families import Qwen3Config
 from mesh3d.models import llama_spec, moe_spec, qwen2_spec
 from mesh3d.models.spec import HFSpec, LayerTable, ModelShape
 

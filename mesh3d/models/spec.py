@@ -91,7 +91,7 @@ class ModelSpec:
     """One model family (see the module doc). Callables that need torch import it when called."""
 
     family: str  # "llama", "qwen2", "qwen3": in messages and README
-    config_class: type  # its config dataclass in mesh3d.config.schema
+    config_class: type  # its config dataclass (mesh3d.config.schema, other_families)
     shape: Callable[[Any, int], ModelShape]  # (model config, padded vocab) -> ModelShape
     build: Callable[..., Any]  # (model config, vocab_size, attention) -> the nn.Module
     tp_plan: Callable[..., dict]  # (sequence_parallel, shape=None) -> {FQN pattern: ParallelStyle}

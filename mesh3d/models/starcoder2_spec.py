@@ -25,7 +25,7 @@ import math
 from collections.abc import Iterator
 
 from mesh3d.config.derive import longest_sequence
-from mesh3d.config.schema import Starcoder2Config
+from mesh3d.config.other_families import Starcoder2Config
 from mesh3d.errors import not_divisible
 from mesh3d.models import llama_spec
 from mesh3d.models.activations import HIDDEN_ACTS

@@ -2,11 +2,11 @@
 
 The run (one process, in place, 2 steps of the built-in default: a Llama on the prepared
 standard-library data) ends by listing the mesh3d modules in `sys.modules` and their lines. No
-optional capability (`mesh3d/extensions.py`'s table) and no other family's spec may be among
-them, the lines stay under `CEILING`, and their code (without docstrings, comments and blank
-lines: `code_lines`) under `CODE_CEILING`. The 8-rank dp x tp x pp torchrun run of
-tests/launch/test_train_e2e.py is measured the same way (`module_report_env`: each rank lists
-its modules at exit) against `CEILING_3D`.
+optional capability (`mesh3d/extensions.py`'s table), no other family's spec and no other
+family's model config may be among them, the lines stay under `CEILING`, and their code
+(without docstrings, comments and blank lines: `code_lines`) under `CODE_CEILING`. The 8-rank
+dp x tp x pp torchrun run of tests/launch/test_train_e2e.py is measured the same way
+(`module_report_env`: each rank lists its modules at exit) against `CEILING_3D`.
 
 History: 18,606 lines in 114 modules before the optional parts moved behind the extension
 point, 14,252 in 94 after; 14,592 in 93 with later work (the hooks of fault tolerance, DoReMi,
@@ -25,11 +25,12 @@ of code) with what a fresh run never calls moved to modules loaded where it is: 
 checkpoint back (`checkpoint/load.py`), the elastic agent, the failed-collective diagnosis,
 compile, FSDP, the tp cross-entropy and the rendezvous (2x2x2: 11,358-11,548, 7,865-8,014);
 10,781 (7,581 of code) with a second pass over the core's code, behaviour unchanged (2x2x2:
-11,118-11,301, 7,728-7,872 of code).
+11,118-11,301, 7,728-7,872 of code); 10,706 (7,512 of code) with the other families' model
+configs in `config/other_families.py`.
 Issue 43 asks for 10,000 lines. What is left is what a fresh run calls (a call profile of it,
 `sys.setprofile`, found the functions it never calls and they moved as above): the core itself,
 config, checks, checkpoint formats, the parallel plan, the loop, the fail-safe guards and the
-end-of-run summary with its sample and plot; 3,200 of its 10,781 lines are docstrings, comments
+end-of-run summary with its sample and plot; 3,194 of its 10,706 lines are docstrings, comments
 and blank lines.
 """
 
@@ -48,7 +49,7 @@ from launch import quiet_env
 from mesh3d.extensions import CAPABILITIES
 from mesh3d.models.registry import FAMILIES
 
-CEILING = 10_800
+CEILING = 10_720
 CEILING_3D = 11_320
 CODE_CEILING = 7_900  # `code_lines`: the lines that are not docstrings, comments or blank
 
@@ -99,9 +100,11 @@ def code_lines(module: str) -> int:
 def check_core_only(rows: dict[str, int], ceiling: int, allowed: frozenset = frozenset()) -> int:
     """The lines of `rows` (module -> lines); asserts no optional capability but `allowed`
     and no family but Llama is among them, and the lines are within `ceiling`."""
-    optional = (set(CAPABILITIES.values()) - allowed) | {
-        module for family, (module, _, _) in FAMILIES.items() if family != "llama"
-    }
+    optional = (
+        (set(CAPABILITIES.values()) - allowed)
+        | {module for family, (module, _, _) in FAMILIES.items() if family != "llama"}
+        | {"mesh3d.config.other_families"}  # the other families' model configs
+    )
     assert sorted(optional & set(rows)) == []
     assert "mesh3d.models.llama_spec" in rows and "mesh3d.train.loop" in rows
     total = sum(rows.values())

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
-from mesh3d.config.schema import MoEConfig, Qwen3Config
+from mesh3d.config.other_families import MoEConfig, Qwen3Config
 from mesh3d.errors import UserError
 from mesh3d.models.registry import spec_of
 

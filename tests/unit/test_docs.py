@@ -33,6 +33,7 @@ import pytest
 
 from mesh3d.config.llamoe import LlaMoEConfig
 from mesh3d.config.mamba import MambaConfig, MambaInit
+from mesh3d.config.other_families import Qwen2Config, Qwen3Config, Starcoder2Config
 from mesh3d.config.schema import Config, Mesh3dArgs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,13 +162,21 @@ def _type_parts(tp) -> list:
     return [tp] if not args else [a for arg in args for a in _type_parts(arg)]
 
 
+_OTHER = (Qwen2Config, Qwen3Config, Starcoder2Config)  # MoEConfig: a Qwen2Config field
+
+
 def test_configuration_page_lists_every_key():
     """Every key of every section (Nanotron's and `mesh3d:`) has a row `| `key` |` on
     docs/configuration.md, the page the README's index sends a reader to for any key."""
     text = (ROOT / "docs" / "configuration.md").read_text()
     sections = _sections(Config)
     assert Mesh3dArgs in sections and len(sections) > 25  # the walk found the schema
-    for cls in (MambaConfig, MambaInit, LlaMoEConfig):  # loaded by the pickers for their family
+    for cls in (
+        MambaConfig,
+        MambaInit,
+        LlaMoEConfig,
+        *_OTHER,
+    ):  # loaded by the pickers for their family
         _sections(cls, sections)
     missing = sorted({f"{cls.__name__}.{f.name}" for cls in sections
                       for f in dataclasses.fields(cls) if f"| `{f.name}` |" not in text})  # fmt: skip

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from parity import TINY
 
-from mesh3d.config.schema import MoEConfig, Qwen2Config, Qwen3Config
+from mesh3d.config.other_families import MoEConfig, Qwen2Config, Qwen3Config
 from mesh3d.models.moe import MoE, attach_aux, moe_layers
 from mesh3d.models.qwen2 import Qwen2
 from mesh3d.models.qwen3 import Qwen3

@@ -10,7 +10,7 @@ import copy
 import torch
 from parity import TINY, max_rel_diff
 
-from mesh3d.config.schema import Qwen2Config
+from mesh3d.config.other_families import Qwen2Config
 from mesh3d.data.documents import document_positions, mask_document_starts
 from mesh3d.models.qwen2 import Qwen2, nope_layer
 from mesh3d.train.loss import token_loss_sum
