@@ -119,6 +119,8 @@ def convert(tp: Any, value: Any, path: str, pickers: Pickers) -> Any:
     if members is not None:
         return _convert_union(tp, members, value, path, pickers)
     if (pick := pickers.get(frozenset({tp}))) is not None:  # one of classes loaded on demand
+        if value is None:
+            raise ConfigError(f"`{path}` must be {describe(tp)}, got null")
         cls, data = pick(value, path)
         return build(cls, data, path, pickers)
     if dataclasses.is_dataclass(tp):

@@ -68,6 +68,11 @@ class BlendedSamples:
         self.sources = list(sources)
         self.sizes = [len(s) for s in self.sources]
         check_weights(weights, len(self.sizes))  # weights None: proportional to the sizes
+        if weights is None and self.sizes and not sum(self.sizes):
+            raise UserError(
+                f"all {len(self.sizes)} data sources to blend are empty (0 samples); point the "
+                "data stage at token files that hold samples"
+            )
         w = np.asarray(self.sizes if weights is None else weights, dtype=np.float64)
         self.weights = (w / w.sum()).tolist()  # summing to 1
         self.num_samples, self.seed = num_samples, seed

@@ -525,3 +525,18 @@ def test_a_longer_stage_sizes_the_plan():
     check(base(), [*longer, *PP2], world_size=2)  # the pipeline gets stages at each length
     assert cfg.tokens.sequence_length == 32 and max_sequence_length(cfg) == 64
     assert _Sizes.of(cfg).s == 64  # `mesh3d plan` sizes memory for the longest stage
+
+
+@pytest.mark.parametrize("value, message", [
+    (None, "`model.model_config` must be a mapping, got null"),
+    (3, "`model.model_config` must be a mapping of keys, got 3 (int)"),
+])  # fmt: skip
+def test_a_model_config_that_is_not_a_mapping_is_named(value, message):
+    """`model_config` is typed by a picker that loads the family's class on demand (Llama's in
+    the schema, the others in config/other_families.py); a null or a scalar still gets the
+    message of its kind, naming the key."""
+    d = base()
+    d["model"]["model_config"] = value
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(d)
+    assert str(e.value) == message

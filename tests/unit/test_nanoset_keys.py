@@ -145,3 +145,15 @@ def test_a_stage_with_its_own_sequence_length_cuts_its_samples_at_it(tmp_path):
     gbs = data.gbs
     assert data.tokens_through(5, gbs) == 3 * gbs * S + 2 * gbs * 31
     assert data.tokens_through(2, 3) == 2 * 3 * S
+
+
+def test_a_blend_of_empty_sources_is_one_line_naming_them():
+    """Blending by size with every source empty is a `UserError` (it was a ZeroDivisionError)."""
+    from mesh3d.data.nanoset import BlendedSamples
+
+    class Empty:
+        def __len__(self) -> int:
+            return 0
+
+    with pytest.raises(UserError, match="all 2 data sources to blend are empty"):
+        BlendedSamples([Empty(), Empty()], None, num_samples=4, seed=0)
