@@ -20,6 +20,7 @@ import torch.distributed as dist
 from mesh3d.log import logger
 
 PROMPT = "def __init__(self"
+SAMPLE_MAX_PARAMS = 2e9  # rank 0 loads the model on CPU in fp32 for the sample: 8 GB at most
 
 
 def finish(cfg, result, metrics_file: str | None) -> None:
@@ -86,6 +87,11 @@ def _sample(cfg, step_dir: Path | None, new_tokens: int = 24) -> str | None:
     name = cfg.tokenizer.tokenizer_name_or_path if cfg.tokenizer else None
     if step_dir is None or not name or not Path(name).exists() or cfg.mesh3d.hf_model:
         return None  # (a transformers model's: `mesh3d convert to-hf`, then its own generate)
+    itemsize = torch.empty(0, dtype=getattr(torch, cfg.model.dtype)).element_size()
+    params = sum(f.stat().st_size for f in (step_dir / "model").rglob("*.safetensors")) / itemsize
+    if params > SAMPLE_MAX_PARAMS:  # a big model's fp32 copy could exhaust rank 0's memory
+        return (f"skipped ({params / 1e9:.1f}B parameters are too many to load on CPU here): "
+                f"mesh3d generate --checkpoint {step_dir} --prompt {PROMPT!r}")  # fmt: skip
     from mesh3d.data.tokenizer import load_tokenizer
     from mesh3d.generation.load import load_model
     from mesh3d.generation.sampling import generate

@@ -131,3 +131,24 @@ def test_only_the_metrics_rank_touches_the_metrics_file(tmp_path):
     cfg = config_from_dict(copy.deepcopy(TINY))
     MetricSinks(cfg, False, str(path)).write({"iteration": 1, "lm_loss": 1.0}, [0.1])
     assert _iterations(path) == [1, 2, 3]
+
+
+def test_the_end_of_run_sample_skips_a_model_too_big_for_cpu(tmp_path, monkeypatch):
+    # rank 0 would load the whole model on CPU in fp32 for the summary's sample: a model past
+    # SAMPLE_MAX_PARAMS is named with the command that samples it instead, and nothing is loaded
+    from mesh3d import summary
+
+    raw = copy.deepcopy(TINY)
+    raw["tokenizer"] = {"tokenizer_name_or_path": str(tmp_path)}  # local: a sample is due
+    raw["model"]["dtype"] = "bfloat16"
+    cfg = config_from_dict(raw)
+    step = tmp_path / "checkpoints" / "7"
+    (step / "model").mkdir(parents=True)
+    (step / "model" / "w.safetensors").write_bytes(b"\0" * 3000)  # 1,500 bf16 values
+    monkeypatch.setattr(summary, "SAMPLE_MAX_PARAMS", 1000)
+    got = summary._sample(cfg, step)
+    assert got.startswith("skipped (0.0B parameters are too many to load on CPU here)"), got
+    assert f"mesh3d generate --checkpoint {step} --prompt 'def __init__(self'" in got
+    monkeypatch.setattr(summary, "SAMPLE_MAX_PARAMS", 2000)  # under the bound: it loads
+    with pytest.raises(Exception, match="no tokenizer.json"):  # (it went on to load one)
+        summary._sample(cfg, step)
