@@ -60,7 +60,12 @@ def _resolved(args: argparse.Namespace) -> tuple[str, list[str]]:
     cfg = load_config(path, overrides)
     run = _resumed_run_name(cfg) or expand_run_name(cfg.general.run)
     overrides.append(f"general.run={run}")
-    if args.config is None and cfg.checkpoints is not None:
+    ck = cfg.checkpoints  # the default's folder follows its run name unless a key moved it
+    if (
+        args.config is None
+        and ck is not None
+        and str(ck.checkpoints_path) == "runs/default/checkpoints"
+    ):
         overrides.append(f"checkpoints.checkpoints_path=runs/{run}/checkpoints")
     return path, overrides
 

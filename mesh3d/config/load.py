@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import importlib
 import operator
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,7 @@ def config_from_dict(d: dict) -> Config:
     """
     if not isinstance(d, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {show(d)}")
-    if isinstance(d.get("mesh3d"), dict) and d["mesh3d"].get("hf_model"):  # its model: a folder
+    if isinstance(d.get("mesh3d"), dict) and isinstance(d["mesh3d"].get("hf_model"), str):
         d = extensions.load("hf_config").fill(d)
     return _resolve(build(Config, _upgrade_legacy(copy.deepcopy(d)), "", _PICKERS))
 
@@ -322,18 +323,25 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
             )
         raise ConfigError(f"config file {path} does not exist or is not a file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise ConfigError(
             f"config file {path} is not valid YAML: {yaml_problem(e)}; fix the file there"
         ) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start}); "
+                          "give a YAML config file") from None  # fmt: skip
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {show(raw)}")
     raw = apply_overrides(raw, overrides)
     try:
         return config_from_dict(raw)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    except ConfigError as e:  # blamed on the override that set the key, else on the file
+        key = re.match(r"[^`]*`([^`]+)`", str(e))
+        keys = [o.split("=", 1)[0].strip() for o in overrides]
+        given = key and next((o for o, k in zip(overrides, keys)
+                              if key[1] == k or key[1].startswith(k + ".")), None)  # fmt: skip
+        raise ConfigError(f"override {given!r}: {e}" if given else f"{path}: {e}") from None
 
 
 def model_config_from_dict(d: dict, path: str = "model.model_config"):

@@ -3,7 +3,8 @@
 Rules: an unknown key is an error naming the closest valid key; a missing key is an error unless
 it has a default or is `X | None`; `null` for a non-optional key with a default means that
 default; bool is not an int; an int or a number-like string (PyYAML reads `3e-4` as one) is a
-float; `{}` for a `dict | None` key is null; a union of dataclasses is picked by a caller's picker.
+float, a finite one; `{}` for a `dict | None` key is null; a union of dataclasses is picked by a
+caller's picker.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import types
 import typing
@@ -128,10 +130,11 @@ def convert(tp: Any, value: Any, path: str, pickers: Pickers) -> Any:
     base = typing.get_origin(tp) or tp
     if base in (bool, int, str) and _fits(base, value):
         return value
-    if base is float and (_fits(int, value) or isinstance(value, float)):
-        return float(value)
-    if base is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        return float(value)
+    if base is float and (_fits(int, value) or isinstance(value, float)
+                          or isinstance(value, str) and _NUMBER.fullmatch(value.strip())):  # fmt: skip
+        if math.isfinite(number := float(value)):
+            return number
+        raise ConfigError(f"`{path}` must be a finite number, got {show(value)}")
     if base is list and isinstance(value, list):
         (item,) = typing.get_args(tp) or (Any,)
         return [convert(item, v, join(path, i), pickers) for i, v in enumerate(value)]

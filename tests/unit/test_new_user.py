@@ -34,6 +34,15 @@ def test_default_run_has_one_folder_and_resumes(no_corpus):
     assert cfg.mesh3d.existing_checkpoints == "resume"
 
 
+def test_the_default_run_keeps_a_checkpoints_path_given_to_it(no_corpus):
+    """Another run name moves the default's checkpoints with it; a path the user gave stays."""
+    cfg = load_config(*launch._resolved(launch._split(["general.run=other"])))
+    assert cfg.checkpoints.checkpoints_path == "runs/other/checkpoints"
+    given = ["general.run=other", "checkpoints.checkpoints_path=/tmp/mine"]
+    cfg = load_config(*launch._resolved(launch._split(given)))
+    assert str(cfg.checkpoints.checkpoints_path) == "/tmp/mine"
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])
 def test_default_model_runs_tensor_parallel(no_corpus, tp, pp):
     """The default model's heads divide by 2 and 4 (docs/sft-and-generation.md: `generate --tp 2 --pp 2`)."""
