@@ -46,6 +46,16 @@ def not_supported_yet(key: str, what: str) -> str:
     return f"`{key}` is not supported by mesh3d yet ({what})"
 
 
+def unwritable(
+    key: str, path, error: OSError, fix: str = "choose a folder you can write"
+) -> UserError:
+    """The `UserError` for output path `path` (of `key`) that the OS refused with `error`."""
+    reason = error.strerror or str(error)
+    if isinstance(error, FileExistsError | NotADirectoryError):
+        reason += ": a file is where a folder is needed"
+    return UserError(f"`{key}` {path}: cannot write there ({reason}); {fix}")
+
+
 class UserError(ValueError):
     """A mistake in what the user gave us; the message says what to change. Set
     `same_on_every_rank` on one that every rank raised alike, so that only rank 0 prints it.

@@ -42,7 +42,7 @@ from mesh3d.checkpoint.tokenizer_files import copy_into_folder, step_tokenizer
 from mesh3d.checkpoint.training import lora_of, resolve_step_dir
 from mesh3d.checks import validate
 from mesh3d.config import save_config
-from mesh3d.errors import ConfigError, UserError, exit_on_user_error
+from mesh3d.errors import ConfigError, UserError, exit_on_user_error, unwritable
 from mesh3d.models.dtypes import DTYPES
 from mesh3d.models.registry import families, spec_for_hf, spec_of
 
@@ -197,9 +197,12 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
     name = DTYPE_NAMES.get(out_dtype, str(out_dtype).removeprefix("torch."))
     hf_config = arch.config_to_hf(mc, name)
     hf = arch.weights_to_hf(hf, mc) if arch.weights_to_hf else hf
-    output.mkdir(parents=True, exist_ok=True)
     config = output / "config.json"
-    config.write_text(json.dumps(hf_config, indent=2) + "\n")
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps(hf_config, indent=2) + "\n")
+    except OSError as e:
+        raise unwritable("--output", output, e) from None
     weights = output / "model.safetensors"
     from mesh3d.checkpoint.nanotron_weights import save_readable
 

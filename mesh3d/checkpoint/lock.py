@@ -18,7 +18,7 @@ import socket
 import time
 from pathlib import Path
 
-from mesh3d.errors import UserError
+from mesh3d.errors import UserError, unwritable
 from mesh3d.log import logger
 
 LOCK = "mesh3d.lock"
@@ -92,7 +92,6 @@ class FolderLock:
         return None
 
     def acquire(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
         info = {
             "run_id": self.run_id,
             "host": socket.gethostname(),
@@ -101,8 +100,12 @@ class FolderLock:
             "started": datetime.datetime.now().isoformat(timespec="seconds"),
         }
         tmp = self.root / f".{LOCK}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(info))
         try:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(json.dumps(info))
+            except OSError as e:
+                raise unwritable("checkpoints.checkpoints_path", self.root, e) from None
             for _ in range(3):
                 with contextlib.suppress(FileExistsError):
                     os.link(tmp, self.path)  # atomic: fails if the lock exists
@@ -121,7 +124,7 @@ class FolderLock:
                     self.path.unlink()
             raise UserError(f"could not take the lock {self.path}: another run keeps taking it")
         finally:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # also no folder at all
                 tmp.unlink()
 
     def _held_message(self, owner: dict, age: float) -> str:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
+from mesh3d.errors import unwritable
 from mesh3d.log import logger
 
 _SUFFIXES = ["", "K", "M", "G", "T", "P", "E"]
@@ -126,13 +128,18 @@ class JsonlWriter:
 
     def __init__(self, path: str | os.PathLike, start_step: int = 0):
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kept = _lines_up_to(path, start_step) if start_step > 0 and path.is_file() else []
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two runs started the same second
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
-        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+        tmp = path.parent / f"{path.name}.{os.getpid()}.tmp"  # two runs started the same second
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            kept = _lines_up_to(path, start_step) if start_step > 0 and path.is_file() else []
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(tmp, path)
+            self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the run
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise unwritable("--metrics-file", path, e, "choose a file you can write") from None
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record) + "\n")

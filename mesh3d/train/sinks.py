@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from mesh3d.config import config_to_dict, expand_run_name
+from mesh3d.errors import UserError, on_every_rank, unwritable
 from mesh3d.log import logger
 from mesh3d.train.metrics import JsonlWriter, format_iteration_line
 
@@ -31,6 +32,17 @@ def wandb_wanted(setting: bool | None) -> bool:
     return bool(os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY") or logged_in)
 
 
+def _gathered(value) -> list:
+    """`value` of every rank (`[value]` without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def eta_text(seconds: float) -> str:
     """HEAD's `eta` format: `str(timedelta(seconds=int(s)))`, e.g. `0:01:05`, `1 day, 1:15:30`."""
     return str(datetime.timedelta(seconds=int(seconds)))
@@ -45,15 +57,30 @@ class MetricSinks:
         self.active, self.train_steps = active, cfg.tokens.train_steps
         console = cfg.mesh3d.console
         self.compact = console == "compact" or (console == "auto" and sys.stdout.isatty())
-        self.jsonl = JsonlWriter(metrics_file, start_step) if active and metrics_file else None
-        self.tb = self.wandb = None
+        self.jsonl = self.tb = self.wandb = None
         self.wandb_id = wandb_id
-        if not active:
-            return
-        if cfg.mesh3d.tensorboard_dir:
+        error = None
+        if active:
+            try:
+                self._open(cfg, metrics_file, start_step)
+            except UserError as e:  # a path of this rank's: every rank stops alike
+                for sink in (self.tb, self.jsonl):
+                    if sink:
+                        sink.close()
+                error = str(e)
+        error = next(filter(None, _gathered(error)), None)
+        if error:
+            raise on_every_rank(UserError(error))
+
+    def _open(self, cfg, metrics_file: str | None, start_step: int) -> None:
+        if cfg.mesh3d.tensorboard_dir:  # first: a bad folder leaves the metrics file as it was
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=cfg.mesh3d.tensorboard_dir)
+            try:
+                self.tb = SummaryWriter(log_dir=cfg.mesh3d.tensorboard_dir)
+            except OSError as e:
+                raise unwritable("mesh3d.tensorboard_dir", cfg.mesh3d.tensorboard_dir, e) from None
+        self.jsonl = JsonlWriter(metrics_file, start_step) if metrics_file else None
         if wandb_wanted(cfg.mesh3d.wandb):
             import wandb
 
@@ -62,8 +89,8 @@ class MetricSinks:
                 project=cfg.general.project,
                 name=f"{stamp}_{expand_run_name(cfg.general.run)}",
                 config={"nanotron_config": config_to_dict(cfg)},
-                id=wandb_id,
-                resume="allow" if wandb_id else None,
+                id=self.wandb_id,
+                resume="allow" if self.wandb_id else None,
             )
             self.wandb_id = self.wandb.id
             logger.info(f"Weights & Biases run {self.wandb.id} ({self.wandb.name})")
