@@ -202,6 +202,7 @@ def _resolve(cfg: Config) -> Config:
         s = cfg.optimizer.learning_rate_scheduler
         if s.lr_decay_steps is None and cfg.tokens is not None:
             s.lr_decay_steps = max(0, cfg.tokens.train_steps - s.lr_warmup_steps)
+            s.derived_decay = True  # not a field: `config_to_dict(derived=False)` leaves it null
         if s.min_decay_lr is None:
             s.min_decay_lr = s.learning_rate
     if cfg.data_stages is not None:
@@ -243,10 +244,14 @@ def _drop_not_nanotron(d: dict, always: bool) -> None:
         model_config.pop(key, None)
 
 
-def config_to_dict(cfg: Config) -> dict:
+def config_to_dict(cfg: Config, derived: bool = True) -> dict:
     """Plain mapping of every field (as Nanotron writes); of `mesh3d:` and of `_NOT_NANOTRON`
-    only the keys that differ from their defaults."""
+    only the keys that differ from their defaults. `derived=False`: a value derived at load
+    (`lr_decay_steps` from `train_steps`) stays null, so that it follows a later change."""
     d = dataclasses.asdict(cfg)
+    if not derived and getattr(cfg.optimizer and cfg.optimizer.learning_rate_scheduler,
+                               "derived_decay", False):  # fmt: skip
+        d["optimizer"]["learning_rate_scheduler"]["lr_decay_steps"] = None
     d["mesh3d"] = mesh3d_changes(cfg)
     if not d["mesh3d"]:
         del d["mesh3d"]
@@ -279,19 +284,19 @@ def nanotron_config_yaml(cfg: Config, step: int | None = None, consumed: int | N
     return yaml.safe_dump(d, sort_keys=True, default_flow_style=False)
 
 
-def config_to_yaml(cfg: Config) -> str:
+def config_to_yaml(cfg: Config, derived: bool = True) -> str:
     """YAML as Nanotron writes it: block style, keys sorted at every level."""
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=True, default_flow_style=False)
+    return yaml.safe_dump(config_to_dict(cfg, derived), sort_keys=True, default_flow_style=False)
 
 
 # mesh3d's built-in default run: what `mesh3d train` (and `mesh3d plan`) use without a config
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
+def save_config(cfg: Config, path: str | Path, derived: bool = True) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config_to_yaml(cfg))
+    path.write_text(config_to_yaml(cfg, derived))
 
 
 def apply_overrides(d_or_cfg: dict | Config, overrides: Sequence[str]) -> dict | Config:
@@ -302,7 +307,7 @@ def apply_overrides(d_or_cfg: dict | Config, overrides: Sequence[str]) -> dict |
         cfg = mesh3d.apply_overrides(cfg, ["optimizer.zero_stage=1"])
     """
     if isinstance(d_or_cfg, Config):
-        return config_from_dict(apply_to_dict(config_to_dict(d_or_cfg), overrides))
+        return config_from_dict(apply_to_dict(config_to_dict(d_or_cfg, False), overrides))
     return apply_to_dict(_upgrade_legacy(copy.deepcopy(d_or_cfg)), overrides)
 
 

@@ -133,7 +133,7 @@ def run_search(cfg, args) -> None:
         raise ConfigError(why_not(min(found, key=lambda c: c.memory_gib), hw))
     if args.write:
         try:
-            save_config(fits[0].apply(cfg), args.write)
+            save_config(fits[0].apply(cfg), args.write, derived=False)
         except OSError as e:
             raise UserError(f"--write {args.write}: cannot write it ({e.strerror}); {_FIX}") from e
     if args.json:

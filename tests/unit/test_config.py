@@ -568,3 +568,21 @@ def test_a_bad_override_is_blamed_on_itself_and_a_binary_file_is_one_line(tmp_pa
     cfg.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 0\); give a YAML config"):
         load_config(cfg, [])
+
+
+def test_a_derived_decay_follows_train_steps_through_overrides_and_written_configs(tmp_path):
+    # lr_decay_steps null -> train_steps - warmup at load; a later train_steps moves it, unless set
+    cfg = config_from_dict(base())
+    sched = "optimizer.learning_rate_scheduler"
+    warmup = cfg.optimizer.learning_rate_scheduler.lr_warmup_steps
+    moved = apply_overrides(cfg, ["tokens.train_steps=500"])
+    assert moved.optimizer.learning_rate_scheduler.lr_decay_steps == 500 - warmup
+    save_config(cfg, tmp_path / "plan.yaml", derived=False)  # what `plan --search --write` does
+    assert load_config(tmp_path / "plan.yaml", ["tokens.train_steps=500"]).optimizer \
+        .learning_rate_scheduler.lr_decay_steps == 500 - warmup  # fmt: skip
+    save_config(cfg, tmp_path / "ckpt.yaml")  # a checkpoint's config.yaml: resolved, as Nanotron's
+    assert f"lr_decay_steps: {cfg.optimizer.learning_rate_scheduler.lr_decay_steps}" in (
+        tmp_path / "ckpt.yaml").read_text()  # fmt: skip
+    fixed = apply_overrides(cfg, [f"{sched}.lr_decay_steps=7"])
+    assert apply_overrides(fixed, ["tokens.train_steps=500"]).optimizer \
+        .learning_rate_scheduler.lr_decay_steps == 7  # fmt: skip
