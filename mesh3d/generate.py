@@ -33,6 +33,7 @@ too; a layout that does not fit stops every rank before any communication. This 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -89,8 +90,8 @@ def _check_flags(args) -> None:
     bad = []
     if args.max_new_tokens < 1:
         bad.append(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    if args.temperature < 0:
-        bad.append(f"--temperature {args.temperature} must be >= 0 (0: greedy)")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        bad.append(f"--temperature {args.temperature} must be a finite number >= 0 (0: greedy)")
     if args.top_k is not None and args.top_k < 1:
         bad.append(f"--top-k {args.top_k} must be >= 1 (leave it out for no top-k)")
     for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
@@ -124,7 +125,14 @@ def _prompts(args) -> list[str | list[dict]]:
         raise UserError(
             f"{flag} {args.prompts!r} is not a file; give a text file, one prompt a line"
         )
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{flag} {args.prompts!r} is not UTF-8 text (byte {e.start}: "
+            f"{e.object[e.start : e.start + 1]!r}); save it as UTF-8"
+        ) from None
+    lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise UserError(f"{flag} {args.prompts!r} has no non-empty line; give one prompt a line")
     if path.suffix != ".jsonl":

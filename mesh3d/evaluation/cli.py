@@ -21,7 +21,8 @@ log-likelihoods, greedy generations) through one of two engines:
 
 A task over local files needs no network with either engine. Checked before the model is built:
 the checkpoint, its tokenizer, the engine being installed, every task name (the nearest names
-listed), the custom-task path; one line each, exit 2.
+listed), the custom-task path, lm-eval's task data (a task whose data cannot be downloaded is
+named); one line each, exit 2.
 """
 
 from __future__ import annotations
@@ -114,6 +115,27 @@ def check_tasks(tasks: list[str], custom: str | None):
     return manager
 
 
+def load_tasks(manager, tasks: list[str]) -> list:
+    """lm-eval's `tasks` built, their data fetched, before the model is: a task whose data
+    cannot be downloaded is one line naming it. Each task's, group's or tag's own tasks and
+    groups (not their members) are returned, for `simple_evaluate`."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    built = []
+    for task in tasks:
+        try:
+            got = manager.load(task)
+        except (ConnectionError, LocalEntryNotFoundError) as e:
+            why = (str(e) or type(e).__name__).splitlines()[0]
+            raise UserError(
+                f"--tasks: the data of task {task!r} could not be downloaded ({why}); connect to "
+                "the Hub, or set HF_DATASETS_OFFLINE=1 with the data in the datasets cache"
+            ) from None
+        members = {name for names in got["group_map"].values() for name in names}
+        built += [x for n, x in {**got["groups"], **got["tasks"]}.items() if n not in members]
+    return built
+
+
 def hf_tokenizer(step: Path, flag: str | None):
     """The checkpoint's tokenizer as transformers loads it from its Hugging Face export (bos and
     eos named from the model config, as `mesh3d convert` writes them)."""
@@ -187,13 +209,14 @@ def evaluate(step: Path, args, tp: int, pp: int, dp: int = 1) -> dict | None:
     results on rank 0 (LOCAL_RANK 0), None elsewhere."""
     tasks = [t for t in args.tasks.split(",") if t]
     manager = check_tasks(tasks, args.custom_tasks)
+    loaded = load_tasks(manager, tasks)
     tokenizer, scorer = _scorer(step, args, tp, pp, dp)
     from lm_eval import simple_evaluate
 
     from mesh3d.evaluation.lm_eval_model import Mesh3dLM
 
     chat = getattr(args, "apply_chat_template", False)
-    return simple_evaluate(model=Mesh3dLM(scorer, tokenizer), tasks=tasks,
+    return simple_evaluate(model=Mesh3dLM(scorer, tokenizer), tasks=loaded,
                            num_fewshot=args.num_fewshot, limit=args.max_samples,
                            task_manager=manager, log_samples=True, batch_size=args.batch_size,
                            apply_chat_template=chat)  # fmt: skip
@@ -225,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
     from mesh3d.mesh import shutdown_distributed
 
     args = _parser().parse_args(argv)
+    if not args.tasks.replace(",", "").strip():
+        raise UserError(f"--tasks {args.tasks!r} names no task; give one or more, comma-separated "
+                        "(e.g. --tasks hellaswag,arc_easy)")  # fmt: skip
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp, tp, pp = _degrees(args, world)
     if args.batch_size < 1 or (args.max_samples is not None and args.max_samples < 1):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 
 from mesh3d.config import DEFAULT_CONFIG, load_config
@@ -76,6 +77,11 @@ def main(argv: list[str] | None = None) -> None:
             "processes (e.g. --world-size 8), or leave it out for dp x cp x tp x pp"
         )
     gib = gpu_memory_gib(args.gpu_memory) if args.gpu_memory else None
+    if gib is not None and not (math.isfinite(gib) and gib > 0):
+        raise UserError(
+            f"--gpu-memory {args.gpu_memory!r} must be a positive number of GiB; give the memory "
+            "of one device (e.g. --gpu-memory 80) or its name (e.g. H100)"
+        )
     if args.config and "=" in args.config:  # `mesh3d plan parallelism.tp=2`: no CONFIG
         args.overrides.insert(0, args.config)
         args.config = None
