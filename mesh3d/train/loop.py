@@ -78,10 +78,11 @@ def _save(run: Run, guard: RunGuard, step: int, consumed: int, wandb_id: str | N
     return step_dir
 
 
-def _stopped(signal_name: str, step: int, ck, saved: int, spiked: str) -> Preempted | Interrupted:
+def _stopped(signal_name: str, step: int, cfg, saved: int, spiked: str) -> Preempted | Interrupted:
     """What a stop signal ends the run with: `Preempted` (exit 75) when step `saved` was saved,
     else `Interrupted` (exit 128 + the signal). `spiked`: the sentence naming the checkpoint a
     restart resumes from, when the loss spiked (`saved` is then marked, not in latest.txt)."""
+    ck = cfg.checkpoints
     if ck is None:
         return Interrupted(
             f"{signal_name} received: stopped after step {step}; no checkpoints section, so "
@@ -93,11 +94,11 @@ def _stopped(signal_name: str, step: int, ck, saved: int, spiked: str) -> Preemp
         where += (
             f" while the loss spiked, so it is marked and latest.txt does not name it ({spiked})"
         )
+    again = ("Launch the same command to continue" if cfg.mesh3d.existing_checkpoints == "resume"
+             else "To continue, launch the command again with mesh3d.existing_checkpoints=resume "
+             f"(or checkpoints.resume_checkpoint_path={ck.checkpoints_path})")  # fmt: skip
     return Preempted(
-        f"{signal_name} received: stopped after step {step} and saved "
-        f"{where}. Launch the same command to continue (with "
-        f"checkpoints.resume_checkpoint_path={ck.checkpoints_path} or "
-        "mesh3d.existing_checkpoints=resume)"
+        f"{signal_name} received: stopped after step {step} and saved {where}. {again}"
     )
 
 
@@ -289,7 +290,7 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
             if stop:
                 sinks.close()
                 spiking = guard.spikes is not None and guard.spikes.spiking
-                raise _stopped(stop, step, ck, saved, guard.last_checkpoint() if spiking else "")
+                raise _stopped(stop, step, cfg, saved, guard.last_checkpoint() if spiking else "")
     final = ck is not None and ck.save_final_state and start < tok.train_steps
     if final and saved != tok.train_steps:
         result.saved_dir = _save(run, guard, tok.train_steps, consumed, wandb_id, last_step=True)

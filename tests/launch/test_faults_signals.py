@@ -88,8 +88,8 @@ def test_ctrl_c_on_two_ranks_saves_the_step_and_exits_75(tmp_path):
     (line,) = _lines(out, "preempted")
     step = int(re.search(r"SIGINT received: stopped after step (\d+) and saved", line).group(1))
     assert line.endswith(
-        f"saved {root}/{step}. Launch the same command to continue (with "
-        f"checkpoints.resume_checkpoint_path={root} or mesh3d.existing_checkpoints=resume)"
+        f"saved {root}/{step}. To continue, launch the command again with "
+        f"mesh3d.existing_checkpoints=resume (or checkpoints.resume_checkpoint_path={root})"
     )
     assert _lines(out, "error") == []
     assert (root / "latest.txt").read_text() == str(step) and verify(root / str(step)) == []
