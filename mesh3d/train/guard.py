@@ -48,6 +48,7 @@ class RunGuard:
         self.spikes = extensions.load("loss_spike").SpikeGuard(spike) if spike else None
         self.signals: StopSignals | None = None
         self.skipped = 0  # non-finite steps skipped so far (resumed runs continue the count)
+        self.losses: list[str] = []  # the last finite steps' losses, for the non-finite line
         self._verdict: tuple = ((), None)  # ((loss, grad_norm), the step's verdict)
         self.fail_at = _injected_failure(self.rank)
         self.leave_wait_s = 0.0  # how long world rank 0 may still upload as the run ends
@@ -250,6 +251,7 @@ class RunGuard:
     def check_finite(self, step: int, loss: float, grad_norm: float) -> bool:
         """True when the update was applied; a non-finite step is skipped or stops the run."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.losses = [*self.losses[-2:], f"{step}: {loss:.4g}"]
             return True
         allowed = self.cfg.mesh3d.skip_nonfinite_steps
         what = f"lm_loss {loss}, grad_norm {grad_norm}"
@@ -263,10 +265,18 @@ class RunGuard:
         skipped = f" after skipping {self.skipped} such step(s)" if self.skipped else ""
         raise NonFiniteError(
             f"step {step}: non-finite values ({what}){skipped}; the update was not applied and "
-            f"nothing was saved. {self.last_checkpoint()} Lower the learning rate "
+            f"nothing was saved. {self.last_checkpoint()}{self._rising()} Lower the learning rate "
             "(optimizer.learning_rate_scheduler.learning_rate) or clip_grad, check the data, "
             "or set mesh3d.skip_nonfinite_steps to skip a few such steps"
         )
+
+    def _rising(self) -> str:
+        """The last losses before a non-finite step: a rise may have reached the checkpoint."""
+        if not self.losses:
+            return ""
+        return (f" The loss before it (step: lm_loss) was {', '.join(self.losses)}; if it was "
+                "already rising, that checkpoint may hold diverging weights: resume from an "
+                "earlier one.")  # fmt: skip
 
 
 def _injected_failure(rank: int) -> int | None:

@@ -82,6 +82,7 @@ def test_nonfinite_loss_stops_at_once_and_never_reaches_a_checkpoint(tmp_path):
     assert stopped["error"] == "NonFiniteError" and stopped["code"] == 3
     bad_step = int(stopped["message"].split(":")[0].removeprefix("step "))
     assert "the update was not applied and nothing was saved" in stopped["message"]
+    assert f"The loss before it (step: lm_loss) was {max(1, bad_step - 3)}: " in stopped["message"]
     last_good = bad_step - 1
     assert f"The last complete checkpoint is {root / str(last_good)}" in stopped["message"]
     assert (root / "latest.txt").read_text() == str(last_good)
