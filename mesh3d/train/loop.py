@@ -271,7 +271,8 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
             finally:
                 m.update(guard.step_metrics())
                 result.metrics.append(m)
-                logged = (step - 1) % cfg.logging.iteration_step_info_interval == 0
+                every = cfg.logging.iteration_step_info_interval  # and the last step, for the plot
+                logged = (step - 1) % every == 0 or step == tok.train_steps
                 sinks.progress(m, step_seconds)  # the compact console line, every step
                 if unusual or logged or "val_loss" in m:
                     sinks.write(m, step_seconds)  # skipped and evaluation steps always shown

@@ -122,3 +122,11 @@ def test_no_mfu_on_cpu_and_memory_reported(sinks):
     for m in sinks[1]:
         assert "mfu" not in m
         assert m["peak_rss_mib"] > 50
+
+
+def test_the_last_step_is_logged_whatever_the_interval(tmp_path):
+    # Nanotron logs steps 1, 1 + N, ...; mesh3d adds the last one, so the file and plot end there
+    run_ranks(1, _run, str(tmp_path), ["tokens.train_steps=5", "logging.iteration_step_info_interval=3"],
+              timeout=200)  # fmt: skip
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in lines] == [1, 4, 5]
