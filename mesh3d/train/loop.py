@@ -200,7 +200,10 @@ def _train(run: Run, guard: RunGuard, metrics_file: str | None, hooks: Sequence)
     for line in start_notes(cfg, run.device, start):
         logger.info(line)
     sinks = MetricSinks(cfg, rank == run.logger_rank, metrics_file, wandb_id, start_step=start)
-    wandb_id = share(sinks.wandb_id, src=run.logger_rank)
+    error, wandb_id = share((sinks.error, sinks.wandb_id), src=run.logger_rank)
+    if error:  # a metrics path that cannot be written: every rank stops alike
+        with decided_alike():
+            raise UserError(error)
     peak = peak_tflops(
         torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None
     )

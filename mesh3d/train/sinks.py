@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from mesh3d.config import config_to_dict, expand_run_name
-from mesh3d.errors import UserError, on_every_rank, unwritable
+from mesh3d.errors import UserError, unwritable
 from mesh3d.log import logger
 from mesh3d.train.metrics import JsonlWriter, format_iteration_line
 
@@ -32,17 +32,6 @@ def wandb_wanted(setting: bool | None) -> bool:
     return bool(os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY") or logged_in)
 
 
-def _gathered(value) -> list:
-    """`value` of every rank (`[value]` without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def eta_text(seconds: float) -> str:
     """HEAD's `eta` format: `str(timedelta(seconds=int(s)))`, e.g. `0:01:05`, `1 day, 1:15:30`."""
     return str(datetime.timedelta(seconds=int(seconds)))
@@ -50,27 +39,24 @@ def eta_text(seconds: float) -> str:
 
 class MetricSinks:
     """The sinks of the metrics-owning rank (`active`); on other ranks every call is a no-op.
-    `start_step`: the step the run resumes from (0: fresh), for the metrics file."""
+    `start_step`: the step the run resumes from (0: fresh), for the metrics file. `error`: why
+    a sink could not open (a `UserError`'s message), for the caller to raise on every rank."""
 
     def __init__(self, cfg, active: bool, metrics_file: str | None, wandb_id: str | None = None,
                  *, start_step: int = 0):  # fmt: skip
         self.active, self.train_steps = active, cfg.tokens.train_steps
         console = cfg.mesh3d.console
         self.compact = console == "compact" or (console == "auto" and sys.stdout.isatty())
-        self.jsonl = self.tb = self.wandb = None
+        self.jsonl = self.tb = self.wandb = self.error = None
         self.wandb_id = wandb_id
-        error = None
         if active:
             try:
                 self._open(cfg, metrics_file, start_step)
-            except UserError as e:  # a path of this rank's: every rank stops alike
+            except UserError as e:  # the caller shares it: every rank stops alike
                 for sink in (self.tb, self.jsonl):
                     if sink:
                         sink.close()
-                error = str(e)
-        error = next(filter(None, _gathered(error)), None)
-        if error:
-            raise on_every_rank(UserError(error))
+                self.error = str(e)
 
     def _open(self, cfg, metrics_file: str | None, start_step: int) -> None:
         if cfg.mesh3d.tensorboard_dir:  # first: a bad folder leaves the metrics file as it was

@@ -130,3 +130,24 @@ def test_the_last_step_is_logged_whatever_the_interval(tmp_path):
               timeout=200)  # fmt: skip
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["iteration"] for x in lines] == [1, 4, 5]
+
+
+def _sink_refused(rank: int, world: int, overrides: list[str]) -> tuple[bool, str] | None:
+    from mesh3d.errors import UserError
+    from mesh3d.train.loop import train
+
+    cfg = apply_overrides(config_from_dict(copy.deepcopy(TINY)), overrides)
+    try:
+        train(cfg, metrics_file="/proc/nope/metrics.jsonl")
+    except UserError as e:
+        return e.same_on_every_rank, str(e)
+    return None
+
+
+def test_a_metrics_file_the_last_stage_cannot_write_stops_every_rank():
+    # pp 2: the metrics rank is rank 1; its error reaches rank 0 too (it would hang otherwise)
+    got = run_ranks(2, _sink_refused, ["parallelism.pp=2", "tokens.train_steps=2"], timeout=120)
+    assert [alike for alike, _ in got] == [True, True]
+    assert all(
+        m.startswith("`--metrics-file` /proc/nope/metrics.jsonl: cannot write") for _, m in got
+    )

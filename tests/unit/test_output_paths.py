@@ -9,7 +9,6 @@ import dataclasses
 import json
 
 import pytest
-import torch.distributed as dist
 from parity import TINY
 
 from mesh3d.checkpoint import hf as convert
@@ -71,21 +70,10 @@ def test_tensorboard_dir_that_cannot_be_written(tmp_path, kind):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"iteration": 1}\n')
     cfg = config_from_dict(_cfg(tensorboard_dir=path))
-    with pytest.raises(UserError, match="^`mesh3d.tensorboard_dir` .*choose a folder") as e:
-        MetricSinks(cfg, True, str(metrics))
-    assert path in str(e.value)
+    error = MetricSinks(cfg, True, str(metrics)).error  # the loop raises it on every rank
+    assert error.startswith("`mesh3d.tensorboard_dir` ") and "choose a folder" in error
+    assert path in error
     assert metrics.read_text() == '{"iteration": 1}\n'  # the metrics file left as it was
-
-
-def test_another_ranks_sink_error_stops_every_rank(monkeypatch):
-    """The metrics rank's error reaches every rank, so every rank stops alike (no hang)."""
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    message = "`--metrics-file` /proc/nope/m.jsonl: cannot write there"
-    monkeypatch.setattr(dist, "all_gather_object", lambda out, v: out.__setitem__(1, message))
-    with pytest.raises(UserError, match="metrics-file") as e:
-        MetricSinks(config_from_dict(_cfg()), False, None)
-    assert e.value.same_on_every_rank
 
 
 @pytest.mark.parametrize("kind", ["uncreatable", "file"])
