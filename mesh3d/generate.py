@@ -137,7 +137,8 @@ def _prompts(args) -> list[str | list[dict]]:
         raise UserError(f"{flag} {args.prompts!r} has no non-empty line; give one prompt a line")
     if path.suffix != ".jsonl":
         return lines
-    return [_jsonl_prompt(line, path, n) for n, line in enumerate(lines, 1)]
+    numbered = enumerate(text.splitlines(), 1)  # n: the file's line numbers
+    return [_jsonl_prompt(line, path, n) for n, line in numbered if line.strip()]
 
 
 def _jsonl_prompt(line: str, path: Path, n: int) -> str | list[dict]:
@@ -149,14 +150,15 @@ def _jsonl_prompt(line: str, path: Path, n: int) -> str | list[dict]:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise UserError(f"{path} line {n} is not JSON ({e.msg}); give one object a line") from None
-    if isinstance(row, dict) and "messages" in row:
-        return check_messages(row["messages"], str(path), n)
-    if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+    if not isinstance(row, dict):
+        raise UserError(f"{path} line {n} is not a JSON object; give one object a line")
+    if "messages" in row:
+        return check_messages(row["messages"], str(path), n - 1)  # it counts rows from 0
+    if isinstance(row.get("prompt"), str):
         return row["prompt"]
-    keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
     raise UserError(
         f'{path} line {n} has neither "messages" (a chat: a list of {{"role", "content"}}) nor '
-        f'"prompt" (text); its keys: {keys}'
+        f'"prompt" (text); its keys: {", ".join(row)}'
     )
 
 
@@ -242,9 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [_prompt_ids(tokenizer, t, step, tok_path, c) for t, c in zip(texts, chats)]
     first = int(os.environ.get("RANK", "0")) == 0
     positions = read_model_config_json(step).max_position_embeddings
-    if first and max(map(len, prompts)) + args.max_new_tokens > positions:
-        print(f"note: past {positions} tokens (max_position_embeddings) the model was not "
-              "trained; expect worse text there", file=sys.stderr)  # fmt: skip
+    if first and (longest := max(map(len, prompts))) + args.max_new_tokens > positions:
+        print(f"note: a {longest}-token prompt + --max-new-tokens {args.max_new_tokens} can go "
+              f"past the {positions} tokens the model was trained on (max_position_embeddings); "
+              "expect worse text there", file=sys.stderr)  # fmt: skip
     if world == 1:
         new_ids, how = generate_here(step, prompts, args)
     else:  # the training stack (build, pipeline, checkpoint loading) only under torchrun

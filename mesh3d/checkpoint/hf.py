@@ -38,11 +38,13 @@ from mesh3d import extensions
 from mesh3d.checkpoint.from_hf_config import training_config
 from mesh3d.checkpoint.load import weights_dir
 from mesh3d.checkpoint.model_config import _read_json_object, read_model_config_json, shape_of  # noqa: F401
+from mesh3d.checkpoint.tokenizer_files import FILES as TOKENIZER_FILES
 from mesh3d.checkpoint.tokenizer_files import copy_into_folder, step_tokenizer
 from mesh3d.checkpoint.training import lora_of, resolve_step_dir
 from mesh3d.checks import validate
 from mesh3d.config import save_config
 from mesh3d.errors import ConfigError, UserError, exit_on_user_error, unwritable
+from mesh3d.log import logger
 from mesh3d.models.dtypes import DTYPES
 from mesh3d.models.registry import families, spec_for_hf, spec_of
 
@@ -172,7 +174,8 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 
 def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) -> list[Path]:
     """Write `output/config.json` + `output/model.safetensors` (+ the checkpoint's saved
-    tokenizer files) from a step folder or a checkpoints folder (`latest.txt`); the paths."""
+    tokenizer files, replacing an earlier export's) from a step folder or a checkpoints folder
+    (`latest.txt`); the paths. A warning names what else `output` holds."""
     step, output = weights_dir(checkpoint, "--checkpoint"), Path(output)
     mc = read_model_config_json(step)
     spec = spec_of(mc)
@@ -207,9 +210,16 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
     from mesh3d.checkpoint.nanotron_weights import save_readable
 
     save_readable(hf, weights, {"format": "pt"})
+    for name in TOKENIZER_FILES:  # an earlier export's: this model's replace them, or none
+        (output / name).unlink(missing_ok=True)
     copied = copy_into_folder(step_tokenizer(step), output)
     specials = set_special_tokens(output, mc)
-    return [config, weights, *copied, *(p for p in specials if p not in copied)]
+    paths = [config, weights, *copied, *(p for p in specials if p not in copied)]
+    if others := sorted(p.name for p in output.iterdir() if p not in paths):
+        names = ", ".join(others[:5]) + ", ..." * (len(others) > 5)
+        logger.warning(f"{output} also holds {len(others)} entries this export did not write "
+                       f"(from something else?): {names}")  # fmt: skip
+    return paths
 
 
 def set_special_tokens(folder: Path, mc) -> list[Path]:

@@ -15,7 +15,11 @@ def next_token(logits: Tensor, temperature: float = 0.0, top_k: int | None = Non
     from softmax(logits / temperature), among the `top_k` largest when given."""
     if temperature == 0:
         return logits.argmax(dim=-1)  # (B,)
-    logits = logits.float() / temperature
+    scaled = logits.float() / temperature
+    if not scaled.amax(dim=-1).isfinite().all():  # a temperature so small that this overflowed:
+        logits = logits.double()  # in float64, the largest shifted to 0 first (the rest -> -inf)
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    logits = scaled
     if top_k is not None and top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

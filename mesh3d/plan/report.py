@@ -181,7 +181,11 @@ def format_plan(plan: Plan, gpu_memory: float | None = None) -> str:
         "6. Communication per step (payload: full tensor, or a bucket's mean; sent: by this "
         "rank, ring)"
     )
-    for g in _by_value(plan, lambda r: tuple(map(str, r.comm))).values():
+    groups = _by_value(plan, lambda r: tuple(map(str, r.comm))).values()
+    if not any(r.comm for r in plan.ranks):
+        groups = []
+        out.append("  none: nothing is sent between ranks in this layout")
+    for g in groups:
         axes_sent = (*axes, "ep") if "ep" in plan.groups else axes
         sent = {a: sum(c.sent_bytes for c in g[0].comm if c.axis == a) for a in axes_sent}
         totals = ", ".join(f"{a} {_size(v)}" for a, v in sent.items())

@@ -22,13 +22,19 @@ JSON_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "full_shard", "recomp
 
 
 def why_first(a: Candidate, b: Candidate) -> str:
-    """One line: what makes `a` faster than `b` (the part of the step that differs most)."""
+    """One line: what makes `a` faster than `b` (the part of the step that differs most), or
+    that they tie at the table's precision (`a` is then first in the search's order)."""
+    memory = f"memory {a.memory_gib:.1f} vs {b.memory_gib:.1f} GiB"
+    if f"{a.step_time_s:.4g}" == f"{b.step_time_s:.4g}":
+        return (
+            f"why: {a.label} ties {b.label} at {a.step_time_s:.4g} s/step; first in the "
+            f"search's order; {memory}"
+        )
     gap = {k: b.parts.get(k, 0.0) - a.parts.get(k, 0.0) for k in a.parts | b.parts}
     part = max(gap, key=gap.get)
     return (
         f"why: {a.label} beats {b.label} by {b.step_time_s - a.step_time_s:.3g} s/step, mostly "
-        f"{part} ({a.parts.get(part, 0):.3g} s vs {b.parts.get(part, 0):.3g} s); memory "
-        f"{a.memory_gib:.1f} vs {b.memory_gib:.1f} GiB"
+        f"{part} ({a.parts.get(part, 0):.3g} s vs {b.parts.get(part, 0):.3g} s); {memory}"
     )
 
 
