@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -59,7 +60,7 @@ def _resolved(args: argparse.Namespace) -> tuple[str, list[str]]:
     path = args.config or str(DEFAULT_CONFIG)
     cfg = load_config(path, overrides)
     run = _resumed_run_name(cfg) or expand_run_name(cfg.general.run)
-    overrides.append(f"general.run={run}")
+    overrides.append(f"general.run={json.dumps(run)}")  # quoted: a YAML string, even empty
     ck = cfg.checkpoints  # the default's folder follows its run name unless a key moved it
     if (
         args.config is None

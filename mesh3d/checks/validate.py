@@ -10,6 +10,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from operator import attrgetter
+from pathlib import PurePosixPath
 
 from mesh3d import extensions
 from mesh3d.checks.checkpoint_checks import checkpoint_errors, s3_errors
@@ -118,7 +119,7 @@ def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
             return errors
     checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
               _unsupported, _optional, scale_errors,
-              loss_spike_errors, checkpoint_errors, _recompute, s3_errors)  # fmt: skip
+              loss_spike_errors, checkpoint_errors, _recompute, s3_errors, _run_name)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
@@ -154,13 +155,12 @@ def _layout(cfg: Config, world_size: int | None) -> Iterator[str]:
     p = cfg.parallelism
     cp = p.context_parallel_size
     product = p.dp * p.tp * p.pp * max(cp, 1)
-    if world_size is not None and product != world_size:
-        with_cp = f" x context_parallel_size ({cp})" if cp != 1 else ""
-        keys = "dp/context_parallel_size/tp/pp" if cp != 1 else "dp/tp/pp"
+    if world_size is not None and product != world_size:  # cp named even at 1: it counts too
         yield (
-            f"parallelism.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}){with_cp} = {product}, but the "
-            f"world size is {world_size}; change parallelism.{keys} so the product is "
-            f"{world_size}, or launch with --nproc_per_node={product}"
+            f"parallelism.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}) x context_parallel_size ({cp}) "
+            f"= {product}, but the world size is {world_size}; change "
+            f"parallelism.dp/context_parallel_size/tp/pp so the product is {world_size}, or "
+            f"launch with --nproc_per_node={product}"
         )
     yield from sequence_split_errors(
         "tokens.sequence_length", cfg.tokens.sequence_length, p, " (a balanced causal split)"
@@ -182,6 +182,12 @@ def _model(cfg: Config) -> Iterator[str]:
             yield f"`model.init_method.std` must be >= 0, got {init.std}"
         if init.scaling_method not in SCALING_METHODS:
             yield f"`model.init_method.scaling_method` {init.scaling_method!r} is not one of {', '.join(SCALING_METHODS)}"
+    std = getattr(init, "initializer_range", None)  # Mamba's init (MambaInit)
+    if std is not None and std < 0:
+        yield f"`model.init_method.initializer_range` must be >= 0 (the embedding's std), got {std}"
+    mc_std = getattr(m.model_config, "initializer_range", None)
+    if mc_std is not None and mc_std < 0:
+        yield f"`{MC}.initializer_range` must be >= 0 (a standard deviation, written to HF configs), got {mc_std}"
     if m.ddp_bucket_cap_mb < 0:
         yield f"`model.ddp_bucket_cap_mb` must be >= 0, got {m.ddp_bucket_cap_mb}"
     try:
@@ -245,6 +251,23 @@ def _pipeline(cfg: Config) -> Iterator[str]:
             f"`{key}` ({n}) must be a multiple of the number of rounds {n} // pp ({p.pp}) = "
             f"{n // p.pp} for {sched}, which runs microbatches in rounds; use a multiple of pp"
         )
+
+
+def _run_name(cfg: Config) -> Iterator[str]:
+    """The run name names the folder `runs/<run>/`: it must name one inside `runs/`."""
+    run, key = cfg.general.run, "general.run"
+    if not run.strip():
+        yield (
+            f"`{key}` {run!r} is empty; it names the run's folder runs/<run>/: give a name (e.g. "
+            "%date_%jobid, the default)"
+        )
+    elif run.startswith(("/", "\\")) or ".." in PurePosixPath(run.replace("\\", "/")).parts:
+        yield (
+            f"`{key}` {run!r} leaves runs/: the run name names the folder runs/<run>/, so it "
+            "must be a relative name without `..` parts (a/b is fine)"
+        )
+    elif all(part == "." for part in PurePosixPath(run).parts):
+        yield f"`{key}` {run!r} names runs/ itself: the run name names the folder runs/<run>/; give a name"
 
 
 def _run(cfg: Config) -> Iterator[str]:
@@ -361,6 +384,10 @@ def _family_keys(cfg: Config) -> Iterator[str]:
 
 def _optional(cfg: Config) -> Iterator[str]:
     """The checks of optional capabilities, loaded only when configured."""
+    if cfg.profiler is not None or cfg.mesh3d.stream_shards is not None:
+        from mesh3d.checks.run_checks import run_errors
+
+        yield from run_errors(cfg)
     if cfg.parallelism.expert_parallel_size > 1:
         yield from extensions.load("moe_checks").expert_parallel_errors(cfg)
     if cfg.mesh3d.float8 or cfg.mesh3d.async_tp:

@@ -56,6 +56,10 @@ def llama_errors(cfg) -> Iterator[str]:
         yield f"`{MC}.z_loss_coefficient` must be > 0 with z_loss_enabled, got {mc.z_loss_coefficient}"
     if not (math.isfinite(mc.rope_theta) and mc.rope_theta > 0):
         yield f"`{MC}.rope_theta` must be a finite number > 0 (the rotary base, e.g. 10000.0), got {mc.rope_theta}"
+    if mc.rope_scaling and not getattr(mc, "is_llamoe_config", False):  # LlaMoE's: null
+        from mesh3d.models.rope_checks import rope_scaling_errors
+
+        yield from rope_scaling_errors(mc.rope_scaling)
     if mc.hidden_act not in HIDDEN_ACTS:
         yield f"`{MC}.hidden_act` {mc.hidden_act!r} is not supported; use one of {', '.join(HIDDEN_ACTS)}"
     positions, (key, seq) = mc.max_position_embeddings, longest_sequence(cfg)

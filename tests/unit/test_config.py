@@ -263,7 +263,7 @@ BAD = [
     ("optimizer-name", ["optimizer.optimizer_factory.name=adam"], None, None, "`optimizer.optimizer_factory.name` must be adamW, sgd or muon"),
     ("init-method-keys", ["model.init_method={stdev: 0.02}"], None, None, "`model.init_method` needs `std` (random init)"),
     ("tokens-section", ["tokens=null"], None, None, "section `tokens` is missing"),
-    ("world-size", ["parallelism.dp=2", *TP2, *PP2], None, 4, "parallelism.dp (2) x tp (2) x pp (2) = 8, but the world size is 4; change parallelism.dp/tp/pp so the product is 4, or launch with --nproc_per_node=8"),
+    ("world-size", ["parallelism.dp=2", *TP2, *PP2], None, 4, "parallelism.dp (2) x tp (2) x pp (2) x context_parallel_size (1) = 8, but the world size is 4; change parallelism.dp/context_parallel_size/tp/pp so the product is 4, or launch with --nproc_per_node=8"),
     ("heads-tp", ["parallelism.tp=3", "tokens.sequence_length=33"], None, 3, f"`{MC}.num_attention_heads` (4) must be divisible by `parallelism.tp` (3)"),
     ("kv-heads-tp", [*TP2, f"{MC}.num_key_value_heads=1"], None, 2, f"`{MC}.num_key_value_heads` (1) must be divisible by `parallelism.tp` (2)"),
     ("hidden-heads", [f"{MC}.hidden_size=30"], None, None, f"`{MC}.hidden_size` (30) must be divisible by `{MC}.num_attention_heads` (4)"),
@@ -395,6 +395,8 @@ def test_bad_cases_are_many_and_distinct():
 # ---- values that used to pass validation and broke the run: each refused with its own message --
 
 CK, M3 = "checkpoints.checkpoint_interval", "mesh3d"
+LLAMA31 = "rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192"
+LLAMA3_FORM = "rope_type llama3 with factor, low_freq_factor, high_freq_factor, original_max_position_embeddings"
 # (id, overrides, the one and whole message)
 REFUSED = [
     ("rope-theta-zero", [f"{MC}.rope_theta=0"], f"`{MC}.rope_theta` must be a finite number > 0 (the rotary base, e.g. 10000.0), got 0.0"),
@@ -444,6 +446,32 @@ REFUSED = [
     ("accumulation-2-63", ["tokens.batch_accumulation_per_replica=9223372036854775808"], "`tokens.batch_accumulation_per_replica` (9223372036854775808) is more than 2147483647 (2**31 - 1), the largest size torch indexes; lower it"),
     ("params-too-many", [f"{MC}.num_hidden_layers=2000000000"], f"the model would have more than 1.64e+13 parameters (num_hidden_layers 2000000000, hidden_size 32, intermediate_size 64), more than 1e+13; lower {MC}.num_hidden_layers or the sizes"),
     ("step-tokens-too-many", ["tokens.batch_accumulation_per_replica=1000000000"], "one optimizer step would read 64000000000 tokens (micro_batch_size 2 x batch_accumulation_per_replica 1000000000 x dp 1 x sequence_length 32), more than 17179869184 (2**34); lower tokens.batch_accumulation_per_replica or tokens.micro_batch_size"),
+    # fuzzed values that passed `mesh3d config` and crashed or misled the run
+    ("rope-scaling-llama3-bare", [f"{MC}.rope_scaling={{rope_type: llama3}}"], f"`{MC}.rope_scaling` (rope_type llama3) lacks factor, low_freq_factor, high_freq_factor, original_max_position_embeddings; llama3 scaling needs all four, e.g. Llama 3.1's {{{LLAMA31}}}"),
+    ("rope-scaling-llama3-part", [f"{MC}.rope_scaling={{rope_type: llama3, factor: 8.0, low_freq_factor: 1.0}}"], f"`{MC}.rope_scaling` (rope_type llama3) lacks high_freq_factor, original_max_position_embeddings; llama3 scaling needs all four, e.g. Llama 3.1's {{{LLAMA31}}}"),
+    ("rope-scaling-no-type", [f"{MC}.rope_scaling={{a: 1}}"], f"`{MC}.rope_scaling` {{'a': 1}} names no rope_type llama3, so a would be ignored; use {LLAMA3_FORM}, or set rope_scaling to null"),
+    ("rope-scaling-default-factor", [f"{MC}.rope_scaling={{rope_type: default, factor: 2}}"], f"`{MC}.rope_scaling` {{'rope_type': 'default', 'factor': 2}} names no rope_type llama3, so factor would be ignored; use {LLAMA3_FORM}, or set rope_scaling to null"),
+    ("rope-scaling-linear", [f"{MC}.rope_scaling={{type: linear, factor: 2}}"], f"`{MC}.rope_scaling` rope_type 'linear' is not supported; mesh3d implements {LLAMA3_FORM} (Llama 3.1's scaling), or null for none"),
+    ("rope-scaling-two-types", [f"{MC}.rope_scaling={{{LLAMA31}, type: linear}}"], f"`{MC}.rope_scaling` gives rope_type 'llama3' and type 'linear'; give one, llama3 (or set rope_scaling to null)"),
+    ("rope-scaling-extra-key", [f"{MC}.rope_scaling={{{LLAMA31}, attention_factor: 1.0}}"], f"`{MC}.rope_scaling` has keys llama3 scaling does not read: attention_factor; remove them (it reads factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)"),
+    ("rope-scaling-factor-str", [f"{MC}.rope_scaling={{{LLAMA31.replace('8.0', 'eight')}}}"], f"`{MC}.rope_scaling.factor` must be a finite number > 0, got 'eight'"),
+    ("rope-scaling-factor-zero", [f"{MC}.rope_scaling={{{LLAMA31.replace('8.0', '0')}}}"], f"`{MC}.rope_scaling.factor` must be a finite number > 0, got 0"),
+    ("rope-scaling-old-len", [f"{MC}.rope_scaling={{{LLAMA31.replace('8192', '81.92')}}}"], f"`{MC}.rope_scaling.original_max_position_embeddings` must be an integer >= 1 (the context length before scaling, e.g. 8192), got 81.92"),
+    ("rope-scaling-freq-order", [f"{MC}.rope_scaling={{{LLAMA31.replace('4.0', '1.0')}}}"], f"`{MC}.rope_scaling.high_freq_factor` (1.0) must be greater than low_freq_factor (1.0): the wavelengths between them are interpolated"),
+    ("profiler-active-zero", ["profiler.profiler_export_path=prof", "profiler.active=0"], "`profiler.active` must be >= 1 (steps recorded each cycle; torch.profiler.schedule's bound), got 0"),
+    ("profiler-wait", ["profiler.wait=-1"], "`profiler.wait` must be >= 0 (steps waited each cycle; torch.profiler.schedule's bound), got -1"),
+    ("profiler-warmup", ["profiler.warmup=-1"], "`profiler.warmup` must be >= 0 (warmup steps each cycle; torch.profiler.schedule's bound), got -1"),
+    ("profiler-repeat", ["profiler.repeat=-1"], "`profiler.repeat` must be >= 0 (cycles; 0 repeats until the run ends; torch.profiler.schedule's bound), got -1"),
+    ("profiler-skip-first", ["profiler.skip_first=-1"], "`profiler.skip_first` must be >= 0 (steps skipped before the first cycle; torch.profiler.schedule's bound), got -1"),
+    ("run-empty", ["general.run=''"], "`general.run` '' is empty; it names the run's folder runs/<run>/: give a name (e.g. %date_%jobid, the default)"),
+    ("run-parent", ["general.run=../../x"], "`general.run` '../../x' leaves runs/: the run name names the folder runs/<run>/, so it must be a relative name without `..` parts (a/b is fine)"),
+    ("run-inner-parent", ["general.run=a/../../x"], "`general.run` 'a/../../x' leaves runs/: the run name names the folder runs/<run>/, so it must be a relative name without `..` parts (a/b is fine)"),
+    ("run-absolute", ["general.run=/abs"], "`general.run` '/abs' leaves runs/: the run name names the folder runs/<run>/, so it must be a relative name without `..` parts (a/b is fine)"),
+    ("run-dot", ["general.run=."], "`general.run` '.' names runs/ itself: the run name names the folder runs/<run>/; give a name"),
+    ("stream-shards-negative", [f"{M3}.stream_shards=-1"], f"`{M3}.stream_shards` must be >= 1 (a streamed stage's logical shards; null: the global batch size), got -1"),
+    ("stream-shards-zero", [f"{M3}.stream_shards=0"], f"`{M3}.stream_shards` must be >= 1 (a streamed stage's logical shards; null: the global batch size), got 0"),
+    ("stream-shards-divisor", [f"{M3}.hf_streaming=true", f"{M3}.stream_shards=3"], f"`{M3}.stream_shards` (3) must divide the global batch size (4) and be divisible by parallelism.dp (1): each step takes the same number of samples from every logical shard, and each dp rank owns whole shards; use e.g. 4 or null"),
+    ("initializer-range", [f"{MC}.initializer_range=-1"], f"`{MC}.initializer_range` must be >= 0 (a standard deviation, written to HF configs), got -1.0"),
 ]  # fmt: skip
 
 
@@ -500,6 +528,24 @@ def test_edges_of_the_new_checks_are_valid():
     ]  # fmt: skip
     check(base(), edges, world_size=1)
     check(base(), ["checkpoints=null", f"{M3}.existing_checkpoints=overwrite"], world_size=1)
+    # rope_scaling's forms rope_inv_freq computes, run names inside runs/, the profiler's bounds
+    check(base(), [f"{MC}.rope_scaling={{{LLAMA31}}}"], world_size=1)
+    check(base(), [f"{MC}.rope_scaling={{{LLAMA31.replace('rope_type', 'type')}}}"])  # older HF
+    check(base(), [f"{MC}.rope_scaling={{{LLAMA31}, type: llama3}}"])  # both, agreeing
+    check(base(), [f"{MC}.rope_scaling={{rope_type: default}}"])
+    check(base(), [f"{MC}.rope_scaling={{}}"])
+    llama31_ints = LLAMA31.replace("8.0", "8").replace("1.0", "1").replace("4.0", "4")
+    check(base(), [f"{MC}.rope_scaling={{{llama31_ints}}}", f"{MC}.initializer_range=0"])
+    check(base(), ["general.run=a/b"])
+    check(base(), ["general.run=x..y/%date"])
+    check(base(), ["profiler.profiler_export_path=prof", "profiler.wait=0", "profiler.warmup=0",
+                   "profiler.active=1", "profiler.repeat=0", "profiler.skip_first=0"])  # fmt: skip
+    check(base(), [f"{M3}.stream_shards=3"])  # read only by a streamed stage
+    check(
+        base(),
+        [f"{M3}.hf_streaming=true", f"{M3}.stream_shards=2", "parallelism.dp=2"],
+        world_size=2,
+    )
 
 
 def test_every_hidden_act_the_checks_accept_is_the_function_transformers_means():
@@ -586,3 +632,38 @@ def test_a_derived_decay_follows_train_steps_through_overrides_and_written_confi
     fixed = apply_overrides(cfg, [f"{sched}.lr_decay_steps=7"])
     assert apply_overrides(fixed, ["tokens.train_steps=500"]).optimizer \
         .learning_rate_scheduler.lr_decay_steps == 7  # fmt: skip
+
+
+def _qwen3(d):
+    _qwen(d)
+    d["mesh3d"] = {"model_family": "qwen3"}
+
+
+def test_rope_scaling_checked_for_every_family_that_has_it():
+    """Qwen2 and Qwen3 build their rotary with Llama's `rope_inv_freq`, so the same forms are
+    refused; LlaMoE's must be null and says only that."""
+    bare = [f"{MC}.rope_scaling={{rope_type: llama3}}"]
+    families = {_qwen: "Qwen2Config", _qwen3: "Qwen3Config", _llamoe: "LlaMoEConfig"}
+    for family, config_class in families.items():
+        d = base()
+        family(d)
+        cfg = config_from_dict(apply_overrides(d, bare))
+        assert type(cfg.model.model_config).__name__ == config_class
+        errors = validation_errors(cfg)
+        assert [e.split("`")[1] for e in errors] == [f"{MC}.rope_scaling"], (family, errors)
+        if family is _llamoe:
+            assert errors[0].endswith("must be null: Nanotron's LlaMoE has no RoPE scaling")
+        else:
+            assert "lacks factor, low_freq_factor" in errors[0]
+    for family in (_qwen, _qwen3):
+        d = base()
+        family(d)
+        check(d, [f"{MC}.rope_scaling={{{LLAMA31}}}"], world_size=1)
+
+
+def test_mamba_init_range_must_not_be_negative():
+    d = base()
+    _mamba(d)
+    d["model"]["init_method"] = {"initializer_range": -0.5}
+    message = "`model.init_method.initializer_range` must be >= 0 (the embedding's std), got -0.5"
+    assert validation_errors(config_from_dict(d)) == [message]

@@ -43,6 +43,14 @@ def test_the_default_run_keeps_a_checkpoints_path_given_to_it(no_corpus):
     assert str(cfg.checkpoints.checkpoints_path) == "/tmp/mine"
 
 
+def test_an_empty_run_name_reaches_the_checks(no_corpus):
+    """The launcher's expanded name is a quoted YAML string: '' stays '' (not null, the default)."""
+    from mesh3d.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="`general.run` '' is empty"):
+        validate(load_config(*launch._resolved(launch._split(["general.run=''"]))))
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])
 def test_default_model_runs_tensor_parallel(no_corpus, tp, pp):
     """The default model's heads divide by 2 and 4 (docs/sft-and-generation.md: `generate --tp 2 --pp 2`)."""
