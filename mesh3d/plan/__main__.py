@@ -157,11 +157,11 @@ def _check_world_size(cfg, world: int | None) -> None:
     product = p.dp * p.tp * p.pp * max(p.context_parallel_size, 1)
     if world is None or world == product:
         return
-    cp = f" x context_parallel_size ({p.context_parallel_size})" * (p.context_parallel_size > 1)
     raise UserError(
-        f"--world-size {world}, but parallelism.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}){cp} = "
-        f"{product}; give --world-size {product} (or leave it out), change parallelism.dp/tp/pp "
-        f"so the product is {world}, or let `mesh3d plan --search --world-size {world}` choose"
+        f"--world-size {world}, but parallelism.dp ({p.dp}) x tp ({p.tp}) x pp ({p.pp}) x "
+        f"context_parallel_size ({p.context_parallel_size}) = {product}; give --world-size "
+        f"{product} (or leave it out), change parallelism.dp/context_parallel_size/tp/pp so the "
+        f"product is {world}, or let `mesh3d plan --search --world-size {world}` choose"
     )
 
 
