@@ -182,12 +182,9 @@ def _model(cfg: Config) -> Iterator[str]:
             yield f"`model.init_method.std` must be >= 0, got {init.std}"
         if init.scaling_method not in SCALING_METHODS:
             yield f"`model.init_method.scaling_method` {init.scaling_method!r} is not one of {', '.join(SCALING_METHODS)}"
-    std = getattr(init, "initializer_range", None)  # Mamba's init (MambaInit)
-    if std is not None and std < 0:
-        yield f"`model.init_method.initializer_range` must be >= 0 (the embedding's std), got {std}"
-    mc_std = getattr(m.model_config, "initializer_range", None)
-    if mc_std is not None and mc_std < 0:
-        yield f"`{MC}.initializer_range` must be >= 0 (a standard deviation, written to HF configs), got {mc_std}"
+    for key, owner in (("model.init_method", init), (MC, m.model_config)):  # (Mamba's init too)
+        if (getattr(owner, "initializer_range", 0) or 0) < 0:
+            yield f"`{key}.initializer_range` must be >= 0 (a std), got {owner.initializer_range}"
     if m.ddp_bucket_cap_mb < 0:
         yield f"`model.ddp_bucket_cap_mb` must be >= 0, got {m.ddp_bucket_cap_mb}"
     try:
@@ -254,20 +251,11 @@ def _pipeline(cfg: Config) -> Iterator[str]:
 
 
 def _run_name(cfg: Config) -> Iterator[str]:
-    """The run name names the folder `runs/<run>/`: it must name one inside `runs/`."""
-    run, key = cfg.general.run, "general.run"
-    if not run.strip():
-        yield (
-            f"`{key}` {run!r} is empty; it names the run's folder runs/<run>/: give a name (e.g. "
-            "%date_%jobid, the default)"
-        )
-    elif run.startswith(("/", "\\")) or ".." in PurePosixPath(run.replace("\\", "/")).parts:
-        yield (
-            f"`{key}` {run!r} leaves runs/: the run name names the folder runs/<run>/, so it "
-            "must be a relative name without `..` parts (a/b is fine)"
-        )
-    elif all(part == "." for part in PurePosixPath(run).parts):
-        yield f"`{key}` {run!r} names runs/ itself: the run name names the folder runs/<run>/; give a name"
+    run = cfg.general.run  # it names the folder runs/<run>/
+    parts = PurePosixPath(run.replace("\\", "/")).parts
+    if not run.strip() or run.startswith(("/", "\\")) or ".." in parts or set(parts) <= {"."}:
+        yield (f"`general.run` {run!r} must name a folder inside runs/ (runs/<run>/): not empty, "
+               "not absolute, no `..` parts (a/b is fine)")  # fmt: skip
 
 
 def _run(cfg: Config) -> Iterator[str]:

@@ -463,15 +463,15 @@ REFUSED = [
     ("profiler-warmup", ["profiler.warmup=-1"], "`profiler.warmup` must be >= 0 (warmup steps each cycle; torch.profiler.schedule's bound), got -1"),
     ("profiler-repeat", ["profiler.repeat=-1"], "`profiler.repeat` must be >= 0 (cycles; 0 repeats until the run ends; torch.profiler.schedule's bound), got -1"),
     ("profiler-skip-first", ["profiler.skip_first=-1"], "`profiler.skip_first` must be >= 0 (steps skipped before the first cycle; torch.profiler.schedule's bound), got -1"),
-    ("run-empty", ["general.run=''"], "`general.run` '' is empty; it names the run's folder runs/<run>/: give a name (e.g. %date_%jobid, the default)"),
-    ("run-parent", ["general.run=../../x"], "`general.run` '../../x' leaves runs/: the run name names the folder runs/<run>/, so it must be a relative name without `..` parts (a/b is fine)"),
-    ("run-inner-parent", ["general.run=a/../../x"], "`general.run` 'a/../../x' leaves runs/: the run name names the folder runs/<run>/, so it must be a relative name without `..` parts (a/b is fine)"),
-    ("run-absolute", ["general.run=/abs"], "`general.run` '/abs' leaves runs/: the run name names the folder runs/<run>/, so it must be a relative name without `..` parts (a/b is fine)"),
-    ("run-dot", ["general.run=."], "`general.run` '.' names runs/ itself: the run name names the folder runs/<run>/; give a name"),
+    ("run-empty", ["general.run=''"], "`general.run` '' must name a folder inside runs/ (runs/<run>/): not empty, not absolute, no `..` parts (a/b is fine)"),
+    ("run-parent", ["general.run=../../x"], "`general.run` '../../x' must name a folder inside runs/ (runs/<run>/): not empty, not absolute, no `..` parts (a/b is fine)"),
+    ("run-inner-parent", ["general.run=a/../../x"], "`general.run` 'a/../../x' must name a folder inside runs/ (runs/<run>/): not empty, not absolute, no `..` parts (a/b is fine)"),
+    ("run-absolute", ["general.run=/abs"], "`general.run` '/abs' must name a folder inside runs/ (runs/<run>/): not empty, not absolute, no `..` parts (a/b is fine)"),
+    ("run-dot", ["general.run=."], "`general.run` '.' must name a folder inside runs/ (runs/<run>/): not empty, not absolute, no `..` parts (a/b is fine)"),
     ("stream-shards-negative", [f"{M3}.stream_shards=-1"], f"`{M3}.stream_shards` must be >= 1 (a streamed stage's logical shards; null: the global batch size), got -1"),
     ("stream-shards-zero", [f"{M3}.stream_shards=0"], f"`{M3}.stream_shards` must be >= 1 (a streamed stage's logical shards; null: the global batch size), got 0"),
     ("stream-shards-divisor", [f"{M3}.hf_streaming=true", f"{M3}.stream_shards=3"], f"`{M3}.stream_shards` (3) must divide the global batch size (4) and be divisible by parallelism.dp (1): each step takes the same number of samples from every logical shard, and each dp rank owns whole shards; use e.g. 4 or null"),
-    ("initializer-range", [f"{MC}.initializer_range=-1"], f"`{MC}.initializer_range` must be >= 0 (a standard deviation, written to HF configs), got -1.0"),
+    ("initializer-range", [f"{MC}.initializer_range=-1"], f"`{MC}.initializer_range` must be >= 0 (a std), got -1.0"),
 ]  # fmt: skip
 
 
@@ -665,5 +665,5 @@ def test_mamba_init_range_must_not_be_negative():
     d = base()
     _mamba(d)
     d["model"]["init_method"] = {"initializer_range": -0.5}
-    message = "`model.init_method.initializer_range` must be >= 0 (the embedding's std), got -0.5"
+    message = "`model.init_method.initializer_range` must be >= 0 (a std), got -0.5"
     assert validation_errors(config_from_dict(d)) == [message]

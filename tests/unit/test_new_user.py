@@ -47,7 +47,7 @@ def test_an_empty_run_name_reaches_the_checks(no_corpus):
     """The launcher's expanded name is a quoted YAML string: '' stays '' (not null, the default)."""
     from mesh3d.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="`general.run` '' is empty"):
+    with pytest.raises(ConfigError, match="`general.run` '' must name a folder inside runs/"):
         validate(load_config(*launch._resolved(launch._split(["general.run=''"]))))
 
 
