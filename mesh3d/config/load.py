@@ -300,14 +300,15 @@ def save_config(cfg: Config, path: str | Path, derived: bool = True) -> None:
 
 
 def apply_overrides(d_or_cfg: dict | Config, overrides: Sequence[str]) -> dict | Config:
-    """Apply dotted `key=value` overrides; a mapping gives a new mapping, a Config a new Config.
+    """Apply dotted `key=value` overrides; a mapping gives a new mapping, a Config a new Config
+    (whose values derived at load, such as `lr_decay_steps`, stay as they were resolved).
 
     Example:
 
         cfg = mesh3d.apply_overrides(cfg, ["optimizer.zero_stage=1"])
     """
     if isinstance(d_or_cfg, Config):
-        return config_from_dict(apply_to_dict(config_to_dict(d_or_cfg, False), overrides))
+        return config_from_dict(apply_to_dict(config_to_dict(d_or_cfg), overrides))
     return apply_to_dict(_upgrade_legacy(copy.deepcopy(d_or_cfg)), overrides)
 
 

@@ -621,17 +621,16 @@ def test_a_derived_decay_follows_train_steps_through_overrides_and_written_confi
     cfg = config_from_dict(base())
     sched = "optimizer.learning_rate_scheduler"
     warmup = cfg.optimizer.learning_rate_scheduler.lr_warmup_steps
-    moved = apply_overrides(cfg, ["tokens.train_steps=500"])
-    assert moved.optimizer.learning_rate_scheduler.lr_decay_steps == 500 - warmup
+    raw = apply_overrides(base(), ["tokens.train_steps=500"])  # the CLI's overrides: on the mapping
+    assert config_from_dict(raw).optimizer.learning_rate_scheduler.lr_decay_steps == 500 - warmup
     save_config(cfg, tmp_path / "plan.yaml", derived=False)  # what `plan --search --write` does
     assert load_config(tmp_path / "plan.yaml", ["tokens.train_steps=500"]).optimizer \
         .learning_rate_scheduler.lr_decay_steps == 500 - warmup  # fmt: skip
     save_config(cfg, tmp_path / "ckpt.yaml")  # a checkpoint's config.yaml: resolved, as Nanotron's
     assert f"lr_decay_steps: {cfg.optimizer.learning_rate_scheduler.lr_decay_steps}" in (
         tmp_path / "ckpt.yaml").read_text()  # fmt: skip
-    fixed = apply_overrides(cfg, [f"{sched}.lr_decay_steps=7"])
-    assert apply_overrides(fixed, ["tokens.train_steps=500"]).optimizer \
-        .learning_rate_scheduler.lr_decay_steps == 7  # fmt: skip
+    fixed = apply_overrides(base(), [f"{sched}.lr_decay_steps=7", "tokens.train_steps=500"])
+    assert config_from_dict(fixed).optimizer.learning_rate_scheduler.lr_decay_steps == 7
 
 
 def _qwen3(d):
