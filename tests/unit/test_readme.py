@@ -140,7 +140,7 @@ DOC_COMMANDS: dict[str, tuple[str | None, str]] = {
         "torchrun --nproc_per_node=1 recipes/train.py --config-file recipes/configs/cpu_nanoset.yaml",
         ""),
     "python -m mesh3d.data.tokenize --tokenizer ./my_tokenizer --input my_texts/*.jsonl --output "
-    'data/tokenized [--text-column text] [--eos-token "</s>"]': (
+    'data/tokenized [--text-column text] [--eos-token "</s>"] [--name NAME]': (
         "python -m mesh3d.data.tokenize --tokenizer runs/tiny_data/tokenizer --input my_texts.jsonl "
         '--output data/tokenized --text-column text --eos-token "</s>"', ""),
     "python -m mesh3d.convert from-hf --model ./Llama-3.2-1B --output ./ckpt_from_hf --tp 2 --pp 2": (
