@@ -38,8 +38,7 @@ from mesh3d import extensions
 from mesh3d.checkpoint.from_hf_config import training_config
 from mesh3d.checkpoint.load import weights_dir
 from mesh3d.checkpoint.model_config import _read_json_object, read_model_config_json, shape_of  # noqa: F401
-from mesh3d.checkpoint.tokenizer_files import FILES as TOKENIZER_FILES
-from mesh3d.checkpoint.tokenizer_files import copy_into_folder, step_tokenizer
+from mesh3d.checkpoint.tokenizer_files import FILES, copy_into_folder, step_tokenizer
 from mesh3d.checkpoint.training import lora_of, resolve_step_dir
 from mesh3d.checks import validate
 from mesh3d.config import save_config
@@ -210,7 +209,7 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
     from mesh3d.checkpoint.nanotron_weights import save_readable
 
     save_readable(hf, weights, {"format": "pt"})
-    for name in TOKENIZER_FILES:  # an earlier export's: this model's replace them, or none
+    for name in FILES:  # an earlier export's: this model's replace them, or none
         (output / name).unlink(missing_ok=True)
     copied = copy_into_folder(step_tokenizer(step), output)
     specials = set_special_tokens(output, mc)
