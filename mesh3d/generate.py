@@ -101,6 +101,37 @@ def _check_flags(args) -> None:
         raise UserError("; ".join(bad))
 
 
+def _check_cache_fits(args, mc, batch: int, longest: int, ranks: int) -> None:
+    """Refuse a `--max-new-tokens` whose KV cache (keys and values of every layer, for the
+    prompts and the new tokens, split over the `ranks` = tp x pp processes) is larger than the
+    device's whole memory, before any of it is allocated."""
+    heads = getattr(mc, "num_key_value_heads", None) or getattr(mc, "num_attention_heads", None)
+    layers = getattr(mc, "num_hidden_layers", None)
+    if args.no_cache or not heads or not layers:
+        return
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    import torch  # (the device and its memory; the import is already paid by the tokenizer)
+
+    from mesh3d.mesh import resolve_device
+
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+        itemsize = 2  # bf16 (a float32 checkpoint's cache is twice this: the bound is loose)
+    else:
+        memory, itemsize = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 4
+    tokens = longest + args.max_new_tokens
+    need = 2 * layers * batch * tokens * heads * head_dim * itemsize / ranks
+    if need > memory:
+        fits = int(memory * ranks / (2 * layers * batch * heads * head_dim * itemsize)) - longest
+        raise UserError(
+            f"--max-new-tokens {args.max_new_tokens}: the KV cache of {batch} x {tokens:,} "
+            f"tokens needs {need / 2**30:,.1f} GiB per process, more than the "
+            f"{memory / 2**30:,.1f} GiB of this {device.type} device; give at most "
+            f"{max(fits, 1):,} (less in practice: the weights need room too)"
+        )
+
+
 def _degrees(args, world: int) -> tuple[int, int]:
     """(tp, pp) from the flags; tp defaults to the processes pp leaves. Generation runs at dp 1,
     so tp x pp must be the number of processes."""
@@ -243,8 +274,11 @@ def main(argv: list[str] | None = None) -> None:
     texts, chats = _render(_prompts(args), tok_path, args)
     prompts = [_prompt_ids(tokenizer, t, step, tok_path, c) for t, c in zip(texts, chats)]
     first = int(os.environ.get("RANK", "0")) == 0
-    positions = read_model_config_json(step).max_position_embeddings
-    if first and (longest := max(map(len, prompts))) + args.max_new_tokens > positions:
+    mc = read_model_config_json(step)
+    positions = mc.max_position_embeddings
+    longest = max(map(len, prompts))
+    _check_cache_fits(args, mc, len(prompts), longest, tp * pp)
+    if first and longest + args.max_new_tokens > positions:
         print(f"note: a {longest}-token prompt + --max-new-tokens {args.max_new_tokens} can go "
               f"past the {positions} tokens the model was trained on (max_position_embeddings); "
               "expect worse text there", file=sys.stderr)  # fmt: skip

@@ -50,6 +50,19 @@ def test_generate_names_a_prompts_file_that_is_not_utf8(capsys, step, tmp_path):
     assert "save it as UTF-8" in line, line
 
 
+def test_generate_refuses_a_kv_cache_larger_than_the_machine(capsys, step, tmp_path):
+    tok = make_tokenizer(tmp_path / "tok", vocab_size=300)
+    line = _refused(capsys, generate_main, "--checkpoint", str(step), "--tokenizer", str(tok),
+                    "--prompt", "def f", "--max-new-tokens", str(10**15), "--device", "cpu")  # fmt: skip
+    assert f"--max-new-tokens {10**15}: the KV cache of 1 x " in line, line
+    fits = int(line.split("give at most ")[1].split(" ")[0].replace(",", ""))
+    assert 0 < fits < 10**15, line
+    # the most it names gets past the check (to the weights this step folder lacks)
+    line = _refused(capsys, generate_main, "--checkpoint", str(step), "--tokenizer", str(tok),
+                    "--prompt", "def f", "--max-new-tokens", str(fits), "--device", "cpu")  # fmt: skip
+    assert "KV cache" not in line and "has no model/ folder" in line, line
+
+
 @pytest.mark.parametrize("tasks", ["", ",", " , "])
 def test_eval_refuses_an_empty_task_list(capsys, step, tasks):
     line = _refused(capsys, eval_main, str(step), "--tasks", tasks, "--max-samples", "1")
