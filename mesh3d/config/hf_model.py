@@ -24,33 +24,41 @@ _NOT_YET = (("lora", None, "LoRA adapters"), ("float8", False, "float8 linears")
 
 def fill(d: dict) -> dict:
     """`d` (a config mapping) with `model.model_config` / `init_method` from `mesh3d.hf_model`."""
-    source = d["mesh3d"]["hf_model"]
+    source = os.fspath(d["mesh3d"]["hf_model"])
     try:
         import transformers
-
-        config = transformers.AutoConfig.from_pretrained(os.fspath(source))
     except ImportError:
-        raise ConfigError("mesh3d.hf_model needs transformers: pip install transformers") from None
-    except (OSError, ValueError) as err:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ConfigError(
-            f"mesh3d.hf_model: {os.fspath(source)!r} is neither a folder holding a transformers "
-            f"config.json nor a reachable hub id ({first})"
+            "`mesh3d.hf_model` needs transformers: pip install transformers"
         ) from None
+    try:  # a folder, or a hub id already in the cache: no network
+        config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as err:
+        if os.path.exists(source):
+            config_json = os.path.join(source, "config.json")
+            why = "it has no config.json" if not os.path.exists(config_json) else _first_line(err)
+            raise _unreadable(source, why) from None
+        if not (host := _hub_host()):
+            raise _unreadable(source, "not in the hub cache, and the hub cannot be reached "
+                              "from here; give a local folder") from None  # fmt: skip
+        try:  # a hub id to download
+            config = transformers.AutoConfig.from_pretrained(source)
+        except (OSError, ValueError) as err:
+            raise _unreadable(source, f"{host}: {_first_line(err)}") from None
     for key, off, what in _NOT_YET:
         if (d.get("mesh3d") or {}).get(key, off) not in (off, None):
-            raise ConfigError(f"mesh3d.{key}: {what} is not supported with mesh3d.hf_model yet")
+            raise ConfigError(f"`mesh3d.{key}`: {what} is not supported with mesh3d.hf_model yet")
     p = d.get("parallelism") or {}
     ep = p.get("expert_parallel_size") or 1
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if ep > 1 and (not experts or experts % ep or (p.get("dp") or 1) % ep):
         raise ConfigError(
-            f"parallelism.expert_parallel_size: {ep} must divide parallelism.dp "
+            f"`parallelism.expert_parallel_size`: {ep} must divide parallelism.dp "
             f"({p.get('dp') or 1}) and the model's experts ({experts or 'none'})"
         )
     if (p.get("context_parallel_size") or 1) > 1 and (p.get("pp") or 1) > 1:
         raise ConfigError(
-            "parallelism.context_parallel_size: with pp > 1 it is not supported for a "
+            "`parallelism.context_parallel_size`: with pp > 1 it is not supported for a "
             "transformers model (mesh3d.hf_model) yet; use pp 1 or context_parallel_size 1"
         )
     if (
@@ -59,7 +67,7 @@ def fill(d: dict) -> dict:
         and str(p.get("tp_mode", "")).upper() == "REDUCE_SCATTER"
     ):
         raise ConfigError(
-            "parallelism.tp_mode: REDUCE_SCATTER (sequence parallelism) with pp > 1 is not "
+            "`parallelism.tp_mode`: REDUCE_SCATTER (sequence parallelism) with pp > 1 is not "
             "supported with mesh3d.hf_model yet; use ALL_REDUCE, or pp 1"
         )
     heads = getattr(config, "num_attention_heads", None)
@@ -67,7 +75,7 @@ def fill(d: dict) -> dict:
     layers = getattr(config, "num_hidden_layers", None)
     if not (heads and hidden and layers and getattr(config, "vocab_size", None)):
         raise ConfigError(
-            f"mesh3d.hf_model: {type(config).__name__} of {os.fspath(source)!r} has no "
+            f"`mesh3d.hf_model`: {type(config).__name__} of {os.fspath(source)!r} has no "
             "hidden_size / num_attention_heads / num_hidden_layers / vocab_size; it is not a "
             "decoder-only causal LM mesh3d can train"
         )
@@ -82,3 +90,33 @@ def fill(d: dict) -> dict:
     model["init_method"] = {"std": getattr(config, "initializer_range", 0.02)}
     model["make_vocab_size_divisible_by"] = 1  # the model's own vocabulary, as it is
     return {**d, "model": model}
+
+
+def _unreadable(source: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"`mesh3d.hf_model`: {source!r} is neither a folder holding a transformers config.json "
+        f"nor a hub id ({why})"
+    )
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _hub_host() -> str | None:
+    """The hub's host name when it resolves and the hub is not switched off (HF_HUB_OFFLINE),
+    else None: a machine without network is told so at once, not after the hub client's
+    retries (about 30 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname
+    if constants.HF_HUB_OFFLINE or not host:
+        return None
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return None
+    return host

@@ -35,22 +35,42 @@ def test_the_model_section_comes_from_the_folder(folder):
 
 @pytest.mark.parametrize(
     "overrides,starts",
-    [(["mesh3d.lora={r: 4}"], "mesh3d.lora: LoRA adapters is not supported"),
-     (["mesh3d.compile=true"], "mesh3d.compile:"),
-     (["mesh3d.hf_export=true"], "mesh3d.hf_export: the in-run export"),
+    [(["mesh3d.lora={r: 4}"], "`mesh3d.lora`: LoRA adapters is not supported"),
+     (["mesh3d.compile=true"], "`mesh3d.compile`:"),
+     (["mesh3d.hf_export=true"], "`mesh3d.hf_export`: the in-run export"),
      (["parallelism.context_parallel_size=2", "parallelism.pp=2"],
-      "parallelism.context_parallel_size: with pp > 1"),
-     (["parallelism.expert_parallel_size=2"], "parallelism.expert_parallel_size"),
+      "`parallelism.context_parallel_size`: with pp > 1"),
+     (["parallelism.expert_parallel_size=2"], "`parallelism.expert_parallel_size`: 2 must"),
      (["parallelism.pp=2", "parallelism.tp=2", "parallelism.tp_mode=REDUCE_SCATTER"],
-      "parallelism.tp_mode: REDUCE_SCATTER")],
+      "`parallelism.tp_mode`: REDUCE_SCATTER")],
 )  # fmt: skip
 def test_what_it_cannot_do_yet_is_refused_in_one_line(folder, overrides, starts):
     with pytest.raises(ConfigError) as e:
         load_config(CONFIG, [f"mesh3d.hf_model={folder}", *overrides])
     message = str(e.value)
     assert starts in message and "\n" not in message, message
+    key = starts.split("`")[1]  # blamed on the override that set that key
+    assert message.startswith(f"override {next(o for o in overrides if o.startswith(key))!r}: ")
 
 
 def test_a_folder_without_a_model_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="neither a folder holding a transformers config.json"):
         load_config(CONFIG, [f"mesh3d.hf_model={tmp_path / 'missing'}"])
+    with pytest.raises(ConfigError) as e:  # a folder, but no model in it
+        load_config(CONFIG, [f"mesh3d.hf_model={tmp_path}"])
+    assert str(e.value).endswith("nor a hub id (it has no config.json)"), e.value
+
+
+def test_an_unknown_hub_id_offline_is_refused_at_once(monkeypatch):
+    """Without network, a hub id not in the cache is refused without the hub client's retries."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "https://no-such-host.invalid")
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIG, ["mesh3d.hf_model=no-such-org/no-such-model"])
+    assert "not in the hub cache, and the hub cannot be reached from here" in str(e.value)
+    assert str(e.value).startswith("override 'mesh3d.hf_model=no-such-org/no-such-model': ")
+    assert time.perf_counter() - start < 10
