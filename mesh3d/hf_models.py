@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from mesh3d.config.hf_model import from_pretrained
 from mesh3d.errors import UserError
 from mesh3d.mesh import replica_mesh
 from mesh3d.parallel.fsdp import apply_dp
@@ -214,7 +215,7 @@ def load_hf(source: nn.Module | str | os.PathLike) -> nn.Module:
     import transformers
 
     what = "a transformers causal LM (config.json and weights)"
-    return _from_pretrained(transformers.AutoModelForCausalLM, source, what)
+    return from_pretrained(transformers.AutoModelForCausalLM, source, "model", what)
 
 
 def load_hf_config(source: str | os.PathLike):
@@ -222,18 +223,7 @@ def load_hf_config(source: str | os.PathLike):
     exists); one `UserError` line when there is none."""
     import transformers
 
-    return _from_pretrained(transformers.AutoConfig, source, "a transformers config.json")
-
-
-def _from_pretrained(cls, source: str | os.PathLike, what: str):
-    try:
-        return cls.from_pretrained(os.fspath(source))
-    except (OSError, ValueError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(
-            f"model: {os.fspath(source)!r} is neither a folder holding {what} nor a reachable "
-            f"hub id ({first})"
-        ) from None
+    return from_pretrained(transformers.AutoConfig, source, "model", "a transformers config.json")
 
 
 def decoder_layers(model: nn.Module) -> str:

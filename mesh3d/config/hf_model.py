@@ -31,20 +31,8 @@ def fill(d: dict) -> dict:
         raise ConfigError(
             "`mesh3d.hf_model` needs transformers: pip install transformers"
         ) from None
-    try:  # a folder, or a hub id already in the cache: no network
-        config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError) as err:
-        if os.path.exists(source):
-            config_json = os.path.join(source, "config.json")
-            why = "it has no config.json" if not os.path.exists(config_json) else _first_line(err)
-            raise _unreadable(source, why) from None
-        if not (host := _hub_host()):
-            raise _unreadable(source, "not in the hub cache, and the hub cannot be reached "
-                              "from here; give a local folder") from None  # fmt: skip
-        try:  # a hub id to download
-            config = transformers.AutoConfig.from_pretrained(source)
-        except (OSError, ValueError) as err:
-            raise _unreadable(source, f"{host}: {_first_line(err)}") from None
+    config = from_pretrained(transformers.AutoConfig, source, "`mesh3d.hf_model`",
+                             "a transformers config.json")  # fmt: skip
     for key, off, what in _NOT_YET:
         if (d.get("mesh3d") or {}).get(key, off) not in (off, None):
             raise ConfigError(f"`mesh3d.{key}`: {what} is not supported with mesh3d.hf_model yet")
@@ -92,11 +80,29 @@ def fill(d: dict) -> dict:
     return {**d, "model": model}
 
 
-def _unreadable(source: str, why: str) -> ConfigError:
-    return ConfigError(
-        f"`mesh3d.hf_model`: {source!r} is neither a folder holding a transformers config.json "
-        f"nor a hub id ({why})"
-    )
+def from_pretrained(cls, source: str | os.PathLike, label: str, what: str):
+    """`cls.from_pretrained(source)` (a transformers Auto class): a local folder, or a hub id
+    from the cache, else from the hub; a `ConfigError` line "`label`: ... neither a folder holding
+    `what` nor a hub id (why)" when none gives it."""
+    source = os.fspath(source)
+
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"{label}: {source!r} is neither a folder holding {what} nor a hub id "
+                           f"({why})")  # fmt: skip
+
+    try:  # a folder, or a hub id already in the cache: no network
+        return cls.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as err:
+        if os.path.exists(source):
+            config = os.path.exists(os.path.join(source, "config.json"))
+            raise refuse(_first_line(err) if config else "it has no config.json") from None
+        if not (host := _hub_host()):
+            raise refuse("not in the hub cache, and the hub cannot be reached from here; give a "
+                         "local folder") from None  # fmt: skip
+    try:  # a hub id to download
+        return cls.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise refuse(f"{host}: {_first_line(err)}") from None
 
 
 def _first_line(err: Exception) -> str:

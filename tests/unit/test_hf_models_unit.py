@@ -128,6 +128,7 @@ def test_a_folder_without_a_model_is_one_line(tmp_path):
         load_hf(tmp_path)
     msg = str(caught.value)
     assert msg.startswith(f"model: '{tmp_path}' is neither a folder") and "\n" not in msg
+    assert msg.endswith("(it has no config.json)"), msg
 
 
 def _sp_plan(model, layers: str, final: list[str]):
