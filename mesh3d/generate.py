@@ -41,7 +41,7 @@ from pathlib import Path
 from mesh3d.checkpoint.hf import hf_model_of, read_model_config_json
 from mesh3d.checkpoint.load import weights_dir
 from mesh3d.data.tokenizer import load_tokenizer
-from mesh3d.errors import UserError, exit_on_user_error
+from mesh3d.errors import UserError, exit_on_user_error, on_every_rank
 from mesh3d.generation.single import find_tokenizer, generate_here
 
 
@@ -103,8 +103,9 @@ def _check_flags(args) -> None:
 
 def _check_cache_fits(args, mc, batch: int, longest: int, ranks: int) -> None:
     """Refuse a `--max-new-tokens` whose KV cache (keys and values of every layer, for the
-    prompts and the new tokens, split over the `ranks` = tp x pp processes) is larger than the
-    device's whole memory, before any of it is allocated."""
+    prompts and the new tokens) is larger than the memory that holds it, before any of it is
+    allocated: a GPU's whole memory for its rank's share (tp x pp = `ranks` split it), the
+    machine's RAM for all of it on CPU (every rank's share is in the same RAM)."""
     heads = getattr(mc, "num_key_value_heads", None) or getattr(mc, "num_attention_heads", None)
     layers = getattr(mc, "num_hidden_layers", None)
     if args.no_cache or not heads or not layers:
@@ -117,19 +118,21 @@ def _check_cache_fits(args, mc, batch: int, longest: int, ranks: int) -> None:
     device = resolve_device(args.device)
     if device.type == "cuda":
         memory = torch.cuda.get_device_properties(device).total_memory
-        itemsize = 2  # bf16 (a float32 checkpoint's cache is twice this: the bound is loose)
+        itemsize, share = 2, ranks  # bf16 (a float32 checkpoint's is twice this: a loose bound)
     else:
-        memory, itemsize = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 4
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        itemsize, share = 4, 1
+    per_token = 2 * layers * batch * heads * head_dim * itemsize / share
     tokens = longest + args.max_new_tokens
-    need = 2 * layers * batch * tokens * heads * head_dim * itemsize / ranks
-    if need > memory:
-        fits = int(memory * ranks / (2 * layers * batch * heads * head_dim * itemsize)) - longest
-        raise UserError(
+    if per_token * tokens > memory:
+        where = "this GPU" if device.type == "cuda" else "this machine's RAM"
+        raise on_every_rank(UserError(
             f"--max-new-tokens {args.max_new_tokens}: the KV cache of {batch} x {tokens:,} "
-            f"tokens needs {need / 2**30:,.1f} GiB per process, more than the "
-            f"{memory / 2**30:,.1f} GiB of this {device.type} device; give at most "
-            f"{max(fits, 1):,} (less in practice: the weights need room too)"
-        )
+            f"tokens needs {per_token * tokens / 2**30:,.1f} GiB, more than the "
+            f"{memory / 2**30:,.1f} GiB of {where}; give at most "
+            f"{max(int(memory / per_token) - longest, 1):,} (less in practice: the weights "
+            "need room too)"
+        ))  # fmt: skip
 
 
 def _degrees(args, world: int) -> tuple[int, int]:
