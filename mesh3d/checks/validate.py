@@ -31,7 +31,6 @@ from mesh3d.models.activations import TRAIN_DTYPES
 from mesh3d.models.registry import model_shape, spec_of
 from mesh3d.parallel.pipeline_layout import SCHEDULES, microbatches_needed, split_by_cost
 
-RECOMPUTE_MODES = ("none", "full", "selective")
 DTYPES = ("float32", "float64", "complex64", "complex128", "float16", "bfloat16")
 DTYPES += ("uint8", "int8", "int16", "int32", "int64", "bool")  # Nanotron's list
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
@@ -114,12 +113,15 @@ def warn_once(cfg: Config) -> None:
 
 def validation_errors(cfg: Config, world_size: int | None = None) -> list[str]:
     """Every problem as one message; checks that would divide by a bad size run only if sizes are sane."""
+    if not isinstance(cfg, Config):  # `mesh3d.train("cfg.yaml")`: train, validate, make_plan, Run
+        raise TypeError(f"a mesh3d.Config is needed, not {type(cfg).__name__} {cfg!r:.60}; use "
+                        "mesh3d.load_config(path) or mesh3d.config_from_dict(mapping)")  # fmt: skip
     for first in (_sections, _sizes):
         if errors := list(first(cfg)):
             return errors
     checks = (_model, _pipeline, optimizer_errors, lr_errors, data_stage_errors, _run, _choices,
               _unsupported, _optional, scale_errors,
-              loss_spike_errors, checkpoint_errors, _recompute, s3_errors, _run_name)  # fmt: skip
+              loss_spike_errors, checkpoint_errors, s3_errors, _run_name)  # fmt: skip
     errors = list(_layout(cfg, world_size))
     for check in checks:
         errors.extend(check(cfg))
@@ -292,38 +294,6 @@ def _run(cfg: Config) -> Iterator[str]:
         )
     if m.skip_nonfinite_steps < 0:
         yield f"`mesh3d.skip_nonfinite_steps` must be >= 0 (0 stops at the first non-finite step), got {m.skip_nonfinite_steps}"
-    k, p = m.dp_shard, cfg.parallelism  # HSDP
-    if k is None:
-        return
-    if not 1 <= k <= p.dp or p.dp % k:
-        yield (
-            f"`mesh3d.dp_shard` ({k}) must divide `parallelism.dp` ({p.dp}): FSDP shards inside "
-            f"groups of dp_shard dp ranks, dp / dp_shard groups replicate; use a divisor of {p.dp}"
-        )
-    if p.expert_parallel_size > 1:
-        yield (
-            "`mesh3d.dp_shard` with `parallelism.expert_parallel_size` > 1 is not supported yet "
-            "(experts split over dp beside HSDP's groups); drop one of them"
-        )
-
-
-def _recompute(cfg: Config) -> Iterator[str]:
-    """`mesh3d.recompute` and `recompute_every` against `parallelism.recompute_layer`."""
-    m, layer = cfg.mesh3d, cfg.parallelism.recompute_layer
-    if m.recompute is not None and m.recompute not in RECOMPUTE_MODES:
-        yield f"`mesh3d.recompute` {m.recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}"
-    elif m.recompute == "none" and layer:
-        yield (
-            "`mesh3d.recompute` none contradicts `parallelism.recompute_layer: true`; drop one "
-            "(recompute_layer alone means full)"
-        )
-    if m.recompute_every < 1:
-        yield f"`mesh3d.recompute_every` must be >= 1 (1: every layer), got {m.recompute_every}"
-    elif m.recompute_every > 1 and m.recompute in (None, "none") and not layer:
-        yield (
-            f"`mesh3d.recompute_every` {m.recompute_every} needs recompute on: set "
-            "mesh3d.recompute (full or selective) or parallelism.recompute_layer: true"
-        )
 
 
 def _choices(cfg: Config) -> Iterator[str]:
@@ -372,7 +342,13 @@ def _family_keys(cfg: Config) -> Iterator[str]:
 
 def _optional(cfg: Config) -> Iterator[str]:
     """The checks of optional capabilities, loaded only when configured."""
-    if cfg.profiler is not None or cfg.mesh3d.stream_shards is not None:
+    m = cfg.mesh3d
+    if (
+        cfg.profiler is not None
+        or m.stream_shards is not None
+        or m.recompute is not None
+        or (m.recompute_every != 1)
+    ):  # (recompute_layer alone is a bool: nothing to check)
         from mesh3d.checks.run_checks import run_errors
 
         yield from run_errors(cfg)

@@ -307,8 +307,13 @@ def apply_overrides(d_or_cfg: dict | Config, overrides: Sequence[str]) -> dict |
 
         cfg = mesh3d.apply_overrides(cfg, ["optimizer.zero_stage=1"])
     """
+    if isinstance(overrides, str | bytes):  # read one character at a time otherwise
+        raise TypeError(f"overrides are a list of 'key=value' strings: write [{overrides!r}]")
     if isinstance(d_or_cfg, Config):
         return config_from_dict(apply_to_dict(config_to_dict(d_or_cfg), overrides))
+    if not isinstance(d_or_cfg, dict):
+        raise TypeError(f"apply_overrides takes a mapping or a Config, not {type(d_or_cfg).__name__}"
+                        "; for a file: mesh3d.load_config(path, overrides)")  # fmt: skip
     return apply_to_dict(_upgrade_legacy(copy.deepcopy(d_or_cfg)), overrides)
 
 
@@ -319,6 +324,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 
         cfg = mesh3d.load_config("cfg.yaml", ["parallelism.dp=2", "tokens.train_steps=100"])
     """
+    if not isinstance(path, str | Path):
+        raise TypeError(f"load_config reads a file (a path), not {type(path).__name__}; for a "
+                        "mapping: mesh3d.config_from_dict(mapping)")  # fmt: skip
     path = Path(path)
     if not path.is_file():
         text = str(path)

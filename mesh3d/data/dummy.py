@@ -54,6 +54,10 @@ def microbatches(
         batches = mesh3d.microbatches(ds, step, gbs, dp_rank, dp, micro_batch_size)
     """
     per_rank = global_batch_size // dp
+    if global_batch_size % dp or per_rank % micro_batch_size or not 0 <= dp_rank < dp or step < 1:
+        raise ValueError(f"microbatches: need step >= 1 ({step}), 0 <= dp_rank < dp ({dp_rank}, "
+                         f"{dp}) and global_batch_size ({global_batch_size}) = dp x a multiple "
+                         f"of micro_batch_size ({micro_batch_size}): no sample left out")  # fmt: skip
     first = (step - 1) * global_batch_size + dp_rank * per_rank
     out = []
     for m in range(per_rank // micro_batch_size):

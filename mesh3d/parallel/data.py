@@ -27,6 +27,8 @@ def allreduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup) -> Non
         mesh3d.allreduce_gradients(model, mesh["dp"].get_group())
         optimizer.step()
     """
+    if group is None:  # torch's None is every rank: tp/pp ranks would be summed in too
+        raise TypeError("allreduce_gradients needs the data-parallel group, mesh['dp'].get_group()")
     params = [p for p in model.parameters() if getattr(p, "expert_shard", None) is None]
     allreduce_param_grads(params, group)
 

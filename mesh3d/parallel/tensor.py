@@ -72,6 +72,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, strict: bool =
 
     Entries whose module is None are skipped; with `strict`, a key naming no module is refused.
     """
+    if not isinstance(plan, dict):
+        raise TypeError(f"apply_tp takes a dict of ParallelStyles, not {type(plan).__name__}")
     tied = getattr(model, "lm_head", None) is not None and (
         getattr(model, "embed_tokens", None) is not None
         and model.lm_head.weight is model.embed_tokens.weight
@@ -80,6 +82,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, strict: bool =
         from mesh3d.parallel.plan_keys import check_plan_keys  # a library caller's plan
 
         check_plan_keys(model, plan)
+    if tp_mesh.ndim != 1:
+        raise TypeError(f"apply_tp takes the mesh's tp axis, mesh['tp'], not {tp_mesh.ndim} axes")
     present = {k: v for k, v in plan.items() if _resolves(model, k)}
     parallelize_module(model, tp_mesh, present, src_data_rank=None)
     tp_styles.choose_collectives(tp_mesh.get_group(), tp_mesh.device_type)

@@ -104,13 +104,14 @@ def _stopped(signal_name: str, step: int, cfg, saved: int, spiked: str) -> Preem
 
 def train(cfg, metrics_file: str | None = None, hooks: Sequence = ()) -> RunResult:
     """Train `cfg` on the current process group (started here if needed); rank-local result.
-    `hooks`: opt-in observers of each step and of the end (`train/hooks.py`).
+    `hooks`: opt-in observers of each step and of the end (`train/hooks.py`), or one of them.
 
     Example:
 
         result = mesh3d.train(mesh3d.load_config("cfg.yaml"))   # under torchrun
         [m["lm_loss"] for m in result.metrics]
     """
+    hooks = (hooks,) if hasattr(hooks, "on_step") or hasattr(hooks, "on_end") else tuple(hooks)
     run = Run.start(cfg)
     cfg = run.cfg  # a fault-tolerant replica group's own (its checkpoint folder)
     with RunGuard(cfg, run.device) as guard:  # the folder first: a refusal builds no model

@@ -199,6 +199,9 @@ class Run:
         """Save step `step` (`consumed`: samples so far; `latest`: whether latest.txt may name
         it). `background`: copy the state now and write it while training goes on;
         `checkpoints` (`checkpoint/manager.py`) commits it either way."""
+        if self.cfg.checkpoints is None:
+            raise UserError("Run.save needs a `checkpoints` section (checkpoints_path, "
+                            "checkpoint_interval, ...) in the config; add one")  # fmt: skip
         c = self.layout.coords  # one rank per dp rank writes its stream position
         writes = c["pp"] == 0 and c["tp"] == 0 and c.get("cp", 0) == 0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from mesh3d.parallel.data import allreduce_gradients, allreduce_param_grads
 from mesh3d.train.build import ModelParts
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None,
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float | None,
                    norm_params: list[torch.nn.Parameter] | None = None,
                    pp_group: dist.ProcessGroup | None = None) -> float:  # fmt: skip
     """Pre-clip global L2 norm of the gradients; scale all of `params` down to `max_norm`.
@@ -36,6 +36,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None,
 
         norm = mesh3d.clip_grad_norm(list(model.parameters()), 1.0, pp_group=mesh["pp"].get_group())
     """
+    params = list(params)  # (a generator, as torch's clip_grad_norm_ takes, is read twice)
     counted = [p for p in (params if norm_params is None else norm_params) if p.grad is not None]
     total = _total_norm([p.grad for p in counted if getattr(p, "expert_shard", None) is None])
     sliced = [p for p in counted if getattr(p, "expert_shard", None) is not None]

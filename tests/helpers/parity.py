@@ -150,7 +150,7 @@ def train_runs(rank: int, world: int, runs: list[list[str]], base: dict = TINY) 
     results = []
     for overrides in runs:
         cfg = apply_overrides(config_from_dict(copy.deepcopy(base)), overrides)
-        res = train(cfg, hooks=[KeepModel()])
+        res = train(cfg, hooks=KeepModel())  # one hook, not in a list: `train` takes it too
         weights = full_weights(res.model, res.mesh)
         mismatches = replica_mismatches(res.model, res.mesh)
         results.append(
