@@ -163,6 +163,7 @@ class Nanoset(BlendedSamples):
                  token_size_in_bytes: int | None = None, check_token_ids: bool = True,
                  read_paths: Sequence[str | os.PathLike] | None = None,
                  max_tokens: Sequence[int] | None = None):  # fmt: skip
+        folders = [folders] if isinstance(folders, str | os.PathLike) else folders  # one folder
         check_weights(weights, len(folders))  # before the (slower) folder checks
         self.folders = [
             DatatroveFolder(f, seq_len, vocab_size=vocab_size, token_size_in_bytes=token_size_in_bytes,

@@ -70,6 +70,13 @@ def build_stage(model: nn.Module, stage_id: int, num_stages: int, layers: list[i
 
         stage = build_stage(gpt, 1, 2, [2, 3], blocks="h", first=("wte", "wpe"), last=("ln_f", "head"))
     """
+    ends = {"first": first, "last": last}
+    bad = [f"{k}={v!r} must be a tuple of names" for k, v in ends.items() if isinstance(v, str)]
+    names = [blocks] + [n for v in ends.values() if not isinstance(v, str) for n in v]
+    bad += [f"{type(model).__name__} has no {n!r}" for n in names if not hasattr(model, n)]
+    bad += [f"stage_id {stage_id} is not in 0..{num_stages - 1}"] * (not 0 <= stage_id < num_stages)
+    if bad:
+        raise ValueError(f"build_stage: {'; '.join(bad)}")
     container = getattr(model, blocks)
     if not isinstance(container, nn.ModuleDict):
         raise TypeError(
@@ -78,7 +85,8 @@ def build_stage(model: nn.Module, stage_id: int, num_stages: int, layers: list[i
         )
     keep = {str(i) for i in layers}
     missing = keep - set(container.keys())
-    assert not missing, f"layers {sorted(missing)} are not in the model"
+    if missing:
+        raise ValueError(f"layers {sorted(missing)} are not among `{blocks}` {list(container)}")
     gone = [*(first if stage_id != 0 else ()), *(last if stage_id != num_stages - 1 else ())]
     dropped = [m for key, m in container.items() if key not in keep]
     dropped += [getattr(model, n) for n in gone]

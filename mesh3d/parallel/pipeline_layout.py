@@ -99,7 +99,8 @@ def split_by_cost(layer_costs: list[int], head_cost: int, num_stages: int) -> li
     Blocks: embedding (cost 0), decoders, final norm (0), lm_head. Each goes to stage s, then
     s += 1 if its cumulative cost exceeds total·(s+1)/stages."""
     num_layers = len(layer_costs)
-    assert num_stages >= 1, num_stages
+    if num_stages < 1:
+        raise ValueError(f"the number of pipeline stages must be >= 1, got {num_stages}")
     cumulative = list(itertools.accumulate([0, *layer_costs, 0, head_cost]))
     thresholds = [cumulative[-1] * ((s + 1) / num_stages) for s in range(num_stages)]
     stage_of, s = [], 0
@@ -114,7 +115,7 @@ def split_by_cost(layer_costs: list[int], head_cost: int, num_stages: int) -> li
             raise ConfigError(
                 f"pipeline stage {s} of {num_stages} would hold nothing: Nanotron's cost-based "
                 f"split of {num_layers} decoder layers (cost {max(layer_costs, default=0)} each) "
-                f"and the lm_head (cost {head_cost}) fills only stages {sorted(set(stage_of))}; "
+                f"and the lm_head (cost {head_cost}) gives layers to stages {[s for s, o in enumerate(layers) if o]} only; "
                 "use fewer stages (parallelism.pp x mesh3d.pp_virtual_stages) or more layers "
                 "(model.model_config.num_hidden_layers)"
             )

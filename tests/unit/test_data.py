@@ -158,6 +158,8 @@ def test_blend_proportions(tmp_path):
     a = labelled_folder(tmp_path / "a", 1, 400, seq=7)
     b = labelled_folder(tmp_path / "b", 2, 300, seq=7)
     ds = Nanoset([a, b], [7, 3], 7, 1000, seed=5, vocab_size=VOCAB)  # weights normalized
+    one = Nanoset(str(a), None, 7, 10, seed=5, vocab_size=VOCAB)  # one folder, not in a list
+    assert len(one.folders) == 1 and int(one[0][0][0]) == 1
     sources = [ds.sample_source(i)[0] for i in range(1000)]
     assert abs(sources.count(0) / 1000 - 0.7) <= 0.03
     labels = [int(ds[i][0][0]) for i in range(1000)]

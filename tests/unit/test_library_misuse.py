@@ -79,3 +79,28 @@ def test_run_save_without_a_checkpoints_section_says_to_add_one():
     run.cfg = types.SimpleNamespace(checkpoints=None)
     with pytest.raises(mesh3d.UserError, match="Run.save needs a `checkpoints` section"):
         run.save(10, consumed=10)
+
+
+class _GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte, self.head = nn.Embedding(8, 4), nn.Linear(4, 8)
+        self.h = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(4)})
+
+
+@pytest.mark.parametrize(
+    "kwargs,says",
+    [(dict(first="wte"), "first='wte' must be a tuple of names"),
+     (dict(first=("embed",)), "_GPT has no 'embed'"),
+     (dict(blocks="layers"), "_GPT has no 'layers'"),
+     (dict(stage_id=2), "stage_id 2 is not in 0..1"),
+     (dict(layers=[0, 9]), r"layers \['9'\] are not among `h` \['0', '1', '2', '3'\]")],
+)  # fmt: skip
+def test_build_stage_names_a_wrong_argument_on_every_stage(kwargs, says):
+    """A typo in `first` used to pass on the stage that keeps it and fail deep on the others."""
+    args = dict(stage_id=0, num_stages=2, layers=[0, 1], blocks="h", first=("wte",),
+                last=("head",)) | kwargs  # fmt: skip
+    with pytest.raises(ValueError, match=says):
+        mesh3d.build_stage(_GPT(), **args)
+    stage = mesh3d.build_stage(_GPT(), 1, 2, [2, 3], blocks="h", first=("wte",), last=("head",))
+    assert stage.wte is None and list(stage.h) == ["2", "3"]

@@ -69,6 +69,11 @@ def test_split_refuses_an_empty_stage():
     # One huge decoder crosses two thresholds: stage 1 would hold only the final norm.
     with pytest.raises(ConfigError, match=r"stage 1 of 4 would hold nothing.*more layers"):
         split_layers(1, 4, 16, 64, 4, 4, 1)
+    with pytest.raises(ConfigError) as e:  # it names the stages that got layers, and only them
+        split_layers(2, 4, 16, 64, 4, 4, 1)
+    assert "gives layers to stages [0, 1] only" in str(e.value), e.value
+    with pytest.raises(ValueError, match="pipeline stages must be >= 1, got 0"):
+        split_layers(4, 0, 16, 64, 4, 4, 1)
 
 
 # --- placement and registry ------------------------------------------------------------------
