@@ -318,7 +318,8 @@ def read_param(root: str | Path, p: Param) -> Tensor:
         if split is not None:
             return split
     if not path.is_file():
-        raise UserError(f"missing weight file {path} of {p.name}; the checkpoint is incomplete")
+        raise UserError(f"missing weight file {path}: a checkpoint of a model without {p.name}, "
+                        "or an incomplete one")  # fmt: skip
     full, _ = _read_file(path)
     if tuple(full.shape) != p.shape:
         raise UserError(

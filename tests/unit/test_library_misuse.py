@@ -104,3 +104,13 @@ def test_build_stage_names_a_wrong_argument_on_every_stage(kwargs, says):
         mesh3d.build_stage(_GPT(), **args)
     stage = mesh3d.build_stage(_GPT(), 1, 2, [2, 3], blocks="h", first=("wte",), last=("head",))
     assert stage.wte is None and list(stage.h) == ["2", "3"]
+
+
+def test_a_weight_the_checkpoint_lacks_is_not_only_called_incomplete(tmp_path):
+    """`load_state` of a model with a parameter the checkpoint's model did not have."""
+    from mesh3d.checkpoint.nanotron_weights import Param, read_param
+
+    p = Param("extra.weight", ("extra.weight",), (4,), (4, 4), "replicated", 0)
+    with pytest.raises(mesh3d.UserError) as e:
+        read_param(tmp_path, p)
+    assert ": a checkpoint of a model without extra.weight, or an incomplete one" in str(e.value)
