@@ -46,6 +46,8 @@ def _split(argv: list[str]) -> argparse.Namespace:
         args.overrides.insert(0, args.config)
         args.config = None
     args.config = args.config_file or args.config
+    if args.config is not None and not args.config.strip():  # `mesh3d train "$CFG"`, CFG unset
+        raise UserError(f"CONFIG {args.config!r} is empty; give a file, or none for the default")
     return args
 
 

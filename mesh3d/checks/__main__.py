@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None, data_check=None, default_data=None) -> N
     if args.config and "=" in args.config:  # `mesh3d config parallelism.tp=2`: no CONFIG
         args.overrides.insert(0, args.config)
         args.config = None
+    if args.config is not None and not args.config.strip():
+        raise UserError(f"CONFIG {args.config!r} is empty (an unset variable?); give a config "
+                        "file, or leave it out to check the built-in default run")  # fmt: skip
+    if args.world_size is not None and args.world_size < 1:
+        raise UserError(f"--world-size {args.world_size} must be >= 1 (the number of processes)")
     if args.config is None:
         sys.stderr.write(
             f"no config given: checking mesh3d's built-in default run ({DEFAULT_CONFIG}, what "

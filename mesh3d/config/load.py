@@ -354,7 +354,8 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
         key = re.match(r"[^`]*`([^`]+)`", str(e))
         keys = [o.split("=", 1)[0].strip() for o in overrides]
         given = key and next((o for o, k in zip(overrides, keys)
-                              if key[1] == k or key[1].startswith(k + ".")), None)  # fmt: skip
+                              if key[1] == k or f"{k}.".startswith(f"{key[1]}.")  # its section
+                              or key[1].startswith(k + ".")), None)  # fmt: skip
         raise ConfigError(f"override {given!r}: {e}" if given else f"{path}: {e}") from None
 
 

@@ -112,3 +112,27 @@ def test_eval_lets_other_task_loading_errors_through(step, offline_tasks, monkey
 def test_plan_refuses_a_gpu_memory_that_is_not_a_positive_number(capsys, value):
     line = _refused(capsys, plan_main, "--gpu-memory", value)
     assert f"--gpu-memory {value!r} must be a positive number of GiB" in line, line
+
+
+def test_config_and_train_refuse_an_empty_config_path(capsys):
+    """`mesh3d config "$CFG"` with CFG unset checked the built-in default and passed."""
+    from mesh3d.checks.__main__ import main as config_main
+    from mesh3d.launch import main as train_main
+
+    assert "CONFIG '' is empty (an unset variable?)" in _refused(capsys, config_main, "")
+    assert "CONFIG ' ' is empty; give a file" in _refused(capsys, train_main, " ")
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_config_refuses_a_world_size_below_one(capsys, size):
+    from mesh3d.checks.__main__ import main as config_main
+
+    line = _refused(capsys, config_main, "--world-size", size)
+    assert f"--world-size {size} must be >= 1" in line, line
+
+
+def test_an_unknown_section_is_blamed_on_its_override(capsys):
+    from mesh3d.checks.__main__ import main as config_main
+
+    line = _refused(capsys, config_main, "foo.bar=1")
+    assert line.startswith("error: override 'foo.bar=1': unknown key `foo`"), line
