@@ -32,6 +32,7 @@ import torch
 from mesh3d.config import config_from_dict
 from mesh3d.data.synthetic import train_bpe
 from mesh3d.data.tokenize import load_tokenizer
+from mesh3d.errors import UserError, exit_on_user_error, unwritable
 from mesh3d.generation.load import load_model
 from mesh3d.generation.sampling import generate
 from mesh3d.train.loop import train
@@ -70,6 +71,9 @@ CONFIG = dict(
     tokens=dict(sequence_length=32, micro_batch_size=16, batch_accumulation_per_replica=1),
     mesh3d=dict(device="cpu", sft_packing=True),
 )
+
+
+HELD_OUT_MAX = 200  # of 400 problems, drawn with repeats: about 240 are left to train on
 
 
 def problems(n: int, seed: int) -> list[dict]:
@@ -115,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
                     "on 2 CPU cores)")  # fmt: skip
     ap.add_argument("--held-out", type=int, default=50,
                     help="problems kept out of training, asked before and after to measure "
-                    "exact-match accuracy (default 50)")  # fmt: skip
+                    "exact-match accuracy (default 50, at most 200)")  # fmt: skip
     ap.add_argument("--eval-every", type=int,
                     help="also score the held-out problems as a multiple-choice lm-eval task "
                     "inside the run every N steps (a divisor of --steps; needs mesh3d[eval])")  # fmt: skip
@@ -142,10 +146,27 @@ def mc_task(out: Path, held: list[dict]) -> Path:
     return tasks
 
 
+def check(args) -> None:
+    """Every flag checked before anything is written (`error:` line, exit 2)."""
+    bad = [f"--steps {args.steps} must be >= 1"] if args.steps < 1 else []
+    if not 1 <= args.held_out <= HELD_OUT_MAX:  # the rest of the 20 x 20 problems train
+        bad.append(f"--held-out {args.held_out} must be 1..{HELD_OUT_MAX}")
+    every = args.eval_every
+    if every is not None and (every < 1 or args.steps % every):
+        bad.append(f"--eval-every {every} must be >= 1 and divide --steps {args.steps}")
+    if bad:
+        raise UserError("; ".join(bad))
+
+
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
+    check(args)
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise unwritable("--output", out, e) from None
     print(f"writing into {out.resolve()}", flush=True)
     held = problems(args.held_out, seed=2)
     unseen = {p["prompt"] for p in held}
@@ -167,8 +188,6 @@ def main(argv: list[str] | None = None) -> dict:
     d["tokens"]["train_steps"] = args.steps
     d["tokenizer"] = {"tokenizer_name_or_path": str(out / "tokenizer")}
     every = args.eval_every or args.steps
-    if args.eval_every is not None and (every < 1 or args.steps % every):
-        raise SystemExit(f"--eval-every {every} must divide --steps {args.steps}")
     d["checkpoints"] = dict(checkpoints_path=str(ck), checkpoint_interval=every,
                             save_initial_state=True, save_final_state=True)  # fmt: skip
     d["mesh3d"]["existing_checkpoints"] = "overwrite"

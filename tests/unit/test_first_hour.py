@@ -153,6 +153,29 @@ def test_sft_recipe_describes_every_option():
     assert all(a.help for a in actions), [a.dest for a in actions if not a.help]
 
 
+@pytest.mark.parametrize(
+    "recipe,flags,says",
+    [("sft_arithmetic", ["--steps", "0"], "--steps 0 must be >= 1"),
+     ("sft_arithmetic", ["--held-out", "100000"], "--held-out 100000 must be 1..200"),
+     ("sft_arithmetic", ["--eval-every", "7", "--steps", "10"], "--eval-every 7 must be >= 1 and divide"),
+     ("sft_arithmetic", ["--output", "FILE"], "a file is where a folder is needed"),
+     ("tiny_data", ["--documents", "0"], "--documents 0 must be >= 1"),
+     ("tiny_data", ["--output", "FILE"], "a file is where a folder is needed")],
+)  # fmt: skip
+def test_recipes_refuse_bad_flags_before_writing(
+    tmp_path, capsys, monkeypatch, recipe, flags, says
+):
+    """They wrote data and a tokenizer, then stopped with a traceback (or trained 150 steps)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("")
+    argv = [*flags, *([] if "--output" in flags else ["--output", "out"])]
+    with pytest.raises(SystemExit) as e:
+        _recipe(recipe).main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]  # nothing written
+
+
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `mesh3d ARGV` in this process."""
     from mesh3d import cli
