@@ -71,6 +71,14 @@ def main(argv: list[str] | None = None) -> None:
                     "tree (mesh3d/plan/hf.py) instead of the config's model")  # fmt: skip
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallelism.tp=2")
     args = ap.parse_intermixed_args(argv)
+    search_only = [f"--{k.replace('_', '-')}" for k in ("hardware", "hardware_file", "nodes_of",
+                   "top", "write") if getattr(args, k) != ap.get_default(k)]  # fmt: skip
+    if search_only and not args.search:  # they were silently ignored
+        verb = "applies" if len(search_only) == 1 else "apply"
+        raise UserError(f"{', '.join(search_only)} only {verb} to a layout search: add --search")
+    for flag, value in (("--top", args.top), ("--nodes-of", args.nodes_of)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value} must be >= 1")
     if args.world_size is not None and args.world_size < 1:
         raise UserError(
             f"--world-size {args.world_size}: a run needs at least 1 rank; give the number of "

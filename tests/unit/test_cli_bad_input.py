@@ -136,3 +136,16 @@ def test_an_unknown_section_is_blamed_on_its_override(capsys):
 
     line = _refused(capsys, config_main, "foo.bar=1")
     assert line.startswith("error: override 'foo.bar=1': unknown key `foo`"), line
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [(["--write", "best.yaml"], "--write only applies to a layout search: add --search"),
+     (["--hardware", "a100-80g", "--top", "3"], "--hardware, --top only apply to a layout search"),
+     (["--search", "--world-size", "4", "--top", "0"], "--top 0 must be >= 1"),
+     (["--search", "--world-size", "4", "--nodes-of", "-2"], "--nodes-of -2 must be >= 1")],
+)  # fmt: skip
+def test_plan_refuses_search_flags_without_a_search_and_counts_below_one(capsys, flags, says):
+    """`plan --write best.yaml` printed the plan, wrote nothing and said nothing."""
+    line = _refused(capsys, plan_main, *flags)
+    assert says in line, line
