@@ -257,7 +257,8 @@ def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> 
     if tp < 1 or pp < 1:
         raise UserError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
     if not model_dir.is_dir():
-        raise UserError(f"model folder {model_dir} does not exist")
+        what = "is a file, not a folder" if model_dir.exists() else "does not exist"
+        raise UserError(f"--model {model_dir} {what}; give a Hugging Face model folder")
     mc, arch = hf_config_of(model_dir)
     if pp > mc.num_hidden_layers:
         raise UserError(f"--pp {pp} is more than the model's {mc.num_hidden_layers} layers")
@@ -282,6 +283,10 @@ def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> 
     shape = shape_of(dataclasses.replace(mc, vocab_size=padded))
     from mesh3d.checkpoint.nanotron_weights import write_nanotron_weights
 
+    try:  # before any weight file
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise unwritable("--output", output, e) from None
     paths = write_nanotron_weights(output / "model", ours, shape, tp=tp, pp=pp)
 
     model_json = dataclasses.asdict(mc)
@@ -303,6 +308,11 @@ def hf_config_of(model_dir: Path):
     hf_cfg = _read_json_object(
         cfg_path, f"{model_dir} has no config.json; give a Hugging Face model folder"
     )
+    sizes = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+             "vocab_size", "num_key_value_heads")  # fmt: skip
+    for key in (k for k in sizes if hf_cfg.get(k) is not None):  # (null: the family's default)
+        if type(hf_cfg[key]) is not int or hf_cfg[key] < 1:
+            raise UserError(f"{cfg_path}: {key} {hf_cfg[key]!r} must be a whole number >= 1")
     found = spec_for_hf(hf_cfg)
     if found is None:
         raise UserError(

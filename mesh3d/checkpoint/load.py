@@ -254,7 +254,8 @@ def weights_dir(path: str | Path, key: str) -> Path:
     or what `from-hf` writes), else the step folder `resolve_step_dir` finds."""
     path = Path(path)
     if not path.is_dir():
-        raise UserError(f"{key} {path} does not exist; give a step folder or a checkpoints folder")
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise UserError(f"{key} {path} {what}; give a step folder or a checkpoints folder")
     return path if (path / "model_config.json").is_file() else resolve_step_dir(path, key)
 
 

@@ -90,19 +90,30 @@ def from_pretrained(cls, source: str | os.PathLike, label: str, what: str):
         return ConfigError(f"{label}: {source!r} is neither a folder holding {what} nor a hub id "
                            f"({why})")  # fmt: skip
 
-    try:  # a folder, or a hub id already in the cache: no network
-        return cls.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError) as err:
-        if os.path.exists(source):
+    if os.path.exists(source):  # a folder: no network
+        try:
+            return cls.from_pretrained(source, local_files_only=True)
+        except (OSError, ValueError) as err:
             config = os.path.exists(os.path.join(source, "config.json"))
             raise refuse(_first_line(err) if config else "it has no config.json") from None
-        if not (host := _hub_host()):
-            raise refuse("not in the hub cache, and the hub cannot be reached from here; give a "
-                         "local folder") from None  # fmt: skip
-    try:  # a hub id to download
-        return cls.from_pretrained(source)
+    host = _hub_host()  # None: offline, where the hub client would retry for about 30 s
+    if host is None and not _cached(source):
+        raise refuse("not in the hub cache, and the hub cannot be reached from here; give a "
+                     "local folder")  # fmt: skip
+    try:
+        return cls.from_pretrained(source, local_files_only=host is None)
     except (OSError, ValueError) as err:
-        raise refuse(f"{host}: {_first_line(err)}") from None
+        raise refuse(f"{host or 'the hub cache'}: {_first_line(err)}") from None
+
+
+def _cached(repo_id: str) -> bool:
+    """Whether the hub cache holds `repo_id`'s config.json."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a repo id at all
+        return False
 
 
 def _first_line(err: Exception) -> str:

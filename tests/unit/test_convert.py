@@ -144,6 +144,28 @@ def test_transformers4_config_and_user_errors(tmp_path):
         convert.from_hf(tmp_path / "hf", tmp_path / "nt3")
 
 
+def test_from_hf_names_bad_sizes_a_file_and_an_unwritable_output(tmp_path):
+    """Tracebacks before: TypeError / ZeroDivisionError from a config.json's sizes,
+    NotADirectoryError from an --output that is a file; `--model FILE` said 'does not exist'."""
+    hf_llama(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    good = json.loads(path.read_text())
+    for key, value in (("hidden_size", "abc"), ("num_attention_heads", 0),
+                       ("num_hidden_layers", -1)):  # fmt: skip
+        path.write_text(json.dumps(dict(good, **{key: value})))
+        with pytest.raises(UserError, match=f"config.json: {key} {value!r} must be a whole"):
+            convert.from_hf(tmp_path / "hf", tmp_path / "nt")
+    path.write_text(json.dumps(good))
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match="`--output` .*afile: cannot write there .*a file is"):
+        convert.from_hf(tmp_path / "hf", tmp_path / "afile")
+    with pytest.raises(UserError, match="--model .*afile is a file, not a folder"):
+        convert.from_hf(tmp_path / "afile", tmp_path / "nt")
+    with pytest.raises(UserError, match="--checkpoint .*afile is a file, not a folder"):
+        convert.to_hf(tmp_path / "afile", tmp_path / "out")
+    assert not (tmp_path / "nt").exists() and not (tmp_path / "out").exists()
+
+
 def test_from_hf_says_a_command_that_trains_from_any_folder(tmp_path, capsys, monkeypatch):
     """from-hf printed `torchrun ... recipes/train.py --config-file ...`, which fails outside a
     clone (no recipes/ there); it now names `mesh3d train CONFIG` (a fresh clone's second hour),
