@@ -105,10 +105,12 @@ def _panel(ax, title: str, ylabel: str, series: list, runs: list, by_key: bool =
                 colour = r * len(series) + k if by_key else r
                 line = dict(marker=dot, markersize=3, color=f"C{colour % 10}", label=name)
                 ax.plot(steps, values, style, **line)
-    if not ax.lines:
+    if not ax.lines:  # none in the files, or only NaN / inf (a diverged run)
         keys = " / ".join(key for key, *_ in series)
+        given = any(key in r for _, rs in runs for r in rs for key, *_ in series)
         where = dict(ha="center", va="center", transform=ax.transAxes, color="grey")
-        ax.text(0.5, 0.5, f"no {keys} in these files", **where)
+        ax.text(0.5, 0.5, f"{keys}: no finite value" if given else f"no {keys} in these files",
+                **where)  # fmt: skip
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)

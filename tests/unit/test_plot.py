@@ -76,6 +76,8 @@ def test_validation_curve_only_for_a_run_that_has_it(tmp_path):
     assert draw([("c", with_val[:1])]).axes[0].lines[0].get_marker() == "o"
     (empty_panel,) = draw([("b", without)]).axes[2].texts
     assert empty_panel.get_text() == "no grad_norm in these files"
+    nan = [dict(r, lm_loss=float("nan")) for r in without]  # a diverged run: not "missing"
+    assert draw([("n", nan)]).axes[0].texts[0].get_text() == "lm_loss / val_loss: no finite value"
 
 
 @needs_matplotlib
