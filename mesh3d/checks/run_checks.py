@@ -1,12 +1,14 @@
-"""Checks of the `profiler` schedule, `mesh3d.stream_shards` and `mesh3d.recompute` /
-`recompute_every` and `mesh3d.dp_shard` (HSDP), loaded by `validate` only for a config that sets one (no torch import)."""
+"""Checks of the `profiler` schedule, `mesh3d.stream_shards`, `mesh3d.recompute` /
+`recompute_every`, `mesh3d.dp_shard` (HSDP) and `mesh3d.full_shard` with a pipeline, loaded by
+`validate` only for a config that sets one (no torch import)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from mesh3d.config.derive import global_batch_size
+from mesh3d.config.derive import effective_pp_schedule, global_batch_size
 from mesh3d.config.schema import Config
+from mesh3d.parallel.pipeline_layout import SCHEDULES
 
 # torch.profiler.schedule's bounds: it asserts wait, warmup, repeat, skip_first >= 0, active > 0
 PROFILER_SCHEDULE = {
@@ -22,7 +24,8 @@ RECOMPUTE_MODES = ("none", "full", "selective")
 
 
 def run_errors(cfg: Config) -> Iterator[str]:
-    """The profiler schedule's bounds, the stream's shards, the recompute keys, HSDP's groups."""
+    """The profiler schedule's bounds, the stream's shards, the recompute keys, HSDP's groups,
+    full_shard's schedules."""
     if cfg.profiler is not None:
         for key, (least, what) in PROFILER_SCHEDULE.items():
             value = getattr(cfg.profiler, key)
@@ -31,6 +34,14 @@ def run_errors(cfg: Config) -> Iterator[str]:
     yield from _stream_shards(cfg)
     yield from _recompute(cfg)
     yield from _dp_shard(cfg)
+    sched = effective_pp_schedule(cfg)
+    zero_bubble = getattr(SCHEDULES.get(sched), "zero_bubble", False)  # (a bad name: _pipeline)
+    if cfg.mesh3d.full_shard and cfg.parallelism.pp > 1 and zero_bubble:
+        yield (
+            f"`mesh3d.full_shard` with the {sched} pipeline schedule gives wrong gradients on torch "
+            "(parameters resharded between the input- and weight-gradient passes); use "
+            "optimizer.zero_stage: 1 with mesh3d.full_shard: false, or another schedule"
+        )
 
 
 def _stream_shards(cfg: Config) -> Iterator[str]:

@@ -224,12 +224,6 @@ def _pipeline(cfg: Config) -> Iterator[str]:
     n, key = cfg.tokens.batch_accumulation_per_replica, "tokens.batch_accumulation_per_replica"
     if p.pp == 1:
         return
-    if cfg.mesh3d.full_shard and traits.zero_bubble:
-        yield (
-            f"`mesh3d.full_shard` with the {sched} pipeline schedule gives wrong gradients on torch "
-            "(parameters resharded between the input- and weight-gradient passes); use "
-            "optimizer.zero_stage: 1 with mesh3d.full_shard: false, or another schedule"
-        )
     # the trainer's layer split, so an empty stage fails here (hf_model's: `train/hf_parts.py`)
     if layers >= stages and not cfg.mesh3d.hf_model:
         try:
@@ -342,13 +336,10 @@ def _family_keys(cfg: Config) -> Iterator[str]:
 
 def _optional(cfg: Config) -> Iterator[str]:
     """The checks of optional capabilities, loaded only when configured."""
-    m = cfg.mesh3d
-    if (
-        cfg.profiler is not None
-        or m.stream_shards is not None
-        or m.recompute is not None
-        or (m.recompute_every != 1)
-    ):  # (recompute_layer alone is a bool: nothing to check)
+    m = cfg.mesh3d  # (recompute_layer alone is a bool: nothing to check)
+    if any(x is not None for x in (cfg.profiler, m.stream_shards, m.recompute, m.dp_shard)) or (
+        m.recompute_every != 1 or m.full_shard
+    ):
         from mesh3d.checks.run_checks import run_errors
 
         yield from run_errors(cfg)

@@ -55,9 +55,8 @@ def microbatches(
     """
     per_rank = global_batch_size // dp
     if global_batch_size % dp or per_rank % micro_batch_size or not 0 <= dp_rank < dp or step < 1:
-        raise ValueError(f"microbatches: need step >= 1 ({step}), 0 <= dp_rank < dp ({dp_rank}, "
-                         f"{dp}) and global_batch_size ({global_batch_size}) = dp x a multiple "
-                         f"of micro_batch_size ({micro_batch_size}): no sample left out")  # fmt: skip
+        raise ValueError(f"microbatches: step {step} (>= 1), dp_rank {dp_rank} (< dp {dp}), "
+                         f"batch {global_batch_size} (dp x k x {micro_batch_size}): none left out")  # fmt: skip
     first = (step - 1) * global_batch_size + dp_rank * per_rank
     out = []
     for m in range(per_rank // micro_batch_size):

@@ -70,9 +70,8 @@ def build_stage(model: nn.Module, stage_id: int, num_stages: int, layers: list[i
 
         stage = build_stage(gpt, 1, 2, [2, 3], blocks="h", first=("wte", "wpe"), last=("ln_f", "head"))
     """
-    ends = {"first": first, "last": last}
-    bad = [f"{k}={v!r} must be a tuple of names" for k, v in ends.items() if isinstance(v, str)]
-    names = [blocks] + [n for v in ends.values() if not isinstance(v, str) for n in v]
+    bad = [f"first/last {v!r}: give a tuple of names" for v in (first, last) if isinstance(v, str)]
+    names = [blocks, *(n for v in (first, last) for n in ((v,) if isinstance(v, str) else v))]
     bad += [f"{type(model).__name__} has no {n!r}" for n in names if not hasattr(model, n)]
     bad += [f"stage_id {stage_id} is not in 0..{num_stages - 1}"] * (not 0 <= stage_id < num_stages)
     if bad:

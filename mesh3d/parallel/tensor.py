@@ -72,8 +72,6 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, strict: bool =
 
     Entries whose module is None are skipped; with `strict`, a key naming no module is refused.
     """
-    if not isinstance(plan, dict):
-        raise TypeError(f"apply_tp takes a dict of ParallelStyles, not {type(plan).__name__}")
     tied = getattr(model, "lm_head", None) is not None and (
         getattr(model, "embed_tokens", None) is not None
         and model.lm_head.weight is model.embed_tokens.weight

@@ -472,6 +472,10 @@ REFUSED = [
     ("stream-shards-zero", [f"{M3}.stream_shards=0"], f"`{M3}.stream_shards` must be >= 1 (a streamed stage's logical shards; null: the global batch size), got 0"),
     ("stream-shards-divisor", [f"{M3}.hf_streaming=true", f"{M3}.stream_shards=3"], f"`{M3}.stream_shards` (3) must divide the global batch size (4) and be divisible by parallelism.dp (1): each step takes the same number of samples from every logical shard, and each dp rank owns whole shards; use e.g. 4 or null"),
     ("initializer-range", [f"{MC}.initializer_range=-1"], f"`{MC}.initializer_range` must be >= 0 (a std), got -1.0"),
+    # checks loaded only for a config that sets their key (checks/run_checks.py)
+    ("dp-shard-divisor", [f"{M3}.dp_shard=3"], f"`{M3}.dp_shard` (3) must divide `parallelism.dp` (1): FSDP shards inside groups of dp_shard dp ranks, dp / dp_shard groups replicate; use a divisor of 1"),
+    ("full-shard-zero-bubble", [f"{M3}.full_shard=true", "parallelism.pp=2", f"{M3}.pp_schedule=zbv_zero_bubble", f"{M3}.pp_virtual_stages=2", "tokens.batch_accumulation_per_replica=4"], f"`{M3}.full_shard` with the zbv_zero_bubble pipeline schedule gives wrong gradients on torch (parameters resharded between the input- and weight-gradient passes); use optimizer.zero_stage: 1 with mesh3d.full_shard: false, or another schedule"),
+    ("full-shard-bad-schedule", [f"{M3}.full_shard=true", "parallelism.pp=2", f"{M3}.pp_schedule=nope"], f"`{M3}.pp_schedule` 'nope' is not a pipeline schedule; use one of afab, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv_zero_bubble, dualpipev"),
 ]  # fmt: skip
 
 
