@@ -36,7 +36,7 @@ from torch import Tensor
 
 from mesh3d import extensions
 from mesh3d.checkpoint.from_hf_config import training_config
-from mesh3d.checkpoint.load import weights_dir
+from mesh3d.checkpoint.load import not_a_folder, weights_dir
 from mesh3d.checkpoint.model_config import _read_json_object, read_model_config_json, shape_of  # noqa: F401
 from mesh3d.checkpoint.tokenizer_files import FILES, copy_into_folder, step_tokenizer
 from mesh3d.checkpoint.training import lora_of, resolve_step_dir
@@ -257,8 +257,8 @@ def from_hf(model: str | Path, output: str | Path, tp: int = 1, pp: int = 1) -> 
     if tp < 1 or pp < 1:
         raise UserError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
     if not model_dir.is_dir():
-        what = "is a file, not a folder" if model_dir.exists() else "does not exist"
-        raise UserError(f"--model {model_dir} {what}; give a Hugging Face model folder")
+        raise UserError(f"--model {model_dir} {not_a_folder(model_dir)}; give a Hugging Face "
+                        "model folder")  # fmt: skip
     mc, arch = hf_config_of(model_dir)
     if pp > mc.num_hidden_layers:
         raise UserError(f"--pp {pp} is more than the model's {mc.num_hidden_layers} layers")

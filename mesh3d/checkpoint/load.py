@@ -249,13 +249,18 @@ def load_rank_state(step_dir: Path, params: list[Param], held: dict[str, list[nn
     progress.done()
 
 
+def not_a_folder(path: Path) -> str:
+    """Why `path`, which is no folder, cannot be read as one: for a message "KEY PATH <this>"."""
+    return "is a file, not a folder" if path.exists() else "does not exist"
+
+
 def weights_dir(path: str | Path, key: str) -> Path:
     """A folder of weights to read (not resume): one with `model_config.json` (a step folder,
     or what `from-hf` writes), else the step folder `resolve_step_dir` finds."""
     path = Path(path)
     if not path.is_dir():
-        what = "is a file, not a folder" if path.exists() else "does not exist"
-        raise UserError(f"{key} {path} {what}; give a step folder or a checkpoints folder")
+        raise UserError(f"{key} {path} {not_a_folder(path)}; give a step folder or a checkpoints "
+                        "folder")  # fmt: skip
     return path if (path / "model_config.json").is_file() else resolve_step_dir(path, key)
 
 
@@ -364,10 +369,8 @@ def not_a_checkpoint(path: Path) -> UserError | None:
     step folder (with `model/`); None when it is one."""
     if (path / "model").is_dir() or is_hf_folder(path):
         return None
-    if not path.exists():
-        has = "does not exist"
-    elif not path.is_dir():
-        has = "is a file, not a folder"
+    if not path.is_dir():
+        has = not_a_folder(path)
     elif any(path.glob("*.safetensors")):
         has = "has *.safetensors but no config.json"
     else:
