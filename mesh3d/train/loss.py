@@ -60,6 +60,8 @@ def normalized_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
 
         loss_fn = lambda logits, labels: mesh3d.normalized_loss(logits, labels, vocab, global_tokens)
     """
+    if not global_tokens >= 1:  # 0 would make every loss inf or nan
+        raise ValueError(f"global_tokens must be >= 1 (the step's tokens), got {global_tokens}")
     return token_loss_sum(logits, labels, vocab_size) / global_tokens
 
 

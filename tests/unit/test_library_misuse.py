@@ -38,6 +38,14 @@ def test_allreduce_gradients_needs_a_group():
         mesh3d.allreduce_gradients(_grads(), None)
 
 
+@pytest.mark.parametrize("tokens", [0, -4])
+def test_normalized_loss_refuses_a_step_without_tokens(tokens):
+    logits, labels = torch.randn(2, 3, 8), torch.randint(0, 8, (2, 3))
+    assert mesh3d.normalized_loss(logits, labels, 8, 6).isfinite()
+    with pytest.raises(ValueError, match=f"global_tokens must be >= 1 .*, got {tokens}"):
+        mesh3d.normalized_loss(logits, labels, 8, tokens)  # was inf: a silent diverged step
+
+
 @pytest.mark.parametrize(
     "args", [(1, 7, 0, 2, 2), (1, 8, 0, 2, 3), (1, 8, 3, 2, 2), (0, 8, 0, 2, 2)],
     ids=["gbs-not-dp-multiple", "mbs-leaves-samples", "rank-outside-dp", "step-0"],
