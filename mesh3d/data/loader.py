@@ -109,8 +109,13 @@ class StageLoader:
     def _next_item(self):
         """The loader's next item, waited for in `_POLL`-second waits up to `timeout_s`: workers
         are the forkserver's children, so no SIGCHLD tells the DataLoader one died."""
-        if self._it is None:
-            self._it = iter(self.loader)  # starts the workers, reads the first steps ahead
+        if self._it is None:  # start the workers (the first time, the forkserver and resource
+            # tracker too) with SIGUSR1 blocked: Slurm's notice is the rank's; it would kill them
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+            try:
+                self._it = iter(self.loader)  # reads the first steps ahead
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             if self.workers:
                 set_loader_timeout(self._it, min(_POLL, self.timeout_s))  # read by each wait
         waited = 0.0

@@ -5,6 +5,7 @@ across ranks at the end of every step, so every rank stops after the same step."
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 import signal
 import uuid
@@ -130,6 +131,8 @@ class RunGuard:
             f"nothing of this step was saved. {self.last_checkpoint()}", signum,
         ))  # fmt: skip
         dog.exited(f"stopped by a second {name}")
+        for child in multiprocessing.active_children():  # the loader's workers, whose parent is
+            child.kill()  # the forkserver: they and it would outlive the process's os._exit
         if self.lock is not None:
             self.lock.release()
 

@@ -42,14 +42,33 @@ class Terminal:
     """`mesh3d train ARGS` in its own process group, signalled the way a terminal's Ctrl-C is:
     the whole foreground group (the launcher; its ranks run in sessions of their own)."""
 
-    def __init__(self, folder: Path, *args: str):
+    def __init__(self, folder: Path, *args: str, config: str | None = str(TINY)):
         self.log = folder / "out.log"
+        self.mark = f"{os.getpid()}-{time.monotonic_ns()}"  # in every process the run starts
         folder.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "mesh3d.launch", str(TINY), *args], cwd=REPO,
-                env=quiet_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                [sys.executable, "-m", "mesh3d.launch", *[config] * bool(config), *args],
+                cwd=REPO if config else folder,  # the default's runs/default/ in the test's folder
+                env=quiet_env(MESH3D_TEST_RUN=self.mark), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )  # fmt: skip
+
+    def survivors(self, wait_s: float = 10) -> list[str]:
+        """The command lines of the processes the run started that are still alive after it
+        ended (waiting up to `wait_s` for them to go); found by the mark in their environment."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = []
+            for proc in Path("/proc").glob("[0-9]*"):
+                try:
+                    if f"MESH3D_TEST_RUN={self.mark}".encode() in (proc / "environ").read_bytes():
+                        alive.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+                except OSError:  # gone meanwhile, or not ours to read
+                    continue
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.2)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -117,6 +136,35 @@ def test_second_ctrl_c_stops_at_once_with_one_line_and_exit_130(tmp_path):
         line,
     ), line
     assert _lines(out, "preempted") == [] and not (root / "latest.txt").exists()
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGINT twice"])
+def test_a_stop_signal_leaves_no_helper_process_and_prints_one_line(tmp_path, sig):
+    """The built-in default (real data, a loader worker per rank, started from a forkserver):
+    - SIGUSR1 to `mesh3d train` at dp 2 (Slurm's notice; the launcher passes it to each rank's
+      process group) killed every rank's resource tracker, whose relaunches printed 40-odd
+      lines of warnings and KeyError tracebacks around the `preempted:` line;
+    - a second Ctrl-C left each rank's data worker, forkserver and resource tracker running
+      after the run had exited 130.
+    Now: one line, and no process of the run outlives it."""
+    root = tmp_path / "ck"
+    slow = ["tokens.batch_accumulation_per_replica=16", "tokens.train_steps=20"]  # steps of
+    slow += ["tokens.limit_val_batches=0", "tokens.val_check_interval=-1"]  # seconds
+    dp = ["parallelism.dp=2"] if sig == "SIGUSR1" else []
+    run = Terminal(tmp_path, *dp, *slow, *_ck(root), "logging.log_level=info", config=None)
+    run.wait_for(r"iteration: \d+ / ")
+    if sig == "SIGUSR1":
+        run.proc.send_signal(signal.SIGUSR1)
+    else:
+        run.ctrl_c()
+        run.wait_for(r"received SIGINT: finishing step")
+        time.sleep(REPEAT_S + 0.2)
+        run.ctrl_c()
+    code, out = run.wait(), run.output()
+    assert code == (75 if sig == "SIGUSR1" else 130), out[-3000:]
+    assert "Traceback" not in out and "KeyError" not in out, out[-3000:]
+    assert len(_lines(out, "preempted" if sig == "SIGUSR1" else "error")) == 1, out[-3000:]
+    assert run.survivors() == []
 
 
 def test_ctrl_c_on_one_process_saves_and_without_checkpoints_exits_130(tmp_path):
@@ -202,6 +250,9 @@ def test_sigusr1_to_the_slurm_recipe_launcher_saves_and_the_same_command_resumes
         f"preempted: SIGUSR1 received: stopped after step {done} and saved {root}/{done}" in out
     ), out[-3000:]
     assert "is gone" not in out, out[-3000:]  # before: torchrun died, "the launcher ... is gone"
+    # before: the signal also killed each rank's resource tracker, whose relaunches printed
+    # warnings and KeyError tracebacks (the loader's helper processes now leave it to the rank)
+    assert "Traceback" not in out and "resource_tracker" not in out, out[-3000:]
     assert (root / "latest.txt").read_text() == str(done) and verify(root / str(done)) == []
     assert f"Resumed from {root} at step {done}" in out2
     (straight,) = run_ranks(2, train_runs, [DP2 + ["tokens.train_steps=40"]], timeout=120)[0]

@@ -33,7 +33,10 @@ their optional checks load only when configured: `checks/run_checks.py`, `models
 2x2x2: up to about 11,330); 10,806 (7,601 of code) with the library API's argument checks and the
 recompute, dp_shard and full_shard checks moved to `checks/run_checks.py` (2x2x2: up to 11,331,
 7,897 of code); 10,808 (8,930 not blank, 7,603 of code) with `normalized_loss` refusing zero
-tokens (2x2x2: up to 11,333, 9,335 not blank, 7,899 of code).
+tokens (2x2x2: up to 11,333, 9,335 not blank, 7,899 of code); 10,816 (8,938 not blank, 7,610
+of code) with the loader's helper processes kept from Slurm's SIGUSR1 and a second Ctrl-C
+taking the data workers with it (2x2x2: up to 11,341, 9,343 not blank, 7,906 of code; the 3D and code ceilings rose by 10 for
+these two fixes).
 Issue 43 asks for 10,000 lines. Every line counted, blank ones included, the run is over it;
 the lines a reader reads (code, docstrings, comments) are under it in both runs, and
 `READ_CEILING` keeps them there. What is left is what a fresh run calls (a call profile of it,
@@ -59,8 +62,8 @@ from mesh3d.extensions import CAPABILITIES
 from mesh3d.models.registry import FAMILIES
 
 CEILING = 10_820
-CEILING_3D = 11_340
-CODE_CEILING = 7_900  # `code_lines`: the lines that are not docstrings, comments or blank
+CEILING_3D = 11_350
+CODE_CEILING = 7_910  # `code_lines`: the lines that are not docstrings, comments or blank
 READ_CEILING = 10_000  # issue 43's figure, on the lines a reader reads: every line but blank ones
 
 _REPORT = """
