@@ -146,7 +146,8 @@ def base_weights(step: Path) -> dict[str, Tensor]:
                 f"{step}: its LoRA base {root} is missing; put the base back there (the "
                 "adapters are useless without it)"
             )
-        if extensions.load("lora").folder_fingerprint(root) != base:
+        lora = extensions.load("lora")
+        if not lora.same_base(base, lora.folder_fingerprint(root)):
             raise UserError(
                 f"{step}: its LoRA base {root} changed since the adapters were trained (its "
                 "fingerprint differs); restore the base the adapters were trained on"

@@ -144,6 +144,18 @@ def test_lora_with_float8_is_refused():
     assert any("`mesh3d.lora` with `mesh3d.float8: true`" in e for e in errors), errors
 
 
+def test_the_base_fingerprint_samples_every_quarter_mib_past_the_first_mib(tmp_path):
+    base = tmp_path / "base"
+    (base / "model").mkdir(parents=True)
+    data = bytearray(3 << 20)
+    (base / "model" / "w.safetensors").write_bytes(data)
+    before = lora.folder_fingerprint(base)
+    data[(2 << 20) + (1 << 18) + 100] = 1  # deep in the file, in a sampled block
+    (base / "model" / "w.safetensors").write_bytes(data)
+    after = lora.folder_fingerprint(base)
+    assert after["sha256"] == before["sha256"] and after["weights"] != before["weights"]
+
+
 def test_a_checkpoint_for_another_or_a_missing_base_is_refused(tmp_path):
     base = tmp_path / "base"
     (base / "model").mkdir(parents=True)
@@ -156,9 +168,15 @@ def test_a_checkpoint_for_another_or_a_missing_base_is_refused(tmp_path):
         UserError, match=r"ckpt/4 holds LoRA adapters for base .* set model.init_method"
     ):
         lora.check_base(saved, other, "ckpt/4")
-    (base / "model" / "w.safetensors").write_bytes(b"x" * 11)  # the base changed
+    (base / "model" / "w.safetensors").write_bytes(b"y" * 10)  # re-exported: same size
     with pytest.raises(UserError, match="holds LoRA adapters for base"):
-        lora.check_base(saved, cfg, "ckpt/4")
+        lora.check_base(saved, cfg, "ckpt/4")  # before: accepted (names and sizes only)
+    older = {k: v for k, v in saved.items() if k != "weights"}  # a checkpoint of before
+    lora.check_base(older, cfg, "ckpt/4")  # compared on what it holds: the size is the same
+    (base / "model" / "w.safetensors").write_bytes(b"x" * 11)  # the size changed
+    for fingerprint in (saved, older):
+        with pytest.raises(UserError, match="holds LoRA adapters for base"):
+            lora.check_base(fingerprint, cfg, "ckpt/4")
     moved = tmp_path / "moved"
     base.rename(moved)
     with pytest.raises(UserError, match="its LoRA base checkpoint .* is missing; restore it"):
