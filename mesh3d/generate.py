@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 from mesh3d.checkpoint.hf import hf_model_of, read_model_config_json
-from mesh3d.checkpoint.load import weights_dir
+from mesh3d.checkpoint.load import verified, weights_dir
 from mesh3d.data.tokenizer import load_tokenizer
 from mesh3d.errors import UserError, exit_on_user_error, on_every_rank
 from mesh3d.generation.single import find_tokenizer, generate_here
@@ -285,8 +285,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: a {longest}-token prompt + --max-new-tokens {args.max_new_tokens} can go "
               f"past the {positions} tokens the model was trained on (max_position_embeddings); "
               "expect worse text there", file=sys.stderr)  # fmt: skip
-    if world == 1:
-        new_ids, how = generate_here(step, prompts, args)
+    if world == 1:  # (under torchrun the training stack's loading verifies the files)
+        new_ids, how = generate_here(verified(step), prompts, args)
     else:  # the training stack (build, pipeline, checkpoint loading) only under torchrun
         import torch.distributed as dist
 

@@ -204,7 +204,7 @@ def damaged_error(step_dir: Path, problems: list[str]) -> UserError:
     shown = "; ".join(problems[:5]) + more
     return UserError(
         f"checkpoint {step_dir} failed verification: {shown}. Restore the file(s) from a copy, "
-        f"or resume from another step folder of {step_dir.parent}"
+        f"or use another step folder of {step_dir.resolve().parent}"
     )
 
 

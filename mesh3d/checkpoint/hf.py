@@ -36,7 +36,7 @@ from torch import Tensor
 
 from mesh3d import extensions
 from mesh3d.checkpoint.from_hf_config import training_config
-from mesh3d.checkpoint.load import not_a_folder, weights_dir
+from mesh3d.checkpoint.load import not_a_folder, verified, weights_dir
 from mesh3d.checkpoint.model_config import _read_json_object, read_model_config_json, shape_of  # noqa: F401
 from mesh3d.checkpoint.tokenizer_files import FILES, copy_into_folder, step_tokenizer
 from mesh3d.checkpoint.training import lora_of, resolve_step_dir
@@ -175,7 +175,7 @@ def to_hf(checkpoint: str | Path, output: str | Path, dtype: str | None = None) 
     """Write `output/config.json` + `output/model.safetensors` (+ the checkpoint's saved
     tokenizer files, replacing an earlier export's) from a step folder or a checkpoints folder
     (`latest.txt`); the paths. A warning names what else `output` holds."""
-    step, output = weights_dir(checkpoint, "--checkpoint"), Path(output)
+    step, output = verified(weights_dir(checkpoint, "--checkpoint")), Path(output)
     mc = read_model_config_json(step)
     spec = spec_of(mc)
     if not (step / "model").is_dir():
@@ -382,13 +382,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "to-hf" and (args.model or trained):  # a transformers model's
         from mesh3d.checkpoint.hf_export import export_hf
 
-        step = args.checkpoint if args.model else weights_dir(args.checkpoint, "--checkpoint")
+        step = (
+            args.checkpoint
+            if args.model
+            else verified(weights_dir(args.checkpoint, "--checkpoint"))
+        )
         out = export_hf(step, args.model or trained, args.output)
         paths = sorted(p for p in out.iterdir() if p.is_file())
     elif args.command == "to-hf":
         paths = to_hf(args.checkpoint, args.output, args.dtype)
     elif args.command == "to-peft":
-        step = weights_dir(args.checkpoint, "--checkpoint")
+        step = verified(weights_dir(args.checkpoint, "--checkpoint"))
         paths = extensions.load("lora_files").write_peft(step, Path(args.output))
     else:
         paths = from_hf(args.model, args.output, args.tp, args.pp)

@@ -264,6 +264,14 @@ def weights_dir(path: str | Path, key: str) -> Path:
     return path if (path / "model_config.json").is_file() else resolve_step_dir(path, key)
 
 
+def verified(step: Path) -> Path:
+    """`step`, once its files match its manifest (one without a manifest is taken as it is):
+    what reads a checkpoint's weights without loading it for training (convert, generate)."""
+    if problems := verify(step):
+        raise damaged_error(step, problems)
+    return step
+
+
 def load_data_state(path: str | Path) -> list[dict]:
     """The streamed-data positions a checkpoint saved, one per dp rank it was saved with."""
     files = sorted((resolve_step_dir(path) / "data").glob("stream_dp-*.pt"))

@@ -32,7 +32,7 @@ from mesh3d.checkpoint.nanotron_weights import (
     save_readable,
 )
 from mesh3d.checkpoint.training import lora_of
-from mesh3d.errors import UserError, on_every_rank
+from mesh3d.errors import UserError, on_every_rank, unwritable
 from mesh3d.models.registry import spec_of
 from mesh3d.parallel.parallelize import seeded_init
 
@@ -183,8 +183,15 @@ def write_peft(step: Path, output: Path) -> list[Path]:
     Names are the Hugging Face export's (`base_model.model.model.layers.0.self_attn.q_proj.
     lora_A.weight`); q/k adapters of a `rope_interleaved` model get the rows the export gives q/k.
     A projection mesh3d fuses and Hugging Face splits (Starcoder2's qkv_proj) is refused."""
+    from safetensors import SafetensorError
+
     from mesh3d.checkpoint.hf import permute_qk
 
+    output = Path(output)
+    try:  # before any work: a path that cannot be a folder is refused at once
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise unwritable("--output", output, e) from None
     plan = plan_of(step)
     mc = read_model_config_json(step)
     shape = shape_of(mc)
@@ -229,10 +236,12 @@ def write_peft(step: Path, output: Path) -> list[Path]:
         "use_dora": False,
         "base_model_name_or_path": base.get("path"),
     }
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    (output / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    save_readable(tensors, output / ADAPTER_WEIGHTS, {"format": "pt"})
+    try:  # the weights first: a folder without the config is no adapter to peft
+        save_readable(tensors, output / ADAPTER_WEIGHTS, {"format": "pt"})
+        (output / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    except (OSError, SafetensorError) as e:
+        error = e if isinstance(e, OSError) else OSError(str(e))
+        raise unwritable("--output", output, error) from None
     return [output / ADAPTER_CONFIG, output / ADAPTER_WEIGHTS]
 
 

@@ -182,3 +182,30 @@ def test_from_hf_says_a_command_that_trains_from_any_folder(tmp_path, capsys, mo
     convert.main(["to-hf", "--checkpoint", "nt", "--output", "back"])  # from-hf's folder back
     first = capsys.readouterr().out.splitlines()[0]
     assert first == "wrote 2 files under back from nt:", first  # the folder it read named
+
+
+def test_converting_or_generating_from_damaged_files_is_refused(tmp_path, capsys):
+    """`convert to-hf` and one-process `generate` read a step folder's weights without the
+    manifest check training's loading does: a file damaged on disk (same size, other bytes)
+    was exported or sampled from. Now both stop at the manifest's `failed verification` line."""
+    from mesh3d.checkpoint.folder import crc32_of, write_manifest
+    from mesh3d.data.synthetic import make_tokenizer
+    from mesh3d.generate import main as generate_main
+
+    hf_llama(tmp_path / "hf")
+    step = tmp_path / "nt"
+    convert.from_hf(tmp_path / "hf", step)
+    make_tokenizer(step / "tokenizer", vocab_size=128)
+    weights = sorted((step / "model").rglob("*.safetensors"))
+    write_manifest(step, {p.relative_to(step).as_posix(): crc32_of(p) for p in weights})
+    convert.to_hf(step, tmp_path / "ok")  # the files match their manifest: exported
+    data = bytearray(weights[0].read_bytes())
+    data[-1] ^= 0xFF
+    weights[0].write_bytes(data)
+    with pytest.raises(UserError, match=r"checkpoint .*nt failed verification: .* is damaged"):
+        convert.to_hf(step, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as e:
+        generate_main(["--checkpoint", str(step), "--prompt", "a", "--max-new-tokens", "2",
+                       "--device", "cpu"])  # fmt: skip
+    assert e.value.code == 2 and "failed verification" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +182,14 @@ def test_a_checkpoint_for_another_or_a_missing_base_is_refused(tmp_path):
     base.rename(moved)
     with pytest.raises(UserError, match="its LoRA base checkpoint .* is missing; restore it"):
         lora.check_base(saved, cfg, "ckpt/4")
+
+
+def test_to_peft_refuses_an_output_it_cannot_write_before_reading_anything(tmp_path):
+    """A FileExistsError / FileNotFoundError traceback before, after the adapters were read."""
+    from mesh3d.checkpoint.lora_files import write_peft
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match=r"`--output` .*afile: cannot write there .*a file is"):
+        write_peft(tmp_path / "no-step", tmp_path / "afile")
+    with pytest.raises(UserError, match=r"`--output` /proc/adapter: cannot write there"):
+        write_peft(tmp_path / "no-step", Path("/proc/adapter"))
