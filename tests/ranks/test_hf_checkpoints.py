@@ -16,7 +16,7 @@ from dist import run_ranks
 from test_hf_models import GBS, SEQ, SMALL, VOCAB, _batch, _full, tiny
 
 import mesh3d
-from mesh3d.checkpoint.hf import main
+from mesh3d.convert import main
 from mesh3d.parallel.pipeline import pipeline_stage
 
 transformers = pytest.importorskip(

@@ -17,7 +17,7 @@ import pytest
 import torch
 from dist import run_ranks
 
-from mesh3d.checkpoint.hf import main as convert
+from mesh3d.convert import main as convert
 from mesh3d.config import load_config
 from mesh3d.generate import main as generate
 from mesh3d.hf_experts import stacked_experts

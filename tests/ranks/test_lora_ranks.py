@@ -185,7 +185,7 @@ def test_lora_equals_peft_and_one_process_at_2x2x2_resumes_and_exports(tmp_path)
     assert meta["base"]["path"] == str(base_dir.resolve()) and meta["r"] == 4
 
     # exports: PEFT adapter folder onto the HF base, and the merged model, give our logits
-    from mesh3d.checkpoint.hf import main as convert
+    from mesh3d.convert import main as convert
     from mesh3d.generation.load import load_model
 
     convert(

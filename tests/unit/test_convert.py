@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.nanotron_weights import read_nanotron_weights
 from mesh3d.config import LlamaConfig, load_config
+from mesh3d.convert import main as convert_main
 from mesh3d.errors import UserError
 from mesh3d.models.llama import Llama
 
@@ -172,14 +173,14 @@ def test_from_hf_says_a_command_that_trains_from_any_folder(tmp_path, capsys, mo
     and the config it names exists."""
     hf_llama(tmp_path / "hf")
     monkeypatch.chdir(tmp_path)
-    convert.main(["from-hf", "--model", "hf", "--output", "nt", "--tp", "2"])
+    convert_main(["from-hf", "--model", "hf", "--output", "nt", "--tp", "2"])
     line = capsys.readouterr().out.splitlines()[-1]
     config = tmp_path / "nt" / "config.yaml"
     assert (
         line == f"train from it: mesh3d train {config.resolve()}  (starts its 2 processes itself)"
     )
     assert config.is_file() and "recipes/train.py" not in line
-    convert.main(["to-hf", "--checkpoint", "nt", "--output", "back"])  # from-hf's folder back
+    convert_main(["to-hf", "--checkpoint", "nt", "--output", "back"])  # from-hf's folder back
     first = capsys.readouterr().out.splitlines()[0]
     assert first == "wrote 2 files under back from nt:", first  # the folder it read named
 

@@ -189,7 +189,7 @@ def test_from_hf_lists_its_few_files_and_counts_the_shards(tmp_path, capsys):
     pytest.importorskip("transformers")
     from test_first_hour import hf_folder
 
-    from mesh3d.checkpoint.hf import main
+    from mesh3d.convert import main
 
     hf_folder(tmp_path / "hf")
     main(["from-hf", "--model", str(tmp_path / "hf"), "--output", str(tmp_path / "out"),

@@ -15,6 +15,7 @@ from mesh3d.checkpoint import hf as convert
 from mesh3d.checkpoint.nanotron_weights import write_nanotron_weights
 from mesh3d.checkpoint.run_folder import claim_folder
 from mesh3d.config import LlamaConfig, config_from_dict
+from mesh3d.convert import main as convert_main
 from mesh3d.errors import UserError
 from mesh3d.models.registry import spec_of
 from mesh3d.train.metrics import JsonlWriter
@@ -87,7 +88,7 @@ def test_to_hf_output_that_cannot_be_written(tmp_path, capsys, kind):
     (step / "model_config.json").write_text(json.dumps(dataclasses.asdict(mc)))
     out = _bad(tmp_path, kind)
     with pytest.raises(SystemExit) as e:
-        convert.main(["to-hf", "--checkpoint", str(step), "--output", out])
+        convert_main(["to-hf", "--checkpoint", str(step), "--output", out])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: `--output` {out}: cannot write there (") and "\n" not in err
