@@ -18,6 +18,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from mesh3d.errors import ConfigError
+
 # lighteval task name -> the lm-evaluation-harness task that scores the same benchmark
 LIGHTEVAL_TO_LM_EVAL = {
     "hellaswag": "hellaswag", "arc:easy": "arc_easy", "arc:challenge": "arc_challenge",
@@ -53,7 +55,8 @@ TASK_KEYS = {"tasks", "custom_tasks", "max_samples", "num_fewshot_seeds", "datas
 def lm_eval_tasks(spec: str) -> list[tuple[str, int | None]]:
     """(lm-eval task, few-shot count or None for the task's own) of each comma-separated entry:
     `suite|task|k|truncate` (lighteval's form; the task mapped by `LIGHTEVAL_TO_LM_EVAL` when
-    listed there, else taken as an lm-eval name) or a plain lm-eval task name."""
+    listed there, else taken as an lm-eval name) or a plain lm-eval task name. A few-shot count
+    that is not a number is a `ConfigError`."""
     out = []
     for entry in (e.strip() for e in spec.split(",")):
         if not entry:
@@ -61,8 +64,12 @@ def lm_eval_tasks(spec: str) -> list[tuple[str, int | None]]:
         if "|" in entry:
             parts = entry.split("|")
             task = parts[1] if len(parts) > 1 else parts[0]
-            shots = int(parts[2]) if len(parts) > 2 and parts[2].strip().isdigit() else None
-            out.append((LIGHTEVAL_TO_LM_EVAL.get(task, task), shots))
+            shots = parts[2].strip() if len(parts) > 2 else ""
+            if shots and not shots.isdigit():
+                raise ConfigError(f"`lighteval.tasks.tasks`: the few-shot count of {entry!r} is "
+                                  f"{shots!r}, not a number; write suite|task|shots|truncate "
+                                  "with shots an integer >= 0")  # fmt: skip
+            out.append((LIGHTEVAL_TO_LM_EVAL.get(task, task), int(shots) if shots else None))
         else:
             out.append((LIGHTEVAL_TO_LM_EVAL.get(entry, entry), None))
     return out
@@ -101,8 +108,20 @@ def eval_errors(cfg) -> Iterator[str]:
     ):
         yield ("`lighteval.tasks.tasks` must name the tasks to score (comma-separated lm-eval "
                "names or lighteval's suite|task|few-shot|truncate), e.g. tasks: {tasks: hellaswag}")  # fmt: skip
-    elif set(tasks) - TASK_KEYS:
-        yield f"`lighteval.tasks` has unknown key(s) {sorted(set(tasks) - TASK_KEYS)}; known: {sorted(TASK_KEYS)}"
+    else:
+        if set(tasks) - TASK_KEYS:
+            yield f"`lighteval.tasks` has unknown key(s) {sorted(set(tasks) - TASK_KEYS)}; known: {sorted(TASK_KEYS)}"
+        most = tasks.get("max_samples")
+        if most is not None and (not isinstance(most, int) or isinstance(most, bool) or most < 1):
+            yield f"`lighteval.tasks.max_samples` must be an integer >= 1 or null, got {most!r}"
+        try:
+            lm_eval_tasks(tasks["tasks"])
+        except ConfigError as e:
+            yield str(e)
+    not_mappings = [k for k in ("logging", "slurm", "parallelism")
+                    if section.get(k) is not None and not isinstance(section[k], dict)]  # fmt: skip
+    for key in not_mappings:
+        yield f"`lighteval.{key}` must be a mapping (or null), got {section[key]!r}"
     if cfg.checkpoints is None:
         yield ("`lighteval` scores saved checkpoints, and this config has no `checkpoints` "
                "section: add one (checkpoint_interval, checkpoints_path) or set lighteval: null")  # fmt: skip
@@ -115,7 +134,7 @@ def eval_errors(cfg) -> Iterator[str]:
     batch = section.get("batch_size")
     if batch is not None and (not isinstance(batch, int) or batch < 1):
         yield f"`lighteval.batch_size` must be a positive integer or null, got {batch!r}"
-    if mode == "slurm_job":
+    if mode == "slurm_job" and not not_mappings:
         yield from _slurm_job_errors(cfg, section)
     elif cfg.parallelism.context_parallel_size > 1:
         yield ("`lighteval` in-run evaluation at context_parallel_size > 1 is not supported yet: "
@@ -157,9 +176,9 @@ def _slurm_job_errors(cfg, section: dict) -> Iterator[str]:
     if not all(isinstance(n, int) and n >= 1 for n in ranks):
         yield f"`lighteval.parallelism` dp, tp, pp must be integers >= 1, got {list(ranks)}"
         return
-    slurm = section.get("slurm") or {}
-    if not isinstance(slurm, dict) or set(slurm) - SLURM_KEYS:
-        extra = sorted(set(slurm) - SLURM_KEYS) if isinstance(slurm, dict) else slurm
+    slurm = section.get("slurm") or {}  # a mapping: `eval_errors` checked
+    if set(slurm) - SLURM_KEYS:
+        extra = sorted(set(slurm) - SLURM_KEYS)
         yield f"`lighteval.slurm` has unknown key(s) {extra}; known: {sorted(SLURM_KEYS)}"
         return
     gpus, n = slurm.get("gpus_per_node"), ranks[0] * ranks[1] * ranks[2]

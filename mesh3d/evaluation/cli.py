@@ -11,7 +11,7 @@ and scores a slice of every batch) and scored (`scorer.Scorer`: log-likelihoods,
 log-likelihoods, greedy generations) through one of two engines:
 
 - `--engine lm-eval` (the default), lm-evaluation-harness (`lm_eval_model.Mesh3dLM`):
-  `--custom-tasks` is its include path (a folder of task YAMLs or one YAML); rank 0 writes
+  `--custom-tasks` is its include path (a folder of task YAMLs); rank 0 writes
   `results.json` and one `samples_<task>.jsonl` per task and prints lm-eval's table.
 - `--engine lighteval` (`lighteval_model.Mesh3dLightevalModel`, `lighteval_run.py`): tasks in
   lighteval's or Nanotron's syntax (`hellaswag`, `hellaswag|0`, `lighteval|hellaswag|0|1`),
@@ -20,9 +20,10 @@ log-likelihoods, greedy generations) through one of two engines:
   details parquet files and prints its table.
 
 A task over local files needs no network with either engine. Checked before the model is built:
-the checkpoint, its tokenizer, the engine being installed, every task name (the nearest names
-listed), the custom-task path, lm-eval's task data (a task whose data cannot be downloaded is
-named); one line each, exit 2.
+the numbers and degrees given, the output folder, the checkpoint, its tokenizer, the engine being
+installed, every task name (the nearest names listed), the custom-task path (a YAML that does not
+parse, a .py that does not import), lm-eval's task data (a task whose data cannot be downloaded is
+named); more few-shot examples than a task has when they are drawn; one line each, exit 2.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from mesh3d.errors import UserError, exit_on_user_error
+from mesh3d.errors import UserError, exit_on_user_error, unwritable
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--engine", choices=("lm-eval", "lighteval"), default="lm-eval",
                     help="the evaluation engine (default lm-eval)")  # fmt: skip
     ap.add_argument("--custom-tasks",
-                    help="lm-eval: include path (a folder of task YAMLs, or one); lighteval: its "
+                    help="lm-eval: include path (a folder of task YAMLs); lighteval: its "
                          "custom-task file (a .py with TASKS_TABLE)")  # fmt: skip
     ap.add_argument("--output-dir", default="evals", help="where results go (default ./evals)")
     ap.add_argument("--max-samples", type=int, help="score at most N samples of each task")
@@ -69,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _degrees(args, world: int) -> tuple[int, int, int]:
+    for flag in ("dp", "tp", "pp"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UserError(f"--{flag} {getattr(args, flag)} must be >= 1 (a parallel degree)")
     pp, dp = args.pp, args.dp
     tp = args.tp if args.tp is not None else max(world // max(pp * dp, 1), 1)
     if tp < 1 or pp < 1 or dp < 1 or dp * tp * pp != world:
@@ -95,9 +99,10 @@ def _lm_eval():
 
 def check_tasks(tasks: list[str], custom: str | None):
     """lm-eval's task manager for `custom` (an include path), refusing unknown task names."""
-    if custom is not None and not Path(custom).exists():
-        raise UserError(f"--custom-tasks {custom} does not exist; give a folder of task YAMLs "
-                        "or one YAML file (lm-eval's include path)")  # fmt: skip
+    if custom is not None and not Path(custom).is_dir():
+        what = "is a file" if Path(custom).exists() else "does not exist"
+        raise UserError(f"--custom-tasks {custom} {what}; give a folder of task YAMLs (lm-eval's "
+                        "include path: every *.yaml under it is read)")  # fmt: skip
     TaskManager = _lm_eval()  # noqa: N806
     if custom:  # the custom tasks alone when they hold every task: no index of lm-eval's ~10k
         manager = TaskManager(include_path=custom, include_defaults=False)
@@ -110,9 +115,30 @@ def check_tasks(tasks: list[str], custom: str | None):
         if task not in known:
             near = difflib.get_close_matches(task, known, n=5)
             hint = f"; nearest: {', '.join(near)}" if near else ""
+            if "|" in task:
+                hint += "; suite|task|shots strings are lighteval's: add --engine lighteval"
             where = f" in lm-eval's tasks or {custom}" if custom else " in lm-eval's tasks"
-            raise UserError(f"--tasks: no task {task!r}{where}{hint}")
+            raise UserError(f"--tasks: no task {task!r}{where}{hint}{_unparsed(custom)}")
     return manager
+
+
+def _unparsed(custom: str | None) -> str:
+    """The hint naming the first task YAML under `custom` that does not parse ("" if none);
+    lm-eval's own tags (`!function ...`) are taken as they come."""
+    import yaml
+
+    class AnyTag(yaml.SafeLoader):
+        pass
+
+    AnyTag.add_multi_constructor("!", lambda loader, suffix, node: None)
+    for path in sorted(Path(custom).glob("**/*.yaml")) if custom else ():
+        try:
+            yaml.load(path.read_text(encoding="utf-8"), Loader=AnyTag)  # noqa: S506 - safe + tags
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f", line {mark.line + 1}" if mark else ""
+            return f"; {path}{at} did not parse ({str(e).splitlines()[0]})"
+    return ""
 
 
 def load_tasks(manager, tasks: list[str]) -> list:
@@ -144,6 +170,22 @@ def hf_tokenizer(step: Path, flag: str | None):
 
     path, _ = find_tokenizer(step, flag)
     return tokenizer_as_exported(Path(path), read_model_config_json(step))
+
+
+def check_tokenizer(flag: str) -> None:
+    """Refuse a `--tokenizer` that is not a tokenizer.json or a folder holding one."""
+    path = Path(flag)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        what = f"holds no {file.name}" if path.is_dir() else "does not exist"
+        raise UserError(f"--tokenizer {flag} {what}; give a tokenizer.json or a folder holding one")
+    try:
+        ok = "model" in json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, TypeError):  # not JSON, or JSON but not an object
+        ok = False
+    if not ok:
+        raise UserError(f"--tokenizer {file} is not a tokenizer.json (a JSON object with a "
+                        "`model`, as `tokenizers` saves it); give one or a folder holding one")  # fmt: skip
 
 
 def tokenizer_as_exported(src: Path, mc):
@@ -195,19 +237,26 @@ def _scorer(step: Path, args, tp: int, pp: int, dp: int):
         )
     from mesh3d.evaluation.scorer import Scorer
     from mesh3d.generation.parallel import load_parallel_model
-    from mesh3d.generation.single import saved_config
 
-    length = args.max_length or int((saved_config(step).get("tokens") or {}).get(
-        "sequence_length") or 2048)  # fmt: skip
+    length = _max_length(step, args)
     per = max(1, -(-args.batch_size // dp))  # sequences a replica's forward takes
     return tokenizer, Scorer(load_parallel_model(step, tp, pp, per, length, args.device, dp))
+
+
+def _max_length(step: Path, args) -> int:
+    """--max-length, else the checkpoint's tokens.sequence_length (2048 when it has none)."""
+    from mesh3d.generation.single import saved_config
+
+    if args.max_length is not None:
+        return args.max_length
+    return int((saved_config(step).get("tokens") or {}).get("sequence_length") or 2048)
 
 
 def evaluate(step: Path, args, tp: int, pp: int, dp: int = 1) -> dict | None:
     """lm-eval's results of `args.tasks` on `step` at dp x tp x pp: every rank calls it and runs
     the same requests (each dp replica scores its slice of every batch); lm-eval returns the
     results on rank 0 (LOCAL_RANK 0), None elsewhere."""
-    tasks = [t for t in args.tasks.split(",") if t]
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     manager = check_tasks(tasks, args.custom_tasks)
     loaded = load_tasks(manager, tasks)
     tokenizer, scorer = _scorer(step, args, tp, pp, dp)
@@ -216,10 +265,16 @@ def evaluate(step: Path, args, tp: int, pp: int, dp: int = 1) -> dict | None:
     from mesh3d.evaluation.lm_eval_model import Mesh3dLM
 
     chat = getattr(args, "apply_chat_template", False)
-    return simple_evaluate(model=Mesh3dLM(scorer, tokenizer), tasks=loaded,
-                           num_fewshot=args.num_fewshot, limit=args.max_samples,
-                           task_manager=manager, log_samples=True, batch_size=args.batch_size,
-                           apply_chat_template=chat)  # fmt: skip
+    try:  # the few-shot examples are drawn before any request is scored
+        return simple_evaluate(model=Mesh3dLM(scorer, tokenizer), tasks=loaded,
+                               num_fewshot=args.num_fewshot, limit=args.max_samples,
+                               task_manager=manager, log_samples=True,
+                               batch_size=args.batch_size, apply_chat_template=chat)  # fmt: skip
+    except ValueError as e:
+        if not str(e).startswith("Sample larger than population"):
+            raise
+        raise UserError(f"--num-fewshot {args.num_fewshot} is more than a task of --tasks "
+                        f"{args.tasks} has examples to draw; lower it") from None  # fmt: skip
 
 
 def evaluate_lighteval(step: Path, args, tp: int, pp: int, dp: int = 1, output: Path | None = None):
@@ -240,6 +295,20 @@ def evaluate_lighteval(step: Path, args, tp: int, pp: int, dp: int = 1, output: 
     return run_lighteval(model, specs, configs, output, args.max_samples)
 
 
+def _check_sizes(args, length: int, dp: int) -> None:
+    """Refuse a --batch-size x --max-length that the model's config check would refuse as
+    `tokens.micro_batch_size` or `tokens.sequence_length`, naming the flags instead."""
+    from mesh3d.checks.size_checks import MAX_SIZE, MAX_STEP_TOKENS
+
+    if length > MAX_SIZE:
+        raise UserError(f"--max-length {length} is more than {MAX_SIZE} (2**31 - 1); lower it")
+    tokens = max(1, -(-args.batch_size // dp)) * dp * length
+    if tokens > MAX_STEP_TOKENS:
+        raise UserError(f"--batch-size {args.batch_size} x --max-length {length} is {tokens} "
+                        f"tokens a forward, more than {MAX_STEP_TOKENS} (2**34); lower "
+                        "--batch-size (or --max-length)")  # fmt: skip
+
+
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
@@ -253,11 +322,23 @@ def main(argv: list[str] | None = None) -> None:
                         "(e.g. --tasks hellaswag,arc_easy)")  # fmt: skip
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp, tp, pp = _degrees(args, world)
-    if args.batch_size < 1 or (args.max_samples is not None and args.max_samples < 1):
-        raise UserError("--batch-size and --max-samples must be >= 1")
+    for flag, least in (("batch_size", 1), ("max_samples", 1), ("max_length", 1),
+                        ("num_fewshot", 0)):  # fmt: skip
+        value = getattr(args, flag)
+        if value is not None and value < least:
+            raise UserError(f"--{flag.replace('_', '-')} {value} must be >= {least}")
     step = weights_dir(args.checkpoint, "checkpoint")
+    _check_sizes(args, _max_length(step, args), dp)
+    if args.tokenizer:
+        check_tokenizer(args.tokenizer)
     started = dist.is_initialized()
     out = Path(args.output_dir)
+    try:  # before the evaluation, not after it
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise unwritable("--output-dir", out, e) from None
     if args.engine == "lighteval":
         results = evaluate_lighteval(step, args, tp, pp, dp, out)
     else:

@@ -129,27 +129,47 @@ def _configs_of(module) -> dict:
     return {c.name: c for c in getattr(module, "TASKS_TABLE", [])}
 
 
+def check_custom_file(path: str) -> None:
+    """Refuse a `--custom-tasks` that is not a .py file."""
+    file = Path(path)
+    if file.is_file() and file.suffix == ".py":
+        return
+    what = ("is a folder" if file.is_dir() else "is not a .py file" if file.exists()
+            else "does not exist")  # fmt: skip
+    raise UserError(f"--custom-tasks {path} {what}; give lighteval's custom-task file (a "
+                    "Python file with TASKS_TABLE)")  # fmt: skip
+
+
 def custom_module(path: str):
     """The custom-task file `path` imported (its `TASKS_TABLE` of `LightevalTaskConfig`s)."""
+    from lighteval.tasks.lighteval_task import LightevalTaskConfig
+
+    check_custom_file(path)
     file = Path(path)
-    if not file.is_file() or file.suffix != ".py":
-        raise UserError(f"--custom-tasks {path} does not exist or is not a .py file; give "
-                        "lighteval's custom-task file (a Python file with TASKS_TABLE)")  # fmt: skip
     spec = importlib.util.spec_from_file_location(f"mesh3d_custom_tasks_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not isinstance(getattr(module, "TASKS_TABLE", None), list | tuple):
-        raise UserError(f"--custom-tasks {path} has no TASKS_TABLE (a list of "
-                        "LightevalTaskConfig)")  # fmt: skip
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UserError(f"--custom-tasks {path}, line {e.lineno}: a syntax error ({e.msg}); "
+                        "fix the file") from None  # fmt: skip
+    except Exception as e:  # noqa: BLE001 -- whatever the user's file raised, as one line
+        raise UserError(f"--custom-tasks {path} failed to import ({type(e).__name__}: {e}); "
+                        "fix the file or install what it imports") from None  # fmt: skip
+    table = getattr(module, "TASKS_TABLE", None)
+    if not isinstance(table, list | tuple) or not all(
+        isinstance(c, LightevalTaskConfig) for c in table
+    ):
+        raise UserError(f"--custom-tasks {path}: its TASKS_TABLE must be a list of "
+                        f"LightevalTaskConfig, got {table!r:.80}")  # fmt: skip
     return module
 
 
 def task_configs(specs: list[tuple[str, int]], custom: str | None) -> dict:
     """{name: LightevalTaskConfig} of the custom file and of the built-in modules that hold the
     requested names; an unknown name is refused with the nearest known ones."""
-    if custom is not None and not Path(custom).is_file():
-        raise UserError(f"--custom-tasks {custom} does not exist; give lighteval's custom-task "
-                        "file (a Python file with TASKS_TABLE)")  # fmt: skip
+    if custom is not None:
+        check_custom_file(custom)
     _lighteval()
     configs = _configs_of(custom_module(custom)) if custom else {}
     for name, _ in specs:

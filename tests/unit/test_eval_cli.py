@@ -28,6 +28,12 @@ def root(tmp_path_factory):
     return root
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """`--output-dir evals` (the default) is created before the task checks: not in the repo."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _refused(*argv: str) -> str:
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
@@ -66,6 +72,64 @@ def test_layout_engine_and_numbers_are_checked_first(root):
     )
     assert ">= 1" in _refused(step, "--tasks", "x", "--batch-size", "0")
     assert "does not exist" in _refused(str(root / "missing"), "--tasks", "x")
+
+
+# (flags after CHECKPOINT --tasks tiny_mc --custom-tasks TASKS, what the line says); {root}
+# is the fixture's folder
+BAD_FLAGS = [
+    (["--num-fewshot", "-1"], "--num-fewshot -1 must be >= 0"),
+    (["--max-length", "0"], "--max-length 0 must be >= 1"),
+    (["--max-length", "-5"], "--max-length -5 must be >= 1"),
+    (["--max-samples", "0"], "--max-samples 0 must be >= 1"),
+    (["--batch-size", "100000000000"], "--batch-size 100000000000 x --max-length 2048 is"),
+    (["--max-length", "3000000000"], "--max-length 3000000000 is more than 2147483647"),
+    (["--dp", "0"], "--dp 0 must be >= 1"),
+    (["--pp", "0"], "--pp 0 must be >= 1"),
+    (["--tp", "0"], "--tp 0 must be >= 1"),
+    (["--tp", "-1"], "--tp -1 must be >= 1"),
+    (["--output-dir", "{root}/tasks/tiny_mc.yaml"], "a file is where a folder is needed"),
+    (["--output-dir", "/proc/x"], "`--output-dir` /proc/x: cannot write there"),
+    (["--tokenizer", "/nonexist"], "--tokenizer /nonexist does not exist"),
+    (["--tokenizer", "{root}/tasks"], "--tokenizer {root}/tasks holds no tokenizer.json"),
+    (["--tokenizer", "{root}/tasks/tiny_mc.yaml"], "tiny_mc.yaml is not a tokenizer.json"),
+    (["--custom-tasks", "{root}/tasks/tiny_mc.yaml"], "tiny_mc.yaml is a file; give a folder"),
+    (["--tasks", "custom|tiny_mc|0|1"], "are lighteval's: add --engine lighteval"),
+    (["--tasks", "tiny_mc, tiny_mcq"], "no task 'tiny_mcq'"),  # spaces stripped
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "flags, says", BAD_FLAGS, ids=lambda x: " ".join(x) if isinstance(x, list) else ""
+)
+def test_bad_flags_are_refused_by_name_before_the_evaluation(root, flags, says):
+    flags = [f.replace("{root}", str(root)) for f in flags]
+    line = _refused(str(root / "ck" / "3"), "--tasks", "tiny_mc", "--custom-tasks",
+                    str(root / "tasks"), *flags)  # fmt: skip
+    assert says.replace("{root}", str(root)) in line, line
+
+
+def test_a_task_yaml_that_does_not_parse_is_named(root, tmp_path):
+    (tmp_path / "tiny_mc.yaml").write_text((root / "tasks" / "tiny_mc.yaml").read_text())
+    (tmp_path / "broken.yaml").write_text("task: broken\n  x: [\n")
+    line = _refused(str(root / "ck" / "3"), "--tasks", "broken", "--custom-tasks", str(tmp_path))
+    assert f"{tmp_path / 'broken.yaml'}, line 2 did not parse" in line, line
+
+
+def test_more_few_shot_examples_than_a_task_has_is_one_line(root, monkeypatch):
+    from types import SimpleNamespace
+
+    from transformers import PreTrainedTokenizerFast
+
+    from mesh3d.evaluation import cli as eval_cli
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(root / "tok" / "tokenizer.json"))
+    tok.eos_token = tok.convert_ids_to_tokens(0)
+    # the examples are drawn before any request reaches the model
+    monkeypatch.setattr(eval_cli, "_scorer", lambda *a: (tok, SimpleNamespace(length=64)))
+    line = _refused(str(root / "ck" / "3"), "--tasks", "tiny_mc", "--custom-tasks",
+                    str(root / "tasks"), "--num-fewshot", "100000", "--max-samples", "1",
+                    "--output-dir", str(root / "out"))  # fmt: skip
+    assert "--num-fewshot 100000 is more than a task of --tasks tiny_mc has" in line, line
 
 
 # --- the lighteval: section ---------------------------------------------------------------
@@ -133,6 +197,21 @@ def test_a_section_mesh3d_cannot_run_is_refused_with_the_fix():
                for e in _errors(NANOTRON_SECTION, "parallelism.context_parallel_size=2"))  # fmt: skip
     assert any("`mesh3d.eval_failure` 'halt'" in e
                for e in _errors(NANOTRON_SECTION, "mesh3d.eval_failure=halt"))  # fmt: skip
+
+
+@pytest.mark.parametrize("override, says", [
+    ("lighteval.tasks.max_samples=abc", "`lighteval.tasks.max_samples` must be an integer >= 1 or null, got 'abc'"),
+    ("lighteval.tasks.max_samples=0", "`lighteval.tasks.max_samples` must be an integer >= 1 or null, got 0"),
+    ("lighteval.logging=5", "`lighteval.logging` must be a mapping (or null), got 5"),
+    ("lighteval.slurm=[1]", "`lighteval.slurm` must be a mapping (or null), got [1]"),
+    ("lighteval.parallelism=2", "`lighteval.parallelism` must be a mapping (or null), got 2"),
+    ("lighteval.tasks.tasks=custom|tiny_mc|five|0", "the few-shot count of 'custom|tiny_mc|five|0' is 'five', not a number"),
+])  # fmt: skip
+def test_a_bad_lighteval_value_is_refused_by_its_key(override, says):
+    errors = _errors(NANOTRON_SECTION, override)
+    assert any(says in e for e in errors), errors
+    slurm = _errors(NANOTRON_SECTION, override, "mesh3d.eval_mode=slurm_job")  # no traceback
+    assert any(says in e for e in slurm), slurm
 
 
 def test_lighteval_task_strings_map_to_lm_eval_tasks():

@@ -32,6 +32,12 @@ def root(tmp_path_factory):
     return root
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """`--output-dir evals` (the default) is created before the task checks: not in the repo."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _refused(*argv: str) -> str:
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
@@ -62,3 +68,33 @@ def test_a_missing_custom_task_file_is_named(root):
     line = _refused(str(root / "ck" / "3"), "--tasks", "tiny_mc", "--custom-tasks",
                     str(root / "nope.py"))  # fmt: skip
     assert f"--custom-tasks {root / 'nope.py'} does not exist" in line, line
+
+
+# (the custom-task file's text, or None for a folder; what the line says)
+BAD_CUSTOM_TASKS = [
+    (None, "is a folder; give lighteval's custom-task file"),
+    ("TASKS_TABLE = [\n", "custom.py, line 1: a syntax error"),
+    ("import no_such_module_here\n", "custom.py failed to import (ModuleNotFoundError: No module"),
+    ("TASKS_TABLE = [5]\n", "custom.py: its TASKS_TABLE must be a list of LightevalTaskConfig, got [5]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text, says", BAD_CUSTOM_TASKS)
+def test_a_bad_custom_task_file_is_one_line_naming_it(root, tmp_path, text, says):
+    path = tmp_path / "custom.py"
+    if text is None:
+        path.mkdir()
+    else:
+        path.write_text(text)
+    line = _refused(str(root / "ck" / "3"), "--tasks", "tiny_mc", "--custom-tasks", str(path))
+    assert f"--custom-tasks {path}" in line and says in line, line
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--num-fewshot", "-1"], "--num-fewshot -1 must be >= 0"),
+    (["--output-dir", "/proc/x"], "`--output-dir` /proc/x: cannot write there"),
+])  # fmt: skip
+def test_bad_flags_are_refused_before_the_evaluation(root, flags, says):
+    custom = str(root / "lighteval_tasks.py")
+    line = _refused(str(root / "ck" / "3"), "--tasks", "tiny_mc", "--custom-tasks", custom, *flags)
+    assert says in line, line
