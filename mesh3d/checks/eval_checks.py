@@ -118,6 +118,10 @@ def eval_errors(cfg) -> Iterator[str]:
             lm_eval_tasks(tasks["tasks"])
         except ConfigError as e:
             yield str(e)
+        custom = tasks.get("custom_tasks")
+        if custom is not None and mode == "in_run" and not Path(str(custom)).exists():
+            yield (f"`lighteval.tasks.custom_tasks` {custom} does not exist; give a folder of "
+                   "lm-eval task YAMLs, or lighteval's custom-task .py (eval_engine: lighteval)")  # fmt: skip
     not_mappings = [k for k in ("logging", "slurm", "parallelism")
                     if section.get(k) is not None and not isinstance(section[k], dict)]  # fmt: skip
     for key in not_mappings:

@@ -187,6 +187,17 @@ def _numbers(results: dict) -> dict[str, float]:
     return out
 
 
+AS_KEYS = {"--custom-tasks": "`lighteval.tasks.custom_tasks`", "--tasks": "`lighteval.tasks.tasks`",
+           "add --engine lighteval": "set mesh3d.eval_engine: lighteval"}  # fmt: skip
+
+
+def _as_keys(message: str) -> str:
+    """A `mesh3d eval` message about its flags, in the words of the `lighteval:` section."""
+    for flag, key in AS_KEYS.items():
+        message = message.replace(flag, key)
+    return message
+
+
 class InRunEvaluation:
     """The `lighteval:` section of a run, checked when the run starts (every rank alike: task
     names, tokenizer, the engine installed) and run by `after_save`."""
@@ -199,16 +210,19 @@ class InRunEvaluation:
         tasks = section["tasks"]
         custom = tasks.get("custom_tasks")
         self.lighteval = cfg.mesh3d.eval_engine == "lighteval"
-        if self.lighteval:
-            from mesh3d.evaluation.lighteval_tasks import task_configs, task_specs
+        try:
+            if self.lighteval:
+                from mesh3d.evaluation.lighteval_tasks import task_configs, task_specs
 
-            self.specs = task_specs(tasks["tasks"])
-            self.configs = task_configs(self.specs, custom)
-        else:
-            self.groups: dict[int | None, list[str]] = {}
-            for task, shots in lm_eval_tasks(tasks["tasks"]):
-                self.groups.setdefault(shots, []).append(task)
-            self.manager = check_tasks([t for g in self.groups.values() for t in g], custom)
+                self.specs = task_specs(tasks["tasks"])
+                self.configs = task_configs(self.specs, custom)
+            else:
+                self.groups: dict[int | None, list[str]] = {}
+                for task, shots in lm_eval_tasks(tasks["tasks"]):
+                    self.groups.setdefault(shots, []).append(task)
+                self.manager = check_tasks([t for g in self.groups.values() for t in g], custom)
+        except UserError as e:  # the checks are `mesh3d eval`'s: name the config's keys
+            raise UserError(_as_keys(str(e))) from None
         self.max_samples = tasks.get("max_samples")
         self.batch_size = section.get("batch_size") or 8
         self.interval = eval_interval(cfg)

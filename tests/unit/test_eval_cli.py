@@ -241,3 +241,38 @@ def test_a_chat_task_with_a_tokenizer_without_a_chat_template_is_refused(root, t
     assert "--apply-chat-template: the tokenizer of" in line and "has no chat template" in line, (
         line
     )
+
+
+def _config(section: str):
+    import copy
+
+    import yaml
+    from parity import TINY
+
+    from mesh3d.config import config_from_dict
+
+    d = copy.deepcopy(TINY) | yaml.safe_load(section)
+    d.setdefault("checkpoints", {"checkpoints_path": "ck", "checkpoint_interval": 10})
+    return config_from_dict(d)
+
+
+@pytest.mark.parametrize("engine", ["lm-eval", "lighteval"])
+def test_a_run_names_the_lighteval_keys_not_the_eval_commands_flags(root, tmp_path, engine):
+    """A run's `lighteval:` section was refused in `mesh3d eval`'s words (`--tasks: no task`,
+    `--custom-tasks ... is a folder`)."""
+    from mesh3d.errors import UserError
+    from mesh3d.evaluation.in_run import InRunEvaluation
+
+    section = f"lighteval: {{tasks: {{tasks: tiny_mcq, custom_tasks: {root / 'tasks'}}}}}"
+    cfg = _config(section + f"\nmesh3d: {{eval_engine: {engine}}}")
+    with pytest.raises(UserError) as e:
+        InRunEvaluation(cfg, tmp_path)
+    says = {"lm-eval": "`lighteval.tasks.tasks`: no task 'tiny_mcq' in lm-eval's tasks or",
+            "lighteval": f"`lighteval.tasks.custom_tasks` {root / 'tasks'} is a folder"}  # fmt: skip
+    assert says[engine] in str(e.value) and "--" not in str(e.value), str(e.value)
+
+
+def test_a_missing_custom_tasks_path_fails_the_config_check(tmp_path):
+    """`mesh3d config` passed it; the run refused it only once started."""
+    errors = _errors(f"lighteval: {{tasks: {{tasks: tiny_mc, custom_tasks: {tmp_path / 'no'}}}}}")
+    assert f"`lighteval.tasks.custom_tasks` {tmp_path / 'no'} does not exist" in errors[0], errors
