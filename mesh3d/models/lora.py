@@ -160,9 +160,11 @@ def plan_errors(args, spec, shape) -> Iterator[str]:
     chosen = {m: v for m, v in found.items() if _matches(m, targets)}
     names = sorted({m.split(".", 2)[2] for m in found})
     if not chosen:
+        how = (" (a string is a regular expression over the whole module name, as in peft: "
+               f"write a list, e.g. [{targets}], to name projections)") if isinstance(targets, str) else ""  # fmt: skip
         yield (
             f"`{KEY}.target_modules` {targets!r} matches no projection of this "
-            f'{spec.family} model; it can adapt: {", ".join(names)} (or "{ALL_LINEAR}")'
+            f'{spec.family} model{how}; it can adapt: {", ".join(names)} (or "{ALL_LINEAR}")'
         )
         return
     if isinstance(targets, list):

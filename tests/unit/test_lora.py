@@ -114,6 +114,7 @@ def test_plan_counts_adapters_only_for_gradients_and_optimizer():
     "override, words",
     [
         ("mesh3d.lora={target_modules: [qkv]}", ["`mesh3d.lora.target_modules`", "matches no projection", "q_proj"]),
+        ("mesh3d.lora={target_modules: q_proj}", ["'q_proj' matches no projection", "a regular expression over the whole module name", "e.g. [q_proj]"]),
         ("mesh3d.lora={target_modules: [q_proj, c_fc]}", ["entries ['c_fc'] match no projection"]),
         ("mesh3d.lora={target_modules: 'layers\\.(9'}", ["not a valid regular expression"]),
         ("mesh3d.lora={r: 200, target_modules: [q_proj]}", ["`mesh3d.lora.r` 200 is larger than", "64 x 64", "r <= 64"]),
