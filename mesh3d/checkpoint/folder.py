@@ -182,11 +182,12 @@ def read_manifest(step_dir: Path) -> dict[str, dict] | None:
         raise UserError(f"{path} is damaged ({e!r}); the checkpoint cannot be verified") from None
 
 
-def verify(step_dir: Path, rank: int = 0, world: int = 1) -> list[str]:
-    """Problems with this rank's share of the manifest's files (every `world`-th from `rank`),
-    one message each; [] when all match or there is no manifest."""
-    problems = []
-    for rel, want in sorted((read_manifest(step_dir) or {}).items())[rank::world]:
+def verify(step_dir: Path, rank: int = 0, world: int = 1, skip: tuple[str, ...] = ()) -> list[str]:
+    """Problems with this rank's share of the manifest's files (every `world`-th from `rank`;
+    none under the folders `skip` names: not read), one message each; [] when all match or
+    there is no manifest."""
+    problems, files = [], read_manifest(step_dir) or {}
+    for rel, want in sorted(x for x in files.items() if not x[0].startswith(skip))[rank::world]:
         path = step_dir / rel
         if not path.is_file():
             problems.append(f"{path} is missing (listed in {MANIFEST})")

@@ -301,10 +301,11 @@ def _load_scheduler(step_dir: Path, scheduler, optimizer, layout: RunLayout) -> 
     set_scheduler_position(scheduler, k + 1, lrs)
 
 
-def verify_everywhere(step_dir: Path, meta: dict, unverified_ok: bool = False) -> None:
-    """Check the manifest's checksums, the files spread over the ranks; every rank raises the
-    same `UserError`. Without a manifest: passes when Nanotron wrote the folder, else refused
-    unless `unverified_ok`."""
+def verify_everywhere(step_dir: Path, meta: dict, unverified_ok: bool = False,
+                      skip: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """Check the manifest's checksums (but of the folders `skip` names: not loaded), the files
+    spread over the ranks; every rank raises the same `UserError`. Without a manifest: passes
+    when Nanotron wrote the folder, else refused unless `unverified_ok`."""
     if not (step_dir / MANIFEST).is_file():
         if (meta.get("custom_metas") or {}).get("writer") != "mesh3d":
             logger.info(f"{step_dir} has no {MANIFEST} (written by Nanotron?): not verified")
@@ -319,7 +320,7 @@ def verify_everywhere(step_dir: Path, meta: dict, unverified_ok: bool = False) -
                 "mesh3d.load_without_manifest=true to load it unverified"
             ))  # fmt: skip
         return
-    problems = [p for ps in _everyone(verify(step_dir, *_rank_world())) for p in ps]
+    problems = [p for ps in _everyone(verify(step_dir, *_rank_world(), skip)) for p in ps]
     if problems:
         raise on_every_rank(damaged_error(step_dir, problems))
 
@@ -349,7 +350,8 @@ def load_checkpoint(path: str | Path, parts, optimizer, scheduler, cfg, *, layou
     (last_train_step, consumed_train_samples); (0, 0) without `load_lr_scheduler`, as Nanotron."""
     step_dir = resolve_step_dir(path)
     meta = read_metadata(step_dir)
-    verify_everywhere(step_dir, meta, cfg.mesh3d.load_without_manifest)
+    unread = ("optimizer/",) * (not load_optimizer) + ("lr_scheduler/",) * (not load_lr_scheduler)
+    verify_everywhere(step_dir, meta, cfg.mesh3d.load_without_manifest, unread)
     custom = meta.get("custom_metas") or {}
     saved_lora = custom.get("lora")
     if saved_lora is not None or layout.lora is not None:  # the same adapters and base

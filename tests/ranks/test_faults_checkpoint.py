@@ -307,6 +307,24 @@ def test_flipped_bytes_are_found_and_named(saved, tmp_path):
         assert (root / "latest.txt").read_text() == "4"
 
 
+def test_load_optimizer_false_loads_a_step_whose_optimizer_files_are_gone(saved, tmp_path):
+    """optimizer/ deleted (to save space, or lost): `checkpoints.load_optimizer: false`, the
+    setting that reads no optimizer file, was refused by the manifest check all the same. Now
+    the files a load does not read are not checked; without the setting it is still refused."""
+    kept, dropped = _copy(saved, tmp_path / "kept"), _copy(saved, tmp_path / "dropped")
+    for root in (kept, dropped):
+        shutil.rmtree(root / "4" / "optimizer")
+    resume = "mesh3d.existing_checkpoints=resume"
+    runs = [
+        _ckpt(kept, 6, 2, resume),
+        _ckpt(dropped, 6, 2, resume, "checkpoints.load_optimizer=false"),
+    ]
+    r_kept, r_dropped = run_ranks(1, attempt, runs, timeout=120)[0]
+    assert r_kept["error"] == "UserError" and "failed verification" in r_kept["message"]
+    assert "optimizer" in r_kept["message"] and "is missing" in r_kept["message"]
+    assert len(r_dropped["loss"]) == 2 and (dropped / "latest.txt").read_text() == "6"
+
+
 def test_a_mesh3d_checkpoint_without_its_manifest_is_refused(saved, tmp_path):
     """mesh3d_manifest.json deleted from a checkpoint whose metadata says mesh3d wrote it: it
     loaded unverified (one INFO line) and trained on 16 flipped bytes of a weight (loss 5.5591
