@@ -1,5 +1,6 @@
 """What a resumed run logs about the checkpoint it resumed from: what differs (layout, global
-batch, learning-rate schedule). Loaded only when a run resumes."""
+batch, learning-rate schedule), and the changes it refuses: data stages that would not go on
+from the sample the checkpoint reached. Loaded only when a run resumes."""
 
 from __future__ import annotations
 
@@ -9,17 +10,22 @@ import yaml
 
 from mesh3d.checkpoint.load import read_metadata
 from mesh3d.checkpoint.training import resolve_step_dir
-from mesh3d.config.derive import global_batch_size
+from mesh3d.config.derive import global_batch_size, stage_sequence_length
+from mesh3d.data.stages import stage_consumption
+from mesh3d.errors import UserError, on_every_rank
 
 _SCHEDULE_KEYS = ("lr_warmup_steps", "lr_decay_steps", "lr_decay_starting_step")
 
 
-def resume_change(path: str | Path, cfg, dims) -> str:
-    """What differs between the checkpoint at `path` and the run `cfg` resuming it, for the
-    resume line: its layout (the random states are then not restored), its global batch and
-    its learning-rate schedule's steps (from the config.yaml saved with it); "" when none."""
-    step_dir = resolve_step_dir(path)
+def resume_change(path: str | Path, cfg, layout, start: int) -> str:
+    """What differs between the checkpoint at `path` (at step `start`) and the run `cfg`
+    resuming it, for the resume line: its layout (the random states are then not restored),
+    its global batch and its learning-rate schedule's steps (from the config.yaml saved with
+    it); "" when none. A `UserError` when the data would not go on where it stopped
+    (`check_data_position`)."""
+    step_dir, dims = resolve_step_dir(path), layout.dims
     meta = read_metadata(step_dir)
+    check_data_position(step_dir, meta, cfg, start, layout.global_batch)
     saved = {"dp": meta["dp"], "tp": meta["tp"], "pp": (meta.get("custom_metas") or {}).get("pp"),
              "cp": meta.get("cp", 1)}  # fmt: skip
     now = {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp}
@@ -45,3 +51,42 @@ def resume_change(path: str | Path, cfg, dims) -> str:
                      "tokens.train_steps unless set), so the learning rate moves from where it "
                      f"was; keep the old schedule with {keep}")  # fmt: skip
     return "; ".join(notes)
+
+
+def check_data_position(step_dir: Path, meta: dict, cfg, start: int, gbs: int) -> None:
+    """Refuse a run whose data stages would not go on from the samples the checkpoint reached:
+    a stage's samples are read by position (its steps x the global batch `gbs`, at its sequence
+    length), so through step `start` each stage must have consumed what the checkpoint's
+    metadata says, at the length it says. Streamed data keeps its own positions: not checked."""
+    saved = (meta.get("metas") or {}).get("data_stages") or []
+    stages = cfg.data_stages or []
+    if not saved or not start or cfg.mesh3d.hf_streaming:
+        return
+    counts = stage_consumption([s.start_training_step for s in stages], start, gbs)
+    old_gbs = int((meta.get("metas") or {}).get("consumed_train_samples") or 0) // start
+    for i in range(max(len(saved), len(stages))):
+        was = saved[i] if i < len(saved) else {}
+        had, has = int(was.get("consumed_train_samples") or 0), counts[i] if i < len(stages) else 0
+        name = was.get("name") or stages[i].name
+        if had != has:
+            batch = f" (it was {old_gbs}, now {gbs})" if old_gbs and old_gbs != gbs else ""
+            per = cfg.parallelism.dp * cfg.tokens.micro_batch_size
+            if batch and old_gbs % per == 0:
+                batch += f", e.g. tokens.batch_accumulation_per_replica={old_gbs // per}"
+            raise on_every_rank(UserError(
+                f"checkpoint {step_dir} consumed {had} samples of data stage {i} ({name!r}) in its "
+                f"{start} steps, and this config would have consumed {has}: the stage would go on "
+                "from another sample (a stage's samples are read by step x global batch), "
+                "training some twice or skipping some. Keep the checkpoint's global batch "
+                f"(dp x micro_batch_size x batch_accumulation_per_replica){batch} and its data "
+                "stages' start_training_step, or start a fresh run from its weights "
+                f"(model.init_method: {{path: {step_dir}}})"
+            ))  # fmt: skip
+        length = stage_sequence_length(cfg, stages[i]) if i < len(stages) else None
+        if had and was.get("sequence_length") not in (None, length):
+            raise on_every_rank(UserError(
+                f"checkpoint {step_dir} trained data stage {i} ({name!r}) at sequence_length "
+                f"{was['sequence_length']}, and this config says {length}: the stage's samples "
+                f"would be cut at other places. Keep {was['sequence_length']}, or train the new "
+                f"length in a new data stage from step {start + 1}"
+            ))  # fmt: skip

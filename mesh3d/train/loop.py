@@ -54,10 +54,10 @@ def _resume(run: Run, guard: RunGuard) -> tuple[int, int, str | None]:
             f"checkpoint {guard.resume_path} is at step {start}, past tokens.train_steps "
             f"({cfg.tokens.train_steps}): nothing to train. Raise tokens.train_steps to train on"
         )
-    guard.clear_stale_steps()  # overwrite: only now that the checkpoint loaded
     from mesh3d.checkpoint.resume_notes import resume_change  # a resumed run's only
 
-    change = resume_change(guard.resume_path, cfg, run.layout.dims)
+    change = resume_change(guard.resume_path, cfg, run.layout, start)  # or why it cannot go on
+    guard.clear_stale_steps()  # overwrite: only now that the checkpoint loaded
     logger.info(
         f"Resumed from {guard.resume_path} at step {start}" + (f": {change}" if change else "")
     )

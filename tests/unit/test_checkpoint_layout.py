@@ -4,6 +4,7 @@ the errors for damaged checkpoints."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -331,6 +332,7 @@ def test_the_resume_line_says_what_changed_since_the_checkpoint(tmp_path):
     at the same layout only) started fresh; a resume with tokens.train_steps raised moved the
     learning rate (lr_decay_steps follows it) without a word. The line now says all three."""
     import json
+    from types import SimpleNamespace
 
     from mesh3d.checkpoint.resume_notes import resume_change
     from mesh3d.config import DEFAULT_CONFIG, config_to_yaml, load_config
@@ -344,22 +346,62 @@ def test_the_resume_line_says_what_changed_since_the_checkpoint(tmp_path):
     (step / "checkpoint_metadata.json").write_text(json.dumps(
         {"dp": 1, "tp": 1, "cp": 1, "custom_metas": {"pp": 1}, "metas": metas, "version": "1.4"}))  # fmt: skip
     (step / "config.yaml").write_text(config_to_yaml(saved))
-    one = ParallelDims(dp=1, tp=1, pp=1)
-    assert resume_change(step, saved, one) == ""
+    one = SimpleNamespace(dims=ParallelDims(dp=1, tp=1, pp=1), global_batch=16)
+    two = SimpleNamespace(dims=ParallelDims(dp=2, tp=1, pp=1), global_batch=32)
+    assert resume_change(step, saved, one, 30) == ""
     at_dp2 = load_config(DEFAULT_CONFIG, [*batch, "tokens.train_steps=30", "parallelism.dp=2"])
-    moved = resume_change(step, at_dp2, ParallelDims(dp=2, tp=1, pp=1))
+    moved = resume_change(step, at_dp2, two, 30)
     assert moved == ("saved at dp1 tp1 pp1 cp1, now dp2 tp1 pp1 cp1: the weights and optimizer "
                      "are resharded, the random states start fresh (restored at the same layout "
                      "only); its global batch was 16 samples a step, now 32"), moved  # fmt: skip
     longer = resume_change(
-        step, load_config(DEFAULT_CONFIG, [*batch, "tokens.train_steps=50"]), one
+        step, load_config(DEFAULT_CONFIG, [*batch, "tokens.train_steps=50"]), one, 30
     )
     assert longer.startswith("its learning-rate schedule had lr_decay_steps 20 -> 40 ("), longer
     assert longer.endswith("keep the old schedule with optimizer.learning_rate_scheduler."
                            "lr_decay_steps=20"), longer  # fmt: skip
     (step / "config.yaml").unlink()  # written by another tool: no batch or schedule claimed
-    plain = resume_change(step, at_dp2, ParallelDims(dp=2, tp=1, pp=1))
+    plain = resume_change(step, at_dp2, two, 30)
     assert plain.endswith("(restored at the same layout only)"), plain
+
+
+@pytest.mark.parametrize("override, says", [
+    ("parallelism.dp=2", "consumed 480 samples of data stage 0 ('Stable Training Stage') in its 30 steps, and this config would have consumed 960"),
+    ("tokens.batch_accumulation_per_replica=1", "(it was 16, now 8), e.g. tokens.batch_accumulation_per_replica=2"),
+    ("tokens.sequence_length=64", "trained data stage 0 ('Stable Training Stage') at sequence_length 128, and this config says 64"),
+])  # fmt: skip
+def test_a_resume_whose_data_would_not_go_on_where_it_stopped_is_refused(tmp_path, override, says):
+    """A map-style stage's samples are read by position (step x global batch): resumed at another
+    global batch (dp 2 at the same micro-batches), with a moved stage start or another length,
+    the run trained 20 of 28 samples twice (or skipped 40) and said only "its global batch was
+    8, now 4". Now refused by the checkpoint's per-stage counts; the same config goes on."""
+
+    import dataclasses
+
+    from mesh3d.checkpoint.resume_notes import check_data_position
+    from mesh3d.config import DEFAULT_CONFIG, load_config
+    from mesh3d.config.derive import global_batch_size
+    from mesh3d.errors import UserError
+
+    batch = ["tokens.micro_batch_size=8", "tokens.batch_accumulation_per_replica=2"]
+    cfg = load_config(DEFAULT_CONFIG, batch)
+    assert global_batch_size(cfg) == 16 and cfg.tokens.sequence_length == 128
+    stage = {"name": "Stable Training Stage", "start_training_step": 1, "sequence_length": 128,
+             "consumed_train_samples": 480}  # fmt: skip
+    meta = {"metas": {"last_train_step": 30, "consumed_train_samples": 480, "data_stages": [stage]}}
+    check_data_position(tmp_path, meta, cfg, 30, 16)  # the same config goes on
+    check_data_position(tmp_path, meta, cfg, 0, 16)  # load_lr_scheduler: false starts at 0
+    changed = load_config(DEFAULT_CONFIG, [*batch, override])
+    with pytest.raises(UserError, match=re.escape(says)):
+        check_data_position(tmp_path, meta, changed, 30, global_batch_size(changed))
+    first = cfg.data_stages[0]
+    anneal = dataclasses.replace(first, name="anneal", start_training_step=31, sequence_length=256)
+    later = dataclasses.replace(cfg, data_stages=[first, anneal])
+    check_data_position(tmp_path, meta, later, 30, 16)  # a stage added after the checkpoint
+    moved = dataclasses.replace(anneal, start_training_step=21)  # the boundary moved before it
+    with pytest.raises(UserError, match=r"consumed 480 samples .* would have consumed 320"):
+        check_data_position(tmp_path, meta, dataclasses.replace(cfg, data_stages=[first, moved]),
+                            30, 16)  # fmt: skip
 
 
 def test_a_hugging_face_folder_given_as_a_checkpoint_names_the_conversion(tmp_path):
