@@ -69,16 +69,16 @@ def check_data_position(step_dir: Path, meta: dict, cfg, start: int, gbs: int) -
         had, has = int(was.get("consumed_train_samples") or 0), counts[i] if i < len(stages) else 0
         name = was.get("name") or stages[i].name
         if had != has:
-            batch = f" (it was {old_gbs}, now {gbs})" if old_gbs and old_gbs != gbs else ""
+            batch = f"; it was {old_gbs}, now {gbs}" if old_gbs and old_gbs != gbs else ""
             per = cfg.parallelism.dp * cfg.tokens.micro_batch_size
             if batch and old_gbs % per == 0:
-                batch += f", e.g. tokens.batch_accumulation_per_replica={old_gbs // per}"
+                batch += f": e.g. tokens.batch_accumulation_per_replica={old_gbs // per}"
             raise on_every_rank(UserError(
                 f"checkpoint {step_dir} consumed {had} samples of data stage {i} ({name!r}) in its "
                 f"{start} steps, and this config would have consumed {has}: the stage would go on "
                 "from another sample (a stage's samples are read by step x global batch), "
                 "training some twice or skipping some. Keep the checkpoint's global batch "
-                f"(dp x micro_batch_size x batch_accumulation_per_replica){batch} and its data "
+                f"(dp x micro_batch_size x batch_accumulation_per_replica{batch}) and its data "
                 "stages' start_training_step, or start a fresh run from its weights "
                 f"(model.init_method: {{path: {step_dir}}})"
             ))  # fmt: skip

@@ -367,7 +367,7 @@ def test_the_resume_line_says_what_changed_since_the_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("override, says", [
     ("parallelism.dp=2", "consumed 480 samples of data stage 0 ('Stable Training Stage') in its 30 steps, and this config would have consumed 960"),
-    ("tokens.batch_accumulation_per_replica=1", "(it was 16, now 8), e.g. tokens.batch_accumulation_per_replica=2"),
+    ("tokens.batch_accumulation_per_replica=1", "batch_accumulation_per_replica; it was 16, now 8: e.g. tokens.batch_accumulation_per_replica=2) and"),
     ("tokens.sequence_length=64", "trained data stage 0 ('Stable Training Stage') at sequence_length 128, and this config says 64"),
 ])  # fmt: skip
 def test_a_resume_whose_data_would_not_go_on_where_it_stopped_is_refused(tmp_path, override, says):
