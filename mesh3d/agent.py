@@ -19,6 +19,7 @@ def run_agent(args: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str =
     `error:` line is the only message and the exit code is the ranks'."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
@@ -41,6 +42,11 @@ def run_agent(args: list[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str =
         raise SystemExit(code) from None
     except SignalException as e:  # SIGHUP/SIGQUIT, or any stop signal where /proc is missing:
         raise SystemExit(128 + int(e.sigval)) from None  # the agent stopped the ranks
+    except RendezvousTimeoutError:  # (this module sits below mesh3d.errors: its line by hand)
+        print(f"error: the {nnodes} nodes did not all join the rendezvous at {rdzv_endpoint} in "
+              "time: start the same command on every node, with a rendezvous host and port they "
+              "can all reach", file=sys.stderr, flush=True)  # fmt: skip
+        raise SystemExit(2) from None
 
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
@@ -55,7 +61,13 @@ def _forward_stop_signals() -> str:
         return ",".join((*STOP_SIGNALS, "SIGHUP", "SIGQUIT"))
 
     def forward(signum, frame) -> None:
-        for pid in _child_pids():
+        pids = _child_pids()
+        if not pids:  # no rank yet (waiting for the other nodes): nothing to save, stop now
+            name = signal.Signals(signum).name
+            print(f"error: {name} while waiting for the other nodes to join: stopped before any "
+                  "rank started, nothing was trained", file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(128 + signum)
+        for pid in pids:
             try:
                 os.killpg(pid, signum)  # the agent starts each rank in its own session
             except OSError:

@@ -45,6 +45,12 @@ def _split(argv: list[str]) -> argparse.Namespace:
     if args.config and "=" in args.config:  # `mesh3d train tokens.train_steps=5`: no CONFIG
         args.overrides.insert(0, args.config)
         args.config = None
+    if args.config_file is not None and args.config is not None:  # it would be dropped
+        raise UserError(f"{args.config!r} is no override (KEY=VALUE), and --config-file "
+                        f"{args.config_file} names the config: give it once, overrides as KEY=VALUE")  # fmt: skip
+    for flag, value in (("--config-file", args.config_file), ("--metrics-file", args.metrics_file)):
+        if value is not None and not value.strip():  # `--config-file "$CFG"`, CFG unset
+            raise UserError(f"{flag} {value!r} is empty; give a file, or leave the flag out")
     args.config = args.config_file or args.config
     if args.config is not None and not args.config.strip():  # `mesh3d train "$CFG"`, CFG unset
         raise UserError(f"CONFIG {args.config!r} is empty; give a file, or none for the default")

@@ -40,10 +40,13 @@ def _first_slurm_host() -> str | None:
     nodelist = os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
         return None
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
-    )
-    return out.stdout.split()[0]
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):  # no scontrol here: this machine
+        return None
+    return (out.stdout.split() or [None])[0]
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -58,6 +61,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         )
     nodes = world // args.gpus_per_node
     for name, given in (("--nodes", args.nodes), ("$SLURM_NNODES", os.environ.get("SLURM_NNODES"))):
+        if given is not None and not str(given).strip().isdigit():
+            raise UserError(f"{name} is {given!r}, not a number of nodes")
         if given is not None and int(given) != nodes:
             raise UserError(
                 f"{name} is {given}, but {layout_text(cfg)} = {world} processes at "
@@ -98,6 +103,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    for flag, value, low, high in (("--gpus-per-node", args.gpus_per_node, 1, None),
+                                   ("--nodes", args.nodes, 1, None),
+                                   ("--rdzv-port", args.rdzv_port, 1, 65535)):  # fmt: skip
+        if value is not None and (value < low or (high is not None and value > high)):
+            bound = f"between {low} and {high}" if high else f">= {low}"
+            raise UserError(f"{flag} {value} must be {bound}")
     cmd = torchrun_command(args)
     print(" ".join(map(shlex.quote, cmd)), flush=True)
     if not args.dry_run:

@@ -257,3 +257,37 @@ def test_sigusr1_to_the_slurm_recipe_launcher_saves_and_the_same_command_resumes
     assert f"Resumed from {root} at step {done}" in out2
     (straight,) = run_ranks(2, train_runs, [DP2 + ["tokens.train_steps=40"]], timeout=120)[0]
     assert both == straight["loss"]
+
+
+@pytest.mark.parametrize("flags, env, says", [
+    (["--gpus-per-node", "0"], {}, "--gpus-per-node 0 must be >= 1"),
+    (["--gpus-per-node", "1", "--rdzv-port", "70000"], {}, "--rdzv-port 70000 must be between 1 and 65535"),
+    (["--gpus-per-node", "1"], {"SLURM_NNODES": "abc"}, "$SLURM_NNODES is 'abc', not a number of nodes"),
+])  # fmt: skip
+def test_the_slurm_recipe_launcher_refuses_bad_numbers_in_one_line(flags, env, says):
+    """ZeroDivisionError for --gpus-per-node 0, ValueError tracebacks for a port or a
+    $SLURM_NNODES torch or int() could not take (and --dry-run printed them as if fine)."""
+    run = subprocess.run([sys.executable, str(SLURM_LAUNCH), "--config-file", str(TINY), *flags,
+                          "--dry-run"], cwd=REPO, env=quiet_env(**env), capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert _lines(run.stderr, "error") == [f"error: {says}"], run.stderr[-3000:]
+
+
+def test_ctrl_c_while_waiting_for_the_other_nodes_stops_at_once(tmp_path):
+    """Started on one node of two, the launcher waited for the other in the rendezvous and
+    ignored Ctrl-C and SIGTERM (forwarded to ranks that did not exist yet) until its 600 s
+    rendezvous timeout, then a RendezvousTimeoutError traceback. Now it stops at once."""
+    cmd = [sys.executable, str(SLURM_LAUNCH), "--config-file", str(TINY), "--gpus-per-node", "1",
+           "--rdzv-host", "127.0.0.1", "--rdzv-port", str(free_port()), "parallelism.dp=2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=quiet_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert "torch.distributed.run" in proc.stdout.readline()  # the command: now it waits
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert _lines(err, "error") == [
+        "error: SIGINT while waiting for the other nodes to join: stopped before any rank "
+        "started, nothing was trained"
+    ], err[-3000:]

@@ -123,6 +123,21 @@ def test_config_and_train_refuse_an_empty_config_path(capsys):
     assert "CONFIG ' ' is empty; give a file" in _refused(capsys, train_main, " ")
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--config-file", "cfg.yaml", "tokens.train_steps"], "'tokens.train_steps' is no override (KEY=VALUE), and --config-file cfg.yaml names the config"),
+    (["a.yaml", "--config-file", "b.yaml"], "'a.yaml' is no override (KEY=VALUE), and --config-file b.yaml"),
+    (["--config-file", ""], "--config-file '' is empty; give a file"),
+    (["--metrics-file", " "], "--metrics-file ' ' is empty; give a file"),
+])  # fmt: skip
+def test_train_refuses_what_it_would_drop(capsys, argv, says):
+    """With --config-file, a positional (an override missing its `=`, or a second config) was
+    dropped and the run trained without it; `--config-file ""` trained the built-in default
+    for minutes, `--metrics-file ""` wrote the default file."""
+    from mesh3d.launch import main as train_main
+
+    assert says in _refused(capsys, train_main, *argv)
+
+
 @pytest.mark.parametrize("size", ["0", "-1"])
 def test_config_refuses_a_world_size_below_one(capsys, size):
     from mesh3d.checks.__main__ import main as config_main
