@@ -285,3 +285,136 @@ def test_a_lighthouse_restart_ends_every_group_with_one_line(tmp_path):
         lines = [x for x in g.output().splitlines() if x.startswith("error:")]
         assert len(lines) == 1 and f"check that the lighthouse ({address}) is up" in lines[0], lines
     print(f"lighthouse restarted: both groups ended {took:.1f} s after its kill, exit 4")
+
+
+# recipes/fault_tolerance/run_local.py: bad input is one line and exit 2 before anything starts
+
+
+def _run_local():
+    """recipes/fault_tolerance/run_local.py (not a package), imported by file."""
+    import importlib.util
+
+    path = REPO / "recipes" / "fault_tolerance" / "run_local.py"
+    spec = importlib.util.spec_from_file_location("run_local", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [(["--groups", "0"], "--groups 0 must be >= 1"),
+     (["--groups", "-1"], "--groups -1 must be >= 1"),
+     (["--kill", "5", "--groups", "2"], "--kill 5 is not a replica group of --groups 2; give one of 0..1"),
+     (["--kill", "-1"], "--kill -1 is not a replica group"),
+     (["--kill", "1", "--kill-at", "0"], "--kill-at 0 must be >= 1"),
+     (["--restart-after", "-1"], "--restart-after -1.0 must be >= 0"),
+     (["--kill", "1", "--kill-at", "100", "--config-file", str(CFG), "tokens.train_steps=2"],
+      "--kill-at 100 with tokens.train_steps=2: group 1 would have finished before the kill"),
+     (["--config-file", "mytiny.yaml"], "--config-file mytiny.yaml: no such file"),
+     (["--output", "FILE", "--config-file", str(CFG)], "is a file; give a folder")],
+)  # fmt: skip
+def test_run_local_refuses_bad_flags_before_starting_anything(tmp_path, capsys, monkeypatch,
+                                                              flags, says):  # fmt: skip
+    """They started a lighthouse (and groups, or killed one) and then ended in a traceback:
+    max() of an empty sequence, KeyError: 5, a negative sleep, ProcessLookupError."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("")
+    with pytest.raises(SystemExit) as e:
+        _run_local().main(flags)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and says in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and "lighthouse at" not in out, (out, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]  # nothing written
+
+
+def test_run_local_keeps_the_users_keys_and_reads_paths_against_the_current_folder(
+    tmp_path, monkeypatch
+):
+    """`mesh3d.existing_checkpoints=overwrite` was overridden by the appended resume; a relative
+    --config-file was looked up in the repo (the groups ran there), a relative --output put the
+    groups' files under the repo; cpu_tiny.yaml (no checkpoints section) stopped both groups."""
+    run_local = _run_local()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mytiny.yaml").write_text(CFG.read_text())
+
+    def train_args(*argv):
+        import argparse
+
+        a = argparse.Namespace(output=(tmp_path / "out"), kill=None, kill_at=10)
+        return run_local.train_args(a, list(argv))
+
+    args = train_args("--config-file", "mytiny.yaml", "mesh3d.existing_checkpoints=overwrite")
+    assert args[:2] == ["--config-file", str(tmp_path / "mytiny.yaml")]
+    assert "mesh3d.existing_checkpoints=resume" not in args
+    assert f"checkpoints.checkpoints_path={tmp_path / 'out' / 'checkpoints'}" in args
+    assert "checkpoints.checkpoint_interval=10" in args  # the config has no checkpoints section
+    args = train_args("--config=mytiny.yaml", "checkpoints.checkpoint_interval=3",
+                      "checkpoints.checkpoints_path=ck")  # fmt: skip
+    assert args[0] == f"--config={tmp_path / 'mytiny.yaml'}"
+    assert "mesh3d.existing_checkpoints=resume" in args
+    assert "checkpoints.checkpoint_interval=10" not in args
+    assert [x for x in args if x.startswith("checkpoints.checkpoints_path=")] == [
+        f"checkpoints.checkpoints_path={tmp_path / 'ck'}"
+    ]
+    assert train_args("mytiny.yaml")[0] == str(tmp_path / "mytiny.yaml")  # positional CONFIG
+
+
+def test_run_local_kill_group_tolerates_a_group_that_already_exited():
+    """kill_group raised ProcessLookupError for a group that had finished (--kill-at past its
+    last step)."""
+    import subprocess
+
+    proc = subprocess.Popen(["true"], start_new_session=True)
+    proc.wait()
+    _run_local().kill_group(proc)  # no ProcessLookupError
+    assert proc.returncode == 0
+
+
+def _run_local_job(tmp_path: Path, *argv: str):
+    import subprocess
+    import sys
+
+    command = [sys.executable, str(REPO / "recipes" / "fault_tolerance" / "run_local.py"), *argv]
+    return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def test_run_local_names_a_failed_groups_error_and_appends_to_its_log(tmp_path):
+    """The console said only `group 0: exit 2, no step`; a rerun erased the previous log."""
+    (tmp_path / "mytiny.yaml").write_text(CFG.read_text())
+    argv = ["--groups", "1", "--output", "out", "--config-file", "mytiny.yaml",
+            "tokens.sequence_length=0", "tokens.train_steps=2"]  # fmt: skip
+    for _ in range(2):
+        job = _run_local_job(tmp_path, *argv)
+        out, err = job.communicate(timeout=120)
+        assert job.returncode == 2, (out, err)
+        assert "group 0: exit 2, no step" in out, out
+        said = [x for x in out.splitlines() if x.startswith("group 0: error:")]
+        assert len(said) == 1 and "tokens.sequence_length" in said[0], out
+        assert "Traceback" not in out + err, (out, err)
+    log = (tmp_path / "out" / "group_0" / "log.txt").read_text()
+    assert log.count("=== run_local.py: group 0 started") == 2, log
+
+
+def test_run_local_forwards_ctrl_c_to_the_groups_which_save_and_exit_75(tmp_path):
+    """Ctrl-C gave a KeyboardInterrupt traceback, exit 130, and left the groups (their own
+    sessions) running unsaved."""
+    job = _run_local_job(tmp_path, "--groups", "1", "--output", "out", "--config-file", str(CFG),
+                         *SMALL, "tokens.train_steps=10000", "logging.log_level=warning")  # fmt: skip
+    metrics = tmp_path / "out" / "group_0" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and losses(metrics)):
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            time.sleep(0.1)
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 75, (out, err)
+    assert "Traceback" not in out + err and "SIGINT received: forwarded" in err, (out, err)
+    assert "group 0: exit 75, steps 1-" in out, out
+    saved = [p.name for p in (tmp_path / "out" / "checkpoints" / "replica_0").iterdir()]
+    assert saved, "the group saved nothing"
