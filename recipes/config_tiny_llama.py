@@ -23,6 +23,9 @@ layout and checkpoints (`checkpoints/`, every 10 steps) as Nanotron's example. D
 A second run in the same folder stops because `checkpoints/` holds checkpoints: resume it with
 `checkpoints.resume_checkpoint_path=checkpoints` or start over with
 `mesh3d.existing_checkpoints=overwrite` (dotted overrides after the config file).
+
+An `--output` that cannot be written (empty, a folder, a path under a file, a place you cannot
+write) stops with one `error:` line naming it, exit 2.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import argparse
 
 from mesh3d.config import config_from_dict, save_config
-from mesh3d.errors import exit_on_user_error
+from mesh3d.errors import UserError, exit_on_user_error, unwritable
 from mesh3d.plan import make_plan
 from mesh3d.train.metrics import human_format
 
@@ -127,10 +130,16 @@ def main(argv: list[str] | None = None) -> None:
         "uniform tokens, no mesh3d: section",
     )
     args = ap.parse_args(argv)
+    fix = "give a file path you can write, e.g. --output config_tiny_llama.yaml"
+    if not args.output.strip():
+        raise UserError(f"--output {args.output!r} is empty; {fix}")
     cfg = config_from_dict(tiny_llama_config(args.dummy_data))
     n = make_plan(cfg).total_params  # also validates the config at its 8 ranks
+    try:
+        save_config(cfg, args.output)
+    except OSError as e:
+        raise unwritable("--output", args.output, e, fix) from None
     print(f"Model has {human_format(n)} parameters ({n:,})")
-    save_config(cfg, args.output)
     print(f"Config written to {args.output}")
 
 

@@ -9,11 +9,17 @@ plan, cuts the model into pipeline stages and builds the schedule, normalizes th
 any layout computes the same gradients, and sums gradients over dp. The model, the data and the
 loop stay the user's. Every rank builds the full model from the same seed, so the weights are
 the same at any layout.
+
+Flags it cannot run with stop before any process starts work, with one line naming the flag
+(exit 2): dp * tp * pp must be the number of processes, --dp must divide the 8-sample batch into
+per-rank batches of whole microbatches (2 each), --tp must divide the 4 attention heads, --pp can
+be at most the 2 microbatches, and --steps must be >= 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -23,6 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import mesh3d
+from mesh3d.errors import UserError, exit_on_user_error, on_every_rank
 
 VOCAB, DIM, HEADS, LAYERS, SEQ = 96, 64, 4, 4, 16
 
@@ -108,9 +115,61 @@ def batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1], seq[:, 1:]
 
 
+def _either(values: list[int]) -> str:
+    """[1, 2, 4] -> "1, 2 or 4"; [] -> "none" (no value fits)."""
+    if not values:
+        return "none"
+    *head, last = values
+    return f"{', '.join(map(str, head))} or {last}" if head else str(last)
+
+
+def check(dp: int, tp: int, pp: int, steps: int, global_batch: int = 8, microbatches: int = 2,
+          world: int | None = None) -> None:  # fmt: skip
+    """Raise `UserError` (one line naming each bad flag) for what this example cannot train
+    right: a degree or step count < 1, a dp that drops samples or leaves a rank's batch that
+    the microbatches do not divide, a tp that splits a head, more pipeline stages than
+    microbatches; with `world` (the number of processes), a layout of another size."""
+    axes = {"dp": dp, "tp": tp, "pp": pp, "steps": steps}
+    bad = [f"--{k} {v} must be >= 1" for k, v in axes.items() if v < 1]
+    if bad:
+        raise UserError("; ".join(bad))
+    fits = [d for d in range(1, global_batch + 1) if global_batch % (d * microbatches) == 0]
+    if global_batch % dp:
+        bad.append(
+            f"--dp {dp} must divide the global batch of {global_batch} samples (else "
+            f"some are dropped); use --dp {_either(fits)}"
+        )
+    elif (global_batch // dp) % microbatches:
+        bad.append(
+            f"--dp {dp} leaves {global_batch // dp} sample(s) per rank, which its "
+            f"{microbatches} microbatches do not divide; use --dp {_either(fits)}"
+        )
+    if HEADS % tp:
+        tps = [t for t in range(1, HEADS + 1) if HEADS % t == 0]
+        bad.append(
+            f"--tp {tp} must divide the model's {HEADS} attention heads; use --tp {_either(tps)}"
+        )
+    most = min(microbatches, LAYERS)  # 1F1B: a microbatch per stage; a block per stage
+    if pp > most:
+        bad.append(
+            f"--pp {pp} is more pipeline stages than the {microbatches} microbatches; "
+            f"use --pp {_either(list(range(1, most + 1)))}"
+        )
+    if not bad and world is not None and dp * tp * pp != world:
+        n = dp * tp * pp
+        bad.append(
+            f"--dp {dp} x --tp {tp} x --pp {pp} = {n} processes, but {world} started; "
+            f"launch `torchrun --nproc_per_node={n} recipes/custom_model.py` with these "
+            f"flags, or give flags whose product is {world}"
+        )
+    if bad:
+        raise UserError("; ".join(bad))
+
+
 def train(dp: int = 1, tp: int = 1, pp: int = 1, steps: int = 5, global_batch: int = 8,
           microbatches: int = 2, seed: int = 0, lr: float = 3e-3) -> dict:  # fmt: skip
     """Train on the current process group (started if needed); losses and this rank's model."""
+    check(dp, tp, pp, steps, global_batch, microbatches)
     mesh3d.init_distributed(device="cpu")
     mesh = mesh3d.build_mesh(mesh3d.ParallelDims(dp=dp, tp=tp, pp=pp), "cpu")
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
@@ -165,12 +224,18 @@ def train(dp: int = 1, tp: int = 1, pp: int = 1, steps: int = 5, global_batch: i
     return {"loss": losses, "model": model, "mesh": mesh}
 
 
-def main() -> None:
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     for axis in ("dp", "tp", "pp"):
         ap.add_argument(f"--{axis}", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; before any process group work
+    try:
+        check(args.dp, args.tp, args.pp, args.steps, world=world)
+    except UserError as e:
+        raise on_every_rank(e) from None  # every rank refuses alike: rank 0 prints it
     out = train(args.dp, args.tp, args.pp, steps=args.steps)
     if dist.get_rank() == 0:
         print("losses:", " ".join(f"{x:.4f}" for x in out["loss"]))

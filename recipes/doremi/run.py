@@ -9,11 +9,18 @@ average weights, printing the `doremi:` section it used. The proxy's metrics fil
 (`runs/doremi/proxy/metrics.jsonl`) is what `mesh3d plot` draws, its domain weights in a panel
 of their own. Each run is an ordinary `mesh3d.train`
 of one config with a `doremi:` section, as the three `mesh3d train` commands of docs/doremi.md.
+
+Each run starts over (`mesh3d.existing_checkpoints=overwrite`), deleting the step folders of the
+run before it, so `--output` must be a new or empty folder, or one this script made (it writes
+`.doremi-run` in it): a folder of your own checkpoints (`--output checkpoints`) is refused, exit
+2. Stopped by Ctrl-C, it says so in one line (exit 75, or 130 for a second Ctrl-C); it cannot
+resume: run it again, and it starts its three runs over.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 import torch
@@ -21,11 +28,13 @@ import yaml
 
 from mesh3d.config import config_from_dict
 from mesh3d.data.domains import write_synthetic_domains
+from mesh3d.errors import Preempted, RunStopped, UserError, exit_on_user_error, unwritable
 from mesh3d.train.doremi import average_weights, weights_yaml
 from mesh3d.train.loop import train
 
 VOCAB = 256
 NAMES = ["easy", "hard"]
+MARKER = ".doremi-run"  # written in the --output folder this script made: it may overwrite it
 
 
 def config(out: Path, folders: list[Path], name: str, steps: int, doremi: dict) -> dict:
@@ -55,32 +64,90 @@ def config(out: Path, folders: list[Path], name: str, steps: int, doremi: dict) 
     )  # fmt: skip
 
 
-def main() -> None:
+def loss_span(result) -> str:
+    """ "loss <first step's> -> <last step's>" of a run's result."""
+    return f"loss {result.metrics[0]['lm_loss']:.3f} -> {result.metrics[-1]['lm_loss']:.3f}"
+
+
+def output_folder(output: str) -> Path:
+    """The --output folder, made and marked: refused (`UserError`, before anything is written)
+    when it is empty, not a folder we can write, or a non-empty folder this script did not make
+    (its runs overwrite the step folders of `<output>/reference`, `proxy` and `final`)."""
+    if not output.strip():
+        raise UserError(
+            f"--output {output!r} is empty: it would write into the current folder; give a "
+            "new folder, e.g. --output runs/doremi"
+        )
+    out = Path(output)
+    if out.is_dir() and not (out / MARKER).is_file() and any(out.iterdir()):
+        raise UserError(
+            f"--output {output}: the folder holds files this script did not write (no {MARKER} "
+            "in it), and its runs would overwrite checkpoints there; give a new or empty folder, "
+            "e.g. --output runs/doremi"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / MARKER).write_text("made by recipes/doremi/run.py, which may overwrite it\n")
+    except OSError as e:
+        raise unwritable("--output", output, e) from None
+    return out
+
+
+def stopped(error: RunStopped, run: str, output: str) -> RunStopped:
+    """`error` (a stop of the `run` run), its advice made this script's: it cannot resume, so
+    running it again starts over. The same class, so the same exit code (75 for `Preempted`)."""
+    message = str(error)
+    if isinstance(error, Preempted):  # its advice, `mesh3d.existing_checkpoints=resume`, is
+        message = message.split(". To continue")[0].split(". Launch the same")[0]  # the CLI's
+    again = f"python recipes/doremi/run.py --output {shlex.quote(output)}"
+    error.args = (f"the {run} run: {message}; this script cannot resume: run `{again}` again "
+                  "to start its three runs over",)  # fmt: skip
+    return error
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output", default="runs/doremi", help="folder for data and runs")
-    out = Path(parser.parse_args().output)
+    parser.add_argument(
+        "--output",
+        default="runs/doremi",
+        help=f"folder for data and runs: new, empty or made by this script (it has {MARKER})",
+    )
+    output = parser.parse_args(argv).output
+    out = output_folder(output)
     torch.set_num_threads(1)
     folders = write_synthetic_domains(out / "data", VOCAB, tokens=20_000)
     names = ", ".join(NAMES)
+    run = "reference"
+    try:
+        ref = train(
+            config_from_dict(config(out, folders, "reference", 8, dict(domain_names=names)))
+        )
+        print(f"1. reference: {loss_span(ref)}")
 
-    ref = train(config_from_dict(config(out, folders, "reference", 8, dict(domain_names=names))))
-    print(f"1. reference: loss {ref.metrics[0]['lm_loss']:.3f} -> {ref.metrics[-1]['lm_loss']:.3f}")
+        run = "proxy"
+        proxy_doremi = dict(
+            domain_names=names, ref_model_resume_checkpoint_path=str(out / "reference")
+        )
+        metrics = out / "proxy" / "metrics.jsonl"  # `mesh3d plot` draws its domain weights
+        proxy = train(
+            config_from_dict(config(out, folders, "proxy", 10, proxy_doremi)), str(metrics)
+        )
+        print("2. proxy: domain weights per step")
+        print("   step  " + "  ".join(f"{n:>8}" for n in NAMES))
+        for m in proxy.metrics:
+            weights = "  ".join(f"{m[f'doremi/weight/{n}']:8.5f}" for n in NAMES)
+            print(f"   {m['iteration']:4d}  {weights}")
 
-    proxy_doremi = dict(domain_names=names, ref_model_resume_checkpoint_path=str(out / "reference"))
-    metrics = out / "proxy" / "metrics.jsonl"  # `mesh3d plot` draws its domain weights
-    proxy = train(config_from_dict(config(out, folders, "proxy", 10, proxy_doremi)), str(metrics))
-    print("2. proxy: domain weights per step")
-    print("   step  " + "  ".join(f"{n:>8}" for n in NAMES))
-    for m in proxy.metrics:
-        weights = "  ".join(f"{m[f'doremi/weight/{n}']:8.5f}" for n in NAMES)
-        print(f"   {m['iteration']:4d}  {weights}")
-
-    section = weights_yaml(*average_weights(str(out / "proxy")))
-    print("3. final run with the proxy's average weights:\n" + section, end="")
-    final_doremi = yaml.safe_load(section)["doremi"]
-    final = train(config_from_dict(config(out, folders, "final", 8, final_doremi)))
-    print(f"   final: loss {final.metrics[0]['lm_loss']:.3f} -> {final.metrics[-1]['lm_loss']:.3f}")
-    print(f"the proxy's curves, its domain weights included: mesh3d plot {metrics}")
+        section = weights_yaml(*average_weights(str(out / "proxy")))
+        print("3. final run with the proxy's average weights:\n" + section, end="")
+        run = "final"
+        final_doremi = yaml.safe_load(section)["doremi"]
+        final = train(config_from_dict(config(out, folders, "final", 8, final_doremi)))
+        print(f"   final: {loss_span(final)}")
+        print(f"the proxy's curves, its domain weights included: mesh3d plot {metrics}")
+    except RunStopped as e:  # Ctrl-C (Preempted, exit 75), a non-finite loss, ...
+        raise stopped(e, run, output) from None
 
 
 if __name__ == "__main__":

@@ -160,7 +160,15 @@ def test_sft_recipe_describes_every_option():
      ("sft_arithmetic", ["--eval-every", "7", "--steps", "10"], "--eval-every 7 must be >= 1 and divide"),
      ("sft_arithmetic", ["--output", "FILE"], "a file is where a folder is needed"),
      ("tiny_data", ["--documents", "0"], "--documents 0 must be >= 1"),
-     ("tiny_data", ["--output", "FILE"], "a file is where a folder is needed")],
+     ("tiny_data", ["--output", "FILE"], "a file is where a folder is needed"),
+     ("doremi/run", ["--output", "FILE"], "a file is where a folder is needed"),
+     ("doremi/run", ["--output", "/proc/d"], "`--output` /proc/d: cannot write there"),
+     ("doremi/run", ["--output", ""], "--output '' is empty"),
+     ("doremi/run", ["--output", "."], "--output .: the folder holds files this script did not"),
+     ("config_tiny_llama", ["--output", "FILE/x.yaml"], "a file is where a folder is needed"),
+     ("config_tiny_llama", ["--output", "."], "`--output` .: cannot write there (Is a directory)"),
+     ("config_tiny_llama", ["--output", "/proc/x.yaml"], "`--output` /proc/x.yaml: cannot write"),
+     ("config_tiny_llama", ["--output", ""], "--output '' is empty")],
 )  # fmt: skip
 def test_recipes_refuse_bad_flags_before_writing(
     tmp_path, capsys, monkeypatch, recipe, flags, says
@@ -174,6 +182,86 @@ def test_recipes_refuse_bad_flags_before_writing(
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err and "Traceback" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]  # nothing written
+
+
+def test_doremi_recipe_refuses_a_folder_it_did_not_make(tmp_path, capsys, monkeypatch):
+    """`--output checkpoints` (where docs/doremi.md's real runs keep `checkpoints/proxy`) ran
+    with `mesh3d.existing_checkpoints=overwrite` and deleted their step folders."""
+    monkeypatch.chdir(tmp_path)
+    step = tmp_path / "checkpoints" / "proxy" / "10"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_text("real weights")
+    with pytest.raises(SystemExit) as e:
+        _recipe("doremi/run").main(["--output", "checkpoints"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "--output checkpoints: the folder holds files this script did not write" in err, err
+    assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == [
+        "checkpoints", "checkpoints/proxy", "checkpoints/proxy/10",
+        "checkpoints/proxy/10/model.safetensors"]  # fmt: skip
+
+
+def test_doremi_recipe_stopped_says_to_rerun_it(tmp_path, capsys, monkeypatch):
+    """Ctrl-C ended in a `Preempted` traceback advising `mesh3d.existing_checkpoints=resume`,
+    which the script cannot take: one line, exit 75, saying to run the script again; the folder
+    it made (marked) is its own to write again."""
+    from mesh3d.errors import Preempted
+
+    monkeypatch.chdir(tmp_path)
+    doremi = _recipe("doremi/run")
+    monkeypatch.setattr(doremi.torch, "set_num_threads", lambda n: None)  # not for the tests
+
+    def stopped_by_ctrl_c(cfg, *args, **kwargs):  # what `train` raises (mesh3d.train.loop)
+        path = cfg.checkpoints.checkpoints_path
+        raise Preempted(
+            f"SIGINT received: stopped after step 3 and saved {path}/3. To continue, launch "
+            f"the command again with mesh3d.existing_checkpoints=resume (or "
+            f"checkpoints.resume_checkpoint_path={path})"
+        )
+
+    monkeypatch.setattr(doremi, "train", stopped_by_ctrl_c)
+    for _ in range(2):  # the second time in the folder it made
+        with pytest.raises(SystemExit) as e:
+            doremi.main(["--output", "out dir"])
+        err = capsys.readouterr().err
+        assert e.value.code == 75 and err.count("\n") == 1 and "Traceback" not in err, err
+        assert err.startswith("preempted: the reference run: SIGINT received: stopped after "
+                              "step 3 and saved out dir/reference/3; this script cannot "
+                              "resume: run `python recipes/doremi/run.py --output 'out dir'` "
+                              "again"), err  # fmt: skip
+        assert "existing_checkpoints" not in err and "resume_checkpoint_path" not in err, err
+    assert (tmp_path / "out dir" / doremi.MARKER).is_file()
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [(["--dp", "3"], "--dp 3 must divide the global batch of 8 samples (else some are dropped); "
+                     "use --dp 1, 2 or 4"),
+     (["--dp", "8"], "--dp 8 leaves 1 sample(s) per rank, which its 2 microbatches do not divide"),
+     (["--tp", "3"], "--tp 3 must divide the model's 4 attention heads; use --tp 1, 2 or 4"),
+     (["--pp", "4"], "--pp 4 is more pipeline stages than the 2 microbatches; use --pp 1 or 2"),
+     (["--dp", "0"], "--dp 0 must be >= 1"),
+     (["--pp", "-1"], "--pp -1 must be >= 1"),
+     (["--steps", "0"], "--steps 0 must be >= 1"),
+     (["--dp", "2"], "--dp 2 x --tp 1 x --pp 1 = 2 processes, but 1 started; launch `torchrun "
+                     "--nproc_per_node=2 recipes/custom_model.py`")],
+)  # fmt: skip
+def test_custom_model_refuses_bad_flags_before_any_process_group(capsys, monkeypatch, flags, says):
+    """--dp 3 dropped samples (a loss of 3.5761, not dp 1's 4.7641), --steps 0 printed
+    `losses:` and exited 0, and the rest were `[rank0]` ConfigError tracebacks naming
+    `parallelism.dp`, not the flag."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)  # one process, as `python recipes/...`
+    custom = _recipe("custom_model")
+    with pytest.raises(SystemExit) as e:
+        custom.main(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: ") and says in err, err
+    assert not dist.is_initialized()
+    custom.check(2, 2, 2, 1, world=8)  # the README's 8-rank layout is accepted
+    custom.check(4, 1, 1, 20, world=4)
 
 
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
