@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dry-run", action="store_true", help="print the command, start nothing")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    if not args.config_file.strip():  # `--config-file "$CFG"`, CFG unset
+        raise UserError(f"--config-file {args.config_file!r} is empty; give a YAML config file")
     for flag, value, low, high in (("--gpus-per-node", args.gpus_per_node, 1, None),
                                    ("--nodes", args.nodes, 1, None),
                                    ("--rdzv-port", args.rdzv_port, 1, 65535)):  # fmt: skip

@@ -261,6 +261,7 @@ def test_sigusr1_to_the_slurm_recipe_launcher_saves_and_the_same_command_resumes
 
 @pytest.mark.parametrize("flags, env, says", [
     (["--gpus-per-node", "0"], {}, "--gpus-per-node 0 must be >= 1"),
+    (["--gpus-per-node", "1", "--config-file", ""], {}, "--config-file '' is empty; give a YAML config file"),
     (["--gpus-per-node", "1", "--rdzv-port", "70000"], {}, "--rdzv-port 70000 must be between 1 and 65535"),
     (["--gpus-per-node", "1"], {"SLURM_NNODES": "abc"}, "$SLURM_NNODES is 'abc', not a number of nodes"),
 ])  # fmt: skip
