@@ -17,8 +17,8 @@ import pytest
 import torch
 from dist import run_ranks
 
-from mesh3d.convert import main as convert
 from mesh3d.config import load_config
+from mesh3d.convert import main as convert
 from mesh3d.generate import main as generate
 from mesh3d.hf_experts import stacked_experts
 from mesh3d.train.hooks import KeepModel
