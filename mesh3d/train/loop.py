@@ -56,7 +56,7 @@ def _resume(run: Run, guard: RunGuard) -> tuple[int, int, str | None]:
         )
     from mesh3d.checkpoint.resume_notes import resume_change  # a resumed run's only
 
-    change = resume_change(guard.resume_path, cfg, run.layout, start)  # or why it cannot go on
+    change = resume_change(guard.resume_path, cfg, run.layout, start, run.data.gbs)  # or refused
     guard.clear_stale_steps()  # overwrite: only now that the checkpoint loaded
     logger.info(
         f"Resumed from {guard.resume_path} at step {start}" + (f": {change}" if change else "")

@@ -366,8 +366,8 @@ def test_the_resume_line_says_what_changed_since_the_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("override, says", [
-    ("parallelism.dp=2", "consumed 480 samples of data stage 0 ('Stable Training Stage') in its 30 steps, and this config would have consumed 960"),
-    ("tokens.batch_accumulation_per_replica=1", "batch_accumulation_per_replica; it was 16, now 8: e.g. tokens.batch_accumulation_per_replica=2) and"),
+    ("parallelism.dp=2", "read 16 samples a step and this run reads 32: its data stages would go on from another sample"),
+    ("tokens.batch_accumulation_per_replica=1", "Keep the global batch at 16 (dp x micro_batch_size x batch_accumulation_per_replica: e.g. tokens.batch_accumulation_per_replica=2)"),
     ("tokens.sequence_length=64", "trained data stage 0 ('Stable Training Stage') at sequence_length 128, and this config says 64"),
 ])  # fmt: skip
 def test_a_resume_whose_data_would_not_go_on_where_it_stopped_is_refused(tmp_path, override, says):
@@ -391,6 +391,9 @@ def test_a_resume_whose_data_would_not_go_on_where_it_stopped_is_refused(tmp_pat
     meta = {"metas": {"last_train_step": 30, "consumed_train_samples": 480, "data_stages": [stage]}}
     check_data_position(tmp_path, meta, cfg, 30, 16)  # the same config goes on
     check_data_position(tmp_path, meta, cfg, 0, 16)  # load_lr_scheduler: false starts at 0
+    # a fault-tolerant group's: 2 groups read 32 a step, its stage counts its own 16
+    groups = {"metas": {**meta["metas"], "consumed_train_samples": 960}}
+    check_data_position(tmp_path, groups, cfg, 30, 32)  # resumed by one job reading 32
     changed = load_config(DEFAULT_CONFIG, [*batch, override])
     with pytest.raises(UserError, match=re.escape(says)):
         check_data_position(tmp_path, meta, changed, 30, global_batch_size(changed))
