@@ -309,6 +309,19 @@ def _check_sizes(args, length: int, dp: int) -> None:
                         "--batch-size (or --max-length)")  # fmt: skip
 
 
+def _check_lora_base(step: Path) -> None:
+    """Refuse a LoRA run's checkpoint whose base folder is gone, in the words of this command
+    (the config check would name `model.init_method.path`, a key the user never set here)."""
+    from mesh3d.checkpoint.training import lora_of
+
+    base = (lora_of(step) or {}).get("base") or {}
+    if base.get("init") == "path" and not Path(base.get("path", "")).exists():
+        raise UserError(
+            f"checkpoint {step} holds LoRA adapters for the base {base['path']}, which is gone; "
+            "put the base back there (the adapters are useless without it)"
+        )
+
+
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
@@ -328,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
         if value is not None and value < least:
             raise UserError(f"--{flag.replace('_', '-')} {value} must be >= {least}")
     step = weights_dir(args.checkpoint, "checkpoint")
+    _check_lora_base(step)
     _check_sizes(args, _max_length(step, args), dp)
     if args.tokenizer:
         check_tokenizer(args.tokenizer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 
 import pytest
 
@@ -276,3 +277,14 @@ def test_a_missing_custom_tasks_path_fails_the_config_check(tmp_path):
     """`mesh3d config` passed it; the run refused it only once started."""
     errors = _errors(f"lighteval: {{tasks: {{tasks: tiny_mc, custom_tasks: {tmp_path / 'no'}}}}}")
     assert f"`lighteval.tasks.custom_tasks` {tmp_path / 'no'} does not exist" in errors[0], errors
+
+
+def test_a_lora_checkpoint_whose_base_is_gone_is_named_so(root, tmp_path):
+    """It was refused as "`model.init_method.path` ... does not exist", a key never set here."""
+    step = tmp_path / "ck" / "3"
+    shutil.copytree(root / "ck" / "3", step)
+    base = {"init": "path", "path": str(tmp_path / "gone"), "sha256": "0"}
+    meta = {"custom_metas": {"lora": {"base": base}}}  # what lora_of reads of a LoRA run's
+    (step / "checkpoint_metadata.json").write_text(json.dumps(meta))
+    line = _refused(str(step), "--tasks", "tiny_mc", "--custom-tasks", str(root / "tasks"))
+    assert f"holds LoRA adapters for the base {tmp_path / 'gone'}, which is gone" in line, line
